@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent set-up: Debian packages the testbed needs, then .venv with the package installed
+# editable plus its test extras. On a ready machine it checks and returns in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "testbed set-up needs root (it installs Debian packages and builds network namespaces)." >&2
+    echo "Run it as root: 'sudo make test' / 'sudo make demo', or use the lab VM: 'vagrant up && vagrant ssh'." >&2
+    exit 1
+fi
+
+# Debian packages: mnexec (mininet), bridges, traffic tools, Open vSwitch (benchmark anchor).
+DEB_PKGS=(mininet bridge-utils iperf3 iperf iputils-ping ethtool iproute2 openvswitch-switch
+          tcpdump psmisc procps kmod python3-venv python3-dev gcc make)
+missing=()
+for p in "${DEB_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+# Reinstall only when pyproject.toml changed since the last successful install.
+stamp="$VENV/.testbed-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import testbed.kernels" 2>/dev/null; then
+    echo "setup: installing the testbed into $VENV (editable, with test extras)"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q -e '.[test]'
+    touch "$stamp"
+fi

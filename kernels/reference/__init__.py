@@ -1,0 +1,1 @@
+"""Plain numpy reference twins of the Numba kernels (the anchors tests and benchmarks compare against)."""

@@ -1,0 +1,1 @@
+"""pytest plugin for regression experiments (registered through the ``pytest11`` entry point)."""
