@@ -1,0 +1,123 @@
+"""The packet batch that flows through a data-path program, and the stage interface.
+
+The engine receives up to ``rx_burst`` frames from all ports into one :class:`Batch`, runs the
+node's stages over it in order, then transmits every packet whose ``out_port`` is a port
+index. Python touches the batch once per stage per burst; the per-packet work happens in
+``@njit`` functions that take the batch's arrays.
+
+Conventions every stage follows:
+
+* ``out_port[i] == PORT_UNSET`` means no stage has decided yet. A stage decides by writing a
+  port index, ``PORT_FLOOD`` (all ports but the ingress one), or ``PORT_DROP`` together with
+  a :class:`DropReason` in ``reason[i]``. Ingress stages (impair-ingress, codec, aggregate,
+  forward) skip packets that are already decided; egress stages (impair-egress, queue/trim)
+  act on packets with ``out_port >= 0``.
+* A stage may *emit* new packets (e.g. the aggregation result multicast) by appending at
+  ``batch.n`` with :meth:`Batch.alloc` and filling ``out_port``; ``in_port`` is ``-1`` for
+  generated packets. Stages later in the pipeline see them, earlier ones do not.
+* A stage may *hold* packets (a rate-drained egress queue, a delay line): it copies them out,
+  sets ``out_port[i] = PORT_HELD`` and re-emits them in a later call. It reports when it next
+  needs to run via ``next_deadline_ns`` so the engine wakes even when no packet arrives.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+#: Largest frame the engine handles (standard MTU 1500 + Ethernet header, with margin).
+FRAME_MAX = 2048
+
+PORT_UNSET = -1
+PORT_DROP = -2
+PORT_FLOOD = -3
+PORT_HELD = -4
+
+
+class DropReason(enum.IntEnum):
+    """Why a packet was dropped; every drop is counted under its reason."""
+
+    NONE = 0
+    TOO_SHORT = 1  # shorter than the headers it claims
+    NOT_IPV4 = 2
+    IP_OPTIONS = 3
+    NOT_UDP = 4
+    BAD_MAGIC = 5
+    BAD_VERSION = 6
+    BAD_LENGTH = 7  # IP/UDP/elem_count lengths disagree with the frame
+    UNKNOWN_TYPE = 8  # msg_type not valid here
+    UNKNOWN_JOB = 9
+    BAD_SLOT = 10  # slot outside the job's partition
+    BAD_WORKER = 11  # worker id >= job's n_workers
+    NO_ROUTE = 12  # forwarding table has no entry and flooding is off
+    QUEUE_FULL = 13  # drop-tail at an egress queue
+    IMPAIR_LOSS = 14  # seeded loss from the impair stage
+    BAD_CODEC = 15
+    ELEM_MISMATCH = 16  # contribution's elem_count differs from the slot's
+    STALE = 17  # retransmission to an incomplete slot (still waiting for others)
+    TTL = 18
+    OTHER = 19
+
+
+class Batch:
+    """Frames of one burst plus the per-packet decisions of the stages."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buf = np.zeros((capacity, FRAME_MAX), dtype=np.uint8)
+        self.length = np.zeros(capacity, dtype=np.int32)
+        self.in_port = np.full(capacity, -1, dtype=np.int16)
+        self.out_port = np.full(capacity, PORT_UNSET, dtype=np.int16)
+        self.reason = np.zeros(capacity, dtype=np.uint8)
+        self.n = 0
+
+    def reset(self) -> None:
+        """Empty the batch for the next burst (only the used prefix is touched)."""
+        n = self.n
+        self.out_port[:n] = PORT_UNSET
+        self.reason[:n] = 0
+        self.in_port[:n] = -1
+        self.n = 0
+
+    def alloc(self, count: int) -> int:
+        """Reserve ``count`` packet rows at the end; return the first index.
+
+        Raises ``OverflowError`` when the batch is full: size ``capacity`` for the largest
+        expansion (e.g. rx_burst × (1 + workers per job) for the aggregate program).
+        """
+        first = self.n
+        if first + count > self.capacity:
+            raise OverflowError(f"batch capacity {self.capacity} exceeded ({first}+{count})")
+        self.n = first + count
+        self.out_port[first : first + count] = PORT_UNSET
+        self.in_port[first : first + count] = -1
+        self.reason[first : first + count] = 0
+        return first
+
+
+class Stage:
+    """Base class of a data-path program stage (forward, aggregate, trim, nic-codec, impair).
+
+    Subclasses keep their tables/state in numpy arrays and do the per-packet work in
+    ``@njit`` functions called from :meth:`process`.
+    """
+
+    #: name used in configs, counters and the control channel
+    name = "stage"
+
+    def process(self, batch: Batch, now_ns: int) -> None:
+        """Act on the packets of ``batch`` (see the module docstring for the conventions)."""
+        raise NotImplementedError
+
+    def configure(self, **settings) -> None:
+        """Change settings or tables at run time (from the control channel)."""
+        raise ValueError(f"stage {self.name!r} takes no settings, got {sorted(settings)}")
+
+    def counters(self) -> dict:
+        """Counters readable while running and at the end (JSON-serialisable)."""
+        return {}
+
+    def next_deadline_ns(self) -> int | None:
+        """Monotonic time (ns) at which this stage needs to run again, or None."""
+        return None
