@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: setup demo test lint lab cleanup doctor bench
 
 setup:
-	@bash .ci/setup.sh
+	@VENV=$(VENV) bash .ci/setup.sh
 
 demo: setup
 	@$(TB) demo

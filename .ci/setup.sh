@@ -30,11 +30,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
-# Reinstall only when pyproject.toml changed since the last successful install.
+# Reinstall only when pyproject.toml changed since the last successful install (by content,
+# so a touch or a checkout of the same file does not trigger one), or the install is broken.
 stamp="$VENV/.testbed-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import testbed.kernels" 2>/dev/null; then
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import testbed.kernels" 2>/dev/null; then
     echo "setup: installing the testbed into $VENV (editable, with test extras)"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install -q -e '.[test]'
-    touch "$stamp"
+    echo "$want" > "$stamp"
 fi

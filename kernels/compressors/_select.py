@@ -1,0 +1,126 @@
+"""Parallel selection kernels shared by topk, threshold and dgc.
+
+Selection runs in two passes over fixed chunks: count matches per chunk, prefix-sum, then
+write each chunk's matches at its offset. Indices come out in ascending order, independent of
+the number of threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._common import kernel
+
+SELECT_CHUNK = 1 << 15
+
+
+@kernel("x.size")
+def _count_ge(x, t, counts):
+    nchunk = counts.size
+    for c in prange(nchunk):
+        lo = c * SELECT_CHUNK
+        hi = min(x.size, lo + SELECT_CHUNK)
+        k = 0
+        for i in range(lo, hi):
+            k += abs(x[i]) >= t
+        counts[c] = k
+
+
+@kernel("x.size")
+def _write_ge(x, t, offsets, out):
+    nchunk = offsets.size - 1
+    for c in prange(nchunk):
+        lo = c * SELECT_CHUNK
+        hi = min(x.size, lo + SELECT_CHUNK)
+        o = offsets[c]
+        for i in range(lo, hi):
+            if abs(x[i]) >= t:
+                out[o] = i
+                o += 1
+
+
+@njit(cache=True)
+def select_ge(x, t):
+    """Indices (int32, ascending) of the elements with ``|x_i| >= t``."""
+    nchunk = (x.size + SELECT_CHUNK - 1) // SELECT_CHUNK
+    counts = np.zeros(nchunk, dtype=np.int64)
+    _count_ge(x, t, counts)
+    offsets = np.zeros(nchunk + 1, dtype=np.int64)
+    for c in range(nchunk):
+        offsets[c + 1] = offsets[c] + counts[c]
+    out = np.empty(offsets[nchunk], dtype=np.int32)
+    _write_ge(x, t, offsets, out)
+    return out
+
+
+@njit(cache=True)
+def count_ge(x, t):
+    """Number of elements with ``|x_i| >= t``."""
+    nchunk = (x.size + SELECT_CHUNK - 1) // SELECT_CHUNK
+    counts = np.zeros(nchunk, dtype=np.int64)
+    _count_ge(x, t, counts)
+    return counts.sum()
+
+
+@njit(cache=True)
+def topk_among(x, cand, k, out):
+    """Exact top-``k`` by ``|x|`` among candidate indices ``cand`` (ascending).
+
+    Ties at the k-th magnitude go to the lowest indices. Writes ``k`` ascending indices to
+    ``out``. Requires ``0 < k <= cand.size``.
+    """
+    m = cand.size
+    mag = np.empty(m, dtype=np.float32)
+    for j in range(m):
+        mag[j] = abs(x[cand[j]])
+    # the k-th largest magnitude, exactly (quickselect)
+    v = np.partition(mag, m - k)[m - k]
+    above = 0
+    for j in range(m):
+        above += mag[j] > v
+    ties = k - above
+    o = 0
+    for j in range(m):
+        a = mag[j]
+        if a > v:
+            out[o] = cand[j]
+            o += 1
+        elif a == v and ties > 0:
+            out[o] = cand[j]
+            o += 1
+            ties -= 1
+
+
+@njit(cache=True)
+def topk_select(x, k, out):
+    """Exact top-``k`` indices of float32 ``x`` by magnitude into ``out`` (int32, ascending).
+
+    Ties at the k-th magnitude are broken towards the lowest index (same as a stable sort of
+    ``-|x|``). A strided sample gives a threshold just below the k-th magnitude; one parallel
+    pass collects the few candidates above it and quickselect finishes exactly on them. If the
+    sample misjudges (adversarial layouts), the threshold is lowered until at least ``k``
+    elements qualify, so the result is always exact.
+    """
+    n = x.size
+    if k <= 0:
+        return
+    if k >= n:
+        for i in range(n):
+            out[i] = i
+        return
+    m = min(n, 16384)
+    samp = np.empty(m, dtype=np.float32)
+    for j in range(m):
+        samp[j] = abs(x[(j * n) // m])
+    # aim for about 1.3 k + slack candidates: rank in the sample from the top
+    r = min(m, int(1.3 * k * m / n) + 32)
+    while True:
+        t = np.partition(samp, m - r)[m - r]
+        if r >= m:
+            t = np.float32(0.0)
+        cand = select_ge(x, t)
+        if cand.size >= k:
+            break
+        r = min(m, r * 4)
+    topk_among(x, cand, k, out)

@@ -1,0 +1,69 @@
+"""``qsgd``: QSGD stochastic quantisation to ``levels`` levels of |x| / ||x||_2 (unbiased).
+
+q_i = sign(x_i) * (floor(a_i) + [u_i < frac(a_i)]) with a_i = |x_i| * levels / ||x||_2 and u_i
+from the ``(seed, step)`` stream; x̂_i = q_i * ||x||_2 / levels. E[x̂] = x. Levels are stored
+in int8 when ``levels`` <= 127, else int16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._common import Compressor, check_number, kernel, l2norm, stream_key, uniform
+
+_SALT = 0x51534744  # "QSGD"
+
+
+@kernel("x.size")
+def qsgd_quantize(x, levels, norm, key, out):
+    """Quantise float32 ``x`` to signed levels in ``out`` (int8/int16) given its ``norm``.
+
+    ``norm`` is ``l2norm(x)`` (or a larger shared norm); 0 gives all zeros.
+    """
+    scale = levels / norm if norm > 0.0 else 0.0
+    top = np.float64(levels)
+    for i in prange(x.size):
+        v = np.float64(x[i])
+        a = abs(v) * scale
+        lv = np.floor(a)
+        q = lv + (1.0 if uniform(i, key) < a - lv else 0.0)
+        q = min(q, top)
+        out[i] = -q if v < 0.0 else q
+
+
+@kernel("q.size")
+def qsgd_dequantize(q, norm, levels, out):
+    """x̂ = q * norm / levels into float32 ``out``."""
+    s = norm / levels
+    for i in prange(q.size):
+        out[i] = np.float32(q[i] * s)
+
+
+class QsgdCompressor(Compressor):
+    """QSGD with ``levels`` (default 256, as GRACE) and a shared ``seed`` (default 0)."""
+
+    name = "qsgd"
+
+    def __init__(self, levels: int = 256, seed: int = 0):
+        levels = check_number("levels", levels, 1, 32767, integer=True)
+        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        super().__init__(levels=levels, seed=seed)
+        self.levels, self.seed = levels, seed
+        self.dtype = np.int8 if levels <= 127 else np.int16
+
+    def _compress(self, x, step):
+        norm = float(l2norm(x)) if x.size else 0.0
+        out = np.empty(x.size, dtype=self.dtype)
+        qsgd_quantize(x, self.levels, norm, stream_key(self.seed, step, _SALT), out)
+        return (out,), {"n": int(x.size), "norm": norm}
+
+    def _decompress(self, payload, ctx):
+        q = np.ascontiguousarray(payload[0])
+        out = np.empty(q.size, dtype=np.float32)
+        qsgd_dequantize(q, float(ctx["norm"]), self.levels, out)
+        return out
+
+    def payload_bytes(self, n_elements):
+        """1 or 2 bytes per element (the norm travels in the ctx)."""
+        return np.dtype(self.dtype).itemsize * int(n_elements)

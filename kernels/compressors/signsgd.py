@@ -1,0 +1,81 @@
+"""``signsgd``: one bit per element, sign(x) with sign(0) = +1; decompresses to +-1.
+
+Bits are packed little-endian within a byte (element 8b+j is bit j of byte b), as
+``np.packbits(..., bitorder="little")``. Not summable as bits (signSGD aggregates by majority
+vote of the signs instead).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ._common import Compressor, kernel
+
+
+@kernel("x.size")
+def sign_pack(x, out_bits):
+    """Pack ``x_i >= 0`` of float32 ``x`` into uint8 ``out_bits`` (ceil(n/8) bytes)."""
+    n = x.size
+    nfull = n // 8
+    for b in prange(nfull):
+        base = 8 * b
+        v = 0
+        for j in range(8):
+            v |= (1 if x[base + j] >= 0.0 else 0) << j
+        out_bits[b] = v
+    if n % 8:
+        v = 0
+        for j in range(n - 8 * nfull):
+            v |= (1 if x[8 * nfull + j] >= 0.0 else 0) << j
+        out_bits[nfull] = v
+
+
+@kernel("out.size")
+def sign_unpack(bits, pos, neg, out):
+    """``out_i = pos`` where bit i is set, else ``neg`` (float32 ``out`` of length n)."""
+    p = np.float32(pos)
+    q = np.float32(neg)
+    n = out.size
+    for b in prange((n + 7) // 8):
+        v = bits[b]
+        for j in range(min(8, n - 8 * b)):
+            out[8 * b + j] = p if (v >> j) & 1 else q
+
+
+def packed_len(n: int) -> int:
+    """Bytes holding n sign bits."""
+    return (int(n) + 7) // 8
+
+
+def pack_signs(x: np.ndarray) -> np.ndarray:
+    """The packed sign bits of x (a new uint8 array)."""
+    out = np.empty(packed_len(x.size), dtype=np.uint8)
+    sign_pack(x, out)
+    return out
+
+
+def unpack_signs(bits, n: int, pos: float, neg: float) -> np.ndarray:
+    """float32 vector of n elements: pos where the bit is set, neg elsewhere."""
+    bits = np.ascontiguousarray(bits, dtype=np.uint8)
+    if bits.size != packed_len(n):
+        raise ValueError(f"payload has {bits.size} sign bytes, expected {packed_len(n)} for n={n}")
+    out = np.empty(int(n), dtype=np.float32)
+    sign_unpack(bits, pos, neg, out)
+    return out
+
+
+class SignsgdCompressor(Compressor):
+    """signSGD: the sign bits only."""
+
+    name = "signsgd"
+
+    def _compress(self, x, step):
+        return (pack_signs(x),), {"n": int(x.size)}
+
+    def _decompress(self, payload, ctx):
+        return unpack_signs(payload[0], int(ctx["n"]), 1.0, -1.0)
+
+    def payload_bytes(self, n_elements):
+        """One bit per element, rounded up to whole bytes."""
+        return packed_len(n_elements)

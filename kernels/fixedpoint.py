@@ -1,0 +1,476 @@
+"""Fixed-point aggregation kernels: SwitchML block floating point and ATP fixed factor.
+
+SwitchML style (per-chunk shared exponent, an n-way int32 sum that cannot overflow)
+-------------------------------------------------------------------------------------
+
+* A *chunk* is the elements of one packet (``DEFAULT_CHUNK`` = 256). Each worker computes the
+  chunk's exponent ``e``: the smallest integer with ``2**e >= max|x|``. An all-zero chunk gets
+  ``EXP_MIN`` (-149: the exponent of the smallest float32 denormal, 2**-149), which is the
+  identity of the max-combine. Denormals are exact: ``x = 2**-149`` gets ``e = -149``.
+  A chunk holding inf/NaN gets ``EXP_NONFINITE`` (the Python wrappers reject such input
+  earlier with a ``ValueError``).
+* The workers agree on ``e_max`` = max of their exponents (one packet ahead, SwitchML). The
+  scale is ``f = K / 2**e_max`` with ``K = floor(INT32_MAX / n)``. (SwitchML writes
+  ``INT32_MAX / (n * 2**e_max)``; flooring K makes ``|q| <= K`` hold *after* rounding, so
+  ``n * |q| <= INT32_MAX`` even when every worker sends ``+2**e_max``: no overflow for any
+  ``1 <= n <= N_MAX``.)
+* ``q = round_half_even(x * f)`` (float64 arithmetic), the aggregator adds the int32 q's,
+  ``x_hat = Q / f`` (rounded to float32).
+
+Error bound of an n-way sum, per element of a chunk with scale f (documented contract, the
+tests check it): ``|x_hat - sum(x)| <= n * (0.5 + 2**-20) / f + 2**-23 * |x_hat| + 2**-149``.
+The first term is the rounding of each worker's ``x * f`` (half a quantum each; the
+``2**-20`` covers the float64 rounding of the product, which carries up to 55 significant
+bits); the second and third are the final rounding to float32 (which dominates:
+``0.5/f ~ n * 2**e_max * 2**-32``). Huge values are fine: ``e_max`` goes up to 128
+(float32 max ~ 2**128) and f is computed in float64.
+
+ATP style (fixed factor, default 1e6, overflow detected)
+--------------------------------------------------------
+
+``q = round(x * factor)``. Values whose product does not fit int32, and int32 additions that
+would wrap, set an *overflow flag* that the kernels return (ATP's worker then resends the raw
+floats); the stored value saturates at INT32_MIN/INT32_MAX, it never silently wraps.
+Error of an n-way sum without overflow: ``n * 0.5 / factor`` plus the float32 rounding.
+
+Numba-callable kernels (``@njit(cache=True)``; arguments are numpy arrays and numbers):
+
+* per packet (serial): ``block_exponent(x) -> int``, ``scale_for(e_max, n) -> float``,
+  ``quantize_into(x, scale, out)``, ``add_into(acc, q)``, ``dequantize_into(q, scale, out)``,
+  ``atp_quantize_into(x, factor, out) -> bool``, ``atp_add_into(acc, q) -> bool``,
+  ``atp_dequantize_into(q, factor, out)``.
+  (the per-packet kernels work on whole tensors too; ATP has no chunks.)
+* whole tensors, one exponent per chunk: ``chunk_exponents_into(x, chunk, out)``,
+  ``quantize_chunks_into(x, exps, n, chunk, out)``, ``dequantize_chunks_into(q, exps, n,
+  chunk, out)``.
+* ``parallel=True`` twins of the whole-tensor kernels, suffix ``_par``:
+  ``chunk_exponents_into_par``, ``quantize_chunks_into_par``, ``dequantize_chunks_into_par``,
+  ``add_into_par``, ``atp_quantize_into_par``, ``atp_add_into_par``,
+  ``atp_dequantize_into_par`` (same arguments). Use them from Python on big tensors on an
+  idle machine; from per-packet njit code use the serial ones.
+
+The njit kernels assume finite input and, for SwitchML quantisation, ``max|x| <= 2**e_max``
+(true by construction when ``e_max`` is the agreed max). The Python wrappers (``exponents``,
+``quantize``, ``aggregate``, ``dequantize``, ``allreduce``, ``error_bound``,
+``atp_quantize``, ``atp_aggregate``, ``atp_dequantize``) check dtypes, lengths, ``n`` and
+finiteness and raise ``TypeError``/``ValueError`` naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+from testbed.kernels.packets import f32_from_bits
+
+INT32_MAX = 2147483647
+INT32_MIN = -2147483648
+#: Exponent of an all-zero chunk (2**-149 is the smallest float32 denormal).
+EXP_MIN = -149
+#: Exponent of the largest finite float32 (< 2**128).
+EXP_MAX = 128
+#: Returned by ``block_exponent`` for a chunk holding inf or NaN.
+EXP_NONFINITE = 32767
+#: Elements per packet / per exponent (SwitchML's client default).
+DEFAULT_CHUNK = 256
+#: Most workers an aggregation may have (int32 headroom is split n ways).
+N_MAX = 64
+#: ATP's fixed quantisation factor.
+ATP_FACTOR = 1e6
+
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwitchML block floating point: per packet
+
+
+@njit(cache=True)
+def block_exponent(x):
+    """Smallest e with ``2**e >= max|x|`` over float32 array ``x``; ``EXP_MIN`` for all zeros
+    (or empty), ``EXP_NONFINITE`` when x holds inf/NaN."""
+    # max of |x| on the IEEE bit patterns: for non-negative floats the uint32 order is the
+    # float order, the integer max vectorises, and inf/NaN show up as bits >= 0x7F800000.
+    bits = x.view(np.uint32)
+    m = np.uint32(0)
+    for i in range(bits.shape[0]):
+        b = bits[i] & _ABS_MASK
+        if b > m:
+            m = b
+    if m >= _INF_BITS:
+        return EXP_NONFINITE
+    if m == 0:
+        return EXP_MIN
+    mant, ex = math.frexp(np.float64(f32_from_bits(m)))
+    e = ex - 1 if mant == 0.5 else ex
+    return max(e, EXP_MIN)
+
+
+@njit(cache=True)
+def scale_for(e_max, n):
+    """Scale ``f = floor(INT32_MAX / n) / 2**e_max`` (float64) for n workers."""
+    return math.ldexp(np.float64(INT32_MAX // n), -e_max)
+
+
+@njit(cache=True)
+def quantize_into(x, scale, out):
+    """``out[i] = round_half_even(x[i] * scale)`` as int32 (needs ``|x| * scale <= INT32_MAX``)."""
+    s = np.float64(scale)
+    for i in range(x.shape[0]):
+        out[i] = np.int32(np.rint(np.float64(x[i]) * s))
+
+
+@njit(cache=True)
+def add_into(acc, q):
+    """``acc += q`` (int32). With the SwitchML scale an n-way sum cannot overflow."""
+    for i in range(acc.shape[0]):
+        acc[i] += q[i]
+
+
+@njit(cache=True)
+def dequantize_into(q, scale, out):
+    """``out[i] = float32(q[i] / scale)``."""
+    inv = 1.0 / np.float64(scale)
+    for i in range(q.shape[0]):
+        out[i] = np.float32(np.float64(q[i]) * inv)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwitchML block floating point: whole tensors, chunk-parallel
+
+
+@njit(cache=True)
+def chunk_exponents_into(x, chunk, out):
+    """``out[c] = block_exponent(x[c*chunk:(c+1)*chunk])`` for every chunk (last may be short)."""
+    nch = (x.shape[0] + chunk - 1) // chunk
+    for c in range(nch):
+        lo = c * chunk
+        hi = min(lo + chunk, x.shape[0])
+        out[c] = block_exponent(x[lo:hi])
+
+
+@njit(cache=True)
+def quantize_chunks_into(x, exps, n, chunk, out):
+    """Quantise each chunk with the scale of its agreed exponent ``exps[c]`` for n workers."""
+    nch = (x.shape[0] + chunk - 1) // chunk
+    for c in range(nch):
+        lo = c * chunk
+        hi = min(lo + chunk, x.shape[0])
+        quantize_into(x[lo:hi], scale_for(exps[c], n), out[lo:hi])
+
+
+@njit(cache=True)
+def dequantize_chunks_into(q, exps, n, chunk, out):
+    """Dequantise each chunk with the scale of its agreed exponent ``exps[c]``."""
+    nch = (q.shape[0] + chunk - 1) // chunk
+    for c in range(nch):
+        lo = c * chunk
+        hi = min(lo + chunk, q.shape[0])
+        dequantize_into(q[lo:hi], scale_for(exps[c], n), out[lo:hi])
+
+
+@njit(cache=True, inline="always")
+def _block(b, nblocks, nch, chunk, length):
+    """Chunk range [c0, c1) and element range [lo, hi) of block b of nblocks."""
+    per = (nch + nblocks - 1) // nblocks
+    c0 = min(b * per, nch)
+    c1 = min(c0 + per, nch)
+    return c0, c1, min(c0 * chunk, length), min(c1 * chunk, length)
+
+
+#: Blocks a parallel kernel splits a tensor into (a constant: reading the thread count
+#: would stop Numba from caching the function).
+PAR_BLOCKS = 16
+
+# Parallel versions: the tensor is split into PAR_BLOCKS blocks of whole chunks (one prange
+# iteration each) that run the serial kernel. Worth it only on an idle multi-core machine: on
+# a loaded one a parallel region waits for its slowest (descheduled) thread.
+
+
+@njit(cache=True, parallel=True)
+def chunk_exponents_into_par(x, chunk, out):
+    """Parallel :func:`chunk_exponents_into`."""
+    nch = (x.shape[0] + chunk - 1) // chunk
+    nb = PAR_BLOCKS
+    for b in prange(nb):
+        c0, c1, lo, hi = _block(b, nb, nch, chunk, x.shape[0])
+        chunk_exponents_into(x[lo:hi], chunk, out[c0:c1])
+
+
+@njit(cache=True, parallel=True)
+def quantize_chunks_into_par(x, exps, n, chunk, out):
+    """Parallel :func:`quantize_chunks_into`."""
+    nch = (x.shape[0] + chunk - 1) // chunk
+    nb = PAR_BLOCKS
+    for b in prange(nb):
+        c0, c1, lo, hi = _block(b, nb, nch, chunk, x.shape[0])
+        quantize_chunks_into(x[lo:hi], exps[c0:c1], n, chunk, out[lo:hi])
+
+
+@njit(cache=True, parallel=True)
+def dequantize_chunks_into_par(q, exps, n, chunk, out):
+    """Parallel :func:`dequantize_chunks_into`."""
+    nch = (q.shape[0] + chunk - 1) // chunk
+    nb = PAR_BLOCKS
+    for b in prange(nb):
+        c0, c1, lo, hi = _block(b, nb, nch, chunk, q.shape[0])
+        dequantize_chunks_into(q[lo:hi], exps[c0:c1], n, chunk, out[lo:hi])
+
+
+@njit(cache=True, parallel=True)
+def add_into_par(acc, q):
+    """Parallel :func:`add_into` over a whole tensor."""
+    nb = PAR_BLOCKS
+    for b in prange(nb):
+        _, _, lo, hi = _block(b, nb, acc.shape[0], 1, acc.shape[0])
+        add_into(acc[lo:hi], q[lo:hi])
+
+
+# ---------------------------------------------------------------------------------------------
+# ATP fixed factor with overflow detection
+
+
+@njit(cache=True)
+def atp_quantize_into(x, factor, out):
+    """``out[i] = round(x[i] * factor)`` as int32; return True when any product does not fit
+    int32 (or is NaN): those entries saturate (NaN -> 0), nothing wraps."""
+    f = np.float64(factor)
+    hi = np.float64(INT32_MAX)
+    lo = np.float64(INT32_MIN)
+    bad = 0
+    # branch-free (selects) so the loop vectorises; NaN -> 0 (a NaN cast is undefined)
+    for i in range(x.shape[0]):
+        r = np.rint(np.float64(x[i]) * f)
+        bad += (r > hi) | (r < lo) | (r != r)
+        r = 0.0 if r != r else r
+        r = hi if r > hi else r
+        r = lo if r < lo else r
+        out[i] = np.int32(r)
+    return bad > 0
+
+
+@njit(cache=True)
+def atp_add_into(acc, q):
+    """``acc += q`` in int64 with a check; return True when any sum leaves int32 (that entry
+    saturates)."""
+    bad = 0
+    for i in range(acc.shape[0]):
+        s = np.int64(acc[i]) + np.int64(q[i])
+        bad += (s > INT32_MAX) | (s < INT32_MIN)
+        s = INT32_MAX if s > INT32_MAX else s
+        s = INT32_MIN if s < INT32_MIN else s
+        acc[i] = np.int32(s)
+    return bad > 0
+
+
+@njit(cache=True)
+def atp_dequantize_into(q, factor, out):
+    """``out[i] = float32(q[i] / factor)``."""
+    inv = 1.0 / np.float64(factor)
+    for i in range(q.shape[0]):
+        out[i] = np.float32(np.float64(q[i]) * inv)
+
+
+@njit(cache=True, parallel=True)
+def atp_quantize_into_par(x, factor, out):
+    """Parallel :func:`atp_quantize_into`; returns the combined overflow flag."""
+    nb = PAR_BLOCKS
+    bad = 0
+    for b in prange(nb):
+        _, _, lo, hi = _block(b, nb, x.shape[0], 1, x.shape[0])
+        bad += atp_quantize_into(x[lo:hi], factor, out[lo:hi])
+    return bad > 0
+
+
+@njit(cache=True, parallel=True)
+def atp_add_into_par(acc, q):
+    """Parallel :func:`atp_add_into`; returns the combined overflow flag."""
+    nb = PAR_BLOCKS
+    bad = 0
+    for b in prange(nb):
+        _, _, lo, hi = _block(b, nb, acc.shape[0], 1, acc.shape[0])
+        bad += atp_add_into(acc[lo:hi], q[lo:hi])
+    return bad > 0
+
+
+@njit(cache=True, parallel=True)
+def atp_dequantize_into_par(q, factor, out):
+    """Parallel :func:`atp_dequantize_into`."""
+    nb = PAR_BLOCKS
+    for b in prange(nb):
+        _, _, lo, hi = _block(b, nb, q.shape[0], 1, q.shape[0])
+        atp_dequantize_into(q[lo:hi], factor, out[lo:hi])
+
+
+# ---------------------------------------------------------------------------------------------
+# validating Python wrappers
+
+
+def _check_1d(name: str, a, dtype) -> None:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {a.dtype}; "
+                        f"convert with {name}.astype(np.{np.dtype(dtype).name})")
+    if a.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be contiguous; pass np.ascontiguousarray({name})")
+
+
+def _check_finite(name: str, x: np.ndarray) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}: element {i} is {x.flat[i]}; fixed-point aggregation needs "
+                         f"finite values (clip or drop inf/NaN before quantising)")
+
+
+def _check_n(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n: expected an int (number of workers), got {type(n).__name__}")
+    if not 1 <= n <= N_MAX:
+        raise ValueError(f"n: number of workers must be between 1 and {N_MAX}, got {n}")
+    return int(n)
+
+
+def _check_chunk(chunk) -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk: elements per chunk must be a positive int, got {chunk!r}")
+    return int(chunk)
+
+
+def _n_chunks(length: int, chunk: int) -> int:
+    return (length + chunk - 1) // chunk
+
+
+def _check_exps(exps, length: int, chunk: int) -> None:
+    _check_1d("exps", exps, np.int16)
+    if exps.shape[0] != _n_chunks(length, chunk):
+        raise ValueError(f"exps: expected {_n_chunks(length, chunk)} exponents (one per chunk "
+                         f"of {chunk} elements), got {exps.shape[0]}")
+    if exps.size and (exps.min() < EXP_MIN or exps.max() > EXP_MAX):
+        raise ValueError(f"exps: exponents must lie in [{EXP_MIN}, {EXP_MAX}], got "
+                         f"[{exps.min()}, {exps.max()}]")
+
+
+def exponents(x: np.ndarray, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Per-chunk exponents (int16) of float32 vector ``x``: smallest e with 2**e >= max|x|."""
+    _check_1d("x", x, np.float32)
+    chunk = _check_chunk(chunk)
+    _check_finite("x", x)
+    out = np.empty(_n_chunks(x.shape[0], chunk), dtype=np.int16)
+    chunk_exponents_into(x, chunk, out)
+    return out
+
+
+def agree(exps: list[np.ndarray] | np.ndarray) -> np.ndarray:
+    """The exponents the workers agree on: elementwise max over workers (int16)."""
+    e = np.asarray(exps)
+    if e.ndim != 2 or e.dtype != np.int16:
+        raise TypeError("exps: expected one int16 exponent vector per worker (2-D int16)")
+    return e.max(axis=0).astype(np.int16)
+
+
+def quantize(x: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Quantise float32 ``x`` to int32 with the agreed per-chunk exponents ``exps`` for
+    ``n`` workers."""
+    _check_1d("x", x, np.float32)
+    n = _check_n(n)
+    chunk = _check_chunk(chunk)
+    _check_finite("x", x)
+    _check_exps(exps, x.shape[0], chunk)
+    own = np.empty_like(exps)
+    chunk_exponents_into(x, chunk, own)
+    if (own > exps).any():
+        c = int(np.argmax(own > exps))
+        raise ValueError(f"exps: chunk {c} has exponent {exps[c]} but its data needs "
+                         f"{own[c]}; pass the max over all workers (fixedpoint.agree)")
+    out = np.empty(x.shape[0], dtype=np.int32)
+    quantize_chunks_into(x, exps, n, chunk, out)
+    return out
+
+
+def aggregate(qs: np.ndarray) -> np.ndarray:
+    """Sum of int32 contributions ``qs[n, L]`` as the switch does it (first overwrites, the
+    others add in int32). With SwitchML scales the sum cannot overflow."""
+    if not isinstance(qs, np.ndarray) or qs.dtype != np.int32 or qs.ndim != 2:
+        raise TypeError("qs: expected a 2-D int32 array (one quantised row per worker)")
+    _check_n(qs.shape[0])
+    acc = qs[0].copy()
+    for w in range(1, qs.shape[0]):
+        add_into(acc, np.ascontiguousarray(qs[w]))
+    return acc
+
+
+def dequantize(q: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """float32 values of int32 sums ``q`` quantised with ``exps`` for ``n`` workers."""
+    _check_1d("q", q, np.int32)
+    n = _check_n(n)
+    chunk = _check_chunk(chunk)
+    _check_exps(exps, q.shape[0], chunk)
+    out = np.empty(q.shape[0], dtype=np.float32)
+    dequantize_chunks_into(q, exps, n, chunk, out)
+    return out
+
+
+def error_bound(result: np.ndarray, exps: np.ndarray, n: int,
+                chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Per-element bound on ``|result - exact sum|`` for an n-way sum (see module docstring)."""
+    _check_1d("result", result, np.float32)
+    n = _check_n(n)
+    chunk = _check_chunk(chunk)
+    _check_exps(exps, result.shape[0], chunk)
+    f = np.ldexp(np.float64(INT32_MAX // n), -exps.astype(np.int64))
+    per = np.repeat(n * (0.5 + 2.0**-20) / f, chunk)[: result.shape[0]]
+    return per + 2.0**-23 * np.abs(result.astype(np.float64)) + 2.0**-149
+
+
+def allreduce(xs: np.ndarray, chunk: int = DEFAULT_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """End-to-end SwitchML sum of the rows of ``xs[n, L]`` (float32): exponents, agreement,
+    quantise, int32 aggregate, dequantise. Returns ``(sum float32[L], agreed exps)``."""
+    if not isinstance(xs, np.ndarray) or xs.dtype != np.float32 or xs.ndim != 2:
+        raise TypeError("xs: expected a 2-D float32 array (one gradient row per worker)")
+    n = _check_n(xs.shape[0])
+    chunk = _check_chunk(chunk)
+    rows = [np.ascontiguousarray(r) for r in xs]
+    exps = agree(np.stack([exponents(r, chunk) for r in rows]))
+    qs = np.stack([quantize(r, exps, n, chunk) for r in rows])
+    return dequantize(aggregate(qs), exps, n, chunk), exps
+
+
+def atp_quantize(x: np.ndarray, factor: float = ATP_FACTOR) -> tuple[np.ndarray, bool]:
+    """ATP quantisation ``round(x * factor)``; returns ``(q, overflow)``."""
+    _check_1d("x", x, np.float32)
+    _check_finite("x", x)
+    if not (isinstance(factor, (int, float, np.floating)) and math.isfinite(factor)
+            and factor > 0):
+        raise ValueError(f"factor: must be a positive finite number, got {factor!r}")
+    out = np.empty(x.shape[0], dtype=np.int32)
+    over = atp_quantize_into(x, float(factor), out)
+    return out, bool(over)
+
+
+def atp_aggregate(qs: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Checked int32 sum of ``qs[n, L]``; returns ``(sum, overflow)`` (saturated on overflow)."""
+    if not isinstance(qs, np.ndarray) or qs.dtype != np.int32 or qs.ndim != 2:
+        raise TypeError("qs: expected a 2-D int32 array (one quantised row per worker)")
+    _check_n(qs.shape[0])
+    acc = qs[0].copy()
+    over = False
+    for w in range(1, qs.shape[0]):
+        over |= bool(atp_add_into(acc, np.ascontiguousarray(qs[w])))
+    return acc, over
+
+
+def atp_dequantize(q: np.ndarray, factor: float = ATP_FACTOR) -> np.ndarray:
+    """float32 values ``q / factor``."""
+    _check_1d("q", q, np.int32)
+    if not (isinstance(factor, (int, float, np.floating)) and math.isfinite(factor)
+            and factor > 0):
+        raise ValueError(f"factor: must be a positive finite number, got {factor!r}")
+    out = np.empty(q.shape[0], dtype=np.float32)
+    atp_dequantize_into(q, float(factor), out)
+    return out

@@ -1,0 +1,815 @@
+"""Packet kernels: parse and build Eth / IPv4 / UDP / testbed-header frames, one frame or a batch.
+
+Everything here is ``@njit(cache=True)`` over plain numpy arrays and ints, so the data path's
+own ``@njit`` stages can call it per packet. Layout constants come from
+:mod:`testbed.kernels.wire` at import time (Numba freezes module globals when it compiles).
+
+Conventions (all functions below):
+
+* ``frame`` is a ``uint8[:]`` (a row of the data path's ``buf[N, FRAME_MAX]``), ``length`` its
+  number of valid bytes. Offsets are absolute byte offsets into the Ethernet frame.
+* Ethernet/IPv4/UDP fields are big-endian; the testbed header and payload are little-endian.
+* IPv4 addresses are ``uint32`` in host order (``10.0.0.1`` -> ``0x0A000001``); MAC addresses
+  are ``uint8[6]`` arrays. :func:`ip_to_u32` and :func:`mac_to_array` convert from strings.
+* Status/reason codes are the ``REASON_*`` constants below; they have the same numeric values
+  as ``testbed.datapath.batch.DropReason`` (the kernels layer must not import the data path;
+  a test asserts they agree).
+
+Per-frame primitives (njit):
+
+* ``rd_u16le/rd_u32le/rd_i16le/rd_f32le(frame, off)`` and ``wr_*(frame, off, value)``;
+  ``rd_u16be/rd_u32be`` and ``wr_u16be/wr_u32be`` for the network-order headers.
+* ``get_<field>(frame)`` / ``set_<field>(frame, value)`` for every testbed header field
+  (``magic``, ``version``, ``msg_type``, ``job_id``, ``worker_id``, ``slot``, ``slot_set``,
+  ``flags``, ``codec``, ``n_workers``, ``exponent``, ``elem_count``, ``head_bytes``,
+  ``chunk_offset``, ``scale``); ``OFF_<FIELD>`` are their absolute offsets in the frame.
+* ``payload_i32(frame, count)`` / ``payload_f32(frame, count)``: views of the payload.
+* ``parse_frame(frame, length) -> status`` (``REASON_NONE`` = a valid testbed frame).
+* ``ipv4_checksum(frame) -> int`` (computed with the checksum field taken as zero),
+  ``ipv4_checksum_ok(frame) -> bool``, ``set_ipv4_checksum(frame)``.
+* ``set_payload_bytes(frame, payload_bytes) -> new_length``: fix IP total length, header
+  checksum and UDP length for a new payload size (UDP checksum set to 0).
+* ``swap_addresses(frame)``: swap MACs, IPs and UDP ports (the IP checksum is unchanged).
+* ``set_addresses(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport)``.
+* ``read_header(frame, headers, i)`` / ``write_header(frame, headers, i)``: copy between a
+  frame and row ``i`` of a ``HEADER_DTYPE`` array.
+* ``write_eth_ip_udp(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload_bytes)``
+  ``-> length`` and ``build_frame(frame, headers, i, payload, payload_bytes, src_mac, dst_mac,
+  src_ip, dst_ip, sport, dport) -> length``.
+
+Batch kernels (njit, one call per burst):
+
+* ``parse_batch(buf, length, n, headers, status)``
+* ``build_batch(buf, length, n, headers, payload, payload_len, src_mac, dst_mac, src_ip,
+  dst_ip, sport, dport)`` with per-packet address arrays.
+
+The friendly Python wrappers :func:`parse` and :func:`build` validate their arguments.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+from testbed.kernels import wire
+
+#: Largest frame the data path handles; equals ``testbed.datapath.batch.FRAME_MAX``.
+FRAME_MAX = 2048
+
+# Status / drop reason codes: same numbers as testbed.datapath.batch.DropReason.
+REASON_NONE = 0
+REASON_TOO_SHORT = 1
+REASON_NOT_IPV4 = 2
+REASON_IP_OPTIONS = 3
+REASON_NOT_UDP = 4  # also: UDP but not to the testbed port (not one of ours)
+REASON_BAD_MAGIC = 5
+REASON_BAD_VERSION = 6
+REASON_BAD_LENGTH = 7
+REASON_UNKNOWN_TYPE = 8
+REASON_BAD_CODEC = 15
+REASON_OTHER = 19  # IP fragments (we never fragment; a fragment cannot be parsed)
+
+ETH_LEN = wire.ETH_LEN
+IPV4_LEN = wire.IPV4_LEN
+UDP_LEN = wire.UDP_LEN
+HEADER_OFFSET = wire.HEADER_OFFSET
+HEADER_LEN = wire.HEADER_LEN
+PAYLOAD_OFFSET = wire.PAYLOAD_OFFSET
+TESTBED_UDP_PORT = wire.TESTBED_UDP_PORT
+MAGIC = wire.MAGIC
+VERSION = wire.VERSION
+#: Largest payload that fits a FRAME_MAX frame.
+PAYLOAD_MAX = FRAME_MAX - PAYLOAD_OFFSET
+
+ETHERTYPE_IPV4 = 0x0800
+IPPROTO_UDP = 17
+IP_TTL = 64
+IP_FLAG_DF = 0x4000
+
+# Absolute offsets of the Ethernet/IP/UDP fields.
+OFF_ETH_DST = 0
+OFF_ETH_SRC = 6
+OFF_ETHERTYPE = 12
+OFF_IP = ETH_LEN
+OFF_IP_TOTLEN = ETH_LEN + 2
+OFF_IP_ID = ETH_LEN + 4
+OFF_IP_FRAG = ETH_LEN + 6
+OFF_IP_TTL = ETH_LEN + 8
+OFF_IP_PROTO = ETH_LEN + 9
+OFF_IP_CSUM = ETH_LEN + 10
+OFF_IP_SRC = ETH_LEN + 12
+OFF_IP_DST = ETH_LEN + 16
+OFF_UDP = ETH_LEN + IPV4_LEN
+OFF_UDP_SPORT = OFF_UDP
+OFF_UDP_DPORT = OFF_UDP + 2
+OFF_UDP_LEN = OFF_UDP + 4
+OFF_UDP_CSUM = OFF_UDP + 6
+
+# Absolute offsets of the testbed header fields (from the single wire table).
+_FO = wire.FIELD_OFFSETS
+OFF_MAGIC = HEADER_OFFSET + _FO["magic"]
+OFF_VERSION = HEADER_OFFSET + _FO["version"]
+OFF_MSG_TYPE = HEADER_OFFSET + _FO["msg_type"]
+OFF_JOB_ID = HEADER_OFFSET + _FO["job_id"]
+OFF_WORKER_ID = HEADER_OFFSET + _FO["worker_id"]
+OFF_SLOT = HEADER_OFFSET + _FO["slot"]
+OFF_SLOT_SET = HEADER_OFFSET + _FO["slot_set"]
+OFF_FLAGS = HEADER_OFFSET + _FO["flags"]
+OFF_CODEC = HEADER_OFFSET + _FO["codec"]
+OFF_N_WORKERS = HEADER_OFFSET + _FO["n_workers"]
+OFF_EXPONENT = HEADER_OFFSET + _FO["exponent"]
+OFF_ELEM_COUNT = HEADER_OFFSET + _FO["elem_count"]
+OFF_HEAD_BYTES = HEADER_OFFSET + _FO["head_bytes"]
+OFF_CHUNK_OFFSET = HEADER_OFFSET + _FO["chunk_offset"]
+OFF_SCALE = HEADER_OFFSET + _FO["scale"]
+
+FLAG_TRIMMED = int(wire.Flags.TRIMMED)
+FLAG_OVERFLOW = int(wire.Flags.OVERFLOW)
+MSG_TYPE_MAX = max(int(t) for t in wire.MsgType)
+CODEC_INT32 = int(wire.Codec.INT32)
+CODEC_FLOAT32 = int(wire.Codec.FLOAT32)
+CODEC_FLOAT16 = int(wire.Codec.FLOAT16)
+CODEC_BFLOAT16 = int(wire.Codec.BFLOAT16)
+CODEC_TRIM_LAYOUT = int(wire.Codec.TRIM_LAYOUT)
+CODEC_MAX = max(int(c) for c in wire.Codec)
+
+
+# ---------------------------------------------------------------------------------------------
+# bit casts between float32 and uint32 (LLVM bitcast: no memory round trip)
+
+
+@intrinsic
+def _u32_bits_to_f32(typingctx, bits):
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], bits, types.uint32)
+        return builder.bitcast(v, context.get_value_type(types.float32))
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_u32_bits(typingctx, value):
+    if not isinstance(value, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], value, types.float32)
+        return builder.bitcast(v, context.get_value_type(types.uint32))
+
+    return types.uint32(value), codegen
+
+
+@njit(cache=True, inline="always")
+def f32_from_bits(bits):
+    """The float32 whose IEEE-754 bit pattern is ``bits`` (a uint32)."""
+    return _u32_bits_to_f32(bits)
+
+
+@njit(cache=True, inline="always")
+def f32_to_bits(value):
+    """The IEEE-754 bit pattern (uint32) of ``value`` rounded to float32."""
+    return _f32_to_u32_bits(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# byte-level readers and writers
+
+
+@njit(cache=True, inline="always")
+def rd_u16le(frame, off):
+    """Little-endian uint16 at ``off``."""
+    return np.int64(frame[off]) | (np.int64(frame[off + 1]) << 8)
+
+
+@njit(cache=True, inline="always")
+def rd_i16le(frame, off):
+    """Little-endian int16 at ``off``."""
+    v = rd_u16le(frame, off)
+    return v - 65536 if v >= 32768 else v
+
+
+@njit(cache=True, inline="always")
+def rd_u32le(frame, off):
+    """Little-endian uint32 at ``off``."""
+    return (np.int64(frame[off]) | (np.int64(frame[off + 1]) << 8)
+            | (np.int64(frame[off + 2]) << 16) | (np.int64(frame[off + 3]) << 24))
+
+
+@njit(cache=True, inline="always")
+def rd_f32le(frame, off):
+    """Little-endian float32 at ``off``."""
+    return _u32_bits_to_f32(np.uint32(rd_u32le(frame, off)))
+
+
+@njit(cache=True, inline="always")
+def wr_u16le(frame, off, value):
+    """Write ``value`` (low 16 bits) little-endian at ``off``."""
+    v = np.int64(value)
+    frame[off] = v & 0xFF
+    frame[off + 1] = (v >> 8) & 0xFF
+
+
+@njit(cache=True, inline="always")
+def wr_i16le(frame, off, value):
+    """Write ``value`` as a little-endian int16 (two's complement) at ``off``."""
+    wr_u16le(frame, off, np.int64(value) & 0xFFFF)
+
+
+@njit(cache=True, inline="always")
+def wr_u32le(frame, off, value):
+    """Write ``value`` (low 32 bits) little-endian at ``off``."""
+    v = np.int64(value)
+    frame[off] = v & 0xFF
+    frame[off + 1] = (v >> 8) & 0xFF
+    frame[off + 2] = (v >> 16) & 0xFF
+    frame[off + 3] = (v >> 24) & 0xFF
+
+
+@njit(cache=True, inline="always")
+def wr_f32le(frame, off, value):
+    """Write ``value`` as a little-endian float32 at ``off``."""
+    wr_u32le(frame, off, _f32_to_u32_bits(np.float32(value)))
+
+
+@njit(cache=True, inline="always")
+def rd_u16be(frame, off):
+    """Big-endian (network order) uint16 at ``off``."""
+    return (np.int64(frame[off]) << 8) | np.int64(frame[off + 1])
+
+
+@njit(cache=True, inline="always")
+def rd_u32be(frame, off):
+    """Big-endian (network order) uint32 at ``off``."""
+    return ((np.int64(frame[off]) << 24) | (np.int64(frame[off + 1]) << 16)
+            | (np.int64(frame[off + 2]) << 8) | np.int64(frame[off + 3]))
+
+
+@njit(cache=True, inline="always")
+def wr_u16be(frame, off, value):
+    """Write ``value`` (low 16 bits) big-endian at ``off``."""
+    v = np.int64(value)
+    frame[off] = (v >> 8) & 0xFF
+    frame[off + 1] = v & 0xFF
+
+
+@njit(cache=True, inline="always")
+def wr_u32be(frame, off, value):
+    """Write ``value`` (low 32 bits) big-endian at ``off``."""
+    v = np.int64(value)
+    frame[off] = (v >> 24) & 0xFF
+    frame[off + 1] = (v >> 16) & 0xFF
+    frame[off + 2] = (v >> 8) & 0xFF
+    frame[off + 3] = v & 0xFF
+
+
+# ---------------------------------------------------------------------------------------------
+# testbed header field getters / setters
+
+
+@njit(cache=True, inline="always")
+def get_magic(frame):
+    """``magic`` field."""
+    return rd_u16le(frame, OFF_MAGIC)
+
+
+@njit(cache=True, inline="always")
+def set_magic(frame, value):
+    """Set the ``magic`` field."""
+    wr_u16le(frame, OFF_MAGIC, value)
+
+
+@njit(cache=True, inline="always")
+def get_version(frame):
+    """``version`` field."""
+    return np.int64(frame[OFF_VERSION])
+
+
+@njit(cache=True, inline="always")
+def set_version(frame, value):
+    """Set the ``version`` field."""
+    frame[OFF_VERSION] = value & 0xFF
+
+
+@njit(cache=True, inline="always")
+def get_msg_type(frame):
+    """``msg_type`` field (``wire.MsgType``)."""
+    return np.int64(frame[OFF_MSG_TYPE])
+
+
+@njit(cache=True, inline="always")
+def set_msg_type(frame, value):
+    """Set the ``msg_type`` field."""
+    frame[OFF_MSG_TYPE] = value & 0xFF
+
+
+@njit(cache=True, inline="always")
+def get_job_id(frame):
+    """``job_id`` field."""
+    return rd_u16le(frame, OFF_JOB_ID)
+
+
+@njit(cache=True, inline="always")
+def set_job_id(frame, value):
+    """Set the ``job_id`` field."""
+    wr_u16le(frame, OFF_JOB_ID, value)
+
+
+@njit(cache=True, inline="always")
+def get_worker_id(frame):
+    """``worker_id`` field."""
+    return rd_u16le(frame, OFF_WORKER_ID)
+
+
+@njit(cache=True, inline="always")
+def set_worker_id(frame, value):
+    """Set the ``worker_id`` field."""
+    wr_u16le(frame, OFF_WORKER_ID, value)
+
+
+@njit(cache=True, inline="always")
+def get_slot(frame):
+    """``slot`` field (job-relative)."""
+    return rd_u16le(frame, OFF_SLOT)
+
+
+@njit(cache=True, inline="always")
+def set_slot(frame, value):
+    """Set the ``slot`` field."""
+    wr_u16le(frame, OFF_SLOT, value)
+
+
+@njit(cache=True, inline="always")
+def get_slot_set(frame):
+    """``slot_set`` field (0/1)."""
+    return np.int64(frame[OFF_SLOT_SET])
+
+
+@njit(cache=True, inline="always")
+def set_slot_set(frame, value):
+    """Set the ``slot_set`` field."""
+    frame[OFF_SLOT_SET] = value & 0xFF
+
+
+@njit(cache=True, inline="always")
+def get_flags(frame):
+    """``flags`` field (``wire.Flags`` bits)."""
+    return np.int64(frame[OFF_FLAGS])
+
+
+@njit(cache=True, inline="always")
+def set_flags(frame, value):
+    """Set the ``flags`` field."""
+    frame[OFF_FLAGS] = value & 0xFF
+
+
+@njit(cache=True, inline="always")
+def get_codec(frame):
+    """``codec`` field (``wire.Codec``)."""
+    return np.int64(frame[OFF_CODEC])
+
+
+@njit(cache=True, inline="always")
+def set_codec(frame, value):
+    """Set the ``codec`` field."""
+    frame[OFF_CODEC] = value & 0xFF
+
+
+@njit(cache=True, inline="always")
+def get_n_workers(frame):
+    """``n_workers`` field."""
+    return np.int64(frame[OFF_N_WORKERS])
+
+
+@njit(cache=True, inline="always")
+def set_n_workers(frame, value):
+    """Set the ``n_workers`` field."""
+    frame[OFF_N_WORKERS] = value & 0xFF
+
+
+@njit(cache=True, inline="always")
+def get_exponent(frame):
+    """``exponent`` field (signed)."""
+    return rd_i16le(frame, OFF_EXPONENT)
+
+
+@njit(cache=True, inline="always")
+def set_exponent(frame, value):
+    """Set the ``exponent`` field (signed 16 bit)."""
+    wr_i16le(frame, OFF_EXPONENT, value)
+
+
+@njit(cache=True, inline="always")
+def get_elem_count(frame):
+    """``elem_count`` field."""
+    return rd_u16le(frame, OFF_ELEM_COUNT)
+
+
+@njit(cache=True, inline="always")
+def set_elem_count(frame, value):
+    """Set the ``elem_count`` field."""
+    wr_u16le(frame, OFF_ELEM_COUNT, value)
+
+
+@njit(cache=True, inline="always")
+def get_head_bytes(frame):
+    """``head_bytes`` field (trim boundary in payload bytes; 0 = not trimmable)."""
+    return rd_u16le(frame, OFF_HEAD_BYTES)
+
+
+@njit(cache=True, inline="always")
+def set_head_bytes(frame, value):
+    """Set the ``head_bytes`` field."""
+    wr_u16le(frame, OFF_HEAD_BYTES, value)
+
+
+@njit(cache=True, inline="always")
+def get_chunk_offset(frame):
+    """``chunk_offset`` field."""
+    return rd_u32le(frame, OFF_CHUNK_OFFSET)
+
+
+@njit(cache=True, inline="always")
+def set_chunk_offset(frame, value):
+    """Set the ``chunk_offset`` field."""
+    wr_u32le(frame, OFF_CHUNK_OFFSET, value)
+
+
+@njit(cache=True, inline="always")
+def get_scale(frame):
+    """``scale`` field (float32)."""
+    return rd_f32le(frame, OFF_SCALE)
+
+
+@njit(cache=True, inline="always")
+def set_scale(frame, value):
+    """Set the ``scale`` field (float32)."""
+    wr_f32le(frame, OFF_SCALE, value)
+
+
+@njit(cache=True, inline="always")
+def payload_i32(frame, count):
+    """View of the first ``count`` int32 payload elements (writes go into the frame)."""
+    return frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + 4 * count].view(np.int32)
+
+
+@njit(cache=True, inline="always")
+def payload_f32(frame, count):
+    """View of the first ``count`` float32 payload elements (writes go into the frame)."""
+    return frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + 4 * count].view(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# IPv4 checksum and lengths
+
+
+@njit(cache=True)
+def ipv4_checksum(frame):
+    """Internet checksum of the 20-byte IPv4 header, with the checksum field counted as zero."""
+    s = np.int64(0)
+    for off in range(OFF_IP, OFF_IP + IPV4_LEN, 2):
+        if off != OFF_IP_CSUM:
+            s += rd_u16be(frame, off)
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return (~s) & 0xFFFF
+
+
+@njit(cache=True)
+def ipv4_checksum_ok(frame):
+    """True when the IPv4 header checksum field matches the header."""
+    return rd_u16be(frame, OFF_IP_CSUM) == ipv4_checksum(frame)
+
+
+@njit(cache=True)
+def set_ipv4_checksum(frame):
+    """Recompute and store the IPv4 header checksum."""
+    wr_u16be(frame, OFF_IP_CSUM, ipv4_checksum(frame))
+
+
+@njit(cache=True)
+def set_payload_bytes(frame, payload_bytes):
+    """Set IP total length, UDP length (UDP checksum 0) and the IP checksum for a testbed
+    payload of ``payload_bytes``; return the new frame length."""
+    wr_u16be(frame, OFF_IP_TOTLEN, IPV4_LEN + UDP_LEN + HEADER_LEN + payload_bytes)
+    wr_u16be(frame, OFF_UDP_LEN, UDP_LEN + HEADER_LEN + payload_bytes)
+    wr_u16be(frame, OFF_UDP_CSUM, 0)
+    set_ipv4_checksum(frame)
+    return PAYLOAD_OFFSET + payload_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# addresses
+
+
+@njit(cache=True)
+def swap_addresses(frame):
+    """Swap source and destination MAC, IPv4 address and UDP port (checksum stays valid)."""
+    for k in range(6):
+        t = frame[OFF_ETH_DST + k]
+        frame[OFF_ETH_DST + k] = frame[OFF_ETH_SRC + k]
+        frame[OFF_ETH_SRC + k] = t
+    for k in range(4):
+        t = frame[OFF_IP_SRC + k]
+        frame[OFF_IP_SRC + k] = frame[OFF_IP_DST + k]
+        frame[OFF_IP_DST + k] = t
+    for k in range(2):
+        t = frame[OFF_UDP_SPORT + k]
+        frame[OFF_UDP_SPORT + k] = frame[OFF_UDP_DPORT + k]
+        frame[OFF_UDP_DPORT + k] = t
+
+
+@njit(cache=True)
+def set_addresses(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport):
+    """Overwrite MACs (uint8[6]), IPv4 addresses (host-order ints) and UDP ports, and fix the
+    IPv4 checksum."""
+    for k in range(6):
+        frame[OFF_ETH_SRC + k] = src_mac[k]
+        frame[OFF_ETH_DST + k] = dst_mac[k]
+    wr_u32be(frame, OFF_IP_SRC, src_ip)
+    wr_u32be(frame, OFF_IP_DST, dst_ip)
+    wr_u16be(frame, OFF_UDP_SPORT, sport)
+    wr_u16be(frame, OFF_UDP_DPORT, dport)
+    set_ipv4_checksum(frame)
+
+
+# ---------------------------------------------------------------------------------------------
+# parse
+
+
+@njit(cache=True)
+def parse_frame(frame, length):
+    """Validate one frame; return ``REASON_NONE`` (0) for a well-formed testbed frame, else the
+    reason code.
+
+    Checks in order: Ethernet length and type; IPv4 version, IHL (options rejected),
+    fragments; IP total length against the frame (Ethernet padding after it is allowed);
+    protocol UDP and destination port ``TESTBED_UDP_PORT`` (else ``REASON_NOT_UDP``); UDP
+    length = IP payload length; room for the testbed header; magic; version; msg_type;
+    codec; payload size: INT32/FLOAT32 need ``4 * elem_count`` bytes, FLOAT16/BFLOAT16
+    ``2 * elem_count``; ``head_bytes`` must not exceed the payload, and a frame flagged
+    TRIMMED must carry exactly ``head_bytes``. Never reads past ``length`` or the array.
+    """
+    if length > frame.shape[0] or length < ETH_LEN:
+        return REASON_TOO_SHORT if length < ETH_LEN else REASON_BAD_LENGTH
+    if rd_u16be(frame, OFF_ETHERTYPE) != ETHERTYPE_IPV4:
+        return REASON_NOT_IPV4
+    if length < ETH_LEN + IPV4_LEN:
+        return REASON_TOO_SHORT
+    vihl = frame[OFF_IP]
+    if (vihl >> 4) != 4:
+        return REASON_NOT_IPV4
+    ihl = vihl & 0xF
+    if ihl > 5:
+        return REASON_IP_OPTIONS
+    if ihl < 5:
+        return REASON_BAD_LENGTH
+    if rd_u16be(frame, OFF_IP_FRAG) & 0x3FFF:
+        return REASON_OTHER  # MF set or non-zero fragment offset
+    tot = rd_u16be(frame, OFF_IP_TOTLEN)
+    if tot < IPV4_LEN or ETH_LEN + tot > length:
+        return REASON_BAD_LENGTH
+    if frame[OFF_IP_PROTO] != IPPROTO_UDP:
+        return REASON_NOT_UDP
+    if tot < IPV4_LEN + UDP_LEN:
+        return REASON_TOO_SHORT
+    if rd_u16be(frame, OFF_UDP_DPORT) != TESTBED_UDP_PORT:
+        return REASON_NOT_UDP
+    udp_len = rd_u16be(frame, OFF_UDP_LEN)
+    if udp_len != tot - IPV4_LEN:
+        return REASON_BAD_LENGTH
+    if udp_len < UDP_LEN + HEADER_LEN:
+        return REASON_TOO_SHORT
+    if rd_u16le(frame, OFF_MAGIC) != MAGIC:
+        return REASON_BAD_MAGIC
+    if frame[OFF_VERSION] != VERSION:
+        return REASON_BAD_VERSION
+    if frame[OFF_MSG_TYPE] > MSG_TYPE_MAX:
+        return REASON_UNKNOWN_TYPE
+    codec = frame[OFF_CODEC]
+    if codec > CODEC_MAX:
+        return REASON_BAD_CODEC
+    payload = udp_len - UDP_LEN - HEADER_LEN
+    count = rd_u16le(frame, OFF_ELEM_COUNT)
+    if codec == CODEC_INT32 or codec == CODEC_FLOAT32:
+        if 4 * count != payload:
+            return REASON_BAD_LENGTH
+    elif codec == CODEC_FLOAT16 or codec == CODEC_BFLOAT16:
+        if 2 * count != payload:
+            return REASON_BAD_LENGTH
+    head = rd_u16le(frame, OFF_HEAD_BYTES)
+    if head > payload:
+        return REASON_BAD_LENGTH
+    if (frame[OFF_FLAGS] & FLAG_TRIMMED) and head != payload:
+        return REASON_BAD_LENGTH
+    return REASON_NONE
+
+
+@njit(cache=True)
+def read_header(frame, headers, i):
+    """Copy the testbed header of ``frame`` into ``headers[i]`` (a HEADER_DTYPE array)."""
+    h = headers[i]
+    h.magic = rd_u16le(frame, OFF_MAGIC)
+    h.version = frame[OFF_VERSION]
+    h.msg_type = frame[OFF_MSG_TYPE]
+    h.job_id = rd_u16le(frame, OFF_JOB_ID)
+    h.worker_id = rd_u16le(frame, OFF_WORKER_ID)
+    h.slot = rd_u16le(frame, OFF_SLOT)
+    h.slot_set = frame[OFF_SLOT_SET]
+    h.flags = frame[OFF_FLAGS]
+    h.codec = frame[OFF_CODEC]
+    h.n_workers = frame[OFF_N_WORKERS]
+    h.exponent = rd_i16le(frame, OFF_EXPONENT)
+    h.elem_count = rd_u16le(frame, OFF_ELEM_COUNT)
+    h.head_bytes = rd_u16le(frame, OFF_HEAD_BYTES)
+    h.chunk_offset = rd_u32le(frame, OFF_CHUNK_OFFSET)
+    h.scale = rd_f32le(frame, OFF_SCALE)
+
+
+@njit(cache=True)
+def parse_batch(buf, length, n, headers, status):
+    """Parse frames ``0..n-1`` of ``buf`` (uint8[N, FRAME_MAX]) with lengths ``length``
+    (int32[N]): ``status[i]`` gets the reason code, and for valid frames (status 0) the testbed
+    header goes into ``headers[i]``. Rows of invalid frames in ``headers`` are left as they
+    were. Returns the number of valid frames."""
+    ok = 0
+    for i in range(n):
+        s = parse_frame(buf[i], length[i])
+        status[i] = s
+        if s == REASON_NONE:
+            read_header(buf[i], headers, i)
+            ok += 1
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+
+
+@njit(cache=True)
+def write_header(frame, headers, i):
+    """Write ``headers[i]`` (a HEADER_DTYPE array row) as the testbed header of ``frame``."""
+    h = headers[i]
+    wr_u16le(frame, OFF_MAGIC, h.magic)
+    frame[OFF_VERSION] = h.version
+    frame[OFF_MSG_TYPE] = h.msg_type
+    wr_u16le(frame, OFF_JOB_ID, h.job_id)
+    wr_u16le(frame, OFF_WORKER_ID, h.worker_id)
+    wr_u16le(frame, OFF_SLOT, h.slot)
+    frame[OFF_SLOT_SET] = h.slot_set
+    frame[OFF_FLAGS] = h.flags
+    frame[OFF_CODEC] = h.codec
+    frame[OFF_N_WORKERS] = h.n_workers
+    wr_i16le(frame, OFF_EXPONENT, h.exponent)
+    wr_u16le(frame, OFF_ELEM_COUNT, h.elem_count)
+    wr_u16le(frame, OFF_HEAD_BYTES, h.head_bytes)
+    wr_u32le(frame, OFF_CHUNK_OFFSET, h.chunk_offset)
+    wr_f32le(frame, OFF_SCALE, h.scale)
+
+
+@njit(cache=True)
+def write_eth_ip_udp(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload_bytes):
+    """Write Ethernet, IPv4 (no options, DF, TTL 64, id 0, checksum) and UDP (checksum 0)
+    headers for a testbed payload of ``payload_bytes``; return the frame length."""
+    for k in range(6):
+        frame[OFF_ETH_DST + k] = dst_mac[k]
+        frame[OFF_ETH_SRC + k] = src_mac[k]
+    wr_u16be(frame, OFF_ETHERTYPE, ETHERTYPE_IPV4)
+    frame[OFF_IP] = 0x45
+    frame[OFF_IP + 1] = 0
+    wr_u16be(frame, OFF_IP_ID, 0)
+    wr_u16be(frame, OFF_IP_FRAG, IP_FLAG_DF)
+    frame[OFF_IP_TTL] = IP_TTL
+    frame[OFF_IP_PROTO] = IPPROTO_UDP
+    wr_u32be(frame, OFF_IP_SRC, src_ip)
+    wr_u32be(frame, OFF_IP_DST, dst_ip)
+    wr_u16be(frame, OFF_UDP_SPORT, sport)
+    wr_u16be(frame, OFF_UDP_DPORT, dport)
+    return set_payload_bytes(frame, payload_bytes)
+
+
+@njit(cache=True)
+def build_frame(frame, headers, i, payload, payload_bytes, src_mac, dst_mac, src_ip, dst_ip,
+                sport, dport):
+    """Build a complete frame: Eth/IPv4/UDP, testbed header ``headers[i]`` and the first
+    ``payload_bytes`` bytes of ``payload`` (uint8[:]). Returns the frame length."""
+    n = write_eth_ip_udp(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload_bytes)
+    write_header(frame, headers, i)
+    frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + payload_bytes] = payload[:payload_bytes]
+    return n
+
+
+@njit(cache=True)
+def build_batch(buf, length, n, headers, payload, payload_len, src_mac, dst_mac, src_ip, dst_ip,
+                sport, dport):
+    """Build frames ``0..n-1`` into ``buf`` (uint8[N, FRAME_MAX]) and ``length`` (int32[N]) from
+    ``headers`` (HEADER_DTYPE[N]), ``payload`` (uint8[N, P]) with ``payload_len`` (int32[N])
+    bytes used per row, and per-packet addresses ``src_mac``/``dst_mac`` (uint8[N, 6]),
+    ``src_ip``/``dst_ip`` (uint32[N], host order) and ``sport``/``dport`` (uint16[N])."""
+    for i in range(n):
+        length[i] = build_frame(buf[i], headers, i, payload[i], payload_len[i], src_mac[i],
+                                dst_mac[i], src_ip[i], dst_ip[i], sport[i], dport[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# Python-side helpers and validating wrappers
+
+
+def ip_to_u32(ip: str) -> int:
+    """``"10.0.0.1"`` -> ``0x0A000001`` (host-order int, the form the kernels take)."""
+    parts = ip.split(".")
+    if len(parts) != 4 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
+        raise ValueError(f"ip: {ip!r} is not a dotted IPv4 address like '10.0.0.1'")
+    a, b, c, d = (int(p) for p in parts)
+    return (a << 24) | (b << 16) | (c << 8) | d
+
+
+def u32_to_ip(value: int) -> str:
+    """``0x0A000001`` -> ``"10.0.0.1"``."""
+    return ".".join(str((int(value) >> s) & 0xFF) for s in (24, 16, 8, 0))
+
+
+def mac_to_array(mac: str) -> np.ndarray:
+    """``"02:54:42:00:00:fe"`` -> ``uint8[6]``."""
+    parts = mac.split(":")
+    try:
+        vals = [int(p, 16) for p in parts]
+    except ValueError:
+        vals = []
+    if len(parts) != 6 or len(vals) != 6 or not all(0 <= v <= 255 for v in vals):
+        raise ValueError(f"mac: {mac!r} is not a MAC address like '02:54:42:00:00:fe'")
+    return np.array(vals, dtype=np.uint8)
+
+
+def _check_array(name: str, a, dtype, ndim: int) -> None:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {a.dtype}; "
+                        f"convert with {name}.astype(np.{np.dtype(dtype).name})")
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D array, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous; pass np.ascontiguousarray({name})")
+
+
+def parse(buf: np.ndarray, length: np.ndarray, n: int | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Validate arguments and run :func:`parse_batch`; return ``(headers, status)``.
+
+    ``buf`` is uint8[N, FRAME_MAX] (or any width), ``length`` int32[N], ``n`` defaults to N.
+    """
+    _check_array("buf", buf, np.uint8, 2)
+    _check_array("length", length, np.int32, 1)
+    if length.shape[0] != buf.shape[0]:
+        raise ValueError(f"length: has {length.shape[0]} entries but buf has {buf.shape[0]} rows")
+    n = buf.shape[0] if n is None else int(n)
+    if not 0 <= n <= buf.shape[0]:
+        raise ValueError(f"n: must be between 0 and {buf.shape[0]} (rows of buf), got {n}")
+    headers = np.zeros(buf.shape[0], dtype=wire.HEADER_DTYPE)
+    status = np.zeros(buf.shape[0], dtype=np.uint8)
+    parse_batch(buf, length, n, headers, status)
+    return headers, status
+
+
+def build(headers: np.ndarray, payloads: list[bytes] | list[np.ndarray], src_mac: str,
+          dst_mac: str, src_ip: str, dst_ip: str, sport: int,
+          dport: int = TESTBED_UDP_PORT) -> tuple[np.ndarray, np.ndarray]:
+    """Build one frame per header with the same addresses; return ``(buf, length)``.
+
+    ``headers`` is a HEADER_DTYPE array, ``payloads`` one bytes-like payload per header
+    (at most ``PAYLOAD_MAX`` bytes each).
+    """
+    if not isinstance(headers, np.ndarray) or headers.dtype != wire.HEADER_DTYPE:
+        raise TypeError("headers: expected a numpy array of testbed.kernels.wire.HEADER_DTYPE "
+                        "(make one with wire.new_headers(count))")
+    n = headers.shape[0]
+    if len(payloads) != n:
+        raise ValueError(f"payloads: {len(payloads)} payloads for {n} headers; give one each")
+    for name, port in (("sport", sport), ("dport", dport)):
+        if not 0 <= int(port) <= 0xFFFF:
+            raise ValueError(f"{name}: UDP port must be 0..65535, got {port}")
+    pl = [np.frombuffer(bytes(p), dtype=np.uint8) if not isinstance(p, np.ndarray)
+          else np.ascontiguousarray(p).view(np.uint8).ravel() for p in payloads]
+    width = max([len(p) for p in pl] + [1])
+    if width > PAYLOAD_MAX:
+        raise ValueError(f"payloads: largest payload is {width} bytes, at most {PAYLOAD_MAX} fit "
+                         f"a {FRAME_MAX}-byte frame")
+    payload = np.zeros((n, width), dtype=np.uint8)
+    payload_len = np.zeros(n, dtype=np.int32)
+    for i, p in enumerate(pl):
+        payload[i, :len(p)] = p
+        payload_len[i] = len(p)
+    hdrs = np.ascontiguousarray(headers)
+    buf = np.zeros((n, FRAME_MAX), dtype=np.uint8)
+    length = np.zeros(n, dtype=np.int32)
+    smac = np.tile(mac_to_array(src_mac), (n, 1))
+    dmac = np.tile(mac_to_array(dst_mac), (n, 1))
+    sip = np.full(n, ip_to_u32(src_ip), dtype=np.uint32)
+    dip = np.full(n, ip_to_u32(dst_ip), dtype=np.uint32)
+    sp = np.full(n, sport, dtype=np.uint16)
+    dp = np.full(n, dport, dtype=np.uint16)
+    build_batch(buf, length, n, hdrs, payload, payload_len, smac, dmac, sip, dip, sp, dp)
+    return buf, length

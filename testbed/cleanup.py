@@ -1,0 +1,384 @@
+"""``testbed cleanup``: remove what the testbed created, and only that.
+
+What counts as ours (docs/architecture.md, "Naming"):
+
+* processes: Mininet shells (``bash ... mininet:tb*``), ``python -m testbed.datapath.engine``,
+  ``python -m testbed.collectives.worker``, anything whose argv carries ``testbed-node=``,
+  daemons that keep their files under the testbed run folder (``/run/testbed/``, e.g. the OVS
+  anchor of the data-path benchmark), and every process living in a network namespace that is
+  ours (one holding a ``tb*`` interface, a ``tb-*`` named namespace, or a Mininet host's);
+* interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps);
+* named network namespaces ``tb-*``;
+* OVS bridges named ``tb*`` in any reachable OVS database.
+
+Nothing is matched by a broad pattern: every rule above needs the ``tb`` prefix or one of our
+markers. The caller holds the emulation lock while cleaning, so whatever is still there then
+belongs to a run that is dead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+from testbed import PREFIX
+from testbed.netlock import LOCK_PATH, EmulationBusy, emulation_lock
+
+NETNS_PREFIX = f"{PREFIX}-"
+RUN_DIR = os.path.dirname(LOCK_PATH)
+OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker")
+NODE_MARKER = "testbed-node="
+KINDS = ("ovs_bridges", "processes", "links", "netns")
+DEFAULT_OVS_DB = "/var/run/openvswitch/db.sock"
+
+
+@dataclass(frozen=True)
+class _Proc:
+    pid: int
+    argv: tuple[str, ...]
+    start: str  # start time in clock ticks: tells a reused pid apart
+    netns: int | None
+    why: str
+
+    def describe(self) -> str:
+        cmd = " ".join(self.argv)
+        return f"{self.pid} {cmd[:100]}{'…' if len(cmd) > 100 else ''} ({self.why})"
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _netns_inode(pid: int | str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    raw = _read(f"/proc/{pid}/stat")
+    if raw is None:
+        return None
+    # Fields after the parenthesised command name; starttime is field 22 (index 19 here).
+    fields = raw.rsplit(b")", 1)[-1].split()
+    if fields and fields[0] == b"Z":
+        return None  # a zombie is already dead; its parent only has to reap it
+    return fields[19].decode() if len(fields) > 19 else None
+
+
+def _protected_pids() -> set[int]:
+    """This process and its ancestors: never ours to kill (e.g. a shell that typed a marker)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        raw = _read(f"/proc/{pid}/stat")
+        if raw is None:
+            break
+        pid = int(raw.rsplit(b")", 1)[-1].split()[1])
+    return pids
+
+
+def _argv_reason(argv: tuple[str, ...]) -> str | None:
+    """Why this command line is one the testbed started, or None."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"mininet:{PREFIX}"):
+            return "Mininet node shell"
+        if arg == "-m" and i + 1 < len(argv) and argv[i + 1] in OUR_MODULES:
+            return argv[i + 1]
+        if NODE_MARKER in arg:
+            return "testbed-node marker"
+        if arg.startswith(RUN_DIR + "/") or f"={RUN_DIR}/" in arg or f":{RUN_DIR}/" in arg:
+            return f"files under {RUN_DIR}"
+    return None
+
+
+def _iface_names_of_pid(pid: int) -> list[str] | None:
+    """Interface names in the network namespace of ``pid`` (from /proc, no setns needed)."""
+    raw = _read(f"/proc/{pid}/net/dev")
+    if raw is None:
+        return None
+    return [line.split(":", 1)[0].strip() for line in raw.decode().splitlines()[2:] if ":" in line]
+
+
+def _own_netns() -> int | None:
+    """The namespace cleanup runs in: where Mininet keeps its switches and root-side links.
+
+    Never ours to clear. (Not pid 1's: /proc/1/ns may be unreadable even to root.)
+    """
+    return _netns_inode("self")
+
+
+def _named_netns() -> list[str]:
+    """Named network namespaces with the testbed prefix (``ip netns list``)."""
+    try:
+        names = sorted(os.listdir("/run/netns"))
+    except OSError:
+        return []
+    return [n for n in names if n.startswith(NETNS_PREFIX)]
+
+
+def _our_namespaces(by_ns: dict[int, list[tuple[int, tuple[str, ...], str | None]]]
+                    ) -> dict[int, str]:
+    """Network namespaces whose every process is ours, with the reason.
+
+    A namespace qualifies only if it is not the one cleanup runs in and holds no interface
+    but ``lo`` and ``tb*`` ones; then it must be a ``tb-*`` named namespace, hold ``tb*``
+    interfaces, or run a process of ours (a Mininet host whose veth is already gone).
+    """
+    own = _own_netns()
+    if own is None:  # cannot tell the root namespace apart: namespace rules stay off
+        return {}
+    named = {}
+    for name in _named_netns():
+        try:
+            named[os.stat(f"/run/netns/{name}").st_ino] = f"in named netns {name}"
+        except OSError:
+            pass
+    ours = {}
+    for ns, procs in by_ns.items():
+        if ns == own:
+            continue
+        ifaces = _iface_names_of_pid(procs[0][0])
+        if ifaces is None:
+            continue
+        ifaces = [i for i in ifaces if i != "lo"]
+        if any(not i.startswith(PREFIX) for i in ifaces):
+            continue  # a namespace with anyone else's interface is never ours
+        marked = [argv for _, argv, why in procs if why is not None]
+        if ns in named:
+            ours[ns] = named[ns]
+        elif ifaces:
+            ours[ns] = f"in a namespace holding {ifaces[0]}"
+        elif marked:
+            ours[ns] = f"in the namespace of {marked[0][-1][:40]}"
+    return ours
+
+
+def _our_processes() -> list[_Proc]:
+    protected = _protected_pids()
+    by_ns: dict[int, list[tuple[int, tuple[str, ...], str | None]]] = {}
+    procs: list[tuple[int, tuple[str, ...], str | None, int | None]] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        raw = _read(f"/proc/{pid}/cmdline")
+        if not raw:  # kernel threads and zombies have no command line
+            continue
+        argv = tuple(a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0"))
+        ns, why = _netns_inode(pid), _argv_reason(argv)
+        procs.append((pid, argv, why, ns))
+        if ns is not None:
+            by_ns.setdefault(ns, []).append((pid, argv, why))
+    ours_ns = _our_namespaces(by_ns)
+    found = []
+    for pid, argv, why, ns in procs:
+        reason = why or ours_ns.get(ns)  # type: ignore[arg-type]
+        if reason is None or pid in protected:
+            continue
+        start = _start_time(pid)
+        if start is not None:
+            found.append(_Proc(pid, argv, start, ns, reason))
+    return found
+
+
+def _our_links() -> list[str]:
+    """Interfaces named ``tb*`` in this (the root) network namespace."""
+    try:
+        names = os.listdir("/sys/class/net")
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(PREFIX))
+
+
+def _ovs_dbs() -> list[str]:
+    """OVS database sockets we can reach: the system one and any under the testbed run folder."""
+    if shutil.which("ovs-vsctl") is None:
+        return []
+    socks = [DEFAULT_OVS_DB] + sorted(glob.glob(f"{RUN_DIR}/**/db.sock", recursive=True))
+    return [s for s in socks if os.path.exists(s)]
+
+
+def _vsctl(db: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ovs-vsctl", f"--db=unix:{db}", "--timeout=3", *args],
+                          capture_output=True, text=True, check=False)
+
+
+def _our_ovs_bridges() -> list[tuple[str, str]]:
+    found = []
+    for db in _ovs_dbs():
+        res = _vsctl(db, "list-br")
+        if res.returncode == 0:
+            found += [(db, b) for b in res.stdout.split() if b.startswith(PREFIX)]
+    return found
+
+
+def leftovers() -> dict[str, list[str]]:
+    """What the testbed created that exists right now, by kind (each a list of descriptions).
+
+    Only meaningful while holding the emulation lock: otherwise a live network of another
+    run shows up too. All lists empty means the machine is clean.
+    """
+    return {
+        "ovs_bridges": [b for _, b in _our_ovs_bridges()],
+        "processes": [p.describe() for p in _our_processes()],
+        "links": _our_links(),
+        "netns": _named_netns(),
+    }
+
+
+def _alive(p: _Proc) -> bool:
+    return _start_time(p.pid) == p.start
+
+
+def _signal(p: _Proc, sig: int) -> None:
+    if _alive(p):  # the pid still names the same process (not a reused one)
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _kill(procs: list[_Proc], grace: float = 2.0) -> list[str]:
+    """SIGTERM (SIGKILL for Mininet shells, which ignore it), then SIGKILL what is still alive."""
+    for p in procs:
+        _signal(p, signal.SIGKILL if p.why == "Mininet node shell" else signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        _signal(p, signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p.describe() for p in procs]
+
+
+def _run(cmd: list[str]) -> str | None:
+    """Run a command; return its error text, or None when it worked."""
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return None if res.returncode == 0 else (res.stderr.strip() or f"exit {res.returncode}")
+
+
+def _remove_all(errors: list[str]) -> dict[str, list[str]]:
+    removed: dict[str, list[str]] = {k: [] for k in KINDS}
+    # OVS first, while a daemon of ours is still there to remove its own taps.
+    for db, br in _our_ovs_bridges():
+        res = _vsctl(db, "--if-exists", "del-br", br)
+        if res.returncode == 0:
+            removed["ovs_bridges"].append(br)
+        else:
+            errors.append(f"ovs-vsctl del-br {br}: {res.stderr.strip()}")
+    # Processes before links: killing a host's processes frees its namespace and its veths.
+    # Killing a shell can orphan children into a namespace found only now: a few rounds.
+    for _ in range(3):
+        procs = _our_processes()
+        if not procs:
+            break
+        removed["processes"] += _kill(procs)
+    for name in _named_netns():
+        err = _run(["ip", "netns", "delete", name])
+        if err is None or not os.path.exists(f"/run/netns/{name}"):
+            removed["netns"].append(name)
+        else:
+            errors.append(f"ip netns delete {name}: {err}")
+    for name in _our_links():
+        err = _run(["ip", "link", "delete", "dev", name])
+        # Deleting one end of a veth also deletes its peer: gone is what counts.
+        if err is None or not os.path.exists(f"/sys/class/net/{name}"):
+            removed["links"].append(name)
+        else:
+            errors.append(f"ip link delete {name}: {err}")
+    return removed
+
+
+def busy_holder(path: str = LOCK_PATH) -> str | None:
+    """Who holds the emulation lock right now ('pid N (command)'), or None when it is free.
+
+    Call it before taking the lock (a holder in this very process also reads as busy).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return lock_holder(path)
+    finally:
+        os.close(fd)
+
+
+def lock_holder(path: str = LOCK_PATH) -> str:
+    """Who holds the emulation lock, as 'pid N (command)' from the pid its holder wrote."""
+    raw = _read(path)
+    pid = raw.decode().strip() if raw else ""
+    if not pid.isdigit():
+        return "an unknown process"
+    cmd = (_read(f"/proc/{pid}/cmdline") or b"").replace(b"\0", b" ").decode(errors="replace")
+    return f"pid {pid} ({cmd.strip()[:120] or 'exited'})"
+
+
+def cleanup(force: bool = False, wait: float = 10.0) -> dict[str, list[str]]:
+    """Remove every testbed leftover; return what was removed by kind, plus ``errors``.
+
+    Holds the emulation lock (waiting up to ``wait`` seconds) so a live network is never torn
+    down; ``force=True`` skips the lock. Raises ``EmulationBusy`` naming the holder when the
+    lock stays busy, ``PermissionError`` when not root.
+    """
+    if os.geteuid() != 0:
+        raise PermissionError("testbed cleanup needs root (it deletes interfaces and kills "
+                              "processes): run 'sudo make cleanup' or 'sudo .venv/bin/testbed "
+                              "cleanup'")
+    errors: list[str] = []
+    if force:
+        removed = _remove_all(errors)
+    else:
+        try:
+            with emulation_lock(timeout=wait):
+                removed = _remove_all(errors)
+        except EmulationBusy:
+            raise EmulationBusy(
+                f"a testbed network is running: the emulation lock is held by {lock_holder()} "
+                f"(waited {wait:.0f} s). Let it finish, or use 'testbed cleanup --force' to tear "
+                "it down anyway") from None
+    return {**removed, "errors": errors}
+
+
+def main(force: bool = False) -> int:
+    """CLI entry: clean up, print a table of what was removed; exit 0 when all went."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console, err = Console(), Console(stderr=True)
+    try:
+        result = cleanup(force=force)
+    except (PermissionError, EmulationBusy) as exc:
+        err.print(f"[red]testbed cleanup:[/red] {exc}")
+        return 1 if isinstance(exc, PermissionError) else 2
+    rows = [(kind, item) for kind in KINDS for item in result[kind]]
+    if not rows:
+        console.print("testbed cleanup: nothing to remove")
+    else:
+        table = Table(title="testbed cleanup: removed")
+        table.add_column("kind")
+        table.add_column("what")
+        for kind, item in rows:
+            table.add_row(kind, item)
+        console.print(table)
+    for e in result["errors"]:
+        err.print(f"[red]could not remove:[/red] {e}")
+    return 1 if result["errors"] else 0

@@ -1,0 +1,155 @@
+"""Recursive halving-doubling over TCP (Rabenseifner / MPICH style) and a binomial broadcast.
+
+Allreduce: reduce-scatter by recursive halving (partner = rank XOR d, d = p/2 .. 1, each step
+exchanges half of the current range), then allgather by recursive doubling. When n is not a
+power of two, the first 2*(n-p) ranks pair up (p = largest power of two <= n): the odd one
+sends its whole array to its even partner, which joins the power-of-two exchange, and sends
+the sum back at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from testbed.collectives.report import shard_bounds
+from testbed.collectives.transport import Comm, chunks, wait_all
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _fold(n: int):
+    """(p, rem, new_rank(old) -> int|None, old_rank(new) -> int)."""
+    p = _pow2(n)
+    rem = n - p
+
+    def new(r: int) -> int | None:
+        if r < 2 * rem:
+            return None if r % 2 else r // 2
+        return r - rem
+
+    def old(v: int) -> int:
+        return 2 * v if v < rem else v + rem
+
+    return p, rem, new, old
+
+
+def hd_peers(rank: int, n: int, op: str) -> list[int]:
+    """Ranks this rank talks to in ``op`` with halving-doubling (or binomial broadcast)."""
+    if op == "broadcast":
+        peers = set()
+        d = 1
+        while d < n:
+            if rank < d and rank + d < n:
+                peers.add(rank + d)
+            elif d <= rank < 2 * d:
+                peers.add(rank - d)
+            d *= 2
+        return sorted(peers)
+    p, rem, new, old = _fold(n)
+    peers = set()
+    if rank < 2 * rem:
+        peers.add(rank ^ 1)
+    v = new(rank)
+    if v is not None:
+        d = 1
+        while d < p:
+            peers.add(old(v ^ d))
+            d *= 2
+    return sorted(peers)
+
+
+def _halving(comm: Comm, out: np.ndarray, v: int, p: int, old, chunk: int,
+             tmp: np.ndarray) -> None:
+    """Recursive halving among p virtual ranks; afterwards shard v (of p) holds the sum."""
+    b = shard_bounds(out.size, p)
+    s0, s1 = 0, p
+    d = p // 2
+    while d >= 1:
+        mid = (s0 + s1) // 2
+        partner = old(v ^ d)
+        if v & d:
+            keep, give = (mid, s1), (s0, mid)
+        else:
+            keep, give = (s0, mid), (mid, s1)
+        fut = comm.send(partner, out[b[give[0]]:b[give[1]]])
+        for a, z in chunks(int(b[keep[0]]), int(b[keep[1]]), chunk):
+            t = tmp[: z - a]
+            comm.recv(partner, t)
+            out[a:z] += t
+        fut.result()
+        s0, s1 = keep
+        d //= 2
+
+
+def _doubling(comm: Comm, out: np.ndarray, v: int, p: int, old) -> None:
+    """Recursive doubling among p virtual ranks; shard v valid at entry, all at exit."""
+    b = shard_bounds(out.size, p)
+    s0, s1 = v, v + 1
+    d = 1
+    while d < p:
+        partner = old(v ^ d)
+        if v & d:
+            other = (s0 - (s1 - s0), s0)
+        else:
+            other = (s1, s1 + (s1 - s0))
+        fut = comm.send(partner, out[b[s0]:b[s1]])
+        comm.recv(partner, out[b[other[0]]:b[other[1]]])
+        fut.result()
+        s0, s1 = min(s0, other[0]), max(s1, other[1])
+        d *= 2
+
+
+def allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
+    """Halving-doubling allreduce of ``x`` into ``out`` for any n >= 2."""
+    r = comm.rank
+    p, rem, new, old = _fold(n)
+    out[:] = x
+    tmp = np.empty(min(chunk, out.size), dtype=out.dtype)
+    if r < 2 * rem:
+        if r % 2:  # folded away: hand the array to the partner, get the sum back
+            comm.send(r - 1, out).result()
+            comm.recv(r - 1, out)
+            return
+        for a, z in chunks(0, out.size, chunk):
+            t = tmp[: z - a]
+            comm.recv(r + 1, t)
+            out[a:z] += t
+    v = new(r)
+    _halving(comm, out, v, p, old, chunk, tmp)
+    _doubling(comm, out, v, p, old)
+    if r < 2 * rem:
+        comm.send(r + 1, out).result()
+
+
+def reduce_scatter(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
+    """Recursive-halving reduce-scatter (n a power of two): ``out`` = shard ``rank`` of the sum."""
+    work = x.copy()
+    tmp = np.empty(min(chunk, work.size), dtype=work.dtype)
+    _halving(comm, work, comm.rank, n, lambda v: v, chunk, tmp)
+    b = shard_bounds(x.size, n)
+    out[:] = work[b[comm.rank]:b[comm.rank + 1]]
+
+
+def allgather(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
+    """Recursive-doubling allgather (n a power of two)."""
+    b = shard_bounds(out.size, n)
+    out[b[comm.rank]:b[comm.rank + 1]] = x
+    _doubling(comm, out, comm.rank, n, lambda v: v)
+
+
+def broadcast(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
+    """Binomial-tree broadcast from rank 0 (round k: ranks < 2^k send to rank + 2^k)."""
+    r = comm.rank
+    if r == 0:
+        out[:] = x
+    d = 1
+    futs = []
+    while d < n:
+        if r < d and r + d < n:
+            futs.append(comm.send(r + d, out))
+        elif d <= r < 2 * d:
+            comm.recv(r - d, out)
+        d *= 2
+    wait_all(futs)

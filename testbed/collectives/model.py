@@ -1,0 +1,121 @@
+"""The alpha-beta model of every (op, algo) the testbed runs (formulas: shared/ANCHORS.md).
+
+``predict(op, algo, n, nbytes, bw_bps, alpha_s)`` returns seconds. ``bw_bps`` is the
+bottleneck link rate in bit/s as configured on the links; the model converts it to *goodput*
+(payload bytes per second) with the protocol's payload/frame ratio, because the emulated
+links (HTB) count every byte of the Ethernet frame:
+
+* TCP (ring, hd, rs, tree): MSS 1448 B (timestamps on) in a 1514 B frame -> 0.9564.
+* INA / NIC (UDP + 28 B testbed header): 256 x 4 B = 1024 B payload in a 1094 B frame -> 0.936.
+
+``alpha_s`` is the one-way latency of one message between two hosts (the hop latency of
+the topology plus the software latency of sending a message).
+"""
+
+from __future__ import annotations
+
+import math
+
+from testbed.collectives.spec import ALGOS, INA_ELEMS, OPS
+
+ETH_HDR = 14
+TCP_MSS = 1448  # 1500 - 20 (IP) - 20 (TCP) - 12 (timestamp option)
+TCP_FRAME = 1500 + ETH_HDR
+INA_PAYLOAD = INA_ELEMS * 4
+INA_FRAME = ETH_HDR + 20 + 8 + 28 + INA_PAYLOAD
+
+#: Payload fraction of the wire bytes per protocol.
+GOODPUT = {"tcp": TCP_MSS / TCP_FRAME, "ina": INA_PAYLOAD / INA_FRAME}
+
+#: Default pipelining chunk of the TCP broadcast chain (bytes), as in spec.chunk_bytes.
+DEFAULT_CHUNK = 256 << 10
+
+
+def goodput_Bps(algo: str, bw_bps: float) -> float:
+    """Payload bytes per second that a link of ``bw_bps`` bit/s carries for ``algo``."""
+    proto = "ina" if algo in ("ina", "nic") else "tcp"
+    return bw_bps / 8.0 * GOODPUT[proto]
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor: allreduce 2(n-1)/n, rs/ag (n-1)/n, broadcast 1."""
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "allgather"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"op={op!r} is not one of {OPS + ('reduce',)}")
+
+
+def rs_link_load(n: int, servers: int, colocated: bool) -> float:
+    """Largest bytes one link carries per direction, in units of S, for the reduction server.
+
+    Each worker sends S/m to each of m servers and gets S/m back from each. A dedicated server
+    link carries n*S/m; a worker link S. A server co-located with a worker exchanges its own
+    shard locally, so its link carries (n-1)*S/m for the server plus (m-1)*S/m for the worker.
+    """
+    m = servers
+    if colocated:
+        return max(1.0 if m < n else (m - 1) / m, (n - 1 + m - 1) / m)
+    return max(1.0, n / m)
+
+
+def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: float,
+            servers: int = 1, colocated: bool = True, chunk_bytes: int = DEFAULT_CHUNK) -> float:
+    """Predicted seconds of ``op`` with ``algo`` on ``n`` workers moving ``nbytes``.
+
+    ``algo``: ring, hd (recursive halving-doubling; non-power-of-two n folds the extra ranks
+    into partners first, MPICH style), tree (binomial), rs (reduction server with ``servers``
+    servers, ``colocated`` with workers or on their own hosts), ina / nic (in-network
+    aggregation: S/B + one round trip, independent of n).
+    """
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not one of {OPS}")
+    if algo not in ALGOS + ("tree",):
+        raise ValueError(f"algo={algo!r} is not one of {ALGOS + ('tree',)}")
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"n={n!r} must be an integer >= 1")
+    if nbytes < 0 or bw_bps <= 0 or alpha_s < 0:
+        raise ValueError(f"need nbytes >= 0, bw_bps > 0, alpha_s >= 0; got {nbytes}, "
+                         f"{bw_bps}, {alpha_s}")
+    if n == 1:
+        return 0.0
+    a = alpha_s
+    t = nbytes / goodput_Bps(algo, bw_bps)  # S/B: time to push the whole array over one link
+    lg = math.ceil(math.log2(n))
+    if algo in ("ina", "nic"):
+        if op != "allreduce":
+            raise ValueError(f"algo={algo!r} models allreduce only, not op={op!r}")
+        return t + 2 * a
+    if algo == "rs":
+        if op != "allreduce":
+            raise ValueError(f"algo='rs' models allreduce only, not op={op!r}")
+        if servers < 1:
+            raise ValueError(f"servers={servers!r} must be >= 1")
+        return 2 * a + rs_link_load(n, servers, colocated) * t
+    if algo == "tree":
+        if op == "broadcast":
+            return lg * (a + t)
+        if op == "allreduce":
+            return 2 * lg * (a + t)
+        raise ValueError(f"algo='tree' models broadcast and allreduce, not op={op!r}")
+    if algo == "ring":
+        if op == "allreduce":
+            return 2 * (n - 1) * a + 2 * (n - 1) / n * t
+        if op in ("reduce_scatter", "allgather"):
+            return (n - 1) * a + (n - 1) / n * t
+        # broadcast: pipelined chain; the last rank gets the first chunk after n-2 relays
+        c = min(chunk_bytes, nbytes) / goodput_Bps(algo, bw_bps)
+        return (n - 1) * a + t + (n - 2) * c
+    # hd
+    if op == "broadcast":  # binomial tree
+        return lg * (a + t)
+    p = 1 << int(math.floor(math.log2(n)))
+    if op == "allreduce":
+        base = 2 * math.log2(p) * a + 2 * (p - 1) / p * t
+        if p != n:  # fold: extra ranks send their array to a partner and get the sum back
+            base += 2 * (a + t)
+        return base
+    # reduce_scatter / allgather: power-of-two n only (validated by CollectiveSpec)
+    return math.log2(p) * a + (p - 1) / p * t

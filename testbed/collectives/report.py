@@ -1,0 +1,140 @@
+"""Report rows (nccl-tests convention + model), per-rank inputs and the correctness check.
+
+Inputs are generated per rank from ``(seed, rank)`` so whoever holds the seed can recompute
+them; the check compares every rank's output with the numpy reference computed in float64.
+
+Error bounds (``max_abs_err`` must not exceed them for ``correct``):
+
+* int32, or any broadcast/allgather (pure copies): exact, bound 0.
+* float32 host reductions (ring/hd/rs): each output element is a float32 sum of the n
+  inputs in some order; the classic bound is ``(n-1) * eps32 * sum_i |x_i|`` per element.
+* INA/NIC fixed point (SwitchML): each worker rounds ``x * f`` to an integer, so the sum of
+  n values is off by at most ``n * 0.5 / f`` with ``f = (2**31 - 1) / (n * 2**e)`` and ``e``
+  the chunk's agreed exponent (2**e >= max|x|); plus the float32 rounding of the result:
+  bound ``n * 0.5 / f + eps32 * |sum|`` per element, with ``2**e`` <= 2 * global max|x|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from testbed.collectives import model
+from testbed.collectives.spec import CollectiveSpec
+
+REPORT_COLUMNS: tuple[str, ...] = (
+    "op", "algo", "n", "bytes", "count", "time_s", "algbw", "busbw", "model_s", "fidelity",
+    "cpu_bound", "max_abs_err", "correct",
+    # context
+    "topology", "bw_mbps", "compressor", "error_feedback", "loss", "rep", "seed",
+    # diagnostics: busiest worker/server/engine process (fraction of one core), largest
+    # fraction of the run a process waited for a CPU, whole-machine CPU busy fraction,
+    # set-up seconds (processes + connections)
+    "cpu_max", "cpu_wait", "machine_cpu", "setup_s",
+)
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def rank_input(spec: CollectiveSpec, rank: int, count: int) -> np.ndarray:
+    """The input array of ``rank`` (deterministic in ``spec.seed``)."""
+    rng = np.random.default_rng([spec.seed, rank])
+    if spec.dtype == "int32":
+        # small magnitudes so an n-way int32 sum never overflows
+        return rng.integers(-(1 << 20), 1 << 20, size=count, dtype=np.int32)
+    return rng.standard_normal(count, dtype=np.float32)
+
+
+def shard_bounds(count: int, n: int) -> np.ndarray:
+    """Offsets of n near-equal shards of ``count`` elements (length n+1, like array_split)."""
+    q, r = divmod(count, n)
+    sizes = np.full(n, q, dtype=np.int64)
+    sizes[:r] += 1
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
+def input_count(op: str, count: int, n: int, rank: int) -> int:
+    """Elements rank ``rank`` contributes (allgather contributes only its shard)."""
+    if op == "allgather":
+        b = shard_bounds(count, n)
+        return int(b[rank + 1] - b[rank])
+    return count
+
+
+def output_count(op: str, count: int, n: int, rank: int) -> int:
+    """Elements rank ``rank`` ends up with (reduce_scatter keeps only its shard)."""
+    if op == "reduce_scatter":
+        b = shard_bounds(count, n)
+        return int(b[rank + 1] - b[rank])
+    return count
+
+
+def expected(spec: CollectiveSpec, inputs: list[np.ndarray], n: int) -> tuple[list, list]:
+    """Per-rank expected outputs (float64) and per-element error bounds for ``spec``."""
+    op = spec.op
+    count = spec.count
+    b = shard_bounds(count, n)
+    if op == "broadcast":
+        ref = inputs[0].astype(np.float64)
+        return [ref] * n, [np.zeros(1)] * n
+    if op == "allgather":
+        ref = np.concatenate(inputs).astype(np.float64)
+        return [ref] * n, [np.zeros(1)] * n
+    total = np.zeros(count, dtype=np.float64)
+    abs_total = np.zeros(count, dtype=np.float64)
+    for x in inputs:
+        total += x
+        if spec.dtype == "float32":
+            abs_total += np.abs(x)
+    if spec.dtype == "int32":
+        bound = np.zeros(1)
+    elif spec.algo in ("ina", "nic"):
+        gmax = max(float(np.max(np.abs(x))) for x in inputs)
+        e = np.ceil(np.log2(max(gmax, 1e-30)))
+        f = (2.0**31 - 1) / (n * 2.0**e)
+        bound = n * 0.5 / f + 2 * EPS32 * np.abs(total) + 1e-30
+    else:
+        bound = (n - 1) * EPS32 * abs_total + EPS32 * np.abs(total)
+    if op == "reduce_scatter":
+        outs = [total[b[r]:b[r + 1]] for r in range(n)]
+        bounds = [bound if bound.size == 1 else bound[b[r]:b[r + 1]] for r in range(n)]
+        return outs, bounds
+    return [total] * n, [bound] * n
+
+
+def check(spec: CollectiveSpec, inputs: list[np.ndarray], outputs: list[np.ndarray],
+          n: int) -> tuple[float, bool]:
+    """(max_abs_err over all ranks, correct) of ``outputs`` against the numpy reference."""
+    refs, bounds = expected(spec, inputs, n)
+    worst = 0.0
+    ok = True
+    for out, ref, bound in zip(outputs, refs, bounds, strict=True):
+        if out.shape != ref.shape:
+            return float("inf"), False
+        err = np.abs(out.astype(np.float64) - ref)
+        if not np.all(np.isfinite(err)):
+            return float("inf"), False
+        if err.size:
+            worst = max(worst, float(err.max()))
+            ok = ok and bool(np.all(err <= bound))
+    return worst, ok
+
+
+def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu_bound: bool,
+             max_abs_err: float, correct: bool, rep: int, topology: str = "",
+             bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_wait: float = 0.0,
+             machine_cpu: float = 0.0,
+             setup_s: float = 0.0) -> dict:
+    """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s)."""
+    algbw = spec.nbytes * 8 / time_s / 1e9 if time_s > 0 else float("nan")
+    row = {
+        "op": spec.op, "algo": spec.algo, "n": n, "bytes": spec.nbytes, "count": spec.count,
+        "time_s": time_s, "algbw": algbw, "busbw": algbw * model.busbw_factor(spec.op, n),
+        "model_s": model_s, "fidelity": time_s / model_s if model_s > 0 else float("nan"),
+        "cpu_bound": bool(cpu_bound), "max_abs_err": max_abs_err, "correct": bool(correct),
+        "topology": topology, "bw_mbps": bw_mbps, "compressor": spec.compressor,
+        "error_feedback": spec.error_feedback, "loss": spec.loss, "rep": rep,
+        "seed": spec.seed, "cpu_max": cpu_max, "cpu_wait": cpu_wait,
+        "machine_cpu": machine_cpu, "setup_s": setup_s,
+    }
+    assert tuple(row) == REPORT_COLUMNS
+    return row

@@ -1,0 +1,154 @@
+"""What a collective run is asked to do (:class:`CollectiveSpec`) and its validation.
+
+Every bad field raises ``ValueError`` naming the field, the value and what is allowed, before
+any process or packet is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+ALGOS = ("ring", "hd", "rs", "ina", "nic")
+DTYPES = ("float32", "int32")
+
+#: Which (op, algo) pairs are implemented. INA/NIC and the reduction server reduce, so
+#: they only make sense for allreduce here.
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "allreduce": ("ring", "hd", "rs", "ina", "nic"),
+    "reduce_scatter": ("ring", "hd"),
+    "allgather": ("ring", "hd"),
+    "broadcast": ("ring", "hd"),
+}
+
+#: Elements per INA packet (SwitchML's client default, see kernels.wire).
+INA_ELEMS = 256
+#: Default outstanding packets (slots) per INA worker.
+DEFAULT_WINDOW = 128
+
+
+@dataclasses.dataclass
+class CollectiveSpec:
+    """One collective to run on an emulated network.
+
+    ``op``/``algo``: see :data:`SUPPORTED`. ``nbytes``: size of the whole array in bytes
+    (nccl-tests convention: for allgather/reduce_scatter the full array, not a shard); it must
+    be a multiple of the dtype size. ``workers``: number of worker hosts (default: every host of
+    the net). ``servers``: reduction-server count for ``algo="rs"``: placed on the hosts after
+    the workers when the net has enough of them, otherwise co-located on workers.
+    ``window``: outstanding packets per INA worker (slot pool size). ``chunk_bytes``: TCP
+    pipelining unit. ``loss``: seeded drop probability applied in the INA client on receive
+    (client-side impairment when the switch has no impair stage). ``timeout_s``: a peer silent
+    that long fails the run with :class:`CollectiveTimeout`.
+    """
+
+    op: str = "allreduce"
+    algo: str = "ring"
+    nbytes: int = 8 << 20
+    dtype: str = "float32"
+    compressor: str | None = None
+    compressor_params: dict = dataclasses.field(default_factory=dict)
+    error_feedback: bool = False
+    servers: int = 1
+    workers: int | None = None
+    window: int = DEFAULT_WINDOW
+    chunk_bytes: int = 256 << 10
+    loss: float = 0.0
+    timeout_s: float = 60.0
+    seed: int = 0
+    repetitions: int = 1
+    job_id: int = 1
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def count(self) -> int:
+        """Number of elements in the whole array."""
+        return self.nbytes // self.itemsize
+
+    def validate(self, n_hosts: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field; ``n_hosts`` = hosts of the net."""
+        if self.op not in OPS:
+            raise ValueError(f"CollectiveSpec.op={self.op!r} is not one of {OPS}")
+        if self.algo not in ALGOS:
+            raise ValueError(f"CollectiveSpec.algo={self.algo!r} is not one of {ALGOS}")
+        if self.algo not in SUPPORTED[self.op]:
+            ok = [a for a in SUPPORTED[self.op]]
+            raise ValueError(f"CollectiveSpec.algo={self.algo!r} does not implement "
+                             f"op={self.op!r}; use one of {ok}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"CollectiveSpec.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.algo in ("ina", "nic") and self.dtype != "float32":
+            raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: algo={self.algo!r} "
+                             "aggregates float32 in fixed point; use dtype='float32'")
+        _int(self, "nbytes", 1)
+        if self.nbytes % self.itemsize:
+            raise ValueError(f"CollectiveSpec.nbytes={self.nbytes} is not a multiple of the "
+                             f"{self.dtype} size ({self.itemsize} B)")
+        _int(self, "servers", 1)
+        _int(self, "window", 1)
+        if self.window > 4096:
+            raise ValueError(f"CollectiveSpec.window={self.window} exceeds 4096 slots")
+        _int(self, "chunk_bytes", 1024)
+        _int(self, "repetitions", 1)
+        _int(self, "seed", 0)
+        _int(self, "job_id", 0)
+        if self.job_id > 0xFFFF:
+            raise ValueError(f"CollectiveSpec.job_id={self.job_id} must fit 16 bits")
+        if not (isinstance(self.timeout_s, int | float) and math.isfinite(self.timeout_s)
+                and self.timeout_s > 0):
+            raise ValueError(f"CollectiveSpec.timeout_s={self.timeout_s!r} must be a positive "
+                             "number of seconds")
+        if not (isinstance(self.loss, int | float) and 0.0 <= self.loss < 0.5):
+            raise ValueError(f"CollectiveSpec.loss={self.loss!r} must be in [0, 0.5)")
+        if self.loss and self.algo not in ("ina", "nic"):
+            raise ValueError(f"CollectiveSpec.loss={self.loss}: client-side loss is only "
+                             "emulated for algo 'ina'/'nic' (TCP algorithms need the switch's "
+                             "impair stage)")
+        if not isinstance(self.compressor_params, dict):
+            raise ValueError("CollectiveSpec.compressor_params must be a dict")
+        if self.compressor is not None and not isinstance(self.compressor, str):
+            raise ValueError(f"CollectiveSpec.compressor={self.compressor!r} must be a name "
+                             "or None")
+        if self.compressor is not None and (self.op != "allreduce"
+                                            or self.algo not in ("ring", "hd")):
+            raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: compression is "
+                             "applied to allreduce with algo 'ring' or 'hd' only")
+        if self.error_feedback and self.compressor is None:
+            raise ValueError("CollectiveSpec.error_feedback=True needs a compressor")
+        if self.workers is not None:
+            _int(self, "workers", 2)
+        if n_hosts is not None:
+            n = self.workers if self.workers is not None else n_hosts
+            if n > n_hosts:
+                raise ValueError(f"CollectiveSpec.workers={n} but the net has {n_hosts} hosts")
+            if n < 2:
+                raise ValueError(f"CollectiveSpec.workers: need at least 2 workers, "
+                                 f"the net gives {n}")
+            if self.algo in ("ina", "nic") and n > 32:
+                raise ValueError(f"CollectiveSpec.workers={n}: in-network aggregation takes "
+                                 "at most 32 workers (32-bit bitmap)")
+            if self.algo == "rs" and self.servers > n_hosts:
+                raise ValueError(f"CollectiveSpec.servers={self.servers} exceeds the "
+                                 f"{n_hosts} hosts of the net")
+        if self.algo == "hd" and self.op in ("reduce_scatter", "allgather") and n_hosts:
+            n = self.workers if self.workers is not None else n_hosts
+            if n & (n - 1):
+                raise ValueError(f"CollectiveSpec.algo='hd' for op={self.op!r} needs a power "
+                                 f"of two workers, got {n}; use algo='ring'")
+
+    def to_json(self) -> dict:
+        """Plain dict (JSON-serialisable) of the fields."""
+        return dataclasses.asdict(self)
+
+
+def _int(spec: CollectiveSpec, name: str, lo: int) -> None:
+    v = getattr(spec, name)
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
+        raise ValueError(f"CollectiveSpec.{name}={v!r} must be an integer >= {lo}")

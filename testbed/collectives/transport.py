@@ -1,0 +1,159 @@
+"""TCP plumbing of the host-based collectives: connections between ranks and exact transfers.
+
+A :class:`Comm` belongs to one rank (worker or server) inside its host's network namespace.
+It holds one TCP connection per peer rank it talks to, a sender thread per peer (so a rank
+can send and receive at once, as ring steps need) and the timeout after which a silent peer
+fails the run with :class:`CollectiveTimeout`.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer died, closed its connection, or sent garbage)."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A peer stayed silent longer than ``spec.timeout_s``."""
+
+
+_HELLO = struct.Struct("<I")
+SOCK_BUF = 4 << 20
+
+
+class Comm:
+    """Connections of one rank to its peers, plus per-peer sender threads."""
+
+    def __init__(self, rank: int, names: list[str], timeout_s: float):
+        self.rank = rank
+        self.names = names  # host name of every rank, for error messages
+        self.timeout_s = timeout_s
+        self.socks: dict[int, socket.socket] = {}
+        self._senders: dict[int, ThreadPoolExecutor] = {}
+        self.listener: socket.socket | None = None
+
+    def who(self, peer: int) -> str:
+        """'rank 3 (tbh4)' for messages."""
+        return f"rank {peer} ({self.names[peer]})"
+
+    def listen(self, ip: str) -> int:
+        """Open the listening socket on ``ip``; return its port."""
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((ip, 0))
+        s.listen(256)
+        s.settimeout(self.timeout_s)
+        self.listener = s
+        return s.getsockname()[1]
+
+    def connect(self, peers: list[int], addrs: dict[int, tuple[str, int]]) -> None:
+        """Connect to every peer with a higher rank, accept every one with a lower rank."""
+        for p in sorted(peers):
+            if p <= self.rank:
+                continue
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._tune(s)
+                try:
+                    s.connect(tuple(addrs[p]))
+                    break
+                except OSError as e:
+                    s.close()
+                    if time.monotonic() > deadline:
+                        raise CollectiveTimeout(f"{self.who(self.rank)}: cannot connect to "
+                                                f"{self.who(p)} at {addrs[p]}: {e}") from None
+                    time.sleep(0.05)
+            s.sendall(_HELLO.pack(self.rank))
+            self._add(p, s)
+        lower = {p for p in peers if p < self.rank}
+        while lower - set(self.socks):
+            assert self.listener is not None
+            try:
+                s, _ = self.listener.accept()
+            except TimeoutError:
+                missing = sorted(lower - set(self.socks))
+                raise CollectiveTimeout(f"{self.who(self.rank)}: peers {missing} did not "
+                                        f"connect within {self.timeout_s} s") from None
+            self._tune(s)
+            s.settimeout(self.timeout_s)
+            buf = bytearray(_HELLO.size)
+            self._recv_into(s, memoryview(buf), "hello")
+            (p,) = _HELLO.unpack(buf)
+            if p not in lower:
+                s.close()
+                raise CollectiveError(f"{self.who(self.rank)}: unexpected hello from rank {p}")
+            self._add(p, s)
+
+    def _tune(self, s: socket.socket) -> None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _add(self, p: int, s: socket.socket) -> None:
+        s.settimeout(self.timeout_s)
+        self.socks[p] = s
+        self._senders[p] = ThreadPoolExecutor(1, thread_name_prefix=f"send{p}")
+
+    def send(self, peer: int, arr: np.ndarray) -> Future:
+        """Queue ``arr`` (contiguous) for sending to ``peer``; sends to one peer keep order."""
+        mv = memoryview(np.ascontiguousarray(arr)).cast("B")
+        return self._senders[peer].submit(self._sendall, peer, mv)
+
+    def _sendall(self, peer: int, mv: memoryview) -> None:
+        try:
+            self.socks[peer].sendall(mv)
+        except TimeoutError:
+            raise CollectiveTimeout(f"{self.who(self.rank)}: sending to {self.who(peer)} "
+                                    f"stalled for {self.timeout_s} s") from None
+        except OSError as e:
+            raise CollectiveError(f"{self.who(self.rank)}: sending to {self.who(peer)} "
+                                  f"failed: {e} (peer died?)") from None
+
+    def recv(self, peer: int, arr: np.ndarray) -> None:
+        """Fill ``arr`` (contiguous, writable) with exactly its size in bytes from ``peer``."""
+        self._recv_into(self.socks[peer], memoryview(arr).cast("B"), self.who(peer))
+
+    def _recv_into(self, s: socket.socket, mv: memoryview, who: str) -> None:
+        got = 0
+        total = len(mv)
+        while got < total:
+            try:
+                k = s.recv_into(mv[got:], total - got)
+            except TimeoutError:
+                raise CollectiveTimeout(f"{self.who(self.rank)}: no data from {who} for "
+                                        f"{self.timeout_s} s ({got}/{total} B received)") from None
+            except OSError as e:
+                raise CollectiveError(f"{self.who(self.rank)}: receiving from {who} failed: "
+                                      f"{e} (peer died?)") from None
+            if k == 0:
+                raise CollectiveError(f"{self.who(self.rank)}: {who} closed the connection "
+                                      f"({got}/{total} B received; peer died?)")
+            got += k
+
+    def close(self) -> None:
+        """Close every connection and stop the sender threads."""
+        for ex in self._senders.values():
+            ex.shutdown(wait=False, cancel_futures=True)
+        for s in self.socks.values():
+            s.close()
+        if self.listener is not None:
+            self.listener.close()
+        self.socks.clear()
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for queued sends; re-raise the first failure."""
+    for f in futures:
+        f.result()
+
+
+def chunks(lo: int, hi: int, step: int):
+    """(start, stop) pairs covering [lo, hi) in pieces of at most ``step``."""
+    for s in range(lo, hi, step):
+        yield s, min(s + step, hi)

@@ -1,0 +1,437 @@
+"""The process tree that runs one collective: ``python -m testbed.collectives.worker --job J``.
+
+Design (measured, see the E2 report): one *pool* process starts in the root namespace,
+imports numpy once, generates every rank's input into shared memory, then ``fork``s one child
+per rank (workers, then reduction servers). Each child ``setns``-es into its host's network
+namespace (``/proc/<host shell pid>/ns/net``), names itself ``tbw-<host>`` (servers
+``tbr-<host>``) and dies with the pool (``PR_SET_PDEATHSIG``). A fork costs a few ms and
+shares the parent's pages, where a fresh interpreter per host costs ~0.1 s (numpy) to ~0.9 s
+(numba) and tens of MB each.
+
+Control: one socketpair per child carrying JSON lines. Children report their listening port,
+get everyone's address, connect, report ready; for each repetition the pool takes the time,
+releases all children at once (``go``), and collects ``done`` (with the child's finish time).
+Time of a repetition = last rank's finish - release. Outputs land directly in shared memory,
+where the pool checks them against the numpy sum of the inputs. The pool writes
+``result.json`` into the job folder; a failed or silent rank fails the run with a message
+naming it, and every child is killed and reaped before the pool exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from testbed.collectives import hd, ring, server
+from testbed.collectives.report import check, input_count, output_count, rank_input
+from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.transport import CollectiveTimeout, Comm
+
+CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+_libc = ctypes.CDLL(None, use_errno=True)
+
+ALGOS = {
+    ("allreduce", "ring"): ring.allreduce,
+    ("reduce_scatter", "ring"): ring.reduce_scatter,
+    ("allgather", "ring"): ring.allgather,
+    ("broadcast", "ring"): ring.broadcast,
+    ("allreduce", "hd"): hd.allreduce,
+    ("reduce_scatter", "hd"): hd.reduce_scatter,
+    ("allgather", "hd"): hd.allgather,
+    ("broadcast", "hd"): hd.broadcast,
+}
+
+
+def enter_netns(pid: int) -> None:
+    """Move the calling (single-threaded) process into the network namespace of ``pid``."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into the netns of pid {pid}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _prctl_name(name: str) -> None:
+    _libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def peers_of(spec: CollectiveSpec, rank: int, n: int, m: int) -> list[int]:
+    """Ranks that ``rank`` exchanges data with (servers are ranks n..n+m-1)."""
+    if spec.algo == "ring":
+        return ring.ring_peers(rank, n)
+    if spec.algo == "hd":
+        return hd.hd_peers(rank, n, spec.op)
+    if spec.algo == "rs":
+        return list(range(n, n + m)) if rank < n else list(range(n))
+    return []
+
+
+def _shared(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+
+
+class _Line:
+    """Newline-delimited JSON over a socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = b""
+
+    def send(self, obj: dict) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def feed(self) -> list[dict] | None:
+        """Read what is there; parsed messages, or None at EOF."""
+        data = self.sock.recv(65536)
+        if not data:
+            return None
+        self.buf += data
+        out = []
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            out.append(json.loads(line))
+        return out
+
+    def recv(self) -> dict:
+        """Block for the next message (children only)."""
+        while b"\n" not in self.buf:
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError("pool closed the control channel")
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+
+def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> int:
+    n, m = job["n"], job["m"]
+    info = job["ranks"][rank]
+    names = [r["host"] for r in job["ranks"]]
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != job["_pool_pid"]:
+        return 1
+    _prctl_name(("tbw-" if rank < n else "tbr-") + info["host"])
+    comm = None
+    try:
+        enter_netns(info["pid"])
+        chunk = max(1, spec.chunk_bytes // spec.itemsize)
+        if spec.algo in ("ina", "nic"):
+            from testbed.collectives import ina
+
+            client = ina.InaClient(job, spec, rank)
+            ctl.send({"type": "port", "port": 0})
+            ctl.recv()
+            run = lambda: client.allreduce(x, out)  # noqa: E731
+        else:
+            comm = Comm(rank, names, spec.timeout_s)
+            port = comm.listen(info["ip"])
+            ctl.send({"type": "port", "port": port})
+            addrs = {int(k): v for k, v in ctl.recv()["addrs"].items()}
+            comm.connect(peers_of(spec, rank, n, m), addrs)
+            if rank >= n:
+                run = lambda: server.serve(comm, spec.count, np.dtype(spec.dtype), n, m,  # noqa
+                                           rank - n, chunk)
+            elif spec.algo == "rs":
+                run = lambda: server.worker_allreduce(comm, x, out, n, m, chunk)  # noqa
+            else:
+                fn = ALGOS[(spec.op, spec.algo)]
+                run = lambda: fn(comm, x, out, n, chunk)  # noqa: E731
+        ctl.send({"type": "ready"})
+        while True:
+            msg = ctl.recv()
+            if msg["type"] != "go":
+                return 0
+            t0 = time.monotonic()
+            run()
+            ctl.send({"type": "done", "t_start": t0, "t_end": time.monotonic()})
+    except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
+        msg = str(e) if str(e) else repr(e)
+        if not isinstance(e, OSError | EOFError) and "Collective" not in type(e).__name__:
+            msg += "\n" + traceback.format_exc(limit=4)
+        try:
+            ctl.send({"type": "error", "error": f"{type(e).__name__}: {msg}",
+                      "timeout": isinstance(e, CollectiveTimeout)})
+        except OSError:
+            pass
+        return 1
+    finally:
+        if comm is not None:
+            comm.close()
+
+
+def _sched(pid: int) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for a CPU) summed over the threads of ``pid``."""
+    run = wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                a, b, _ = f.read().split()
+        except (OSError, ValueError):
+            continue  # thread exited meanwhile
+        run += int(a)
+        wait += int(b)
+    return run, wait
+
+
+def _machine() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        v = [int(t) for t in f.readline().split()[1:]]
+    total = sum(v[:8])
+    return total - v[3] - v[4], total  # busy (not idle/iowait), total
+
+
+class _CpuSampler:
+    """CPU use of our processes during a repetition, from ``/proc/<pid>/task/*/schedstat``.
+
+    * ``cpu_max``: the busiest process's core fraction, the max over intervals of at least
+      ``min_interval`` s (a worker or engine pinned near 1.0 is the bottleneck);
+    * ``cpu_wait``: the largest fraction of the run a process spent runnable but waiting for a
+      CPU (the machine is shared: a starved emulator slows the collective although the network
+      is idle);
+    * ``machine``: busy fraction of all CPUs (everyone's load, for context).
+    """
+
+    def __init__(self, pids: list[int], min_interval: float = 0.25):
+        self.pids = pids
+        self.min_interval = min_interval
+        self.start()
+
+    def start(self) -> None:
+        """Begin a measurement (one repetition)."""
+        self.t = self.t0 = time.monotonic()
+        self.last = {p: _sched(p) for p in self.pids}
+        self.first = dict(self.last)
+        self.m0 = _machine()
+        self.peak = 0.0
+
+    def sample(self, final: bool = False) -> None:
+        """Take an interval sample if ``min_interval`` has passed."""
+        now = time.monotonic()
+        dt = now - self.t
+        if dt < self.min_interval:
+            return
+        for p in self.pids:
+            c = _sched(p)
+            if c is not None and self.last.get(p) is not None:
+                self.peak = max(self.peak, (c[0] - self.last[p][0]) / 1e9 / dt)
+            self.last[p] = c
+        self.t = now
+
+    def result(self) -> tuple[float, float, float]:
+        """(cpu_max, cpu_wait, machine busy fraction) since :meth:`start`."""
+        self.sample()
+        wall = max(time.monotonic() - self.t0, 1e-6)
+        wait = 0.0
+        for p in self.pids:
+            c, c0 = _sched(p), self.first.get(p)
+            if c is not None and c0 is not None:
+                wait = max(wait, (c[1] - c0[1]) / 1e9 / wall)
+                if self.t == self.t0:  # run shorter than one interval: use the whole run
+                    self.peak = max(self.peak, (c[0] - c0[0]) / 1e9 / wall)
+        b1, t1 = _machine()
+        machine = (b1 - self.m0[0]) / max(t1 - self.m0[1], 1)
+        return self.peak, wait, machine
+
+
+def _warm_ina() -> None:
+    from testbed.collectives import ina  # noqa: F401 - imports numba + the kernels
+    from testbed.kernels import fixedpoint as fp
+
+    x = np.ones(4, dtype=np.float32)
+    q = np.empty(4, dtype=np.int32)
+    sc = fp.scale_for(int(fp.block_exponent(x)), 2)
+    fp.quantize_into(x, sc, q)
+    fp.dequantize_into(q, sc, x)
+
+
+def run_pool(job: dict) -> dict:
+    """Run the collective described by ``job`` (see runner.py); return the result dict."""
+    spec = CollectiveSpec(**job["spec"])
+    n, m = job["n"], job["m"]
+    ranks = job["ranks"]
+    count, dt = spec.count, np.dtype(spec.dtype)
+    t_launch = time.monotonic()
+    in_counts = [input_count(spec.op, count, n, r) for r in range(n)]
+    out_counts = [output_count(spec.op, count, n, r) for r in range(n)]
+    shm_in = _shared(sum(in_counts) * dt.itemsize)
+    shm_out = _shared(sum(out_counts) * dt.itemsize)
+    ins, outs = [], []
+    off = 0
+    for r in range(n):
+        a = np.frombuffer(shm_in, dtype=dt, count=in_counts[r], offset=off * dt.itemsize)
+        if spec.op == "broadcast" and r > 0:
+            a = np.zeros(0, dtype=dt)  # only the root's input matters
+        else:
+            a[:] = rank_input(spec, r, in_counts[r])
+        ins.append(a)
+        off += in_counts[r]
+    off = 0
+    for r in range(n):
+        outs.append(np.frombuffer(shm_out, dtype=dt, count=out_counts[r],
+                                  offset=off * dt.itemsize))
+        off += out_counts[r]
+    if spec.op == "broadcast":  # the reference needs the root's input only, for every rank
+        ins = [ins[0]] * n
+    if spec.algo in ("ina", "nic"):
+        _warm_ina()  # load the cached kernels once here; forked children inherit them
+    job["_pool_pid"] = os.getpid()
+    children: dict[int, int] = {}
+    ctls: dict[int, _Line] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(n + m):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                a.close()
+                for c in ctls.values():
+                    c.sock.close()
+                x = ins[rank] if rank < n else None
+                o = outs[rank] if rank < n else None
+                code = _child(job, spec, rank, _Line(b), x, o)
+            finally:
+                os._exit(code)
+        b.close()
+        children[rank] = pid
+        ctls[rank] = _Line(a)
+    result: dict = {"reps": [], "error": None, "timeout": False,
+                    "pids": {ranks[r]["host"] + ("" if r < n else "/server"): p
+                             for r, p in children.items()}}
+    sel = selectors.DefaultSelector()
+    for r, c in ctls.items():
+        sel.register(c.sock, selectors.EVENT_READ, r)
+    dead: dict[int, str] = {}
+    sampler = _CpuSampler(list(children.values()) + list(job.get("extra_pids", [])))
+
+    def gather(kind: str, wait_s: float) -> dict[int, dict]:
+        """Collect one message of ``kind`` from every live child; errors end it early."""
+        got: dict[int, dict] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + wait_s
+        failing_since = None
+        while len(got) + len(errors) + len(dead) < n + m:
+            now = time.monotonic()
+            if failing_since is not None and now - failing_since > min(spec.timeout_s + 3, 30):
+                break
+            if now > deadline:
+                break
+            for key, _ in sel.select(timeout=0.1):
+                r = key.data
+                msgs = ctls[r].feed()
+                if msgs is None:
+                    sel.unregister(ctls[r].sock)
+                    _, status = os.waitpid(children[r], 0)
+                    why = (f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+                           if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+                    if r not in errors:
+                        dead[r] = f"rank {r} ({ranks[r]['host']}) died ({why})"
+                    children[r] = -1
+                    failing_since = failing_since or time.monotonic()
+                    continue
+                for msg in msgs:
+                    if msg["type"] == "error":
+                        errors[r] = msg["error"]
+                        result["timeout"] |= msg["timeout"]
+                        failing_since = failing_since or time.monotonic()
+                    elif msg["type"] == kind:
+                        got[r] = msg
+            sampler.sample()
+        missing = [r for r in range(n + m) if r not in got and r not in errors and r not in dead]
+        if errors or dead or missing:
+            lines = list(dead.values()) + [f"rank {r} ({ranks[r]['host']}): {e}"
+                                           for r, e in sorted(errors.items())]
+            if missing:
+                result["timeout"] = True
+                lines.append(f"ranks {missing} silent for {wait_s:.0f} s while waiting for "
+                             f"'{kind}'")
+            raise RuntimeError("; ".join(lines))
+        return got
+
+    try:
+        ports = gather("port", spec.timeout_s + 30)
+        addrs = {r: [ranks[r]["ip"], ports[r]["port"]] for r in range(n + m)}
+        for c in ctls.values():
+            c.send({"type": "addrs", "addrs": addrs})
+        gather("ready", spec.timeout_s + 30)
+        result["setup_s"] = time.monotonic() - t_launch
+        for _rep in range(spec.repetitions):
+            for o in outs:
+                o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
+            sampler.start()
+            t_go = time.monotonic()
+            for c in ctls.values():
+                c.send({"type": "go"})
+            done = gather("done", spec.timeout_s + 5)
+            t_end = max(d["t_end"] for d in done.values())
+            cpu_max, cpu_wait, machine = sampler.result()
+            err, ok = check(spec, ins, outs, n)
+            result["reps"].append({"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
+                                   "cpu_max": cpu_max, "cpu_wait": cpu_wait,
+                                   "machine_cpu": machine})
+    except RuntimeError as e:
+        result["error"] = str(e)
+    finally:
+        for c in ctls.values():
+            try:
+                c.send({"type": "exit"})
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for pid in children.values():
+            if pid <= 0:
+                continue
+            while True:
+                done_pid, _ = os.waitpid(pid, os.WNOHANG)
+                if done_pid:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the job file and write ``result.json`` next to it."""
+    ap = argparse.ArgumentParser(prog="python -m testbed.collectives.worker")
+    ap.add_argument("--job", required=True, help="job.json written by the runner")
+    ap.add_argument("marker", nargs="*", help="testbed-node=<host> tags for cleanup")
+    args = ap.parse_args(argv)
+    with open(args.job) as f:
+        job = json.load(f)
+    try:
+        result = run_pool(job)
+    except Exception as e:  # noqa: BLE001 - reported to the runner through result.json
+        result = {"reps": [], "error": f"pool: {type(e).__name__}: {e}\n"
+                  + traceback.format_exc(limit=6), "timeout": False}
+    tmp = os.path.join(os.path.dirname(args.job), "result.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, os.path.join(os.path.dirname(args.job), "result.json"))
+    return 0 if result.get("error") is None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

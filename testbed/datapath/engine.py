@@ -1,0 +1,419 @@
+"""The data-path engine: one process per node serving all its ports in batches.
+
+Run inside the node's network namespace (``nodes.ProgrammableSwitch`` does this)::
+
+    python -m testbed.datapath.engine --config tbs1.json --counters-out tbs1.counters.json \\
+        testbed-node=tbs1
+
+Config (JSON)::
+
+    {"node": "tbs1", "ports": ["tbs1-eth1", "tbs1-eth2"],
+     "programs": [{"name": "aggregate", "settings": {"jobs": {"1": {"n_workers": 4,
+                                                                   "slots": 64}}}},
+                  ["forward", {"learn": true}]],
+     "flood_ports": null, "rx_burst": 64, "control_socket": "/run/testbed/tbs1.sock"}
+
+Loop: poll the ports (timeout bounded by the stages' ``next_deadline_ns``), receive up to
+``rx_burst`` frames from all ports into one :class:`Batch` with ``recvmmsg``, run the stages in
+order, then one Numba call tallies the batch and sorts rows per egress port (``PORT_FLOOD`` ->
+``flood_ports`` but the ingress one) and one ``sendmmsg`` per port transmits them. While traffic
+flows the loop does not poll at all. SIGTERM/SIGINT (or the control command ``stop``) end it
+cleanly; final counters go to ``--counters-out``.
+
+Stages are looked up by name in :data:`STAGES` (``"module:Class"`` strings, imported lazily) or
+given directly as ``"package.module:Class"``. A stage class is built with its settings as
+keyword arguments, plus ``ports=[names]`` if its ``__init__`` accepts ``ports`` (or ``**kw``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+import numpy as np
+from numba import njit
+
+from testbed.datapath.batch import (
+    PORT_DROP,
+    PORT_FLOOD,
+    Batch,
+    DropReason,
+    Stage,
+)
+
+#: program name -> "module:Class"; D2's stages register here by name.
+STAGES: dict[str, str] = {
+    "forward": "testbed.datapath.forward:ForwardStage",
+    "wire": "testbed.datapath.forward:WireStage",
+    "aggregate": "testbed.datapath.aggregate:AggregateStage",
+    "trim": "testbed.datapath.trim:TrimStage",
+    "impair": "testbed.datapath.impair:ImpairStage",
+    "nic_codec": "testbed.datapath.codec:CodecStage",
+}
+
+N_REASONS = 32
+DEFAULT_RX_BURST = 64
+
+
+def stage_class(name: str) -> type:
+    """Resolve a program name (or ``module:Class``) to its Stage class."""
+    target = STAGES.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"unknown program {name!r}; known: {sorted(STAGES)} "
+                         "(or give 'package.module:Class')")
+    mod, _, cls = target.partition(":")
+    try:
+        obj = getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"program {name!r}: cannot load {target} ({e})") from None
+    if not (isinstance(obj, type) and issubclass(obj, Stage)):
+        raise ValueError(f"program {name!r}: {target} is not a Stage subclass")
+    return obj
+
+
+def make_stage(name: str, settings: dict, ports: list[str]) -> Stage:
+    """Instantiate program ``name`` with ``settings`` for a node with ``ports``."""
+    cls = stage_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    kw = dict(settings)
+    if "ports" in params or any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        kw.setdefault("ports", list(ports))
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise ValueError(f"program {name!r}: bad settings {sorted(settings)} ({e})") from None
+
+
+def normalize_programs(programs) -> list[tuple[str, dict]]:
+    """Accept ``[("forward", {...})]``, ``[{"name": "forward", "settings": {...}}]`` or names."""
+    out = []
+    for p in programs or []:
+        if isinstance(p, str):
+            out.append((p, {}))
+        elif isinstance(p, dict):
+            if "name" not in p:
+                raise ValueError(f"program entry {p!r} has no 'name'")
+            out.append((p["name"], dict(p.get("settings") or {})))
+        elif isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str):
+            out.append((p[0], dict(p[1] or {})))
+        else:
+            raise ValueError(f"program entry {p!r}: use (name, settings) or "
+                             "{'name': ..., 'settings': {...}}")
+    if not out:
+        raise ValueError("no programs configured; give at least one, e.g. ['forward']")
+    return out
+
+
+@njit(cache=True)
+def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows,
+                    tx_count, rx_pk, rx_by, tx_pk, tx_by, drops):
+    """Count rx/drops of the batch and list, per egress port, the rows to send."""
+    for p in range(n_ports):
+        tx_count[p] = 0
+    for i in range(n):
+        ip_ = in_port[i]
+        if ip_ >= 0:
+            rx_pk[ip_] += 1
+            rx_by[ip_] += length[i]
+        op = out_port[i]
+        if op >= 0:
+            if op < n_ports:
+                tx_rows[op, tx_count[op]] = i
+                tx_count[op] += 1
+                tx_pk[op] += 1
+                tx_by[op] += length[i]
+            else:
+                drops[n_ports if ip_ < 0 else ip_, 19] += 1  # OTHER: bad port from a stage
+        elif op == PORT_FLOOD:
+            for p in range(n_ports):
+                if p != ip_ and flood_mask[p]:
+                    tx_rows[p, tx_count[p]] = i
+                    tx_count[p] += 1
+                    tx_pk[p] += 1
+                    tx_by[p] += length[i]
+        elif op == PORT_DROP:
+            drops[n_ports if ip_ < 0 else ip_, reason[i]] += 1
+        elif op == -1:  # PORT_UNSET after all stages: nobody wanted it
+            drops[n_ports if ip_ < 0 else ip_, 12] += 1  # NO_ROUTE
+
+
+class Engine:
+    """The engine of one node (see the module docstring)."""
+
+    def __init__(self, config: dict):
+        self.node = str(config.get("node") or "tbnode")
+        self.ports = list(config.get("ports") or [])
+        if not self.ports:
+            raise ValueError("config: 'ports' must list the node's interfaces")
+        if len(set(self.ports)) != len(self.ports):
+            raise ValueError(f"config: duplicate ports in {self.ports}")
+        self.rx_burst = int(config.get("rx_burst", DEFAULT_RX_BURST))
+        if not 1 <= self.rx_burst <= 1024:
+            raise ValueError(f"config: rx_burst must be 1..1024, got {self.rx_burst}")
+        flood = config.get("flood_ports")
+        self.flood_mask = np.ones(len(self.ports), np.bool_)
+        if flood is not None:
+            self.flood_mask[:] = False
+            for p in flood:
+                if p not in self.ports:
+                    raise ValueError(f"config: flood port {p!r} is not one of {self.ports}")
+                self.flood_mask[self.ports.index(p)] = True
+        self.stages: list[Stage] = [make_stage(n, s, self.ports)
+                                    for n, s in normalize_programs(config.get("programs"))]
+        expansion = max(int(getattr(s, "max_expansion", 1)) for s in self.stages)
+        self.batch = Batch(self.rx_burst * max(2, expansion) + 64)
+        self.control_path = config.get("control_socket")
+        self.disable_offloads = bool(config.get("disable_offloads", True))
+        n = len(self.ports)
+        self.rx_pk = np.zeros(n, np.int64)
+        self.rx_by = np.zeros(n, np.int64)
+        self.tx_pk = np.zeros(n, np.int64)
+        self.tx_by = np.zeros(n, np.int64)
+        self.drops = np.zeros((n + 1, N_REASONS), np.int64)  # row n: generated packets
+        self.tx_rows = np.zeros((n, self.batch.capacity), np.int64)
+        self.tx_count = np.zeros(n, np.int64)
+        self.bursts = 0
+        self.max_burst = 0
+        self.running = False
+        self.io = []
+        self.control = None
+        self._t0 = time.monotonic()
+        self._cpu0 = time.process_time()
+        self._cpu_win = (self._t0, self._cpu0, 0.0)  # (wall, cpu, last fraction)
+        self.cpu_max = 0.0  # highest 0.5 s CPU fraction seen while serving
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile/load every kernel on an empty batch so the first packets are not late."""
+        self.batch.reset()
+        for s in self.stages:
+            s.process(self.batch, time.monotonic_ns())
+        self._route(self.batch.n)
+        self.batch.reset()
+
+    def open(self) -> None:
+        """Open the ports (and the control socket last: its existence means 'ready')."""
+        from testbed.datapath.io import PacketPort, disable_offloads
+
+        for name in self.ports:
+            if self.disable_offloads:
+                disable_offloads(name)
+            self.io.append(PacketPort(name, self.batch.buf))
+        if self.control_path:
+            from testbed.datapath.control import ControlServer
+
+            self.control = ControlServer(self.control_path)
+
+    def close(self) -> None:
+        """Close ports and the control socket."""
+        for p in self.io:
+            p.close()
+        self.io = []
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    # --- per burst -------------------------------------------------------------------------
+    def _route(self, n: int) -> None:
+        b = self.batch
+        tally_and_route(n, b.out_port, b.in_port, b.length, b.reason, len(self.ports),
+                        self.flood_mask, self.tx_rows, self.tx_count, self.rx_pk, self.rx_by,
+                        self.tx_pk, self.tx_by, self.drops)
+
+    def run_burst(self) -> int:
+        """Receive one burst from all ports, run the stages, transmit; return frames received."""
+        b = self.batch
+        b.reset()
+        for p, port in enumerate(self.io):
+            room = self.rx_burst - b.n
+            if room <= 0:
+                break
+            got = port.recv_burst(b.n, room, b.length)
+            if got:
+                b.in_port[b.n : b.n + got] = p
+                b.n += got
+        received = b.n
+        now = time.monotonic_ns()
+        for s in self.stages:
+            s.process(b, now)
+        n = b.n
+        self._route(n)
+        for p, port in enumerate(self.io):
+            c = self.tx_count[p]
+            if c:
+                port.send_rows(self.tx_rows[p, :c], b.length)
+        if received:
+            self.bursts += 1
+            if received > self.max_burst:
+                self.max_burst = received
+        return received
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic_ns()
+        t = 200  # wake regularly to refresh telemetry even when idle
+        for s in self.stages:
+            d = s.next_deadline_ns()
+            if d is not None:
+                t = min(t, max(0, (d - now) // 1_000_000))
+        return int(t)
+
+    def _deadline_due(self) -> bool:
+        now = time.monotonic_ns()
+        for s in self.stages:
+            d = s.next_deadline_ns()
+            if d is not None and d <= now:
+                return True
+        return False
+
+    def serve(self) -> None:
+        """Main loop until stopped (signal or control ``stop``)."""
+        poller = select.poll()
+        port_fds = {p.fileno() for p in self.io}
+        for fd in port_fds:
+            poller.register(fd, select.POLLIN)
+        if self.control is not None:
+            for fd in self.control.fds():
+                poller.register(fd, select.POLLIN)
+        self.running = True
+        busy = False
+        while self.running:
+            if busy:
+                events = poller.poll(0) if self.control is not None and \
+                    self.bursts % 64 == 0 else []
+            else:
+                events = poller.poll(self._poll_timeout_ms())
+            for fd, _ev in events:
+                if fd in port_fds:
+                    continue
+                for ch in self.control.handle(fd, self.dispatch):
+                    if ch > 0:
+                        poller.register(ch, select.POLLIN)
+                    else:
+                        try:
+                            poller.unregister(-ch)
+                        except KeyError:
+                            pass
+            got = self.run_burst()
+            busy = got > 0
+            if not busy and self._deadline_due():
+                busy = True  # a held packet is due: go round without sleeping
+            self._sample_cpu()
+
+    def _sample_cpu(self) -> None:
+        wall0, cpu0, frac = self._cpu_win
+        now = time.monotonic()
+        if now - wall0 >= 0.5:
+            cpu = time.process_time()
+            frac = (cpu - cpu0) / (now - wall0)
+            self._cpu_win = (now, cpu, frac)
+            self.cpu_max = max(self.cpu_max, frac)
+
+    # --- control -----------------------------------------------------------------------------
+    def stage(self, name: str) -> Stage:
+        """The stage called ``name``."""
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise ValueError(f"no stage {name!r} on {self.node}; stages: "
+                         f"{[s.name for s in self.stages]}")
+
+    def dispatch(self, req: dict) -> object:
+        """Run one control command (see ``testbed.datapath.control``)."""
+        cmd = req.get("cmd")
+        if cmd == "ping":
+            return "pong"
+        if cmd == "counters":
+            return self.counters()
+        if cmd == "configure":
+            settings = req.get("settings") or {}
+            if not isinstance(settings, dict):
+                raise ValueError("configure: 'settings' must be an object")
+            self.stage(str(req.get("stage"))).configure(**settings)
+            return self.stage(str(req.get("stage"))).counters()
+        if cmd == "reset_job":
+            targets = [s for s in self.stages if hasattr(s, "reset_job")]
+            if not targets:
+                raise ValueError(f"reset_job: no aggregate stage on {self.node}")
+            for s in targets:
+                s.reset_job(int(req.get("job_id")))
+            return True
+        if cmd == "stop":
+            self.running = False
+            return True
+        raise ValueError(f"unknown command {cmd!r}; use counters, configure, reset_job, stop")
+
+    def counters(self) -> dict:
+        """Per-port rx/tx, drops by reason, stage counters and CPU figures."""
+        names = {int(r): r.name for r in DropReason}
+        ports = {}
+        for p, name in enumerate(self.ports):
+            d = {names.get(r, str(r)): int(c) for r, c in enumerate(self.drops[p]) if c}
+            ports[name] = {"rx_packets": int(self.rx_pk[p]), "rx_bytes": int(self.rx_by[p]),
+                           "tx_packets": int(self.tx_pk[p]), "tx_bytes": int(self.tx_by[p]),
+                           "tx_errors": int(self.io[p].tx_errors) if self.io else 0,
+                           "drops": d}
+        total = self.drops.sum(axis=0)
+        gen = {names.get(r, str(r)): int(c) for r, c in enumerate(self.drops[-1]) if c}
+        wall = time.monotonic() - self._t0
+        cpu_s = time.process_time() - self._cpu0
+        return {
+            "node": self.node,
+            "ports": ports,
+            "drops": {names.get(r, str(r)): int(c) for r, c in enumerate(total) if c},
+            "drops_generated": gen,
+            "stages": {s.name: s.counters() for s in self.stages},
+            "bursts": self.bursts,
+            "max_burst": self.max_burst,
+            "rx_burst": self.rx_burst,
+            "uptime_s": round(wall, 3),
+            "cpu_seconds": round(cpu_s, 3),
+            "cpu": round(self._cpu_win[2], 3),  # CPU fraction over the last ~0.5 s
+            "cpu_max": round(self.cpu_max, 3),  # >= 0.9: the engine was CPU-bound
+            "cpu_avg": round(cpu_s / wall, 3) if wall > 0 else 0.0,
+        }
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Process entry point (see the module docstring)."""
+    ap = argparse.ArgumentParser(description="testbed data-path engine")
+    ap.add_argument("--config", required=True, help="JSON config file")
+    ap.add_argument("--counters-out", help="write final counters (JSON) here on exit")
+    ap.add_argument("marker", nargs="*", help="testbed-node=<name> (for cleanup)")
+    a = ap.parse_args(argv)
+    with open(a.config) as fh:
+        config = json.load(fh)
+    eng = Engine(config)
+
+    def stop(_sig, _frm):
+        eng.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    eng.warm_up()
+    try:
+        eng.open()
+        eng.serve()
+    finally:
+        result = eng.counters()
+        if a.counters_out:
+            _write_json(a.counters_out, result)
+        eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

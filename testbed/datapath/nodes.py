@@ -1,0 +1,237 @@
+"""Mininet node classes whose ports are served by the data-path engine.
+
+* :class:`ProgrammableSwitch` - a Tofino-class switch: a Mininet ``Switch`` that lives in its own
+  network namespace (like a host) and runs ``python -m testbed.datapath.engine`` there on
+  ``start()``; ``stop()`` sends SIGTERM, waits, keeps the final counters in
+  ``final_counters`` and removes its files (config, socket, log on success).
+* :class:`SmartNIC` - a BlueField-class bump in the wire: a two-port node between a host and its
+  ToR; default program ``wire`` (port 0 <-> port 1), typically preceded by a ``nic_codec``
+  stage.
+
+Usage::
+
+    net = Mininet(topo=None, controller=None, build=False)
+    s1 = net.addSwitch("tbs1", cls=ProgrammableSwitch,
+                       programs=[("aggregate", {"jobs": {1: {"n_workers": 4, "slots": 64}}}),
+                                 ("forward", {})])
+    ...
+    s1.client().counters()
+
+Node options: ``programs`` (list of ``(name, settings)`` / dicts / names), ``agg_ip`` /
+``agg_mac`` (copied into the ``aggregate`` program's settings), ``rx_burst``, ``flood_ports``,
+``ready_timeout`` (seconds to wait for the engine; the first start compiles kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from mininet.node import Switch
+
+from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient, socket_path
+from testbed.datapath.engine import normalize_programs
+
+_OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
+
+
+class ProgrammableSwitch(Switch):
+    """A switch whose ports are served by one engine process in the switch's namespace."""
+
+    default_programs: list = [("forward", {})]
+
+    def __init__(self, name: str, programs=None, agg_ip: str | None = None,
+                 agg_mac: str | None = None, rx_burst: int = 64, flood_ports=None,
+                 ready_timeout: float = 120.0, **params):
+        params.setdefault("inNamespace", True)
+        if not name.startswith("tb"):
+            raise ValueError(f"node name {name!r} must start with 'tb' (see docs/architecture.md)")
+        self.programs = normalize_programs(programs if programs is not None
+                                           else self.default_programs)
+        for pname, settings in self.programs:
+            if pname == "aggregate":
+                if agg_ip:
+                    settings.setdefault("agg_ip", agg_ip)
+                if agg_mac:
+                    settings.setdefault("agg_mac", agg_mac)
+        self.rx_burst = rx_burst
+        self.flood_ports = flood_ports
+        self.ready_timeout = ready_timeout
+        self.engine: subprocess.Popen | None = None
+        self.final_counters: dict | None = None
+        Switch.__init__(self, name, **params)
+        self._files = {k: os.path.join(RUN_DIR, f"{name}.{k}")
+                       for k in ("json", "counters.json", "log")}
+
+    # ports in Mininet order (port numbers 1..), the engine's port indices are 0..
+    def port_names(self) -> list[str]:
+        """Data ports of this node in engine order (index 0 = Mininet port 1)."""
+        return [i.name for _, i in sorted(self.intfs.items()) if i.name != "lo"]
+
+    def _disable_offloads(self) -> None:
+        for intf in self.intfList():
+            if intf.name == "lo":
+                continue
+            self.cmd("ethtool", "-K", intf.name, *_OFFLOADS)
+            link = intf.link
+            if link is not None:
+                peer = link.intf2 if link.intf1 is intf else link.intf1
+                peer.node.cmd("ethtool", "-K", peer.name, *_OFFLOADS)
+
+    def config_dict(self) -> dict:
+        """The engine config this node starts with."""
+        return {"node": self.name, "ports": self.port_names(),
+                "programs": [{"name": n, "settings": s} for n, s in self.programs],
+                "flood_ports": self.flood_ports, "rx_burst": self.rx_burst,
+                "control_socket": socket_path(self.name), "disable_offloads": False}
+
+    def start(self, controllers) -> None:
+        """Start the engine in this node's namespace and wait until it answers."""
+        os.makedirs(RUN_DIR, exist_ok=True)
+        for intf in self.intfList():
+            if intf.name != "lo":
+                self.cmd("ip link set", intf.name, "up")
+        self._disable_offloads()
+        with open(self._files["json"], "w") as fh:
+            json.dump(self.config_dict(), fh, indent=1)
+        for k in ("counters.json",):
+            if os.path.exists(self._files[k]):
+                os.unlink(self._files[k])
+        log = open(self._files["log"], "w")  # noqa: SIM115 - handed to the child
+        try:
+            self.engine = self.popen(
+                [sys.executable, "-m", "testbed.datapath.engine", "--config",
+                 self._files["json"], "--counters-out", self._files["counters.json"],
+                 f"testbed-node={self.name}"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            log.close()
+        client = DatapathClient(socket_path(self.name))
+        deadline = time.monotonic() + self.ready_timeout
+        try:
+            while True:
+                if self.engine.poll() is not None:
+                    raise RuntimeError(f"{self.name}: engine exited with {self.engine.returncode}"
+                                       f" during start:\n{self._log_tail()}")
+                try:
+                    client.request("ping")
+                    break
+                except (ControlError, OSError):
+                    client.close()
+                if time.monotonic() > deadline:
+                    self._kill()
+                    raise RuntimeError(f"{self.name}: engine not ready after "
+                                       f"{self.ready_timeout} s:\n{self._log_tail()}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def _log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self._files["log"]) as fh:
+                return fh.read()[-n:]
+        except OSError:
+            return "(no log)"
+
+    def _kill(self) -> None:
+        if self.engine is not None and self.engine.poll() is None:
+            self.engine.kill()
+            self.engine.wait(5)
+
+    def client(self) -> DatapathClient:
+        """A control-channel client for this node's engine."""
+        return DatapathClient(socket_path(self.name))
+
+    def stop_engine(self, timeout: float = 10.0) -> dict | None:
+        """SIGTERM the engine, wait, return (and keep) its final counters."""
+        if self.engine is None:
+            return self.final_counters
+        if self.engine.poll() is None:
+            self.engine.send_signal(signal.SIGTERM)
+            try:
+                self.engine.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        rc = self.engine.returncode
+        self.engine = None
+        try:
+            with open(self._files["counters.json"]) as fh:
+                self.final_counters = json.load(fh)
+        except (OSError, ValueError):
+            self.final_counters = None
+        for k in ("json", "counters.json") + (("log",) if rc == 0 else ()):
+            try:
+                os.unlink(self._files[k])
+            except FileNotFoundError:
+                pass
+        try:  # the engine removes it; a SIGKILLed one cannot
+            os.unlink(socket_path(self.name))
+        except FileNotFoundError:
+            pass
+        if rc != 0:
+            print(f"{self.name}: engine exited with {rc}; log kept at {self._files['log']}",
+                  file=sys.stderr)
+        return self.final_counters
+
+    def stop(self, deleteIntfs: bool = True) -> None:
+        """Stop the engine (final counters in ``final_counters``), then the node."""
+        self.stop_engine()
+        Switch.stop(self, deleteIntfs)
+
+    def terminate(self) -> None:
+        """Make sure no engine outlives the node."""
+        self.stop_engine()
+        Switch.terminate(self)
+
+
+class SmartNIC(ProgrammableSwitch):
+    """Two-port bump in the wire between a host (port 0) and its ToR (port 1)."""
+
+    default_programs: list = [("wire", {})]
+
+    def start(self, controllers) -> None:
+        """Check the node has exactly two ports, then start the engine."""
+        if len(self.port_names()) != 2:
+            raise ValueError(f"SmartNIC {self.name} needs exactly 2 links (host, ToR), has "
+                             f"{self.port_names()}")
+        super().start(controllers)
+
+
+@contextlib.contextmanager
+def programmable_star(n_hosts: int, programs=None, nic_programs=None, **switch_opts):
+    """A star ``tbh1..tbhN -- tbs1`` (ProgrammableSwitch) under the emulation lock.
+
+    Yields ``(net, hosts, switch)``; everything is torn down in ``finally`` even on failure.
+    With ``nic_programs`` every host reaches the switch through its own SmartNIC ``tbnK``.
+    Hosts get offloads off and MACs ``00:00:00:00:00:0K`` (Mininet's autoSetMacs).
+    """
+    from mininet.log import setLogLevel
+    from mininet.net import Mininet
+
+    from testbed.netlock import emulation_lock
+
+    setLogLevel("error")
+    with emulation_lock():
+        net = Mininet(controller=None, build=False, autoSetMacs=True)
+        try:
+            hosts = [net.addHost(f"tbh{k + 1}") for k in range(n_hosts)]
+            sw = net.addSwitch("tbs1", cls=ProgrammableSwitch, programs=programs, **switch_opts)
+            for k, h in enumerate(hosts):
+                if nic_programs is not None:
+                    nic = net.addSwitch(f"tbn{k + 1}", cls=SmartNIC, programs=nic_programs)
+                    net.addLink(h, nic)
+                    net.addLink(nic, sw)
+                else:
+                    net.addLink(h, sw)
+            net.build()
+            net.start()
+            for h in hosts:
+                h.cmd("ethtool -K", h.defaultIntf().name, *_OFFLOADS)
+            yield net, hosts, sw
+        finally:
+            net.stop()

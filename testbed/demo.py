@@ -1,0 +1,158 @@
+"""``testbed demo``: the Mininet smoke experiment (temporary).
+
+A star of hosts ``tbh1..`` on one Linux bridge ``tbs1`` with 100 Mb/s HTB-shaped links: ping
+all pairs, measure one link with iperf3 (TCP), print what was measured against what the links
+were shaped to. It proves the machine can emulate networks faithfully.
+
+The experiments layer replaces this module with the real demo (a collective on a star);
+``main() -> int`` is the contract the CLI calls. ``run_smoke`` returns plain data and
+``render`` prints it, so either can be swapped on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+NOT_ROOT_HELP = (
+    "testbed demo builds an emulated network and needs root: run 'sudo make demo' "
+    "(or 'sudo .venv/bin/testbed demo'), or use the lab VM: 'vagrant up && vagrant ssh', "
+    "then 'cd /vagrant && sudo make demo'."
+)
+TOLERANCE = 0.10  # measured bandwidth within ±10 % of the shaped rate (Mininet's own: ±20 %)
+
+
+class _QuietHtbQuantum(logging.Filter):
+    """Drop the kernel's harmless 'quantum of class ... is big' note that Mininet logs as an
+    error for every HTB link faster than ~16 Mb/s (the kernel clamps the quantum itself)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "quantum of class" not in record.getMessage()
+
+
+def _iperf3(client, server, seconds: float, port: int = 5201) -> float:
+    """TCP goodput in Mb/s from ``client`` to ``server`` measured by iperf3 at the receiver."""
+    srv = server.popen(["iperf3", "-s", "-1", "-p", str(port)])
+    try:
+        for _ in range(20):  # the server needs a moment to listen
+            out = client.cmd(f"iperf3 -c {server.IP()} -p {port} -t {seconds:g} -J")
+            try:
+                report = json.loads(out)
+            except json.JSONDecodeError:
+                report = {"error": out.strip()[-200:]}
+            if "error" not in report:
+                return report["end"]["sum_received"]["bits_per_second"] / 1e6
+            if "connect" not in report["error"]:
+                raise RuntimeError(f"iperf3 failed: {report['error']}")
+            time.sleep(0.2)
+        raise RuntimeError(f"iperf3 could not reach {server.name}: {report['error']}")
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def run_smoke(n_hosts: int = 4, bw_mbps: float = 100.0, seconds: float = 3.0) -> dict:
+    """Build the star, ping all pairs, measure tbh1 → tbh2 with iperf3, tear down.
+
+    Needs root; the caller holds the emulation lock. Returns ``{"hosts", "bw_mbps",
+    "pings_sent", "pings_received", "rtt_avg_ms", "iperf_mbps", "ratio"}``.
+    """
+    if not 2 <= n_hosts <= 32:
+        raise ValueError(f"n_hosts={n_hosts}: the smoke star needs 2..32 hosts")
+    if bw_mbps <= 0:
+        raise ValueError(f"bw_mbps={bw_mbps}: give a positive link rate in Mb/s")
+    from mininet.link import TCLink
+    from mininet.log import lg, setLogLevel
+    from mininet.net import Mininet
+    from mininet.nodelib import LinuxBridge
+
+    setLogLevel("error")
+    if not any(isinstance(f, _QuietHtbQuantum) for f in lg.filters):
+        lg.addFilter(_QuietHtbQuantum())
+    net = Mininet(switch=LinuxBridge, link=TCLink, controller=None, build=False,
+                  autoSetMacs=True, waitConnected=False)
+    try:
+        switch = net.addSwitch("tbs1")
+        for i in range(1, n_hosts + 1):
+            net.addLink(net.addHost(f"tbh{i}"), switch, bw=bw_mbps)
+        net.build()
+        net.start()
+        pings = net.pingFull(timeout="2")
+        sent = sum(r[2][0] for r in pings)
+        received = sum(r[2][1] for r in pings)
+        rtts = [r[2][3] for r in pings if r[2][1]]
+        h1, h2 = net.get("tbh1"), net.get("tbh2")
+        mbps = _iperf3(h1, h2, seconds)
+    finally:
+        net.stop()
+    return {
+        "hosts": n_hosts,
+        "bw_mbps": bw_mbps,
+        "pings_sent": sent,
+        "pings_received": received,
+        "rtt_avg_ms": sum(rtts) / len(rtts) if rtts else float("nan"),
+        "iperf_mbps": mbps,
+        "ratio": mbps / bw_mbps,
+    }
+
+
+def passed(result: dict) -> bool:
+    """All pings answered and the shaped link measured within the tolerance."""
+    return (result["pings_received"] == result["pings_sent"]
+            and abs(result["ratio"] - 1) <= TOLERANCE)
+
+
+def render(result: dict) -> None:
+    """Print the measurements as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def verdict(ok: bool) -> str:
+        return "[green]ok[/green]" if ok else "[red]FAIL[/red]"
+
+    n, sent, got = result["hosts"], result["pings_sent"], result["pings_received"]
+    table = Table(title=f"testbed demo: star of {n} hosts on a Linux bridge, "
+                        f"{result['bw_mbps']:g} Mb/s links")
+    for col in ("measured", "value", "expected", "verdict"):
+        table.add_column(col)
+    table.add_row("ping, all pairs", f"{got}/{sent} answered ({100 * (1 - got / sent):.0f} % loss)",
+                  "0 % loss", verdict(got == sent))
+    table.add_row("ping RTT (avg)", f"{result['rtt_avg_ms']:.3f} ms", "no delay configured", "")
+    table.add_row("iperf3 TCP tbh1 → tbh2", f"{result['iperf_mbps']:.1f} Mb/s "
+                  f"({100 * result['ratio']:.0f} % of the shaped rate)",
+                  f"{result['bw_mbps']:g} Mb/s ±{100 * TOLERANCE:.0f} %",
+                  verdict(abs(result["ratio"] - 1) <= TOLERANCE))
+    Console().print(table)
+
+
+def main() -> int:
+    """CLI entry: run the smoke star under the emulation lock; 0 when everything passed."""
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    if os.geteuid() != 0:
+        err.print(f"[red]{NOT_ROOT_HELP}[/red]")
+        return 1
+    from testbed.cleanup import busy_holder, cleanup
+    from testbed.netlock import EmulationBusy, emulation_lock
+
+    holder = busy_holder()
+    if holder:
+        err.print(f"waiting for the emulation lock: another network is running ({holder})")
+    try:
+        with emulation_lock(timeout=120):
+            # Holding the lock, anything of ours still around is from a dead run: clear it.
+            stale = cleanup()
+            if any(stale[k] for k in stale if k != "errors"):
+                err.print(f"removed leftovers of an earlier run: {stale}")
+            result = run_smoke()
+    except EmulationBusy as exc:
+        err.print(f"[red]testbed demo:[/red] {exc}")
+        return 2
+    except Exception as exc:  # a failed experiment is reported, not dumped as a traceback
+        err.print(f"[red]testbed demo failed:[/red] {type(exc).__name__}: {exc}")
+        return 1
+    render(result)
+    return 0 if passed(result) else 1

@@ -1,0 +1,296 @@
+"""``testbed doctor``: what the testbed needs against what this machine offers.
+
+Kernel features are probed for real, not looked up: a throwaway named network namespace
+``tb-doctor-<pid>`` gets a veth pair, a bridge, an ifb and HTB / TBF / netem qdiscs, and is
+deleted again (so nothing appears in the root namespace, and a killed doctor leaves only a
+``tb-*`` namespace that ``testbed cleanup`` removes).
+
+Each check is a dict ``{"name", "status", "detail", "required"}``; status is one of
+``ok`` (works), ``degraded`` (works with a caveat), ``missing`` (absent) or ``skipped``
+(not probed: needs root). ``testbed doctor`` exits non-zero only when a required check is
+not ok.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from testbed import PREFIX
+
+OVS_CTL = "/usr/share/openvswitch/scripts/ovs-ctl"
+STATUSES = ("ok", "degraded", "missing", "skipped")
+
+# (name, required, what it means when absent). The order is the order of the report.
+CHECKS: tuple[tuple[str, bool, str], ...] = (
+    ("root", True, "the testbed builds namespaces and links: run it as root (sudo) or in the lab VM"),
+    ("netns", True, "no network namespaces: Mininet hosts cannot exist"),
+    ("veth", True, "no veth pairs: no links between nodes"),
+    ("bridge", True, "no Linux bridge: the plain (non-programmable) switches cannot be built"),
+    ("htb", True, "no HTB: TCLink bw= cannot shape links"),
+    ("tbf", False, "no TBF: only HTB shaping is available"),
+    ("netem", False, "link delay and loss are emulated in the data path (impair stage) instead "
+                     "of TCLink delay=/loss="),
+    ("ifb", False, "no ifb devices: ingress shaping is unavailable"),
+    ("ovs-kmod", False, "no Open vSwitch kernel datapath: OVS runs only as the userspace "
+                        "datapath (datapath_type=netdev), the benchmark's anchor"),
+    ("ovs-userspace", False, "no Open vSwitch binaries: the data-path benchmark skips its OVS "
+                             "anchor"),
+    ("mnexec", True, "Mininet (mnexec + the mininet package) is what builds the networks"),
+    ("numba", True, "the data path and the kernels are Numba-compiled"),
+    ("scapy", False, "packet tests and crafting are unavailable"),
+    ("iperf3", False, "bandwidth checks (smoke demo, cross traffic) cannot run"),
+    ("ethtool", False, "checksum offload cannot be switched off on veths"),
+    ("brctl", False, "Mininet's LinuxBridge switch needs brctl (bridge-utils)"),
+    ("ifconfig", False, "Mininet configures interfaces with ifconfig (net-tools)"),
+    ("memory", False, "little memory: keep experiments small"),
+    ("cores", False, "few cores: CPU-heavy runs are flagged cpu_bound"),
+)
+REQUIRED = {name for name, req, _ in CHECKS if req}
+_MEANING = {name: meaning for name, _, meaning in CHECKS}
+ROOT_ONLY = ("netns", "veth", "bridge", "htb", "tbf", "netem", "ifb", "ovs-kmod", "mnexec")
+
+NOT_ROOT_HELP = (
+    "The testbed needs root: it builds network namespaces, links and qdiscs. Run "
+    "'sudo make doctor' (or 'sudo .venv/bin/testbed doctor'), or use the lab VM: "
+    "'vagrant up && vagrant ssh', then 'cd /vagrant && sudo make doctor'."
+)
+
+
+def _sh(*cmd: str, timeout: float = 10.0) -> tuple[bool, str]:
+    """Run a command; (worked, first line of its error or output)."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        return False, f"{cmd[0]} not found"
+    except subprocess.TimeoutExpired:
+        return False, f"{cmd[0]} timed out"
+    text = (res.stderr.strip() or res.stdout.strip()).splitlines()
+    return res.returncode == 0, (text[0] if text else "")
+
+
+def _check(name: str, status: str, detail: str) -> dict:
+    return {"name": name, "status": status, "detail": detail, "required": name in REQUIRED}
+
+
+def _missing(name: str, why: str) -> dict:
+    return _check(name, "missing", f"{_MEANING[name]} ({why})" if why else _MEANING[name])
+
+
+@contextlib.contextmanager
+def _probe_netns() -> Iterator[str | None]:
+    """A throwaway named namespace to probe in; None when namespaces cannot be made."""
+    name = f"{PREFIX}-doctor-{os.getpid()}"
+    ok, _ = _sh("ip", "netns", "add", name)
+    try:
+        yield name if ok else None
+    finally:
+        if ok:
+            _sh("ip", "netns", "delete", name)
+
+
+def _probe_kernel(ns: str) -> list[dict]:
+    """veth, bridge, ifb, HTB, TBF, netem and the OVS datapath, inside namespace ``ns``."""
+    out = []
+    ok, err = _sh("ip", "-n", ns, "link", "add", "tbdv0", "type", "veth", "peer", "name", "tbdv1")
+    have_veth = ok and _sh("ip", "-n", ns, "link", "set", "tbdv0", "up")[0]
+    out.append(_check("veth", "ok", "veth pairs work") if have_veth else _missing("veth", err))
+    ok, err = _sh("ip", "-n", ns, "link", "add", "tbdbr0", "type", "bridge")
+    out.append(_check("bridge", "ok", "Linux bridge works") if ok else _missing("bridge", err))
+    ok, err = _sh("ip", "-n", ns, "link", "add", "tbdifb0", "type", "ifb")
+    out.append(_check("ifb", "ok", "ifb devices work") if ok else _missing("ifb", err))
+
+    qdiscs = {
+        "htb": (["root", "handle", "1:", "htb", "default", "1"],
+                ["class", "add", "dev", "tbdv0", "parent", "1:", "classid", "1:1", "htb",
+                 "rate", "100mbit"], "HTB shaping works (TCLink bw=)"),
+        "tbf": (["root", "tbf", "rate", "100mbit", "burst", "32kbit", "latency", "50ms"], None,
+                "TBF shaping works"),
+        "netem": (["root", "netem", "delay", "1ms", "loss", "1%"], None,
+                  "netem works: TCLink delay=/loss= are available"),
+    }
+    for name, (qdisc, extra, good) in qdiscs.items():
+        if not have_veth:
+            out.append(_missing(name, "no veth to attach a qdisc to"))
+            continue
+        ok, err = _sh("tc", "-n", ns, "qdisc", "add", "dev", "tbdv0", *qdisc)
+        if ok and extra:
+            ok, err = _sh("tc", "-n", ns, *extra)
+        _sh("tc", "-n", ns, "qdisc", "del", "dev", "tbdv0", "root")
+        out.append(_check(name, "ok", good) if ok else _missing(name, err))
+
+    if shutil.which("ovs-dpctl"):
+        ok, err = _sh("ip", "netns", "exec", ns, "ovs-dpctl", "add-dp", "tbddp0")
+        if ok:
+            _sh("ip", "netns", "exec", ns, "ovs-dpctl", "del-dp", "tbddp0")
+        err = "kernel module openvswitch absent" if "does not exist" in err or not err else err
+    else:
+        ok = os.path.isdir("/sys/module/openvswitch")
+        err = "openvswitch module not loaded (and no ovs-dpctl to probe with)"
+    out.append(_check("ovs-kmod", "ok", "OVS kernel datapath works") if ok
+               else _missing("ovs-kmod", err))
+    return out
+
+
+def _check_mnexec() -> dict:
+    try:
+        import mininet.net  # noqa: F401  (the PyPI package the topologies build with)
+        from mininet.net import VERSION
+    except ImportError as exc:
+        return _missing("mnexec", f"python package mininet: {exc}")
+    if shutil.which("mnexec") is None:
+        return _missing("mnexec", "mnexec not on PATH (Debian package mininet)")
+    ok, text = _sh("mnexec", "-n", "readlink", "/proc/self/ns/net")
+    if not ok or text == os.readlink("/proc/self/ns/net"):
+        return _missing("mnexec", f"mnexec -n did not give a new namespace ({text})")
+    return _check("mnexec", "ok", f"Mininet {VERSION}; mnexec -n gives a fresh namespace")
+
+
+def _check_numba() -> dict:
+    try:
+        import numba
+        import numpy as np
+    except ImportError as exc:
+        return _missing("numba", str(exc))
+    t0 = time.perf_counter()
+    try:
+        @numba.njit(cache=False)
+        def _sum(a):
+            s = 0
+            for x in a:
+                s += x
+            return s
+
+        got = _sum(np.arange(10, dtype=np.int64))
+    except Exception as exc:  # any compile failure means the data path cannot run
+        return _check("numba", "missing", f"numba {numba.__version__} cannot compile: {exc}")
+    if got != 45:
+        return _check("numba", "missing", f"numba {numba.__version__} miscompiled a sum")
+    dt = time.perf_counter() - t0
+    return _check("numba", "ok", f"numba {numba.__version__} compiles (tiny kernel in {dt:.2f} s)")
+
+
+def _check_module(name: str, module: str) -> dict:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        return _missing(name, str(exc))
+    return _check(name, "ok", f"{module} {getattr(mod, '__version__', '')}".strip())
+
+
+def _check_tool(name: str, binary: str, *version_args: str) -> dict:
+    path = shutil.which(binary)
+    if path is None:
+        return _missing(name, f"{binary} not on PATH")
+    ok, text = _sh(binary, *version_args) if version_args else (True, "")
+    return _check(name, "ok", f"{path}" + (f" ({text})" if ok and text else ""))
+
+
+def _check_ovs_userspace() -> dict:
+    bins = [b for b in ("ovs-vsctl", "ovs-vswitchd", "ovsdb-server") if shutil.which(b) is None]
+    if bins:
+        return _missing("ovs-userspace", f"{', '.join(bins)} not found")
+    if os.geteuid() == 0 and _sh("ovs-vsctl", "--timeout=2", "show", timeout=5)[0]:
+        return _check("ovs-userspace", "ok", "OVS binaries present, ovs-vswitchd running")
+    return _check("ovs-userspace", "degraded",
+                  f"OVS binaries present, daemons not running (start: {OVS_CTL} start "
+                  "--system-id=random); use datapath_type=netdev without the kernel module")
+
+
+def _check_memory() -> dict:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    avail = info.get("MemAvailable", info.get("MemFree", 0)) / 2**30
+    total = info.get("MemTotal", 0) / 2**30
+    # A Python process with numba and cached kernels costs about 140 MB (docs/DESIGN).
+    detail = f"{avail:.1f} GiB available of {total:.1f} GiB (≈{int(avail * 1024 / 140)} " \
+             "numba worker processes)"
+    return _check("memory", "ok" if avail >= 4 else "degraded",
+                  detail if avail >= 4 else f"{detail}: {_MEANING['memory']}")
+
+
+def _check_cores() -> dict:
+    n = len(os.sched_getaffinity(0))
+    if n >= 4:
+        return _check("cores", "ok", f"{n} cores")
+    return _check("cores", "degraded",
+                  f"{n} core(s): emulated hosts and data-path engines share them; "
+                  f"{_MEANING['cores']}")
+
+
+def run_checks() -> list[dict]:
+    """Probe the machine; one dict per check in ``CHECKS`` order (see the module docstring)."""
+    root = os.geteuid() == 0
+    results: dict[str, dict] = {
+        "root": _check("root", "ok", "running as root") if root else _missing("root", "not root"),
+    }
+    if root:
+        with _probe_netns() as ns:
+            if ns is None:
+                results["netns"] = _missing("netns", _sh("ip", "netns", "add", "tb-x")[1])
+            else:
+                results["netns"] = _check("netns", "ok", "named and anonymous namespaces work")
+                results.update({c["name"]: c for c in _probe_kernel(ns)})
+        results["mnexec"] = _check_mnexec()
+    for name in ROOT_ONLY:
+        results.setdefault(name, _check(name, "skipped", "needs root to probe"))
+    extra: list[tuple[str, Callable[[], dict]]] = [
+        ("ovs-userspace", _check_ovs_userspace),
+        ("numba", _check_numba),
+        ("scapy", lambda: _check_module("scapy", "scapy")),
+        ("iperf3", lambda: _check_tool("iperf3", "iperf3", "--version")),
+        ("ethtool", lambda: _check_tool("ethtool", "ethtool", "--version")),
+        ("brctl", lambda: _check_tool("brctl", "brctl")),
+        ("ifconfig", lambda: _check_tool("ifconfig", "ifconfig")),
+        ("memory", _check_memory),
+        ("cores", _check_cores),
+    ]
+    for name, fn in extra:
+        results[name] = fn()
+    return [results[name] for name, _, _ in CHECKS]
+
+
+def failed_required(checks: list[dict]) -> list[str]:
+    """Names of required checks that are not ok (empty: the testbed can run here)."""
+    return [c["name"] for c in checks if c["required"] and c["status"] != "ok"]
+
+
+def main(json_out: bool = False) -> int:
+    """CLI entry: print the checks (a table, or JSON with --json); 1 if a required one failed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    err = Console(stderr=True)
+    if os.geteuid() != 0:
+        err.print(f"[yellow]testbed doctor: not running as root; network probes skipped.[/yellow]"
+                  f"\n{NOT_ROOT_HELP}")
+    checks = run_checks()
+    failed = failed_required(checks)
+    if json_out:
+        print(json.dumps({"checks": checks}, indent=2))
+    else:
+        colour = {"ok": "green", "degraded": "yellow", "missing": "red", "skipped": "dim"}
+        table = Table(title=f"testbed doctor ({sys.platform}, {os.uname().release})")
+        table.add_column("check")
+        table.add_column("status")
+        table.add_column("required")
+        table.add_column("what it means")
+        for c in checks:
+            table.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]",
+                          "yes" if c["required"] else "", c["detail"])
+        Console().print(table)
+    if failed:
+        err.print(f"[red]required and not ok: {', '.join(failed)}[/red]")
+    elif not json_out:
+        Console().print("[green]everything the testbed requires is here[/green]")
+    return 1 if failed else 0

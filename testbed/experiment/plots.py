@@ -1,0 +1,137 @@
+"""Plots of experiment results (matplotlib, Agg backend, PNG).
+
+Every plot draws the measurement (markers + solid line, mean over repetitions with min–max
+bars) and the α-β model's prediction for the same runs beside it (dashed line, same colour),
+so a reader sees at once how far the emulation is from the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: y columns the plots know how to pair with a model prediction.
+_MODEL_OF = {"time_s": "model_s"}
+_LABELS = {"time_s": "time (s)", "busbw": "bus bandwidth (Gb/s)", "algbw": "alg bandwidth (Gb/s)",
+           "bytes": "message size (bytes)", "n": "workers (n)", "max_abs_err": "max |error|",
+           "fidelity": "measured / model"}
+
+
+def _pyplot():
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def model_column(df, y: str):
+    """The model's prediction for column ``y`` of each row, or None when there is none.
+
+    time_s -> model_s; busbw/algbw scale by time_s/model_s (same bytes, model's time).
+    """
+    if y in _MODEL_OF and _MODEL_OF[y] in df.columns:
+        return df[_MODEL_OF[y]]
+    if y in ("busbw", "algbw") and {"time_s", "model_s"} <= set(df.columns):
+        return df[y] * df["time_s"] / df["model_s"]
+    return None
+
+
+def plot_metric(df, x: str = "bytes", y: str = "time_s", hue: str = "label",
+                out: str | Path | None = None, ax=None, title: str | None = None,
+                model: bool = True, logx: bool | None = None, logy: bool = False):
+    """Plot ``y`` against ``x``, one line per ``hue`` value, with the model dashed beside it.
+
+    Returns the matplotlib Figure; writes a PNG to ``out`` when given.
+    """
+    for col, what in ((x, "x"), (y, "y")):
+        if col not in df.columns:
+            raise ValueError(f"{what}={col!r} is not a results column; columns: "
+                             f"{', '.join(map(str, df.columns))}")
+    plt = _pyplot()
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    else:
+        fig = ax.figure
+    data = df.copy()
+    mcol = model_column(data, y) if model else None
+    if mcol is not None:
+        data["__model"] = mcol
+    groups = data.groupby(hue, sort=False) if hue in data.columns else [(y, data)]
+    for i, (key, g) in enumerate(groups):
+        color = f"C{i % 10}"
+        agg = g.groupby(x)[y].agg(["mean", "min", "max"]).sort_index()
+        xs = agg.index.to_numpy()
+        ax.errorbar(xs, agg["mean"], yerr=[agg["mean"] - agg["min"], agg["max"] - agg["mean"]],
+                    fmt="o-", color=color, label=f"{key} measured", capsize=3)
+        if "__model" in g.columns and g["__model"].notna().any():
+            m = g.groupby(x)["__model"].mean().sort_index()
+            ax.plot(m.index.to_numpy(), m.to_numpy(), "--", color=color, alpha=0.8,
+                    label=f"{key} model")
+    if logx is None:
+        logx = x == "bytes" and data[x].nunique() > 1 and data[x].max() / data[x].min() >= 8
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(_LABELS.get(x, x))
+    ax.set_ylabel(_LABELS.get(y, y))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    if out is not None:
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+    return fig
+
+
+def plot_overview(df, x: str = "bytes", out: str | Path | None = None, hue: str = "label",
+                  title: str | None = None):
+    """Time and bus bandwidth against ``x`` side by side (model dashed); returns the Figure."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    plot_metric(df, x=x, y="time_s", hue=hue, ax=axes[0])
+    plot_metric(df, x=x, y="busbw", hue=hue, ax=axes[1])
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    if out is not None:
+        fig.savefig(out, dpi=110)
+    return fig
+
+
+def plot_bars(df, y: str = "time_s", hue: str = "label", out: str | Path | None = None,
+              title: str | None = None, model: bool = True, ax=None) -> Any:
+    """One bar per ``hue`` value (mean of ``y``), the model's value as a hatched bar beside it."""
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    else:
+        fig = ax.figure
+    data = df.copy()
+    mcol = model_column(data, y) if model else None
+    labels = list(dict.fromkeys(data[hue]))
+    means = [data.loc[data[hue] == k, y].mean() for k in labels]
+    xs = range(len(labels))
+    width = 0.38 if mcol is not None else 0.7
+    ax.bar([i - (width / 2 if mcol is not None else 0) for i in xs], means, width,
+           label="measured", color=[f"C{i % 10}" for i in xs])
+    if mcol is not None:
+        data["__model"] = mcol
+        mm = [data.loc[data[hue] == k, "__model"].mean() for k in labels]
+        ax.bar([i + width / 2 for i in xs], mm, width, label="model", fill=False, hatch="//",
+               edgecolor=[f"C{i % 10}" for i in xs])
+    ax.set_xticks(list(xs), labels, rotation=15)
+    ax.set_ylabel(_LABELS.get(y, y))
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if out is not None:
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+    return fig

@@ -1,0 +1,252 @@
+"""Results of an experiment: an incremental on-disk store and the tidy in-memory view.
+
+A results folder ``results/<name>-<timestamp>/`` holds
+
+* ``rows.jsonl`` - one JSON object per finished run, appended and fsync-ed as soon as the run
+  ends (the crash-safe source of truth),
+* ``results.csv`` and ``results.parquet`` - the same rows as a table, rewritten after every run,
+* ``metadata.json`` - provenance (git revision, package versions, machine, seed, doctor summary,
+  topology descriptions, the experiment itself) and status (running / completed / failed /
+  interrupted) with the recorded failures,
+* plots (``*.png``) and pcaps when asked for.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Columns the runner adds in front of the collectives' report columns.
+RUN_COLUMNS = ("run", "point", "job", "label", "status", "error")
+
+_PACKAGES = ("collective-offload-testbed", "numpy", "numba", "scapy", "mininet", "pandas",
+             "pyarrow", "pydantic", "matplotlib")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _json_default(o: Any) -> Any:
+    # numpy scalars / arrays and paths end up in rows and metadata.
+    if hasattr(o, "item") and callable(o.item):
+        try:
+            return o.item()
+        except (ValueError, TypeError):
+            pass
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+class ResultsStore:
+    """Writes rows and metadata to a results folder as they arrive."""
+
+    def __init__(self, out_dir: str | Path, metadata: dict[str, Any]):
+        self.path = Path(out_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        self.metadata = dict(metadata)
+        self.metadata.setdefault("status", "running")
+        self.metadata.setdefault("failures", [])
+        self.metadata.setdefault("started", _now())
+        self.write_metadata()
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Persist one finished run before returning (jsonl fsync + table rewrite)."""
+        self.rows.append(row)
+        with open(self.path / "rows.jsonl", "a") as f:
+            f.write(json.dumps(row, default=_json_default) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if row.get("status") == "error":
+            self.metadata["failures"].append(
+                {k: row.get(k) for k in ("run", "point", "job", "label", "error")})
+            self.write_metadata()
+        self._write_tables()
+
+    def _write_tables(self) -> None:
+        df = rows_to_frame(self.rows)
+        tmp = self.path / "results.csv.tmp"
+        df.to_csv(tmp, index=False)
+        os.replace(tmp, self.path / "results.csv")
+        try:
+            tmp = self.path / "results.parquet.tmp"
+            df.to_parquet(tmp, index=False)
+            os.replace(tmp, self.path / "results.parquet")
+        except (ImportError, ValueError, TypeError) as e:  # mixed-type columns, no pyarrow
+            self.metadata["parquet_error"] = str(e)
+
+    def write_metadata(self) -> None:
+        """Rewrite metadata.json atomically."""
+        tmp = self.path / "metadata.json.tmp"
+        tmp.write_text(json.dumps(self.metadata, indent=2, default=_json_default))
+        os.replace(tmp, self.path / "metadata.json")
+
+    def finish(self, status: str, error: str | None = None) -> None:
+        """Record the final status (completed / failed / interrupted)."""
+        self.metadata["status"] = status
+        self.metadata["finished"] = _now()
+        if error:
+            self.metadata["error"] = error
+        self.write_metadata()
+
+
+def rows_to_frame(rows: list[dict[str, Any]]):
+    """A DataFrame with the run columns first, then report columns, then the rest."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    try:
+        from testbed.collectives import REPORT_COLUMNS
+    except Exception:
+        REPORT_COLUMNS = ()
+    order = [c for c in (*RUN_COLUMNS, *REPORT_COLUMNS) if c in df.columns]
+    order += [c for c in df.columns if c not in order]
+    return df[order] if len(df.columns) else df
+
+
+@dataclass
+class Results:
+    """What :func:`testbed.experiment.run` returns: a tidy table plus provenance.
+
+    ``df`` has one row per run (report columns + sweep parameters + status/error);
+    ``metadata`` is what ``metadata.json`` holds; ``path`` the results folder (or None).
+    """
+
+    df: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Results:
+        """Read a results folder written by the runner (also a partial one)."""
+        path = Path(path)
+        rows = []
+        jl = path / "rows.jsonl"
+        if jl.exists():
+            rows = [json.loads(line) for line in jl.read_text().splitlines() if line.strip()]
+        meta = {}
+        if (path / "metadata.json").exists():
+            meta = json.loads((path / "metadata.json").read_text())
+        return cls(rows_to_frame(rows), meta, path)
+
+    @property
+    def ok(self):
+        """Only the runs that finished without error."""
+        if "status" not in self.df.columns:
+            return self.df
+        return self.df[self.df["status"] == "ok"]
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The failed runs as recorded in the metadata."""
+        return list(self.metadata.get("failures", []))
+
+    def summary(self, columns: list[str] | None = None):
+        """The main columns of the finished runs (a DataFrame that prints well)."""
+        cols = columns or ["label", "algo", "n", "bytes", "time_s", "model_s", "fidelity",
+                           "busbw", "max_abs_err", "correct", "cpu_bound"]
+        extra = list(self.metadata.get("sweep_columns", []))
+        cols = [c for c in [*extra, *cols] if c in self.df.columns]
+        return self.ok[cols].reset_index(drop=True)
+
+    def print_table(self, title: str | None = None) -> None:
+        """Print the summary as a rich table."""
+        from rich.console import Console
+        from rich.table import Table
+
+        df = self.summary()
+        table = Table(title=title or self.metadata.get("name"))
+        for c in df.columns:
+            table.add_column(str(c), justify="right")
+        for _, r in df.iterrows():
+            table.add_row(*(_fmt(v) for v in r))
+        Console().print(table)
+        for f in self.failures:
+            Console().print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] "
+                            f"{f.get('error')}")
+
+    def plot(self, x: str = "bytes", y: str = "time_s", out: str | Path | None = None, **kw):
+        """Measured ``y`` vs ``x`` per label with the model beside it (see plots.plot_metric)."""
+        from testbed.experiment.plots import plot_metric
+
+        if out is None and self.path is not None:
+            out = self.path / f"{y}_vs_{x}.png"
+        return plot_metric(self.ok, x=x, y=y, out=out, **kw)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.4g}"
+    return str(v)
+
+
+# -- provenance -------------------------------------------------------------------------------
+
+def git_revision(repo: str | Path | None = None) -> dict[str, Any]:
+    """Commit and dirty flag of the source tree the testbed is imported from."""
+    repo = Path(repo) if repo else Path(__file__).resolve().parents[2]
+    out: dict[str, Any] = {"commit": None, "dirty": None}
+    try:
+        out["commit"] = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"],
+                                       capture_output=True, text=True, timeout=10,
+                                       check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout
+        out["dirty"] = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages that shape results."""
+    from importlib import metadata as md
+
+    out: dict[str, str | None] = {}
+    for p in _PACKAGES:
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            out[p] = None
+    out["python"] = platform.python_version()
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """Host name, kernel, CPUs, memory and load at the start of the run."""
+    info: dict[str, Any] = {"hostname": platform.node(), "kernel": platform.release(),
+                            "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["mem_total_gib"] = round(int(line.split()[1]) / 2**20, 1)
+        info["loadavg"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def doctor_summary() -> dict[str, Any]:
+    """``testbed.doctor.run_checks()`` reduced to name -> status (or why it is unavailable)."""
+    t0 = time.monotonic()
+    try:
+        from testbed.doctor import run_checks
+
+        checks = run_checks()
+    except Exception as e:  # the doctor is provenance, never a reason to fail a run
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+    out = {c.get("name", "?"): c.get("status") for c in checks}
+    out["_seconds"] = round(time.monotonic() - t0, 2)
+    return out

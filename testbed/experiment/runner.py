@@ -1,0 +1,447 @@
+"""Run an experiment: build the network(s), run every job of every sweep point, tear down.
+
+``run(experiment, out_dir=None, progress=True) -> Results``. Consecutive sweep points that
+describe the same network (topology, impairments, trimming, codec, cross traffic, capture)
+share one built network, so a size or algorithm sweep pays the set-up once. Each finished run
+is on disk (see :mod:`testbed.experiment.results`) before the next one starts; a failed run is
+recorded as a row with ``status='error'`` and the runner goes on (unless ``stop_on_error``).
+The network is torn down on every exit path, Ctrl-C included (``TestbedNet`` does it in its
+``__exit__``; cross traffic and captures are stopped in ``finally`` blocks here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from testbed.experiment.results import (
+    Results,
+    ResultsStore,
+    doctor_summary,
+    git_revision,
+    machine_info,
+    package_versions,
+)
+from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
+
+#: Data-path counter names summed over all nodes/ports into ``dp_<name>`` row columns
+#: (deltas over one run), so notebooks can show e.g. the fraction of trimmed packets.
+COUNTER_KEYS = ("trimmed", "dropped", "drops", "enqueued", "retransmissions",
+                "retransmits", "aggregations", "impair_loss", "lost", "encoded", "decoded",
+                "rx_packets", "tx_packets", "duplicated", "delayed")
+
+
+class RunAborted(RuntimeError):
+    """Raised by :func:`run` when ``stop_on_error`` stopped the experiment at a failure."""
+
+
+def default_out_dir(exp: Experiment, root: str | Path = "results") -> Path:
+    """``<root>/<name>-<UTC timestamp>`` (unique: a suffix is added if it exists)."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{exp.name}-{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path = Path(f"{base}-{i}")
+        i += 1
+    return path
+
+
+def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None = None,
+        progress: bool = True, doctor: bool = True, results_root: str | Path = "results"
+        ) -> Results:
+    """Run ``experiment`` (object, dict or TOML/YAML path) and return its :class:`Results`.
+
+    ``out_dir``: results folder (default ``results/<name>-<timestamp>``). ``progress``: show a
+    progress bar. ``doctor``: store ``testbed doctor``'s summary in the metadata.
+    """
+    exp = load_experiment(experiment)
+    points = expand_sweep(exp)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
+    plan = [(pi, params, point, ji, job, size)
+            for pi, (params, point) in enumerate(points)
+            for ji, job in enumerate(point.jobs)
+            for size in job.sizes()]
+    meta: dict[str, Any] = {
+        "name": exp.name,
+        "description": exp.description,
+        "seed": exp.seed,
+        "experiment": exp.model_dump(mode="json"),
+        "sweep_columns": list(exp.sweep),
+        "planned_runs": len(plan),
+        "git": git_revision(),
+        "packages": package_versions(),
+        "machine": machine_info(),
+        "doctor": doctor_summary() if doctor else {"skipped": True},
+        "networks": [],
+    }
+    store = ResultsStore(out, meta)
+    status, error = "completed", None
+    try:
+        with _progress(progress, len(plan), exp.name) as advance:
+            _execute(exp, plan, store, out, advance)
+    except KeyboardInterrupt:
+        status, error = "interrupted", "KeyboardInterrupt"
+        raise
+    except RunAborted as e:
+        status, error = "failed", str(e)
+        raise
+    except BaseException as e:
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        if status == "completed" and store.metadata["failures"]:
+            status = "completed_with_errors"
+        store.finish(status, error)
+    return Results.load(out)
+
+
+def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance) -> None:
+    from testbed.netlock import emulation_lock
+
+    run_idx = 0
+    # One lock for the whole experiment: no one else's network can interleave with ours.
+    with emulation_lock():
+        i = 0
+        while i < len(plan):
+            point = plan[i][2]
+            key = point.network_key()
+            j = i
+            while j < len(plan) and plan[j][2].network_key() == key:
+                j += 1
+            group = plan[i:j]
+            with contextlib.ExitStack() as stack:
+                try:
+                    net, desc = _open_network(stack, point)
+                    store.metadata["networks"].append({"points": sorted({g[0] for g in group}),
+                                                       "describe": desc})
+                    store.write_metadata()
+                    _start_cross_traffic(stack, net, point)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except Exception as e:  # the network failed: every run of the group fails
+                    err = _describe_error(e)
+                    for (pi, params, pt, ji, job, size) in group:
+                        store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
+                        run_idx += 1
+                        advance()
+                    if exp.stop_on_error:
+                        raise RunAborted(f"network set-up failed: {err}") from e
+                    i = j
+                    continue
+                for (pi, params, pt, ji, job, size) in group:
+                    try:
+                        rows = _run_one(net, pt, job, size, out, run_idx)
+                        for r in rows:
+                            store.append(_ok_row(run_idx, pi, params, pt, ji, job, size, r))
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except Exception as e:
+                        err = _describe_error(e)
+                        store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
+                        if exp.stop_on_error:
+                            raise RunAborted(f"run {run_idx} failed: {err}") from e
+                    run_idx += 1
+                    advance()
+            i = j
+
+
+def _describe_error(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _base_row(run_idx, pi, params, point: Experiment, ji: int, job: JobSpec) -> dict:
+    return {"run": run_idx, "point": pi, "job": ji, "label": job.label(), **params,
+            "topology": point.topology.kind, "bw_mbps": point.topology.bw_mbps}
+
+
+def _ok_row(run_idx, pi, params, point, ji, job, size, report: dict) -> dict:
+    row = _base_row(run_idx, pi, params, point, ji, job)
+    row.update(report)
+    row.setdefault("bytes", size)
+    row["status"], row["error"] = "ok", ""
+    return row
+
+
+def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
+    row = _base_row(run_idx, pi, params, point, ji, job)
+    row.update({"op": job.op, "algo": job.algo, "bytes": size, "compressor": job.compressor,
+                "error_feedback": job.error_feedback, "status": "error", "error": err})
+    return row
+
+
+# -- network ------------------------------------------------------------------------------------
+
+def _open_network(stack: contextlib.ExitStack, point: Experiment):
+    from testbed.topologies import TestbedNet, make_topology
+
+    kwargs = point.topology.kwargs()
+    kwargs.setdefault("seed", point.seed)
+    topo = make_topology(point.topology.kind, **kwargs)
+    programs = programs_for(point, topo)
+    if programs:
+        kwargs["programs"] = {**kwargs.get("programs", {}), **programs}
+        topo = make_topology(point.topology.kind, **kwargs)
+    net = stack.enter_context(TestbedNet(topo))
+    try:
+        desc = net.describe()
+    except Exception as e:  # describe() is provenance only
+        desc = {"error": str(e)}
+    return net, desc
+
+
+def programs_for(point: Experiment, topo) -> dict[str, list]:
+    """Per-node program lists for the impairments, trimming and codec of ``point``.
+
+    Order in a switch: ingress impair, aggregate (on the aggregator switch), forward, egress
+    impair, trim (the egress queue must see every packet last). Only nodes that need more
+    than the topology's defaults get a list.
+    """
+    progs: dict[str, list] = {}
+    programmable = set(getattr(topo, "programmable", ()))
+    nodes = {i.node for i in point.impairments} | {t.node for t in point.trimming}
+    for node in sorted(nodes):
+        if node not in programmable:
+            field = "impairments" if node in {i.node for i in point.impairments} else "trimming"
+            raise ValueError(f"{field}: node {node!r} is not a programmable node of this "
+                             f"topology; programmable: {sorted(programmable) or 'none'} "
+                             "(set topology.switch = 'programmable')")
+        ingress = [("impair", _impair_settings(i, point.seed)) for i in point.impairments
+                   if i.node == node and i.direction == "ingress"]
+        egress = [("impair", _impair_settings(i, point.seed)) for i in point.impairments
+                  if i.node == node and i.direction == "egress"]
+        trims = [("trim", _trim_settings(t, point.topology.bw_mbps)) for t in point.trimming
+                 if t.node == node]
+        middle = [("forward", {})]
+        if getattr(topo, "aggregator_switch", None) == node:
+            middle = [("aggregate", {}), ("forward", {})]
+        progs[node] = ingress + middle + egress + trims
+    if point.codec is not None:
+        progs["smartnic"] = [("nic_codec", {"codec": point.codec.codec,
+                                            **point.codec.settings})]
+    return progs
+
+
+def _per_port(value: Any, ports: list | None) -> Any:
+    return value if ports is None else {p: value for p in ports}
+
+
+def _impair_settings(imp, seed: int) -> dict[str, Any]:
+    return {"direction": imp.direction, "seed": seed if imp.seed is None else imp.seed,
+            "filter": imp.filter,
+            "loss": _per_port(imp.loss_pct / 100.0, imp.ports),
+            "dup": _per_port(imp.dup_pct / 100.0, imp.ports),
+            "reorder": _per_port(imp.reorder_pct / 100.0, imp.ports),
+            "delay_ms": _per_port(imp.delay_ms, imp.ports),
+            "jitter_ms": _per_port(imp.jitter_ms, imp.ports)}
+
+
+def _trim_settings(tr, bw_mbps: float) -> dict[str, Any]:
+    rate = tr.rate_mbps or bw_mbps
+    s: dict[str, Any] = {"mode": tr.mode, "queue_slots": tr.queue_slots}
+    if tr.ports is None:
+        s.update(rate_mbps=rate, threshold_bytes=tr.threshold_bytes)
+    else:
+        # Every port goes through the queue; the chosen ones drain at rate_mbps.
+        s["rate_mbps"] = {p: rate for p in tr.ports}
+        s["threshold_bytes"] = {p: tr.threshold_bytes for p in tr.ports}
+    return s
+
+
+def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) -> None:
+    hosts = net.hosts
+    for k, ct in enumerate(point.cross_traffic):
+        if max(ct.src, ct.dst) >= len(hosts):
+            raise ValueError(f"cross_traffic.{k}: host index {max(ct.src, ct.dst)} out of "
+                             f"range; the network has {len(hosts)} hosts (0..{len(hosts) - 1})")
+        port = 5301 + k
+        src, dst = hosts[ct.src], hosts[ct.dst]
+        server = dst.popen(["iperf3", "-s", "-p", str(port)])
+        stack.callback(_stop, server)
+        time.sleep(0.3)  # let the server listen before the client connects
+        cmd = ["iperf3", "-c", dst.IP(), "-p", str(port), "-t", "86400", "-i", "0"]
+        if ct.protocol == "udp":
+            cmd += ["-u", "-b", f"{ct.bw_mbps or point.topology.bw_mbps}M"]
+        elif ct.bw_mbps:
+            cmd += ["-b", f"{ct.bw_mbps}M"]
+        client = src.popen(cmd)
+        stack.callback(_stop, client)
+    if point.cross_traffic and point.settle_s:
+        time.sleep(point.settle_s)
+
+
+def _stop(proc, sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=wait_s)
+    except Exception:
+        proc.kill()
+        proc.wait(timeout=wait_s)
+
+
+# -- one run ------------------------------------------------------------------------------------
+
+def _collective_spec(job: JobSpec, size: int, point: Experiment):
+    from testbed.collectives import CollectiveSpec
+
+    return CollectiveSpec(op=job.op, algo=job.algo, nbytes=size, dtype=job.dtype,
+                          compressor=job.compressor, compressor_params=dict(job.compressor_params),
+                          error_feedback=job.error_feedback, servers=job.servers,
+                          timeout_s=job.timeout_s,
+                          seed=point.seed if job.seed is None else job.seed,
+                          repetitions=job.repetitions, **job.options)
+
+
+def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx: int
+             ) -> list[dict]:
+    from testbed.collectives import run_collective
+
+    spec = _collective_spec(job, size, point)
+    before = _counters(net)
+    with contextlib.ExitStack() as stack:
+        captures = _start_captures(stack, net, point, out, run_idx)
+        rows = run_collective(net, spec)
+        stack.close()  # stop tcpdump before reading its files
+        cap_cols = _summarise_captures(captures, out, run_idx)
+    after = _counters(net)
+    dp_cols = _counter_deltas(before, after, out, run_idx)
+    return [{**r, **dp_cols, **cap_cols} for r in rows]
+
+
+# -- data-path counters -------------------------------------------------------------------------
+
+def _counters(net) -> dict | None:
+    try:
+        return net.counters()
+    except Exception:
+        return None
+
+
+def flatten_counters(obj: Any, prefix: str = "") -> dict[str, float]:
+    """Nested counters -> ``{"node.port.name": value}`` for the numeric leaves."""
+    out: dict[str, float] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_counters(v, f"{prefix}{k}."))
+    elif isinstance(obj, list):
+        for k, v in enumerate(obj):
+            out.update(flatten_counters(v, f"{prefix}{k}."))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out[prefix[:-1]] = float(obj)
+    return out
+
+
+def _counter_deltas(before, after, out: Path, run_idx: int) -> dict[str, float]:
+    if before is None or after is None:
+        return {}
+    b, a = flatten_counters(before), flatten_counters(after)
+    delta = {k: a[k] - b.get(k, 0.0) for k in a if a[k] != b.get(k, 0.0)}
+    cdir = out / "counters"
+    cdir.mkdir(exist_ok=True)
+    (cdir / f"run{run_idx:04d}.json").write_text(json.dumps(delta, indent=1, sort_keys=True))
+    cols: dict[str, float] = {}
+    for path, v in delta.items():
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in COUNTER_KEYS and "high" not in path and "cpu" not in path:
+            cols[f"dp_{leaf}"] = cols.get(f"dp_{leaf}", 0.0) + v
+    return cols
+
+
+# -- packet capture -----------------------------------------------------------------------------
+
+def _node_of_interface(net, iface: str):
+    name = iface.rsplit("-", 1)[0]
+    try:
+        return net.mininet.get(name)
+    except KeyError:
+        raise ValueError(f"capture.interfaces: {iface!r} does not belong to a node of this "
+                         f"network (node {name!r} unknown)") from None
+
+
+def _start_captures(stack, net, point: Experiment, out: Path, run_idx: int) -> list:
+    if point.capture is None:
+        return []
+    pdir = out / "pcap"
+    pdir.mkdir(exist_ok=True)
+    caps = []
+    for iface in point.capture.interfaces:
+        node = _node_of_interface(net, iface)
+        path = pdir / f"run{run_idx:04d}-{iface}.pcap"
+        proc = node.popen(["tcpdump", "-i", iface, "-s", str(point.capture.snaplen),
+                           "-c", str(point.capture.max_packets), "-U", "-w", str(path)])
+        stack.callback(_stop, proc, signal.SIGINT)
+        caps.append((iface, path))
+    time.sleep(0.5)  # tcpdump needs a moment to attach before traffic starts
+    return caps
+
+
+def _summarise_captures(caps: list, out: Path, run_idx: int) -> dict[str, Any]:
+    cols: dict[str, Any] = {}
+    for iface, path in caps:
+        s = summarize_pcap(path)
+        (path.with_suffix(".json")).write_text(json.dumps(s, indent=1))
+        tag = iface.replace("-", "_")
+        cols[f"cap_{tag}_packets"] = s["packets"]
+        cols[f"cap_{tag}_testbed"] = s["testbed_packets"]
+        cols[f"cap_{tag}_trimmed"] = s["trimmed"]
+    return cols
+
+
+def summarize_pcap(path: str | Path) -> dict[str, Any]:
+    """Count packets of a pcap with the scapy layer: total, testbed by message type, trimmed."""
+    from scapy.utils import PcapReader
+
+    from testbed.kernels.wire import Flags, MsgType
+
+    layer = None
+    try:
+        from testbed.datapath import scapy_layer
+
+        layer = getattr(scapy_layer, "TestbedHeader", None)
+    except Exception:
+        layer = None
+    summary: dict[str, Any] = {"packets": 0, "bytes": 0, "testbed_packets": 0,
+                               "by_type": {}, "trimmed": 0, "dissector": bool(layer)}
+    if not Path(path).exists():
+        summary["error"] = "no capture file"
+        return summary
+    with PcapReader(str(path)) as reader:
+        for pkt in reader:
+            summary["packets"] += 1
+            summary["bytes"] += len(pkt)
+            if layer is None or layer not in pkt:
+                continue
+            h = pkt[layer]
+            summary["testbed_packets"] += 1
+            try:
+                t = MsgType(int(h.msg_type)).name
+            except ValueError:
+                t = str(h.msg_type)
+            summary["by_type"][t] = summary["by_type"].get(t, 0) + 1
+            if int(h.flags) & Flags.TRIMMED:
+                summary["trimmed"] += 1
+    return summary
+
+
+# -- progress -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, name: str):
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task(name, total=total)
+        yield lambda: bar.advance(task)

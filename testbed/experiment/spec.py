@@ -1,0 +1,461 @@
+"""Declarative experiments: the schema, file loading, readable errors and sweep expansion.
+
+An experiment is one object (pydantic v2, unknown fields rejected) that can be written as a
+TOML or YAML file or built in Python::
+
+    name = "ring-vs-ina"
+    [topology]
+    kind = "star"
+    n_hosts = 4
+    bw_mbps = 100
+    [[jobs]]
+    algo = "ring"
+    nbytes = "8MiB"
+    [[jobs]]
+    algo = "ina"
+    nbytes = "8MiB"
+    [sweep]
+    "topology.n_hosts" = [2, 4]
+
+``sweep`` maps dotted field paths to lists of values; the runs are the cartesian product.
+Every expanded point is validated again, so a bad sweep value is reported under its path.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser under its PyPI name
+    import tomli as tomllib  # type: ignore[no-redef]
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+ALGOS = ("ring", "hd", "rs", "ina", "nic")
+TOPOLOGY_KINDS = ("star", "leaf_spine", "fat_tree", "dumbbell", "incast")
+
+# Which of TopologySpec's optional fields each kind accepts (the rest go through `params`).
+_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "star": ("n_hosts",),
+    "leaf_spine": ("leaves", "spines", "hosts_per_leaf", "oversubscription", "uplink_mbps"),
+    "fat_tree": ("k",),
+    "dumbbell": ("n_left", "n_right", "bottleneck_mbps"),
+    "incast": ("n_senders", "receiver_mbps"),
+}
+_ALL_KIND_FIELDS = tuple(sorted({f for v in _KIND_FIELDS.values() for f in v}))
+
+
+class ExperimentError(ValueError):
+    """An experiment file or object is malformed; ``problems`` lists one line per bad field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid experiment {source}:\n{lines}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TopologySpec(_Strict):
+    """The emulated network: a kind from ``testbed.topologies`` and its options."""
+
+    kind: Literal["star", "leaf_spine", "fat_tree", "dumbbell", "incast"] = "star"
+    bw_mbps: float = Field(100.0, gt=0, le=100_000, description="per-link bandwidth (HTB)")
+    switch: Literal["programmable", "bridge"] = Field(
+        "programmable", description="programmable switches run the data path (needed for ina)")
+    smartnic: bool | list[int] = Field(False, description="SmartNIC node in front of hosts")
+    aggregator: str = Field("auto", description="switch hosting the aggregator, 'auto' or 'none'")
+    delay_ms: float | None = Field(None, ge=0, description="per-link delay")
+    loss_pct: float | None = Field(None, ge=0, le=100, description="per-link loss")
+    # kind-specific sizes (only the ones of the chosen kind may be set)
+    n_hosts: int | None = Field(None, ge=1, le=64)
+    leaves: int | None = Field(None, ge=1)
+    spines: int | None = Field(None, ge=1)
+    hosts_per_leaf: int | None = Field(None, ge=1)
+    oversubscription: float | None = Field(None, gt=0)
+    uplink_mbps: float | None = Field(None, gt=0)
+    k: int | None = Field(None, ge=2)
+    n_left: int | None = Field(None, ge=1)
+    n_right: int | None = Field(None, ge=1)
+    bottleneck_mbps: float | None = Field(None, gt=0)
+    n_senders: int | None = Field(None, ge=1)
+    receiver_mbps: float | None = Field(None, gt=0)
+    params: dict[str, Any] = Field(default_factory=dict,
+                                   description="further keyword options for make_topology")
+
+    @model_validator(mode="after")
+    def _fields_fit_kind(self) -> TopologySpec:
+        allowed = _KIND_FIELDS[self.kind]
+        for name in _ALL_KIND_FIELDS:
+            if name not in allowed and getattr(self, name) is not None:
+                raise ValueError(
+                    f"field '{name}' does not apply to kind '{self.kind}'; "
+                    f"{self.kind} takes {', '.join(allowed)}")
+        return self
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``testbed.topologies.make_topology(kind, **kwargs)``."""
+        out = self.model_dump(exclude={"kind", "params"}, exclude_none=True)
+        if out.get("smartnic") is False:
+            out.pop("smartnic")
+        if out.get("aggregator") == "none":
+            out["aggregator"] = None
+        out.update(self.params)
+        return out
+
+
+class JobSpec(_Strict):
+    """One collective: operation, algorithm, size(s), compression and repetitions."""
+
+    name: str | None = Field(None, description="label in tables and plots (default: algo)")
+    op: Literal["allreduce", "reduce_scatter", "allgather", "broadcast"] = "allreduce"
+    algo: Literal["ring", "hd", "rs", "ina", "nic"] = "ring"
+    nbytes: ByteSize | list[ByteSize] = Field(
+        ByteSize(1 << 20), description="message size: bytes or '8MiB'; a list runs each size")
+    dtype: Literal["float32"] = "float32"
+    compressor: str | None = None
+    compressor_params: dict[str, Any] = Field(default_factory=dict)
+    error_feedback: bool = False
+    servers: int = Field(1, ge=1, description="reduction servers (algo 'rs')")
+    repetitions: int = Field(1, ge=1, le=1000)
+    seed: int | None = Field(None, description="default: the experiment's seed")
+    timeout_s: float = Field(60.0, gt=0)
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="further CollectiveSpec fields (e.g. window)")
+
+    @field_validator("nbytes")
+    @classmethod
+    def _positive(cls, v: Any) -> Any:
+        for s in v if isinstance(v, list) else [v]:
+            if int(s) < 4:
+                raise ValueError("message size must be at least 4 bytes (one float32)")
+        if isinstance(v, list) and not v:
+            raise ValueError("give at least one size")
+        return v
+
+    @field_validator("compressor")
+    @classmethod
+    def _known_compressor(cls, v: str | None) -> str | None:
+        if v in (None, "", "none"):
+            return None
+        names = _compressor_names()
+        if names is not None and v not in names:
+            raise ValueError(f"unknown compressor {v!r}; allowed: {', '.join(names)}")
+        return v
+
+    def sizes(self) -> list[int]:
+        """The message sizes of this job in bytes."""
+        return [int(s) for s in (self.nbytes if isinstance(self.nbytes, list) else [self.nbytes])]
+
+    def label(self) -> str:
+        """Name shown in tables and plots."""
+        if self.name:
+            return self.name
+        return self.algo + (f"+{self.compressor}" if self.compressor else "")
+
+
+class Impairment(_Strict):
+    """Seeded loss/duplication/reordering/delay on a programmable node's ports.
+
+    Runs as the data path's ``impair`` stage (the kernel here has no netem). ``ports``: port
+    indices or names (e.g. ``"tbs1-eth1"``) of the node; default all.
+    """
+
+    node: str = Field(..., pattern=r"^tb", description="programmable node, e.g. 'tbs1'")
+    ports: list[int | str] | None = Field(None, description="port indices/names; default all")
+    direction: Literal["ingress", "egress"] = "ingress"
+    loss_pct: float = Field(0.0, ge=0, le=100)
+    dup_pct: float = Field(0.0, ge=0, le=100)
+    reorder_pct: float = Field(0.0, ge=0, le=100)
+    delay_ms: float = Field(0.0, ge=0)
+    jitter_ms: float = Field(0.0, ge=0)
+    filter: Literal["all", "testbed"] = Field("all", description="impair only testbed frames?")
+    seed: int | None = None
+
+
+class Trimming(_Strict):
+    """Egress queue drained at ``rate_mbps`` with packet trimming (or drop-tail) on a node.
+
+    Runs as the data path's ``trim`` stage on every port of ``node``; ``ports`` (indices or
+    names) get ``rate_mbps`` and the threshold, the other ports drain at the link rate.
+    """
+
+    node: str = Field(..., pattern=r"^tb")
+    mode: Literal["trim", "drop_tail"] = "trim"
+    rate_mbps: float | None = Field(None, gt=0, description="queue drain rate; default link bw")
+    threshold_bytes: int = Field(30_000, ge=0)
+    queue_slots: int = Field(256, ge=1, le=65536, description="queue capacity in packets")
+    ports: list[int | str] | None = None
+
+
+class Codec(_Strict):
+    """SmartNIC codec applied by the ``nic_codec`` stage of every SmartNIC node."""
+
+    codec: Literal["fp16", "bf16", "fixed32"] = "fp16"
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class CrossTraffic(_Strict):
+    """An iperf3 flow between two hosts (rank indices, 0-based) running during every run."""
+
+    src: int = Field(..., ge=0)
+    dst: int = Field(..., ge=0)
+    protocol: Literal["tcp", "udp"] = "tcp"
+    bw_mbps: float | None = Field(None, gt=0, description="udp target rate / tcp cap")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> CrossTraffic:
+        if self.src == self.dst:
+            raise ValueError("src and dst must be different hosts")
+        return self
+
+
+class Capture(_Strict):
+    """tcpdump on chosen interfaces during each run; pcaps are summarised with scapy."""
+
+    interfaces: list[str] = Field(..., min_length=1, description="e.g. ['tbh1-eth0']")
+    snaplen: int = Field(128, ge=64, le=65535)
+    max_packets: int = Field(200_000, ge=1)
+
+
+class Experiment(_Strict):
+    """A whole experiment: network, jobs, conditions, sweep; see the module docstring."""
+
+    name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    seed: int = 0
+    topology: TopologySpec = Field(default_factory=TopologySpec)
+    jobs: list[JobSpec] = Field(..., min_length=1)
+    impairments: list[Impairment] = Field(default_factory=list)
+    trimming: list[Trimming] = Field(default_factory=list)
+    codec: Codec | None = None
+    cross_traffic: list[CrossTraffic] = Field(default_factory=list)
+    capture: Capture | None = None
+    settle_s: float = Field(0.0, ge=0, description="pause after cross traffic starts")
+    stop_on_error: bool = Field(False, description="stop at the first failed run")
+    sweep: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep_paths(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for path, values in v.items():
+            if path.split(".")[0] == "sweep":
+                raise ValueError(f"{path!r}: cannot sweep over the sweep itself")
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"{path!r}: give a non-empty list of values")
+        return v
+
+    @model_validator(mode="after")
+    def _sweep_points_valid(self) -> Experiment:
+        # Resolving each path against the model now reports a typo before anything runs.
+        data = self.model_dump(exclude={"sweep"})
+        for path in self.sweep:
+            _check_path(data, path)
+        return self
+
+    def points(self) -> list[tuple[dict[str, Any], Experiment]]:
+        """Expand the sweep: ``[(sweep values by path, experiment without sweep), ...]``."""
+        return expand_sweep(self)
+
+    def network_key(self) -> str:
+        """Everything that shapes the network; equal keys may share one built network."""
+        return json.dumps(self.model_dump(
+            mode="json", include={"topology", "impairments", "trimming", "codec",
+                                  "cross_traffic", "capture"}), sort_keys=True)
+
+
+# -- sweeps -----------------------------------------------------------------------------------
+
+def _check_path(data: Any, path: str) -> None:
+    node = data
+    for part in path.split("."):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ValueError(f"sweep path {path!r}: {part!r} is not an index "
+                                 f"below {len(node)}")
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            if part not in node:
+                raise ValueError(f"sweep path {path!r}: unknown field {part!r}; allowed: "
+                                 f"{', '.join(sorted(node))}")
+            node = node[part]
+        else:
+            raise ValueError(f"sweep path {path!r}: {part!r} goes below a plain value")
+
+
+def _set_path(data: Any, path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def expand_sweep(exp: Experiment) -> list[tuple[dict[str, Any], Experiment]]:
+    """Cartesian product of ``exp.sweep``; each point validated (errors name the path)."""
+    base = exp.model_dump(exclude={"sweep"})
+    if not exp.sweep:
+        return [({}, Experiment.model_validate(base))]
+    paths = list(exp.sweep)
+    out = []
+    for combo in itertools.product(*(exp.sweep[p] for p in paths)):
+        data = copy.deepcopy(base)
+        for p, v in zip(paths, combo, strict=True):
+            _set_path(data, p, v)
+        try:
+            point = Experiment.model_validate(data)
+        except ValidationError as e:
+            values = ", ".join(f"{p}={v!r}" for p, v in zip(paths, combo, strict=True))
+            raise ExperimentError(f"sweep point ({values})", format_errors(e)) from None
+        out.append((dict(zip(paths, combo, strict=True)), point))
+    return out
+
+
+def with_overrides(exp: Experiment, overrides: dict[str, Any]) -> Experiment:
+    """A copy of ``exp`` with dotted-path fields replaced (e.g. ``{"jobs.0.nbytes": 4096}``).
+
+    Unlike a sweep, an override may replace a whole list or sub-object (``"jobs"``).
+    """
+    data = exp.model_dump()
+    for path, value in overrides.items():
+        try:
+            _check_path(data, path)
+        except ValueError as e:
+            raise ExperimentError("override", [str(e).replace("sweep path", "path")]) from None
+        _set_path(data, path, value)
+    return parse_experiment(data, "with overrides")
+
+
+# -- loading and error formatting -------------------------------------------------------------
+
+def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
+    """An :class:`Experiment` from a TOML/YAML path, a dict, or an Experiment (returned as is).
+
+    Raises :class:`ExperimentError` listing each bad field by dotted path with allowed values.
+    """
+    if isinstance(source, Experiment):
+        return source
+    if isinstance(source, dict):
+        return parse_experiment(source, "object")
+    path = Path(source)
+    if not path.is_file():
+        raise ExperimentError(str(path), ["file not found (give a .toml, .yaml or .yml file)"])
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            raise ExperimentError(str(path), [f"unknown file type {suffix!r}; use .toml, "
+                                              ".yaml or .yml"])
+    except tomllib.TOMLDecodeError as e:
+        raise ExperimentError(str(path), [f"not valid TOML: {e}"]) from None
+    except Exception as e:  # yaml.YAMLError without importing yaml up front
+        if isinstance(e, ExperimentError):
+            raise
+        raise ExperimentError(str(path), [f"not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ExperimentError(str(path), ["the file must hold a mapping of experiment fields"])
+    return parse_experiment(data, str(path))
+
+
+def parse_experiment(data: dict, source: str = "object") -> Experiment:
+    """Validate a plain dict into an :class:`Experiment` (readable :class:`ExperimentError`)."""
+    try:
+        exp = Experiment.model_validate(data)
+    except ValidationError as e:
+        raise ExperimentError(source, format_errors(e)) from None
+    expand_sweep(exp)  # every sweep point must be valid before anything runs
+    return exp
+
+
+def format_errors(err: ValidationError) -> list[str]:
+    """One readable line per pydantic error: dotted field path, problem, allowed values."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        # pydantic appends the union member / validator name to the path; drop those parts.
+        loc = [p for p in loc if not re.match(r"^(list\[|function-|ByteSize|int|float|bool|"
+                                              r"str|dict\[|none|is-instance)", p)]
+        path = ".".join(loc) or "(top level)"
+        typ = e["type"]
+        if path in seen:  # a union reports each member; the first says enough
+            continue
+        seen.add(path)
+        if typ == "extra_forbidden":
+            allowed = _allowed_fields(loc[:-1])
+            msg = f"unknown field; allowed fields here: {', '.join(allowed)}"
+        elif typ == "literal_error":
+            msg = f"got {e.get('input')!r}; allowed values: {e['ctx']['expected']}"
+        elif typ == "missing":
+            msg = "required field is missing"
+        elif typ == "value_error":
+            msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
+            if not loc and msg.startswith("sweep path"):
+                path, msg = "sweep", msg[len("sweep path "):]
+        else:
+            msg = f"{e['msg']} (got {e.get('input')!r})"
+        line = f"{path}: {msg}"
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def _allowed_fields(loc: list[str]) -> list[str]:
+    model: Any = Experiment
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return sorted(model.model_fields)
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _compressor_names() -> list[str] | None:
+    """The compressor registry's names, or None when the kernels are not importable."""
+    try:
+        from testbed.kernels.compressors import COMPRESSORS
+    except Exception:
+        return None
+    return sorted(COMPRESSORS)

@@ -1,0 +1,68 @@
+"""The host-based algorithms (real processes, real TCP) on the loopback of this namespace.
+
+Fast coverage of every (op, algo) for n = 2..8 and sizes that are not multiples of the
+chunk; the same code runs inside Mininet hosts in test_collectives_star.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.worker import run_pool
+
+
+def _run(n: int, m: int = 0, **kw) -> dict:
+    spec = CollectiveSpec(timeout_s=10, chunk_bytes=4096, **kw)
+    spec.validate(n + m)
+    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": "127.0.0.1"}
+             for i in range(n + m)]
+    return run_pool({"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks})
+
+
+CASES = [
+    # (op, algo, n, nbytes)
+    ("allreduce", "ring", 2, 4 * 1001),
+    ("allreduce", "ring", 7, 4 * 30_001),
+    ("allreduce", "hd", 2, 4 * 3),
+    ("allreduce", "hd", 3, 4 * 30_001),
+    ("allreduce", "hd", 6, 4 * 20_003),
+    ("allreduce", "hd", 8, 4 * 10_007),
+    ("reduce_scatter", "ring", 5, 4 * 10_001),
+    ("reduce_scatter", "hd", 4, 4 * 10_001),
+    ("allgather", "ring", 3, 4 * 10_001),
+    ("allgather", "hd", 8, 4 * 10_001),
+    ("broadcast", "ring", 5, 4 * 10_001),
+    ("broadcast", "hd", 6, 4 * 10_001),
+]
+
+
+@pytest.mark.parametrize("op, algo, n, nbytes", CASES)
+def test_host_algorithms_sum_correctly(op, algo, n, nbytes):
+    r = _run(n, op=op, algo=algo, nbytes=nbytes, repetitions=2)
+    assert r["error"] is None, r["error"]
+    assert len(r["reps"]) == 2
+    for rep in r["reps"]:
+        assert rep["correct"], rep
+        assert rep["time_s"] > 0
+
+
+@pytest.mark.parametrize("n, m", [(3, 1), (4, 3), (5, 2)])
+def test_reduction_server(n, m):
+    r = _run(n, m, algo="rs", nbytes=4 * 20_001, servers=m)
+    assert r["error"] is None, r["error"]
+    assert r["reps"][0]["correct"]
+
+
+def test_int32_is_exact():
+    r = _run(5, op="allreduce", algo="ring", nbytes=4 * 5_003, dtype="int32")
+    assert r["error"] is None and r["reps"][0]["correct"]
+    assert r["reps"][0]["max_abs_err"] == 0.0
+
+
+def test_children_are_reaped():
+    r = _run(3, op="allreduce", algo="ring", nbytes=4 * 1000)
+    for pid in r["pids"].values():
+        assert not os.path.exists(f"/proc/{pid}"), f"child {pid} left behind"

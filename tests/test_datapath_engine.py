@@ -1,0 +1,241 @@
+"""Engine, forward program, control channel and Mininet nodes (real packets, real namespaces)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.datapath.aggclient import udp_frame
+from testbed.datapath.batch import PORT_DROP, PORT_FLOOD, PORT_UNSET, Batch
+from testbed.datapath.control import ControlError, socket_path
+from testbed.datapath.engine import Engine, make_stage, normalize_programs
+from testbed.datapath.forward import ForwardStage, forward_reference, mac_to_int
+
+PY = [sys.executable, "-m", "testbed.datapath.bench"]
+MACS = [bytes([2, 0, 0, 0, 0, k]) for k in range(1, 6)]
+
+
+def _frame(rng, dst, src, kind):
+    if kind == "short":
+        return bytes(rng.integers(0, 256, int(rng.integers(1, 14)), dtype=np.uint8))
+    if kind == "l2":
+        return dst + src + b"\x88\xb5" + bytes(int(rng.integers(0, 60)))
+    ip_s = bytes([10, 0, 0, int(rng.integers(1, 6))])
+    ip_d = bytes([10, 0, 0, int(rng.integers(1, 6))])
+    f = bytearray(udp_frame(src, dst, ip_s, ip_d, int(rng.integers(1, 65535)),
+                            int(rng.integers(1, 65535)), bytes(int(rng.integers(0, 40)))))
+    if kind == "badver":
+        f[14] = 0x65
+    elif kind == "badihl":
+        f[14] = 0x43
+    elif kind == "badtot":
+        f[16:18] = (len(f) - 10).to_bytes(2, "big")
+    elif kind == "trunc":
+        f = f[: int(rng.integers(14, 34))]
+    return bytes(f)
+
+
+kinds = st.sampled_from(["ok"] * 6 + ["l2", "short", "badver", "badihl", "badtot", "trunc"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(-1, 3), kinds,
+                          st.booleans()), min_size=1, max_size=60),
+       st.booleans(), st.booleans(), st.integers(0, 2**32))
+def test_forward_kernel_matches_reference(pkts, flood, use_l3, seed):
+    """Random frames (valid, broken IPv4, runts, broadcast) through kernel and Python twin."""
+    rng = np.random.default_rng(seed)
+    l2 = {MACS[0].hex(":"): 0, MACS[1].hex(":"): [1, 2, 3]}  # static + an ECMP group
+    l3 = {"10.0.0.4": [2, 3]} if use_l3 else {}
+    st_ = ForwardStage(ports=["a", "b", "c", "d"], l2=l2, l3=l3, flood=flood)
+    ref_l2 = {mac_to_int(MACS[0]): [0], mac_to_int(MACS[1]): [1, 2, 3]}
+    ref_l3 = {0x0A000004: [2, 3]} if use_l3 else {}
+    learned: dict[int, int] = {}
+    frames, ports = [], []
+    for d, s, p, kind, bcast in pkts:
+        dst = b"\xff" * 6 if bcast else MACS[d]
+        frames.append(_frame(rng, dst, MACS[s], kind))
+        ports.append(p)
+    b = Batch(len(frames))
+    for i, f in enumerate(frames):
+        b.buf[i, : len(f)] = np.frombuffer(f, np.uint8)
+        b.length[i] = len(f)
+        b.in_port[i] = ports[i]
+    b.n = len(frames)
+    st_.process(b, 0)
+    got = [(int(b.out_port[i]), int(b.reason[i])) for i in range(b.n)]
+    exp = forward_reference(frames, ports, ref_l2, ref_l3, learned, True, flood, True)
+    assert got == exp
+
+
+def test_forward_decided_packets_untouched_and_ecmp_spreads():
+    """Packets decided earlier are left alone; an ECMP group uses all members per flow."""
+    st_ = ForwardStage(ports=["a", "b", "c"], l2={"02:00:00:00:00:09": ["b", "c"]},
+                       learn=False)
+    rng = np.random.default_rng(0)
+    b = Batch(200)
+    for i in range(200):
+        f = udp_frame(b"\x02\0\0\0\0\1", b"\x02\0\0\0\0\x09", bytes([10, 0, 0, 1]),
+                      bytes([10, 0, 0, 9]), 1000 + i, 2000, bytes(10))
+        b.buf[i, : len(f)] = np.frombuffer(f, np.uint8)
+        b.length[i] = len(f)
+        b.in_port[i] = 0
+    b.n = 200
+    b.out_port[0] = PORT_DROP
+    st_.process(b, 0)
+    assert b.out_port[0] == PORT_DROP
+    used = set(b.out_port[1:].tolist())
+    assert used == {1, 2}
+    b2 = Batch(200)  # same flows again -> same members
+    b2.buf[:] = b.buf
+    b2.length[:] = b.length
+    b2.in_port[:] = 0
+    b2.n = 200
+    st_.process(b2, 0)
+    assert np.array_equal(b2.out_port[1:], b.out_port[1:])
+    del rng
+
+
+def test_bad_config_errors_name_the_parameter():
+    """Bad programs/settings fail with a message naming what to fix."""
+    with pytest.raises(ValueError, match="unknown program 'nope'"):
+        make_stage("nope", {}, ["a"])
+    with pytest.raises(ValueError, match="no programs configured"):
+        normalize_programs([])
+    with pytest.raises(ValueError, match="unknown port 'zz'"):
+        ForwardStage(ports=["a"], l2={"02:00:00:00:00:01": "zz"})
+    with pytest.raises(ValueError, match="bad MAC address"):
+        ForwardStage(ports=["a"], l2={"02:00:00": 0})
+    with pytest.raises(ValueError, match="rx_burst"):
+        Engine({"ports": ["a"], "programs": ["forward"], "rx_burst": 0})
+    with pytest.raises(ValueError, match="flood port"):
+        Engine({"ports": ["a"], "programs": ["forward"], "flood_ports": ["b"]})
+    eng = Engine({"ports": ["a", "b"], "programs": ["forward", "wire"]})
+    assert [s.name for s in eng.stages] == ["forward", "wire"]
+    with pytest.raises(ValueError, match="unknown command"):
+        eng.dispatch({"cmd": "explode"})
+    with pytest.raises(ValueError, match="no aggregate stage"):
+        eng.dispatch({"cmd": "reset_job", "job_id": 1})
+    with pytest.raises(ValueError, match="unknown settings"):
+        eng.dispatch({"cmd": "configure", "stage": "forward", "settings": {"bogus": 1}})
+
+
+def _engine_procs(node: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if f"testbed-node={node}".encode() in fh.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def _leftovers(nodes: list[str]) -> list[str]:
+    found = []
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    for node in nodes:
+        if _engine_procs(node):
+            found.append(f"process testbed-node={node}")
+        for suffix in (".sock", ".json", ".counters.json"):
+            if os.path.exists(socket_path(node).removesuffix(".sock") + suffix):
+                found.append(f"file {node}{suffix}")
+        if f" {node}-eth" in links:
+            found.append(f"interface {node}-eth*")
+    return found
+
+
+@pytest.mark.mininet
+def test_forward_every_frame_intact_control_and_no_leftovers(tmp_path):
+    """3000 frames of random size (up to MTU) h1->h2 arrive byte-identical, none lost;
+    counters are readable while running and at the end; nothing is left behind."""
+    from testbed.datapath.bench import load_frames
+    from testbed.datapath.nodes import programmable_star
+
+    n = 3000
+    with programmable_star(3, programs=[("forward", {})]) as (_net, (h1, h2, h3), s1):
+        assert "0% packet loss" in h1.cmd("ping -c 2 -i 0.2", h2.IP())
+        sent, got = tmp_path / "sent.npz", tmp_path / "got.npz"
+        sink = h2.popen(PY + ["sink", "--iface", h2.defaultIntf().name, "--count", str(n),
+                              "--duration", "60", "--save", str(got), "--ready-file",
+                              str(tmp_path / "ready")], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+        while not (tmp_path / "ready").exists():
+            assert sink.poll() is None, sink.communicate()
+        gen = h1.popen(PY + ["gen", "--iface", h1.defaultIntf().name, "--src-mac", h1.MAC(),
+                             "--dst-mac", h2.MAC(), "--src-ip", h1.IP(), "--dst-ip", h2.IP(),
+                             "--elems", "0", "--count", str(n), "--pps", "20000", "--save",
+                             str(sent)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        g_out, g_err = gen.communicate(timeout=60)
+        assert gen.returncode == 0, g_err
+        s_out, s_err = sink.communicate(timeout=60)
+        assert sink.returncode == 0, s_err
+        assert json.loads(g_out)["sent"] == n
+        tx, rx = load_frames(str(sent)), load_frames(str(got))
+        assert len(rx) == n
+        assert rx == tx  # every frame, in order, byte for byte
+        assert max(len(f) for f in tx) > 1400
+        with s1.client() as c:
+            live = c.counters()
+            p1 = live["ports"]["tbs1-eth1"]
+            assert p1["rx_packets"] >= n and live["ports"]["tbs1-eth2"]["tx_packets"] >= n
+            assert live["stages"]["forward"]["unicast"] >= n
+            assert "cpu" in live and "cpu_max" in live
+            # h3 saw none of it: learned MACs, no flooding of known unicast
+            assert live["ports"]["tbs1-eth3"]["tx_packets"] < 20
+            c.configure("forward", l2={h3.MAC(): 2}, learn=False)
+            with pytest.raises(ControlError, match="unknown settings"):
+                c.configure("forward", colour="red")
+            with pytest.raises(ControlError, match="no stage"):
+                c.configure("nope", x=1)
+        assert "0% packet loss" in h1.cmd("ping -c 1", h3.IP())
+    assert s1.final_counters is not None
+    assert s1.final_counters["ports"]["tbs1-eth1"]["rx_packets"] >= n
+    assert _leftovers(["tbs1"]) == []
+
+
+@pytest.mark.mininet
+def test_smartnic_bump_in_the_wire():
+    """h1 -- tbn1(SmartNIC wire) -- tbs1 -- tbn2 -- h2: traffic crosses both NIC engines."""
+    from testbed.datapath.nodes import programmable_star
+
+    with programmable_star(2, programs=[("forward", {})], nic_programs=[("wire", {})]) as (
+            net, (h1, h2), _s1):
+        assert "0% packet loss" in h1.cmd("ping -c 3 -i 0.2", h2.IP())
+        n1 = net.get("tbn1").client().counters()
+        assert n1["ports"]["tbn1-eth1"]["rx_packets"] >= 3
+        assert n1["ports"]["tbn1-eth2"]["tx_packets"] >= 3
+        assert n1["stages"]["wire"]["seen"] >= 6
+    assert _leftovers(["tbs1", "tbn1", "tbn2"]) == []
+
+
+def test_engine_rejects_unknown_port_name():
+    """A config naming an interface that does not exist fails clearly at open()."""
+    eng = Engine({"ports": ["tbnosuchport0"], "programs": ["forward"]})
+    with pytest.raises(ValueError, match="tbnosuchport0"):
+        eng.open()
+    eng.close()
+
+
+def test_flood_unset_counts():
+    """Engine routing: flood excludes the ingress port; undecided packets count NO_ROUTE."""
+    eng = Engine({"ports": ["a", "b", "c"], "programs": ["forward"]})
+    b = eng.batch
+    b.n = 3
+    b.in_port[:3] = [0, 1, -1]
+    b.length[:3] = 100
+    b.out_port[:3] = [PORT_FLOOD, PORT_UNSET, 2]
+    eng._route(3)
+    assert eng.tx_count.tolist() == [0, 1, 2]
+    assert eng.drops[1, 12] == 1
+    assert eng.rx_pk.tolist() == [1, 1, 0]

@@ -1,0 +1,337 @@
+"""The ``trim`` stage on batches of real frames: drain rate, trimming, drop-tail, ECN, the
+plain-Python twin of the queue, and run-time configuration."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from testbed.kernels import packets, trimming, wire
+from testbed.kernels.reference import packets as ref_packets
+from testbed.kernels.reference import trimming as ref_trimming
+
+from testbed.datapath.batch import PORT_DROP, PORT_HELD, Batch, DropReason
+from testbed.datapath.trim import TrimStage
+
+T0 = 5_000_000_000  # an arbitrary monotonic clock origin (ns)
+MACS = ("02:00:00:00:00:01", "02:00:00:00:00:02")
+IPS = ("10.0.0.1", "10.0.0.2")
+
+
+def trim_layout_frames(m: int, count: int, seed: int = 0, bits: int = 1):
+    """``count`` testbed frames carrying the trimming layout of random chunks of m values,
+    plus the chunks."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal(m).astype(np.float32) for _ in range(count)]
+    h = wire.new_headers(count)
+    h["codec"] = wire.Codec.TRIM_LAYOUT
+    h["elem_count"] = m
+    h["head_bytes"] = trimming.head_bytes_for(m, bits)
+    h["chunk_offset"] = np.arange(count) * m
+    pls = [trimming.encode(x, bits=bits, seed=seed, counter=i * m) for i, x in enumerate(xs)]
+    buf, ln = packets.build(h, pls, *MACS, *IPS, 5000)
+    return [bytes(buf[i, :ln[i]]) for i in range(count)], xs
+
+
+def int32_frames(m: int, count: int):
+    """Testbed INT32 frames (head_bytes 0: not trimmable)."""
+    h = wire.new_headers(count)
+    h["elem_count"] = m
+    h["chunk_offset"] = np.arange(count)
+    buf, ln = packets.build(h, [np.arange(m, dtype=np.int32)] * count, *MACS, *IPS, 5000)
+    return [bytes(buf[i, :ln[i]]) for i in range(count)]
+
+
+def load(batch: Batch, frames, out_ports, in_port=0) -> None:
+    """Fill an empty batch with frames already forwarded to ``out_ports``."""
+    batch.reset()
+    for f, p in zip(frames, out_ports, strict=True):
+        i = batch.alloc(1)
+        batch.buf[i, :len(f)] = np.frombuffer(f, np.uint8)
+        batch.length[i] = len(f)
+        batch.in_port[i] = in_port
+        batch.out_port[i] = p
+
+
+def rows(batch: Batch, lo: int = 0):
+    """(bytes, out_port) of rows lo.. of the batch."""
+    return [(bytes(batch.buf[i, :batch.length[i]]), int(batch.out_port[i]))
+            for i in range(lo, batch.n)]
+
+
+def sent(batch: Batch):
+    """Frames the engine would transmit from this batch, in row order."""
+    return [(f, p) for f, p in rows(batch) if p >= 0]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_drain_follows_the_configured_rate_exactly():
+    frames = int32_frames(256, 20)  # 1094-byte frames
+    ln = len(frames[0])
+    stage = TrimStage(n_ports=2, rate_mbps=10.0, threshold_bytes=10**6)
+    tx_ns = ln * 8 * 1000 / 10.0  # ns per frame at 10 Mb/s
+    b = Batch(64)
+    load(b, frames, [1] * 20)
+    stage.process(b, T0)
+    assert list(b.out_port[:20]) == [1] + [PORT_HELD] * 19  # the idle port sends one at once
+    total = 1
+    t = 0
+    while t < 25 * tx_ns:
+        t += 250_000
+        b.reset()
+        stage.process(b, T0 + t)
+        total += len(sent(b))
+        assert total == min(20, 1 + int(t // tx_ns)), t
+        d = stage.next_deadline_ns()
+        if total < 20:
+            assert d == T0 + int(np.ceil((total) * tx_ns))
+        else:
+            assert d is None
+    c = stage.counters()["ports"]["port1"]
+    assert (c["passed"], c["enqueued"], c["dequeued"], c["hwm_pkts"]) == (1, 19, 19, 19)
+    assert c["hwm_bytes"] == 19 * ln and c["depth_pkts"] == 0
+
+
+def test_trims_above_threshold_and_headers_go_first():
+    m = 256
+    frames, xs = trim_layout_frames(m, 10)
+    ln = len(frames[0])
+    stage = TrimStage(n_ports=2, rate_mbps=100.0, threshold_bytes=3 * ln)
+    b = Batch(64)
+    load(b, frames, [1] * 10)
+    stage.process(b, T0)
+    assert list(b.out_port[:10]) == [1] + [PORT_HELD] * 9
+    c = stage.counters()["ports"]["port1"]
+    assert (c["passed"], c["enqueued"], c["trimmed"], c["dropped"]) == (1, 3, 6, 0)
+    out = []
+    for t in range(1, 200):
+        b.reset()
+        stage.process(b, T0 + t * 100_000)
+        out += sent(b)
+    assert stage.queued() == 0 and len(out) == 9
+    hb = trimming.head_bytes_for(m, 1)
+    # strict priority: the six trimmed headers leave before the three queued data frames
+    assert [len(f) for f, _ in out] == [wire.PAYLOAD_OFFSET + hb] * 6 + [ln] * 3
+    assert [f for f, _ in out[6:]] == frames[1:4]
+    for k, (f, _) in enumerate(out[:6]):
+        arr = np.frombuffer(f, np.uint8).copy()
+        assert packets.parse_frame(arr, len(f)) == 0  # a valid frame: lengths and flag agree
+        assert ref_packets.ipv4_checksum(f[14:34]) == int.from_bytes(f[24:26], "big")
+        assert packets.get_flags(arr) & wire.Flags.TRIMMED
+        src = frames[4 + k]
+        assert f == ref_trimming.trim_frame(src)  # the numpy twin of trim_frame agrees
+        est, full = trimming.decode(arr[wire.PAYLOAD_OFFSET:], m)
+        assert not full
+        ref_est, _ = ref_trimming.decode(arr[wire.PAYLOAD_OFFSET:].copy(), m)
+        np.testing.assert_array_equal(est, ref_est)
+        x = xs[4 + k]
+        s = float(np.abs(x).max())
+        assert np.abs(est - x).max() <= 2 * s * (1 + 1e-6)  # one step of the 1-bit head
+
+
+def test_drop_tail_mode_drops_instead_of_trimming():
+    frames, _ = trim_layout_frames(256, 10)
+    ln = len(frames[0])
+    stage = TrimStage(n_ports=2, rate_mbps=100.0, threshold_bytes=3 * ln, mode="drop_tail")
+    b = Batch(64)
+    load(b, frames, [1] * 10)
+    stage.process(b, T0)
+    assert list(b.out_port[:10]) == [1] + [PORT_HELD] * 3 + [PORT_DROP] * 6
+    assert all(b.reason[i] == DropReason.QUEUE_FULL for i in range(4, 10))
+    c = stage.counters()["ports"]["port1"]
+    assert (c["passed"], c["enqueued"], c["trimmed"], c["dropped"]) == (1, 3, 0, 6)
+
+
+def test_untrimmable_frames_are_dropped_and_header_queue_full_drops():
+    frames, _ = trim_layout_frames(64, 6)
+    other = int32_frames(64, 2)
+    junk = bytes(range(60))  # not IPv4
+    stage = TrimStage(n_ports=1, rate_mbps=1.0, threshold_pkts=1, header_slots=2)
+    b = Batch(64)
+    load(b, [frames[0], frames[1]] + other + [junk] + frames[2:], [0] * 9)
+    stage.process(b, T0)
+    assert list(b.out_port[:9]) == [0, PORT_HELD, PORT_DROP, PORT_DROP, PORT_DROP, PORT_HELD,
+                                    PORT_HELD, PORT_DROP, PORT_DROP]
+    c = stage.counters()["ports"]["port0"]
+    assert (c["trimmed"], c["dropped"], c["hdr_hwm_pkts"]) == (2, 5, 2)
+
+
+def test_ecn_marks_above_marking_threshold():
+    frames = int32_frames(64, 6)
+    ln = len(frames[0])
+    stage = TrimStage(n_ports=1, rate_mbps=1.0, threshold_bytes=100 * ln,
+                      ecn_threshold_bytes=2 * ln)
+    b = Batch(64)
+    load(b, frames, [0] * 6)
+    stage.process(b, T0)
+    assert stage.counters()["ports"]["port0"]["ecn_marked"] == 3  # 4th..6th found >= 2 queued
+    stage.configure(rate_mbps=1000.0)
+    out = []
+    for t in range(1, 30):
+        b.reset()
+        stage.process(b, T0 + t * 10**7)
+        out += sent(b)
+    flags = [packets.get_flags(np.frombuffer(f, np.uint8)) & wire.Flags.ECN for f, _ in out]
+    assert flags == [0, 0, wire.Flags.ECN, wire.Flags.ECN, wire.Flags.ECN]
+
+
+def test_emission_respects_batch_room_and_keeps_order():
+    frames = int32_frames(16, 12)
+    stage = TrimStage(n_ports=1, rate_mbps=1000.0, threshold_bytes=10**6)
+    b = Batch(14)
+    load(b, frames, [0] * 12)
+    stage.process(b, T0)
+    b2 = Batch(4)  # only four rows free
+    out = []
+    for t in range(1, 10):
+        b2.reset()
+        stage.process(b2, T0 + 10**9 + t)
+        out += [f for f, _ in sent(b2)]
+        assert b2.n <= 4
+    assert out == frames[1:]
+
+
+def test_per_port_settings_and_run_time_configure():
+    stage = TrimStage(ports=["tbs1-eth1", "tbs1-eth2"], rate_mbps={"tbs1-eth2": 50},
+                      threshold=5000)
+    assert stage.ns_per_byte[1] == 8000.0 / 50 and stage.ns_per_byte[0] == 8000.0 / 100
+    stage.configure(rate_mbps=[10, 20], threshold_bytes={1: 777}, mode="drop_tail",
+                    header_priority=False)
+    assert list(stage.ns_per_byte) == [800.0, 400.0]
+    assert list(stage.thr_bytes) == [5000, 777]
+    assert stage.counters()["mode"] == "drop_tail" and not stage.header_priority
+    before = stage.thr_bytes.copy()
+    with pytest.raises(ValueError, match="mode"):
+        stage.configure(threshold_bytes=1, mode="red")
+    assert list(stage.thr_bytes) == list(before)  # a rejected configure changes nothing
+    with pytest.raises(ValueError, match="rate_mbps"):
+        stage.configure(rate_mbps=0)
+    with pytest.raises(ValueError, match="unknown port"):
+        stage.configure(rate_mbps={"tbs9-eth1": 10})
+    with pytest.raises(ValueError, match="unknown settings"):
+        stage.configure(rate=10)
+    with pytest.raises(ValueError, match="threshold_pkts"):
+        stage.configure(threshold_pkts=10**6)
+    with pytest.raises(ValueError, match="2 ports"):
+        stage.configure(rate_mbps=[1, 2, 3])
+    with pytest.raises(ValueError, match="ports"):
+        TrimStage()
+
+
+def ref_valid(f: bytes) -> bool:
+    """The numpy twin of ``parse_frame`` accepts ``f`` as a testbed frame."""
+    return ref_packets.parse_frame(np.frombuffer(f, np.uint8), len(f))[0] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# plain-Python twin of the queue (same decisions, same bytes, same order)
+
+
+class TrimTwin:
+    """Deque-per-port model of ``trim_kernel``."""
+
+    def __init__(self, n_ports, nspb, thr_bytes, thr_pkts, ecn, mode, hdr_prio, qslots, hslots):
+        self.nspb, self.thr_bytes, self.thr_pkts, self.ecn = nspb, thr_bytes, thr_pkts, ecn
+        self.mode, self.hdr_prio, self.qslots, self.hslots = mode, hdr_prio, qslots, hslots
+        self.dq = [deque() for _ in range(n_ports)]
+        self.hq = [deque() for _ in range(n_ports)]
+        self.next_free = [0.0] * n_ports
+        self.epoch = None
+
+    def _drain(self, p, now, out, emitted):
+        while True:
+            use_h = bool(self.hq[p]) and (self.hdr_prio or not self.dq[p])
+            if (not use_h and not self.dq[p]) or self.next_free[p] > now:
+                return
+            f = (self.hq[p] if use_h else self.dq[p]).popleft()
+            out.append((f, p))
+            self.next_free[p] += len(f) * self.nspb
+            emitted.add(p)
+
+    def process(self, pkts, now_ns):
+        if self.epoch is None:
+            self.epoch = now_ns
+        now = float(now_ns - self.epoch)
+        out, emitted, decisions = [], set(), []
+        for p in range(len(self.dq)):
+            self._drain(p, now, out, emitted)
+        for f, p in pkts:
+            dqb = sum(len(x) for x in self.dq[p])
+            if not self.dq[p] and not self.hq[p] and p not in emitted \
+                    and self.next_free[p] <= now:
+                self.next_free[p] = now + len(f) * self.nspb
+                decisions.append(("pass", f))
+                continue
+            full = dqb + len(f) > self.thr_bytes or len(self.dq[p]) >= self.qslots or (
+                self.thr_pkts > 0 and len(self.dq[p]) >= self.thr_pkts)
+            if not full:
+                if self.ecn > 0 and dqb >= self.ecn and ref_valid(f):
+                    g = bytearray(f)
+                    g[wire.HEADER_OFFSET + wire.FIELD_OFFSETS["flags"]] |= int(wire.Flags.ECN)
+                    g[40:42] = b"\0\0"
+                    f = bytes(g)
+                self.dq[p].append(f)
+                decisions.append(("held", None))
+                continue
+            if self.mode == "trim" and ref_valid(f):
+                hb = int.from_bytes(f[wire.HEADER_OFFSET + wire.FIELD_OFFSETS["head_bytes"]:][:2],
+                                    "little")
+                if 0 < hb < len(f) - wire.PAYLOAD_OFFSET:
+                    g = ref_trimming.trim_frame(f)
+                    q, cap = (self.hq[p], self.hslots) if self.hdr_prio else (self.dq[p],
+                                                                             self.qslots)
+                    if len(q) < cap:
+                        q.append(g)
+                        decisions.append(("held", None))
+                        continue
+            decisions.append(("drop", None))
+        for p in range(len(self.dq)):
+            self._drain(p, now, out, emitted)
+        return decisions, out
+
+
+_POOL_T, _ = trim_layout_frames(16, 4, seed=3)
+_POOL_T += trim_layout_frames(128, 4, seed=4)[0]
+_POOL_N = int32_frames(8, 2) + int32_frames(200, 2)
+_POOL_X = [bytes(np.random.default_rng(1).integers(0, 256, 90, dtype=np.uint8))]
+POOL = _POOL_T + _POOL_N + _POOL_X
+
+step = st.tuples(st.integers(0, 3_000_000),
+                 st.lists(st.tuples(st.integers(0, len(POOL) - 1), st.integers(0, 1)),
+                          max_size=8))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rate=st.sampled_from([1.0, 10.0, 100.0]), thr_bytes=st.sampled_from([0, 1500, 4000]),
+       thr_pkts=st.sampled_from([0, 2, 5]), ecn=st.sampled_from([0, 600]),
+       mode=st.sampled_from(["trim", "drop_tail"]), hdr_prio=st.booleans(),
+       steps=st.lists(step, min_size=1, max_size=12))
+def test_trim_kernel_matches_plain_python_twin(rate, thr_bytes, thr_pkts, ecn, mode, hdr_prio,
+                                               steps):
+    stage = TrimStage(n_ports=2, rate_mbps=rate, threshold_bytes=thr_bytes,
+                      threshold_pkts=thr_pkts, ecn_threshold_bytes=ecn, mode=mode,
+                      header_priority=hdr_prio, queue_slots=6, header_slots=3)
+    twin = TrimTwin(2, 8000.0 / rate, thr_bytes, thr_pkts, ecn, mode, hdr_prio, 6, 3)
+    b = Batch(64)
+    now = T0
+    for dt, pk in steps:
+        now += dt
+        pkts = [(POOL[i], p) for i, p in pk]
+        load(b, [f for f, _ in pkts], [p for _, p in pkts])
+        stage.process(b, now)
+        decisions, out = twin.process(pkts, now)
+        got = []
+        for i in range(len(pkts)):
+            op = int(b.out_port[i])
+            got.append(("pass", bytes(b.buf[i, :b.length[i]])) if op >= 0 else
+                       ("held", None) if op == PORT_HELD else ("drop", None))
+            if op == PORT_DROP:
+                assert b.reason[i] == DropReason.QUEUE_FULL
+        assert got == decisions
+        assert rows(b, len(pkts)) == out
+    assert stage.queued() == sum(len(q) for q in twin.dq + twin.hq)

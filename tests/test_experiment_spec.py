@@ -1,0 +1,143 @@
+"""Experiment schema: loading TOML/YAML, readable errors naming the bad field, sweep expansion."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.experiment.spec import (
+    Experiment,
+    ExperimentError,
+    expand_sweep,
+    load_experiment,
+    parse_experiment,
+    with_overrides,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _problems(data: dict) -> list[str]:
+    with pytest.raises(ExperimentError) as ei:
+        parse_experiment(data)
+    return ei.value.problems
+
+
+def test_bad_literal_names_field_and_allowed_values():
+    probs = _problems({"jobs": [{"algo": "rnig"}]})
+    assert len(probs) == 1
+    assert probs[0].startswith("jobs.0.algo:")
+    for allowed in ("'ring'", "'hd'", "'rs'", "'ina'", "'nic'"):
+        assert allowed in probs[0]
+    assert "'rnig'" in probs[0]
+
+
+def test_unknown_field_lists_allowed_fields():
+    probs = _problems({"topology": {"kind": "star", "n_host": 4}, "jobs": [{}]})
+    assert probs[0].startswith("topology.n_host: unknown field")
+    assert "n_hosts" in probs[0] and "bw_mbps" in probs[0]
+
+
+def test_field_of_other_kind_rejected():
+    probs = _problems({"topology": {"kind": "fat_tree", "n_hosts": 4}, "jobs": [{}]})
+    assert "n_hosts" in probs[0] and "fat_tree takes k" in probs[0]
+
+
+def test_several_problems_reported_together():
+    probs = _problems({"topology": {"bw_mbps": -5}, "jobs": [{"nbytes": "8XB", "op": "sum"}],
+                       "impairments": [{"node": "s1"}]})
+    paths = [p.split(":")[0] for p in probs]
+    assert paths == ["topology.bw_mbps", "jobs.0.op", "jobs.0.nbytes", "impairments.0.node"]
+
+
+def test_missing_jobs():
+    assert _problems({"name": "x"}) == ["jobs: required field is missing"]
+
+
+def test_sizes_with_units():
+    exp = parse_experiment({"jobs": [{"nbytes": ["64KiB", "1MB", 4096]}]})
+    assert exp.jobs[0].sizes() == [65536, 1_000_000, 4096]
+
+
+def test_sweep_expansion_is_cartesian_and_validated():
+    exp = parse_experiment({
+        "topology": {"n_hosts": 4},
+        "jobs": [{"algo": "ring", "nbytes": 1024}, {"algo": "ina", "nbytes": 1024}],
+        "sweep": {"jobs.0.nbytes": [1024, 4096, 16384], "topology.n_hosts": [2, 3]},
+    })
+    points = expand_sweep(exp)
+    assert len(points) == 6
+    seen = {(p["jobs.0.nbytes"], p["topology.n_hosts"]) for p, _ in points}
+    assert seen == {(b, n) for b in (1024, 4096, 16384) for n in (2, 3)}
+    for params, point in points:
+        assert point.sweep == {}
+        assert point.jobs[0].sizes() == [params["jobs.0.nbytes"]]
+        assert point.topology.n_hosts == params["topology.n_hosts"]
+        assert point.jobs[1].sizes() == [1024]  # untouched
+
+
+def test_sweep_bad_path_and_bad_value():
+    probs = _problems({"jobs": [{}], "sweep": {"topology.nhosts": [2]}})
+    assert probs[0].startswith("sweep:") and "'nhosts'" in probs[0] and "n_hosts" in probs[0]
+    probs = _problems({"jobs": [{}], "sweep": {"jobs.3.algo": ["ring"]}})
+    assert "index below 1" in probs[0]
+    with pytest.raises(ExperimentError) as ei:
+        parse_experiment({"jobs": [{}], "sweep": {"jobs.0.algo": ["ring", "hdd"]}})
+    assert "jobs.0.algo='hdd'" in str(ei.value) and "'hd'" in ei.value.problems[0]
+
+
+def test_overrides():
+    exp = parse_experiment({"jobs": [{"nbytes": "8MiB"}]})
+    small = with_overrides(exp, {"jobs.0.nbytes": 4096, "topology.n_hosts": 2})
+    assert small.jobs[0].sizes() == [4096] and small.topology.n_hosts == 2
+    assert exp.jobs[0].sizes() == [8 << 20]
+    with pytest.raises(ExperimentError, match="unknown field 'nbyte'"):
+        with_overrides(exp, {"jobs.0.nbyte": 1})
+
+
+def test_toml_and_yaml_files_load_the_same(tmp_path):
+    toml = tmp_path / "e.toml"
+    toml.write_text('name = "t"\n[topology]\nn_hosts = 3\n[[jobs]]\nalgo = "hd"\n'
+                    'nbytes = "4KiB"\n[sweep]\n"jobs.0.algo" = ["hd", "ring"]\n')
+    yaml = tmp_path / "e.yaml"
+    yaml.write_text("name: t\ntopology: {n_hosts: 3}\njobs:\n  - {algo: hd, nbytes: 4KiB}\n"
+                    "sweep:\n  jobs.0.algo: [hd, ring]\n")
+    assert load_experiment(toml) == load_experiment(yaml)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ExperimentError, match="file not found"):
+        load_experiment(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ExperimentError, match="not valid TOML"):
+        load_experiment(bad)
+    txt = tmp_path / "e.json"
+    txt.write_text("{}")
+    with pytest.raises(ExperimentError, match="unknown file type"):
+        load_experiment(txt)
+
+
+def test_example_files_are_valid():
+    files = sorted((REPO / "experiments").glob("*.toml")) + sorted(
+        (REPO / "experiments").glob("*.yaml"))
+    assert files, "experiments/ has no example files"
+    for f in files:
+        exp = load_experiment(f)
+        assert isinstance(exp, Experiment)
+        assert expand_sweep(exp)
+
+
+def test_cli_reports_bad_file_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ntopology: {kind: ring}\njobs:\n  - {algo: ina, repetitions: 0}\n")
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(bad), "--out",
+                        str(tmp_path / "res")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "topology.kind" in r.stderr and "'leaf_spine'" in r.stderr
+    assert "jobs.0.repetitions" in r.stderr and "greater than or equal to 1" in r.stderr
+    assert not (tmp_path / "res").exists()

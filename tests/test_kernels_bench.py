@@ -1,0 +1,48 @@
+"""Smoke test of ``testbed bench kernels`` at a small size: row schema and positive numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from testbed.kernels import bench
+
+KEYS = {"kernel", "elements", "gbps", "anchor", "anchor_gbps", "ratio"}
+OURS = ["fixedpoint.exponents", "fixedpoint.quantize", "fixedpoint.quantize[par]",
+        "fixedpoint.aggregate", "fixedpoint.dequantize", "atp.quantize", "atp.aggregate",
+        "atp.dequantize", "trimming.encode(b=1)", "trimming.decode(full)",
+        "trimming.decode(trimmed)", "packets.build_batch", "packets.parse_batch",
+        "trimming.trim_frame"]
+
+
+def test_bench_json_rows_schema_and_positive_numbers(capsys):
+    assert bench.main(json_out=True, elements=3000) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = [r["kernel"] for r in rows]
+    for name in OURS:
+        assert name in names, name
+    for r in rows:
+        assert KEYS <= set(r), r
+        if r["gbps"] is None:  # a note row (compressor bench missing or failing) says why
+            assert r.get("note"), r
+            continue
+        assert r["elements"] > 0 and r["gbps"] > 0 and r["anchor_gbps"] > 0 and r["ratio"] > 0
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["anchor_gbps"], rel=0.02, abs=0.002)
+        assert isinstance(r["anchor"], str) and r["anchor"]
+    ours = {r["kernel"]: r for r in rows if r["kernel"] in OURS}
+    assert ours["fixedpoint.quantize"]["anchor"] == "numpy add"
+    assert ours["fixedpoint.exponents"]["anchor"] == "numpy twin"
+    assert ours["fixedpoint.quantize"]["elements"] == 3000
+    assert ours["packets.parse_batch"]["elements"] == 11 * 256  # 11 whole frames
+
+
+def test_bench_table_output(capsys):
+    assert bench.main(json_out=False, elements=600) == 0
+    out = capsys.readouterr().out
+    assert "fixedpoint.quantize" in out and "ratio" in out and "numpy add" in out
+
+
+def test_bench_rejects_bad_elements():
+    with pytest.raises(ValueError, match="elements"):
+        bench.rows(0)

@@ -1,0 +1,352 @@
+"""Common machinery of the testbed topologies: options, validation, naming, link records.
+
+Every topology is a Mininet ``Topo`` whose graph is built in one ``build()`` method. The
+options common to all kinds are validated in :class:`TestbedTopo` *before* any node or link
+is recorded, so a bad parameter fails fast with a message naming it, never half-way through
+building a network.
+
+Naming (docs/architecture.md): hosts ``tbh1..`` (rank order), SmartNIC nodes ``tbn<i>`` in
+front of host ``tbh<i>``, switches ``tbs..`` / ``tbl..`` / ``tbsp..`` / ``tbc..`` / ``tba..`` /
+``tbe..``. Host of rank r gets IP 10.0.0.<r+1>/8 (skipping .254, the aggregator) and the MAC
+``00:00:00:00:00:<r+1>`` (what Mininet's autoSetMacs would give, fixed explicitly so SmartNIC
+nodes added in between do not shift it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import subprocess
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from mininet.topo import Topo
+
+#: Aggregator virtual addresses (docs/architecture.md, aggregation protocol).
+AGGREGATOR_IP = "10.0.0.254"
+AGGREGATOR_MAC = "02:54:42:00:00:fe"
+#: SwitchML bitmap width: at most this many workers per aggregation job.
+MAX_INA_WORKERS = 32
+#: Linux IFNAMSIZ - 1: longest interface name the kernel accepts.
+MAX_IFNAME = 15
+#: Highest link rate we shape (HTB on a veth); Mininet's own guard is 1000 Mb/s, we lift it.
+MAX_BW_MBPS = 100_000.0
+SWITCH_KINDS = ("programmable", "bridge")
+
+
+class TopologyError(ValueError):
+    """A topology parameter is invalid; the message names it and the allowed values."""
+
+
+@functools.lru_cache(maxsize=1)
+def netem_available() -> bool:
+    """Whether this kernel has sch_netem (probed once, in a throwaway network namespace)."""
+    try:
+        # A private namespace: the probe can never leave anything behind in the root one.
+        r = subprocess.run(
+            ["unshare", "--net", "sh", "-c",
+             "ip link set lo up && tc qdisc add dev lo root netem delay 1ms"],
+            capture_output=True, timeout=10, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def host_ip(rank: int) -> str:
+    """IP (without prefix) of the host of ``rank``: 10.0.0.<rank+1>, skipping .254/.255."""
+    num = rank + 1
+    if num >= 254:  # keep 10.0.0.254 free for the aggregator
+        num += 2
+    return f"10.{(num >> 16) & 0xFF}.{(num >> 8) & 0xFF}.{num & 0xFF}"
+
+
+def host_mac(rank: int) -> str:
+    """MAC of the host of ``rank``: 00:00:00:00:00:<rank+1> in hex (as autoSetMacs)."""
+    num = rank + 1
+    return ":".join(f"{(num >> (8 * i)) & 0xFF:02x}" for i in range(5, -1, -1))
+
+
+@dataclass
+class LinkSpec:
+    """One link of a topology as the model and the results metadata see it."""
+
+    a: str
+    b: str
+    port_a: int
+    port_b: int
+    bw_mbps: float | None  # None: unshaped
+    delay_ms: float
+    loss_pct: float
+    role: str  # access | nic | uplink | core | bottleneck
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form."""
+        return asdict(self)
+
+
+def _positive_number(name: str, value, *, allow_none: bool = False, maximum=None) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TopologyError(f"{name} must be a finite number > 0, got {value!r}")
+    if value <= 0:
+        raise TopologyError(f"{name} must be > 0, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise TopologyError(f"{name} must be <= {maximum:g}, got {value!r}")
+
+
+def check_int(name: str, value, minimum: int, *, even: bool = False) -> None:
+    """Raise :class:`TopologyError` unless ``value`` is an int >= ``minimum`` (and even)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TopologyError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise TopologyError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if even and value % 2:
+        raise TopologyError(f"{name} must be even (2, 4, 6, ...), got {value!r}")
+
+
+def check_bw(name: str, value, *, allow_none: bool = True) -> None:
+    """Validate a bandwidth in Mb/s: > 0 and <= MAX_BW_MBPS (None = unshaped if allowed)."""
+    _positive_number(name, value, allow_none=allow_none, maximum=MAX_BW_MBPS)
+
+
+class TestbedTopo(Topo):
+    """Base of all testbed topologies; subclasses implement :meth:`build_fabric`.
+
+    Common keyword options:
+
+    * ``bw_mbps`` (100): host access link rate, HTB via TCLink ``bw=`` (None: unshaped).
+    * ``delay_ms`` (0), ``loss_pct`` (0): per-link impairments of every link. With netem they
+      go on the links; without it they go to the data path's ``impair`` stage on the
+      programmable node at one end of each link (error if there is none).
+    * ``switch`` ('bridge'): 'programmable', 'bridge', or a set of switch names that run the
+      data path (the others are Linux bridges).
+    * ``smartnic`` (False): True for every host, or host ranks (0-based) that get a SmartNIC
+      node ``tbn<rank+1>`` between host and ToR.
+    * ``programs`` (None): dict node name (or 'switch' / 'smartnic' for all of that kind) ->
+      program options passed to the data-path node.
+    * ``aggregator`` ('auto'): switch name that hosts the aggregator, None for none; 'auto'
+      picks the kind's natural place when that switch is programmable.
+    * ``seed`` (0): seed of everything random (impairments, ECMP hash salt).
+    """
+
+    kind = "base"
+    #: default aggregator location for 'auto' (a switch name), set by subclasses
+    default_aggregator: str | None = None
+
+    def __init__(self, *, bw_mbps=100.0, delay_ms=0.0, loss_pct=0.0, switch="bridge",
+                 smartnic=False, programs=None, aggregator="auto", seed=0, **kind_params):
+        check_bw("bw_mbps", bw_mbps)
+        if isinstance(delay_ms, bool) or not isinstance(delay_ms, (int, float)) \
+                or not math.isfinite(delay_ms) or delay_ms < 0:
+            raise TopologyError(f"delay_ms must be a number >= 0, got {delay_ms!r}")
+        if isinstance(loss_pct, bool) or not isinstance(loss_pct, (int, float)) \
+                or not 0 <= loss_pct < 100:
+            raise TopologyError(f"loss_pct must be a number in [0, 100), got {loss_pct!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TopologyError(f"seed must be an integer, got {seed!r}")
+        if programs is not None and not isinstance(programs, dict):
+            raise TopologyError(
+                f"programs must be a dict node-name -> program options, got {programs!r}")
+        self.bw_mbps = None if bw_mbps is None else float(bw_mbps)
+        self.delay_ms = float(delay_ms)
+        self.loss_pct = float(loss_pct)
+        self.seed = seed
+        self.programs = dict(programs or {})
+        self.kind_params = dict(kind_params)
+        self.validate_kind(**kind_params)  # kind-specific checks, before anything is recorded
+
+        # What the model, the forwarding computation and describe() read.
+        self.link_specs: list[LinkSpec] = []
+        self.host_names: list[str] = []
+        self.nic_of: dict[str, str] = {}  # host name -> SmartNIC node name
+        self.switch_roles: dict[str, str] = {}
+        self._switch_opt = switch
+        self._smartnic_opt = smartnic
+        self._aggregator_opt = aggregator
+        self._n_hosts_planned = self.planned_hosts()
+        self._nic_ranks = self._resolve_smartnic(smartnic, self._n_hosts_planned)
+
+        super().__init__()  # calls build()
+
+        self.programmable = self._resolve_switch(switch)
+        self.aggregator_switch = self._resolve_aggregator(aggregator)
+        self._check_names()
+        self._check_impairments()
+
+    # ----- what subclasses provide -------------------------------------------------------
+    def validate_kind(self, **kind_params) -> None:
+        """Check the kind-specific parameters (raise TopologyError)."""
+
+    def planned_hosts(self) -> int:
+        """Number of hosts the kind will create (known from the parameters alone)."""
+        raise NotImplementedError
+
+    def build_fabric(self) -> None:
+        """Add switches, hosts (via :meth:`add_host_at`) and links."""
+        raise NotImplementedError
+
+    def params(self) -> dict:
+        """The kind-specific parameters as given (for describe())."""
+        return dict(self.kind_params)
+
+    # ----- building helpers --------------------------------------------------------------
+    def build(self, *args, **params):  # noqa: D401 - Mininet's hook
+        """Mininet's hook: build the whole graph (hosts in rank order)."""
+        self.build_fabric()
+
+    def add_switch(self, name: str, role: str) -> str:
+        """Add a switch node with a unique dpid and record its role."""
+        dpid = f"{len(self.switch_roles) + 1:016x}"
+        self.addSwitch(name, dpid=dpid)
+        self.switch_roles[name] = role
+        return name
+
+    def add_link(self, a: str, b: str, bw_mbps, role: str) -> None:
+        """Add a link with the topology's impairments and record it."""
+        self.addLink(a, b)
+        pa, pb = self.port(a, b)
+        self.link_specs.append(LinkSpec(a, b, pa, pb, None if bw_mbps is None else
+                                        float(bw_mbps), self.delay_ms, self.loss_pct, role))
+
+    def add_host_at(self, switch: str, bw_mbps=None) -> str:
+        """Add the next host (rank order) attached to ``switch``, through a SmartNIC if asked."""
+        rank = len(self.host_names)
+        name = f"tbh{rank + 1}"
+        self.addHost(name, ip=f"{host_ip(rank)}/8", mac=host_mac(rank))
+        self.host_names.append(name)
+        bw = self.bw_mbps if bw_mbps is None else bw_mbps
+        if rank in self._nic_ranks:
+            nic = f"tbn{rank + 1}"
+            self.add_switch(nic, "smartnic")
+            self.nic_of[name] = nic
+            self.add_link(name, nic, bw, "nic")
+            self.add_link(nic, switch, bw, "access")
+        else:
+            self.add_link(name, switch, bw, "access")
+        return name
+
+    # ----- resolution and checks (after the graph exists, before any network) -------------
+    @staticmethod
+    def _resolve_smartnic(opt, n_hosts: int) -> frozenset[int]:
+        if opt is False or opt is None:
+            return frozenset()
+        if opt is True:
+            return frozenset(range(n_hosts))
+        if isinstance(opt, (str, bytes)) or not isinstance(opt, Iterable):
+            raise TopologyError(
+                f"smartnic must be False, True or a list of host ranks 0..{n_hosts - 1}, "
+                f"got {opt!r}")
+        ranks = list(opt)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)
+               or not 0 <= r < n_hosts]
+        if bad:
+            raise TopologyError(
+                f"smartnic host ranks must be integers in 0..{n_hosts - 1}, got {bad!r}")
+        return frozenset(ranks)
+
+    def fabric_switches(self) -> list[str]:
+        """Switch names excluding SmartNIC nodes, in creation order."""
+        return [s for s, r in self.switch_roles.items() if r != "smartnic"]
+
+    def _resolve_switch(self, opt) -> frozenset[str]:
+        fabric = self.fabric_switches()
+        nics = set(self.nic_of.values())
+        if opt == "programmable":
+            chosen = set(fabric)
+        elif opt == "bridge":
+            chosen = set()
+        elif isinstance(opt, (str, bytes)) or not isinstance(opt, Iterable):
+            raise TopologyError(
+                f"switch must be one of {SWITCH_KINDS} or a set of switch names from "
+                f"{fabric}, got {opt!r}")
+        else:
+            chosen = set(opt)
+            unknown = sorted(chosen - set(fabric))
+            if unknown:
+                raise TopologyError(
+                    f"switch names {unknown} are not switches of this {self.kind}; "
+                    f"choose from {fabric}")
+        return frozenset(chosen | nics)  # SmartNIC nodes always run the data path
+
+    def _resolve_aggregator(self, opt) -> str | None:
+        if opt is None:
+            return None
+        if opt == "auto":
+            cand = self.default_aggregator
+            if cand is None or cand not in self.programmable:
+                return None
+            if len(self.host_names) > MAX_INA_WORKERS:
+                return None  # 'auto' never turns on an aggregator that cannot serve all hosts
+            return cand
+        if opt not in self.switch_roles or self.switch_roles[opt] == "smartnic":
+            raise TopologyError(
+                f"aggregator must be None, 'auto' or a switch name from "
+                f"{self.fabric_switches()}, got {opt!r}")
+        if opt not in self.programmable:
+            raise TopologyError(
+                f"aggregator {opt!r} is a Linux bridge; make it programmable "
+                f"(switch='programmable' or include {opt!r} in switch=...)")
+        if len(self.host_names) > MAX_INA_WORKERS:
+            raise TopologyError(
+                f"aggregator: in-network aggregation serves at most {MAX_INA_WORKERS} workers "
+                f"(32-bit bitmap) but this topology has {len(self.host_names)} hosts; "
+                "use fewer hosts or aggregator=None")
+        return opt
+
+    def _check_names(self) -> None:
+        for node in self.g.node:
+            nports = len(self.ports.get(node, {}))
+            longest = f"{node}-eth{nports}"
+            if len(longest) > MAX_IFNAME:
+                raise TopologyError(
+                    f"interface name {longest!r} is longer than {MAX_IFNAME} characters "
+                    f"(Linux limit); reduce the number of hosts/ports of {node!r}")
+
+    def _check_impairments(self) -> None:
+        if not (self.delay_ms or self.loss_pct) or netem_available():
+            return
+        bare = [(s.a, s.b) for s in self.link_specs
+                if s.a not in self.programmable and s.b not in self.programmable]
+        if bare:
+            raise TopologyError(
+                f"delay_ms/loss_pct need netem (absent in this kernel) or a programmable node "
+                f"at one end of each link to run the data path's impair stage; links {bare[:4]}"
+                f"{' ...' if len(bare) > 4 else ''} have neither. Use switch='programmable' "
+                "(or smartnic=True for host links), or drop delay_ms/loss_pct")
+
+    # ----- read side -----------------------------------------------------------------------
+    @property
+    def n_hosts(self) -> int:
+        """Number of hosts (workers)."""
+        return len(self.host_names)
+
+    def impair_mode(self) -> str:
+        """'none', 'netem' or 'datapath': where the link impairments are applied."""
+        if not (self.delay_ms or self.loss_pct):
+            return "none"
+        return "netem" if netem_available() else "datapath"
+
+    def describe(self) -> dict:
+        """JSON-serialisable summary of the topology (for results metadata)."""
+        return {
+            "kind": self.kind,
+            "params": {
+                **self.params(),
+                "bw_mbps": self.bw_mbps,
+                "delay_ms": self.delay_ms,
+                "loss_pct": self.loss_pct,
+                "switch": self._switch_opt if isinstance(self._switch_opt, str)
+                else sorted(self._switch_opt),
+                "smartnic": sorted(self._nic_ranks),
+                "aggregator": self._aggregator_opt,
+                "seed": self.seed,
+            },
+            "hosts": list(self.host_names),
+            "switches": dict(self.switch_roles),
+            "programmable": sorted(self.programmable),
+            "aggregator": self.aggregator_switch,
+            "impairments": self.impair_mode(),
+            "links": [s.to_dict() for s in self.link_specs],
+        }

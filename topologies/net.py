@@ -1,0 +1,606 @@
+"""``TestbedNet``: build, start, configure and tear down an emulated network.
+
+Usage::
+
+    from testbed.topologies import Star, TestbedNet
+    with TestbedNet(Star(4, bw_mbps=100)) as net:
+        net.pingall()
+        h1, h2 = net.hosts[:2]
+        print(h1.cmd("ping -c1", net.host_ips[1]))
+
+Holding the machine-wide emulation lock for its whole life, the handle builds the Mininet
+network (no controller, TCLink shaping, Linux bridges or the data path's programmable nodes),
+then:
+
+* turns off checksum/segmentation offloads on every veth (frames a userspace data path reads
+  must carry real checksums and be at most one MTU), and IPv6 (no ND/MLD chatter in the
+  measurements);
+* installs static ARP entries on every host (all hosts + the aggregator 10.0.0.254), so no
+  ARP broadcast is ever needed and the first packet of a run is not delayed;
+* computes shortest-path forwarding with ECMP groups from the topology
+  (:mod:`testbed.topologies.routing`) and pushes it to the programmable nodes; Linux bridges
+  in a *looped* fabric (leaf-spine with >1 spine, fat-tree k>=4) get the same tables as
+  static FDB entries (one ECMP member per destination MAC, chosen by hash), learning off, and
+  flooding confined to a BFS spanning tree - so no STP and no 30 s convergence wait;
+  loop-free bridge fabrics stay plain learning bridges;
+* configures the aggregator on the chosen programmable switch.
+
+Leaving the ``with`` block - normally, by an exception, by KeyboardInterrupt or SIGTERM -
+stops everything and removes every interface named after our nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+from mininet.link import Link, TCIntf
+from mininet.net import Mininet
+from mininet.nodelib import LinuxBridge
+
+from testbed.netlock import emulation_lock
+
+from . import routing
+from .base import (
+    AGGREGATOR_IP,
+    AGGREGATOR_MAC,
+    MAX_BW_MBPS,
+    TestbedTopo,
+    TopologyError,
+    host_ip,
+    host_mac,
+    netem_available,
+)
+
+
+class TBIntf(TCIntf):
+    """TCIntf whose bandwidth guard allows the testbed's range (Mininet stops at 1 Gb/s)."""
+
+    bwParamMax = MAX_BW_MBPS
+
+
+class TBLink(Link):
+    """Link with :class:`TBIntf` on both ends (HTB shaping, optional netem)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("cls1", TBIntf)
+        kwargs.setdefault("cls2", TBIntf)
+        Link.__init__(self, *args, **kwargs)
+
+
+class TBBridge(LinuxBridge):
+    """Linux bridge that is fully configured *before* it goes up.
+
+    IPv6 is turned off on the bridge and its ports, and ``port_setup`` (``bridge -batch``
+    lines: learning/flood flags, static FDB entries) is applied while the bridge is still
+    down - in a looped fabric, a bridge that came up flooding would start a broadcast storm
+    (the first IPv6 router solicitation is enough) before we could restrict it.
+    """
+
+    def __init__(self, name, port_setup=(), **kwargs):
+        self.port_setup = list(port_setup)
+        super().__init__(name, **kwargs)
+
+    def start(self, _controllers):
+        """Create the bridge, attach and configure its ports, then bring it up."""
+        self.cmd("ip link del", self, "2>/dev/null")
+        self.cmd("ip link add", self, "type bridge")
+        ports = [i.name for i in self.intfList() if self.name in i.name]
+        for dev in [self.name, *ports]:
+            with contextlib.suppress(OSError):
+                with open(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6", "w") as f:
+                    f.write("1")
+        for dev in ports:
+            self.cmd("ip link set", dev, "master", self)
+        if self.port_setup:
+            fd, path = tempfile.mkstemp(prefix="tb-br-", suffix=".batch")
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(self.port_setup) + "\n")
+            try:
+                out = self.cmd("bridge -batch", path)
+            finally:
+                os.unlink(path)
+            if out.strip():
+                raise RuntimeError(f"configuring bridge {self.name} failed: {out.strip()}")
+        self.cmd("ip link set", self, "up")
+
+    def stop(self, deleteIntfs=True):  # noqa: N803 - Mininet's signature
+        """Delete the bridge (and, by default, its interfaces)."""
+        self.cmd("ip link del", self, "2>/dev/null")
+        super(LinuxBridge, self).stop(deleteIntfs)
+
+
+def _datapath():
+    """D's data-path node classes and client, or a clear error when they are not available."""
+    try:
+        from testbed.datapath import nodes  # noqa: PLC0415 - optional layer, imported lazily
+        from testbed.datapath.control import DatapathClient
+    except ImportError as exc:
+        raise TopologyError(
+            "switch='programmable' / smartnic need the data path's node classes "
+            f"(testbed.datapath.nodes, testbed.datapath.control), which failed to import: {exc}"
+        ) from exc
+    return nodes, DatapathClient
+
+
+@contextlib.contextmanager
+def _quiet_mininet():
+    from mininet.log import lg
+
+    old = lg.getEffectiveLevel()
+    lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        lg.setLevel(old)
+
+
+def _root_ifaces() -> set[str]:
+    return set(os.listdir("/sys/class/net"))
+
+
+class TestbedNet:
+    """A running emulated network for ``topo`` (a context manager; see the module docstring).
+
+    Options: ``lock_timeout`` (s to wait for the emulation lock), ``offloads_off`` (True),
+    ``static_arp`` (True), ``check_ping`` (False: run :meth:`pingall` at start and raise if
+    any pair fails), ``engine_opts`` (dict passed to every programmable node).
+    """
+
+    def __init__(self, topo: TestbedTopo, *, lock_timeout: float = 600.0,
+                 offloads_off: bool = True, static_arp: bool = True, check_ping: bool = False,
+                 engine_opts: dict | None = None):
+        if not isinstance(topo, TestbedTopo):
+            raise TopologyError(
+                f"topo must be a testbed topology (Star, LeafSpine, FatTree, Dumbbell, Incast "
+                f"or make_topology(...)), got {type(topo).__name__}")
+        self.topo = topo
+        self.lock_timeout = lock_timeout
+        self.offloads_off = offloads_off
+        self.static_arp = static_arp
+        self.check_ping = check_ping
+        self.engine_opts = dict(engine_opts or {})
+        self.mininet: Mininet | None = None
+        self.timings: dict[str, float] = {}
+        self._lock_cm = None
+        self._tmpdir: str | None = None
+        self._clients: dict = {}
+        self._hop_latency: float | None = None
+        self._old_sigterm = None
+        self.forwarding_mode = "none"
+        if topo.programmable:
+            _datapath()  # fail before taking the lock if the data path is missing
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> TestbedNet:
+        t0 = time.monotonic()
+        self._lock_cm = emulation_lock(timeout=self.lock_timeout)
+        self._lock_cm.__enter__()
+        self.timings["lock_wait_s"] = time.monotonic() - t0
+        try:
+            self._install_sigterm()
+            self._start()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._teardown()
+
+    def _install_sigterm(self) -> None:
+        # SIGTERM (e.g. a test timeout, `kill`) must tear down like Ctrl-C does.
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def _on_term(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, _on_term)
+
+    def _start(self) -> None:
+        topo = self.topo
+        t = time.monotonic()
+        self._assign_classes()
+        self._assign_link_params()
+        self._preexisting = _root_ifaces()
+        clash = [n for n in self._our_names() if n in self._preexisting]
+        if clash:
+            raise TopologyError(
+                f"interfaces {sorted(clash)[:5]} already exist: a previous network was not "
+                "cleaned up; run 'testbed cleanup'")
+        self.mininet = Mininet(topo=topo, switch=LinuxBridge, link=TBLink, controller=None,
+                               autoSetMacs=False, build=False, waitConnected=False)
+        # Mininet prints harmless tc/bridge-nf warnings as errors; shaping is verified below.
+        with _quiet_mininet():
+            self.mininet.build()
+            self.timings["build_s"] = time.monotonic() - t
+            t = time.monotonic()
+            self.mininet.start()
+        self.timings["start_s"] = time.monotonic() - t
+        t = time.monotonic()
+        self._tmpdir = tempfile.mkdtemp(prefix="tb-net-")
+        self._configure_hosts()
+        self._configure_root_ifaces()
+        self._configure_forwarding()
+        self.timings["configure_s"] = time.monotonic() - t
+        if self.check_ping:
+            t = time.monotonic()
+            res = self.pingall()
+            self.timings["ping_s"] = time.monotonic() - t
+            if res["failed"]:
+                raise RuntimeError(f"pingall failed for {res['failed'][:8]} "
+                                   f"({len(res['failed'])}/{res['pairs']} pairs)")
+
+    def _teardown(self) -> None:
+        t = time.monotonic()
+        # Ctrl-C during teardown would leave half a network: ignore it until we are done.
+        main = threading.current_thread() is threading.main_thread()
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for client in self._clients.values():
+                with contextlib.suppress(Exception):
+                    client.close()
+            self._clients = {}
+            if self.mininet is not None:
+                try:
+                    self.mininet.stop()
+                except Exception:  # noqa: BLE001 - keep going, the sweep below finishes the job
+                    pass
+            self._sweep()
+            if self._tmpdir:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                self._tmpdir = None
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, old_int)
+                if self._old_sigterm is not None:
+                    signal.signal(signal.SIGTERM, self._old_sigterm)
+                    self._old_sigterm = None
+            if self._lock_cm is not None:
+                lock, self._lock_cm = self._lock_cm, None
+                lock.__exit__(None, None, None)
+            self.timings["teardown_s"] = time.monotonic() - t
+
+    def _our_names(self) -> set[str]:
+        """Root-namespace interface names our nodes would create."""
+        names = set()
+        for s in self.topo.link_specs:
+            names.add(f"{s.a}-eth{s.port_a}")
+            names.add(f"{s.b}-eth{s.port_b}")
+        names.update(self.topo.switch_roles)  # bridge devices
+        return names
+
+    def _sweep(self) -> None:
+        """Remove whatever Mininet's stop left behind (interfaces, bridges, node shells)."""
+        if self.mininet is not None:
+            for node in self.mininet.hosts + self.mininet.switches:
+                shell = getattr(node, "shell", None)
+                if shell is not None and shell.poll() is None:
+                    with contextlib.suppress(Exception):
+                        node.terminate()
+        left = self._our_names() & _root_ifaces()
+        for name in sorted(left):
+            subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+
+    # ----- building ------------------------------------------------------------------------
+    def _assign_classes(self) -> None:
+        topo = self.topo
+        self._tables = routing.forwarding_tables(topo)
+        self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
+        for name in topo.switch_roles:
+            if name in topo.programmable:
+                continue
+            info = dict(topo.nodeInfo(name))
+            info["cls"] = TBBridge
+            info["port_setup"] = self._bridge_setup(name) if self._tree is not None else []
+            topo.setNodeInfo(name, info)
+        if not topo.programmable:
+            return
+        nodes, _ = _datapath()
+        for name in topo.programmable:
+            info = dict(topo.nodeInfo(name))
+            is_nic = topo.switch_roles[name] == "smartnic"
+            info["cls"] = nodes.SmartNIC if is_nic else nodes.ProgrammableSwitch
+            progs = topo.programs.get(name, topo.programs.get("smartnic" if is_nic else "switch"))
+            if progs is not None:
+                info["programs"] = progs
+            info.update(self.engine_opts)
+            topo.setNodeInfo(name, info)
+
+    def _assign_link_params(self) -> None:
+        topo = self.topo
+        use_netem = topo.impair_mode() == "netem"
+        for s in topo.link_specs:
+            params = {}
+            if s.bw_mbps is not None:
+                params["bw"] = s.bw_mbps
+            if use_netem and s.delay_ms:
+                params["delay"] = f"{s.delay_ms}ms"
+            if use_netem and s.loss_pct:
+                params["loss"] = s.loss_pct
+            if self.offloads_off:
+                params.update(txo=False, rxo=False)
+            info = topo.linkInfo(s.a, s.b)
+            for key in ("bw", "delay", "loss", "txo", "rxo"):
+                info.pop(key, None)
+            info.update(params)
+            topo.setlinkInfo(s.a, s.b, info)
+
+    def _configure_hosts(self) -> None:
+        """One shell round trip per host: IPv6 off, offloads off, static ARP (batch file)."""
+        hosts = self.hosts
+        ips = self.host_ips
+        shaped = self._shaped_ifaces()
+        for rank, h in enumerate(hosts):
+            intf = h.defaultIntf().name
+            parts = ["sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+                     "net.ipv6.conf.default.disable_ipv6=1"]
+            if self.offloads_off:
+                parts.append(f"ethtool -K {intf} tx off rx off tso off gso off gro off "
+                             ">/dev/null 2>&1")
+            if self.static_arp:
+                path = os.path.join(self._tmpdir, f"{h.name}.neigh")
+                with open(path, "w") as f:
+                    for r2, ip in enumerate(ips):
+                        if r2 != rank:
+                            f.write(f"neigh replace {ip} lladdr {host_mac(r2)} dev {intf} "
+                                    "nud permanent\n")
+                    f.write(f"neigh replace {AGGREGATOR_IP} lladdr {AGGREGATOR_MAC} "
+                            f"dev {intf} nud permanent\n")
+                parts.append(f"ip -batch {path}")
+            parts.append(f"tc qdisc show dev {intf}")
+            out = h.cmd("; ".join(parts))
+            if "rror" in out:
+                raise RuntimeError(f"configuring host {h.name} failed: {out.strip()}")
+            if shaped.get(intf) and " htb " not in out:
+                raise RuntimeError(f"HTB shaping missing on {h.name}:{intf}: {out.strip()}")
+
+    def _configure_root_ifaces(self) -> None:
+        """Verify the HTB shaping of the switch-side interfaces in the root namespace.
+
+        (Their IPv6 is turned off by :class:`TBBridge` / the data path's nodes, and their
+        checksum offloads by TCLink's ``txo``/``rxo``; segmentation happens at the hosts,
+        whose offloads are all off.)"""
+        root = [n for n in sorted(self._our_names()) if os.path.exists(f"/sys/class/net/{n}")]
+        # Verify that every shaped root-namespace interface really got its HTB qdisc.
+        out = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True,
+                             check=False).stdout
+        htb = set(re.findall(r"qdisc htb \S+ dev (\S+) root", out))
+        missing = [n for n, bw in self._shaped_ifaces().items()
+                   if bw and n in root and n not in htb]
+        if missing:
+            raise RuntimeError(f"HTB shaping missing on {missing[:5]} (tc failed; see "
+                               "'tc qdisc show')")
+
+    def _shaped_ifaces(self) -> dict[str, bool]:
+        """Interface name -> whether its link is shaped."""
+        out = {}
+        for s in self.topo.link_specs:
+            out[self._intf_name(s.a, s.port_a)] = s.bw_mbps is not None
+            out[self._intf_name(s.b, s.port_b)] = s.bw_mbps is not None
+        return out
+
+    def _configure_forwarding(self) -> None:
+        topo = self.topo
+        loops = self._tree is not None
+        bridges = [s for s in topo.switch_roles if s not in topo.programmable]
+        if topo.programmable:
+            self._program_datapath(self._tables, self._tree)
+        if topo.programmable and bridges:
+            self.forwarding_mode = "datapath+static-fdb" if loops else "datapath+learning"
+        elif topo.programmable:
+            self.forwarding_mode = "datapath"
+        else:
+            self.forwarding_mode = "static-fdb" if loops else "learning"
+
+    def _intf_name(self, node: str, port: int) -> str:
+        return f"{node}-eth{port}"
+
+    def _bridge_setup(self, br: str) -> list[str]:
+        """``bridge -batch`` lines for a bridge in a looped fabric: learning off on every
+        port, flooding only on flood-tree links, static FDB from the routing tables."""
+        topo = self.topo
+        adj = routing.adjacency(topo)
+        lines = []
+        for peer, (port, _bw) in sorted(adj[br].items()):
+            dev = self._intf_name(br, port)
+            flags = "learning off"
+            if peer in topo.switch_roles and frozenset((br, peer)) not in self._tree:
+                flags += " flood off mcast_flood off bcast_flood off"
+            lines.append(f"link set dev {dev} {flags}")
+        for mac, group in sorted(self._tables[br].items()):
+            port = routing.pick_port(group, mac, topo.seed)
+            lines.append(f"fdb replace {mac} dev {self._intf_name(br, port)} master static")
+        return lines
+
+    def _program_datapath(self, tables, tree) -> None:
+        """Push forwarding tables (and the aggregator) to every programmable node."""
+        _nodes, client_cls = _datapath()
+        topo = self.topo
+        adj = routing.adjacency(topo)
+        for name in sorted(topo.programmable):
+            node = self.mininet.get(name)
+            client = client_cls.for_node(node) if hasattr(client_cls, "for_node") \
+                else client_cls(node)
+            self._clients[name] = client
+            if topo.switch_roles[name] == "smartnic":
+                continue  # bump in the wire: its 'wire' program needs no table
+            l2 = {mac: [self._intf_name(name, p) for p in group]
+                  for mac, group in tables[name].items()}
+            settings = {"l2": l2, "learn": False}
+            client.configure("forward", **settings)
+            if tree is not None:
+                flood = [self._intf_name(name, port) for peer, (port, _bw) in sorted(
+                    adj[name].items()) if peer not in topo.switch_roles
+                    or frozenset((name, peer)) in tree]
+                client.set_flood_ports(flood)
+        if topo.aggregator_switch is not None:
+            self._clients[topo.aggregator_switch].configure(
+                "aggregate", ip=AGGREGATOR_IP, mac=AGGREGATOR_MAC)
+
+    # ----- what the upper layers use -----------------------------------------------------
+    def _require_running(self) -> Mininet:
+        if self.mininet is None:
+            raise RuntimeError("the network is not running: use 'with TestbedNet(topo) as net:'")
+        return self.mininet
+
+    @property
+    def hosts(self) -> list:
+        """Mininet Host objects in rank order (tbh1 = rank 0)."""
+        mn = self._require_running()
+        return [mn.get(h) for h in self.topo.host_names]
+
+    @property
+    def host_ips(self) -> list[str]:
+        """Host IPs in rank order (10.0.0.<rank+1>)."""
+        return [host_ip(r) for r in range(self.topo.n_hosts)]
+
+    @property
+    def n(self) -> int:
+        """Number of hosts."""
+        return self.topo.n_hosts
+
+    @property
+    def aggregator(self) -> dict | None:
+        """``{'ip', 'mac', 'switch'}`` of the in-network aggregator, or None."""
+        sw = self.topo.aggregator_switch
+        if sw is None:
+            return None
+        return {"ip": AGGREGATOR_IP, "mac": AGGREGATOR_MAC, "switch": sw}
+
+    def switch_client(self, name: str):
+        """The data path's control client of programmable node ``name``."""
+        self._require_running()
+        if name not in self._clients:
+            raise KeyError(f"{name!r} is not a programmable node of this network; "
+                           f"programmable: {sorted(self._clients)}")
+        return self._clients[name]
+
+    def datapath_clients(self) -> dict:
+        """Node name -> data-path control client, for every programmable node."""
+        self._require_running()
+        return dict(self._clients)
+
+    def _host_names(self, hosts) -> list[str]:
+        if hosts is None:
+            return list(self.topo.host_names)
+        names = []
+        for h in hosts:
+            if isinstance(h, int) and not isinstance(h, bool):
+                if not 0 <= h < self.n:
+                    raise ValueError(f"hosts: rank {h} outside 0..{self.n - 1}")
+                names.append(self.topo.host_names[h])
+            else:
+                name = getattr(h, "name", h)
+                if name not in self.topo.host_names:
+                    raise ValueError(f"hosts: {h!r} is not a host of this network")
+                names.append(name)
+        return names
+
+    def bottleneck_bps(self, hosts=None, pattern: str = "ring") -> float | None:
+        """The alpha-beta model's bandwidth B (bit/s) for a collective among ``hosts``.
+
+        ``hosts``: ranks, names or Host objects (default: all). ``pattern``: 'ring' (ring
+        algorithms), 'ina' (every host to the aggregator and back), 'all_to_one' (reduction
+        server / incast). The per-flow rate of the most loaded link when all the pattern's
+        flows run at once, ECMP splitting flows equally. None when the used links are unshaped.
+        """
+        mbps = routing.bottleneck_mbps(self.topo, self._host_names(hosts), pattern)
+        return None if mbps is None else mbps * 1e6
+
+    def hop_latency_s(self) -> float:
+        """Estimated one-way latency per link (s): measured RTT/2 over the path's links.
+
+        Measured once (10 pings between the first two hosts) and cached; with a single host,
+        the configured per-link delay plus 20 us of forwarding.
+        """
+        if self._hop_latency is not None:
+            return self._hop_latency
+        if self.n < 2:
+            self._hop_latency = self.topo.delay_ms * 1e-3 + 20e-6
+            return self._hop_latency
+        h1 = self.hosts[0]
+        out = h1.cmd(f"ping -c 10 -i 0.01 -q {self.host_ips[1]}")
+        m = re.search(r"= [\d.]+/([\d.]+)/", out)
+        if not m:
+            raise RuntimeError(f"hop_latency_s: ping between tbh1 and tbh2 failed: {out!r}")
+        hops = routing.path_hops(self.topo, self.topo.host_names[0], self.topo.host_names[1])
+        self._hop_latency = float(m.group(1)) * 1e-3 / 2 / hops
+        return self._hop_latency
+
+    def describe(self) -> dict:
+        """JSON-serialisable description for results metadata (topology + runtime choices)."""
+        d = self.topo.describe()
+        d["forwarding"] = self.forwarding_mode
+        d["netem"] = netem_available()
+        d["aggregator_addr"] = self.aggregator
+        d["host_ips"] = self.host_ips
+        return d
+
+    def pingall(self, sample: int | None = None, timeout_s: float = 1.0) -> dict:
+        """Ping between hosts (all ordered pairs, or ring + a seeded sample for big networks).
+
+        ``sample``: max pairs per source beyond the ring neighbour (default: all pairs up to
+        16 hosts, else 3). Sources ping in parallel. Returns ``{'pairs', 'failed': [(src,
+        dst)], 'loss'}``; a pair counts as failed only if a retry also fails.
+        """
+        import random
+
+        hosts = self.hosts
+        ips = self.host_ips
+        n = len(hosts)
+        if sample is None:
+            sample = n if n <= 16 else 3
+        rng = random.Random(self.topo.seed)
+        targets: dict[int, list[int]] = {}
+        for i in range(n):
+            others = [j for j in range(n) if j != i]
+            if sample >= n - 1:
+                targets[i] = others
+            else:
+                ring = (i + 1) % n
+                rest = [j for j in others if j != ring]
+                targets[i] = [ring] + rng.sample(rest, min(sample, len(rest)))
+        w = max(1, int(round(timeout_s)))
+        for i, h in enumerate(hosts):
+            dsts = " ".join(ips[j] for j in targets[i])
+            h.sendCmd(f"for d in {dsts}; do ping -c1 -W{w} -q $d >/dev/null 2>&1 || "
+                      f"ping -c2 -W{w} -q $d >/dev/null 2>&1 || echo FAIL $d; done")
+        failed = []
+        ip_rank = {ip: r for r, ip in enumerate(ips)}
+        for h in hosts:
+            out = h.waitOutput()
+            for m in re.finditer(r"FAIL (\S+)", out):
+                failed.append((h.name, self.topo.host_names[ip_rank[m.group(1)]]))
+        pairs = sum(len(v) for v in targets.values())
+        return {"pairs": pairs, "failed": failed, "loss": len(failed) / pairs if pairs else 0.0}
+
+    def counters(self) -> dict:
+        """All counters: ``datapath`` (node -> its stages' counters) and ``ports`` (root-ns
+        switch interfaces -> kernel statistics)."""
+        self._require_running()
+        dp = {}
+        for name, client in self._clients.items():
+            dp[name] = client.counters()
+        ports = {}
+        for name in sorted(self._our_names()):
+            base = f"/sys/class/net/{name}/statistics"
+            if not os.path.isdir(base):
+                continue
+            stats = {}
+            for key in ("rx_packets", "tx_packets", "rx_bytes", "tx_bytes", "rx_dropped",
+                        "tx_dropped"):
+                with contextlib.suppress(OSError, ValueError):
+                    with open(f"{base}/{key}") as f:
+                        stats[key] = int(f.read())
+            ports[name] = stats
+        return {"datapath": dp, "ports": ports}
