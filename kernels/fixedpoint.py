@@ -23,7 +23,8 @@ The first term is the rounding of each worker's ``x * f`` (half a quantum each; 
 ``2**-20`` covers the float64 rounding of the product, which carries up to 55 significant
 bits); the second and third are the final rounding to float32 (which dominates:
 ``0.5/f ~ n * 2**e_max * 2**-32``). Huge values are fine: ``e_max`` goes up to 128
-(float32 max ~ 2**128) and f is computed in float64.
+(float32 max ~ 2**128) and f is computed in float64; a sum beyond the float32 range
+dequantises to +-inf, as the float32 sum itself would.
 
 ATP style (fixed factor, default 1e6, overflow detected)
 --------------------------------------------------------

@@ -23,7 +23,7 @@ counter + i)`` so encodes are reproducible and independent across chunks when ea
 passes its own ``counter`` (e.g. its ``chunk_offset``).
 
 Decoding a full payload is **bit-exact** (the tail is the float32 values; we chose exactness
-over saving the head's m*b bits, a 3.5 % overhead for b = 1, m = 256: 40 + 1024 bytes). A
+over saving the head's m*b bits: a 3.9 % overhead for b = 1, m = 256, 40 + 1024 bytes). A
 trimmed payload (exactly ``head_bytes`` long) decodes to the unbiased head estimate, whose
 per-element error is at most ``2 * s / L`` (one step). The float32 rounding of the decoded
 estimate (2**-24 relative) is the only deviation from exact unbiasedness.

@@ -6,7 +6,9 @@ What counts as ours (docs/architecture.md, "Naming"):
   ``python -m testbed.collectives.worker``, anything whose argv carries ``testbed-node=``,
   daemons that keep their files under the testbed run folder (``/run/testbed/``, e.g. the OVS
   anchor of the data-path benchmark), and every process living in a network namespace that is
-  ours (one holding a ``tb*`` interface, a ``tb-*`` named namespace, or a Mininet host's);
+  ours: not the one cleanup runs in, holding no interface but ``lo`` and ``tb*`` ones, and
+  either holding a ``tb*`` interface, named ``tb-*``, or running a marked process (a Mininet
+  host whose veth is gone);
 * interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps);
 * named network namespaces ``tb-*``;
 * OVS bridges named ``tb*`` in any reachable OVS database.
@@ -31,7 +33,8 @@ from testbed import PREFIX
 from testbed.netlock import LOCK_PATH, EmulationBusy, emulation_lock
 
 NETNS_PREFIX = f"{PREFIX}-"
-RUN_DIR = os.path.dirname(LOCK_PATH)
+# Fixed, not derived from an overridable path: a broad folder (/tmp) would match everyone.
+RUN_DIR = "/run/testbed"
 OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker")
 NODE_MARKER = "testbed-node="
 KINDS = ("ovs_bridges", "processes", "links", "netns")
@@ -90,14 +93,20 @@ def _protected_pids() -> set[int]:
 
 
 def _argv_reason(argv: tuple[str, ...]) -> str | None:
-    """Why this command line is one the testbed started, or None."""
+    """Why this command line is one the testbed started, or None.
+
+    Markers must be whole arguments (no substring of a shell's ``-c`` script matches), so
+    someone's ``grep testbed-node= ...`` is never taken for a node of ours.
+    """
     for i, arg in enumerate(argv):
         if arg.startswith(f"mininet:{PREFIX}"):
             return "Mininet node shell"
         if arg == "-m" and i + 1 < len(argv) and argv[i + 1] in OUR_MODULES:
             return argv[i + 1]
-        if NODE_MARKER in arg:
+        if arg.startswith(NODE_MARKER):
             return "testbed-node marker"
+        if any(c.isspace() for c in arg):
+            continue
         if arg.startswith(RUN_DIR + "/") or f"={RUN_DIR}/" in arg or f":{RUN_DIR}/" in arg:
             return f"files under {RUN_DIR}"
     return None
@@ -185,7 +194,7 @@ def _our_processes() -> list[_Proc]:
     found = []
     for pid, argv, why, ns in procs:
         reason = why or ours_ns.get(ns)  # type: ignore[arg-type]
-        if reason is None or pid in protected:
+        if reason is None or pid in protected or pid <= 1:
             continue
         start = _start_time(pid)
         if start is not None:

@@ -1,9 +1,9 @@
 """``testbed doctor``: what the testbed needs against what this machine offers.
 
-Kernel features are probed for real, not looked up: a throwaway named network namespace
-``tb-doctor-<pid>`` gets a veth pair, a bridge, an ifb and HTB / TBF / netem qdiscs, and is
-deleted again (so nothing appears in the root namespace, and a killed doctor leaves only a
-``tb-*`` namespace that ``testbed cleanup`` removes).
+Kernel features are probed for real, not looked up: inside a throwaway anonymous network
+namespace the doctor creates a veth pair, a bridge, an ifb, HTB / TBF / netem qdiscs and an
+OVS kernel datapath. The namespace dies with the probe, so nothing can be left behind and a
+concurrent ``testbed cleanup`` or leftover check never sees it.
 
 Each check is a dict ``{"name", "status", "detail", "required"}``; status is one of
 ``ok`` (works), ``degraded`` (works with a caveat), ``missing`` (absent) or ``skipped``
@@ -13,7 +13,6 @@ not ok.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -21,9 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-
-from testbed import PREFIX
 
 OVS_CTL = "/usr/share/openvswitch/scripts/ovs-ctl"
 STATUSES = ("ok", "degraded", "missing", "skipped")
@@ -84,58 +80,81 @@ def _missing(name: str, why: str) -> dict:
     return _check(name, "missing", f"{_MEANING[name]} ({why})" if why else _MEANING[name])
 
 
-@contextlib.contextmanager
-def _probe_netns() -> Iterator[str | None]:
-    """A throwaway named namespace to probe in; None when namespaces cannot be made."""
-    name = f"{PREFIX}-doctor-{os.getpid()}"
-    ok, _ = _sh("ip", "netns", "add", name)
-    try:
-        yield name if ok else None
-    finally:
-        if ok:
-            _sh("ip", "netns", "delete", name)
+# Kernel probes, run as one shell script inside a fresh anonymous network namespace: nothing
+# is visible outside it and nothing can outlive it, even if the doctor is killed. (The
+# interface names inside are private to it, so they need no tb prefix; cleanup never sees them.)
+_PROBES: tuple[tuple[str, str], ...] = (
+    ("veth", "ip link add probe0 type veth peer name probe1 && ip link set probe0 up"),
+    ("bridge", "ip link add probebr0 type bridge"),
+    ("ifb", "ip link add probeifb0 type ifb"),
+    ("htb", "tc qdisc add dev probe0 root handle 1: htb default 1 && "
+            "tc class add dev probe0 parent 1: classid 1:1 htb rate 100mbit"),
+    ("tbf", "tc qdisc add dev probe0 root tbf rate 100mbit burst 32kbit latency 50ms"),
+    ("netem", "tc qdisc add dev probe0 root netem delay 1ms loss 1%"),
+    ("ovs-kmod", "ovs-dpctl add-dp probedp0 && ovs-dpctl del-dp probedp0"),
+)
+_GOOD = {
+    "veth": "veth pairs work",
+    "bridge": "Linux bridge works",
+    "ifb": "ifb devices work",
+    "htb": "HTB shaping works (TCLink bw=)",
+    "tbf": "TBF shaping works",
+    "netem": "netem works: TCLink delay=/loss= are available",
+    "ovs-kmod": "OVS kernel datapath works",
+}
 
 
-def _probe_kernel(ns: str) -> list[dict]:
-    """veth, bridge, ifb, HTB, TBF, netem and the OVS datapath, inside namespace ``ns``."""
-    out = []
-    ok, err = _sh("ip", "-n", ns, "link", "add", "tbdv0", "type", "veth", "peer", "name", "tbdv1")
-    have_veth = ok and _sh("ip", "-n", ns, "link", "set", "tbdv0", "up")[0]
-    out.append(_check("veth", "ok", "veth pairs work") if have_veth else _missing("veth", err))
-    ok, err = _sh("ip", "-n", ns, "link", "add", "tbdbr0", "type", "bridge")
-    out.append(_check("bridge", "ok", "Linux bridge works") if ok else _missing("bridge", err))
-    ok, err = _sh("ip", "-n", ns, "link", "add", "tbdifb0", "type", "ifb")
-    out.append(_check("ifb", "ok", "ifb devices work") if ok else _missing("ifb", err))
+def _probe_script() -> str:
+    lines = []
+    for name, cmd in _PROBES:
+        # Each probe prints '@@<name> <exit status> <first line of its output>'; a qdisc is
+        # removed again so the next one can take the root.
+        lines.append(f'out=$( {{ {cmd} ; }} 2>&1 ); rc=$?; tc qdisc del dev probe0 root '
+                     f'>/dev/null 2>&1; printf "@@{name} %d %s\\n" "$rc" "$(echo "$out" | '
+                     f'head -n1)"')
+    return "\n".join(lines)
 
-    qdiscs = {
-        "htb": (["root", "handle", "1:", "htb", "default", "1"],
-                ["class", "add", "dev", "tbdv0", "parent", "1:", "classid", "1:1", "htb",
-                 "rate", "100mbit"], "HTB shaping works (TCLink bw=)"),
-        "tbf": (["root", "tbf", "rate", "100mbit", "burst", "32kbit", "latency", "50ms"], None,
-                "TBF shaping works"),
-        "netem": (["root", "netem", "delay", "1ms", "loss", "1%"], None,
-                  "netem works: TCLink delay=/loss= are available"),
-    }
-    for name, (qdisc, extra, good) in qdiscs.items():
-        if not have_veth:
-            out.append(_missing(name, "no veth to attach a qdisc to"))
-            continue
-        ok, err = _sh("tc", "-n", ns, "qdisc", "add", "dev", "tbdv0", *qdisc)
-        if ok and extra:
-            ok, err = _sh("tc", "-n", ns, *extra)
-        _sh("tc", "-n", ns, "qdisc", "del", "dev", "tbdv0", "root")
-        out.append(_check(name, "ok", good) if ok else _missing(name, err))
 
-    if shutil.which("ovs-dpctl"):
-        ok, err = _sh("ip", "netns", "exec", ns, "ovs-dpctl", "add-dp", "tbddp0")
-        if ok:
-            _sh("ip", "netns", "exec", ns, "ovs-dpctl", "del-dp", "tbddp0")
-        err = "kernel module openvswitch absent" if "does not exist" in err or not err else err
+def _probe_kernel() -> list[dict]:
+    """netns (anonymous), then veth, bridge, ifb, HTB, TBF, netem, OVS datapath inside it."""
+    if shutil.which("unshare"):
+        enter = ["unshare", "--net", "--"]
+    elif shutil.which("mnexec"):
+        enter = ["mnexec", "-n"]
     else:
-        ok = os.path.isdir("/sys/module/openvswitch")
-        err = "openvswitch module not loaded (and no ovs-dpctl to probe with)"
-    out.append(_check("ovs-kmod", "ok", "OVS kernel datapath works") if ok
-               else _missing("ovs-kmod", err))
+        return [_missing("netns", "neither unshare (util-linux) nor mnexec found")]
+    ok, text = _sh(*enter, "sh", "-c", "readlink /proc/self/ns/net")
+    if not ok or text == os.readlink("/proc/self/ns/net"):
+        return [_missing("netns", text or "no new namespace")]
+    out = [_check("netns", "ok", "network namespaces work")]
+    try:
+        res = subprocess.run([*enter, "sh", "-c", _probe_script()], capture_output=True,
+                             text=True, timeout=30, check=False)
+        lines = res.stdout.splitlines()
+    except subprocess.TimeoutExpired:
+        lines = []
+    found = {}
+    for line in lines:
+        if line.startswith("@@"):
+            name, rc, *msg = line[2:].split(" ", 2)
+            found[name] = (rc == "0", msg[0].strip() if msg else "")
+    have_veth = found.get("veth", (False, ""))[0]
+    for name, _ in _PROBES:
+        ok, msg = found.get(name, (False, "probe did not run"))
+        if ok:
+            out.append(_check(name, "ok", _GOOD[name]))
+        elif name in ("htb", "tbf", "netem") and not have_veth:
+            out.append(_missing(name, "no veth to attach a qdisc to"))
+        elif name == "ovs-kmod":
+            if shutil.which("ovs-dpctl") is None:  # probe by the loaded module instead
+                loaded = os.path.isdir("/sys/module/openvswitch")
+                out.append(_check(name, "ok", _GOOD[name]) if loaded else _missing(
+                    name, "openvswitch module not loaded (no ovs-dpctl to probe with)"))
+            else:
+                out.append(_missing(name, "kernel module openvswitch absent"
+                                    if "does not exist" in msg else msg))
+        else:
+            out.append(_missing(name, msg))
     return out
 
 
@@ -185,12 +204,12 @@ def _check_module(name: str, module: str) -> dict:
     return _check(name, "ok", f"{module} {getattr(mod, '__version__', '')}".strip())
 
 
-def _check_tool(name: str, binary: str, *version_args: str) -> dict:
+def _check_tool(binary: str, *version_args: str) -> dict:
     path = shutil.which(binary)
     if path is None:
-        return _missing(name, f"{binary} not on PATH")
+        return _missing(binary, f"{binary} not on PATH")
     ok, text = _sh(binary, *version_args) if version_args else (True, "")
-    return _check(name, "ok", f"{path}" + (f" ({text})" if ok and text else ""))
+    return _check(binary, "ok", path + (f" ({text})" if ok and text else ""))
 
 
 def _check_ovs_userspace() -> dict:
@@ -235,28 +254,19 @@ def run_checks() -> list[dict]:
         "root": _check("root", "ok", "running as root") if root else _missing("root", "not root"),
     }
     if root:
-        with _probe_netns() as ns:
-            if ns is None:
-                results["netns"] = _missing("netns", _sh("ip", "netns", "add", "tb-x")[1])
-            else:
-                results["netns"] = _check("netns", "ok", "named and anonymous namespaces work")
-                results.update({c["name"]: c for c in _probe_kernel(ns)})
+        results.update({c["name"]: c for c in _probe_kernel()})
         results["mnexec"] = _check_mnexec()
     for name in ROOT_ONLY:
-        results.setdefault(name, _check(name, "skipped", "needs root to probe"))
-    extra: list[tuple[str, Callable[[], dict]]] = [
-        ("ovs-userspace", _check_ovs_userspace),
-        ("numba", _check_numba),
-        ("scapy", lambda: _check_module("scapy", "scapy")),
-        ("iperf3", lambda: _check_tool("iperf3", "iperf3", "--version")),
-        ("ethtool", lambda: _check_tool("ethtool", "ethtool", "--version")),
-        ("brctl", lambda: _check_tool("brctl", "brctl")),
-        ("ifconfig", lambda: _check_tool("ifconfig", "ifconfig")),
-        ("memory", _check_memory),
-        ("cores", _check_cores),
-    ]
-    for name, fn in extra:
-        results[name] = fn()
+        results.setdefault(name, _missing(name, "not probed: no network namespace") if root
+                           else _check(name, "skipped", "needs root to probe"))
+    results["ovs-userspace"] = _check_ovs_userspace()
+    results["numba"] = _check_numba()
+    results["scapy"] = _check_module("scapy", "scapy")
+    for tool, version_args in (("iperf3", ["--version"]), ("ethtool", ["--version"]),
+                               ("brctl", []), ("ifconfig", [])):
+        results[tool] = _check_tool(tool, *version_args)
+    results["memory"] = _check_memory()
+    results["cores"] = _check_cores()
     return [results[name] for name, _, _ in CHECKS]
 
 

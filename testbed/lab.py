@@ -7,9 +7,9 @@ port 8888 reaches it). The URL with its access token is printed before JupyterLa
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
-import shutil
 import sys
 from pathlib import Path
 
@@ -45,13 +45,9 @@ def main(port: int = 8888, ip: str = "0.0.0.0") -> int:
     if not NOTEBOOKS.is_dir():
         print(f"testbed lab: no notebooks folder at {NOTEBOOKS}", file=sys.stderr)
         return 1
-    if shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None:
-        try:
-            import jupyterlab  # noqa: F401
-        except ImportError:
-            print("testbed lab: JupyterLab is not installed; run 'sudo make setup'",
-                  file=sys.stderr)
-            return 1
+    if importlib.util.find_spec("jupyterlab") is None:
+        print("testbed lab: JupyterLab is not installed; run 'sudo make setup'", file=sys.stderr)
+        return 1
     token = os.environ.get("TESTBED_LAB_TOKEN") or secrets.token_hex(24)
     print(f"JupyterLab on {NOTEBOOKS}\nopen: {url(port, ip, token)}", flush=True)
     if os.geteuid() != 0:

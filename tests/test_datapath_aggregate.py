@@ -233,8 +233,8 @@ def test_loss_recovered_by_retransmission(star8, loss, tmp_path):
         c.configure("aggregate", jobs={job: {"n_workers": n, "slots": 8}})
         before = c.counters()["stages"]["aggregate"]
         try:
-            stats = _check_job(_start_workers(hosts, job, n, 8, 256 * 40, tmp_path, loss=loss),
-                               job, n, 256 * 40, tmp_path)
+            stats = _check_job(_start_workers(hosts, job, n, 8, 256 * 100, tmp_path, loss=loss),
+                               job, n, 256 * 100, tmp_path)
             after = c.counters()["stages"]["aggregate"]
         finally:
             c.configure("aggregate", remove_jobs=[job])

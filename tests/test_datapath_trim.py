@@ -3,6 +3,10 @@ plain-Python twin of the queue, and run-time configuration."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from collections import deque
 
 import numpy as np
@@ -335,3 +339,167 @@ def test_trim_kernel_matches_plain_python_twin(rate, thr_bytes, thr_pkts, ecn, m
         assert got == decisions
         assert rows(b, len(pkts)) == out
     assert stage.queued() == sum(len(q) for q in twin.dq + twin.hq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mininet: the stages inside a running engine (helpers shared with the impair and codec tests)
+
+PY = [sys.executable]
+#: Capture testbed frames (UDP dport 41000) arriving on an interface; stop after ``idle`` s
+#: without one (once one came) or 60 s; write them length-prefixed. Plain Python: starts fast.
+CAPTURE = r"""
+import os, socket, struct, sys, time
+iface, out, ready, idle = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.setsockopt(socket.SOL_SOCKET, 33, 1 << 23)  # SO_RCVBUFFORCE
+s.bind((iface, 0))
+s.settimeout(0.05)
+open(ready, "w").close()
+frames, last, t_end = [], None, time.monotonic() + 60
+while time.monotonic() < t_end:
+    try:
+        data, addr = s.recvfrom(4096)
+    except socket.timeout:
+        if last is not None and time.monotonic() - last > idle:
+            break
+        continue
+    if addr[2] == socket.PACKET_OUTGOING:
+        continue
+    if len(data) >= 42 and data[12:14] == b"\x08\x00" and data[23] == 17 \
+            and data[36:38] == b"\xa0\x28":
+        frames.append(data)
+        last = time.monotonic()
+with open(out, "wb") as fh:
+    for f in frames:
+        fh.write(struct.pack("<H", len(f)) + f)
+"""
+
+
+def start_capture(host, tmp_path, name: str, idle: float = 1.0):
+    """Start :data:`CAPTURE` on ``host``'s interface; return (process, output path)."""
+    out, ready = tmp_path / f"{name}.cap", tmp_path / f"{name}.ready"
+    p = host.popen(PY + ["-c", CAPTURE, host.defaultIntf().name, str(out), str(ready),
+                         str(idle)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "capture did not start"
+        time.sleep(0.02)
+    return p, out
+
+
+def finish_capture(proc, out) -> list[bytes]:
+    """Wait for the capture to stop by itself; return the frames in arrival order."""
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    data, frames, k = out.read_bytes(), [], 0
+    while k < len(data):
+        n = int.from_bytes(data[k:k + 2], "little")
+        frames.append(data[k + 2:k + 2 + n])
+        k += 2 + n
+    return frames
+
+
+def send_frames(host, frames, tmp_path, name: str, pps: float = 0.0):
+    """Start sending ``frames`` once each, in order, from ``host`` (the data path bench's
+    batched sender); returns the process (``gen_done`` checks it)."""
+    from testbed.datapath.bench import save_frames
+
+    path = tmp_path / f"{name}.npz"
+    save_frames(str(path), frames)
+    return host.popen(PY + ["-m", "testbed.datapath.bench", "gen", "--iface",
+                            host.defaultIntf().name, "--src-mac", host.MAC(), "--dst-mac",
+                            host.MAC(), "--src-ip", host.IP(), "--dst-ip", host.IP(), "--load",
+                            str(path), "--count", str(len(frames)), "--pps", str(pps)],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def gen_done(proc, count: int) -> None:
+    """The sender exited cleanly having sent ``count`` frames."""
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["sent"] == count
+
+
+def host_frames(src, dst, payloads, headers):
+    """Frames from host ``src`` to host ``dst`` (real MACs/IPs) with these headers/payloads."""
+    buf, ln = packets.build(headers, payloads, src.MAC(), dst.MAC(), src.IP(), dst.IP(), 41000)
+    return [bytes(buf[i, :ln[i]]) for i in range(len(payloads))]
+
+
+def port_of(switch, host) -> str:
+    """The switch interface that leads to ``host``."""
+    (sw_intf, _), = switch.connectionsTo(host)
+    return sw_intf.name
+
+
+@pytest.mark.mininet
+def test_incast_trims_at_switch_and_receiver_decodes_coarse_estimate(tmp_path):
+    """4 senders -> 1 receiver whose switch port drains at 20 Mb/s: above the threshold the
+    switch trims (nothing is lost, trimmed frames decode to the head estimate); in drop_tail
+    mode the same incast loses frames instead."""
+    from testbed.datapath.nodes import programmable_star
+
+    m, per_sender = 256, 50
+    rng = np.random.default_rng(11)
+    xs = {(w, k): rng.standard_normal(m).astype(np.float32)
+          for w in range(4) for k in range(per_sender)}
+    progs = [("forward", {}), ("trim", {"rate_mbps": 1000.0, "threshold_bytes": 6 * 1134,
+                                        "header_slots": 512})]
+    with programmable_star(5, programs=progs) as (_net, hosts, sw):
+        rx = hosts[4]
+        rx_port = port_of(sw, rx)
+        for h in hosts[:4]:  # no ARP from the receiver: only our frames cross its port
+            rx.setARP(h.IP(), h.MAC())
+        with sw.client() as c:
+            c.configure("forward", l2={rx.MAC(): rx_port})
+            c.configure("trim", rate_mbps={rx_port: 20.0})
+        sent = {}
+        for w in range(4):
+            h = wire.new_headers(per_sender)
+            h["codec"] = wire.Codec.TRIM_LAYOUT
+            h["worker_id"] = w
+            h["elem_count"] = m
+            h["head_bytes"] = trimming.head_bytes_for(m, 1)
+            h["chunk_offset"] = np.arange(per_sender) * m
+            pls = [trimming.encode(xs[w, k], bits=1, seed=w, counter=k * m)
+                   for k in range(per_sender)]
+            sent[w] = host_frames(hosts[w], rx, pls, h)
+        for mode in ("trim", "drop_tail"):
+            with sw.client() as c:
+                c.configure("trim", mode=mode)
+                before = c.counters()["stages"]["trim"]["ports"][rx_port]
+            cap, out = start_capture(rx, tmp_path, mode)
+            gens = [send_frames(hosts[w], sent[w], tmp_path, f"{mode}{w}") for w in range(4)]
+            for g in gens:
+                gen_done(g, per_sender)
+            got = finish_capture(cap, out)
+            with sw.client() as c:
+                after = c.counters()["stages"]["trim"]["ports"][rx_port]
+            d = {k: after[k] - before[k] for k in ("passed", "enqueued", "trimmed", "dropped")}
+            # what the stage let through is exactly what the receiver got
+            assert len(got) == d["passed"] + d["enqueued"] + d["trimmed"]
+            full = trimmed = 0
+            by_bytes = {f: (w, k) for w in range(4) for k, f in enumerate(sent[w])}
+            for f in got:
+                if f in by_bytes:
+                    full += 1
+                    continue
+                w = f[wire.HEADER_OFFSET + wire.FIELD_OFFSETS["worker_id"]]
+                k = int.from_bytes(f[wire.HEADER_OFFSET + wire.FIELD_OFFSETS["chunk_offset"]:]
+                                   [:4], "little") // m
+                assert f == ref_trimming.trim_frame(sent[w][k])  # cut exactly at the head
+                est, complete = trimming.decode(np.frombuffer(f, np.uint8)[
+                    wire.PAYLOAD_OFFSET:].copy(), m)
+                assert not complete
+                pl = trimming.encode(xs[w, k], bits=1, seed=w, counter=k * m)
+                np.testing.assert_array_equal(est, trimming.decode(trimming.trim(pl), m)[0])
+                s = float(np.abs(xs[w, k]).max())
+                assert np.abs(est - xs[w, k]).max() <= 2 * s * (1 + 1e-6)
+                trimmed += 1
+            if mode == "trim":
+                assert d["trimmed"] == trimmed > 0.3 * 4 * per_sender
+                assert d["dropped"] == 0 and full + trimmed == len(got)
+            else:
+                assert trimmed == d["trimmed"] == 0
+                assert d["dropped"] > 0.3 * 4 * per_sender and full == len(got)

@@ -59,16 +59,10 @@ def build_star(n_hosts: int, bw_mbps: float = 100.0):
 
 
 def _netem_works() -> bool:
-    """Probe sch_netem ourselves, independently of the doctor."""
-    ns = f"{PREFIX}-tnetem-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "add", "tbq0", "type", "veth", "peer", "name",
-                        "tbq1"], check=True)
-        return _run(["tc", "-n", ns, "qdisc", "add", "dev", "tbq0", "root", "netem", "delay",
-                     "5ms"]).returncode == 0
-    finally:
-        subprocess.run(["ip", "netns", "delete", ns], check=True)
+    """Probe sch_netem ourselves, independently of the doctor (in a private namespace)."""
+    script = ("ip link add q0 type veth peer name q1 && "
+              "tc qdisc add dev q0 root netem delay 5ms")
+    return _run(["unshare", "--net", "sh", "-c", script]).returncode == 0
 
 
 def _ovs_kmod_present() -> bool:
@@ -98,7 +92,6 @@ def test_doctor_json_has_one_entry_per_check_and_reports_what_probes_find():
     failed = [c["name"] for c in checks if c["required"] and c["status"] != "ok"]
     assert proc.returncode == (1 if failed else 0), (failed, err)
     assert "Traceback" not in err
-    assert not os.path.exists(f"/run/netns/{PREFIX}-doctor-{proc.pid}")  # its probe is gone
 
 
 # -------------------------------------------------------------------------------- cleanup
@@ -142,8 +135,24 @@ def _tb_links() -> list[str]:
     return sorted(n for n in os.listdir("/sys/class/net") if n.startswith(PREFIX))
 
 
+@pytest.mark.parametrize("argv, ours", [
+    (("bash", "--norc", "--noediting", "-is", "mininet:tbh1"), True),
+    (("python", "-m", "testbed.collectives.worker", "--job", "j", "testbed-node=tbh1"), True),
+    (("python", "-m", "testbed.datapath.engine", "cfg.json"), True),
+    (("engine", "testbed-node=tbs1"), True),
+    (("ovsdb-server", "/run/testbed/ovs/conf.db", "--remote=punix:/run/testbed/ovs/db.sock"),
+     True),
+    (("bash", "--norc", "-is", "mininet:h1"), False),  # Mininet, but not a testbed node
+    (("bash", "-c", "grep -r testbed-node= . && ls /run/testbed/x"), False),  # a shell script
+    (("python", "-m", "testbed.cli", "doctor"), False),
+    (("pytest", "--basetemp=/tmp/pytest-of-root"), False),
+])
+def test_cleanup_recognises_our_command_lines_only(argv, ours):
+    assert (cleanup._argv_reason(argv) is not None) == ours
+
+
 @pytest.mark.mininet
-def test_cleanup_after_sigkilled_star_removes_all_of_it_and_nothing_else():
+def test_cleanup_after_sigkilled_star_removes_all_of_it_and_nothing_else(capsys):
     decoy_link = f"xtb{os.getpid() % 100000}"
     decoys = []
     with emulation_lock():
@@ -197,6 +206,8 @@ def test_cleanup_after_sigkilled_star_removes_all_of_it_and_nothing_else():
             assert cleanup.leftovers() == {k: [] for k in cleanup.KINDS}
             again = cleanup.cleanup()  # safe to run twice: nothing left to remove
             assert again == {**{k: [] for k in cleanup.KINDS}, "errors": []}
+            assert cleanup.main() == 0  # the CLI's path (the lock is ours: re-entrant)
+            assert "nothing to remove" in capsys.readouterr().out
 
             assert all(p.poll() is None for p in decoys)
             assert os.path.exists(f"/sys/class/net/{decoy_link}")
@@ -274,6 +285,7 @@ def _iperf3_mbps(client, server, seconds: float = 2.0) -> float:
 
 
 @pytest.mark.mininet
+@pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated:DeprecationWarning")
 def test_smoke_star_pings_all_and_shapes_100mbps_within_10_percent():
     with emulation_lock():
         net = build_star(3, bw_mbps=100)

@@ -17,7 +17,7 @@ OURS = ["fixedpoint.exponents", "fixedpoint.quantize", "fixedpoint.quantize[par]
 
 
 def test_bench_json_rows_schema_and_positive_numbers(capsys):
-    assert bench.main(json_out=True, elements=3000) == 0
+    assert bench.main(json_out=True, elements=20000) == 0
     rows = json.loads(capsys.readouterr().out)
     names = [r["kernel"] for r in rows]
     for name in OURS:
@@ -27,14 +27,17 @@ def test_bench_json_rows_schema_and_positive_numbers(capsys):
         if r["gbps"] is None:  # a note row (compressor bench missing or failing) says why
             assert r.get("note"), r
             continue
-        assert r["elements"] > 0 and r["gbps"] > 0 and r["anchor_gbps"] > 0 and r["ratio"] > 0
-        assert r["ratio"] == pytest.approx(r["gbps"] / r["anchor_gbps"], rel=0.02, abs=0.002)
+        # ratio is rounded to 3 decimals: a tiny size on a loaded machine may show 0.0
+        assert r["elements"] > 0 and r["gbps"] > 0 and r["anchor_gbps"] > 0 and r["ratio"] >= 0
+        # gbps values are rounded to 3 decimals: allow for that in the ratio check
+        rel = 0.0006 / r["gbps"] + 0.0006 / r["anchor_gbps"] + 0.002
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["anchor_gbps"], rel=rel, abs=0.002)
         assert isinstance(r["anchor"], str) and r["anchor"]
     ours = {r["kernel"]: r for r in rows if r["kernel"] in OURS}
     assert ours["fixedpoint.quantize"]["anchor"] == "numpy add"
     assert ours["fixedpoint.exponents"]["anchor"] == "numpy twin"
-    assert ours["fixedpoint.quantize"]["elements"] == 3000
-    assert ours["packets.parse_batch"]["elements"] == 11 * 256  # 11 whole frames
+    assert ours["fixedpoint.quantize"]["elements"] == 20000
+    assert ours["packets.parse_batch"]["elements"] == 78 * 256  # 78 whole frames
 
 
 def test_bench_table_output(capsys):

@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from mininet.link import Link, TCIntf
 from mininet.net import Mininet
@@ -143,6 +144,21 @@ def _quiet_mininet():
         lg.setLevel(old)
 
 
+def _serialize_cmd(node) -> None:
+    """Wrap ``node.cmd`` in a per-node lock (a Mininet shell serves one command at a time)."""
+    if getattr(node, "_tb_cmd_lock", None) is not None:
+        return
+    lock = threading.Lock()
+    plain = node.cmd
+
+    def cmd(*args, **kwargs):
+        with lock:
+            return plain(*args, **kwargs)
+
+    node._tb_cmd_lock = lock
+    node.cmd = cmd
+
+
 def _root_ifaces() -> set[str]:
     return set(os.listdir("/sys/class/net"))
 
@@ -176,6 +192,8 @@ class TestbedNet:
         self._hop_latency: float | None = None
         self._old_sigterm = None
         self.forwarding_mode = "none"
+        #: node -> the engine's final counters, filled at teardown
+        self.final_counters: dict = {}
         if topo.programmable:
             _datapath()  # fail before taking the lock if the data path is missing
 
@@ -224,7 +242,7 @@ class TestbedNet:
             self.mininet.build()
             self.timings["build_s"] = time.monotonic() - t
             t = time.monotonic()
-            self.mininet.start()
+            self._start_switches()
         self.timings["start_s"] = time.monotonic() - t
         t = time.monotonic()
         self._tmpdir = tempfile.mkdtemp(prefix="tb-net-")
@@ -240,6 +258,33 @@ class TestbedNet:
                 raise RuntimeError(f"pingall failed for {res['failed'][:8]} "
                                    f"({len(res['failed'])}/{res['pairs']} pairs)")
 
+    def _start_switches(self) -> None:
+        """Start bridges, then all programmable nodes in parallel (each waits for its engine:
+        Mininet's serial start would add the engines' start-up times)."""
+        mn = self.mininet
+        prog = [sw for sw in mn.switches if sw.name in self.topo.programmable]
+        for sw in mn.switches:
+            if sw.name not in self.topo.programmable:
+                sw.start([])
+        if prog:
+            # Node start-up touches neighbours' shells too (offloads on the peer end): make
+            # every node's cmd() exclusive while the threads run.
+            for node in mn.hosts + mn.switches:
+                _serialize_cmd(node)
+            with ThreadPoolExecutor(max_workers=min(8, len(prog))) as ex:
+                for fut in [ex.submit(sw.start, []) for sw in prog]:
+                    fut.result()
+
+    def _stop_engines(self) -> None:
+        """Stop all engines in parallel, keeping their final counters."""
+        mn = self.mininet
+        prog = [sw for sw in mn.switches if hasattr(sw, "stop_engine")]
+        if not prog:
+            return
+        with ThreadPoolExecutor(max_workers=min(8, len(prog))) as ex:
+            results = list(ex.map(lambda sw: (sw.name, sw.stop_engine()), prog))
+        self.final_counters = dict(results)
+
     def _teardown(self) -> None:
         t = time.monotonic()
         # Ctrl-C during teardown would leave half a network: ignore it until we are done.
@@ -251,6 +296,8 @@ class TestbedNet:
                     client.close()
             self._clients = {}
             if self.mininet is not None:
+                with contextlib.suppress(Exception):
+                    self._stop_engines()
                 try:
                     self.mininet.stop()
                 except Exception:  # noqa: BLE001 - keep going, the sweep below finishes the job
@@ -310,11 +357,83 @@ class TestbedNet:
             info = dict(topo.nodeInfo(name))
             is_nic = topo.switch_roles[name] == "smartnic"
             info["cls"] = nodes.SmartNIC if is_nic else nodes.ProgrammableSwitch
-            progs = topo.programs.get(name, topo.programs.get("smartnic" if is_nic else "switch"))
-            if progs is not None:
-                info["programs"] = progs
+            info["programs"] = self._programs_for(name, is_nic)
+            if not is_nic and self._tree is not None:
+                info["flood_ports"] = self._flood_ports(name)
+            if name == topo.aggregator_switch:
+                info.update(agg_ip=AGGREGATOR_IP, agg_mac=AGGREGATOR_MAC)
             info.update(self.engine_opts)
             topo.setNodeInfo(name, info)
+
+    def _flood_ports(self, name: str) -> list[str]:
+        """Ports of a programmable switch that floods may use: host-facing + flood-tree."""
+        topo = self.topo
+        adj = routing.adjacency(topo)
+        return [self._intf_name(name, port) for peer, (port, _bw) in sorted(adj[name].items())
+                if peer not in topo.switch_roles or topo.switch_roles[peer] == "smartnic"
+                or frozenset((name, peer)) in self._tree]
+
+    def _impaired_ports(self, name: str) -> tuple[list[str], list[str]]:
+        """(egress ports, ingress ports) of ``name`` whose links it must impair (no netem)."""
+        topo = self.topo
+        if topo.impair_mode() != "datapath":
+            return [], []
+        egress, ingress = [], []
+        for s in topo.link_specs:
+            for me, port, peer in ((s.a, s.port_a, s.b), (s.b, s.port_b, s.a)):
+                if me != name:
+                    continue
+                egress.append(self._intf_name(me, port))
+                if peer not in topo.programmable:  # nobody else impairs peer -> me
+                    ingress.append(self._intf_name(me, port))
+        return egress, ingress
+
+    def _programs_for(self, name: str, is_nic: bool) -> list:
+        """The node's pipeline: [impair_ingress] [aggregate] forward|wire [impair].
+
+        A ``programs`` override (by node name, or 'switch' / 'smartnic') replaces the middle
+        part; its ``forward`` stage still gets the computed table unless it sets ``l2``.
+        """
+        from testbed.datapath.engine import normalize_programs
+
+        topo = self.topo
+        override = topo.programs.get(name, topo.programs.get("smartnic" if is_nic else "switch"))
+        if override is not None:
+            try:
+                core = normalize_programs(override)
+            except ValueError as exc:
+                raise TopologyError(f"programs[{name!r}]: {exc}") from None
+        elif is_nic:
+            core = [("wire", {})]
+        else:
+            core = ([("aggregate", {})] if name == topo.aggregator_switch else []) + \
+                [("forward", {})]
+        table = {mac: [self._intf_name(name, p) for p in group]
+                 for mac, group in self._tables[name].items()}
+        out = []
+        for pname, settings in core:
+            settings = dict(settings)
+            if pname == "forward":
+                settings.setdefault("l2", table)
+                settings.setdefault("learn", False)
+            out.append((pname, settings))
+        egress, ingress = self._impaired_ports(name)
+        imp = {"loss": topo.loss_pct / 100.0, "delay_ms": topo.delay_ms, "seed": topo.seed}
+        if ingress:
+            from .impair_stages import INGRESS_PROGRAM
+
+            per_port = {k: {p: (v if p in ingress else 0.0) for p in self._ports_of(name)}
+                        for k, v in imp.items() if k != "seed"}
+            out.insert(0, (INGRESS_PROGRAM, {**per_port, "seed": topo.seed + 1}))
+        if egress:
+            per_port = {k: {p: (v if p in egress else 0.0) for p in self._ports_of(name)}
+                        for k, v in imp.items() if k != "seed"}
+            out.append(("impair", {**per_port, "seed": topo.seed}))
+        return out
+
+    def _ports_of(self, name: str) -> list[str]:
+        return [self._intf_name(name, p) for _peer, (p, _bw) in
+                sorted(routing.adjacency(self.topo)[name].items(), key=lambda kv: kv[1][0])]
 
     def _assign_link_params(self) -> None:
         topo = self.topo
@@ -423,29 +542,10 @@ class TestbedNet:
         return lines
 
     def _program_datapath(self, tables, tree) -> None:
-        """Push forwarding tables (and the aggregator) to every programmable node."""
+        """Connect a control client to every programmable node (tables went in at start)."""
         _nodes, client_cls = _datapath()
-        topo = self.topo
-        adj = routing.adjacency(topo)
-        for name in sorted(topo.programmable):
-            node = self.mininet.get(name)
-            client = client_cls.for_node(node) if hasattr(client_cls, "for_node") \
-                else client_cls(node)
-            self._clients[name] = client
-            if topo.switch_roles[name] == "smartnic":
-                continue  # bump in the wire: its 'wire' program needs no table
-            l2 = {mac: [self._intf_name(name, p) for p in group]
-                  for mac, group in tables[name].items()}
-            settings = {"l2": l2, "learn": False}
-            client.configure("forward", **settings)
-            if tree is not None:
-                flood = [self._intf_name(name, port) for peer, (port, _bw) in sorted(
-                    adj[name].items()) if peer not in topo.switch_roles
-                    or frozenset((name, peer)) in tree]
-                client.set_flood_ports(flood)
-        if topo.aggregator_switch is not None:
-            self._clients[topo.aggregator_switch].configure(
-                "aggregate", ip=AGGREGATOR_IP, mac=AGGREGATOR_MAC)
+        for name in sorted(self.topo.programmable):
+            self._clients[name] = client_cls(name)
 
     # ----- what the upper layers use -----------------------------------------------------
     def _require_running(self) -> Mininet:

@@ -14,19 +14,14 @@ import inspect
 import json
 import math
 import struct
-import types
+import types as pytypes
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-_M32 = np.uint64(0xFFFFFFFF)
-_GOLD = np.uint64(0x9E3779B1)
-_H1 = np.uint64(0x7FEB352D)
-_H2 = np.uint64(0x846CA68B)
-_S8 = np.uint64(8)
-_S15 = np.uint64(15)
-_S16 = np.uint64(16)
 #: 2**-24: turns a 24-bit integer into a float in [0, 1) exactly.
 _INV24 = 1.0 / 16777216.0
 
@@ -51,7 +46,7 @@ def kernel(size: str):
     """
 
     def deco(fn):
-        ser = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
+        ser = pytypes.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
                                  fn.__defaults__, fn.__closure__)
         ser.__qualname__ = fn.__qualname__ + "_serial"
         ser.__module__ = fn.__module__
@@ -77,22 +72,56 @@ def kernel(size: str):
     return deco
 
 
-@njit(cache=True, inline="always")
-def hash_u32(i, key):
-    """32-bit hash of element index ``i`` under stream ``key`` (lowbias32 finaliser)."""
-    h = (np.uint64(i) * _GOLD + key) & _M32
-    h ^= h >> _S16
-    h = (h * _H1) & _M32
-    h ^= h >> _S15
-    h = (h * _H2) & _M32
-    h ^= h >> _S16
-    return h
+def _as_i32(builder, v):
+    i32 = ir.IntType(32)
+    w = v.type.width
+    return builder.trunc(v, i32) if w > 32 else builder.zext(v, i32) if w < 32 else v
+
+
+def _lowbias32(builder, i, key):
+    """LLVM IR of the 32-bit hash: wrap-around 32-bit lanes, so loops vectorise 8/16 wide
+    (Numba itself widens uint32 arithmetic to 64 bits)."""
+    i32 = ir.IntType(32)
+    h = builder.add(builder.mul(_as_i32(builder, i), ir.Constant(i32, 0x9E3779B1)),
+                    _as_i32(builder, key))
+    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
+    h = builder.mul(h, ir.Constant(i32, 0x7FEB352D))
+    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 15)))
+    h = builder.mul(h, ir.Constant(i32, 0x846CA68B))
+    return builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
+
+
+@intrinsic
+def hash_u32(typingctx, i, key):
+    """32-bit hash (lowbias32 finaliser) of element index ``i`` under stream ``key``:
+    ``h = (i * 0x9E3779B1 + key) mod 2**32`` then xorshift-multiply rounds; uint32."""
+    if not isinstance(i, types.Integer) or not isinstance(key, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _lowbias32(builder, args[0], args[1])
+
+    return types.uint32(i, key), codegen
+
+
+@intrinsic
+def uniform32(typingctx, i, key):
+    """Uniform float32 in [0, 1): the top 24 bits of :func:`hash_u32` times 2**-24 (exact)."""
+    if not isinstance(i, types.Integer) or not isinstance(key, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = builder.lshr(_lowbias32(builder, args[0], args[1]), ir.Constant(ir.IntType(32), 8))
+        f = builder.sitofp(h, ir.FloatType())
+        return builder.fmul(f, ir.Constant(ir.FloatType(), _INV24))
+
+    return types.float32(i, key), codegen
 
 
 @njit(cache=True, inline="always")
 def uniform(i, key):
-    """Uniform float64 in [0, 1) with 24 random bits for element ``i`` of stream ``key``."""
-    return np.float64(hash_u32(i, key) >> _S8) * _INV24
+    """Uniform float64 in [0, 1) with 24 random bits (the float32 draw, widened exactly)."""
+    return np.float64(uniform32(i, key))
 
 
 def stream_key(seed: int, step: int, salt: int = 0) -> np.uint64:

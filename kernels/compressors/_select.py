@@ -64,6 +64,45 @@ def count_ge(x, t):
 
 
 @njit(cache=True)
+def kth_smallest(a, j):
+    """The ``j``-th smallest (0-based) element of ``a``; permutes ``a`` in place.
+
+    Quickselect with a median-of-three pivot and a three-way partition (many equal values,
+    e.g. zeros, cost one pass).
+    """
+    lo = 0
+    hi = a.size - 1
+    while lo < hi:
+        x = a[lo]
+        y = a[(lo + hi) >> 1]
+        z = a[hi]
+        p = max(min(x, y), min(max(x, y), z))
+        lt = lo
+        gt = hi
+        i = lo
+        while i <= gt:
+            v = a[i]
+            if v < p:
+                a[i] = a[lt]
+                a[lt] = v
+                lt += 1
+                i += 1
+            elif v > p:
+                a[i] = a[gt]
+                a[gt] = v
+                gt -= 1
+            else:
+                i += 1
+        if j < lt:
+            hi = lt - 1
+        elif j > gt:
+            lo = gt + 1
+        else:
+            return p
+    return a[j]
+
+
+@njit(cache=True)
 def topk_among(x, cand, k, out):
     """Exact top-``k`` by ``|x|`` among candidate indices ``cand`` (ascending).
 
@@ -75,7 +114,7 @@ def topk_among(x, cand, k, out):
     for j in range(m):
         mag[j] = abs(x[cand[j]])
     # the k-th largest magnitude, exactly (quickselect)
-    v = np.partition(mag, m - k)[m - k]
+    v = kth_smallest(mag.copy(), m - k)
     above = 0
     for j in range(m):
         above += mag[j] > v
@@ -116,7 +155,7 @@ def topk_select(x, k, out):
     # aim for about 1.3 k + slack candidates: rank in the sample from the top
     r = min(m, int(1.3 * k * m / n) + 32)
     while True:
-        t = np.partition(samp, m - r)[m - r]
+        t = kth_smallest(samp, m - r)
         if r >= m:
             t = np.float32(0.0)
         cand = select_ge(x, t)

@@ -25,7 +25,7 @@ def _encode_bits(xb, out):
         out[i] = bf16_bits(np.int64(xb[i]))
 
 
-@kernel("h.size")
+@njit(cache=True)
 def _decode_bits(h, ob):
     for i in prange(h.size):
         ob[i] = np.uint32(h[i]) << np.uint32(16)

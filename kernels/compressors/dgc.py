@@ -13,14 +13,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, count_for_ratio, hash_u32, kernel, stream_key
-from ._select import select_ge, topk_among
+from ._common import Compressor, check_number, count_for_ratio, hash_u32, stream_key
+from ._select import kth_smallest, select_ge, topk_among
 from .topk import gather, sparse_decompress
 
 _SALT = 0x44474353  # "DGCS"
 
 
-@kernel("m")
+@njit(cache=True)
 def dgc_sample(x, m, key, out):
     """``m`` magnitudes of x at uniform random positions (with replacement) of stream key."""
     n = x.size
@@ -34,7 +34,7 @@ def dgc_select(x, k, m, key):
     samp = np.empty(m, dtype=np.float32)
     dgc_sample(x, m, key, samp)
     r = max(1, min(m, int(m * k / x.size)))
-    t = np.partition(samp, m - r)[m - r]
+    t = kth_smallest(samp, m - r)
     cand = select_ge(x, t)
     if cand.size > k:
         out = np.empty(k, dtype=np.int32)
@@ -43,7 +43,7 @@ def dgc_select(x, k, m, key):
     return cand
 
 
-@kernel("x.size")
+@njit(cache=True)
 def momentum_accumulate(u, x, momentum):
     """``u = momentum * u + x`` in place (float32)."""
     mo = np.float32(momentum)

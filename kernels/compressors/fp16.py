@@ -1,13 +1,21 @@
 """``fp16``: IEEE half precision, round to nearest even (bit-exact with numpy's cast).
 
-The kernels work on bit patterns (Numba has no CPU float16) and are callable from other
-``@njit`` code, e.g. the SmartNIC codec stage per packet.
+Numba has no CPU float16 type: ``fp16_encode``/``fp16_decode`` use an LLVM intrinsic
+(``fptrunc``/``fpext`` to ``half``: vcvtps2ph/vcvtph2ps on x86 with F16C, fcvt on arm64) and
+fall back to a portable bit-manipulation version (``fp16_encode_sw``) elsewhere; both are
+tested bit-exact against numpy. Callable from other ``@njit`` code, e.g. the SmartNIC codec
+stage per packet.
 """
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
-from numba import njit, prange
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ._common import Compressor, kernel
 
@@ -41,20 +49,6 @@ def fp16_bits(f):
     return sign | q
 
 
-@kernel("xb.size")
-def _encode_bits(xb, out):
-    for i in prange(xb.size):
-        out[i] = fp16_bits(np.int64(xb[i]))
-
-
-# Bit views are taken outside the parallel loops (Numba's parallel backend writes through a
-# view taken inside a prange kernel into a copy, observed with numba 0.68).
-@njit(cache=True)
-def fp16_encode(x, out):
-    """float32 ``x`` -> half bits in uint16 ``out`` (same length)."""
-    _encode_bits(x.view(np.uint32), out)
-
-
 @njit(cache=True, inline="always")
 def fp16_to_f32_bits(h):
     """float32 bits (as int) of half bits ``h``."""
@@ -74,16 +68,104 @@ def fp16_to_f32_bits(h):
     return sign | ((e + 112) << 23) | (m << 13)
 
 
+@kernel("xb.size")
+def _encode_bits_sw(xb, out):
+    for i in prange(xb.size):
+        out[i] = fp16_bits(np.int64(xb[i]))
+
+
 @kernel("h.size")
-def _decode_bits(h, ob):
+def _decode_bits_sw(h, ob):
     for i in prange(h.size):
         ob[i] = fp16_to_f32_bits(np.int64(h[i]))
 
 
+@intrinsic
+def f32_to_f16(typingctx, x):
+    """Hardware float32 -> half bits (uint16), round to nearest even (LLVM ``fptrunc``:
+    one vcvtps2ph per 8/16 lanes on x86 with F16C, fcvt on arm64)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def f16_to_f32(typingctx, h):
+    """Hardware half bits (uint16) -> float32 (exact; LLVM ``fpext``)."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@kernel("x.size")
+def _encode_hw(x, out):
+    for i in prange(x.size):
+        out[i] = f32_to_f16(x[i])
+
+
+@kernel("h.size")
+def _decode_hw(h, out):
+    for i in prange(h.size):
+        out[i] = f16_to_f32(h[i])
+
+
+def _host_has_half_conversion() -> bool:
+    """True when LLVM lowers float<->half to instructions here (x86 F16C, any arm64)."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    try:
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # no feature map: take the portable bit-twiddling path
+        return False
+
+
+#: Whether the kernels use the hardware conversion (else the bit-exact software one).
+HW_HALF = _host_has_half_conversion()
+
+if HW_HALF:
+
+    @njit(cache=True)
+    def fp16_encode(x, out):
+        """float32 ``x`` -> half bits in uint16 ``out`` (same length), round to nearest even."""
+        _encode_hw(x, out)
+
+    @njit(cache=True)
+    def fp16_decode(h, out):
+        """Half bits in uint16 ``h`` -> float32 ``out`` (exact)."""
+        _decode_hw(h, out)
+
+else:
+    # Bit views are taken outside the parallel loops (Numba's parallel backend writes through
+    # a view taken inside a prange kernel into a copy, observed with numba 0.68).
+    @njit(cache=True)
+    def fp16_encode(x, out):
+        """float32 ``x`` -> half bits in uint16 ``out`` (same length), round to nearest even."""
+        _encode_bits_sw(x.view(np.uint32), out)
+
+    @njit(cache=True)
+    def fp16_decode(h, out):
+        """Half bits in uint16 ``h`` -> float32 ``out`` (exact)."""
+        _decode_bits_sw(h, out.view(np.uint32))
+
+
 @njit(cache=True)
-def fp16_decode(h, out):
-    """Half bits in uint16 ``h`` -> float32 ``out`` (exact)."""
-    _decode_bits(h, out.view(np.uint32))
+def fp16_encode_sw(x, out):
+    """Portable software twin of :func:`fp16_encode` (bit manipulation only)."""
+    _encode_bits_sw(x.view(np.uint32), out)
+
+
+@njit(cache=True)
+def fp16_decode_sw(h, out):
+    """Portable software twin of :func:`fp16_decode`."""
+    _decode_bits_sw(h, out.view(np.uint32))
 
 
 class Fp16Compressor(Compressor):

@@ -31,7 +31,7 @@ def _encode_bits(xb, key, out):
         out[i] = (s << 15) | (e2 << 7)
 
 
-@kernel("code.size")
+@njit(cache=True)
 def _decode_bits(code, ob):
     for i in prange(code.size):
         ob[i] = np.uint32(code[i]) << np.uint32(16)

@@ -5,13 +5,13 @@ the squared error for a given sign split)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from ._common import REDUCE_CHUNK, Compressor, kernel
+from ._common import REDUCE_CHUNK, Compressor
 from .signsgd import pack_signs, packed_len, unpack_signs
 
 
-@kernel("x.size")
+@njit(cache=True)
 def onebit_means(x):
     """(mean of x_i >= 0, mean of x_i < 0), 0.0 for an empty side; float64, fixed chunks."""
     nchunk = (x.size + REDUCE_CHUNK - 1) // REDUCE_CHUNK

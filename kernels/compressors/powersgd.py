@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, kernel
+from ._common import Compressor, check_number
 
 _ROW_BLOCKS = 16
 
@@ -29,7 +29,7 @@ def matrix_shape(n: int) -> tuple[int, int]:
     return (n + c - 1) // c, c
 
 
-@kernel("m.size")
+@njit(cache=True)
 def matmul_mq(m, q, out):
     """``out = M @ Q`` (R x C times C x r), float64 accumulation, float32 out."""
     rows, cols = m.shape
@@ -42,7 +42,7 @@ def matmul_mq(m, q, out):
             out[i, c] = s
 
 
-@kernel("m.size")
+@njit(cache=True)
 def matmul_mtp(m, p, out):
     """``out = M^T @ P`` (C x R times R x r): fixed row blocks summed in order."""
     rows, cols = m.shape
@@ -93,7 +93,7 @@ def orthonormalize(p):
             p[i, c] = a[i, c]
 
 
-@kernel("n")
+@njit(cache=True)
 def lowrank_expand(p, q, n, out):
     """First n elements of ``P @ Q^T`` (row-major) into float32 ``out``."""
     rows = p.shape[0]

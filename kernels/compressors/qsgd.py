@@ -8,9 +8,9 @@ in int8 when ``levels`` <= 127, else int16.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from ._common import Compressor, check_number, kernel, l2norm, stream_key, uniform
+from ._common import Compressor, check_number, kernel, l2norm, stream_key, uniform, uniform32
 
 _SALT = 0x51534744  # "QSGD"
 
@@ -19,20 +19,31 @@ _SALT = 0x51534744  # "QSGD"
 def qsgd_quantize(x, levels, norm, key, out):
     """Quantise float32 ``x`` to signed levels in ``out`` (int8/int16) given its ``norm``.
 
-    ``norm`` is ``l2norm(x)`` (or a larger shared norm); 0 gives all zeros.
+    ``norm`` is ``l2norm(x)`` (or a larger shared norm); 0 gives all zeros. The arithmetic is
+    float32 (vectorises twice as wide) unless levels / norm would overflow it (norms below
+    ~1e-35, i.e. subnormal gradients), then float64.
     """
-    scale = levels / norm if norm > 0.0 else 0.0
-    top = np.float64(levels)
-    for i in prange(x.size):
-        v = np.float64(x[i])
-        a = abs(v) * scale
-        lv = np.floor(a)
-        q = lv + (1.0 if uniform(i, key) < a - lv else 0.0)
-        q = min(q, top)
-        out[i] = -q if v < 0.0 else q
+    s64 = levels / norm if norm > 0.0 else 0.0
+    if s64 <= 1e37:
+        scale = np.float32(s64)
+        top = np.float32(levels)
+        for i in prange(x.size):
+            v = x[i]
+            a = min(abs(v) * scale, top)
+            lv = np.float32(np.int32(a))
+            q = lv + (np.float32(1.0) if uniform32(i, key) < a - lv else np.float32(0.0))
+            out[i] = -q if v < np.float32(0.0) else q
+    else:
+        top64 = np.float64(levels)
+        for i in prange(x.size):
+            v64 = np.float64(x[i])
+            a64 = min(abs(v64) * s64, top64)
+            lv64 = np.float64(np.int64(a64))
+            q64 = lv64 + (1.0 if uniform(i, key) < a64 - lv64 else 0.0)
+            out[i] = -q64 if v64 < 0.0 else q64
 
 
-@kernel("q.size")
+@njit(cache=True)
 def qsgd_dequantize(q, norm, levels, out):
     """x̂ = q * norm / levels into float32 ``out``."""
     s = norm / levels

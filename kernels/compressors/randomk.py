@@ -13,15 +13,15 @@ index draw).
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from ._common import Compressor, check_number, count_for_ratio, hash_u32, kernel, stream_key
+from ._common import Compressor, check_number, count_for_ratio, hash_u32, stream_key
 from .topk import scatter
 
 _SALT = 0x52414E44  # "RAND"
 
 
-@kernel("k")
+@njit(cache=True)
 def randomk_indices(n, k, key, out):
     """k stratified random indices of [0, n) for stream ``key`` into int32 ``out`` (ascending)."""
     for j in prange(k):
@@ -31,7 +31,7 @@ def randomk_indices(n, k, key, out):
         out[j] = lo + ((np.int64(hash_u32(j, key)) * w) >> 32)
 
 
-@kernel("k")
+@njit(cache=True)
 def randomk_gather(x, k, key, scaled, out):
     """Values of x at :func:`randomk_indices` (times the stratum width when ``scaled``)."""
     n = x.size

@@ -8,30 +8,40 @@ vote of the signs instead).
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from ._common import Compressor, kernel
 
 
 @kernel("x.size")
+def _sign_words(x, out64):
+    for w in prange(out64.size):
+        base = 64 * w
+        m = np.uint64(0)
+        for j in range(64):  # an OR-reduction LLVM vectorises
+            m |= np.uint64(x[base + j] >= np.float32(0.0)) << np.uint64(j)
+        out64[w] = m
+
+
+@njit(cache=True)
 def sign_pack(x, out_bits):
-    """Pack ``x_i >= 0`` of float32 ``x`` into uint8 ``out_bits`` (ceil(n/8) bytes)."""
+    """Pack ``x_i >= 0`` of float32 ``x`` into uint8 ``out_bits`` (ceil(n/8) bytes).
+
+    Whole 64-element groups are built as little-endian uint64 words (the byte layout of
+    packbits' little bit order on little-endian hosts), the tail byte by byte.
+    """
     n = x.size
-    nfull = n // 8
-    for b in prange(nfull):
-        base = 8 * b
+    nw = n // 64
+    if nw:
+        _sign_words(x, out_bits[: nw * 8].view(np.uint64))
+    for b in range(nw * 8, (n + 7) // 8):
         v = 0
-        for j in range(8):
-            v |= (1 if x[base + j] >= 0.0 else 0) << j
+        for j in range(min(8, n - 8 * b)):
+            v |= (1 if x[8 * b + j] >= 0.0 else 0) << j
         out_bits[b] = v
-    if n % 8:
-        v = 0
-        for j in range(n - 8 * nfull):
-            v |= (1 if x[8 * nfull + j] >= 0.0 else 0) << j
-        out_bits[nfull] = v
 
 
-@kernel("out.size")
+@njit(cache=True)
 def sign_unpack(bits, pos, neg, out):
     """``out_i = pos`` where bit i is set, else ``neg`` (float32 ``out`` of length n)."""
     p = np.float32(pos)

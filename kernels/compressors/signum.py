@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from ._common import Compressor, check_number, kernel
+from ._common import Compressor, check_number
 from .signsgd import pack_signs, packed_len, unpack_signs
 
 
-@kernel("x.size")
+@njit(cache=True)
 def signum_momentum(m, x, beta):
     """``m = beta * m + (1 - beta) * x`` in place (float32)."""
     b = np.float32(beta)

@@ -7,7 +7,7 @@ q_i = sign(x_i) * [u_i < |x_i| / s] with s = max |x|; x̂ = q * s. (GRACE's opti
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from ._common import Compressor, absmax, check_number, kernel, stream_key, uniform
 
@@ -24,7 +24,7 @@ def terngrad_quantize(x, scale, key, out):
         out[i] = -b if v < 0.0 else b
 
 
-@kernel("q.size")
+@njit(cache=True)
 def terngrad_dequantize(q, scale, out):
     """x̂ = q * scale into float32 ``out``."""
     s = np.float32(scale)

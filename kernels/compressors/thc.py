@@ -108,7 +108,7 @@ def thc_quantize(y, scale, half, key, out):
     return clipped
 
 
-@kernel("q.size")
+@njit(cache=True)
 def thc_dequantize(q, scale, half, out):
     """y = q * scale / half (q int8, or an int32 in-network sum) into float32 ``out``."""
     s = scale / half
@@ -116,7 +116,7 @@ def thc_dequantize(q, scale, half, out):
         out[i] = np.float32(q[i] * s)
 
 
-@kernel("stack.size")
+@njit(cache=True)
 def thc_sum(stack, out):
     """Sum int8 payload rows ``stack`` (workers x d) into int32 ``out`` (the switch's job)."""
     w, d = stack.shape

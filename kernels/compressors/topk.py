@@ -7,22 +7,22 @@ Not summable (workers pick different indices: gather, then decompress each).
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from ._common import Compressor, check_number, count_for_ratio, kernel
+from ._common import Compressor, check_number, count_for_ratio
 from ._select import topk_select
 
 __all__ = ["TopkCompressor", "topk_select", "gather", "scatter"]
 
 
-@kernel("idx.size")
+@njit(cache=True)
 def gather(x, idx, out):
     """``out[j] = x[idx[j]]``."""
     for j in prange(idx.size):
         out[j] = x[idx[j]]
 
 
-@kernel("idx.size")
+@njit(cache=True)
 def scatter(vals, idx, out):
     """``out[idx[j]] = vals[j]`` (indices distinct); ``out`` must be zeroed by the caller."""
     for j in prange(idx.size):

@@ -28,9 +28,14 @@ def hash_u32(i, key) -> np.ndarray:
     return h
 
 
+def uniform32(i, key) -> np.ndarray:
+    """Twin of ``_common.uniform32``: float32 in [0, 1) with 24 bits."""
+    return (hash_u32(i, key) >> np.uint64(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+
+
 def uniform(i, key) -> np.ndarray:
-    """Twin of ``_common.uniform``: float64 in [0, 1) with 24 bits."""
-    return (hash_u32(i, key) >> np.uint64(8)).astype(np.float64) * (1.0 / 16777216.0)
+    """Twin of ``_common.uniform``: the same draw as float64."""
+    return uniform32(i, key).astype(np.float64)
 
 
 # ----------------------------------------------------------------------------- reductions
@@ -144,13 +149,18 @@ def momentum_accumulate(u, x, momentum) -> np.ndarray:
 
 
 def qsgd_quantize(x, levels, norm, key, dtype) -> np.ndarray:
-    """Twin of qsgd.qsgd_quantize."""
-    scale = levels / norm if norm > 0.0 else 0.0
+    """Twin of qsgd.qsgd_quantize (float32 arithmetic unless levels / norm > 1e37)."""
+    s64 = levels / norm if norm > 0.0 else 0.0
+    i = np.arange(x.size)
+    if s64 <= 1e37:
+        a = np.minimum(np.abs(x) * np.float32(s64), np.float32(levels))
+        lv = a.astype(np.int32).astype(np.float32)
+        q = lv + (uniform32(i, key) < a - lv).astype(np.float32)
+        return np.where(x < 0, -q, q).astype(dtype)
     v = x.astype(np.float64)
-    a = np.abs(v) * scale
-    lv = np.floor(a)
-    q = lv + (uniform(np.arange(x.size), key) < a - lv)
-    q = np.minimum(q, float(levels))
+    a = np.minimum(np.abs(v) * s64, float(levels))
+    lv = a.astype(np.int64).astype(np.float64)
+    q = lv + (uniform(i, key) < a - lv)
     return np.where(v < 0.0, -q, q).astype(dtype)
 
 

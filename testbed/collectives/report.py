@@ -26,10 +26,10 @@ REPORT_COLUMNS: tuple[str, ...] = (
     "cpu_bound", "max_abs_err", "correct",
     # context
     "topology", "bw_mbps", "compressor", "error_feedback", "loss", "rep", "seed",
-    # diagnostics: busiest worker/server/engine process (fraction of one core), largest
-    # fraction of the run a process waited for a CPU, whole-machine CPU busy fraction,
-    # set-up seconds (processes + connections)
-    "cpu_max", "cpu_wait", "machine_cpu", "setup_s",
+    # diagnostics: busiest worker/server process and busiest data-path engine (fraction of
+    # one core), largest fraction of the run one of them waited for a CPU, CPU seconds of
+    # workers+servers and of engines, whole-machine CPU busy fraction, set-up seconds
+    "cpu_max", "cpu_engine", "cpu_wait", "cpu_s", "engine_cpu_s", "machine_cpu", "setup_s",
 )
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -121,7 +121,8 @@ def check(spec: CollectiveSpec, inputs: list[np.ndarray], outputs: list[np.ndarr
 
 def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu_bound: bool,
              max_abs_err: float, correct: bool, rep: int, topology: str = "",
-             bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_wait: float = 0.0,
+             bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_engine: float = 0.0,
+             cpu_wait: float = 0.0, cpu_s: float = 0.0, engine_cpu_s: float = 0.0,
              machine_cpu: float = 0.0,
              setup_s: float = 0.0) -> dict:
     """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s)."""
@@ -133,7 +134,8 @@ def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu
         "cpu_bound": bool(cpu_bound), "max_abs_err": max_abs_err, "correct": bool(correct),
         "topology": topology, "bw_mbps": bw_mbps, "compressor": spec.compressor,
         "error_feedback": spec.error_feedback, "loss": spec.loss, "rep": rep,
-        "seed": spec.seed, "cpu_max": cpu_max, "cpu_wait": cpu_wait,
+        "seed": spec.seed, "cpu_max": cpu_max, "cpu_engine": cpu_engine,
+        "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
         "machine_cpu": machine_cpu, "setup_s": setup_s,
     }
     assert tuple(row) == REPORT_COLUMNS

@@ -54,12 +54,23 @@ def placement(net, spec: CollectiveSpec) -> tuple[list, list, bool]:
     return workers, [workers[(j * n) // m] for j in range(m)], True
 
 
-def net_bandwidth(net, hosts: list) -> float:
-    """Bottleneck link rate (bit/s) between ``hosts``."""
+def net_bandwidth(net, hosts: list, algo: str) -> float:
+    """The model's B (bit/s) among ``hosts``: the net's bottleneck for one flow per host in a
+    ring (host algorithms; the reduction server's extra link load is in the model) or every
+    host to the aggregator and back (INA)."""
     fn = getattr(net, "bottleneck_bps", None)
     if fn is None:
         raise ValueError("net has no bottleneck_bps(hosts): cannot compute the model")
-    return float(fn(hosts))
+    uniq = list({h.name: h for h in hosts}.values())
+    pattern = "ina" if algo in ("ina", "nic") else "ring"
+    try:
+        bw = fn(uniq, pattern=pattern)
+    except TypeError:  # a net without patterns
+        bw = fn(uniq)
+    if bw is None:
+        raise ValueError("the links between the workers are not shaped (bw_mbps=None): the "
+                         "alpha-beta model needs a bandwidth")
+    return float(bw)
 
 
 def net_alpha(net) -> float:
@@ -93,7 +104,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     workers, servers, colocated = placement(net, spec)
     n, m = len(workers), len(servers)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
-    bw = net_bandwidth(net, workers + servers)
+    bw = net_bandwidth(net, workers + servers, spec.algo)
     alpha = net_alpha(net)
     model_s = model.predict(spec.op, spec.algo, n, spec.nbytes, bw, alpha, servers=max(m, 1),
                             colocated=colocated, chunk_bytes=spec.chunk_bytes)
@@ -149,11 +160,14 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     topo = _topology_name(net)
     rows = []
     for rep, r in enumerate(result["reps"]):
-        bound = r["cpu_max"] > CPU_SATURATED or r["cpu_wait"] > CPU_WAIT_LIMIT
+        bound = (max(r["cpu_max"], r["cpu_engine"]) > CPU_SATURATED
+                 or r["cpu_wait"] > CPU_WAIT_LIMIT)
         rows.append(make_row(spec, n=n, time_s=r["time_s"], model_s=model_s, cpu_bound=bound,
                              max_abs_err=r["max_abs_err"], correct=r["correct"], rep=rep,
                              topology=topo, bw_mbps=bw_mbps, cpu_max=round(r["cpu_max"], 3),
-                             cpu_wait=round(r["cpu_wait"], 3),
+                             cpu_engine=round(r["cpu_engine"], 3),
+                             cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
+                             engine_cpu_s=round(r["engine_cpu_s"], 3),
                              machine_cpu=round(r["machine_cpu"], 3), setup_s=setup_s))
     return rows
 

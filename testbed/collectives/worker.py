@@ -202,16 +202,21 @@ def _machine() -> tuple[int, int]:
 class _CpuSampler:
     """CPU use of our processes during a repetition, from ``/proc/<pid>/task/*/schedstat``.
 
-    * ``cpu_max``: the busiest process's core fraction, the max over intervals of at least
-      ``min_interval`` s (a worker or engine pinned near 1.0 is the bottleneck);
-    * ``cpu_wait``: the largest fraction of the run a process spent runnable but waiting for a
-      CPU (the machine is shared: a starved emulator slows the collective although the network
-      is idle);
-    * ``machine``: busy fraction of all CPUs (everyone's load, for context).
+    Two groups: ``ours`` (workers and servers) and ``engines`` (data-path engines). Per group:
+
+    * ``max``: the busiest process's core fraction, the max over intervals of at least
+      ``min_interval`` s (a process pinned near 1.0 is the bottleneck);
+    * ``wait``: the largest fraction of the run a process spent runnable but waiting for a
+      CPU (the machine is shared: a starved emulator slows the collective although the
+      network is idle);
+    * ``cpu_s``: CPU seconds the group used.
+
+    Plus ``machine``: busy fraction of all CPUs (everyone's load, for context).
     """
 
-    def __init__(self, pids: list[int], min_interval: float = 0.25):
-        self.pids = pids
+    def __init__(self, ours: list[int], engines: list[int], min_interval: float = 0.25):
+        self.groups = {"ours": list(ours), "engines": list(engines)}
+        self.pids = self.groups["ours"] + self.groups["engines"]
         self.min_interval = min_interval
         self.start()
 
@@ -221,9 +226,9 @@ class _CpuSampler:
         self.last = {p: _sched(p) for p in self.pids}
         self.first = dict(self.last)
         self.m0 = _machine()
-        self.peak = 0.0
+        self.peak = dict.fromkeys(self.pids, 0.0)
 
-    def sample(self, final: bool = False) -> None:
+    def sample(self) -> None:
         """Take an interval sample if ``min_interval`` has passed."""
         now = time.monotonic()
         dt = now - self.t
@@ -232,24 +237,30 @@ class _CpuSampler:
         for p in self.pids:
             c = _sched(p)
             if c is not None and self.last.get(p) is not None:
-                self.peak = max(self.peak, (c[0] - self.last[p][0]) / 1e9 / dt)
+                self.peak[p] = max(self.peak[p], (c[0] - self.last[p][0]) / 1e9 / dt)
             self.last[p] = c
         self.t = now
 
-    def result(self) -> tuple[float, float, float]:
-        """(cpu_max, cpu_wait, machine busy fraction) since :meth:`start`."""
+    def result(self) -> dict:
+        """Measurements since :meth:`start` (see the class docstring)."""
         self.sample()
         wall = max(time.monotonic() - self.t0, 1e-6)
-        wait = 0.0
-        for p in self.pids:
-            c, c0 = _sched(p), self.first.get(p)
-            if c is not None and c0 is not None:
+        out = {}
+        for g, pids in self.groups.items():
+            mx = wait = cpu = 0.0
+            for p in pids:
+                c, c0 = _sched(p), self.first.get(p)
+                if c is None or c0 is None:
+                    continue
+                run_s = (c[0] - c0[0]) / 1e9
+                cpu += run_s
                 wait = max(wait, (c[1] - c0[1]) / 1e9 / wall)
-                if self.t == self.t0:  # run shorter than one interval: use the whole run
-                    self.peak = max(self.peak, (c[0] - c0[0]) / 1e9 / wall)
+                peak = self.peak[p] if self.t > self.t0 else run_s / wall
+                mx = max(mx, peak)
+            out[g] = {"max": mx, "wait": wait, "cpu_s": cpu}
         b1, t1 = _machine()
-        machine = (b1 - self.m0[0]) / max(t1 - self.m0[1], 1)
-        return self.peak, wait, machine
+        out["machine"] = (b1 - self.m0[0]) / max(t1 - self.m0[1], 1)
+        return out
 
 
 def _warm_ina() -> None:
@@ -322,7 +333,7 @@ def run_pool(job: dict) -> dict:
     for r, c in ctls.items():
         sel.register(c.sock, selectors.EVENT_READ, r)
     dead: dict[int, str] = {}
-    sampler = _CpuSampler(list(children.values()) + list(job.get("extra_pids", [])))
+    sampler = _CpuSampler(list(children.values()), list(job.get("extra_pids", [])))
 
     def gather(kind: str, wait_s: float) -> dict[int, dict]:
         """Collect one message of ``kind`` from every live child; errors end it early."""
@@ -384,11 +395,16 @@ def run_pool(job: dict) -> dict:
                 c.send({"type": "go"})
             done = gather("done", spec.timeout_s + 5)
             t_end = max(d["t_end"] for d in done.values())
-            cpu_max, cpu_wait, machine = sampler.result()
+            cpu = sampler.result()
             err, ok = check(spec, ins, outs, n)
             result["reps"].append({"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
-                                   "cpu_max": cpu_max, "cpu_wait": cpu_wait,
-                                   "machine_cpu": machine})
+                                   "cpu_max": cpu["ours"]["max"],
+                                   "cpu_wait": max(cpu["ours"]["wait"],
+                                                   cpu["engines"]["wait"]),
+                                   "cpu_engine": cpu["engines"]["max"],
+                                   "cpu_s": cpu["ours"]["cpu_s"],
+                                   "engine_cpu_s": cpu["engines"]["cpu_s"],
+                                   "machine_cpu": cpu["machine"]})
     except RuntimeError as e:
         result["error"] = str(e)
     finally:

@@ -331,7 +331,7 @@ def _naive_switch_cls():
     return PythonForwarderSwitch
 
 
-def _measure(variant: str, elems_list, duration: float) -> dict[int, dict]:
+def _measure(variant: str, elems_list, duration: float, rx_burst: int = 256) -> dict[int, dict]:
     """Build tbh1--tbs1--tbh2 with ``variant`` as tbs1; return {frame bytes: sink result}."""
     from mininet.link import Link
     from mininet.net import Mininet
@@ -348,11 +348,11 @@ def _measure(variant: str, elems_list, duration: float) -> dict[int, dict]:
     elif variant == "python-naive":
         sw = {"cls": _naive_switch_cls()}
     elif variant == "forward":
-        sw = {"cls": ProgrammableSwitch, "programs": [("forward", {})]}
+        sw = {"cls": ProgrammableSwitch, "programs": [("forward", {})], "rx_burst": rx_burst}
     elif variant == "aggregate":
         sw = {"cls": ProgrammableSwitch, "programs": [
             ("aggregate", {"jobs": {1: {"n_workers": N_AGG_WORKERS, "slots": AGG_SLOTS}}}),
-            ("forward", {})]}
+            ("forward", {})], "rx_burst": rx_burst}
     else:
         raise ValueError(variant)
     net = Mininet(controller=None, build=False, autoSetMacs=True, link=Link)
@@ -380,6 +380,8 @@ def _measure(variant: str, elems_list, duration: float) -> dict[int, dict]:
                     h2.defaultIntf().name
             # the sink is the receiving interface's kernel counter: costs no CPU, so the
             # measurement is not capped by a user-space receiver on these 2 cores
+            engine = variant in ("forward", "aggregate")
+            eng0 = s1.client().counters() if engine else None
             before = _rx_packets(rx_host, rx_if)
             gen_p = h1.popen(_py() + ["gen", "--iface", h1.defaultIntf().name, "--mode", mode,
                                       "--src-mac", h1.MAC(), "--dst-mac", dst_mac, "--src-ip",
@@ -396,8 +398,13 @@ def _measure(variant: str, elems_list, duration: float) -> dict[int, dict]:
                     from None
             res = {"received": got, "kpps": got / g["seconds"] / 1e3, "gen": g}
             res["frame_bytes"] = HEADER_OFFSET + 28 + 4 * elems
-            if variant in ("forward", "aggregate"):
-                res["engine"] = s1.client().counters()
+            if engine:
+                eng1 = s1.client().counters()
+                res["engine"] = eng1
+                # what the switch itself processed (rx on the ingress port) per second
+                rx0 = eng0["ports"]["tbs1-eth1"]["rx_packets"]
+                rx1 = eng1["ports"]["tbs1-eth1"]["rx_packets"]
+                res["engine_rx_kpps"] = (rx1 - rx0) / g["seconds"] / 1e3
             out[elems] = res
     finally:
         net.stop()
@@ -451,6 +458,7 @@ def run_bench(duration: float = DURATION_S, elems_list=ELEMS) -> tuple[list[dict
             eng = r.get("engine", {})
             notes[f"{program}/{r['frame_bytes']}B"] = {
                 "cpu_max": eng.get("cpu_max"), "max_burst": eng.get("max_burst"),
+                "engine_rx_kpps": round(r.get("engine_rx_kpps", 0.0), 1),
                 "offered_kpps": round(r["gen"]["sent"] / r["gen"]["seconds"] / 1e3, 1),
             }
     return rows, notes

@@ -11,7 +11,7 @@ Config (JSON)::
      "programs": [{"name": "aggregate", "settings": {"jobs": {"1": {"n_workers": 4,
                                                                    "slots": 64}}}},
                   ["forward", {"learn": true}]],
-     "flood_ports": null, "rx_burst": 64, "control_socket": "/run/testbed/tbs1.sock"}
+     "flood_ports": null, "rx_burst": 256, "control_socket": "/run/testbed/tbs1.sock"}
 
 Loop: poll the ports (timeout bounded by the stages' ``next_deadline_ns``), receive up to
 ``rx_burst`` frames from all ports into one :class:`Batch` with ``recvmmsg``, run the stages in
@@ -59,7 +59,7 @@ STAGES: dict[str, str] = {
 }
 
 N_REASONS = 32
-DEFAULT_RX_BURST = 64
+DEFAULT_RX_BURST = 256
 
 
 def stage_class(name: str) -> type:

@@ -27,7 +27,8 @@ are batched. ``filter="testbed"`` impairs only testbed frames (others pass untou
 advance the sequence); ``filter="all"`` impairs every frame.
 
 Counters per port: ``seen``, ``lost``, ``duplicated``, ``reordered``, ``delayed``,
-``released``, ``overflow``, ``bypassed`` (frames the filter let through), ``held`` (now).
+``released``, ``overflow``, ``bypassed`` (frames the filter let through), ``malformed`` (a
+length no frame can have: dropped ``BAD_LENGTH``), ``held`` (now).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ from testbed.kernels.trimming import uniform01
 DIRECTIONS = ("ingress", "egress")
 FILTERS = ("all", "testbed")
 
-(C_SEEN, C_LOST, C_DUP, C_REORDER, C_DELAYED, C_RELEASED, C_OVERFLOW, C_BYPASS) = range(8)
+(C_SEEN, C_LOST, C_DUP, C_REORDER, C_DELAYED, C_RELEASED, C_OVERFLOW, C_BYPASS,
+ C_MALFORMED) = range(9)
 COUNTER_NAMES = ("seen", "lost", "duplicated", "reordered", "delayed", "released", "overflow",
-                 "bypassed")
+                 "bypassed", "malformed")
 
 # random streams per packet: one uniform per effect
 E_LOSS, E_DUP, E_REORDER, E_JITTER = range(4)
@@ -71,6 +73,7 @@ K_EXTRA = 2  # a duplicate of a packet that was not delayed: leaves at its relea
 
 _R_LOSS = int(DropReason.IMPAIR_LOSS)
 _R_QUEUE_FULL = int(DropReason.QUEUE_FULL)
+_R_BAD_LENGTH = int(DropReason.BAD_LENGTH)
 _NEVER = np.iinfo(np.int64).max
 
 
@@ -170,7 +173,10 @@ def impair_kernel(buf, length, in_port, out_port, reason, n, base, room, now, eg
         if p >= n_ports:
             continue
         ln = length[i]
-        if ln < 0 or ln > FRAME_MAX:
+        if ln < 0 or ln > FRAME_MAX:  # cannot be a frame: never copy it into a slot
+            out_port[i] = PORT_DROP
+            reason[i] = _R_BAD_LENGTH
+            counters[p, C_MALFORMED] += 1
             continue
         if only_testbed and parse_frame(buf[i], ln) != 0:
             counters[p, C_BYPASS] += 1

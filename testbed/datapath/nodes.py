@@ -46,7 +46,7 @@ class ProgrammableSwitch(Switch):
     default_programs: list = [("forward", {})]
 
     def __init__(self, name: str, programs=None, agg_ip: str | None = None,
-                 agg_mac: str | None = None, rx_burst: int = 64, flood_ports=None,
+                 agg_mac: str | None = None, rx_burst: int = 256, flood_ports=None,
                  ready_timeout: float = 120.0, **params):
         params.setdefault("inNamespace", True)
         if not name.startswith("tb"):

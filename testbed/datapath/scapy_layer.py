@@ -19,6 +19,7 @@ from scapy.fields import (
 )
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
+from scapy.volatile import RandFloat
 
 from testbed.kernels.wire import HEADER_FIELDS, HEADER_LEN, TESTBED_UDP_PORT
 
@@ -28,6 +29,10 @@ class LEFloatField(Field):
 
     def __init__(self, name: str, default: float):
         Field.__init__(self, name, default, "<f")
+
+    def randval(self):
+        """Random float32 for ``scapy.fuzz``."""
+        return RandFloat(-3.0e38, 3.0e38)
 
 
 #: numpy type code -> scapy field class (all little-endian, matching the numpy dtype).

@@ -61,6 +61,7 @@ COUNTER_NAMES = ("passed", "enqueued", "trimmed", "dropped", "dequeued", "ecn_ma
                  "hwm_bytes", "hwm_pkts", "hdr_hwm_pkts")
 
 _R_QUEUE_FULL = int(DropReason.QUEUE_FULL)
+_R_BAD_LENGTH = int(DropReason.BAD_LENGTH)
 _FLAG_ECN = int(Flags.ECN)
 
 
@@ -207,8 +208,11 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
         if p < 0 or p >= n_ports:
             continue  # undecided/dropped/held, or a port this stage does not know
         ln = length[i]
-        if ln <= 0 or ln > FRAME_MAX:
-            continue  # not a frame the engine could send; leave the decision to the engine
+        if ln < 0 or ln > FRAME_MAX:  # cannot be a frame: never copy it into a slot
+            out_port[i] = PORT_DROP
+            reason[i] = _R_BAD_LENGTH
+            counters[p, C_DROPPED] += 1
+            continue
         if dq_cnt[p] == 0 and hq_cnt[p] == 0 and not emitted[p] and next_free[p] <= now:
             next_free[p] = now + ln * ns_per_byte[p]
             counters[p, C_PASSED] += 1

@@ -52,6 +52,9 @@ class ResultsStore:
     def __init__(self, out_dir: str | Path, metadata: dict[str, Any]):
         self.path = Path(out_dir)
         self.path.mkdir(parents=True, exist_ok=True)
+        # A results folder holds one experiment: re-running into it starts it over.
+        for name in ("rows.jsonl", "results.csv", "results.parquet", "metadata.json"):
+            (self.path / name).unlink(missing_ok=True)
         self.rows: list[dict[str, Any]] = []
         self.metadata = dict(metadata)
         self.metadata.setdefault("status", "running")

@@ -30,12 +30,6 @@ from testbed.experiment.results import (
 )
 from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
 
-#: Data-path counter names summed over all nodes/ports into ``dp_<name>`` row columns
-#: (deltas over one run), so notebooks can show e.g. the fraction of trimmed packets.
-COUNTER_KEYS = ("trimmed", "dropped", "drops", "enqueued", "retransmissions",
-                "retransmits", "aggregations", "impair_loss", "lost", "encoded", "decoded",
-                "rx_packets", "tx_packets", "duplicated", "delayed")
-
 
 class RunAborted(RuntimeError):
     """Raised by :func:`run` when ``stop_on_error`` stopped the experiment at a failure."""
@@ -118,18 +112,21 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
             with contextlib.ExitStack() as stack:
                 try:
                     net, desc = _open_network(stack, point)
-                    store.metadata["networks"].append({"points": sorted({g[0] for g in group}),
-                                                       "describe": desc})
+                    store.metadata["networks"].append({
+                        "points": sorted({g[0] for g in group}), "describe": desc,
+                        "timings": dict(getattr(net, "timings", {}))})
                     store.write_metadata()
                     _start_cross_traffic(stack, net, point)
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except Exception as e:  # the network failed: every run of the group fails
+                    if _interrupted(e):
+                        raise KeyboardInterrupt from e
                     err = _describe_error(e)
                     for (pi, params, pt, ji, job, size) in group:
                         store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
                         run_idx += 1
-                        advance()
+                        advance(f"{job.label()} {size} B: network failed")
                     if exp.stop_on_error:
                         raise RunAborted(f"network set-up failed: {err}") from e
                     i = j
@@ -142,13 +139,35 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:
+                        if _interrupted(e):
+                            raise KeyboardInterrupt from e
                         err = _describe_error(e)
                         store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
                         if exp.stop_on_error:
                             raise RunAborted(f"run {run_idx} failed: {err}") from e
                     run_idx += 1
-                    advance()
+                    advance(_run_text(store.rows[-1], params))
             i = j
+
+
+def _run_text(row: dict, params: dict) -> str:
+    sweep = " ".join(f"{k}={v}" for k, v in params.items())
+    if row.get("status") != "ok":
+        return f"{row.get('label')} {row.get('bytes')} B {sweep}: FAILED {row.get('error')}"
+    return (f"{row.get('label')} n={row.get('n')} {row.get('bytes')} B {sweep}: "
+            f"{row.get('time_s', float('nan')):.4g} s (model {row.get('model_s', float('nan')):.4g}"
+            f" s) correct={row.get('correct')}")
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether ``e`` was raised while a Ctrl-C was being handled (it must not hide it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__context__
+    return False
 
 
 def _describe_error(e: BaseException) -> str:
@@ -348,11 +367,48 @@ def _counter_deltas(before, after, out: Path, run_idx: int) -> dict[str, float]:
     cdir = out / "counters"
     cdir.mkdir(exist_ok=True)
     (cdir / f"run{run_idx:04d}.json").write_text(json.dumps(delta, indent=1, sort_keys=True))
+    return summarize_counters(delta, a)
+
+
+def summarize_counters(delta: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Row columns from flattened data-path counters, summed over nodes.
+
+    ``dp_<stage>_<counter>`` from each stage's totals (or its per-port counters summed when it
+    has no totals), ``dp_drops_<REASON>`` from the engines' drop reasons. High-water marks
+    (``*hwm*``) are the largest value at the end of the run, not a difference.
+    """
+    totals: dict[tuple[str, str, str], float] = {}
+    ports: dict[tuple[str, str, str], float] = {}
     cols: dict[str, float] = {}
     for path, v in delta.items():
-        leaf = path.rsplit(".", 1)[-1]
-        if leaf in COUNTER_KEYS and "high" not in path and "cpu" not in path:
-            cols[f"dp_{leaf}"] = cols.get(f"dp_{leaf}", 0.0) + v
+        parts = path.split(".")
+        if len(parts) < 4 or parts[0] != "datapath":
+            continue
+        node, rest = parts[1], parts[2:]
+        if rest[0] == "drops" and len(rest) == 2:
+            key = f"dp_drops_{rest[1]}"
+            cols[key] = cols.get(key, 0.0) + v
+        elif rest[0] == "stages" and len(rest) >= 3:
+            stage, tail = rest[1], rest[2:]
+            if "cpu" in tail[-1] or "hwm" in tail[-1]:
+                continue
+            if tail[0] == "totals" and len(tail) == 2:
+                totals[(node, stage, tail[1])] = v
+            elif tail[0] == "ports" and len(tail) == 3:
+                k = (node, stage, tail[2])
+                ports[k] = ports.get(k, 0.0) + v
+            elif len(tail) == 1:
+                totals[(node, stage, tail[0])] = v
+    for k, v in ports.items():
+        totals.setdefault(k, v)
+    for (_node, stage, name), v in totals.items():
+        key = f"dp_{stage}_{name}"
+        cols[key] = cols.get(key, 0.0) + v
+    for path, v in after.items():
+        parts = path.split(".")
+        if parts[0] == "datapath" and "stages" in parts and "hwm" in parts[-1]:
+            key = f"dp_{parts[3]}_{parts[-1]}"
+            cols[key] = max(cols.get(key, 0.0), v)
     return cols
 
 
@@ -434,14 +490,37 @@ def summarize_pcap(path: str | Path) -> dict[str, Any]:
 
 # -- progress -----------------------------------------------------------------------------------
 
+def _in_notebook() -> bool:
+    import sys
+
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, name: str):
+    """Yield ``advance(text)``: a rich bar on a terminal, one printed line per run elsewhere
+    (notebooks, logs), nothing when disabled."""
+    import sys
+
     if not enabled:
-        yield lambda: None
+        yield lambda text="": None
+        return
+    if _in_notebook() or not sys.stderr.isatty():
+        done = [0]
+        t0 = time.monotonic()
+
+        def line(text: str = "") -> None:
+            done[0] += 1
+            print(f"[{name} {done[0]}/{total} {time.monotonic() - t0:6.1f} s] {text}",
+                  flush=True)
+
+        yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task(name, total=total)
-        yield lambda: bar.advance(task)
+        yield lambda text="": bar.advance(task)

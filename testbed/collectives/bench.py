@@ -1,0 +1,131 @@
+"""``testbed bench collectives``: allreduce algorithms on a 100 Mb/s star against the model.
+
+Grid (default): algo in ring, hd, rs, ina x n in 4, 8 x size in 8 MB, 32 MB. ``quick=True``
+(or env ``TESTBED_BENCH_QUICK=1``): n = 4, size 1 MB. Networks: ring / hd / rs run on a Linux
+bridge star (the kernel switch stands for a normal datacenter switch); rs uses m = n dedicated
+server hosts (Vertex AI style: each server link carries n*S/m = S). INA runs on a star whose
+switch is the programmable data path (aggregate + forward programs).
+
+Anchor: ring allreduce of the same n and size, measured in the same run; every row carries
+``vs_ring`` (time / ring time) and ``model_vs_ring`` (the model's ratio). Fidelity targets
+(checked and printed): no n=4 run cpu_bound; ring and INA within 10 % of model_s when not
+cpu_bound; INA/ring ratio within 10 % of the model's ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from testbed.collectives.runner import run_collective
+from testbed.collectives.spec import CollectiveSpec
+
+MB = 1 << 20
+SHOW = ("algo", "n", "bytes", "time_s", "model_s", "fidelity", "vs_ring", "model_vs_ring",
+        "busbw", "cpu_bound", "cpu_max", "cpu_wait", "correct")
+
+
+def grid(quick: bool) -> tuple[list[int], list[int], list[str]]:
+    """(worker counts, sizes in bytes, algorithms) of the benchmark."""
+    if quick:
+        return [4], [1 * MB], ["ring", "hd", "rs", "ina"]
+    return [4, 8], [8 * MB, 32 * MB], ["ring", "hd", "rs", "ina"]
+
+
+def run(quick: bool = False, reps: int = 1, window: int = 64, log=sys.stderr) -> list[dict]:
+    """Run the grid; return rows (REPORT_COLUMNS + vs_ring, model_vs_ring, network)."""
+    from testbed.topologies import Star, TestbedNet
+
+    ns, sizes, algos = grid(quick)
+    rows: list[dict] = []
+    host_algos = [a for a in algos if a != "ina"]
+    nmax = max(ns)
+    t0 = time.monotonic()
+    with TestbedNet(Star(2 * nmax, bw_mbps=100)) as net:
+        print(f"# bridge star ({2 * nmax} hosts) up in {time.monotonic() - t0:.1f} s",
+              file=log)
+        for n in ns:
+            for size in sizes:
+                for algo in host_algos:
+                    spec = CollectiveSpec(algo=algo, nbytes=size, workers=n, servers=n,
+                                          repetitions=reps, timeout_s=60)
+                    for r in run_collective(net, spec):
+                        r["network"] = "linux-bridge"
+                        rows.append(r)
+                        print(_line(r), file=log)
+    if "ina" in algos:
+        t0 = time.monotonic()
+        topo = Star(nmax, bw_mbps=100, switch="programmable",
+                    programs={"switch": ["aggregate", "forward"]})
+        with TestbedNet(topo) as net:
+            print(f"# programmable star ({nmax} hosts) up in {time.monotonic() - t0:.1f} s",
+                  file=log)
+            for n in ns:
+                for size in sizes:
+                    spec = CollectiveSpec(algo="ina", nbytes=size, workers=n, window=window,
+                                          repetitions=reps, timeout_s=60)
+                    for r in run_collective(net, spec):
+                        r["network"] = "programmable"
+                        rows.append(r)
+                        print(_line(r), file=log)
+    _add_ratios(rows)
+    return rows
+
+
+def _line(r: dict) -> str:
+    return (f"{r['algo']:>5} n={r['n']} {r['bytes'] / MB:5.0f} MB  t={r['time_s']:.3f} s  "
+            f"model={r['model_s']:.3f} s  fid={r['fidelity']:.2f}  cpu_bound={r['cpu_bound']} "
+            f"(max {r['cpu_max']:.2f}, wait {r['cpu_wait']:.2f})  correct={r['correct']}")
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    ring = {(r["n"], r["bytes"], r["rep"]): r for r in rows if r["algo"] == "ring"}
+    for r in rows:
+        a = ring.get((r["n"], r["bytes"], r["rep"]))
+        r["vs_ring"] = r["time_s"] / a["time_s"] if a else float("nan")
+        r["model_vs_ring"] = r["model_s"] / a["model_s"] if a else float("nan")
+
+
+def targets(rows: list[dict]) -> dict:
+    """The fidelity targets: name -> (met, detail)."""
+    out = {}
+    n4 = [r for r in rows if r["n"] == 4]
+    bad = [f"{r['algo']}/{r['bytes'] // MB}MB" for r in n4 if r["cpu_bound"]]
+    out["no n=4 run cpu_bound"] = (not bad, f"cpu_bound: {bad}" if bad else "none")
+    fid = [r for r in rows if r["algo"] in ("ring", "ina") and not r["cpu_bound"]]
+    off = [f"{r['algo']}/n{r['n']}/{r['bytes'] // MB}MB:{r['fidelity']:.2f}" for r in fid
+           if abs(r["fidelity"] - 1) > 0.10]
+    out["ring/ina within 10% of model (not cpu_bound)"] = (
+        bool(fid) and not off, f"{len(fid)} eligible; off: {off}" if fid else "no eligible run")
+    ina = [r for r in rows if r["algo"] == "ina" and r["vs_ring"] == r["vs_ring"]]
+    off = [f"n{r['n']}/{r['bytes'] // MB}MB: {r['vs_ring']:.2f} vs {r['model_vs_ring']:.2f}"
+           for r in ina if abs(r["vs_ring"] / r["model_vs_ring"] - 1) > 0.10]
+    out["INA/ring ratio within 10% of model ratio"] = (bool(ina) and not off,
+                                                       f"off: {off}" if off else "all within")
+    return out
+
+
+def main(json_out: bool = False, quick: bool | None = None) -> int:
+    """Entry point of ``testbed bench collectives [--json]``; 0 when every run was correct."""
+    if quick is None:
+        quick = os.environ.get("TESTBED_BENCH_QUICK", "") not in ("", "0")
+    reps = int(os.environ.get("TESTBED_BENCH_REPS", "1"))
+    rows = run(quick=quick, reps=reps)
+    tg = targets(rows)
+    if json_out:
+        print(json.dumps({"rows": rows, "targets": {k: {"met": m, "detail": d}
+                                                    for k, (m, d) in tg.items()}},
+                         default=float))
+    else:
+        print(" ".join(f"{c:>10}" for c in SHOW))
+        for r in rows:
+            vals = []
+            for c in SHOW:
+                v = r[c]
+                vals.append(f"{v:>10.3f}" if isinstance(v, float) else f"{v!s:>10}")
+            print(" ".join(vals))
+        for k, (m, d) in tg.items():
+            print(f"target {'MET    ' if m else 'NOT MET'} {k}: {d}")
+    return 0 if rows and all(r["correct"] for r in rows) else 1

@@ -1,0 +1,51 @@
+"""The example experiment files in experiments/ run end to end at small sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from testbed.experiment import load_experiment, run
+from testbed.experiment.checks import assert_all_ok
+from testbed.experiment.spec import Experiment, parse_experiment
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "experiments"
+SMALL = 32 << 10
+
+
+def shrink(exp: Experiment) -> Experiment:
+    """The same experiment with tiny messages, one repetition and at most 3 hosts."""
+    data = exp.model_dump()
+    for job in data["jobs"]:
+        job["nbytes"] = SMALL
+        job["repetitions"] = 1
+    for path, values in list(data["sweep"].items()):
+        if path.endswith("nbytes"):
+            data["sweep"][path] = [SMALL]
+        elif path.endswith("n_hosts"):
+            data["sweep"][path] = [v for v in values if v <= 3] or [2]
+    topo = data["topology"]
+    for key in ("n_hosts", "n_senders"):
+        if topo.get(key):
+            topo[key] = min(topo[key], 3)
+    data["settle_s"] = min(data["settle_s"], 0.5)
+    return parse_experiment(data, "shrunk example")
+
+
+@pytest.mark.mininet
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")) + sorted(EXAMPLES.glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_example_runs_small(path, tmp_path):
+    exp = shrink(load_experiment(path))
+    res = run(exp, out_dir=tmp_path / "res", progress=False, doctor=False)
+    assert_all_ok(res)
+    points = len(exp.points())
+    runs = sum(len(j.sizes()) for j in exp.jobs) * points
+    assert len(res.df) == runs
+    for col in exp.sweep:
+        assert col in res.df.columns
+    if exp.trimming:
+        assert res.df.filter(like="dp_trim_").notna().any().any(), "trim stage counters missing"
+    if exp.impairments:
+        assert res.df.filter(like="dp_impair_seen").sum().sum() > 0, "impair stage saw nothing"
