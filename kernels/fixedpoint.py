@@ -159,7 +159,9 @@ def quantize_chunks_into(x, exps, n, chunk, out):
     for c in range(nch):
         lo = c * chunk
         hi = min(lo + chunk, x.shape[0])
-        quantize_into(x[lo:hi], scale_for(exps[c], n), out[lo:hi])
+        s = scale_for(exps[c], n)
+        for i in range(lo, hi):  # flat loop (no per-chunk call): same code as quantize_into
+            out[i] = np.int32(np.rint(np.float64(x[i]) * s))
 
 
 @njit(cache=True)
@@ -169,7 +171,9 @@ def dequantize_chunks_into(q, exps, n, chunk, out):
     for c in range(nch):
         lo = c * chunk
         hi = min(lo + chunk, q.shape[0])
-        dequantize_into(q[lo:hi], scale_for(exps[c], n), out[lo:hi])
+        inv = 1.0 / scale_for(exps[c], n)
+        for i in range(lo, hi):  # flat loop: same code as dequantize_into
+            out[i] = np.float32(np.float64(q[i]) * inv)
 
 
 @njit(cache=True, inline="always")

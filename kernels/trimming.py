@@ -115,18 +115,22 @@ def encode_into(x, bits, seed, counter, out):
     out[5] = LAYOUT_VERSION
     out[6] = 0
     out[7] = 0
-    out[PREAMBLE:hb] = 0
+    out[PREAMBLE + (m * bits + 7) // 8:hb] = 0  # padding
     inv = 1.0 / np.float64(s) if s > 0 else 0.0
     half_l = 0.5 * levels
-    for i in range(m):
-        u = (np.float64(x[i]) * inv + 1.0) * half_l
-        fl = np.floor(u)
-        q = np.int64(fl)
-        if uniform01(seed, counter + i) < u - fl:
-            q += 1
-        q = min(max(q, 0), levels)
-        pos = i * bits
-        out[PREAMBLE + (pos >> 3)] |= np.uint8(q << (pos & 7))
+    per_byte = 8 // bits
+    # build each head byte in a register (no read-modify-write of the output per element)
+    for k in range((m * bits + 7) // 8):
+        acc = 0
+        i0 = k * per_byte
+        for j in range(min(per_byte, m - i0)):
+            i = i0 + j
+            u = (np.float64(x[i]) * inv + 1.0) * half_l
+            fl = np.floor(u)
+            q = np.int64(fl) + (uniform01(seed, counter + i) < u - fl)
+            q = min(max(q, 0), levels)
+            acc |= q << (j * bits)
+        out[PREAMBLE + k] = acc
     out[hb:hb + 4 * m] = x.view(np.uint8)
     return hb + 4 * m
 

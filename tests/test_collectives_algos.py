@@ -66,3 +66,26 @@ def test_children_are_reaped():
     r = _run(3, op="allreduce", algo="ring", nbytes=4 * 1000)
     for pid in r["pids"].values():
         assert not os.path.exists(f"/proc/{pid}"), f"child {pid} left behind"
+
+
+@pytest.mark.parametrize("name, params, ef", [
+    ("qsgd", {}, False),
+    ("topk", {"ratio": 0.05}, True),
+    ("fp16", {}, False),
+])
+def test_compressed_allreduce(name, params, ef):
+    r = _run(4, algo="ring", nbytes=4 * 10_001, compressor=name, compressor_params=params,
+             error_feedback=ef, repetitions=2)
+    assert r["error"] is None, r["error"]
+    for rep in r["reps"]:
+        assert rep["correct"], rep
+        assert rep["max_abs_err"] > 0  # lossy against the raw sum, exact against the payloads
+
+
+def test_bad_compressor_is_a_spec_error():
+    with pytest.raises(ValueError, match="CollectiveSpec.compressor"):
+        CollectiveSpec(compressor="nope").validate(4)
+    with pytest.raises(ValueError, match="compressor_params"):
+        CollectiveSpec(compressor="topk", compressor_params={"bogus": 1}).validate(4)
+    with pytest.raises(ValueError, match="algo='ring'"):
+        CollectiveSpec(compressor="qsgd", algo="hd").validate(4)

@@ -16,7 +16,7 @@ A = 20e-6
 
 
 def test_goodput_ratios_follow_frame_sizes():
-    assert model.goodput_Bps("ring", B) == pytest.approx(B / 8 * 1448 / 1514)
+    assert model.goodput_Bps("ring", B) == pytest.approx(B / 8 * 1448 / (1514 + 33))
     assert model.goodput_Bps("ina", B) == pytest.approx(B / 8 * 1024 / 1094)
     assert model.goodput_Bps("nic", B) == model.goodput_Bps("ina", B)
 
@@ -48,19 +48,21 @@ def test_ina_is_independent_of_n_and_beats_ring():
     # ring at n=8 moves 2*7/8 = 1.75 S per link: INA/ring ratio ~ 0.936^-1 / 1.75 ...
     r = model.predict("allreduce", "ina", 8, S, B, A) / model.predict("allreduce", "ring", 8,
                                                                       S, B, A)
-    assert r == pytest.approx((1514 / 1448) ** -1 * (1094 / 1024) / 1.75, rel=0.01)
+    assert r == pytest.approx((1547 / 1448) ** -1 * (1094 / 1024) / 1.75, rel=0.01)
 
 
 def test_reduction_server_link_loads():
     t = S / model.goodput_Bps("rs", B)
-    # dedicated servers: server links carry n*S/m, worker links S
-    assert model.predict("allreduce", "rs", 8, S, B, 0.0, servers=1, colocated=False) == \
-        pytest.approx(8 * t)
+    fill = model.rs_chunk_bytes(S, 8) / model.goodput_Bps("rs", B)
+    assert model.rs_chunk_bytes(S, 8) == S // 8 // 16
     assert model.predict("allreduce", "rs", 8, S, B, 0.0, servers=8, colocated=False) == \
-        pytest.approx(t)
+        pytest.approx(t + fill)
+    # dedicated servers: server links carry n*S/m, worker links S
+    assert model.rs_link_load(8, 1, False) == 8.0
+    assert model.rs_link_load(8, 8, False) == 1.0
     # co-located: a server host carries (n-1)/m S for its server + (m-1)/m S as a worker
-    assert model.predict("allreduce", "rs", 4, S, B, 0.0, servers=1) == pytest.approx(3 * t)
-    assert model.predict("allreduce", "rs", 4, S, B, 0.0, servers=4) == pytest.approx(1.5 * t)
+    assert model.rs_link_load(4, 1, True) == pytest.approx(3.0)
+    assert model.rs_link_load(4, 4, True) == pytest.approx(1.5)
     assert model.rs_link_load(4, 2, True) == pytest.approx(2.0)
 
 

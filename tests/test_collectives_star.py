@@ -178,3 +178,20 @@ def test_ina_dead_worker_times_out(agg_net):
     assert killed
     assert time.monotonic() - t0 < 30
     assert not _ours_left()
+
+
+def test_nic_offloaded_allreduce():
+    """SmartNIC-offloaded INA: hosts send float32, their NICs (nic_codec, fixed32) quantise
+    for the switch's int32 aggregation and turn the result back into float32."""
+    from testbed.topologies import Star, TestbedNet
+
+    topo = Star(3, bw_mbps=100, switch="programmable", smartnic=True,
+                programs={"smartnic": ["nic_codec"]})
+    with TestbedNet(topo) as net:
+        spec = CollectiveSpec(algo="nic", nbytes=4 * 20_001, window=16, timeout_s=20,
+                              repetitions=2)
+        rows = run_collective(net, spec)
+        _check(rows, spec, 3)
+        nics = {k: v for k, v in net.counters()["datapath"].items() if k.startswith("tbn")}
+        assert nics and all(v["stages"]["nic_codec"]["encoded"] > 0 for v in nics.values())
+    assert not _ours_left()

@@ -287,3 +287,15 @@ def test_dead_worker_does_not_wedge_others(star8, tmp_path):
                 if p.poll() is None:
                     p.kill()
             c.configure("aggregate", remove_jobs=[201, 202])
+
+
+def test_results_via_forward_leaves_routing_to_forward():
+    """results_via='forward': RESULT rows are left undecided for the forward stage."""
+    stage = _stage()
+    stage.configure(results_via="forward")
+    rng = np.random.default_rng(2)
+    dec, res = _run_kernel(stage, [_frame(2, w, 0, 1, 8, rng) for w in range(2)], [0, 1])
+    assert [d for d, _ in dec] == [PORT_HELD, PORT_HELD]
+    assert [p for p, _ in res] == [PORT_UNSET, PORT_UNSET]
+    with pytest.raises(ValueError, match="results_via"):
+        stage.configure(results_via="multicast")

@@ -78,6 +78,12 @@ def _rewrite(f: bytes, codec: int, payload: bytes, flags_or: int = 0, scale=None
 def ref_encode(f: bytes, name: str, factor: float) -> bytes:
     """What the SmartNIC's host->net side must emit for a FLOAT32 frame."""
     x = payload_of(f, "<f4").astype(np.float32)
+    if name == "sign":
+        total = 0.0
+        for v in np.abs(x.astype(np.float64)):  # sequential float64 sum, as the kernel
+            total += float(v)
+        return _rewrite(f, wire.Codec.SIGN, ref_comp.sign_pack(x).tobytes(),
+                        scale=total / len(x), head_zero=True)
     if name == "fixed32":
         q, over = ref_fixed.atp_quantize(x, factor)
         return _rewrite(f, wire.Codec.INT32, q.astype("<i4").tobytes(),
@@ -94,6 +100,11 @@ def ref_encode(f: bytes, name: str, factor: float) -> bytes:
 def ref_decode(f: bytes, factor: float) -> bytes:
     """What the net->host side must deliver for a FLOAT16/BFLOAT16/INT32 frame."""
     codec = f[H + F["codec"]]
+    m = int.from_bytes(f[H + F["elem_count"]:][:2], "little")
+    if codec == wire.Codec.SIGN:
+        s = np.frombuffer(f[H + F["scale"]:][:4], "<f4")[0]
+        x = ref_comp.sign_unpack(np.frombuffer(f[wire.PAYLOAD_OFFSET:], np.uint8), s, -s, m)
+        return _rewrite(f, wire.Codec.FLOAT32, x.astype("<f4").tobytes(), scale=0.0)
     if codec == wire.Codec.INT32:
         s = float(np.frombuffer(f[H + F["scale"]:][:4], "<f4")[0])
         x = ref_fixed.atp_dequantize(payload_of(f, "<i4"), s if s > 0 else factor)
@@ -108,7 +119,7 @@ finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=arrays(np.float32, st.integers(1, 300), elements=finite32),
-       name=st.sampled_from(["fp16", "bf16", "fixed32"]),
+       name=st.sampled_from(["fp16", "bf16", "fixed32", "sign"]),
        factor=st.sampled_from([1e6, 1e3, 7.5]))
 def test_codec_matches_numpy_twin_both_ways(x, name, factor):
     f = float_frame(x)
@@ -127,21 +138,32 @@ def test_codec_matches_numpy_twin_both_ways(x, name, factor):
     assert dec.counters()["decoded"] == 1
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def compressor_round_trip(name: str, xs: np.ndarray) -> np.ndarray:
+    """What the host behind the far NIC must get for chunks ``xs`` (one per packet):
+    the compressor's own decode of its own encode (sign: EF-signSGD per packet)."""
+    if name == "fixed32":
+        return ref_fixed.atp_dequantize(ref_fixed.atp_quantize(xs.ravel(), 1e6)[0], 1e6)
+    if name == "sign":
+        comp = get_compressor("efsignsgd")
+        return np.concatenate([comp.decompress(*comp.compress(x)) for x in xs])
+    comp = get_compressor(name)
+    return comp.decompress(*comp.compress(xs.ravel()))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "sign"])
 def test_round_trip_through_two_nics_equals_compressor_decode(name):
     rng = np.random.default_rng(7)
-    xs = [(rng.standard_normal(256) * 3).astype(np.float32) for _ in range(8)]
+    xs = (rng.standard_normal((8, 256)) * 3).astype(np.float32)
     nic_a = CodecStage(ports=["tbn1-eth0", "tbn1-eth1"], codec=name)
     nic_b = CodecStage(ports=["tbn2-eth0", "tbn2-eth1"], codec=name, host_port="tbn2-eth0",
                        net_port="tbn2-eth1")
     wire_frames, _ = through(nic_a, [float_frame(x) for x in xs], HOST)
-    assert all(len(f) == wire.frame_len(2 * 256) for f in wire_frames)
+    nbytes = 256 // 8 if name == "sign" else 2 * 256
+    assert all(len(f) == wire.frame_len(nbytes) for f in wire_frames)
     delivered, _ = through(nic_b, wire_frames, NET)
-    comp = get_compressor(name)
     got = np.concatenate([payload_of(f, "<f4") for f in delivered])
-    want = comp.decompress(*comp.compress(np.concatenate(xs)))
-    np.testing.assert_array_equal(got, want)
-    assert nic_a.counters()["bytes_saved"] == 8 * 2 * 256
+    np.testing.assert_array_equal(got, compressor_round_trip(name, xs))
+    assert nic_a.counters()["bytes_saved"] == 8 * (4 * 256 - nbytes)
 
 
 def test_fixed32_round_trip_error_and_overflow_flags():
@@ -224,3 +246,60 @@ def test_configure_validates():
         CodecStage(ports=["only"])
     s.configure(codec="fixed32", factor=1e4, net_port="a", host_port="b")
     assert (s.codec, s.factor, s.host_port, s.net_port) == ("fixed32", 1e4, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mininet: h1 -- tbn1 (SmartNIC) -- tbs1 -- tbn2 (SmartNIC) -- h2
+
+
+@pytest.mark.mininet
+def test_round_trip_through_two_smartnic_nodes(tmp_path):
+    from test_datapath_trim import (
+        finish_capture,
+        gen_done,
+        host_frames,
+        port_of,
+        send_frames,
+        start_capture,
+    )
+
+    from testbed.datapath.nodes import programmable_star
+
+    n, m = 64, 256
+    rng = np.random.default_rng(5)
+    xs = (rng.standard_normal((n, m)) * 4).astype(np.float32)
+    with programmable_star(2, programs=[("forward", {})],
+                           nic_programs=[("nic_codec", {"codec": "fp16"})]) as (net, hosts, sw):
+        h1, h2 = hosts
+        nic1, nic2 = net.get("tbn1"), net.get("tbn2")
+        h2.setARP(h1.IP(), h1.MAC())
+        with sw.client() as c:
+            c.configure("forward", l2={h2.MAC(): port_of(sw, nic2)})
+        h = wire.new_headers(n)
+        h["codec"] = wire.Codec.FLOAT32
+        h["elem_count"] = m
+        h["chunk_offset"] = np.arange(n) * m
+        fs = host_frames(h1, h2, list(xs), h)
+        for name in ("fp16", "bf16", "fixed32", "sign"):
+            for nic in (nic1, nic2):
+                with nic.client() as c:
+                    c.configure("nic_codec", codec=name)
+            with nic1.client() as c:
+                before = c.counters()["stages"]["nic_codec"]
+            cap, out = start_capture(h2, tmp_path, name)
+            gen_done(send_frames(h1, fs, tmp_path, name, pps=2000), n)
+            got = finish_capture(cap, out)
+            assert len(got) == n
+            y = np.stack([payload_of(f, "<f4") for f in got])
+            np.testing.assert_array_equal(y.ravel(), compressor_round_trip(name, xs))
+            for f, g in zip(fs, got, strict=True):  # addresses and header kept, codec FLOAT32
+                assert len(g) == len(f) and g[:wire.HEADER_OFFSET] == f[:wire.HEADER_OFFSET]
+                assert g[wire.HEADER_OFFSET:wire.PAYLOAD_OFFSET] == f[
+                    wire.HEADER_OFFSET:wire.PAYLOAD_OFFSET]
+            with nic1.client() as c:
+                after = c.counters()["stages"]["nic_codec"]
+            assert after["encoded"] - before["encoded"] == n
+            saved = {"fixed32": 0, "sign": 4 * m - m // 8}.get(name, 2 * m)
+            assert after["bytes_saved"] - before["bytes_saved"] == n * saved
+        with nic2.client() as c:
+            assert c.counters()["stages"]["nic_codec"]["decoded"] == 4 * n

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from testbed.kernels import bench
 
 KEYS = {"kernel", "elements", "gbps", "anchor", "anchor_gbps", "ratio"}

@@ -15,7 +15,7 @@ CASES = {
                                "ALGOS": ["ring", "ina"]}, 4),
     "02_in_network_aggregation": ({"NBYTES": 64 << 10, "LOSS_PCTS": [0.0, 2.0],
                                    "N_HOSTS": 3}, 1),
-    "03_trimming_incast": ({}, 1),
+    "03_trimming_incast": ({"NBYTES": 64 << 10, "BITS": [1]}, 1),
     "04_compression": ({"NBYTES": 64 << 10, "N_HOSTS": 3, "COMPRESSORS": ["none", "fp16", "qsgd"],
                         "ERROR_FEEDBACK": [False, True]}, 1),
 }

@@ -332,9 +332,12 @@ def test_programmable_star_forwards_and_has_the_aggregator(held_lock):
     pytest.importorskip("testbed.datapath.nodes")
     from testbed.topologies import TestbedNet
 
-    topo = Star(3, switch="programmable")
+    topo = Star(3, switch="programmable", bw_mbps=20)
     with TestbedNet(topo) as net:
         assert net.forwarding_mode == "datapath"
+        # HTB shaping holds through the engine too (it sends through the port's qdisc)
+        got = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
+        assert 18.0 <= got <= 22.0, got
         assert net.aggregator == {"ip": "10.0.0.254", "mac": "02:54:42:00:00:fe",
                                   "switch": "tbs1"}
         assert net.pingall()["failed"] == []
@@ -421,3 +424,68 @@ def test_delay_without_netem_runs_in_the_datapath_impair_stages(held_lock):
         rtt_avg = float(re.search(r"= [\d.]+/([\d.]+)/", out).group(1))
     # h1 -> s1 -> h2 -> s1 -> h1: four impaired link traversals of 5 ms each
     assert 20.0 <= rtt_avg <= 20.0 * 1.5, rtt_avg
+
+
+def test_program_overrides_and_the_aggregate_stage():
+    pytest.importorskip("testbed.datapath.nodes")
+    from testbed.topologies import TestbedNet
+
+    def names(net):
+        return {n: [p for p, _ in progs] for n, progs in net.programs_plan().items()}
+
+    ls = TestbedNet(LeafSpine(2, 2, 1, switch="programmable",
+                              programs={"switch": ["aggregate", "forward"]}))
+    # the generic key's aggregate stage stays only on the aggregator switch
+    assert names(ls) == {"tbl1": ["forward"], "tbl2": ["forward"],
+                         "tbsp1": ["aggregate", "forward"], "tbsp2": ["forward"]}
+    fwd = dict(ls.programs_plan()["tbl1"])["forward"]
+    assert fwd["learn"] is False and fwd["l2"]["00:00:00:00:00:02"] == ["tbl1-eth2", "tbl1-eth3"]
+    star = TestbedNet(Star(2, switch="programmable", smartnic=True,
+                           programs={"tbs1": ["forward", ("trim", {})], "smartnic": ["wire"]}))
+    assert names(star) == {"tbs1": ["aggregate", "forward", "trim"], "tbn1": ["wire"],
+                           "tbn2": ["wire"]}
+    with pytest.raises(TopologyError, match=r"programs\['tbs1'\]"):
+        TestbedNet(Star(2, switch="programmable", programs={"tbs1": [42]}))
+    if not netem_available():
+        with pytest.raises(TopologyError, match="has its own 'impair' stage"):
+            TestbedNet(Star(2, switch="programmable", delay_ms=1,
+                            programs={"tbs1": ["forward", "impair"]}))
+        imp = TestbedNet(Star(2, switch="programmable", loss_pct=10, smartnic=[0]))
+        plan = imp.programs_plan()
+        # tbs1-tbn1: both ends programmable, each impairs its egress; tbh2-tbs1: tbs1 both ways
+        eg = dict(plan["tbs1"])["impair"]["loss"]
+        assert eg == {"tbs1-eth1": 0.1, "tbs1-eth2": 0.1}
+        ing = plan["tbs1"][0][1]["loss"]
+        assert ing == {"tbs1-eth1": 0.0, "tbs1-eth2": 0.1}
+
+
+@pytest.mark.mininet
+def test_sigterm_tears_down(tmp_path):
+    """A process killed with SIGTERM inside the ``with`` still removes its network."""
+    import signal
+    import sys
+
+    from testbed.netlock import emulation_lock
+
+    script = tmp_path / "net.py"
+    script.write_text(
+        "import time\n"
+        "from testbed.topologies import Star, TestbedNet\n"
+        "with TestbedNet(Star(2)) as net:\n"
+        "    print('UP', *[n.pid for n in net.mininet.hosts + net.mininet.switches],"
+        " flush=True)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("UP"), line
+        pids = [int(p) for p in line.split()[1:]]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0  # it was interrupted, not finished
+    with emulation_lock():
+        _assert_gone(Star(2), pids)

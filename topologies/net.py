@@ -194,8 +194,11 @@ class TestbedNet:
         self.forwarding_mode = "none"
         #: node -> the engine's final counters, filled at teardown
         self.final_counters: dict = {}
+        self._tables = routing.forwarding_tables(topo)
+        self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
         if topo.programmable:
             _datapath()  # fail before taking the lock if the data path is missing
+            self.programs_plan()  # bad program overrides fail here, before anything is built
 
     # ----- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> TestbedNet:
@@ -341,8 +344,6 @@ class TestbedNet:
     # ----- building ------------------------------------------------------------------------
     def _assign_classes(self) -> None:
         topo = self.topo
-        self._tables = routing.forwarding_tables(topo)
-        self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
         for name in topo.switch_roles:
             if name in topo.programmable:
                 continue
@@ -364,6 +365,12 @@ class TestbedNet:
                 info.update(agg_ip=AGGREGATOR_IP, agg_mac=AGGREGATOR_MAC)
             info.update(self.engine_opts)
             topo.setNodeInfo(name, info)
+
+    def programs_plan(self) -> dict[str, list]:
+        """Node -> the ``[(program, settings), ...]`` its engine starts with (no network
+        needed; see :meth:`_programs_for` for how it is composed)."""
+        return {name: self._programs_for(name, self.topo.switch_roles[name] == "smartnic")
+                for name in sorted(self.topo.programmable)}
 
     def _flood_ports(self, name: str) -> list[str]:
         """Ports of a programmable switch that floods may use: host-facing + flood-tree."""
@@ -391,13 +398,21 @@ class TestbedNet:
     def _programs_for(self, name: str, is_nic: bool) -> list:
         """The node's pipeline: [impair_ingress] [aggregate] forward|wire [impair].
 
-        A ``programs`` override (by node name, or 'switch' / 'smartnic') replaces the middle
-        part; its ``forward`` stage still gets the computed table unless it sets ``l2``.
+        A ``programs`` override (by node name, or 'switch' / 'smartnic' for every node of
+        that kind) replaces the default ``[aggregate] forward`` / ``wire`` part. The topology
+        owns the ``aggregate`` stage: it is added on the aggregator switch when an override
+        lacks it, and dropped from other switches when it came from the generic 'switch'
+        key. A ``forward`` stage gets the computed table (``l2``, ``learn=False``) unless the
+        override sets them. Without netem, ``delay_ms``/``loss_pct`` add the impair stages.
         """
         from testbed.datapath.engine import normalize_programs
 
         topo = self.topo
-        override = topo.programs.get(name, topo.programs.get("smartnic" if is_nic else "switch"))
+        generic = "smartnic" if is_nic else "switch"
+        override = topo.programs.get(name)
+        from_generic = override is None and generic in topo.programs
+        if override is None:
+            override = topo.programs.get(generic)
         if override is not None:
             try:
                 core = normalize_programs(override)
@@ -406,8 +421,13 @@ class TestbedNet:
         elif is_nic:
             core = [("wire", {})]
         else:
-            core = ([("aggregate", {})] if name == topo.aggregator_switch else []) + \
-                [("forward", {})]
+            core = [("forward", {})]
+        names = [p for p, _ in core]
+        if name == topo.aggregator_switch and "aggregate" not in names:
+            at = names.index("forward") if "forward" in names else 0
+            core.insert(at, ("aggregate", {}))
+        elif name != topo.aggregator_switch and from_generic and "aggregate" in names:
+            core = [(p, st) for p, st in core if p != "aggregate"]
         table = {mac: [self._intf_name(name, p) for p in group]
                  for mac, group in self._tables[name].items()}
         out = []
@@ -418,16 +438,21 @@ class TestbedNet:
                 settings.setdefault("learn", False)
             out.append((pname, settings))
         egress, ingress = self._impaired_ports(name)
-        imp = {"loss": topo.loss_pct / 100.0, "delay_ms": topo.delay_ms, "seed": topo.seed}
+        if (egress or ingress) and "impair" in [p for p, _ in out]:
+            raise TopologyError(
+                f"programs[{name!r}] has its own 'impair' stage, and delay_ms/loss_pct (no "
+                "netem here) need the topology's; use one or the other")
+        imp = {"loss": topo.loss_pct / 100.0, "delay_ms": topo.delay_ms}
+        ports = self._ports_of(name)
         if ingress:
             from .impair_stages import INGRESS_PROGRAM
 
-            per_port = {k: {p: (v if p in ingress else 0.0) for p in self._ports_of(name)}
-                        for k, v in imp.items() if k != "seed"}
+            per_port = {k: {p: (v if p in ingress else 0.0) for p in ports}
+                        for k, v in imp.items()}
             out.insert(0, (INGRESS_PROGRAM, {**per_port, "seed": topo.seed + 1}))
         if egress:
-            per_port = {k: {p: (v if p in egress else 0.0) for p in self._ports_of(name)}
-                        for k, v in imp.items() if k != "seed"}
+            per_port = {k: {p: (v if p in egress else 0.0) for p in ports}
+                        for k, v in imp.items()}
             out.append(("impair", {**per_port, "seed": topo.seed}))
         return out
 
@@ -641,6 +666,7 @@ class TestbedNet:
         """JSON-serialisable description for results metadata (topology + runtime choices)."""
         d = self.topo.describe()
         d["forwarding"] = self.forwarding_mode
+        d["programs"] = {n: [p for p, _ in progs] for n, progs in self.programs_plan().items()}
         d["netem"] = netem_available()
         d["aggregator_addr"] = self.aggregator
         d["host_ips"] = self.host_ips

@@ -14,26 +14,28 @@ from ._common import Compressor, kernel
 
 
 @kernel("x.size")
-def _sign_words(x, out64):
-    for w in prange(out64.size):
+def _sign_words(x, out_bits):
+    for w in prange(x.size // 64):
         base = 64 * w
         m = np.uint64(0)
         for j in range(64):  # an OR-reduction LLVM vectorises
             m |= np.uint64(x[base + j] >= np.float32(0.0)) << np.uint64(j)
-        out64[w] = m
+        # byte stores: out_bits may be any slice of a frame (no alignment assumed)
+        for b in range(8):
+            out_bits[8 * w + b] = (m >> np.uint64(8 * b)) & np.uint64(0xFF)
 
 
 @njit(cache=True)
 def sign_pack(x, out_bits):
     """Pack ``x_i >= 0`` of float32 ``x`` into uint8 ``out_bits`` (ceil(n/8) bytes).
 
-    Whole 64-element groups are built as little-endian uint64 words (the byte layout of
-    packbits' little bit order on little-endian hosts), the tail byte by byte.
+    64-element groups are reduced to one uint64 (bit j = element j) and stored as 8 bytes,
+    the layout of ``np.packbits(..., bitorder="little")``; the tail is packed byte by byte.
     """
     n = x.size
     nw = n // 64
     if nw:
-        _sign_words(x, out_bits[: nw * 8].view(np.uint64))
+        _sign_words(x, out_bits)
     for b in range(nw * 8, (n + 7) // 8):
         v = 0
         for j in range(min(8, n - 8 * b)):

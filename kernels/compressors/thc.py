@@ -8,14 +8,17 @@ round stochastically to the integers -g/2 .. g/2 (``g`` = granularity, 16 by def
 a grid of step M / (g/2). The payload is int8.
 
 Agreeing the scale: every worker computes ``local_norm(x)`` (its L2 norm) and the workers
-take the **maximum** (like SwitchML's max exponent, e.g. a tiny max-allreduce one step
-ahead or the ``exponent``/``scale`` header fields combined by max); each then calls
+take the **maximum**, the way SwitchML agrees its block exponent (e.g. a one-value
+max-allreduce one chunk ahead, or the max-combined ``exponent`` header field carrying
+ceil(log2(norm)) and using 2**exponent as the norm); each then calls
 ``compress(x, step, norm=agreed)``. With the same step and norm, every worker's integers live
 on the same grid, so the network simply adds them (int32; n workers need |sum| <= n g/2) and
 ``decompress(aggregate(payloads), ctx)`` returns the sum of the (rotated, quantised) inputs:
-de-scale, inverse transform, drop the padding. The estimate is unbiased where no coordinate is
-clipped; ``ctx['clipped']`` counts the clipped ones (0 for Gaussian-like rotated gradients with
-the default clip = 4 standard deviations... almost always; raise ``clip`` for exactness).
+de-scale, inverse transform, drop the padding. The estimate is unbiased when no coordinate is
+clipped; ``ctx['clipped']`` counts the clipped ones. Rotated coordinates are close to Gaussian
+with standard deviation norm / sqrt(d), so the default clip (4 of them) rarely clips; raise
+``clip`` when exact unbiasedness matters more than resolution (the grid step is
+clip * norm / sqrt(d) / (g/2)).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ probability (seeded), to exercise recovery when the switch has no impair stage.
 
 from __future__ import annotations
 
+import ctypes
 import select
 import socket
 import struct
@@ -36,18 +37,43 @@ import time
 
 import numpy as np
 
+from testbed.collectives import inakernel as ik
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels import fixedpoint as fp
-from testbed.kernels.wire import HEADER_LEN, MAGIC, TESTBED_UDP_PORT, VERSION, Codec, MsgType
+from testbed.kernels.wire import HEADER_LEN, TESTBED_UDP_PORT, MsgType
+
+#: ``algo="nic"``: the worker sends raw FLOAT32 payloads; its SmartNIC (``nic_codec`` program,
+#: ``fixed32``) quantises them with ATP's fixed factor on the way out and turns the INT32
+#: RESULT back into FLOAT32 on the way in, so the host does no fixed-point work and needs no
+#: exponent round. Error of an n-way sum: n * 0.5 / factor + float32 rounding.
+NIC_FACTOR = fp.ATP_FACTOR
 
 HDR = struct.Struct("<HBBHHHBBBBhHHIf")
 assert HDR.size == HEADER_LEN
+RX_BURST = 64
+RB = 2048  # receive row: any datagram up to a jumbo-free MTU fits
+MSG_DONTWAIT = 0x40
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.recvmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
+                           ctypes.c_void_p]
+_libc.sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
+
+
+def _mmsg(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(iovecs uint64[count, 2] = base, len; struct mmsghdr uint64[count, 8]) for LP64 Linux:
+    msghdr = name, namelen, iov, iovlen, control, controllen, flags (56 B) + msg_len."""
+    if struct.calcsize("P") != 8:
+        raise RuntimeError("the batched INA client needs a 64-bit Linux (mmsghdr layout)")
+    iov = np.zeros((count, 2), dtype=np.uint64)
+    hdr = np.zeros((count, 8), dtype=np.uint64)
+    hdr[:, 2] = np.uint64(iov.ctypes.data) + np.arange(count, dtype=np.uint64) * np.uint64(16)
+    hdr[:, 3] = 1
+    return iov, hdr
 ELEMS = 256
 T0 = 0.010  # SwitchML's initial retransmission timeout
 T_MAX = 0.320
-_DATA, _RETX, _RESULT = int(MsgType.DATA), int(MsgType.RETRANSMIT), int(MsgType.RESULT)
-_INT32 = int(Codec.INT32)
+_RETX = int(MsgType.RETRANSMIT)
 
 
 class InaClient:
@@ -60,7 +86,10 @@ class InaClient:
         agg = job["aggregator"]
         self.agg = (agg["ip"], int(agg.get("port", TESTBED_UDP_PORT)))
         self.job_id = spec.job_id
+        self.nic = spec.algo == "nic"
         self.W = spec.window
+        # packets before the first data packet: the exponent bootstrap round (none for nic)
+        self.boot = 0 if self.nic else self.W
         self.timeout_s = spec.timeout_s
         self.loss = float(spec.loss)
         self.rng = np.random.default_rng([spec.seed, 7919, rank])
@@ -69,161 +98,142 @@ class InaClient:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         self.sock.bind((self.ip, 0))
+        self.sock.connect(self.agg)  # RESULTs come from the aggregator's address and port
         self.sock.setblocking(False)
-        self.uses = np.zeros(self.W, dtype=np.int64)  # per-slot use counter -> set bit
-        self.pkts = np.zeros((self.W, HEADER_LEN + 4 * ELEMS), dtype=np.uint8)
-        self.rbuf = bytearray(2048)
-        self.srtt = 0.0
+        self.fd = self.sock.fileno()
+        W = self.W
+        # per-slot use counter -> set bit (kept across repetitions)
+        self.uses = np.zeros(W, dtype=np.int64)
+        self.lens = np.zeros(W, dtype=np.int64)
+        self.pkts = np.zeros((W, ik.ROW), dtype=np.uint8)
+        self.pkts_i32 = self.pkts.view(np.int32)
+        self.pkts_f32 = self.pkts.view(np.float32)
+        self.pkts_addr = np.uint64(self.pkts.ctypes.data)
+        self.row_mv = [memoryview(self.pkts[s]) for s in range(W)]
+        # sendmmsg: one iovec per packet, filled per burst
+        self.siov, self.shdr = _mmsg(W)
+        self.shdr_addr = self.shdr.ctypes.data
+        # recvmmsg: a burst of up to RX_BURST datagrams straight into rbuf rows
+        self.rbuf = np.zeros((RX_BURST, RB), dtype=np.uint8)
+        self.rbuf_i32 = self.rbuf.view(np.int32)
+        self.rbuf_f32 = self.rbuf.view(np.float32)
+        self.riov, self.rhdr = _mmsg(RX_BURST)
+        self.riov[:, 0] = np.uint64(self.rbuf.ctypes.data) + \
+            np.arange(RX_BURST, dtype=np.uint64) * np.uint64(RB)
+        self.riov[:, 1] = RB
+        self.rhdr_addr = self.rhdr.ctypes.data
         self.stats = {"sent": 0, "retransmitted": 0, "results": 0, "ignored": 0,
                       "lost_tx": 0, "lost_rx": 0}
 
-    def _lost(self) -> bool:
-        return self.loss > 0 and self.rng.random() < self.loss
+    def _sendmmsg(self, slots: np.ndarray) -> None:
+        """Send the packet rows of ``slots`` in one ``sendmmsg`` (seeded loss applied first)."""
+        if self.loss:
+            keep = self.rng.random(slots.size) >= self.loss
+            self.stats["lost_tx"] += int(slots.size - keep.sum())
+            slots = slots[keep]
+        k = slots.size
+        if k == 0:
+            return
+        self.siov[:k, 0] = self.pkts_addr + slots.astype(np.uint64) * np.uint64(ik.ROW)
+        self.siov[:k, 1] = self.lens[slots].astype(np.uint64)
+        sent = 0
+        while sent < k:
+            r = _libc.sendmmsg(self.fd, self.shdr_addr + sent * 64, k - sent, 0)
+            if r <= 0:
+                break  # socket buffer full (EAGAIN): the retransmission timer resends
+            sent += r
 
-    def _build(self, slot: int, j: int, x: np.ndarray, K: int, local_e: np.ndarray,
-               agreed: np.ndarray) -> int:
-        """Fill the packet of index ``j`` into row ``slot``; return its length."""
-        row = self.pkts[slot]
-        W = self.W
-        if j < K:
-            lo = j * ELEMS
-            local_e[j] = fp.block_exponent(x[lo:lo + ELEMS])
-            e_next = int(local_e[j])
-        else:
-            e_next = fp.EXP_MIN
-        if j >= W:
-            k = j - W
-            lo = k * ELEMS
-            cnt = min(ELEMS, x.size - lo)
-            payload = row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.int32)
-            fp.quantize_into(x[lo:lo + cnt], fp.scale_for(int(agreed[k]), self.n), payload)
-            off = lo
-        else:
-            cnt = 1
-            row[HEADER_LEN:HEADER_LEN + 4] = 0
-            off = 0
-        HDR.pack_into(row, 0, MAGIC, VERSION, _DATA, self.job_id, self.rank, slot,
-                      int(self.uses[slot] & 1), 0, _INT32, self.n, e_next, cnt, 0, off, 0.0)
-        return HEADER_LEN + 4 * cnt
-
-    def _send(self, slot: int, length: int, retransmit: bool) -> None:
-        row = self.pkts[slot]
-        row[3] = _RETX if retransmit else _DATA
-        self.stats["retransmitted" if retransmit else "sent"] += 1
-        if self._lost():
+    def _retransmit(self, s: int) -> None:
+        self.pkts[s, 3] = _RETX
+        self.stats["retransmitted"] += 1
+        if self.loss and self.rng.random() < self.loss:
             self.stats["lost_tx"] += 1
             return
         try:
-            self.sock.sendto(memoryview(row)[:length], self.agg)
+            self.sock.send(self.row_mv[s][: int(self.lens[s])])
         except BlockingIOError:
-            pass  # socket buffer full: the retransmission timer sends it again
+            pass
 
     def allreduce(self, x: np.ndarray, out: np.ndarray) -> None:
         """Sum ``x`` over the job's workers through the switch; float32 result into ``out``."""
-        W = self.W
+        W, boot, n = self.W, self.boot, self.n
         count = x.size
         K = -(-count // ELEMS)  # data chunks
-        total = K + W  # packets: W bootstrap + K data
-        local_e = np.full(max(K, 1), fp.EXP_MIN, dtype=np.int16)
+        total = K + boot  # packets: W bootstrap (exponents) + K data
         agreed = np.full(max(K, 1), fp.EXP_MIN, dtype=np.int16)
-        qsum = np.zeros(count, dtype=np.int32)
+        qsum = np.zeros(1 if self.nic else count, dtype=np.int32)
         cur = np.full(W, -1, dtype=np.int64)  # packet index outstanding on each slot
-        lens = np.zeros(W, dtype=np.int64)
-        deadline = np.full(W, np.inf)
-        rto = np.full(W, T0)
+        uses = self.uses
         sent_at = np.zeros(W)
         retx = np.zeros(W, dtype=np.bool_)
-        srtt, rttvar, base = 0.0, 0.0, T0
-        last_progress = time.monotonic()
-        for s in range(min(W, total)):
-            lens[s] = self._build(s, s, x, K, local_e, agreed)
+        deadline = np.full(W, np.inf)
+        rto = np.full(W, T0)
+        lens = self.lens
+        now = time.monotonic()
+        st = np.array([0.0, 0.0, T0, now])  # srtt, rttvar, base timeout, last progress
+        first = np.arange(min(W, total), dtype=np.int64)
+        for s in first:
+            lens[s] = ik.build_packet(self.pkts, self.pkts_i32, self.pkts_f32, s, s, x, K,
+                                      boot, n, self.job_id, self.rank, uses[s] & 1, agreed,
+                                      self.nic)
             cur[s] = s
-            sent_at[s] = time.monotonic()
-            deadline[s] = sent_at[s] + T0
-            self._send(s, int(lens[s]), False)
+        sent_at[first] = now
+        deadline[first] = now + T0
+        self._sendmmsg(first)
+        self.stats["sent"] += total
         done = 0
         poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        rbuf = self.rbuf
-        mv = memoryview(rbuf)
-        q_view = np.frombuffer(rbuf, dtype=np.int32, offset=HEADER_LEN,
-                               count=(len(rbuf) - HEADER_LEN) // 4)
-        next_check = time.monotonic() + T0
+        poller.register(self.fd, select.POLLIN)
+        B = self.rbuf.shape[0]
+        no_drop = np.zeros(B, dtype=np.bool_)
+        send_list = np.zeros(W, dtype=np.int64)
         while done < total:
-            try:
-                nb = self.sock.recv_into(mv)
-            except BlockingIOError:
-                nb = -1
-            now = time.monotonic()
-            if nb >= HEADER_LEN:
-                (magic, _v, mt, job, _w, slot, sset, _f, _c, _n, e, ne, _h, off,
-                 _s) = HDR.unpack_from(rbuf, 0)
-                j = cur[slot] if slot < W else -1
-                if (magic != MAGIC or mt != _RESULT or job != self.job_id or j < 0
-                        or sset != (self.uses[slot] & 1) or nb < HEADER_LEN + 4 * ne):
-                    self.stats["ignored"] += 1
-                    continue
-                if self._lost():
-                    self.stats["lost_rx"] += 1
-                    continue
-                if j < K:
-                    agreed[j] = e
-                if j >= W:
-                    lo = (j - W) * ELEMS
-                    if off != lo:
-                        raise CollectiveError(f"rank {self.rank} ({self.host}): RESULT for slot "
-                                              f"{slot} has chunk offset {off}, expected {lo}")
-                    qsum[lo:lo + ne] = q_view[:ne]
-                self.stats["results"] += 1
-                done += 1
-                last_progress = now
-                self.uses[slot] += 1
-                if not retx[slot]:  # Karn: only unambiguous samples
-                    sample = now - sent_at[slot]
-                    if srtt == 0.0:
-                        srtt, rttvar = sample, sample / 2
-                    else:
-                        rttvar = 0.75 * rttvar + 0.25 * abs(srtt - sample)
-                        srtt = 0.875 * srtt + 0.125 * sample
-                    base = min(max(T0, srtt + 4 * rttvar), T_MAX)
-                rto[slot] = base
-                retx[slot] = False
-                nj = j + W
-                if nj < total:
-                    lens[slot] = self._build(slot, nj, x, K, local_e, agreed)
-                    cur[slot] = nj
-                    sent_at[slot] = now
-                    deadline[slot] = now + base
-                    self._send(slot, int(lens[slot]), False)
-                else:
-                    cur[slot] = -1
-                    deadline[slot] = np.inf
-                if now < next_check:
-                    continue
-            elif nb < 0:
-                wait = max(0.0, min(next_check, float(deadline.min())) - now)
-                if wait > 0:
-                    poller.poll(wait * 1000.0)
+            got = _libc.recvmmsg(self.fd, self.rhdr_addr, B, MSG_DONTWAIT, None)
+            if got <= 0:
+                # drained: only now look at timers (a descheduled worker must not retransmit
+                # what is already waiting in its socket)
                 now = time.monotonic()
-            # retransmissions
-            next_check = now + T0 / 2
-            late = np.nonzero(deadline <= now)[0]
-            for s in late:
-                self._send(int(s), int(lens[s]), True)
-                retx[s] = True
-                rto[s] = min(rto[s] * 2, T_MAX)
-                deadline[s] = now + rto[s]
-            if now - last_progress > self.timeout_s:
-                pending = [int(s) for s in np.nonzero(cur >= 0)[0][:8]]
-                raise CollectiveTimeout(
-                    f"rank {self.rank} ({self.host}): no RESULT from the aggregator "
-                    f"{self.agg[0]} for {self.timeout_s} s ({done}/{total} packets done, "
-                    f"slots {pending} pending; a worker died or the switch lost the job?)")
+                first_dl = float(deadline.min())
+                if first_dl > now:
+                    if poller.poll(min(first_dl - now, 0.05) * 1000.0):
+                        continue
+                    now = time.monotonic()
+                for s in np.nonzero(deadline <= now)[0]:
+                    self._retransmit(int(s))
+                    retx[s] = True
+                    rto[s] = min(rto[s] * 2, T_MAX)
+                    deadline[s] = now + rto[s]
+                if now - st[3] > self.timeout_s:
+                    pending = [int(s) for s in np.nonzero(cur >= 0)[0][:8]]
+                    raise CollectiveTimeout(
+                        f"rank {self.rank} ({self.host}): no RESULT from the aggregator "
+                        f"{self.agg[0]} for {self.timeout_s} s ({done}/{total} packets done, "
+                        f"slots {pending} pending; a worker died or the switch lost the job?)")
+                continue
+            rlen = (self.rhdr[:got, 7] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            drop = (self.rng.random(got) < self.loss) if self.loss else no_drop
+            d, ns, ign, lost, bad = ik.on_results(
+                self.rbuf, self.rbuf_i32, self.rbuf_f32, rlen, got, drop, self.pkts,
+                self.pkts_i32, self.pkts_f32, lens, x, qsum, out, agreed, cur, uses, sent_at,
+                retx, deadline, rto, st, time.monotonic(), K, boot, W, n, self.job_id,
+                self.rank, self.nic, send_list)
+            self.stats["ignored"] += ign
+            self.stats["lost_rx"] += lost
+            if bad >= 0:
+                raise CollectiveError(f"rank {self.rank} ({self.host}): RESULT for slot {bad} "
+                                      "does not match the packet outstanding there (chunk "
+                                      "offset or codec; is the SmartNIC in fixed32 mode?)")
+            done += d
+            if ns:
+                self._sendmmsg(send_list[:ns].copy())
+        self.stats.update(results=done, srtt_ms=float(st[0]) * 1e3)
+        if self.nic:
+            return
         # dequantise: chunk k was quantised with scale_for(agreed[k], n)
         for k in range(K):
             lo = k * ELEMS
             hi = min(lo + ELEMS, count)
-            fp.dequantize_into(qsum[lo:hi], fp.scale_for(int(agreed[k]), self.n), out[lo:hi])
+            fp.dequantize_into(qsum[lo:hi], fp.scale_for(int(agreed[k]), n), out[lo:hi])
 
     def close(self) -> None:
         """Close the socket."""

@@ -5,7 +5,9 @@ bottleneck link rate in bit/s as configured on the links; the model converts it 
 (payload bytes per second) with the protocol's payload/frame ratio, because the emulated
 links (HTB) count every byte of the Ethernet frame:
 
-* TCP (ring, hd, rs, tree): MSS 1448 B (timestamps on) in a 1514 B frame -> 0.9564.
+* TCP (ring, hd, rs, tree): MSS 1448 B (timestamps on) in a 1514 B frame, plus the reverse
+  flow's delayed ACKs (one 66 B frame per two segments) sharing the same link direction, as
+  every link carries data both ways in these algorithms: 1448 / (1514 + 33) -> 0.936.
 * INA / NIC (UDP + 28 B testbed header): 256 x 4 B = 1024 B payload in a 1094 B frame -> 0.936.
 
 ``alpha_s`` is the one-way latency of one message between two hosts (the hop latency of
@@ -21,11 +23,12 @@ from testbed.collectives.spec import ALGOS, INA_ELEMS, OPS
 ETH_HDR = 14
 TCP_MSS = 1448  # 1500 - 20 (IP) - 20 (TCP) - 12 (timestamp option)
 TCP_FRAME = 1500 + ETH_HDR
+TCP_ACK_SHARE = 66 / 2  # delayed ACK (Eth+IP+TCP with timestamps) every second segment
 INA_PAYLOAD = INA_ELEMS * 4
 INA_FRAME = ETH_HDR + 20 + 8 + 28 + INA_PAYLOAD
 
 #: Payload fraction of the wire bytes per protocol.
-GOODPUT = {"tcp": TCP_MSS / TCP_FRAME, "ina": INA_PAYLOAD / INA_FRAME}
+GOODPUT = {"tcp": TCP_MSS / (TCP_FRAME + TCP_ACK_SHARE), "ina": INA_PAYLOAD / INA_FRAME}
 
 #: Default pipelining chunk of the TCP broadcast chain (bytes), as in spec.chunk_bytes.
 DEFAULT_CHUNK = 256 << 10
@@ -46,6 +49,12 @@ def busbw_factor(op: str, n: int) -> float:
     if op in ("broadcast", "reduce"):
         return 1.0
     raise ValueError(f"op={op!r} is not one of {OPS + ('reduce',)}")
+
+
+def rs_chunk_bytes(nbytes: int, servers: int, chunk_bytes: int = DEFAULT_CHUNK) -> int:
+    """Pipelining unit of the reduction server: at most 1/16 of a server's shard (so results
+    flow back while contributions still arrive), at least 4 KiB."""
+    return max(4096, min(chunk_bytes, nbytes // servers // 16))
 
 
 def rs_link_load(n: int, servers: int, colocated: bool) -> float:
@@ -93,7 +102,9 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
             raise ValueError(f"algo='rs' models allreduce only, not op={op!r}")
         if servers < 1:
             raise ValueError(f"servers={servers!r} must be >= 1")
-        return 2 * a + rs_link_load(n, servers, colocated) * t
+        # + one chunk of pipeline fill: a server returns piece k after receiving it from all
+        c = min(rs_chunk_bytes(nbytes, servers, chunk_bytes), nbytes / servers)
+        return 2 * a + rs_link_load(n, servers, colocated) * t + c / goodput_Bps(algo, bw_bps)
     if algo == "tree":
         if op == "broadcast":
             return lg * (a + t)

@@ -8,7 +8,8 @@ Error bounds (``max_abs_err`` must not exceed them for ``correct``):
 * int32, or any broadcast/allgather (pure copies): exact, bound 0.
 * float32 host reductions (ring/hd/rs): each output element is a float32 sum of the n
   inputs in some order; the classic bound is ``(n-1) * eps32 * sum_i |x_i|`` per element.
-* INA/NIC fixed point (SwitchML): each worker rounds ``x * f`` to an integer, so the sum of
+* NIC (the SmartNIC quantises with ATP's fixed factor F = 1e6): ``n * 0.5 / F + 2 eps32 |sum|``.
+* INA fixed point (SwitchML): each worker rounds ``x * f`` to an integer, so the sum of
   n values is off by at most ``n * 0.5 / f`` with ``f = (2**31 - 1) / (n * 2**e)`` and ``e``
   the chunk's agreed exponent (2**e >= max|x|); plus the float32 rounding of the result:
   bound ``n * 0.5 / f + eps32 * |sum|`` per element, with ``2**e`` <= 2 * global max|x|.
@@ -28,8 +29,10 @@ REPORT_COLUMNS: tuple[str, ...] = (
     "topology", "bw_mbps", "compressor", "error_feedback", "loss", "rep", "seed",
     # diagnostics: busiest worker/server process and busiest data-path engine (fraction of
     # one core), largest fraction of the run one of them waited for a CPU, CPU seconds of
-    # workers+servers and of engines, whole-machine CPU busy fraction, set-up seconds
+    # workers+servers and of engines, whole-machine CPU busy fraction, set-up seconds of the
+    # processes and connections, their memory (MB, proportional set size)
     "cpu_max", "cpu_engine", "cpu_wait", "cpu_s", "engine_cpu_s", "machine_cpu", "setup_s",
+    "mem_mb",
 )
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -87,7 +90,11 @@ def expected(spec: CollectiveSpec, inputs: list[np.ndarray], n: int) -> tuple[li
             abs_total += np.abs(x)
     if spec.dtype == "int32":
         bound = np.zeros(1)
-    elif spec.algo in ("ina", "nic"):
+    elif spec.algo == "nic":  # ATP fixed factor applied by the SmartNIC
+        from testbed.kernels.fixedpoint import ATP_FACTOR
+
+        bound = n * 0.5 / ATP_FACTOR + 2 * EPS32 * np.abs(total) + 1e-30
+    elif spec.algo == "ina":
         gmax = max(float(np.max(np.abs(x))) for x in inputs)
         e = np.ceil(np.log2(max(gmax, 1e-30)))
         f = (2.0**31 - 1) / (n * 2.0**e)
@@ -124,7 +131,7 @@ def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu
              bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_engine: float = 0.0,
              cpu_wait: float = 0.0, cpu_s: float = 0.0, engine_cpu_s: float = 0.0,
              machine_cpu: float = 0.0,
-             setup_s: float = 0.0) -> dict:
+             setup_s: float = 0.0, mem_mb: float = 0.0) -> dict:
     """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s)."""
     algbw = spec.nbytes * 8 / time_s / 1e9 if time_s > 0 else float("nan")
     row = {
@@ -137,6 +144,7 @@ def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu
         "seed": spec.seed, "cpu_max": cpu_max, "cpu_engine": cpu_engine,
         "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
         "machine_cpu": machine_cpu, "setup_s": setup_s,
+        "mem_mb": mem_mb,
     }
     assert tuple(row) == REPORT_COLUMNS
     return row

@@ -108,6 +108,12 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     alpha = net_alpha(net)
     model_s = model.predict(spec.op, spec.algo, n, spec.nbytes, bw, alpha, servers=max(m, 1),
                             colocated=colocated, chunk_bytes=spec.chunk_bytes)
+    if spec.compressor is not None:
+        # compressed ring = allgather of every worker's payload (C bytes each)
+        from testbed.kernels.compressors import get_compressor
+
+        c = get_compressor(spec.compressor, **spec.compressor_params).payload_bytes(spec.count)
+        model_s = model.predict("allgather", "ring", n, n * c, bw, alpha)
     job = {"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks,
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
@@ -117,12 +123,15 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         # a fresh partition of `window` slots for this job (removed again below)
         agg_client.configure("aggregate", jobs={spec.job_id: {"n_workers": n,
                                                               "slots": spec.window}})
+    if spec.algo == "nic":
+        _configure_nics(net)
     jobdir = os.path.join(RUN_DIR, f"coll-{os.getpid()}-{next(_seq)}")
     os.makedirs(jobdir, exist_ok=True)
     path = os.path.join(jobdir, "job.json")
+    t0 = time.monotonic()
+    job["t_popen"] = t0  # CLOCK_MONOTONIC is system-wide: the pool measures set-up from here
     with open(path, "w") as f:
         json.dump(job, f)
-    t0 = time.monotonic()
     cmd = [sys.executable, "-m", "testbed.collectives.worker", "--job", path] + [
         f"testbed-node={r['host']}" for r in ranks]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -168,8 +177,26 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                              cpu_engine=round(r["cpu_engine"], 3),
                              cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
                              engine_cpu_s=round(r["engine_cpu_s"], 3),
-                             machine_cpu=round(r["machine_cpu"], 3), setup_s=setup_s))
+                             machine_cpu=round(r["machine_cpu"], 3), setup_s=setup_s,
+                             mem_mb=round(result.get("mem_mb", 0.0), 1)))
     return rows
+
+
+def _configure_nics(net) -> None:
+    """Put every SmartNIC into fixed32 mode with the factor the error bound assumes."""
+    from testbed.collectives.ina import NIC_FACTOR
+
+    clients = getattr(net, "datapath_clients", dict)()
+    nics = {k: c for k, c in clients.items() if k.startswith("tbn")}
+    if not nics:
+        raise ValueError("algo 'nic' needs SmartNICs running the nic_codec program: build the "
+                         "topology with smartnic=True, programs={'smartnic': ['nic_codec']}")
+    for name, c in nics.items():
+        try:
+            c.configure("nic_codec", codec="fixed32", factor=NIC_FACTOR)
+        except Exception as e:  # noqa: BLE001 - the control error names the cause
+            raise ValueError(f"algo 'nic': SmartNIC {name} has no usable nic_codec stage "
+                             f"({e}); use programs={{'smartnic': ['nic_codec']}}") from None
 
 
 def _engine_pids(net) -> list[int]:

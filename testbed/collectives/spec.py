@@ -27,7 +27,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 #: Elements per INA packet (SwitchML's client default, see kernels.wire).
 INA_ELEMS = 256
 #: Default outstanding packets (slots) per INA worker.
-DEFAULT_WINDOW = 128
+DEFAULT_WINDOW = 64
 
 
 @dataclasses.dataclass
@@ -116,10 +116,19 @@ class CollectiveSpec:
         if self.compressor is not None and not isinstance(self.compressor, str):
             raise ValueError(f"CollectiveSpec.compressor={self.compressor!r} must be a name "
                              "or None")
-        if self.compressor is not None and (self.op != "allreduce"
-                                            or self.algo not in ("ring", "hd")):
+        if self.compressor is not None and (self.op != "allreduce" or self.algo != "ring"):
             raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: compression is "
-                             "applied to allreduce with algo 'ring' or 'hd' only")
+                             "applied to allreduce with algo='ring' (allgather of the "
+                             "compressed payloads)")
+        if self.compressor is not None and self.dtype != "float32":
+            raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: compressors take float32")
+        if self.compressor is not None:
+            from testbed.kernels.compressors import get_compressor
+
+            try:
+                get_compressor(self.compressor, **self.compressor_params)
+            except ValueError as e:
+                raise ValueError(f"CollectiveSpec.compressor / compressor_params: {e}") from None
         if self.error_feedback and self.compressor is None:
             raise ValueError("CollectiveSpec.error_feedback=True needs a compressor")
         if self.workers is not None:

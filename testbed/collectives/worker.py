@@ -33,7 +33,8 @@ import traceback
 
 import numpy as np
 
-from testbed.collectives import hd, ring, server
+from testbed.collectives import compress, hd, ring, server
+from testbed.collectives.model import rs_chunk_bytes
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveTimeout, Comm
@@ -130,13 +131,15 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
     try:
         enter_netns(info["pid"])
         chunk = max(1, spec.chunk_bytes // spec.itemsize)
+        if spec.algo == "rs":
+            chunk = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes) // spec.itemsize
         if spec.algo in ("ina", "nic"):
             from testbed.collectives import ina
 
             client = ina.InaClient(job, spec, rank)
             ctl.send({"type": "port", "port": 0})
             ctl.recv()
-            run = lambda: client.allreduce(x, out)  # noqa: E731
+            run = lambda rep: client.allreduce(x, out)  # noqa: E731
         else:
             comm = Comm(rank, names, spec.timeout_s)
             port = comm.listen(info["ip"])
@@ -144,20 +147,23 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
             addrs = {int(k): v for k, v in ctl.recv()["addrs"].items()}
             comm.connect(peers_of(spec, rank, n, m), addrs)
             if rank >= n:
-                run = lambda: server.serve(comm, spec.count, np.dtype(spec.dtype), n, m,  # noqa
-                                           rank - n, chunk)
+                run = lambda rep: server.serve(comm, spec.count, np.dtype(spec.dtype), n,  # noqa
+                                               m, rank - n, chunk)
+            elif spec.compressor is not None:
+                comp, mem = compress.make(spec)
+                run = lambda rep: compress.allreduce(comm, x, out, n, comp, mem, rep)  # noqa
             elif spec.algo == "rs":
-                run = lambda: server.worker_allreduce(comm, x, out, n, m, chunk)  # noqa
+                run = lambda rep: server.worker_allreduce(comm, x, out, n, m, chunk)  # noqa
             else:
                 fn = ALGOS[(spec.op, spec.algo)]
-                run = lambda: fn(comm, x, out, n, chunk)  # noqa: E731
+                run = lambda rep: fn(comm, x, out, n, chunk)  # noqa: E731
         ctl.send({"type": "ready"})
         while True:
             msg = ctl.recv()
             if msg["type"] != "go":
                 return 0
             t0 = time.monotonic()
-            run()
+            run(msg["rep"])
             ctl.send({"type": "done", "t_start": t0, "t_end": time.monotonic()})
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
         msg = str(e) if str(e) else repr(e)
@@ -190,6 +196,19 @@ def _sched(pid: int) -> tuple[int, int] | None:
         run += int(a)
         wait += int(b)
     return run, wait
+
+
+def _pss_mb(pid: int) -> float:
+    """Proportional set size of ``pid`` in MB (shared pages split among the sharers, so the
+    sum over the pool and its forked children is their real memory cost)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def _machine() -> tuple[int, int]:
@@ -264,14 +283,28 @@ class _CpuSampler:
 
 
 def _warm_ina() -> None:
-    from testbed.collectives import ina  # noqa: F401 - imports numba + the kernels
+    """Load (or compile once) the INA kernels with the argument types the workers use."""
+    from testbed.collectives import inakernel as ik
     from testbed.kernels import fixedpoint as fp
 
-    x = np.ones(4, dtype=np.float32)
-    q = np.empty(4, dtype=np.int32)
+    x = np.ones(300, dtype=np.float32)
+    q = np.empty(300, dtype=np.int32)
     sc = fp.scale_for(int(fp.block_exponent(x)), 2)
     fp.quantize_into(x, sc, q)
     fp.dequantize_into(q, sc, x)
+    W = 2
+    pkts = np.zeros((W, ik.ROW), dtype=np.uint8)
+    rbuf = np.zeros((1, 2048), dtype=np.uint8)
+    agreed = np.zeros(2, dtype=np.int16)
+    for nic in (False, True):
+        ik.build_packet(pkts, pkts.view(np.int32), pkts.view(np.float32), np.int64(0),
+                        np.int64(0), x, 2, 2, 2, 1, 0, np.int64(0), agreed, nic)
+        ik.on_results(rbuf, rbuf.view(np.int32), rbuf.view(np.float32),
+                      np.zeros(1, np.int64), 0, np.zeros(1, np.bool_), pkts,
+                      pkts.view(np.int32), pkts.view(np.float32), np.zeros(W, np.int64), x, q,
+                      x, agreed, np.zeros(W, np.int64), np.zeros(W, np.int64), np.zeros(W),
+                      np.zeros(W, np.bool_), np.zeros(W), np.zeros(W), np.zeros(4), 0.0, 2, 2,
+                      W, 2, 1, 0, nic, np.zeros(W, np.int64))
 
 
 def run_pool(job: dict) -> dict:
@@ -302,6 +335,12 @@ def run_pool(job: dict) -> dict:
         off += out_counts[r]
     if spec.op == "broadcast":  # the reference needs the root's input only, for every rank
         ins = [ins[0]] * n
+    replicas = None
+    if spec.compressor is not None:
+        # every worker's compressor + memory replayed here for the reference; building them
+        # before the fork also loads the kernels once for all children
+        replicas = [compress.make(spec) for _ in range(n)]
+        compress.warm(spec)
     if spec.algo in ("ina", "nic"):
         _warm_ina()  # load the cached kernels once here; forked children inherit them
     job["_pool_pid"] = os.getpid()
@@ -385,18 +424,23 @@ def run_pool(job: dict) -> dict:
         for c in ctls.values():
             c.send({"type": "addrs", "addrs": addrs})
         gather("ready", spec.timeout_s + 30)
-        result["setup_s"] = time.monotonic() - t_launch
-        for _rep in range(spec.repetitions):
+        # from the runner's Popen (interpreter start + imports) when known
+        result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
+        result["mem_mb"] = sum(_pss_mb(p) for p in [os.getpid(), *children.values()])
+        for rep in range(spec.repetitions):
             for o in outs:
                 o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
             sampler.start()
             t_go = time.monotonic()
             for c in ctls.values():
-                c.send({"type": "go"})
+                c.send({"type": "go", "rep": rep})
             done = gather("done", spec.timeout_s + 5)
             t_end = max(d["t_end"] for d in done.values())
             cpu = sampler.result()
-            err, ok = check(spec, ins, outs, n)
+            if replicas is not None:
+                err, ok = compress.check(replicas, ins, outs, rep)
+            else:
+                err, ok = check(spec, ins, outs, n)
             result["reps"].append({"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
                                    "cpu_max": cpu["ours"]["max"],
                                    "cpu_wait": max(cpu["ours"]["wait"],

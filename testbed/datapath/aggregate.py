@@ -209,7 +209,8 @@ def _build_result(row, agg_mac, agg_ip, w_mac, w_ip, w_udp, job_id, worker, slot
 
 @njit(cache=True)
 def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip, job_map,
-                     job_base, job_slots, job_n, codec_ok, w_mac, w_ip, w_udp, w_port,
+                     job_base, job_slots, job_n, codec_ok, via_ingress, w_mac, w_ip, w_udp,
+                     w_port,
                      bitmap, counter, nelems, exponent, chunk, codec_of, values, counters):
     """Run the aggregation protocol over ``batch[0:n]``; return the new batch size.
 
@@ -336,7 +337,7 @@ def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip,
                         buf[n_out], agg_mac, agg_ip, w_mac[jx, w], w_ip[jx, w], w_udp[jx, w],
                         jid, w, sl, s, codec_of[g, s], nw, exponent[g, s], nelems[g, s],
                         chunk[g, s], values[g, s])
-                    out_port[n_out] = w_port[jx, w]
+                    out_port[n_out] = w_port[jx, w] if via_ingress else PORT_UNSET
                     in_port[n_out] = -1
                     reason[n_out] = 0
                     n_out += 1
@@ -388,7 +389,7 @@ def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip,
                     buf[n_out], agg_mac, agg_ip, w_mac[jx, v], w_ip[jx, v], w_udp[jx, v], jid,
                     v, sl, s, codec_of[g, s], nw, exponent[g, s], ne, chunk[g, s],
                     values[g, s])
-                out_port[n_out] = w_port[jx, v]
+                out_port[n_out] = w_port[jx, v] if via_ingress else PORT_UNSET
                 in_port[n_out] = -1
                 reason[n_out] = 0
                 n_out += 1
@@ -401,7 +402,10 @@ class AggregateStage(Stage):
 
     Settings: ``agg_ip``, ``agg_mac``, ``pool_slots`` (default 4096), ``max_elems`` (per
     packet, default and max 361 = a full 1500-byte MTU), ``jobs`` ``{job_id: {"n_workers": n,
-    "slots": k}}``, ``codecs`` (names or numbers of summable payload codecs, default INT32).
+    "slots": k}}``, ``codecs`` (names or numbers of summable payload codecs, default INT32),
+    ``results_via``: ``"ingress"`` (default: a RESULT leaves by the port its worker's data came
+    in on) or ``"forward"`` (left undecided for a later ``forward`` stage to route by the
+    worker's MAC/IP).
     """
 
     name = "aggregate"
@@ -411,7 +415,7 @@ class AggregateStage(Stage):
     def __init__(self, ports: list[str] | None = None, agg_ip: str = DEFAULT_AGG_IP,
                  agg_mac: str = DEFAULT_AGG_MAC, pool_slots: int = 4096,
                  max_elems: int = MAX_ELEMS_MTU, jobs: dict | None = None,
-                 codecs: list | None = None):
+                 codecs: list | None = None, results_via: str = "ingress"):
         pool_slots = int(pool_slots)
         max_elems = int(max_elems)
         if not 1 <= pool_slots <= 1 << 20:
@@ -439,13 +443,15 @@ class AggregateStage(Stage):
         self.values = np.zeros((pool_slots, 2, max_elems), np.int32)
         self.counters_arr = np.zeros(len(COUNTER_NAMES), np.int64)
         self.jobs: dict[int, dict] = {}  # job_id -> {index, base, slots, n_workers}
+        self.results_via = "ingress"
         self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or ["INT32"],
-                       jobs=jobs or {})
+                       jobs=jobs or {}, results_via=results_via)
 
     # --- control -----------------------------------------------------------------------------
     def configure(self, agg_ip: str | None = None, agg_mac: str | None = None,
                   jobs: dict | None = None, remove_jobs: list | None = None,
-                  codecs: list | None = None, **unknown) -> None:
+                  codecs: list | None = None, results_via: str | None = None,
+                  **unknown) -> None:
         """Change the aggregator address, summable codecs, or add/remove jobs.
 
         ``jobs={job_id: {"n_workers": n, "slots": k}}`` adds (or re-sizes) jobs; a job gets a
@@ -454,7 +460,12 @@ class AggregateStage(Stage):
         """
         if unknown:
             raise ValueError(f"aggregate: unknown settings {sorted(unknown)}; use agg_ip, "
-                             "agg_mac, jobs, remove_jobs, codecs")
+                             "agg_mac, jobs, remove_jobs, codecs, results_via")
+        if results_via is not None:
+            if results_via not in ("ingress", "forward"):
+                raise ValueError(f"aggregate: results_via must be 'ingress' or 'forward', got "
+                                 f"{results_via!r}")
+            self.results_via = results_via
         if agg_ip is not None:
             self.agg_ip[:] = np.frombuffer(ip_to_int(agg_ip).to_bytes(4, "big"), np.uint8)
         if agg_mac is not None:
@@ -551,7 +562,8 @@ class AggregateStage(Stage):
         batch.n = aggregate_kernel(
             batch.buf, batch.length, batch.in_port, batch.out_port, batch.reason, batch.n,
             self.agg_mac, self.agg_ip, self.job_map, self.job_base, self.job_slots, self.job_n,
-            self.codec_ok, self.w_mac, self.w_ip, self.w_udp, self.w_port, self.bitmap,
+            self.codec_ok, self.results_via == "ingress", self.w_mac, self.w_ip, self.w_udp,
+            self.w_port, self.bitmap,
             self.counter, self.nelems, self.exponent, self.chunk, self.codec_of, self.values,
             self.counters_arr)
 

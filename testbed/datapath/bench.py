@@ -8,12 +8,16 @@ Topology per measurement: ``tbh1 -- tbs1 -- tbh2``; ``tbs1`` is, in turn,
 * ``python-naive`` - a per-packet Python AF_PACKET forwarder (floor),
 * ``forward`` - the engine running the forward program,
 * ``aggregate`` - the engine running aggregate + forward; ``tbh1`` plays ``N_AGG_WORKERS``
-  workers sending contributions in protocol order and counts the RESULT packets coming back.
+  workers sending contributions in protocol order; the RESULTs are counted at ``tbh2``.
 
-Load: a batched sender (``sendmmsg`` over a pre-built ring of frames) in ``tbh1`` at full speed;
-a batched counter in the receiving host. kpps = frames that reached the sink per second
-(for aggregate: contributions absorbed per second, measured as RESULT packets received, one per
-contribution). Rows: ``{program, packet_bytes, kpps, gbps, anchor, anchor_kpps, ratio}``.
+Load: a batched sender (``sendmmsg`` over a pre-built ring of frames) in ``tbh1`` at full speed
+for ``DURATION_S``; the sink is the receiving interface's kernel rx counter (read in the host's
+namespace, so no user-space receiver competes for the 2 cores). kpps = frames that reached the
+sink per second of sending (for aggregate: RESULT packets arriving at ``tbh2``, one per
+absorbed contribution; ``tbh1`` sends the contributions on behalf of workers whose address is
+``tbh2``'s). Every rate is the best of ``REPS`` runs; all samples, the engine's own rx rate
+and its peak CPU fraction are in the notes. Rows: ``{program, packet_bytes, kpps, gbps,
+anchor, anchor_kpps, ratio}``.
 
 The module also provides the load tools run inside hosts::
 
@@ -47,6 +51,8 @@ AGG_SLOTS = 64
 #: frame sizes: 16 and 256 int32 elements behind the testbed headers (small, SwitchML default)
 ELEMS = (16, 256)
 DURATION_S = 2.0
+#: each rate is the best of REPS runs (other processes on a shared machine can only slow it)
+REPS = 3
 
 
 # ------------------------------------------------------------------------------- load tools
@@ -331,7 +337,8 @@ def _naive_switch_cls():
     return PythonForwarderSwitch
 
 
-def _measure(variant: str, elems_list, duration: float, rx_burst: int = 256) -> dict[int, dict]:
+def _measure(variant: str, elems_list, duration: float, rx_burst: int = 256,
+             reps: int = 1) -> dict[int, dict]:
     """Build tbh1--tbs1--tbh2 with ``variant`` as tbs1; return {frame bytes: sink result}."""
     from mininet.link import Link
     from mininet.net import Mininet
@@ -351,7 +358,8 @@ def _measure(variant: str, elems_list, duration: float, rx_burst: int = 256) -> 
         sw = {"cls": ProgrammableSwitch, "programs": [("forward", {})], "rx_burst": rx_burst}
     elif variant == "aggregate":
         sw = {"cls": ProgrammableSwitch, "programs": [
-            ("aggregate", {"jobs": {1: {"n_workers": N_AGG_WORKERS, "slots": AGG_SLOTS}}}),
+            ("aggregate", {"jobs": {1: {"n_workers": N_AGG_WORKERS, "slots": AGG_SLOTS}},
+                           "results_via": "forward"}),
             ("forward", {})], "rx_burst": rx_burst}
     else:
         raise ValueError(variant)
@@ -371,41 +379,51 @@ def _measure(variant: str, elems_list, duration: float, rx_burst: int = 256) -> 
         h1.cmd("arp -s", h2.IP(), h2.MAC())
         h2.cmd("arp -s", h1.IP(), h1.MAC())
         h1.cmd("ping -c 2 -i 0.2", h2.IP())
-        for elems in elems_list:
-            if variant == "aggregate":
-                mode, dst_mac, dst_ip, rx_host, rx_if = "agg", DEFAULT_AGG_MAC, DEFAULT_AGG_IP, \
-                    h1, h1.defaultIntf().name
-            else:
-                mode, dst_mac, dst_ip, rx_host, rx_if = "udp", h2.MAC(), h2.IP(), h2, \
-                    h2.defaultIntf().name
-            # the sink is the receiving interface's kernel counter: costs no CPU, so the
-            # measurement is not capped by a user-space receiver on these 2 cores
-            engine = variant in ("forward", "aggregate")
-            eng0 = s1.client().counters() if engine else None
-            before = _rx_packets(rx_host, rx_if)
-            gen_p = h1.popen(_py() + ["gen", "--iface", h1.defaultIntf().name, "--mode", mode,
-                                      "--src-mac", h1.MAC(), "--dst-mac", dst_mac, "--src-ip",
-                                      h1.IP(), "--dst-ip", dst_ip, "--elems", str(elems),
-                                      "--duration", str(duration)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            g_out, g_err = gen_p.communicate(timeout=duration + 60)
-            time.sleep(0.2)  # drain what is still in flight
-            got = _rx_packets(rx_host, rx_if) - before
-            try:
-                g = json.loads(g_out)
-            except ValueError:
-                raise RuntimeError(f"{variant}: load generator failed: {g_err[-800:]!r}") \
-                    from None
-            res = {"received": got, "kpps": got / g["seconds"] / 1e3, "gen": g}
-            res["frame_bytes"] = HEADER_OFFSET + 28 + 4 * elems
-            if engine:
-                eng1 = s1.client().counters()
-                res["engine"] = eng1
-                # what the switch itself processed (rx on the ingress port) per second
-                rx0 = eng0["ports"]["tbs1-eth1"]["rx_packets"]
-                rx1 = eng1["ports"]["tbs1-eth1"]["rx_packets"]
-                res["engine_rx_kpps"] = (rx1 - rx0) / g["seconds"] / 1e3
-            out[elems] = res
+        for _rep in range(reps):  # best of reps: other load on the machine only slows
+            for elems in elems_list:
+                if variant == "aggregate":
+                    # tbh1 sends on behalf of workers living at tbh2 (results_via=forward routes
+                    # the RESULTs to tbh2 by MAC), so sender and receiver are different hosts
+                    # exactly as for the forwarding rows
+                    mode, dst_mac, dst_ip = "agg", DEFAULT_AGG_MAC, DEFAULT_AGG_IP
+                    src_mac, src_ip = h2.MAC(), h2.IP()
+                else:
+                    mode, dst_mac, dst_ip = "udp", h2.MAC(), h2.IP()
+                    src_mac, src_ip = h1.MAC(), h1.IP()
+                rx_host, rx_if = h2, h2.defaultIntf().name
+                # the sink is the receiving interface's kernel counter: costs no CPU, so the
+                # measurement is not capped by a user-space receiver on these 2 cores
+                engine = variant in ("forward", "aggregate")
+                eng0 = s1.client().counters() if engine else None
+                before = _rx_packets(rx_host, rx_if)
+                gen_p = h1.popen(_py() + ["gen", "--iface", h1.defaultIntf().name, "--mode", mode,
+                                          "--src-mac", src_mac, "--dst-mac", dst_mac, "--src-ip",
+                                          src_ip, "--dst-ip", dst_ip, "--elems", str(elems),
+                                          "--duration", str(duration)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                g_out, g_err = gen_p.communicate(timeout=duration + 60)
+                time.sleep(0.2)  # drain what is still in flight
+                got = _rx_packets(rx_host, rx_if) - before
+                try:
+                    g = json.loads(g_out)
+                except ValueError:
+                    raise RuntimeError(f"{variant}: load generator failed: {g_err[-800:]!r}") \
+                        from None
+                res = {"received": got, "kpps": got / g["seconds"] / 1e3, "gen": g}
+                res["frame_bytes"] = HEADER_OFFSET + 28 + 4 * elems
+                if engine:
+                    eng1 = s1.client().counters()
+                    res["engine"] = eng1
+                    # what the switch itself processed (rx on the ingress port) per second
+                    rx0 = eng0["ports"]["tbs1-eth1"]["rx_packets"]
+                    rx1 = eng1["ports"]["tbs1-eth1"]["rx_packets"]
+                    res["engine_rx_kpps"] = (rx1 - rx0) / g["seconds"] / 1e3
+                res["samples_kpps"] = out.get(elems, {}).get("samples_kpps", []) + [
+                    round(res["kpps"], 1)]
+                if elems not in out or res["kpps"] > out[elems]["kpps"]:
+                    out[elems] = res
+                else:
+                    out[elems]["samples_kpps"] = res["samples_kpps"]
     finally:
         net.stop()
     return out
@@ -420,7 +438,8 @@ def _rx_packets(host, ifname: str) -> int:
     raise RuntimeError(f"interface {ifname} not found in {host.name}")
 
 
-def run_bench(duration: float = DURATION_S, elems_list=ELEMS) -> tuple[list[dict], dict]:
+def run_bench(duration: float = DURATION_S, elems_list=ELEMS, reps: int = REPS
+              ) -> tuple[list[dict], dict]:
     """Measure every variant; return (rows, notes) (notes: skipped anchors and engine stats)."""
     from mininet.log import setLogLevel
 
@@ -431,17 +450,19 @@ def run_bench(duration: float = DURATION_S, elems_list=ELEMS) -> tuple[list[dict
     notes: dict[str, object] = {}
     with emulation_lock():
         for variant in ("linux-bridge", "python-naive", "forward", "aggregate"):
-            results[variant] = _measure(variant, elems_list, duration)
+            results[variant] = _measure(variant, elems_list, duration, reps=reps)
         ovs = OVSDaemons()
         try:
             ovs.start()
-            results["ovs-userspace"] = _measure("ovs-userspace", elems_list, duration)
+            results["ovs-userspace"] = _measure("ovs-userspace", elems_list, duration, reps=reps)
         except Exception as e:  # noqa: BLE001 - any failure skips this anchor with the reason
             notes["ovs-userspace"] = f"skipped: {e}"
         finally:
             ovs.stop()
     rows = []
     anchors = [a for a in ("linux-bridge", "ovs-userspace", "python-naive") if a in results]
+    notes["samples_kpps"] = {f"{v}/{HEADER_OFFSET + 28 + 4 * e}B": results[v][e]["samples_kpps"]
+                             for v in results for e in elems_list}
     for program in ("forward", "aggregate"):
         for elems in elems_list:
             r = results[program][elems]

@@ -13,9 +13,13 @@ node has two ports, ``host_port`` and ``net_port``:
   - ``fixed32`` -> ``Codec.INT32``: ATP's fixed-factor quantisation ``round(x * factor)``
     (``testbed.kernels.fixedpoint.atp_quantize_into``), offloading the worker's quantisation
     for in-network aggregation; the factor goes into the header's ``scale`` field; a value
-    that does not fit int32 saturates and sets ``Flags.OVERFLOW`` (ATP: resend raw floats).
+    that does not fit int32 saturates and sets ``Flags.OVERFLOW`` (ATP: resend raw floats);
+  - ``sign`` -> ``Codec.SIGN``: EF-signSGD's scaled sign per packet, one bit per element
+    (``x >= 0``, packed little-endian by ``compressors.signsgd.sign_pack``) and the mean
+    magnitude ``sum|x| / m`` in ``scale``: a 32x smaller payload that decodes to ``+-scale``.
 
-* **net -> host**: ``FLOAT16`` / ``BFLOAT16`` frames are widened back to ``FLOAT32`` (exact); in
+* **net -> host**: ``FLOAT16`` / ``BFLOAT16`` / ``SIGN`` frames are widened back to ``FLOAT32``
+  (exactly what the compressor's decode gives); in
   ``fixed32`` mode ``INT32`` frames become ``FLOAT32`` as ``q / scale`` (the header's scale, or
   the configured ``factor`` when it is 0), so the host only ever sees float32.
 
@@ -38,6 +42,7 @@ from testbed.datapath.batch import PORT_UNSET, Batch, Stage
 from testbed.datapath.trim import check_number, port_index, resolve_ports
 from testbed.kernels.compressors.bf16 import bf16_bits
 from testbed.kernels.compressors.fp16 import fp16_bits, fp16_to_f32_bits
+from testbed.kernels.compressors.signsgd import sign_pack, sign_unpack
 from testbed.kernels.fixedpoint import atp_dequantize_into, atp_quantize_into
 from testbed.kernels.packets import (
     FRAME_MAX,
@@ -45,12 +50,14 @@ from testbed.kernels.packets import (
     OFF_FLAGS,
     OFF_HEAD_BYTES,
     OFF_MSG_TYPE,
+    OFF_UDP_LEN,
     PAYLOAD_OFFSET,
     get_elem_count,
     get_scale,
     parse_frame,
     payload_f32,
     payload_i32,
+    rd_u16be,
     rd_u16le,
     rd_u32le,
     set_payload_bytes,
@@ -58,10 +65,11 @@ from testbed.kernels.packets import (
     wr_u16le,
     wr_u32le,
 )
-from testbed.kernels.wire import ETH_LEN, Codec, Flags, MsgType
+from testbed.kernels.wire import ETH_LEN, HEADER_LEN, UDP_LEN, Codec, Flags, MsgType
 
 #: Codec name -> the wire code it produces.
-CODECS = {"fp16": int(Codec.FLOAT16), "bf16": int(Codec.BFLOAT16), "fixed32": int(Codec.INT32)}
+CODECS = {"fp16": int(Codec.FLOAT16), "bf16": int(Codec.BFLOAT16), "fixed32": int(Codec.INT32),
+          "sign": int(Codec.SIGN)}
 ATP_FACTOR = 1e6
 
 (C_ENCODED, C_DECODED, C_BYTES_SAVED, C_OVERFLOW, C_PASSTHROUGH, C_MALFORMED,
@@ -73,6 +81,7 @@ _F32 = int(Codec.FLOAT32)
 _F16 = int(Codec.FLOAT16)
 _BF16 = int(Codec.BFLOAT16)
 _I32 = int(Codec.INT32)
+_SIGN = int(Codec.SIGN)
 _FLAG_OVERFLOW = int(Flags.OVERFLOW)
 _DATA = int(MsgType.DATA)
 _RESULT = int(MsgType.RESULT)
@@ -82,12 +91,22 @@ _NOT_OURS = (2, 3, 4, 5, 19)  # NOT_IPV4, IP_OPTIONS, NOT_UDP, BAD_MAGIC, OTHER 
 
 
 @njit(cache=True)
-def encode_frame(frame, codec, factor):
-    """Rewrite a valid FLOAT32 testbed frame with ``codec`` (a wire code: FLOAT16, BFLOAT16 or
-    INT32 = ATP fixed point with ``factor``); return ``(new_length, overflow)``."""
+def encode_frame(frame, codec, factor, scratch):
+    """Rewrite a valid FLOAT32 testbed frame with ``codec`` (a wire code: FLOAT16, BFLOAT16,
+    INT32 = ATP fixed point with ``factor``, or SIGN); return ``(new_length, overflow)``.
+    ``scratch`` is float32 room for the payload (SIGN packs from a copy, not in place)."""
     m = get_elem_count(frame)
     overflow = False
-    if codec == _I32:
+    if codec == _SIGN:
+        x = scratch[:m]
+        x[:] = payload_f32(frame, m)
+        total = 0.0
+        for j in range(m):  # EF-signSGD's scale: the mean magnitude, summed in float64
+            total += abs(np.float64(x[j]))
+        nbytes = (m + 7) // 8
+        sign_pack(x, frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + nbytes])
+        set_scale(frame, total / m if m > 0 else 0.0)
+    elif codec == _I32:
         overflow = atp_quantize_into(payload_f32(frame, m), factor, payload_i32(frame, m))
         set_scale(frame, factor)
         nbytes = 4 * m
@@ -111,12 +130,20 @@ def encode_frame(frame, codec, factor):
 
 
 @njit(cache=True)
-def decode_frame(frame, factor):
-    """Widen a valid FLOAT16 / BFLOAT16 / INT32 testbed frame to FLOAT32 in place (INT32 as
-    ``q / scale``, the header's scale or ``factor`` when it is 0); return the new length."""
+def decode_frame(frame, factor, scratch_bits):
+    """Widen a valid FLOAT16 / BFLOAT16 / INT32 / SIGN testbed frame to FLOAT32 in place (INT32
+    as ``q / scale``, the header's scale or ``factor`` when it is 0; SIGN as ``+-scale``);
+    return the new length. ``scratch_bits`` is uint8 room for a SIGN payload."""
     m = get_elem_count(frame)
     codec = frame[OFF_CODEC]
-    if codec == _I32:
+    if codec == _SIGN:
+        nb = (m + 7) // 8
+        bits = scratch_bits[:nb]
+        bits[:] = frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + nb]
+        s = get_scale(frame)
+        sign_unpack(bits, s, -s, payload_f32(frame, m))
+        set_scale(frame, 0.0)
+    elif codec == _I32:
         s = np.float64(get_scale(frame))
         if not s > 0.0:
             s = factor
@@ -134,7 +161,7 @@ def decode_frame(frame, factor):
 
 @njit(cache=True)
 def codec_kernel(buf, length, in_port, out_port, n, host_port, net_port, codec, factor,
-                 max_len, cross_connect, counters):
+                 max_len, cross_connect, counters, scratch, scratch_bits):
     """Encode host->net and decode net->host testbed frames of the batch (module docstring)."""
     for i in range(n):
         if out_port[i] != PORT_UNSET:
@@ -162,28 +189,33 @@ def codec_kernel(buf, length, in_port, out_port, n, host_port, net_port, codec, 
             if c != _F32 or not (t == _DATA or t == _RETRANSMIT or t == _RESULT):
                 counters[C_PASSTHROUGH] += 1
                 continue
-            new_len, ovf = encode_frame(f, codec, factor)
+            new_len, ovf = encode_frame(f, codec, factor, scratch)
             counters[C_ENCODED] += 1
             counters[C_BYTES_SAVED] += ln - new_len
             if ovf:
                 counters[C_OVERFLOW] += 1
             length[i] = new_len
         else:
-            if not (c == _F16 or c == _BF16 or (c == _I32 and codec == _I32)):
+            if not (c == _F16 or c == _BF16 or c == _SIGN or (c == _I32 and codec == _I32)):
                 counters[C_PASSTHROUGH] += 1
+                continue
+            if c == _SIGN and rd_u16be(f, OFF_UDP_LEN) - UDP_LEN - HEADER_LEN != \
+                    (get_elem_count(f) + 7) // 8:
+                counters[C_PASSTHROUGH] += 1  # parse_frame does not size SIGN payloads
+                counters[C_MALFORMED] += 1
                 continue
             if PAYLOAD_OFFSET + 4 * get_elem_count(f) > max_len:
                 counters[C_TOO_BIG] += 1
                 counters[C_PASSTHROUGH] += 1
                 continue
-            length[i] = decode_frame(f, factor)
+            length[i] = decode_frame(f, factor, scratch_bits)
             counters[C_DECODED] += 1
 
 
 class CodecStage(Stage):
     """SmartNIC bump-in-the-wire codec (program name ``nic_codec``).
 
-    Settings: ``codec`` (``"fp16"``, ``"bf16"`` or ``"fixed32"``), ``factor`` (fixed32's
+    Settings: ``codec`` (``"fp16"``, ``"bf16"``, ``"fixed32"`` or ``"sign"``), ``factor`` (fixed32's
     quantisation factor, ATP's 1e6 by default), ``host_port`` / ``net_port`` (name or index;
     default the node's first and second port), ``mtu`` (largest IP packet a widened frame may
     become), ``cross_connect`` (also forward to the other port). All can change at run time.
@@ -200,6 +232,8 @@ class CodecStage(Stage):
             raise ValueError(f"nic_codec: a SmartNIC needs 2 ports (host and net), got "
                              f"{self.ports}")
         self.counters_arr = np.zeros(len(COUNTER_NAMES), np.int64)
+        self._scratch = np.zeros(FRAME_MAX // 4, np.float32)
+        self._scratch_bits = np.zeros(FRAME_MAX, np.uint8)
         self.codec = "fp16"
         self.factor = ATP_FACTOR
         self.host_port, self.net_port = 0, 1
@@ -243,7 +277,8 @@ class CodecStage(Stage):
         """Encode/decode the batch's undecided frames (one Numba call)."""
         codec_kernel(batch.buf, batch.length, batch.in_port, batch.out_port, batch.n,
                      self.host_port, self.net_port, CODECS[self.codec], self.factor,
-                     ETH_LEN + self.mtu, self.cross_connect, self.counters_arr)
+                     ETH_LEN + self.mtu, self.cross_connect, self.counters_arr, self._scratch,
+                     self._scratch_bits)
 
     def counters(self) -> dict:
         """Encode/decode counters (see the module docstring)."""

@@ -17,6 +17,7 @@ This stage is that queue. It runs after forwarding (an *egress* stage: it acts o
   queue instead. A packet that cannot be trimmed (not a testbed frame, ``head_bytes == 0``,
   already trimmed) or does not fit is dropped (``DropReason.QUEUE_FULL``);
 * ``mode="drop_tail"`` never trims: above the threshold it drops (the comparison baseline);
+* a row whose length no frame can have (< 0 or > ``FRAME_MAX``) is dropped ``BAD_LENGTH``;
 * optional ECN: a testbed packet enqueued while the data queue holds at least
   ``ecn_threshold_bytes`` gets ``Flags.ECN`` (and a zero UDP checksum, legal in IPv4, since a
   header byte changed).

@@ -324,16 +324,35 @@ def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx
              ) -> list[dict]:
     from testbed.collectives import run_collective
 
-    spec = _collective_spec(job, size, point)
     before = _counters(net)
     with contextlib.ExitStack() as stack:
         captures = _start_captures(stack, net, point, out, run_idx)
-        rows = run_collective(net, spec)
+        if job.op == "incast":
+            rows = _run_incast(net, point, job, size)
+        else:
+            rows = run_collective(net, _collective_spec(job, size, point))
         stack.close()  # stop tcpdump before reading its files
         cap_cols = _summarise_captures(captures, out, run_idx)
     after = _counters(net)
     dp_cols = _counter_deltas(before, after, out, run_idx)
     return [{**r, **dp_cols, **cap_cols} for r in rows]
+
+
+def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
+    from testbed.experiment.incast import run_incast
+
+    rates = [t.rate_mbps for t in point.trimming if t.rate_mbps]
+    link = point.topology.receiver_mbps or point.topology.bw_mbps
+    seed = point.seed if job.seed is None else job.seed
+    rows = []
+    for rep in range(job.repetitions):
+        row = run_incast(net, size, bits=int(job.options.get("bits", 1)), seed=seed + rep,
+                         timeout_s=job.timeout_s,
+                         idle_ms=float(job.options.get("idle_ms", 30.0)),
+                         bottleneck_mbps=min([link, *rates]))
+        row["rep"] = rep
+        rows.append(row)
+    return rows
 
 
 # -- data-path counters -------------------------------------------------------------------------

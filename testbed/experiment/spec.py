@@ -126,7 +126,9 @@ class JobSpec(_Strict):
     """One collective: operation, algorithm, size(s), compression and repetitions."""
 
     name: str | None = Field(None, description="label in tables and plots (default: algo)")
-    op: Literal["allreduce", "reduce_scatter", "allgather", "broadcast"] = "allreduce"
+    op: Literal["allreduce", "reduce_scatter", "allgather", "broadcast", "incast"] = Field(
+        "allreduce", description="a collective, or 'incast': trimmable gradients pushed from "
+                                 "every host to rank 0 (testbed.experiment.incast)")
     algo: Literal["ring", "hd", "rs", "ina", "nic"] = "ring"
     nbytes: ByteSize | list[ByteSize] = Field(
         ByteSize(1 << 20), description="message size: bytes or '8MiB'; a list runs each size")
@@ -161,6 +163,21 @@ class JobSpec(_Strict):
             raise ValueError(f"unknown compressor {v!r}; allowed: {', '.join(names)}")
         return v
 
+    @model_validator(mode="after")
+    def _incast_options(self) -> JobSpec:
+        if self.op == "incast":
+            unknown = sorted(set(self.options) - {"bits", "idle_ms"})
+            if unknown:
+                raise ValueError(f"options {unknown} do not apply to op 'incast'; it takes "
+                                 "bits (1, 2, 4, 8) and idle_ms")
+            if self.options.get("bits", 1) not in (1, 2, 4, 8):
+                raise ValueError(f"options.bits={self.options['bits']!r}: head bits per "
+                                 "element must be 1, 2, 4 or 8")
+            if self.compressor is not None:
+                raise ValueError("op 'incast' encodes with the trimming layout; remove "
+                                 "compressor")
+        return self
+
     def sizes(self) -> list[int]:
         """The message sizes of this job in bytes."""
         return [int(s) for s in (self.nbytes if isinstance(self.nbytes, list) else [self.nbytes])]
@@ -169,6 +186,8 @@ class JobSpec(_Strict):
         """Name shown in tables and plots."""
         if self.name:
             return self.name
+        if self.op == "incast":
+            return f"incast-trim{self.options.get('bits', 1)}"
         return self.algo + (f"+{self.compressor}" if self.compressor else "")
 
 
