@@ -22,7 +22,7 @@ def _bases() -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     out = []
     for codec, m in ((wire.Codec.TRIM_LAYOUT, 64), (wire.Codec.FLOAT32, 100),
-                     (wire.Codec.FLOAT16, 300), (wire.Codec.INT32, 256)):
+                     (wire.Codec.FLOAT16, 300), (wire.Codec.INT32, 256), (wire.Codec.SIGN, 200)):
         h = wire.new_headers(1)
         h["codec"] = codec
         h["elem_count"] = m
@@ -31,6 +31,8 @@ def _bases() -> list[np.ndarray]:
             pl = trimming.encode(rng.standard_normal(m).astype(np.float32))
         elif codec == wire.Codec.FLOAT16:
             pl = rng.integers(0, 0xFFFF, m).astype(np.uint16)
+        elif codec == wire.Codec.SIGN:
+            pl = rng.integers(0, 256, m // 8).astype(np.uint8)
         else:
             pl = rng.standard_normal(m).astype(np.float32)
         buf, ln = packets.build(h, [pl], "02:00:00:00:00:01", "02:00:00:00:00:02", "10.0.0.1",
@@ -161,7 +163,7 @@ def test_impair_stage_survives_and_counts_malformed_frames(direction):
 
 def test_codec_stage_survives_and_counts_malformed_frames():
     for in_port, codec in ((0, "fp16"), (1, "fp16"), (0, "fixed32"), (1, "fixed32"),
-                           (1, "bf16")):
+                           (1, "bf16"), (0, "sign"), (1, "sign")):
         s = CodecStage(n_ports=2, codec=codec)
         for k, n, b in bursts(in_port=in_port):
             s.process(b, 0)

@@ -141,3 +141,13 @@ def test_cli_reports_bad_file_without_traceback(tmp_path):
     assert "topology.kind" in r.stderr and "'leaf_spine'" in r.stderr
     assert "jobs.0.repetitions" in r.stderr and "greater than or equal to 1" in r.stderr
     assert not (tmp_path / "res").exists()
+
+
+def test_job_options_are_checked_against_the_layers():
+    probs = _problems({"jobs": [{"options": {"windw": 3}}]})
+    assert probs[0].startswith("jobs.0: options ['windw']") and "window" in probs[0]
+    probs = _problems({"jobs": [{"op": "incast", "options": {"bits": 3}}]})
+    assert "options.bits=3" in probs[0] and "1, 2, 4 or 8" in probs[0]
+    probs = _problems({"jobs": [{"compressor": "zip"}]})
+    assert probs[0].startswith("jobs.0.compressor: unknown compressor 'zip'; allowed:")
+    assert "qsgd" in probs[0]

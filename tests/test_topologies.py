@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import pytest
+
 from testbed.topologies import (
     AGGREGATOR_IP,
     TOPOLOGIES,
@@ -359,9 +360,8 @@ class Boom(Exception):
 @pytest.mark.mininet
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
 def test_exception_inside_with_still_tears_down(exc):
-    from testbed.topologies import TestbedNet
-
     from testbed.netlock import LOCK_PATH, emulation_lock
+    from testbed.topologies import TestbedNet
 
     topo = LeafSpine(2, 2, 1)
     net = TestbedNet(topo)
@@ -483,9 +483,13 @@ def test_sigterm_tears_down(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # the test failed early: still let it tear down
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert proc.returncode != 0  # it was interrupted, not finished
     with emulation_lock():
         _assert_gone(Star(2), pids)

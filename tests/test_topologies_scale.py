@@ -9,6 +9,7 @@ mean more processes.
 from __future__ import annotations
 
 import pytest
+
 from testbed.topologies.scale import descendants, measure
 
 

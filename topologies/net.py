@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from mininet.link import Link, TCIntf
@@ -144,6 +145,12 @@ def _quiet_mininet():
         lg.setLevel(old)
 
 
+def _node_seed(seed: int, node: str, what: str) -> int:
+    """A per-node, per-stage seed derived from the topology's: independent loss patterns on
+    different nodes, yet the same run again for the same ``seed``."""
+    return zlib.crc32(f"{seed}:{node}:{what}".encode()) & 0x7FFFFFFF
+
+
 def _serialize_cmd(node) -> None:
     """Wrap ``node.cmd`` in a per-node lock (a Mininet shell serves one command at a time)."""
     if getattr(node, "_tb_cmd_lock", None) is not None:
@@ -191,6 +198,7 @@ class TestbedNet:
         self._clients: dict = {}
         self._hop_latency: float | None = None
         self._old_sigterm = None
+        self._preexisting: set[str] = set()
         self.forwarding_mode = "none"
         #: node -> the engine's final counters, filled at teardown
         self.final_counters: dict = {}
@@ -290,9 +298,16 @@ class TestbedNet:
 
     def _teardown(self) -> None:
         t = time.monotonic()
-        # Ctrl-C during teardown would leave half a network: ignore it until we are done.
+        # Ctrl-C / SIGTERM during teardown would leave half a network: note them, finish,
+        # then raise.
         main = threading.current_thread() is threading.main_thread()
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        pending: list[int] = []
+
+        def _defer(signum, frame):
+            pending.append(signum)
+
+        old_int = signal.signal(signal.SIGINT, _defer) if main else None
+        old_term = signal.signal(signal.SIGTERM, _defer) if main else None
         try:
             for client in self._clients.values():
                 with contextlib.suppress(Exception):
@@ -312,13 +327,15 @@ class TestbedNet:
         finally:
             if main:
                 signal.signal(signal.SIGINT, old_int)
-                if self._old_sigterm is not None:
-                    signal.signal(signal.SIGTERM, self._old_sigterm)
-                    self._old_sigterm = None
+                signal.signal(signal.SIGTERM, self._old_sigterm if self._old_sigterm is not None
+                              else old_term)
+                self._old_sigterm = None
             if self._lock_cm is not None:
                 lock, self._lock_cm = self._lock_cm, None
                 lock.__exit__(None, None, None)
             self.timings["teardown_s"] = time.monotonic() - t
+        if pending:
+            raise KeyboardInterrupt(f"signal {pending[0]} during teardown (teardown completed)")
 
     def _our_names(self) -> set[str]:
         """Root-namespace interface names our nodes would create."""
@@ -337,7 +354,7 @@ class TestbedNet:
                 if shell is not None and shell.poll() is None:
                     with contextlib.suppress(Exception):
                         node.terminate()
-        left = self._our_names() & _root_ifaces()
+        left = (self._our_names() & _root_ifaces()) - self._preexisting
         for name in sorted(left):
             subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
 
@@ -449,11 +466,12 @@ class TestbedNet:
 
             per_port = {k: {p: (v if p in ingress else 0.0) for p in ports}
                         for k, v in imp.items()}
-            out.insert(0, (INGRESS_PROGRAM, {**per_port, "seed": topo.seed + 1}))
+            out.insert(0, (INGRESS_PROGRAM, {**per_port, "seed": _node_seed(topo.seed, name,
+                                                                            "ingress")}))
         if egress:
             per_port = {k: {p: (v if p in egress else 0.0) for p in ports}
                         for k, v in imp.items()}
-            out.append(("impair", {**per_port, "seed": topo.seed}))
+            out.append(("impair", {**per_port, "seed": _node_seed(topo.seed, name, "egress")}))
         return out
 
     def _ports_of(self, name: str) -> list[str]:

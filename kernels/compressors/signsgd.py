@@ -8,18 +8,37 @@ vote of the signs instead).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ._common import Compressor, kernel
+
+
+@intrinsic
+def sign_mask64(typingctx, x, base):
+    """uint64 whose bit j is ``x[base + j] >= 0`` for a C-contiguous float32 ``x``: the 64
+    floats are loaded as one LLVM vector and compared at once (vcmpps + kmov on AVX-512)."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C"
+            and isinstance(base, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        vty = ir.VectorType(ir.FloatType(), 64)
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer())
+        v = builder.load(ptr, align=4)
+        # ordered >=: -0.0 counts as non-negative, NaN would not (inputs are finite)
+        return builder.bitcast(builder.fcmp_ordered(">=", v, ir.Constant(vty, None)),
+                               ir.IntType(64))
+
+    return types.uint64(x, base), codegen
 
 
 @kernel("x.size")
 def _sign_words(x, out_bits):
     for w in prange(x.size // 64):
-        base = 64 * w
-        m = np.uint64(0)
-        for j in range(64):  # an OR-reduction LLVM vectorises
-            m |= np.uint64(x[base + j] >= np.float32(0.0)) << np.uint64(j)
+        m = sign_mask64(x, 64 * w)
         # byte stores: out_bits may be any slice of a frame (no alignment assumed)
         for b in range(8):
             out_bits[8 * w + b] = (m >> np.uint64(8 * b)) & np.uint64(0xFF)
@@ -32,6 +51,7 @@ def sign_pack(x, out_bits):
     64-element groups are reduced to one uint64 (bit j = element j) and stored as 8 bytes,
     the layout of ``np.packbits(..., bitorder="little")``; the tail is packed byte by byte.
     """
+    x = np.ascontiguousarray(x)  # no copy for the usual contiguous input
     n = x.size
     nw = n // 64
     if nw:

@@ -11,8 +11,9 @@ Packet rows: ``pkts[W, ROW]`` bytes (testbed header + up to 256 elements); ``pkt
 byte 28). Received datagrams: ``rbuf[B, RB]`` bytes with views ``rbuf_i32`` / ``rbuf_f32``.
 
 ``st`` (float64[4]) = srtt, rttvar, base timeout, last progress time. Returns
-``(done, nsend, ignored, lost, bad_slot)``; ``bad_slot >= 0`` flags a RESULT whose chunk offset
-does not match the slot's packet (protocol violation, the caller raises).
+``(done, nsend, ignored, lost, bad_slot)``; ``bad_slot >= 0`` flags a RESULT whose chunk offset,
+element count or codec does not match the slot's packet (protocol violation, the caller
+raises; nothing is written out of bounds).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ELEMS = 256
 ROW = HEADER_LEN + 4 * ELEMS
 P0 = HEADER_LEN // 4  # first payload element in an int32/float32 view of a row
 T0 = 0.010
+#: chunk_offset of the exponent bootstrap packets: never a data offset, so a late duplicate
+#: of a bootstrap result is never taken for data (or the other way round)
+BOOT_OFFSET = 0xFFFFFFFF
 T_MAX = 0.320
 _RESULT = int(MsgType.RESULT)
 _DATA = int(MsgType.DATA)
@@ -79,7 +83,7 @@ def build_packet(pkts, pkts_i32, pkts_f32, slot, j, x, K, boot, n, job_id, rank,
         else:
             cnt = 1
             pkts_i32[slot, P0] = 0
-            off = 0
+            off = BOOT_OFFSET
         codec = _INT32
     _put16(pkts, slot, 0, MAGIC)
     pkts[slot, 2] = VERSION
@@ -126,15 +130,18 @@ def on_results(rbuf, rbuf_i32, rbuf_f32, rlen, nrecv, drop, pkts, pkts_i32, pkts
             lost += 1
             continue
         j = cur[slot]
+        off = np.int64(0)
+        for k in range(4):
+            off |= np.int64(rbuf[i, _O_CHUNK + k]) << (8 * k)
+        lo = (j - boot) * ELEMS if j >= boot else BOOT_OFFSET
+        if off != lo:
+            ignored += 1  # a late duplicate of an older packet on this slot (same set bit)
+            continue
         if j < K and not nic:
             e = _u16(rbuf, i, _O_EXP)
             agreed[j] = e - 65536 if e >= 32768 else e
         if j >= boot:
-            lo = (j - boot) * ELEMS
-            off = np.int64(0)
-            for k in range(4):
-                off |= np.int64(rbuf[i, _O_CHUNK + k]) << (8 * k)
-            if off != lo or (nic and rbuf[i, _O_CODEC] != _FLOAT32):
+            if ne != min(ELEMS, x.size - lo) or (nic and rbuf[i, _O_CODEC] != _FLOAT32):
                 return done, nsend, ignored, lost, slot
             if nic:
                 for k in range(ne):
@@ -205,7 +212,7 @@ def build_packet_ref(pkts, pkts_i32, pkts_f32, slot, j, x, K, boot, n, job_id, r
         else:
             cnt = 1
             pkts_i32[slot, P0] = 0
-            off = 0
+            off = BOOT_OFFSET
         codec = _INT32
     hdr = struct.pack("<HBBHHHBBBBhHHIf", MAGIC, VERSION, _DATA, job_id, rank, slot, sset, 0,
                       codec, n, e_next, cnt, 0, off, 0.0)
@@ -237,11 +244,14 @@ def on_results_ref(rbuf, rbuf_i32, rbuf_f32, rlen, nrecv, drop, pkts, pkts_i32, 
             lost += 1
             continue
         j = int(cur[slot])
+        lo = (j - boot) * ELEMS if j >= boot else BOOT_OFFSET
+        if off != lo:
+            ignored += 1
+            continue
         if j < K and not nic:
             agreed[j] = e
         if j >= boot:
-            lo = (j - boot) * ELEMS
-            if off != lo or (nic and codec != _FLOAT32):
+            if ne != min(ELEMS, x.size - lo) or (nic and codec != _FLOAT32):
                 return done, nsend, ignored, lost, slot
             if nic:
                 out[lo:lo + ne] = rbuf_f32[i, P0:P0 + ne]

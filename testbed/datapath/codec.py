@@ -15,8 +15,11 @@ node has two ports, ``host_port`` and ``net_port``:
     for in-network aggregation; the factor goes into the header's ``scale`` field; a value
     that does not fit int32 saturates and sets ``Flags.OVERFLOW`` (ATP: resend raw floats);
   - ``sign`` -> ``Codec.SIGN``: EF-signSGD's scaled sign per packet, one bit per element
-    (``x >= 0``, packed little-endian by ``compressors.signsgd.sign_pack``) and the mean
-    magnitude ``sum|x| / m`` in ``scale``: a 32x smaller payload that decodes to ``+-scale``.
+    (``x >= 0``, element 8b+j in bit j of byte b: ``compressors.signsgd``'s layout) and the
+    mean magnitude ``sum|x| / m`` in ``scale``: a 32x smaller payload that decodes to
+    ``+-scale`` (``compressors.signsgd.sign_unpack``). The packing is a serial loop here:
+    ``signsgd.sign_pack`` dispatches to a parallel kernel, and a ``cache=True`` caller of it
+    crashed when loaded from a stale on-disk cache; a 256-element packet needs no threads.
 
 * **net -> host**: ``FLOAT16`` / ``BFLOAT16`` / ``SIGN`` frames are widened back to ``FLOAT32``
   (exactly what the compressor's decode gives); in
@@ -42,7 +45,7 @@ from testbed.datapath.batch import PORT_UNSET, Batch, Stage
 from testbed.datapath.trim import check_number, port_index, resolve_ports
 from testbed.kernels.compressors.bf16 import bf16_bits
 from testbed.kernels.compressors.fp16 import fp16_bits, fp16_to_f32_bits
-from testbed.kernels.compressors.signsgd import sign_pack, sign_unpack
+from testbed.kernels.compressors.signsgd import sign_unpack
 from testbed.kernels.fixedpoint import atp_dequantize_into, atp_quantize_into
 from testbed.kernels.packets import (
     FRAME_MAX,
@@ -99,12 +102,17 @@ def encode_frame(frame, codec, factor, scratch):
     overflow = False
     if codec == _SIGN:
         x = scratch[:m]
-        x[:] = payload_f32(frame, m)
+        x[:] = payload_f32(frame, m)  # a copy: the packed bits overwrite the floats
         total = 0.0
         for j in range(m):  # EF-signSGD's scale: the mean magnitude, summed in float64
             total += abs(np.float64(x[j]))
         nbytes = (m + 7) // 8
-        sign_pack(x, frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + nbytes])
+        for b in range(nbytes):
+            v = 0
+            for j in range(min(8, m - 8 * b)):
+                if x[8 * b + j] >= 0.0:
+                    v |= 1 << j
+            frame[PAYLOAD_OFFSET + b] = v
         set_scale(frame, total / m if m > 0 else 0.0)
     elif codec == _I32:
         overflow = atp_quantize_into(payload_f32(frame, m), factor, payload_i32(frame, m))

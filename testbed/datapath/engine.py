@@ -144,6 +144,30 @@ def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, t
             drops[n_ports if ip_ < 0 else ip_, 12] += 1  # NO_ROUTE
 
 
+def tally_reference(out_port: np.ndarray, in_port: np.ndarray, length: np.ndarray,
+                    reason: np.ndarray, n_ports: int, flood_mask: np.ndarray) -> dict:
+    """Numpy twin of :func:`tally_and_route` (vectorised; returns fresh arrays)."""
+    op, ip_, ln = out_port.astype(np.int64), in_port.astype(np.int64), length.astype(np.int64)
+    rows = {}
+    tx_pk = np.zeros(n_ports, np.int64)
+    tx_by = np.zeros(n_ports, np.int64)
+    for p in range(n_ports):
+        sel = (op == p) | ((op == PORT_FLOOD) & (ip_ != p) & bool(flood_mask[p]))
+        rows[p] = np.flatnonzero(sel)
+        tx_pk[p] = sel.sum()
+        tx_by[p] = ln[sel].sum()
+    rx = ip_ >= 0
+    rx_pk = np.bincount(ip_[rx], minlength=n_ports)[:n_ports]
+    rx_by = np.bincount(ip_[rx], weights=ln[rx], minlength=n_ports)[:n_ports].astype(np.int64)
+    drops = np.zeros((n_ports + 1, N_REASONS), np.int64)
+    row = np.where(ip_ < 0, n_ports, ip_)
+    r = np.where(op == PORT_DROP, reason.astype(np.int64),
+                 np.where(op == -1, 12, np.where(op >= n_ports, 19, -1)))
+    np.add.at(drops, (row[r >= 0], r[r >= 0]), 1)
+    return {"rows": rows, "tx_pk": tx_pk, "tx_by": tx_by, "rx_pk": rx_pk, "rx_by": rx_by,
+            "drops": drops}
+
+
 class Engine:
     """The engine of one node (see the module docstring)."""
 
@@ -181,6 +205,7 @@ class Engine:
         self.tx_count = np.zeros(n, np.int64)
         self.bursts = 0
         self.max_burst = 0
+        self.stage_errors: dict[str, int] = {}
         self.running = False
         self.io = []
         self.control = None
@@ -242,7 +267,11 @@ class Engine:
         received = b.n
         now = time.monotonic_ns()
         for s in self.stages:
-            s.process(b, now)
+            try:
+                s.process(b, now)
+            except Exception:  # noqa: BLE001 - a buggy stage must not take the node down
+                self._stage_failed(s, b)
+                break
         n = b.n
         self._route(n)
         for p, port in enumerate(self.io):
@@ -254,6 +283,18 @@ class Engine:
             if received > self.max_burst:
                 self.max_burst = received
         return received
+
+    def _stage_failed(self, stage: Stage, b: Batch) -> None:
+        """Drop the whole burst (reason OTHER), count the error, log the first tracebacks."""
+        import traceback
+
+        self.stage_errors[stage.name] = self.stage_errors.get(stage.name, 0) + 1
+        if self.stage_errors[stage.name] <= 5:
+            print(f"{self.node}: stage {stage.name!r} failed; burst of {b.n} dropped:\n"
+                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        b.n = min(b.n, b.capacity)
+        b.out_port[: b.n] = PORT_DROP
+        b.reason[: b.n] = int(DropReason.OTHER)
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic_ns()
@@ -370,6 +411,7 @@ class Engine:
             "drops_generated": gen,
             "stages": {s.name: s.counters() for s in self.stages},
             "bursts": self.bursts,
+            "stage_errors": dict(self.stage_errors),
             "max_burst": self.max_burst,
             "rx_burst": self.rx_burst,
             "uptime_s": round(wall, 3),

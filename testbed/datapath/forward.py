@@ -325,6 +325,14 @@ def wire_kernel(in_port, out_port, n):
             out_port[i] = 1 - in_port[i]
 
 
+def wire_reference(in_port: np.ndarray, out_port: np.ndarray) -> np.ndarray:
+    """Numpy twin of :func:`wire_kernel` (returns the new out_port array)."""
+    out = out_port.copy()
+    sel = (out_port == PORT_UNSET) & (in_port >= 0)
+    out[sel] = 1 - in_port[sel]
+    return out
+
+
 class WireStage(Stage):
     """Bump in the wire between port 0 and port 1 (program name ``wire``; SmartNIC default)."""
 

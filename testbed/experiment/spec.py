@@ -164,6 +164,16 @@ class JobSpec(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _options_known(self) -> JobSpec:
+        if self.op != "incast":
+            allowed = _collective_options()
+            unknown = sorted(set(self.options) - set(allowed)) if allowed is not None else []
+            if unknown:
+                raise ValueError(f"options {unknown} are not CollectiveSpec fields; allowed "
+                                 f"options: {', '.join(allowed)}")
+        return self
+
+    @model_validator(mode="after")
     def _incast_options(self) -> JobSpec:
         if self.op == "incast":
             unknown = sorted(set(self.options) - {"bits", "idle_ms"})
@@ -469,6 +479,18 @@ def _model_of(annotation: Any) -> Any:
         if found is not None:
             return found
     return None
+
+
+def _collective_options() -> list[str] | None:
+    """CollectiveSpec fields a job may set through ``options`` (None: layer not importable)."""
+    try:
+        import dataclasses
+
+        from testbed.collectives.spec import CollectiveSpec
+    except Exception:
+        return None
+    own = set(JobSpec.model_fields) | {"nbytes", "op", "algo"}
+    return sorted(f.name for f in dataclasses.fields(CollectiveSpec) if f.name not in own)
 
 
 def _compressor_names() -> list[str] | None:

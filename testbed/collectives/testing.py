@@ -1,0 +1,39 @@
+"""Helpers for tests of code that runs collectives."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from testbed.collectives.runner import RUN_DIR
+
+
+def leftovers(owner_pid: int | None = None) -> list[str]:
+    """Collective processes (``tbw-*`` workers, ``tbr-*`` servers) still alive, and job
+    folders of ``owner_pid`` (default: this process) still under ``/run/testbed``."""
+    left = []
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name.startswith(("tbw-", "tbr-")):
+            left.append(f"{comm}: {name}")
+    pid = os.getpid() if owner_pid is None else owner_pid
+    left += glob.glob(os.path.join(RUN_DIR, f"coll-{pid}-*"))
+    return left
+
+
+def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> None:
+    """Assert the rows of ``run_collective`` are complete and correct (AssertionError)."""
+    from testbed.collectives.report import REPORT_COLUMNS
+
+    assert len(rows) == spec.repetitions, rows
+    for r in rows:
+        assert tuple(r) == REPORT_COLUMNS, sorted(set(r) ^ set(REPORT_COLUMNS))
+        assert r["correct"], r
+        assert r["n"] == n and r["bytes"] == spec.nbytes, r
+        assert r["time_s"] > 0 and r["model_s"] > 0, r
+        if bw_mbps is not None:
+            assert abs(r["bw_mbps"] - bw_mbps) < 1e-6 * bw_mbps, r
