@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from testbed.kernels.wire import HEADER_OFFSET, MsgType
 
 from testbed.datapath.aggclient import header_bytes, udp_frame
 from testbed.datapath.aggregate import (
@@ -17,6 +16,7 @@ from testbed.datapath.aggregate import (
 )
 from testbed.datapath.batch import PORT_HELD, PORT_UNSET, Batch
 from testbed.datapath.forward import ip_to_int, mac_to_int
+from testbed.kernels.wire import HEADER_OFFSET, MsgType
 
 AGG_MAC = mac_to_int(DEFAULT_AGG_MAC).to_bytes(6, "big")
 AGG_IP = ip_to_int(DEFAULT_AGG_IP).to_bytes(4, "big")

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from testbed.kernels.wire import HEADER_OFFSET, MsgType
 
 from testbed.datapath.bench import build_ring, load_frames, save_frames
+from testbed.kernels.wire import HEADER_OFFSET, MsgType
 
 
 def test_rings_and_frame_files(tmp_path):

@@ -15,12 +15,12 @@ import time
 
 import numpy as np
 import pytest
-from testbed.kernels.wire import HEADER_OFFSET, MsgType
 
 from testbed.datapath.aggclient import header_bytes, udp_frame, worker_input
 from testbed.datapath.aggregate import DEFAULT_AGG_IP, DEFAULT_AGG_MAC, AggregateReference
 from testbed.datapath.batch import PORT_DROP, DropReason
 from testbed.datapath.forward import forward_reference, ip_to_int, mac_to_int
+from testbed.kernels.wire import HEADER_OFFSET, MsgType
 
 N_FRAMES = 10_000
 AGG_MAC = mac_to_int(DEFAULT_AGG_MAC).to_bytes(6, "big")

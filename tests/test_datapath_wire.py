@@ -8,6 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
+
+from testbed.datapath.aggclient import header_bytes, udp_frame
+from testbed.datapath.aggregate import DEFAULT_AGG_IP, DEFAULT_AGG_MAC
+from testbed.datapath.engine import Engine
+from testbed.datapath.forward import ip_to_int, mac_to_int
+from testbed.datapath.scapy_layer import FIELD_TYPES, TestbedHeader
 from testbed.kernels.wire import (
     HEADER_DTYPE,
     HEADER_FIELDS,
@@ -16,12 +22,6 @@ from testbed.kernels.wire import (
     TESTBED_UDP_PORT,
     MsgType,
 )
-
-from testbed.datapath.aggclient import header_bytes, udp_frame
-from testbed.datapath.aggregate import DEFAULT_AGG_IP, DEFAULT_AGG_MAC
-from testbed.datapath.engine import Engine
-from testbed.datapath.forward import ip_to_int, mac_to_int
-from testbed.datapath.scapy_layer import FIELD_TYPES, TestbedHeader
 
 
 def _field_strategy(code: str):

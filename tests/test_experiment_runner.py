@@ -166,10 +166,13 @@ def test_incast_trimming_with_pcap_capture(tmp_path):
     row = res.df.iloc[0]
     chunks = 2 * (16384 // 256)
     trimmed = round(row["trimmed_frac"] * chunks)
-    assert trimmed > 0 and row["dp_trim_trimmed"] == trimmed  # switch and receiver agree
+    # (the switch may trim more than the receiver used: a chunk NACKed after a slow idle
+    # period under CPU load is sent again and may be trimmed again)
+    assert trimmed > 0 and row["dp_trim_trimmed"] >= trimmed
     assert 0 < row["rel_err"] < 1  # trimmed heads: close to, not equal to, the exact sum
-    # the receiver's interface saw every chunk; scapy finds the trimmed ones by their flag
+    # the receiver's interface saw every chunk; scapy finds the trimmed ones by their flag,
+    # exactly as many as the switch's trim stage counted
     assert row["cap_tbh1_eth0_testbed"] >= chunks
-    assert row["cap_tbh1_eth0_trimmed"] == trimmed
+    assert row["cap_tbh1_eth0_trimmed"] == row["dp_trim_trimmed"]
     summary = json.loads((tmp_path / "r" / "pcap" / "run0000-tbh1-eth0.json").read_text())
     assert summary["by_type"]["DATA"] >= chunks and summary["dissector"]

@@ -8,21 +8,74 @@ the number of threads.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ._common import kernel
 
+#: Elements per selection chunk (a multiple of 64: chunks start on a mask word).
 SELECT_CHUNK = 1 << 15
+
+
+@intrinsic
+def ge_mask64(typingctx, x, base, t):
+    """uint64 whose bit j is ``|x[base + j]| >= t`` (C-contiguous float32 ``x``, float32 ``t``):
+    64 floats are loaded, fabs-ed and compared as one LLVM vector (vcmpps + kmov on AVX-512)."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C"
+            and isinstance(base, types.Integer) and t == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        vty = ir.VectorType(ir.FloatType(), 64)
+        v = builder.load(builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer()),
+                         align=4)
+        a = builder.call(builder.module.declare_intrinsic("llvm.fabs", [vty]), [v])
+        undef = ir.Constant(vty, ir.Undefined)
+        one = builder.insert_element(undef, args[2], ir.Constant(ir.IntType(32), 0))
+        tv = builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 64),
+                                                            None))
+        return builder.bitcast(builder.fcmp_ordered(">=", a, tv), ir.IntType(64))
+
+    return types.uint64(x, base, t), codegen
+
+
+@intrinsic
+def popcount64(typingctx, v):
+    """Number of set bits of a uint64."""
+    if v != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ctpop(args[0])
+
+    return types.int64(v), codegen
+
+
+@intrinsic
+def ctz64(typingctx, v):
+    """Index of the lowest set bit of a non-zero uint64."""
+    if v != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return types.int64(v), codegen
 
 
 @kernel("x.size")
 def _count_ge(x, t, counts):
     nchunk = counts.size
     for c in prange(nchunk):
-        lo = c * SELECT_CHUNK
+        lo = c * SELECT_CHUNK  # a multiple of 64
         hi = min(x.size, lo + SELECT_CHUNK)
+        body = lo + ((hi - lo) // 64) * 64
         k = 0
-        for i in range(lo, hi):
+        for i in range(lo, body, 64):
+            k += popcount64(ge_mask64(x, i, t))
+        for i in range(body, hi):
             k += abs(x[i]) >= t
         counts[c] = k
 
@@ -33,8 +86,15 @@ def _write_ge(x, t, offsets, out):
     for c in prange(nchunk):
         lo = c * SELECT_CHUNK
         hi = min(x.size, lo + SELECT_CHUNK)
+        body = lo + ((hi - lo) // 64) * 64
         o = offsets[c]
-        for i in range(lo, hi):
+        for i in range(lo, body, 64):
+            m = ge_mask64(x, i, t)
+            while m != np.uint64(0):  # visit only the set bits
+                out[o] = i + ctz64(m)
+                o += 1
+                m &= m - np.uint64(1)
+        for i in range(body, hi):
             if abs(x[i]) >= t:
                 out[o] = i
                 o += 1
@@ -43,6 +103,8 @@ def _write_ge(x, t, offsets, out):
 @njit(cache=True)
 def select_ge(x, t):
     """Indices (int32, ascending) of the elements with ``|x_i| >= t``."""
+    x = np.ascontiguousarray(x)
+    t = np.float32(t)
     nchunk = (x.size + SELECT_CHUNK - 1) // SELECT_CHUNK
     counts = np.zeros(nchunk, dtype=np.int64)
     _count_ge(x, t, counts)
@@ -57,6 +119,8 @@ def select_ge(x, t):
 @njit(cache=True)
 def count_ge(x, t):
     """Number of elements with ``|x_i| >= t``."""
+    x = np.ascontiguousarray(x)
+    t = np.float32(t)
     nchunk = (x.size + SELECT_CHUNK - 1) // SELECT_CHUNK
     counts = np.zeros(nchunk, dtype=np.int64)
     _count_ge(x, t, counts)

@@ -99,7 +99,15 @@ class InaClient:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        self.sock.bind((self.ip, 0))
+        # nic: the SmartNIC's codec only recognises testbed frames by UDP port 41000, and a
+        # RESULT goes to the worker's own port, so the worker must use 41000 too (one NIC job
+        # per host at a time)
+        try:
+            self.sock.bind((self.ip, TESTBED_UDP_PORT if self.nic else 0))
+        except OSError as e:
+            raise CollectiveError(f"rank {rank} ({self.host}): cannot bind UDP "
+                                  f"{self.ip}:{TESTBED_UDP_PORT} for algo 'nic' ({e}); another "
+                                  "NIC-offloaded job on this host?") from None
         self.sock.connect(self.agg)  # RESULTs come from the aggregator's address and port
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()

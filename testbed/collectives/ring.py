@@ -3,8 +3,8 @@ and a pipelined chain broadcast.
 
 The array is cut into n shards (``report.shard_bounds``); each step a rank sends one shard to
 its right neighbour while receiving one from its left (the sender thread makes it
-simultaneous). Received data is added piece by piece (``chunk`` elements) so the addition
-overlaps the transfer.
+simultaneous). Pieces of ``chunk`` elements are received, added and forwarded at once, so the
+steps pipeline into one stream per link (see ``_ring``).
 """
 
 from __future__ import annotations
@@ -20,49 +20,53 @@ def ring_peers(rank: int, n: int) -> list[int]:
     return sorted({(rank - 1) % n, (rank + 1) % n} - {rank})
 
 
-def _reduce_scatter(comm: Comm, out: np.ndarray, n: int, chunk: int, tmp: np.ndarray) -> None:
-    """In place on ``out``: afterwards shard ``rank`` of ``out`` holds the sum over ranks."""
+def _ring(comm: Comm, out: np.ndarray, n: int, chunk: int, tmp: np.ndarray, rs: bool,
+          ag: bool) -> None:
+    """Pipelined ring over ``out`` in place: reduce-scatter (``rs``: afterwards shard
+    ``rank`` holds the sum) then allgather (``ag``: shard ``rank`` valid at entry of the
+    allgather, every shard at exit).
+
+    Step s of the reduce-scatter receives shard (rank-s-2) and step s+1 sends that same shard
+    on, so each received piece is added and queued for the right neighbour at once: the ring
+    streams pieces instead of moving in lock-step shards (NCCL-style chunk pipelining). A
+    region is never overwritten before its queued send left: the data that overwrites it
+    causally depends on that send having arrived.
+    """
     r = comm.rank
     b = shard_bounds(out.size, n)
     right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):
-        send_i = (r - s - 1) % n
-        recv_i = (r - s - 2) % n
-        fut = comm.send(right, out[b[send_i]:b[send_i + 1]])
-        lo, hi = int(b[recv_i]), int(b[recv_i + 1])
-        for a, z in chunks(lo, hi, chunk):
-            t = tmp[: z - a]
-            comm.recv(left, t)
-            out[a:z] += t
-        fut.result()
-
-
-def _allgather(comm: Comm, out: np.ndarray, n: int) -> None:
-    """In place on ``out``: shard ``rank`` is valid at entry; every shard is at exit."""
-    r = comm.rank
-    b = shard_bounds(out.size, n)
-    right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):
-        send_i = (r - s) % n
-        recv_i = (r - s - 1) % n
-        fut = comm.send(right, out[b[send_i]:b[send_i + 1]])
-        comm.recv(left, out[b[recv_i]:b[recv_i + 1]])
-        fut.result()
+    first = (r - 1) % n if rs else r
+    futs = [comm.send(right, out[a:z]) for a, z in chunks(int(b[first]), int(b[first + 1]),
+                                                          chunk)]
+    steps = [(True, (r - s - 2) % n) for s in range(n - 1)] if rs else []
+    if ag:
+        steps += [(False, (r - s - 1) % n) for s in range(n - 1)]
+    for k, (reduce, idx) in enumerate(steps):
+        forward = k < len(steps) - 1
+        for a, z in chunks(int(b[idx]), int(b[idx + 1]), chunk):
+            if reduce:
+                t = tmp[: z - a]
+                comm.recv(left, t)
+                out[a:z] += t
+            else:
+                comm.recv(left, out[a:z])
+            if forward:
+                futs.append(comm.send(right, out[a:z]))
+    wait_all(futs)
 
 
 def allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
     """Ring allreduce of ``x`` into ``out`` (same size)."""
     out[:] = x
     tmp = np.empty(min(chunk, out.size), dtype=out.dtype)
-    _reduce_scatter(comm, out, n, chunk, tmp)
-    _allgather(comm, out, n)
+    _ring(comm, out, n, chunk, tmp, rs=True, ag=True)
 
 
 def reduce_scatter(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
     """Ring reduce-scatter: ``out`` gets shard ``rank`` of the sum of every rank's ``x``."""
     work = x.copy()
     tmp = np.empty(min(chunk, work.size), dtype=work.dtype)
-    _reduce_scatter(comm, work, n, chunk, tmp)
+    _ring(comm, work, n, chunk, tmp, rs=True, ag=False)
     b = shard_bounds(x.size, n)
     out[:] = work[b[comm.rank]:b[comm.rank + 1]]
 
@@ -71,7 +75,7 @@ def allgather(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) ->
     """Ring allgather: ``x`` is this rank's shard, ``out`` the concatenation of all shards."""
     b = shard_bounds(out.size, n)
     out[b[comm.rank]:b[comm.rank + 1]] = x
-    _allgather(comm, out, n)
+    _ring(comm, out, n, chunk, out[:0], rs=False, ag=True)
 
 
 def broadcast(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:

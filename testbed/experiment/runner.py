@@ -99,8 +99,10 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
     from testbed.netlock import emulation_lock
 
     run_idx = 0
+    t0 = time.monotonic()
     # One lock for the whole experiment: no one else's network can interleave with ours.
     with emulation_lock():
+        store.metadata["lock_wait_s"] = round(time.monotonic() - t0, 2)
         i = 0
         while i < len(plan):
             point = plan[i][2]
