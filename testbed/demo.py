@@ -1,12 +1,15 @@
-"""``testbed demo``: the Mininet smoke experiment (temporary).
+"""``testbed demo``: the embedded default experiment, plus the Mininet smoke check.
 
-A star of hosts ``tbh1..`` on one Linux bridge ``tbs1`` with 100 Mb/s HTB-shaped links: ping
-all pairs, measure one link with iperf3 (TCP), print what was measured against what the links
-were shaped to. It proves the machine can emulate networks faithfully.
+:func:`main` (what ``testbed demo`` / ``make demo`` call) runs the real demo of
+:mod:`testbed.experiment.demo`: a star of 4 workers with 100 Mb/s links around one
+programmable switch, an 8 MB allreduce by ring, by in-network aggregation and with
+compression, a table with the α-β model's predictions and a PNG plot.
 
-The experiments layer replaces this module with the real demo (a collective on a star);
-``main() -> int`` is the contract the CLI calls. ``run_smoke`` returns plain data and
-``render`` prints it, so either can be swapped on its own.
+The smoke experiment that stood here before stays available as :func:`smoke_main`: a star of
+hosts ``tbh1..`` on one Linux bridge ``tbs1`` with 100 Mb/s HTB-shaped links: ping all
+pairs, measure one link with iperf3 (TCP), print what was measured against what the links
+were shaped to. It proves the machine can emulate networks faithfully. ``run_smoke`` returns
+plain data and ``render`` prints it.
 """
 
 from __future__ import annotations
@@ -128,7 +131,15 @@ def render(result: dict) -> None:
 
 
 def main() -> int:
-    """CLI entry: run the smoke star under the emulation lock; 0 when everything passed."""
+    """CLI entry: the embedded default experiment (testbed.experiment.demo); 0 when every run
+    finished with a correct result."""
+    from testbed.experiment.demo import main as experiment_demo
+
+    return experiment_demo()
+
+
+def smoke_main() -> int:
+    """The Mininet smoke check under the emulation lock; 0 when everything passed."""
     from rich.console import Console
 
     err = Console(stderr=True)

@@ -70,7 +70,7 @@ def test_children_are_reaped():
 
 @pytest.mark.parametrize("name, params, ef", [
     ("qsgd", {}, False),
-    ("topk", {"ratio": 0.05}, True),
+    ("randomk", {"ratio": 0.05}, True),
     ("fp16", {}, False),
 ])
 def test_compressed_allreduce(name, params, ef):

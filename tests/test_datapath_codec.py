@@ -8,14 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+
+from testbed.datapath.batch import PORT_UNSET, Batch
+from testbed.datapath.codec import CodecStage
 from testbed.kernels import packets, wire
 from testbed.kernels.compressors import get_compressor
 from testbed.kernels.reference import compressors as ref_comp
 from testbed.kernels.reference import fixedpoint as ref_fixed
 from testbed.kernels.reference.packets import ipv4_checksum
-
-from testbed.datapath.batch import PORT_UNSET, Batch
-from testbed.datapath.codec import CodecStage
 
 HOST, NET = 0, 1
 F = wire.FIELD_OFFSETS

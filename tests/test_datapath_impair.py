@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from testbed.kernels import packets, wire
-from testbed.kernels.reference import packets as ref_packets
-from testbed.kernels.reference.trimming import uniform01 as ref_uniform01
 
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET, Batch, DropReason
 from testbed.datapath.impair import ImpairStage, port_seed
+from testbed.kernels import packets, wire
+from testbed.kernels.reference import packets as ref_packets
+from testbed.kernels.reference.trimming import uniform01 as ref_uniform01
 
 T0 = 7_000_000_000
 MS = 1_000_000

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from testbed.kernels import packets, trimming, wire
 
 from testbed.datapath.batch import FRAME_MAX, PORT_DROP, PORT_HELD, PORT_UNSET, Batch
 from testbed.datapath.codec import CodecStage
 from testbed.datapath.impair import ImpairStage
 from testbed.datapath.trim import TrimStage
+from testbed.kernels import packets, trimming, wire
 
 N = 10_000
 BURST = 64

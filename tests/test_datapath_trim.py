@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from testbed.kernels import packets, trimming, wire
-from testbed.kernels.reference import packets as ref_packets
-from testbed.kernels.reference import trimming as ref_trimming
 
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, Batch, DropReason
 from testbed.datapath.trim import TrimStage
+from testbed.kernels import packets, trimming, wire
+from testbed.kernels.reference import packets as ref_packets
+from testbed.kernels.reference import trimming as ref_trimming
 
 T0 = 5_000_000_000  # an arbitrary monotonic clock origin (ns)
 MACS = ("02:00:00:00:00:01", "02:00:00:00:00:02")

@@ -4,7 +4,8 @@ Grid (default): algo in ring, hd, rs, ina x n in 4, 8 x size in 8 MB, 32 MB. ``q
 (or env ``TESTBED_BENCH_QUICK=1``): n = 4, size 1 MB. Networks: ring / hd / rs run on a Linux
 bridge star (the kernel switch stands for a normal datacenter switch); rs uses m = n dedicated
 server hosts (Vertex AI style: each server link carries n*S/m = S). INA runs on a star whose
-switch is the programmable data path (aggregate + forward programs).
+switch is the programmable data path (aggregate + forward programs). Each n gets its own
+networks (2n-host bridge star, n-host programmable star).
 
 Anchor: ring allreduce of the same n and size, measured in the same run; every row carries
 ``vs_ring`` (time / ring time) and ``model_vs_ring`` (the model's ratio). Fidelity targets
@@ -42,20 +43,21 @@ def run(quick: bool = False, reps: int = 1, window: int = 64, log=sys.stderr) ->
     ns, sizes, algos = grid(quick)
     rows: list[dict] = []
     host_algos = [a for a in algos if a != "ina"]
-    nmax = max(ns)
-    t0 = time.monotonic()
     eff = 1.0
-    with TestbedNet(Star(2 * nmax, bw_mbps=100)) as net:
-        print(f"# bridge star ({2 * nmax} hosts) up in {time.monotonic() - t0:.1f} s",
-              file=log)
-        try:
-            gp = calibrate(net)
-            eff = gp / (100e6 * model.GOODPUT["tcp"])
-            print(f"# iperf3 --bidir tbh1<->tbh2: {gp / 1e6:.1f} Mb/s TCP goodput per "
-                  f"direction = {eff:.3f} x the model's goodput", file=log)
-        except Exception as e:  # noqa: BLE001 - calibration is a diagnostic, not required
-            print(f"# iperf3 calibration failed: {e}", file=log)
-        for n in ns:
+    for n in ns:
+        # 2n hosts: the first n are workers, the rest the reduction servers (m = n)
+        t0 = time.monotonic()
+        with TestbedNet(Star(2 * n, bw_mbps=100)) as net:
+            print(f"# bridge star ({2 * n} hosts) up in {time.monotonic() - t0:.1f} s",
+                  file=log)
+            if n == ns[0]:
+                try:
+                    gp = calibrate(net)
+                    eff = gp / (100e6 * model.GOODPUT["tcp"])
+                    print(f"# iperf3 --bidir tbh1<->tbh2: {gp / 1e6:.1f} Mb/s TCP goodput per "
+                          f"direction = {eff:.3f} x the model's goodput", file=log)
+                except Exception as e:  # noqa: BLE001 - a diagnostic, not required
+                    print(f"# iperf3 calibration failed: {e}", file=log)
             for size in sizes:
                 for algo in host_algos:
                     spec = CollectiveSpec(algo=algo, nbytes=size, workers=n, servers=n,
@@ -64,21 +66,20 @@ def run(quick: bool = False, reps: int = 1, window: int = 64, log=sys.stderr) ->
                         r["network"] = "linux-bridge"
                         rows.append(r)
                         print(_line(r), file=log)
-    if "ina" in algos:
+        if "ina" not in algos:
+            continue
         t0 = time.monotonic()
-        topo = Star(nmax, bw_mbps=100, switch="programmable",
-                    programs={"switch": ["aggregate", "forward"]})
+        topo = Star(n, bw_mbps=100, switch="programmable")
         with TestbedNet(topo) as net:
-            print(f"# programmable star ({nmax} hosts) up in {time.monotonic() - t0:.1f} s",
+            print(f"# programmable star ({n} hosts) up in {time.monotonic() - t0:.1f} s",
                   file=log)
-            for n in ns:
-                for size in sizes:
-                    spec = CollectiveSpec(algo="ina", nbytes=size, workers=n, window=window,
-                                          repetitions=reps, timeout_s=60)
-                    for r in run_collective(net, spec):
-                        r["network"] = "programmable"
-                        rows.append(r)
-                        print(_line(r), file=log)
+            for size in sizes:
+                spec = CollectiveSpec(algo="ina", nbytes=size, window=window,
+                                      repetitions=reps, timeout_s=60)
+                for r in run_collective(net, spec):
+                    r["network"] = "programmable"
+                    rows.append(r)
+                    print(_line(r), file=log)
     _add_ratios(rows)
     for r in rows:  # the model with the link goodput measured by iperf3 in this run
         r["link_eff"] = round(eff, 4)
@@ -109,7 +110,8 @@ def calibrate(net, seconds: float = 3.0) -> float:
 def _line(r: dict) -> str:
     return (f"{r['algo']:>5} n={r['n']} {r['bytes'] / MB:5.0f} MB  t={r['time_s']:.3f} s  "
             f"model={r['model_s']:.3f} s  fid={r['fidelity']:.2f}  cpu_bound={r['cpu_bound']} "
-            f"(max {r['cpu_max']:.2f}, wait {r['cpu_wait']:.2f})  correct={r['correct']}")
+            f"(max {r['cpu_max']:.2f}, engine {r['cpu_engine']:.2f}, wait {r['cpu_wait']:.2f})"
+            f"  correct={r['correct']}")
 
 
 def _add_ratios(rows: list[dict]) -> None:
