@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import prange
+
 from testbed.kernels.compressors._common import check_number, check_vector, kernel
 
 __all__ = ["NoMemory", "ResidualMemory", "compress_with_feedback", "ef_compensate", "ef_update"]

@@ -25,6 +25,8 @@ def shrink(exp: Experiment) -> Experiment:
             data["sweep"][path] = [SMALL]
         elif path.endswith("n_hosts"):
             data["sweep"][path] = [v for v in values if v <= 3] or [2]
+        else:  # two sweep points say as much as more here
+            data["sweep"][path] = values[:2]
     topo = data["topology"]
     for key in ("n_hosts", "n_senders"):
         if topo.get(key):
@@ -47,5 +49,9 @@ def test_example_runs_small(path, tmp_path):
         assert col in res.df.columns
     if exp.trimming:
         assert res.df.filter(like="dp_trim_").notna().any().any(), "trim stage counters missing"
+    for k in range(len(exp.cross_traffic)):
+        # the iperf3 flow ran through every run and loaded its source's link
+        assert res.df[f"xt{k}_running"].all()
+        assert (res.df[f"xt{k}_mbps"] > 0.2 * exp.topology.bw_mbps).all(), res.df[f"xt{k}_mbps"]
     if exp.impairments:
         assert res.df.filter(like="dp_impair_seen").sum().sum() > 0, "impair stage saw nothing"

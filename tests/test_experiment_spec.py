@@ -151,3 +151,27 @@ def test_job_options_are_checked_against_the_layers():
     probs = _problems({"jobs": [{"compressor": "zip"}]})
     assert probs[0].startswith("jobs.0.compressor: unknown compressor 'zip'; allowed:")
     assert "qsgd" in probs[0]
+
+
+def test_programs_for_orders_stages_and_sets_port_rates():
+    from testbed.experiment.runner import programs_for
+    from testbed.topologies import make_topology
+
+    exp = parse_experiment({
+        "topology": {"kind": "incast", "n_senders": 2, "bw_mbps": 100},
+        "impairments": [{"node": "tbs1", "loss_pct": 5, "ports": [1]},
+                        {"node": "tbs1", "delay_ms": 2, "direction": "egress"}],
+        "trimming": [{"node": "tbs1", "rate_mbps": 40, "threshold_bytes": 9000,
+                      "ports": [0]}],
+        "jobs": [{"op": "incast"}]})
+    topo = make_topology("incast", n_senders=2, bw_mbps=100, switch="programmable")
+    progs = programs_for(exp, topo)
+    names = [n for n, _ in progs["tbs1"]]
+    assert names == ["impair", "aggregate", "forward", "impair", "trim"]
+    imp = progs["tbs1"][0][1]
+    assert imp["loss"] == {1: 0.05} and imp["direction"] == "ingress"
+    trim = progs["tbs1"][-1][1]
+    assert trim["rate_mbps"] == {"tbs1-eth2": 100.0, "tbs1-eth3": 100.0, 0: 40}
+    assert trim["threshold_bytes"][0] == 9000 and trim["threshold_bytes"]["tbs1-eth2"] > 1e9
+    with pytest.raises(ValueError, match="not a programmable node"):
+        programs_for(exp, make_topology("incast", n_senders=2, switch="bridge"))

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from testbed.kernels.compressors import COMPRESSORS, decode_any, get_compressor
 from testbed.kernels.compressors import _common as cm
 from testbed.kernels.compressors import _select as sel
@@ -750,6 +751,7 @@ def test_fp16_software_path_matches_numpy():
 def test_kernels_callable_from_njit_per_packet():
     """The data path calls the codecs per packet from its own @njit code."""
     from numba import njit
+
     from testbed.kernels.compressors.bf16 import bf16_encode
     from testbed.kernels.compressors.fp16 import fp16_encode
     from testbed.kernels.compressors.qsgd import qsgd_quantize
@@ -796,3 +798,29 @@ def test_kth_smallest_gather_scatter_equal_twins(x, data):
     expect = np.zeros(x.size, np.float32)
     expect[idx] = x[idx]
     np.testing.assert_array_equal(out, expect)
+
+
+def test_cached_parallel_path_in_fresh_process():
+    """A new process that loads the kernels from Numba's cache and takes the prange path
+    (>= PAR_MIN elements) through a serial caller must not crash (it did when the thread
+    pool was not started at import)."""
+    import subprocess
+    import sys
+
+    n = cm.PAR_MIN + 123
+    x = rand(n, 50)
+    idx = np.empty(n // 100, np.int32)
+    sel.topk_select(x, n // 100, idx)  # compiled (and cached) here
+    code = ("import numpy as np\n"
+            "from testbed.kernels.compressors._select import topk_select\n"
+            "from testbed.kernels.compressors.signsgd import sign_pack\n"
+            f"x = np.random.default_rng(50).standard_normal({n}).astype(np.float32)\n"
+            f"idx = np.empty({n // 100}, np.int32)\n"
+            f"topk_select(x, {n // 100}, idx)\n"
+            f"bits = np.empty({(n + 7) // 8}, np.uint8)\n"
+            "sign_pack(x, bits)\n"
+            "assert np.array_equal(bits, np.packbits(x >= 0, bitorder='little'))\n"
+            "print(int(idx.sum()))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.strip()) == int(idx.astype(np.int64).sum())

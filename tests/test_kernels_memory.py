@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from testbed.kernels.compressors import get_compressor
 from testbed.kernels.memory import (
     NoMemory,

@@ -10,6 +10,7 @@ qsgd), ``np.argpartition`` for topk, and each kernel's numpy twin for the rest.
 from __future__ import annotations
 
 import numpy as np
+
 from testbed.kernels.benchutil import best_seconds, row
 from testbed.kernels.reference import compressors as ref
 

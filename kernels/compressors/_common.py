@@ -31,6 +31,11 @@ _INV24 = 1.0 / 16777216.0
 #: dominate per-packet calls from the data path.
 PAR_MIN = 1 << 20
 
+# Start Numba's parallel thread pool now. A cache-loaded serial @njit function that calls one
+# of the prange kernels below does not launch it itself, and the first parallel call then
+# segfaults (observed with numba 0.68 + the OpenMP layer); compiling in-process hides this.
+numba.get_num_threads()
+
 #: Elements per partial sum in the chunked reductions: fixed (not per thread) so that the
 #: result does not depend on the number of threads.
 REDUCE_CHUNK = 1 << 16

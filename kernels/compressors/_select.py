@@ -21,7 +21,7 @@ SELECT_CHUNK = 1 << 15
 @intrinsic
 def ge_mask64(typingctx, x, base, t):
     """uint64 whose bit j is ``|x[base + j]| >= t`` (C-contiguous float32 ``x``, float32 ``t``):
-    64 floats are loaded, fabs-ed and compared as one LLVM vector (vcmpps + kmov on AVX-512)."""
+    64 floats are loaded, sign-cleared and compared as one LLVM vector (vcmpps + kmov on AVX-512)."""
     if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C"
             and isinstance(base, types.Integer) and t == types.float32):
         return None
@@ -31,7 +31,9 @@ def ge_mask64(typingctx, x, base, t):
         vty = ir.VectorType(ir.FloatType(), 64)
         v = builder.load(builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer()),
                          align=4)
-        a = builder.call(builder.module.declare_intrinsic("llvm.fabs", [vty]), [v])
+        ity = ir.VectorType(ir.IntType(32), 64)  # |v|: clear the sign bits
+        a = builder.bitcast(builder.and_(builder.bitcast(v, ity),
+                                         ir.Constant(ity, [0x7FFFFFFF] * 64)), vty)
         undef = ir.Constant(vty, ir.Undefined)
         one = builder.insert_element(undef, args[2], ir.Constant(ir.IntType(32), 0))
         tv = builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 64),

@@ -9,6 +9,7 @@ bit-exact twins; float reductions (norms, means, matrix products) agree to round
 from __future__ import annotations
 
 import numpy as np
+
 from testbed.kernels.compressors._common import stream_key  # noqa: F401  (pure Python, shared)
 
 _M32 = np.uint64(0xFFFFFFFF)

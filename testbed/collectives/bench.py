@@ -169,7 +169,8 @@ def scale(ns: tuple[int, ...] = (2, 4, 8, 16, 32), nbytes: int = 1 * MB, algo: s
           log=sys.stderr) -> list[dict]:
     """Set-up time, memory and completion of an allreduce as the worker count grows.
 
-    One bridge star of ``max(ns)`` hosts (its build time is reported once, as ``net_s``);
+    One star of ``max(ns)`` hosts (bridge; programmable for ina; its build time is reported
+    once, as ``net_s``);
     per n one ``algo`` allreduce of ``nbytes``. Returns rows with n, net_s, setup_s (pool
     process start + fork + connections), mem_mb (PSS of pool + children), time_s, correct.
     """
@@ -177,7 +178,8 @@ def scale(ns: tuple[int, ...] = (2, 4, 8, 16, 32), nbytes: int = 1 * MB, algo: s
 
     out = []
     t0 = time.monotonic()
-    with TestbedNet(Star(max(ns), bw_mbps=100)) as net:
+    sw = "programmable" if algo in ("ina", "nic") else "bridge"
+    with TestbedNet(Star(max(ns), bw_mbps=100, switch=sw)) as net:
         net_s = time.monotonic() - t0 - net.timings.get("lock_wait_s", 0.0)
         for n in ns:
             spec = CollectiveSpec(algo=algo, nbytes=nbytes, workers=n, servers=n,

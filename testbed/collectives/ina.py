@@ -25,6 +25,15 @@ the host's shaped egress queue (W packets at 100 Mb/s ~ 11 ms for W=128) and a u
 switch on a shared CPU, where a fixed 10 ms would retransmit nearly every window. Results are written
 by chunk offset. ``loss`` drops outgoing contributions and incoming results with that
 probability (seeded), to exercise recovery when the switch has no impair stage.
+
+Hot loop: ``recvmmsg`` a burst of RESULTs straight into a numpy buffer, one ``@njit`` call
+(``inakernel.on_results``) applies them and builds the next packets in place, one
+``sendmmsg`` sends them; Python only loops over bursts and timers. After a partial burst the
+worker sleeps up to 1.5 ms (interrupt coalescing; capped at a quarter of the window) so
+bursts are several packets long. Measured on the loaded 2-core dev machine, 8 MB at n=4,
+worker CPU per packet (send + result): 23-33 us per-packet Python, 22 us batched, 13-15 us
+batched + coalescing (the wake-ups, not the Python, dominated); spurious retransmissions
+fell from 26 % to 1 % once timers are checked only with an empty socket.
 """
 
 from __future__ import annotations

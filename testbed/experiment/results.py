@@ -155,7 +155,7 @@ class Results:
 
     def summary(self, columns: list[str] | None = None):
         """The main columns of the finished runs (a DataFrame that prints well)."""
-        cols = columns or ["label", "algo", "n", "bytes", "time_s", "model_s", "fidelity",
+        cols = columns or ["label", "n", "bytes", "time_s", "model_s", "fidelity",
                            "busbw", "max_abs_err", "correct", "cpu_bound"]
         extra = list(self.metadata.get("sweep_columns", []))
         cols = [c for c in [*extra, *cols] if c in self.df.columns]
@@ -167,14 +167,20 @@ class Results:
         from rich.table import Table
 
         df = self.summary()
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: do not squeeze the columns to 80
+            console = Console(width=160)
         table = Table(title=title or self.metadata.get("name"))
-        for c in df.columns:
-            table.add_column(str(c), justify="right")
-        for _, r in df.iterrows():
-            table.add_row(*(_fmt(v) for v in r))
-        Console().print(table)
+        cells = [[_fmt(v) for v in r] for _, r in df.iterrows()]
+        for i, c in enumerate(df.columns):
+            head = _SHORT.get(str(c), str(c))
+            width = max([len(head)] + [len(row[i]) for row in cells])
+            table.add_column(head, justify="right", no_wrap=True, min_width=width)
+        for row in cells:
+            table.add_row(*row)
+        console.print(table)
         for f in self.failures:
-            Console().print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] "
+            console.print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] "
                             f"{f.get('error')}")
 
     def plot(self, x: str = "bytes", y: str = "time_s", out: str | Path | None = None, **kw):
@@ -186,11 +192,17 @@ class Results:
         return plot_metric(self.ok, x=x, y=y, out=out, **kw)
 
 
+_SHORT = {"time_s": "time s", "model_s": "model s", "fidelity": "meas/model",
+          "max_abs_err": "max err", "correct": "ok", "cpu_bound": "cpu"}
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if v != v:
             return "-"
-        return f"{v:.4g}"
+        return f"{v:.3g}"
+    if type(v).__name__ in ("bool", "bool_"):
+        return "yes" if v else "no"
     return str(v)
 
 

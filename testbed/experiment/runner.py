@@ -118,7 +118,7 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                         "points": sorted({g[0] for g in group}), "describe": desc,
                         "timings": dict(getattr(net, "timings", {}))})
                     store.write_metadata()
-                    _start_cross_traffic(stack, net, point)
+                    xt = _start_cross_traffic(stack, net, point)
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except Exception as e:  # the network failed: every run of the group fails
@@ -135,7 +135,7 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     continue
                 for (pi, params, pt, ji, job, size) in group:
                     try:
-                        rows = _run_one(net, pt, job, size, out, run_idx)
+                        rows = _run_one(net, pt, job, size, out, run_idx, xt)
                         for r in rows:
                             store.append(_ok_row(run_idx, pi, params, pt, ji, job, size, r))
                     except (KeyboardInterrupt, SystemExit):
@@ -238,8 +238,8 @@ def programs_for(point: Experiment, topo) -> dict[str, list]:
                    if i.node == node and i.direction == "ingress"]
         egress = [("impair", _impair_settings(i, point.seed)) for i in point.impairments
                   if i.node == node and i.direction == "egress"]
-        trims = [("trim", _trim_settings(t, point.topology.bw_mbps)) for t in point.trimming
-                 if t.node == node]
+        trims = [("trim", _trim_settings(t, point.topology.bw_mbps, _port_rates(topo, node)))
+                 for t in point.trimming if t.node == node]
         middle = [("forward", {})]
         if getattr(topo, "aggregator_switch", None) == node:
             middle = [("aggregate", {}), ("forward", {})]
@@ -264,20 +264,46 @@ def _impair_settings(imp, seed: int) -> dict[str, Any]:
             "jitter_ms": _per_port(imp.jitter_ms, imp.ports)}
 
 
-def _trim_settings(tr, bw_mbps: float) -> dict[str, Any]:
+def _port_rates(topo, node: str) -> dict[str, float]:
+    """Interface name -> link rate (Mb/s) of each port of ``node`` (shaped links only)."""
+    rates = {}
+    for s in getattr(topo, "link_specs", []):
+        for end, port in ((s.a, s.port_a), (s.b, s.port_b)):
+            if end == node and s.bw_mbps:
+                rates[f"{node}-eth{port}"] = float(s.bw_mbps)
+    return rates
+
+
+def _trim_settings(tr, bw_mbps: float, port_rates: dict[str, float] | None = None
+                   ) -> dict[str, Any]:
     rate = tr.rate_mbps or bw_mbps
     s: dict[str, Any] = {"mode": tr.mode, "queue_slots": tr.queue_slots}
     if tr.ports is None:
         s.update(rate_mbps=rate, threshold_bytes=tr.threshold_bytes)
-    else:
-        # Every port goes through the queue; the chosen ones drain at rate_mbps.
-        s["rate_mbps"] = {p: rate for p in tr.ports}
-        s["threshold_bytes"] = {p: tr.threshold_bytes for p in tr.ports}
+        return s
+    # Every port goes through the stage's queue: the chosen ones drain at rate_mbps with the
+    # threshold, the others at their own link rate with no trimming below a full queue.
+    names = [p if isinstance(p, str) else None for p in tr.ports]
+    rates: dict[Any, float] = dict(port_rates or {})
+    thresholds: dict[Any, int] = {k: 1 << 40 for k in rates}
+    for p, name in zip(tr.ports, names, strict=True):
+        key = name if name is not None else p
+        if name is None:  # an index: drop the name-keyed default of the same port
+            for k in list(rates):
+                if k.endswith(f"-eth{p + 1}"):
+                    rates.pop(k)
+                    thresholds.pop(k, None)
+        rates[key] = rate
+        thresholds[key] = tr.threshold_bytes
+    s["rate_mbps"] = rates
+    s["threshold_bytes"] = thresholds
     return s
 
 
-def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) -> None:
+def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) -> list:
+    """Start every iperf3 flow of ``point``; return ``[(client process, src host), ...]``."""
     hosts = net.hosts
+    flows = []
     for k, ct in enumerate(point.cross_traffic):
         if max(ct.src, ct.dst) >= len(hosts):
             raise ValueError(f"cross_traffic.{k}: host index {max(ct.src, ct.dst)} out of "
@@ -294,8 +320,30 @@ def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) ->
             cmd += ["-b", f"{ct.bw_mbps}M"]
         client = src.popen(cmd)
         stack.callback(_stop, client)
+        flows.append((client, src))
     if point.cross_traffic and point.settle_s:
         time.sleep(point.settle_s)
+    return flows
+
+
+def _tx_bytes(host) -> int | None:
+    """Bytes sent so far by ``host``'s interface (read inside its namespace)."""
+    out = host.cmd(f"ip -s -j link show dev {host.defaultIntf().name}")
+    try:
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _cross_traffic_cols(xt: list, before: list, seconds: float) -> dict[str, Any]:
+    """Per flow k: ``xt<k>_mbps`` (its source's send rate during the run) and
+    ``xt<k>_running`` (the iperf3 client was still running at the end)."""
+    cols: dict[str, Any] = {}
+    for k, ((client, src), b) in enumerate(zip(xt, before, strict=True)):
+        a = _tx_bytes(src)
+        cols[f"xt{k}_mbps"] = (a - b) * 8 / seconds / 1e6 if None not in (a, b) else None
+        cols[f"xt{k}_running"] = client.poll() is None
+    return cols
 
 
 def _stop(proc, sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
@@ -322,10 +370,13 @@ def _collective_spec(job: JobSpec, size: int, point: Experiment):
                           repetitions=job.repetitions, **job.options)
 
 
-def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx: int
-             ) -> list[dict]:
+def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx: int,
+             xt: list | None = None) -> list[dict]:
     from testbed.collectives import run_collective
 
+    xt = xt or []
+    xt_before = [_tx_bytes(src) for _, src in xt]
+    t0 = time.monotonic()
     before = _counters(net)
     with contextlib.ExitStack() as stack:
         captures = _start_captures(stack, net, point, out, run_idx)
@@ -337,7 +388,8 @@ def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx
         cap_cols = _summarise_captures(captures, out, run_idx)
     after = _counters(net)
     dp_cols = _counter_deltas(before, after, out, run_idx)
-    return [{**r, **dp_cols, **cap_cols} for r in rows]
+    xt_cols = _cross_traffic_cols(xt, xt_before, time.monotonic() - t0) if xt else {}
+    return [{**r, **dp_cols, **cap_cols, **xt_cols} for r in rows]
 
 
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
