@@ -40,3 +40,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "impo
     "$VENV/bin/pip" install -q -e '.[test]'
     echo "$want" > "$stamp"
 fi
+
+# Numba's on-disk cache (cache=True) is keyed on each function's own source file only: a kernel
+# that calls a changed kernel in another file would load stale machine code (seen to segfault).
+# Drop every cached kernel older than the newest Python source, so they recompile once.
+newest=$(find kernels testbed topologies -name '*.py' -printf '%T@ %p\n' 2>/dev/null | sort -n | tail -1 | cut -d' ' -f2-)
+if [ -n "$newest" ]; then
+    stale=$(find kernels testbed topologies -path '*__pycache__*' \( -name '*.nbi' -o -name '*.nbc' \) ! -newer "$newest" -print -delete 2>/dev/null | wc -l)
+    [ "$stale" -eq 0 ] || echo "setup: dropped $stale stale Numba cache files"
+fi

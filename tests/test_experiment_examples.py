@@ -53,5 +53,8 @@ def test_example_runs_small(path, tmp_path):
         # the iperf3 flow ran through every run and loaded its source's link
         assert res.df[f"xt{k}_running"].all()
         assert (res.df[f"xt{k}_mbps"] > 0.2 * exp.topology.bw_mbps).all(), res.df[f"xt{k}_mbps"]
+    if exp.codec is not None:
+        nic = res.df[res.df["algo"] == "nic"]
+        assert (nic["dp_nic_codec_encoded"] > 0).all() and (nic["dp_nic_codec_decoded"] > 0).all()
     if exp.impairments:
         assert res.df.filter(like="dp_impair_seen").sum().sum() > 0, "impair stage saw nothing"

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from testbed.experiment.spec import (
     Experiment,
@@ -175,3 +177,21 @@ def test_programs_for_orders_stages_and_sets_port_rates():
     assert trim["threshold_bytes"][0] == 9000 and trim["threshold_bytes"]["tbs1-eth2"] > 1e9
     with pytest.raises(ValueError, match="not a programmable node"):
         programs_for(exp, make_topology("incast", n_senders=2, switch="bridge"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(4, 1 << 24), min_size=1, max_size=4, unique=True),
+       ns=st.lists(st.integers(1, 64), min_size=1, max_size=3, unique=True),
+       algos=st.lists(st.sampled_from(["ring", "hd", "rs", "ina", "nic"]), min_size=1,
+                      max_size=3, unique=True))
+def test_sweep_expansion_property(sizes, ns, algos):
+    exp = parse_experiment({"jobs": [{}], "sweep": {"jobs.0.nbytes": sizes,
+                                                    "topology.n_hosts": ns,
+                                                    "jobs.0.algo": algos}})
+    points = expand_sweep(exp)
+    assert len(points) == len(sizes) * len(ns) * len(algos)
+    combos = {(p["jobs.0.nbytes"], p["topology.n_hosts"], p["jobs.0.algo"]) for p, _ in points}
+    assert combos == {(b, n, a) for b in sizes for n in ns for a in algos}
+    for params, point in points:
+        assert (point.jobs[0].sizes(), point.topology.n_hosts, point.jobs[0].algo) == (
+            [params["jobs.0.nbytes"]], params["topology.n_hosts"], params["jobs.0.algo"])

@@ -60,6 +60,10 @@ def render(res) -> dict[str, Any]:
 
     con = Console(width=max(Console().width, 100))
     df = res.ok
+    if len(df) == 0:
+        for f in res.failures:
+            con.print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] {f.get('error')}")
+        return {"labels": []}
     means = df.groupby("label", sort=False)[["time_s", "model_s", "busbw", "max_abs_err"]].mean()
     correct = df.groupby("label", sort=False)["correct"].all()
     cpu = df.groupby("label", sort=False)["cpu_bound"].any()
