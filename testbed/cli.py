@@ -93,5 +93,17 @@ def bench_collectives(json_out: bool = typer.Option(False, "--json")) -> None:
     raise typer.Exit(main(json_out=json_out))
 
 
+@bench_app.command("all")
+def bench_all(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Every benchmark in turn (kernels, data path, collectives); exit status of the worst."""
+    from testbed.collectives.bench import main as collectives
+    from testbed.datapath.bench import main as datapath
+    from testbed.kernels.bench import main as kernels
+
+    codes = [kernels(json_out=json_out, elements=25_000_000), datapath(json_out=json_out),
+             collectives(json_out=json_out)]
+    raise typer.Exit(max(codes))
+
+
 if __name__ == "__main__":
     app()
