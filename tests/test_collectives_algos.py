@@ -56,6 +56,17 @@ def test_reduction_server(n, m):
     assert r["reps"][0]["correct"]
 
 
+def test_reduction_server_credit_window():
+    """Many more pieces per server (4 KiB each) than the credit window holds, so most sends
+    wait for a returned sum; int32 makes any misplaced or repeated piece visible."""
+    from testbed.collectives.model import rs_window_pieces
+
+    assert rs_window_pieces(4096) < 300_001 * 4 // 2 // 4096
+    r = _run(3, 2, algo="rs", nbytes=4 * 300_001, servers=2, dtype="int32", repetitions=2)
+    assert r["error"] is None, r["error"]
+    assert all(rep["correct"] and rep["max_abs_err"] == 0.0 for rep in r["reps"])
+
+
 def test_int32_is_exact():
     r = _run(5, op="allreduce", algo="ring", nbytes=4 * 5_003, dtype="int32")
     assert r["error"] is None and r["reps"][0]["correct"]

@@ -53,10 +53,17 @@ def test_ina_is_independent_of_n_and_beats_ring():
 
 def test_reduction_server_link_loads():
     t = S / model.goodput_Bps("rs", B)
-    fill = model.rs_chunk_bytes(S, 8) / model.goodput_Bps("rs", B)
-    assert model.rs_chunk_bytes(S, 8) == S // 8 // 16
+    # pipeline fill: each worker link carries its first piece to every one of the m servers
+    assert model.rs_chunk_bytes(S, 8) == S // 8 // model.RS_PIECES
+    # pieces fit the credit window four times; never below 4 KiB
+    assert model.rs_chunk_bytes(S, 1) == model.RS_WINDOW_BYTES // 4
+    assert model.rs_chunk_bytes(1000, 4) == 4096
+    fill = 8 * model.rs_chunk_bytes(S, 8) / model.goodput_Bps("rs", B)
     assert model.predict("allreduce", "rs", 8, S, B, 0.0, servers=8, colocated=False) == \
         pytest.approx(t + fill)
+    fill1 = model.rs_chunk_bytes(S, 1) / model.goodput_Bps("rs", B)
+    assert model.predict("allreduce", "rs", 8, S, B, 0.0, servers=1, colocated=False) == \
+        pytest.approx(8 * t + fill1)
     # dedicated servers: server links carry n*S/m, worker links S
     assert model.rs_link_load(8, 1, False) == 8.0
     assert model.rs_link_load(8, 8, False) == 1.0
@@ -64,6 +71,15 @@ def test_reduction_server_link_loads():
     assert model.rs_link_load(4, 1, True) == pytest.approx(3.0)
     assert model.rs_link_load(4, 4, True) == pytest.approx(1.5)
     assert model.rs_link_load(4, 2, True) == pytest.approx(2.0)
+
+
+def test_reduction_server_window_follows_the_link_rate():
+    c = model.rs_chunk_bytes(8 << 20, 4)
+    assert model.rs_window_pieces(c) == model.RS_WINDOW_BYTES // c
+    assert model.rs_window_pieces(c, 100e6) == model.RS_WINDOW_BYTES // c
+    # 1 Gb/s: 10 ms of the link (1.25 MB) in flight per server flow
+    assert model.rs_window_pieces(c, 1e9) == int(1e9 / 8 * 0.01) // c
+    assert model.rs_window_pieces(256 << 10) == 2  # never less than double buffering
 
 
 @pytest.mark.parametrize("n", [2, 5, 8])

@@ -11,12 +11,13 @@ from testbed.datapath.aggclient import header_bytes, udp_frame
 from testbed.datapath.aggregate import (
     DEFAULT_AGG_IP,
     DEFAULT_AGG_MAC,
+    THC_MAX_ELEMS,
     AggregateReference,
     AggregateStage,
 )
-from testbed.datapath.batch import PORT_HELD, PORT_UNSET, Batch
+from testbed.datapath.batch import PORT_HELD, PORT_UNSET, Batch, DropReason
 from testbed.datapath.forward import ip_to_int, mac_to_int
-from testbed.kernels.wire import HEADER_OFFSET, MsgType
+from testbed.kernels.wire import HEADER_OFFSET, Codec, Flags, MsgType
 
 AGG_MAC = mac_to_int(DEFAULT_AGG_MAC).to_bytes(6, "big")
 AGG_IP = ip_to_int(DEFAULT_AGG_IP).to_bytes(4, "big")
@@ -104,6 +105,120 @@ def test_kernel_matches_reference(events, burst, seed):
             exp_res.extend(out)
         assert dec == exp_dec
         assert res == exp_res
+
+
+def _thc_frame(job, worker, k, slots, vals, mt=MsgType.DATA, codec=Codec.THC):
+    vals = np.asarray(vals, dtype=np.int8)
+    hdr = header_bytes(int(mt), job, worker, k % slots, (k // slots) % 2, 3, vals.size,
+                       k * vals.size, exponent=k, codec=int(codec))
+    mac = bytes([2, 0, 0, 0, job, worker])
+    ip = bytes([10, job, 0, worker + 1])
+    return udp_frame(mac, AGG_MAC, ip, AGG_IP, 5000 + worker, 41000, hdr + vals.tobytes())
+
+
+def _lanes(frame):
+    """(elem_count, lane bytes, flags, int64 values) of a RESULT frame."""
+    ne = int.from_bytes(frame[HEADER_OFFSET + 16:HEADER_OFFSET + 18], "little")
+    pl = len(frame) - HEADER_OFFSET - 28
+    lane = pl // ne
+    vals = np.frombuffer(frame, {1: "<i1", 2: "<i2", 4: "<i4"}[lane], ne, HEADER_OFFSET + 28) \
+        if lane else np.zeros(0)
+    return ne, lane, frame[HEADER_OFFSET + 11], vals.astype(np.int64)
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_thc_int8_lanes_exact_sums(n):
+    """THC: n = 2..8 workers' int8 lanes summed exactly (int32 registers); the RESULT comes
+    back in the narrowest lane that holds the sums; kernel == twin byte for byte, shadow answer
+    included."""
+    rng = np.random.default_rng(n)
+    stage = AggregateStage(pool_slots=4, max_elems=16, jobs={5: {"n_workers": n, "slots": 2}})
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, {5: (0, 2, n)}, max_elems=16)
+    # chunk 0: levels of THC (|v| <= 8) -> int8 result for n <= 8 (|sum| <= 64);
+    # chunk 1: full int8 range -> needs int16 for n >= 2; both with 1024 lanes (4x the int32
+    # packet's elements)
+    for k, hi, ne in ((0, 8, 1024), (1, 127, 600)):
+        vals = [rng.integers(-hi, hi + 1, ne) for _ in range(n)]
+        vals[0][:2] = (-hi, hi)
+        frames = [_thc_frame(5, w, k, 2, vals[w]) for w in range(n)]
+        dec, res = _run_kernel(stage, frames, list(range(n)))
+        exp = [ref.process(f, w) for w, f in enumerate(frames)]
+        assert dec == [(d, r) for d, r, _ in exp] == [(PORT_HELD, 0)] * n
+        assert res == [o for _, _, out in exp for o in out]
+        want = np.sum(vals, axis=0, dtype=np.int64)
+        lane = 1 if np.abs(want).max() <= 127 and want.min() >= -128 else 2
+        assert len(res) == n
+        for _port, fr in res:
+            got_ne, got_lane, flags, got = _lanes(fr)
+            assert (got_ne, got_lane, flags) == (ne, lane, 0)
+            assert np.array_equal(got, want)
+        # a lost result: the retransmission is answered from the shadow set, same bytes
+        d2, r2 = _run_kernel(stage, [_thc_frame(5, n - 1, k, 2, vals[n - 1],
+                                                MsgType.RETRANSMIT)], [n - 1])
+        _, _, out = ref.process(_thc_frame(5, n - 1, k, 2, vals[n - 1], MsgType.RETRANSMIT),
+                                n - 1)
+        assert d2 == [(PORT_HELD, 0)] and r2 == out and _lanes(r2[0][1])[3].tolist() == \
+            want.tolist()
+    assert stage.counters()["contributions"] == 2 * n
+
+
+def test_thc_overflow_flag_and_codec_checks():
+    """Sums that fit no lane within the MTU -> OVERFLOW flag and no payload (never wrapped);
+    a THC packet into an INT32 set is refused; THC length/limit checks; codecs setting."""
+    stage = AggregateStage(pool_slots=2, max_elems=16, jobs={1: {"n_workers": 2, "slots": 2}})
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, {1: (0, 2, 2)}, max_elems=16)
+    big = np.full(1024, 100, np.int8)  # sums 200: int16 x 1024 = 2048 B > MTU
+    frames = [_thc_frame(1, w, 0, 2, big) for w in range(2)]
+    dec, res = _run_kernel(stage, frames, [0, 1])
+    assert res == [o for f, w in zip(frames, (0, 1), strict=True) for o in ref.process(f, w)[2]]
+    for _, fr in res:
+        ne, lane, flags, _ = _lanes(fr)
+        assert (ne, lane, flags) == (1024, 0, int(Flags.OVERFLOW))
+    # mixed codecs in one slot set: the second contribution is dropped, not added
+    i32 = _frame(1, 0, 1, 2, 4, np.random.default_rng(0))
+    t8 = _thc_frame(1, 1, 1, 2, np.ones(4, np.int8))
+    dec, res = _run_kernel(stage, [i32, t8], [0, 1])
+    assert dec == [(PORT_HELD, 0), (-2, int(DropReason.BAD_CODEC))] and res == []
+    # more than THC_MAX_ELEMS lanes, or a length that is not elem_count bytes -> BAD_LENGTH
+    too_many = _thc_frame(1, 0, 2, 2, np.ones(THC_MAX_ELEMS + 1, np.int8))
+    short = bytearray(_thc_frame(1, 0, 2, 2, np.ones(8, np.int8)))
+    short[HEADER_OFFSET + 16] = 9
+    for f in (too_many, bytes(short)):
+        assert _run_kernel(stage, [f], [0])[0] == [(-2, int(DropReason.BAD_LENGTH))]
+        assert ref.process(f, 0)[:2] == (-2, int(DropReason.BAD_LENGTH))
+    # an INT32-only switch refuses THC
+    only = AggregateStage(pool_slots=2, max_elems=16, codecs=["INT32"],
+                          jobs={1: {"n_workers": 2, "slots": 2}})
+    assert only.values.shape[2] == 16  # no THC registers allocated
+    assert _run_kernel(only, [t8], [1])[0] == [(-2, int(DropReason.BAD_CODEC))]
+    only.configure(codecs=["INT32", "THC"])
+    assert only.values.shape[2] == THC_MAX_ELEMS
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(1, 40),
+                          st.sampled_from([MsgType.DATA, MsgType.RETRANSMIT]),
+                          st.sampled_from([Codec.THC] * 4 + [Codec.INT32])),
+                min_size=1, max_size=30), st.integers(1, 6), st.integers(0, 2**31))
+def test_thc_kernel_matches_reference(events, burst, seed):
+    """Random THC/INT32 contributions and retransmissions (varying lane counts, so element
+    mismatches too): kernel == Python twin, decisions and RESULT bytes."""
+    rng = np.random.default_rng(seed)
+    stage = _stage()
+    ref = _reference(stage)
+    frames, ports = [], []
+    for w, k, ne, mt, codec in events:
+        if codec == Codec.THC:
+            frames.append(_thc_frame(1, w, k, 2, rng.integers(-128, 128, ne), mt))
+        else:
+            frames.append(_frame(1, w, k, 2, min(ne, 16), rng, mt))
+        ports.append(w)
+    for lo in range(0, len(frames), burst):
+        fr, po = frames[lo:lo + burst], ports[lo:lo + burst]
+        dec, res = _run_kernel(stage, fr, po)
+        exp = [ref.process(f, p) for f, p in zip(fr, po, strict=True)]
+        assert dec == [(d, r) for d, r, _ in exp]
+        assert res == [o for _, _, out in exp for o in out]
 
 
 def test_complete_aggregation_sum_and_shadow_answer():

@@ -9,8 +9,11 @@ networks (2n-host bridge star, n-host programmable star).
 
 Anchor: ring allreduce of the same n and size, measured in the same run; every row carries
 ``vs_ring`` (time / ring time) and ``model_vs_ring`` (the model's ratio). Fidelity targets
-(checked and printed): no n=4 run cpu_bound; ring and INA within 10 % of model_s when not
-cpu_bound; INA/ring ratio within 10 % of the model's ratio.
+(checked and printed): no n=4 run cpu_bound; ring, rs and INA within 10 % of model_s when
+not cpu_bound; INA/ring ratio within 10 % of the model's ratio.
+
+``python -m testbed.collectives.bench rs [MB,...]``: the reduction server's fidelity for
+dedicated (m = 4, 2, 1) and co-located servers, ring as the anchor (:func:`rs_fidelity`).
 """
 
 from __future__ import annotations
@@ -128,10 +131,10 @@ def targets(rows: list[dict]) -> dict:
     n4 = [r for r in rows if r["n"] == 4]
     bad = [f"{r['algo']}/{r['bytes'] // MB}MB" for r in n4 if r["cpu_bound"]]
     out["no n=4 run cpu_bound"] = (not bad, f"cpu_bound: {bad}" if bad else "none")
-    fid = [r for r in rows if r["algo"] in ("ring", "ina") and not r["cpu_bound"]]
+    fid = [r for r in rows if r["algo"] in ("ring", "rs", "ina") and not r["cpu_bound"]]
     off = [f"{r['algo']}/n{r['n']}/{r['bytes'] // MB}MB:{r['fidelity']:.2f}" for r in fid
            if abs(r["fidelity"] - 1) > 0.10]
-    out["ring/ina within 10% of model (not cpu_bound)"] = (
+    out["ring/rs/ina within 10% of model (not cpu_bound)"] = (
         bool(fid) and not off, f"{len(fid)} eligible; off: {off}" if fid else "no eligible run")
     ina = [r for r in rows if r["algo"] == "ina" and r["vs_ring"] == r["vs_ring"]]
     off = [f"n{r['n']}/{r['bytes'] // MB}MB: {r['vs_ring']:.2f} vs {r['model_vs_ring']:.2f}"
@@ -195,3 +198,35 @@ def scale(ns: tuple[int, ...] = (2, 4, 8, 16, 32), nbytes: int = 1 * MB, algo: s
             print(row, file=log)
             out.append(row)
     return out
+
+
+def rs_fidelity(sizes_mb: tuple[int, ...] = (8,), reps: int = 2, bw_mbps: int = 100,
+                log=sys.stdout) -> list[dict]:
+    """Reduction-server fidelity (time / model) on one 8-host star: ring n=4 (anchor), rs
+    n=4 with m = 4, 2, 1 dedicated servers, rs n=8 with m=4 co-located. Prints one line per
+    repetition (with ``vs_ring`` and the model's ratio) and returns the rows."""
+    from testbed.topologies import Star, TestbedNet
+
+    cases = [("ring", 4, 1), ("rs", 4, 4), ("rs", 4, 2), ("rs", 4, 1), ("rs", 8, 4)]
+    rows: list[dict] = []
+    with TestbedNet(Star(8, bw_mbps=bw_mbps)) as net:
+        for mb in sizes_mb:
+            for algo, n, m in cases:
+                spec = CollectiveSpec(algo=algo, nbytes=mb * MB, workers=n, servers=m,
+                                      repetitions=reps, timeout_s=60)
+                for r in run_collective(net, spec):
+                    r["servers"] = m if algo == "rs" else 0
+                    r["placement"] = "co-located" if n + m > 8 else "dedicated"
+                    rows.append(r)
+    _add_ratios(rows)
+    for r in rows:
+        print(f"{_line(r)}  m={r['servers']} {r['placement']}  vs_ring={r['vs_ring']:.2f} "
+              f"(model {r['model_vs_ring']:.2f})", file=log)
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "rs":
+        mbs = tuple(int(v) for v in sys.argv[2].split(",")) if len(sys.argv) > 2 else (8,)
+        sys.exit(0 if all(r["correct"] for r in rs_fidelity(mbs)) else 1)
+    sys.exit(main(json_out="--json" in sys.argv))

@@ -8,6 +8,7 @@ whose children enter the hosts' network namespaces; see worker.py.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -114,7 +115,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
 
         c = get_compressor(spec.compressor, **spec.compressor_params).payload_bytes(spec.count)
         model_s = model.predict("allgather", "ring", n, n * c, bw, alpha)
-    job = {"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks,
+    job = {"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks, "bw_bps": bw,
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
     if spec.algo in ("ina", "nic"):
@@ -138,21 +139,19 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                             start_new_session=True)
     limit = 60 + (spec.timeout_s + 10) * (spec.repetitions + 2)
     try:
-        try:
-            out, _ = proc.communicate(timeout=limit)
-        finally:
-            if agg_client is not None:
-                agg_client.configure("aggregate", remove_jobs=[spec.job_id])
+        out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        shutil.rmtree(jobdir, ignore_errors=True)
+        _stop_pool(proc, jobdir, agg_client, spec.job_id)
         raise CollectiveTimeout(f"collective pool did not finish within {limit:.0f} s") from None
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        shutil.rmtree(jobdir, ignore_errors=True)
+    except BaseException:  # KeyboardInterrupt included: clean up, then re-raise it unchanged
+        _stop_pool(proc, jobdir, agg_client, spec.job_id)
         raise
+    if agg_client is not None:
+        try:
+            agg_client.configure("aggregate", remove_jobs=[spec.job_id])
+        except BaseException:
+            shutil.rmtree(jobdir, ignore_errors=True)
+            raise
     try:
         with open(os.path.join(jobdir, "result.json")) as f:
             result = json.load(f)
@@ -180,6 +179,24 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                              machine_cpu=round(r["machine_cpu"], 3), setup_s=setup_s,
                              mem_mb=round(result.get("mem_mb", 0.0), 1)))
     return rows
+
+
+def _stop_pool(proc: subprocess.Popen, jobdir: str, agg_client, job_id) -> None:
+    """Teardown on a failure or Ctrl-C: kill the pool's process group, reap it, drop the job
+    folder and the switch partition. Runs while an exception propagates, so nothing here may
+    raise and mask it: the group may already be gone (the pool exited, or the terminal's
+    Ctrl-C reached it first: ``ProcessLookupError``), and the switch's control channel may be
+    down."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+        proc.wait()
+    shutil.rmtree(jobdir, ignore_errors=True)
+    if agg_client is not None:
+        try:
+            agg_client.configure("aggregate", remove_jobs=[job_id])
+        except Exception:  # noqa: BLE001, S110 - best effort; the original error matters
+            pass
 
 
 def _configure_nics(net) -> None:

@@ -26,6 +26,8 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 
 #: Elements per INA packet (SwitchML's client default, see kernels.wire).
 INA_ELEMS = 256
+#: Compressors ``algo="ina"`` implements: summable ones the switch adds as small integers.
+INA_COMPRESSORS = ("thc",)
 #: Default outstanding packets (slots) per INA worker.
 DEFAULT_WINDOW = 64
 
@@ -40,7 +42,9 @@ class CollectiveSpec:
     the net). ``servers``: reduction-server count for ``algo="rs"``: placed on the hosts after
     the workers when the net has enough of them, otherwise co-located on workers.
     ``window``: outstanding packets per INA worker (slot pool size). ``chunk_bytes``: TCP
-    pipelining unit. ``loss``: seeded drop probability applied in the INA client on receive
+    pipelining unit. ``compressor``: any compressor with ``algo="ring"`` (allgather of the
+    payloads); with ``algo="ina"`` one of :data:`INA_COMPRESSORS` (summed in the switch).
+    ``loss``: seeded drop probability applied in the INA client on receive
     (client-side impairment when the switch has no impair stage). ``timeout_s``: a peer silent
     that long fails the run with :class:`CollectiveTimeout`.
     """
@@ -116,10 +120,20 @@ class CollectiveSpec:
         if self.compressor is not None and not isinstance(self.compressor, str):
             raise ValueError(f"CollectiveSpec.compressor={self.compressor!r} must be a name "
                              "or None")
-        if self.compressor is not None and (self.op != "allreduce" or self.algo != "ring"):
+        if self.compressor is not None and self.algo == "ina":
+            if self.compressor not in INA_COMPRESSORS:
+                raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: algo='ina' "
+                                 "sums the payloads in the switch, so it takes only a summable "
+                                 f"compressor it implements: one of {INA_COMPRESSORS} (or use "
+                                 "algo='ring' for any compressor)")
+            if self.error_feedback:
+                raise ValueError("CollectiveSpec.error_feedback=True is not implemented for "
+                                 "algo='ina' with a compressor; use error_feedback=False")
+        elif self.compressor is not None and (self.op != "allreduce" or self.algo != "ring"):
             raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: compression is "
                              "applied to allreduce with algo='ring' (allgather of the "
-                             "compressed payloads)")
+                             "compressed payloads) or algo='ina' (compressor one of "
+                             f"{INA_COMPRESSORS})")
         if self.compressor is not None and self.dtype != "float32":
             raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: compressors take float32")
         if self.compressor is not None:

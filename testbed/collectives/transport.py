@@ -95,7 +95,8 @@ class Comm:
     def _tune(self, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Buffers stay autotuned: fixed 4 MiB buffers (SO_*BUFFORCE) were tried for the
-        # reduction server and changed nothing measurable (its fidelity gap is elsewhere).
+        # reduction server and changed nothing measurable (its fidelity gap was uneven TCP
+        # sharing among a worker's flows, fixed by a credit window: see server.py).
 
     def _add(self, p: int, s: socket.socket) -> None:
         s.settimeout(self.timeout_s)

@@ -23,6 +23,7 @@ naming it, and every child is killed and reaped before the pool exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import mmap
@@ -37,7 +38,7 @@ import traceback
 import numpy as np
 
 from testbed.collectives import compress, hd, ring, server
-from testbed.collectives.model import rs_chunk_bytes
+from testbed.collectives.model import rs_chunk_bytes, rs_window_pieces
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveTimeout, Comm
@@ -83,6 +84,51 @@ def peers_of(spec: CollectiveSpec, rank: int, n: int, m: int) -> list[int]:
     if spec.algo == "rs":
         return list(range(n, n + m)) if rank < n else list(range(n))
     return []
+
+
+#: Threading layers whose thread pool survives ``fork`` (Numba's "forksafe" picks tbb when
+#: installed, else workqueue on Linux).
+FORK_SAFE_LAYERS = ("forksafe", "safe", "tbb", "workqueue")
+
+
+def fork_safe_numba() -> bool:
+    """Make Numba's parallel kernels usable in the forked ranks; return whether they are.
+
+    Why: Numba's default layer here is GNU OpenMP ("omp"), which is not fork-safe. A child
+    forked from a process whose libgomp pool was started (``testbed.kernels.compressors``
+    starts it at import) ``raise(SIGTERM)``s itself at its first parallel region ("Terminating:
+    fork() called from a process already using GNU OpenMP"). The compressors switch to their
+    prange variants from ``PAR_MIN`` = 2**20 elements, so every rank of a compressed
+    allreduce of >= 4 MiB float32 died with SIGTERM. The pool therefore selects a fork-safe
+    layer before Numba starts; this works only while Numba has not started its threads in
+    this process (the ``python -m testbed.collectives.worker`` pool that ``run_collective``
+    starts: always). Returns False when an unsafe layer already runs here (an in-process
+    :func:`run_pool` after other Numba work, e.g. in a test session). Imports numba.
+    """
+    import numba
+    from numba.np.ufunc import parallel
+
+    if not parallel._is_initialized:  # imported but no thread pool yet: still choosable
+        if numba.config.THREADING_LAYER not in FORK_SAFE_LAYERS:
+            numba.config.THREADING_LAYER = "forksafe"
+        return True
+    if parallel._threading_layer != "omp":
+        return True
+    from numba.np.ufunc import omppool
+
+    return omppool.openmp_vendor != "GNU"  # Intel / LLVM OpenMP are fork-safe
+
+
+def _child_threads(n_procs: int) -> None:
+    """Give each forked rank its share of the cores for Numba's parallel kernels: the ranks
+    run their compression at the same moment, so more threads would only oversubscribe the
+    (shared) CPUs and slow every rank down."""
+    if "numba" not in sys.modules:
+        return
+    import numba
+
+    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS,
+                                     (os.cpu_count() or 1) // max(n_procs, 1))))
 
 
 def _shared(nbytes: int) -> mmap.mmap:
@@ -133,9 +179,12 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
     comm = None
     try:
         enter_netns(info["pid"])
+        _child_threads(n + m)
         chunk = max(1, spec.chunk_bytes // spec.itemsize)
         if spec.algo == "rs":
-            chunk = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes) // spec.itemsize
+            chunk_b = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes)
+            chunk = chunk_b // spec.itemsize
+            window = rs_window_pieces(chunk_b, job.get("bw_bps"))
         if spec.algo in ("ina", "nic"):
             from testbed.collectives import ina
 
@@ -156,7 +205,8 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
                 comp, mem = compress.make(spec)
                 run = lambda rep: compress.allreduce(comm, x, out, n, comp, mem, rep)  # noqa
             elif spec.algo == "rs":
-                run = lambda rep: server.worker_allreduce(comm, x, out, n, m, chunk)  # noqa
+                run = lambda rep: server.worker_allreduce(comm, x, out, n, m, chunk,  # noqa
+                                                          window)
             else:
                 fn = ALGOS[(spec.op, spec.algo)]
                 run = lambda rep: fn(comm, x, out, n, chunk)  # noqa: E731
@@ -310,9 +360,18 @@ def _warm_ina() -> None:
                       W, 2, 1, 0, nic, np.zeros(W, np.int64))
 
 
+def _par_min() -> int:
+    from testbed.kernels.compressors._common import PAR_MIN
+
+    return PAR_MIN
+
+
 def run_pool(job: dict) -> dict:
     """Run the collective described by ``job`` (see runner.py); return the result dict."""
     spec = CollectiveSpec(**job["spec"])
+    # before anything below loads the kernels (only jobs that use them pay the numba import)
+    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
+    fork_safe = fork_safe_numba() if uses_numba else True
     n, m = job["n"], job["m"]
     ranks = job["ranks"]
     count, dt = spec.count, np.dtype(spec.dtype)
@@ -339,6 +398,13 @@ def run_pool(job: dict) -> dict:
     if spec.op == "broadcast":  # the reference needs the root's input only, for every rank
         ins = [ins[0]] * n
     replicas = None
+    # PAR_MIN // 2: some compressors pad to the next power of two (THC) before their kernels
+    if not fork_safe and spec.compressor is not None and count >= _par_min() // 2:
+        raise ValueError(
+            f"compressor={spec.compressor!r} with {count} elements runs Numba's parallel "
+            "kernels, but this process already runs GNU OpenMP, which cannot be used after "
+            "fork: call run_collective (it starts a fresh pool process) or set "
+            "NUMBA_THREADING_LAYER=workqueue before importing numba")
     if spec.compressor is not None:
         # every worker's compressor + memory replayed here for the reference; building them
         # before the fork also loads the kernels once for all children
@@ -469,7 +535,8 @@ def run_pool(job: dict) -> dict:
                 if done_pid:
                     break
                 if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):  # died meanwhile
+                        os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     break
                 time.sleep(0.01)

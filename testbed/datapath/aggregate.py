@@ -60,6 +60,7 @@ from testbed.kernels.wire import (
     TESTBED_UDP_PORT,
     VERSION,
     Codec,
+    Flags,
     MsgType,
 )
 
@@ -67,8 +68,16 @@ DEFAULT_AGG_IP = "10.0.0.254"
 DEFAULT_AGG_MAC = "02:54:42:00:00:fe"
 MAX_WORKERS = 32
 MAX_JOBS = 64
-#: Largest payload that fits a 1500-byte MTU: (1500 - 20 - 8 - 28) / 4.
-MAX_ELEMS_MTU = (1500 - 20 - 8 - HEADER_LEN) // 4
+#: Payload bytes that fit a 1500-byte MTU: 1500 - 20 - 8 - 28.
+MTU_PAYLOAD = 1500 - 20 - 8 - HEADER_LEN
+#: Largest int32 payload that fits a 1500-byte MTU: (1500 - 20 - 8 - 28) / 4.
+MAX_ELEMS_MTU = MTU_PAYLOAD // 4
+#: Most int8 lanes per ``Codec.THC`` packet: 1024 x 1 B = the bytes of SwitchML's 256 int32,
+#: so the same bytes need a quarter of the packets. Registers stay int32 (per slot and set).
+THC_MAX_ELEMS = 1024
+
+#: Summable codecs an aggregate stage accepts unless configured otherwise.
+DEFAULT_CODECS = ("INT32", "THC")
 
 COUNTER_NAMES = (
     "contributions",  # absorbed into a slot
@@ -119,6 +128,8 @@ _R_ELEM_MISMATCH = int(DropReason.ELEM_MISMATCH)
 _R_STALE = int(DropReason.STALE)
 _R_OTHER = int(DropReason.OTHER)
 _PORT = TESTBED_UDP_PORT
+_C_THC = int(Codec.THC)
+_F_OVERFLOW = int(Flags.OVERFLOW)
 
 
 @njit(cache=True)
@@ -148,15 +159,42 @@ def _drop(out_port, reason, counters, i, r):
 
 
 @njit(cache=True)
+def result_lane(codec, values, elems):
+    """(lane bytes, flags) of a RESULT: 4 (int32) unless ``codec`` is THC, whose sums go out
+    in the narrowest of int8/int16/int32 that holds every sum of the slot and fits the MTU;
+    none -> (0, OVERFLOW) and an empty payload (never a silently wrapped sum)."""
+    if codec != _C_THC:
+        return 4, 0
+    lo = np.int64(0)
+    hi = np.int64(0)
+    for k in range(elems):
+        v = np.int64(values[k])
+        if v < lo:
+            lo = v
+        elif v > hi:
+            hi = v
+    if lo >= -128 and hi <= 127 and elems <= MTU_PAYLOAD:
+        return 1, 0
+    if lo >= -32768 and hi <= 32767 and 2 * elems <= MTU_PAYLOAD:
+        return 2, 0
+    if 4 * elems <= MTU_PAYLOAD:
+        return 4, 0
+    return 0, _F_OVERFLOW
+
+
+@njit(cache=True)
 def _build_result(row, agg_mac, agg_ip, w_mac, w_ip, w_udp, job_id, worker, slot, sset, codec,
                   n_workers, exponent, elems, chunk, values):
-    """Write a RESULT frame into ``row``; return its length. UDP checksum is computed."""
+    """Write a RESULT frame into ``row``; return its length. UDP checksum is computed.
+
+    The payload lane width comes from :func:`result_lane` (always int32 for INT32)."""
+    lane, flags = result_lane(codec, values, elems)
     for j in range(6):
         row[j] = w_mac[j]
         row[6 + j] = agg_mac[j]
     row[12] = 0x08
     row[13] = 0x00
-    payload = elems * 4
+    payload = elems * lane
     tot = 20 + 8 + HEADER_LEN + payload
     row[14] = 0x45
     row[15] = 0
@@ -185,7 +223,7 @@ def _build_result(row, agg_mac, agg_ip, w_mac, w_ip, w_udp, job_id, worker, slot
     wr_u16le(row, _O_WORKER, worker)
     wr_u16le(row, _O_SLOT, slot)
     row[_O_SET] = sset
-    row[_O_FLAGS] = 0
+    row[_O_FLAGS] = flags
     row[_O_CODEC] = codec
     row[_O_NW] = n_workers
     wr_u16le(row, _O_EXP, exponent & 0xFFFF)
@@ -194,9 +232,18 @@ def _build_result(row, agg_mac, agg_ip, w_mac, w_ip, w_udp, job_id, worker, slot
     wr_u32le(row, _O_CHUNK, chunk)
     wr_u32le(row, _O_SCALE, 0)
     o = PAYLOAD_OFFSET
-    for k in range(elems):
-        wr_u32le(row, o, values[k])
-        o += 4
+    if lane == 4:
+        for k in range(elems):
+            wr_u32le(row, o, values[k])
+            o += 4
+    elif lane == 2:
+        for k in range(elems):
+            wr_u16le(row, o, values[k] & 0xFFFF)
+            o += 2
+    elif lane == 1:
+        for k in range(elems):
+            row[o] = np.uint8(values[k] & 0xFF)
+            o += 1
     # UDP checksum over the pseudo header + UDP header + data
     acc = _csum(row, 26, 34, np.int64(0)) + 17 + (tot - 20)
     acc = _csum(row, 34, 14 + tot, acc)
@@ -211,14 +258,17 @@ def _build_result(row, agg_mac, agg_ip, w_mac, w_ip, w_udp, job_id, worker, slot
 def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip, job_map,
                      job_base, job_slots, job_n, codec_ok, via_ingress, w_mac, w_ip, w_udp,
                      w_port,
-                     bitmap, counter, nelems, exponent, chunk, codec_of, values, counters):
+                     bitmap, counter, nelems, exponent, chunk, codec_of, values, counters,
+                     max_elems):
     """Run the aggregation protocol over ``batch[0:n]``; return the new batch size.
 
-    RESULT packets are appended after row ``n`` (up to ``buf.shape[0]``).
+    RESULT packets are appended after row ``n`` (up to ``buf.shape[0]``). ``max_elems``:
+    int32 lanes per packet; ``Codec.THC`` packets carry up to ``min(THC_MAX_ELEMS,
+    values.shape[2])`` int8 lanes, summed into the same int32 registers.
     """
     cap = buf.shape[0]
     n_out = n
-    max_elems = values.shape[2]
+    thc_max = min(THC_MAX_ELEMS, values.shape[2])
     for i in range(n):
         if out_port[i] != PORT_UNSET:
             continue
@@ -302,7 +352,10 @@ def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip,
             _drop(out_port, reason, counters, i, _R_BAD_CODEC)
             continue
         ne = rd_u16le(f, _O_ELEMS)
-        if ne == 0 or ne > max_elems or ne * 4 != tot - 28 - HEADER_LEN:
+        narrow = cdc == _C_THC
+        lim = thc_max if narrow else max_elems
+        lane = 1 if narrow else 4
+        if ne == 0 or ne > lim or ne * lane != tot - 28 - HEADER_LEN:
             _drop(out_port, reason, counters, i, _R_BAD_LENGTH)
             continue
         jid = rd_u16le(f, _O_JOB)
@@ -355,9 +408,13 @@ def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip,
         o = PAYLOAD_OFFSET
         if bitmap[g, s] == 0:
             vals = values[g, s]
-            for k in range(ne):
-                vals[k] = np.int32(np.uint32(rd_u32le(f, o)))
-                o += 4
+            if narrow:
+                for k in range(ne):
+                    vals[k] = np.int32(np.int8(f[o + k]))
+            else:
+                for k in range(ne):
+                    vals[k] = np.int32(np.uint32(rd_u32le(f, o)))
+                    o += 4
             nelems[g, s] = ne
             exponent[g, s] = exp
             chunk[g, s] = rd_u32le(f, _O_CHUNK)
@@ -368,10 +425,17 @@ def aggregate_kernel(buf, length, in_port, out_port, reason, n, agg_mac, agg_ip,
             if nelems[g, s] != ne:
                 _drop(out_port, reason, counters, i, _R_ELEM_MISMATCH)
                 continue
+            if codec_of[g, s] != cdc:  # lanes of another meaning: never add them
+                _drop(out_port, reason, counters, i, _R_BAD_CODEC)
+                continue
             vals = values[g, s]
-            for k in range(ne):
-                vals[k] += np.int32(np.uint32(rd_u32le(f, o)))
-                o += 4
+            if narrow:
+                for k in range(ne):
+                    vals[k] += np.int32(np.int8(f[o + k]))
+            else:
+                for k in range(ne):
+                    vals[k] += np.int32(np.uint32(rd_u32le(f, o)))
+                    o += 4
             if exp > exponent[g, s]:
                 exponent[g, s] = exp
             counter[g, s] -= 1
@@ -402,7 +466,9 @@ class AggregateStage(Stage):
 
     Settings: ``agg_ip``, ``agg_mac``, ``pool_slots`` (default 4096), ``max_elems`` (per
     packet, default and max 361 = a full 1500-byte MTU), ``jobs`` ``{job_id: {"n_workers": n,
-    "slots": k}}``, ``codecs`` (names or numbers of summable payload codecs, default INT32),
+    "slots": k}}``, ``codecs`` (names or numbers of summable payload codecs, default INT32 and
+    THC: int8 lanes, up to ``THC_MAX_ELEMS`` per packet, results in the narrowest lane that
+    holds the sums, see :func:`result_lane`),
     ``results_via``: ``"ingress"`` (default: a RESULT leaves by the port its worker's data came
     in on) or ``"forward"`` (left undecided for a later ``forward`` stage to route by the
     worker's MAC/IP).
@@ -423,6 +489,7 @@ class AggregateStage(Stage):
         if not 1 <= max_elems <= MAX_ELEMS_MTU:
             raise ValueError(f"aggregate: max_elems must be 1..{MAX_ELEMS_MTU}, got {max_elems}")
         self.pool_slots = pool_slots
+        self.max_elems = max_elems
         self.agg_mac = np.zeros(6, np.uint8)
         self.agg_ip = np.zeros(4, np.uint8)
         self.codec_ok = np.zeros(256, np.bool_)
@@ -440,11 +507,12 @@ class AggregateStage(Stage):
         self.exponent = np.zeros((pool_slots, 2), np.int64)
         self.chunk = np.zeros((pool_slots, 2), np.int64)
         self.codec_of = np.zeros((pool_slots, 2), np.int64)
+        # registers grow to THC_MAX_ELEMS lanes when the THC codec is enabled (configure)
         self.values = np.zeros((pool_slots, 2, max_elems), np.int32)
         self.counters_arr = np.zeros(len(COUNTER_NAMES), np.int64)
         self.jobs: dict[int, dict] = {}  # job_id -> {index, base, slots, n_workers}
         self.results_via = "ingress"
-        self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or ["INT32"],
+        self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or list(DEFAULT_CODECS),
                        jobs=jobs or {}, results_via=results_via)
 
     # --- control -----------------------------------------------------------------------------
@@ -478,6 +546,10 @@ class AggregateStage(Stage):
                 except (KeyError, ValueError):
                     raise ValueError(f"aggregate: unknown codec {c!r}; choose from "
                                      f"{[m.name for m in Codec]}") from None
+            if self.codec_ok[_C_THC] and self.values.shape[2] < THC_MAX_ELEMS:
+                grown = np.zeros((self.pool_slots, 2, THC_MAX_ELEMS), np.int32)
+                grown[:, :, :self.values.shape[2]] = self.values
+                self.values = grown
         for jid in remove_jobs or []:
             self.remove_job(int(jid))
         for jid, spec in (jobs or {}).items():
@@ -565,7 +637,7 @@ class AggregateStage(Stage):
             self.codec_ok, self.results_via == "ingress", self.w_mac, self.w_ip, self.w_udp,
             self.w_port, self.bitmap,
             self.counter, self.nelems, self.exponent, self.chunk, self.codec_of, self.values,
-            self.counters_arr)
+            self.counters_arr, self.max_elems)
 
     def counters(self) -> dict:
         """Protocol counters, plus jobs and free slots."""
@@ -603,7 +675,16 @@ def build_result_reference(agg_mac: bytes, agg_ip: bytes, w_mac: bytes, w_ip: by
     h["job_id"], h["worker_id"], h["slot"], h["slot_set"] = job_id, worker, slot, sset
     h["codec"], h["n_workers"], h["exponent"] = codec, n_workers, exponent
     h["elem_count"], h["chunk_offset"] = len(values), chunk
-    data = h.tobytes() + values.astype("<i4").tobytes()
+    lane, flags = 4, 0
+    if codec == _C_THC:
+        lane = next((b for b, t in ((1, np.int8), (2, np.int16), (4, np.int32))
+                     if b * len(values) <= MTU_PAYLOAD and (len(values) == 0 or (
+                         values.min() >= np.iinfo(t).min and values.max() <= np.iinfo(t).max))),
+                    0)
+        flags = 0 if lane else _F_OVERFLOW
+    h["flags"] = flags
+    lanes = {1: "<i1", 2: "<i2", 4: "<i4"}
+    data = h.tobytes() + (values.astype(lanes[lane]).tobytes() if lane else b"")
     tot = 28 + len(data)
     ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, tot, 0, 0x4000, 64, 17, 0, agg_ip,
                                w_ip))
@@ -622,7 +703,8 @@ class AggregateReference:
     """
 
     def __init__(self, agg_mac: str, agg_ip: str, jobs: dict[int, tuple[int, int, int]],
-                 max_elems: int = MAX_ELEMS_MTU, codecs=(int(Codec.INT32),)):
+                 max_elems: int = MAX_ELEMS_MTU,
+                 codecs=tuple(int(Codec[c]) for c in DEFAULT_CODECS)):
         self.mac = mac_to_int(agg_mac).to_bytes(6, "big")
         self.ip = ip_to_int(agg_ip).to_bytes(4, "big")
         self.jobs = dict(jobs)  # job_id -> (base, slots, n_workers)
@@ -673,7 +755,9 @@ class AggregateReference:
             return PORT_DROP, _R_UNKNOWN_TYPE, []
         if cdc not in self.codecs:
             return PORT_DROP, _R_BAD_CODEC, []
-        if ne == 0 or ne > self.max_elems or ne * 4 != tot - 28 - HEADER_LEN:
+        narrow = cdc == _C_THC
+        lim, lane = (THC_MAX_ELEMS, 1) if narrow else (self.max_elems, 4)
+        if ne == 0 or ne > lim or ne * lane != tot - 28 - HEADER_LEN:
             return PORT_DROP, _R_BAD_LENGTH, []
         if jid not in self.jobs:
             return PORT_DROP, _R_UNKNOWN_JOB, []
@@ -683,7 +767,7 @@ class AggregateReference:
         if sl >= slots or s > 1:
             return PORT_DROP, _R_BAD_SLOT, []
         self.addr[(jid, w)] = (f[6:12], f[26:30], int.from_bytes(f[34:36], "big"), in_port)
-        vals = np.frombuffer(f, "<i4", ne, PAYLOAD_OFFSET).astype(np.int32)
+        vals = np.frombuffer(f, "<i1" if narrow else "<i4", ne, PAYLOAD_OFFSET).astype(np.int32)
         key = (base + sl, s)
         st = self.sets.setdefault(key, {"workers": set(), "left": 0})
         other = self.sets.setdefault((base + sl, 1 - s), {"workers": set(), "left": 0})
@@ -703,6 +787,8 @@ class AggregateReference:
         else:
             if st["ne"] != ne:
                 return PORT_DROP, _R_ELEM_MISMATCH, []
+            if st["codec"] != cdc:
+                return PORT_DROP, _R_BAD_CODEC, []
             with np.errstate(over="ignore"):
                 st["values"] = (st["values"].astype(np.int64) + vals).astype(np.int32)
             st["exp"] = max(st["exp"], exp)
