@@ -126,7 +126,10 @@ def _child_threads(n_procs: int) -> None:
     if "numba" not in sys.modules:
         return
     import numba
+    from numba.np.ufunc import parallel
 
+    if not parallel._is_initialized:  # no parallel kernels loaded: do not start threads
+        return
     numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS,
                                      (os.cpu_count() or 1) // max(n_procs, 1))))
 
