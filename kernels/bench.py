@@ -21,6 +21,7 @@ import traceback
 
 import numpy as np
 from numba import njit
+
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels import packets as pk
 from testbed.kernels import trimming as tr

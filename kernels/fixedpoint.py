@@ -63,6 +63,7 @@ import math
 
 import numpy as np
 from numba import njit, prange
+
 from testbed.kernels.packets import f32_from_bits
 
 INT32_MAX = 2147483647

@@ -51,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
+
 from testbed.kernels import wire
 
 #: Largest frame the data path handles; equals ``testbed.datapath.batch.FRAME_MAX``.

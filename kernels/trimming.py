@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
 from testbed.kernels.packets import (
     FLAG_TRIMMED,
     OFF_FLAGS,

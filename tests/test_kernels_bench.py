@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from testbed.kernels import bench
 
 KEYS = {"kernel", "elements", "gbps", "anchor", "anchor_gbps", "ratio"}

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from numba import njit
+
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.reference import fixedpoint as ref
 

@@ -7,11 +7,11 @@ import pytest
 from numba import njit
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
+
+from testbed.datapath.batch import FRAME_MAX, DropReason
 from testbed.kernels import packets as pk
 from testbed.kernels import wire
 from testbed.kernels.reference import packets as ref
-
-from testbed.datapath.batch import FRAME_MAX, DropReason
 
 SMAC, DMAC = "02:00:00:00:00:01", "02:54:42:00:00:fe"
 SIP, DIP = "10.0.0.1", "10.0.0.254"

@@ -10,13 +10,13 @@ from hypothesis.extra.numpy import arrays
 from numba import njit
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
+
+from testbed.datapath.batch import DropReason
 from testbed.kernels import packets as pk
 from testbed.kernels import trimming as tr
 from testbed.kernels import wire
 from testbed.kernels.reference import packets as ref_pk
 from testbed.kernels.reference import trimming as ref
-
-from testbed.datapath.batch import DropReason
 
 F32_MAX = np.finfo(np.float32).max
 

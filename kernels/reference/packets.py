@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+
 from testbed.kernels import wire
 
 # Same numbers as testbed.datapath.batch.DropReason (kept separate on purpose: a twin).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from testbed.kernels import wire
 from testbed.kernels.reference.packets import ipv4_checksum
 

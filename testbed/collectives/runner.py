@@ -109,7 +109,12 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     alpha = net_alpha(net)
     model_s = model.predict(spec.op, spec.algo, n, spec.nbytes, bw, alpha, servers=max(m, 1),
                             colocated=colocated, chunk_bytes=spec.chunk_bytes)
-    if spec.compressor is not None:
+    if spec.compressor is not None and spec.algo == "ina":
+        # INA + THC: plain INA's model for the (narrower) bytes actually on the wire
+        from testbed.collectives import ina
+
+        model_s = ina.thc_model_s(net, spec, n)
+    elif spec.compressor is not None:
         # compressed ring = allgather of every worker's payload (C bytes each)
         from testbed.kernels.compressors import get_compressor
 

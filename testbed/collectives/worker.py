@@ -509,7 +509,12 @@ def run_pool(job: dict) -> dict:
             done = gather("done", spec.timeout_s + 5)
             t_end = max(d["t_end"] for d in done.values())
             cpu = sampler.result()
-            if replicas is not None:
+            if replicas is not None and spec.algo == "ina":
+                # INA + THC: the switch summed quantized rotations; THC's own error bound
+                from testbed.collectives.ina import thc_check
+
+                err, ok = thc_check(spec, ins, outs, n, step=rep)
+            elif replicas is not None:
                 err, ok = compress.check(replicas, ins, outs, rep)
             else:
                 err, ok = check(spec, ins, outs, n)
