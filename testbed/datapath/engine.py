@@ -60,6 +60,7 @@ STAGES: dict[str, str] = {
 
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
+DEFAULT_COALESCE_US = 50.0
 
 
 def stage_class(name: str) -> type:
@@ -181,6 +182,13 @@ class Engine:
         self.rx_burst = int(config.get("rx_burst", DEFAULT_RX_BURST))
         if not 1 <= self.rx_burst <= 1024:
             raise ValueError(f"config: rx_burst must be 1..1024, got {self.rx_burst}")
+        # Interrupt coalescing (like NAPI): after a burst that was mostly empty, wait this long
+        # before the next receive so that the per-burst Python cost is shared by more packets.
+        # At tens of kpps it cuts the engine's CPU several-fold for a few tens of microseconds
+        # of added latency; full bursts (saturation) never wait. 0 disables it.
+        self.coalesce_us = float(config.get("coalesce_us", DEFAULT_COALESCE_US))
+        if not 0 <= self.coalesce_us <= 10_000:
+            raise ValueError(f"config: coalesce_us must be 0..10000, got {self.coalesce_us}")
         flood = config.get("flood_ports")
         self.flood_mask = np.ones(len(self.ports), np.bool_)
         if flood is not None:
@@ -345,6 +353,8 @@ class Engine:
             busy = got > 0
             if not busy and self._deadline_due():
                 busy = True  # a held packet is due: go round without sleeping
+            elif 0 < got < self.rx_burst // 8 and self.coalesce_us:
+                time.sleep(self.coalesce_us * 1e-6)
             self._sample_cpu()
 
     def _sample_cpu(self) -> None:
