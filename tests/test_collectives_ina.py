@@ -4,16 +4,12 @@ worker killed mid-collective."""
 
 from __future__ import annotations
 
-import glob
-import os
-import signal
-import threading
 import time
 
 import pytest
 
 from testbed.collectives import CollectiveSpec, CollectiveTimeout, run_collective
-from testbed.collectives.testing import check_rows
+from testbed.collectives.testing import check_rows, kill_process_later
 from testbed.collectives.testing import leftovers as _ours_left
 
 pytestmark = pytest.mark.mininet
@@ -58,26 +54,7 @@ def test_ina_exact_under_loss(agg_net):
 
 def test_ina_dead_worker_times_out(agg_net):
     spec = CollectiveSpec(algo="ina", nbytes=16 << 20, window=32, timeout_s=3)
-    killed = []
-
-    def killer():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for comm in glob.glob("/proc/[0-9]*/comm"):
-                try:
-                    with open(comm) as f:
-                        if f.read().strip() == "tbw-tbh2":
-                            time.sleep(1.0)
-                            pid = int(comm.split("/")[2])
-                            os.kill(pid, signal.SIGKILL)
-                            killed.append(pid)
-                            return
-                except OSError:
-                    continue
-            time.sleep(0.05)
-
-    t = threading.Thread(target=killer)
-    t.start()
+    t, killed = kill_process_later("tbw-tbh2", delay_s=1.0)
     t0 = time.monotonic()
     try:
         with pytest.raises(CollectiveTimeout, match=r"no RESULT from the aggregator"):

@@ -5,10 +5,6 @@ Helpers are shared with test_collectives_ina.py / test_collectives_nic.py."""
 
 from __future__ import annotations
 
-import glob
-import os
-import signal
-import threading
 import time
 
 import pytest
@@ -18,7 +14,7 @@ from testbed.collectives import (
     CollectiveSpec,
     run_collective,
 )
-from testbed.collectives.testing import check_rows
+from testbed.collectives.testing import check_rows, kill_process_later
 from testbed.collectives.testing import leftovers as _ours_left
 
 pytestmark = pytest.mark.mininet
@@ -55,26 +51,7 @@ def test_host_collectives_on_star(bridge_net, op, algo, workers, servers, nbytes
 def test_killed_worker_fails_fast_and_cleanly(bridge_net):
     spec = CollectiveSpec(op="allreduce", algo="ring", nbytes=32 << 20, workers=4,
                           timeout_s=5)
-    killed = []
-
-    def killer():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not killed:
-            for comm in glob.glob("/proc/[0-9]*/comm"):
-                try:
-                    with open(comm) as f:
-                        if f.read().strip() == "tbw-tbh3":
-                            time.sleep(1.5)  # let the collective get going
-                            pid = int(comm.split("/")[2])
-                            os.kill(pid, signal.SIGKILL)
-                            killed.append(pid)
-                            return
-                except OSError:
-                    continue
-            time.sleep(0.05)
-
-    t = threading.Thread(target=killer)
-    t.start()
+    t, killed = kill_process_later("tbw-tbh3", delay_s=1.5)
     t0 = time.monotonic()
     try:
         with pytest.raises(CollectiveError, match=r"rank 2 \(tbh3\) died"):

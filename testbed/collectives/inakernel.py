@@ -59,6 +59,48 @@ def _put16(b, i, o, v):
 
 
 @njit(cache=True)
+def _write_data_header(pkts, slot, job_id, rank, sset, codec, n, e_next, cnt, off):
+    """Fill the testbed header of the DATA packet in row ``slot`` (shared by every codec)."""
+    _put16(pkts, slot, 0, MAGIC)
+    pkts[slot, 2] = VERSION
+    pkts[slot, _O_TYPE] = _DATA
+    _put16(pkts, slot, _O_JOB, job_id)
+    _put16(pkts, slot, _O_WORKER, rank)
+    _put16(pkts, slot, _O_SLOT, slot)
+    pkts[slot, _O_SET] = sset
+    pkts[slot, _O_FLAGS] = 0
+    pkts[slot, _O_CODEC] = codec
+    pkts[slot, _O_NW] = n
+    _put16(pkts, slot, _O_EXP, e_next & 0xFFFF)
+    _put16(pkts, slot, _O_ELEMS, cnt)
+    _put16(pkts, slot, _O_HEAD, 0)
+    for k in range(4):
+        pkts[slot, _O_CHUNK + k] = np.uint8((off >> (8 * k)) & 0xFF)
+        pkts[slot, _O_SCALE + k] = 0
+
+
+@njit(cache=True)
+def _chunk_offset(rbuf, i):
+    """``chunk_offset`` of received datagram ``i`` (little-endian u32)."""
+    off = np.int64(0)
+    for k in range(4):
+        off |= np.int64(rbuf[i, _O_CHUNK + k]) << (8 * k)
+    return off
+
+
+@njit(cache=True)
+def _rtt_sample(st, sample):
+    """Jacobson/Karels: update srtt ``st[0]``, rttvar ``st[1]`` and the timeout ``st[2]``."""
+    if st[0] == 0.0:
+        st[0] = sample
+        st[1] = sample / 2
+    else:
+        st[1] = 0.75 * st[1] + 0.25 * abs(st[0] - sample)
+        st[0] = 0.875 * st[0] + 0.125 * sample
+    st[2] = min(max(T0, st[0] + 4 * st[1]), T_MAX)
+
+
+@njit(cache=True)
 def build_packet(pkts, pkts_i32, pkts_f32, slot, j, x, K, boot, n, job_id, rank, sset,
                  agreed, nic):
     """Write packet ``j`` (bootstrap, or data chunk j-boot) into row ``slot``; return length."""
@@ -87,22 +129,7 @@ def build_packet(pkts, pkts_i32, pkts_f32, slot, j, x, K, boot, n, job_id, rank,
             pkts_i32[slot, P0] = 0
             off = BOOT_OFFSET
         codec = _INT32
-    _put16(pkts, slot, 0, MAGIC)
-    pkts[slot, 2] = VERSION
-    pkts[slot, _O_TYPE] = _DATA
-    _put16(pkts, slot, _O_JOB, job_id)
-    _put16(pkts, slot, _O_WORKER, rank)
-    _put16(pkts, slot, _O_SLOT, slot)
-    pkts[slot, _O_SET] = sset
-    pkts[slot, _O_FLAGS] = 0
-    pkts[slot, _O_CODEC] = codec
-    pkts[slot, _O_NW] = n
-    _put16(pkts, slot, _O_EXP, e_next & 0xFFFF)
-    _put16(pkts, slot, _O_ELEMS, cnt)
-    _put16(pkts, slot, _O_HEAD, 0)
-    for k in range(4):
-        pkts[slot, _O_CHUNK + k] = np.uint8((off >> (8 * k)) & 0xFF)
-        pkts[slot, _O_SCALE + k] = 0
+    _write_data_header(pkts, slot, job_id, rank, sset, codec, n, e_next, cnt, off)
     return HEADER_LEN + 4 * cnt
 
 
@@ -132,9 +159,7 @@ def on_results(rbuf, rbuf_i32, rbuf_f32, rlen, nrecv, drop, pkts, pkts_i32, pkts
             lost += 1
             continue
         j = cur[slot]
-        off = np.int64(0)
-        for k in range(4):
-            off |= np.int64(rbuf[i, _O_CHUNK + k]) << (8 * k)
+        off = _chunk_offset(rbuf, i)
         lo = (j - boot) * ELEMS if j >= boot else BOOT_OFFSET
         if off != lo:
             ignored += 1  # a late duplicate of an older packet on this slot (same set bit)
@@ -155,14 +180,7 @@ def on_results(rbuf, rbuf_i32, rbuf_f32, rlen, nrecv, drop, pkts, pkts_i32, pkts
         st[3] = now
         uses[slot] += 1
         if not retx[slot]:  # Karn: only unambiguous samples
-            sample = now - sent_at[slot]
-            if st[0] == 0.0:
-                st[0] = sample
-                st[1] = sample / 2
-            else:
-                st[1] = 0.75 * st[1] + 0.25 * abs(st[0] - sample)
-                st[0] = 0.875 * st[0] + 0.125 * sample
-            st[2] = min(max(T0, st[0] + 4 * st[1]), T_MAX)
+            _rtt_sample(st, now - sent_at[slot])
         rto[slot] = st[2]
         retx[slot] = False
         nj = j + W
@@ -397,22 +415,7 @@ def thc_build_packet(pkts, slot, j, x, d, E, K, boot, n, job_id, rank, sset, agr
         cnt = 1
         pkts[slot, HEADER_LEN] = 0
         off = BOOT_OFFSET
-    _put16(pkts, slot, 0, MAGIC)
-    pkts[slot, 2] = VERSION
-    pkts[slot, _O_TYPE] = _DATA
-    _put16(pkts, slot, _O_JOB, job_id)
-    _put16(pkts, slot, _O_WORKER, rank)
-    _put16(pkts, slot, _O_SLOT, slot)
-    pkts[slot, _O_SET] = sset
-    pkts[slot, _O_FLAGS] = 0
-    pkts[slot, _O_CODEC] = _THC
-    pkts[slot, _O_NW] = n
-    _put16(pkts, slot, _O_EXP, e_next & 0xFFFF)
-    _put16(pkts, slot, _O_ELEMS, cnt)
-    _put16(pkts, slot, _O_HEAD, 0)
-    for k in range(4):
-        pkts[slot, _O_CHUNK + k] = np.uint8((off >> (8 * k)) & 0xFF)
-        pkts[slot, _O_SCALE + k] = 0
+    _write_data_header(pkts, slot, job_id, rank, sset, _THC, n, e_next, cnt, off)
     return HEADER_LEN + cnt
 
 
@@ -445,9 +448,7 @@ def on_results_thc(rbuf, rlen, nrecv, drop, pkts, lens, x, d, E, qsum, out, agre
             lost += 1
             continue
         j = cur[slot]
-        off = np.int64(0)
-        for k in range(4):
-            off |= np.int64(rbuf[i, _O_CHUNK + k]) << (8 * k)
+        off = _chunk_offset(rbuf, i)
         lo = (j - boot) * E if j >= boot else BOOT_OFFSET
         if off != lo:
             ignored += 1  # a late duplicate of an older packet on this slot (same set bit)
@@ -482,14 +483,7 @@ def on_results_thc(rbuf, rlen, nrecv, drop, pkts, lens, x, d, E, qsum, out, agre
         st[3] = now
         uses[slot] += 1
         if not retx[slot]:  # Karn: only unambiguous samples
-            sample = now - sent_at[slot]
-            if st[0] == 0.0:
-                st[0] = sample
-                st[1] = sample / 2
-            else:
-                st[1] = 0.75 * st[1] + 0.25 * abs(st[0] - sample)
-                st[0] = 0.875 * st[0] + 0.125 * sample
-            st[2] = min(max(T0, st[0] + 4 * st[1]), T_MAX)
+            _rtt_sample(st, now - sent_at[slot])
         rto[slot] = st[2]
         retx[slot] = False
         nj = j + W

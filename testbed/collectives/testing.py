@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
+import threading
+import time
 
 from testbed.collectives.runner import RUN_DIR
 
@@ -37,3 +40,31 @@ def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> 
         assert r["time_s"] > 0 and r["model_s"] > 0, r
         if bw_mbps is not None:
             assert abs(r["bw_mbps"] - bw_mbps) < 1e-6 * bw_mbps, r
+
+
+def kill_process_later(comm: str, delay_s: float, within_s: float = 30.0):
+    """Start a thread that SIGKILLs the first process named ``comm`` (e.g. ``tbw-tbh3``, a
+    worker) ``delay_s`` after it appears. Returns ``(thread, killed)``: join the thread, then
+    ``killed`` holds the pid it killed (empty if none appeared within ``within_s``)."""
+    killed: list[int] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            for path in glob.glob("/proc/[0-9]*/comm"):
+                try:
+                    with open(path) as f:
+                        if f.read().strip() != comm:
+                            continue
+                    time.sleep(delay_s)  # let the collective get going
+                    pid = int(path.split("/")[2])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+                except OSError:
+                    continue
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    return thread, killed
