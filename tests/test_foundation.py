@@ -25,7 +25,11 @@ from testbed.netlock import EmulationBusy, emulation_lock
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "testbed.cli"]
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+# An unprivileged user (euid nobody) that can still read the checkout: CI may clone into a
+# 0700 folder (mktemp -d), where plain nobody could not even import the package. Reading is all
+# CAP_DAC_READ_SEARCH grants; the testbed's root checks look at the euid, which stays nobody.
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+          "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
 
 
 def _run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
