@@ -1,49 +1,27 @@
 """Packet kernels: parse and build Eth / IPv4 / UDP / testbed-header frames, one frame or a batch.
 
 Everything here is ``@njit(cache=True)`` over plain numpy arrays and ints, so the data path's
-own ``@njit`` stages can call it per packet. Layout constants come from
-:mod:`testbed.kernels.wire` at import time (Numba freezes module globals when it compiles).
+own ``@njit`` stages and the workers' hot loops call it per packet. Layout constants come from
+:mod:`testbed.kernels.wire` at import time (Numba freezes module globals when it compiles);
+:mod:`testbed.kernels.reference.packets` is the plain-Python twin the tests compare against.
 
 Conventions (all functions below):
 
 * ``frame`` is a ``uint8[:]`` (a row of the data path's ``buf[N, FRAME_MAX]``), ``length`` its
-  number of valid bytes. Offsets are absolute byte offsets into the Ethernet frame.
+  number of valid bytes. ``OFF_*`` are absolute byte offsets of Ethernet/IPv4/UDP fields.
 * Ethernet/IPv4/UDP fields are big-endian; the testbed header and payload are little-endian.
+* The testbed header is read and written as a record of ``wire.HEADER_DTYPE``:
+  ``h = header(frame); h.slot``, ``header_at(row, base)`` for a header at another offset (a
+  socket payload). Field names, types and offsets exist only in ``wire.HEADER_FIELDS``.
 * IPv4 addresses are ``uint32`` in host order (``10.0.0.1`` -> ``0x0A000001``); MAC addresses
   are ``uint8[6]`` arrays. :func:`ip_to_u32` and :func:`mac_to_array` convert from strings.
-* Status/reason codes are the ``REASON_*`` constants below; they have the same numeric values
-  as ``testbed.datapath.batch.DropReason`` (the kernels layer must not import the data path;
-  a test asserts they agree).
+* Status codes are ``wire.DropReason`` values (``NONE`` = a valid testbed frame).
 
-Per-frame primitives (njit):
-
-* ``rd_u16le/rd_u32le/rd_i16le/rd_f32le(frame, off)`` and ``wr_*(frame, off, value)``;
-  ``rd_u16be/rd_u32be`` and ``wr_u16be/wr_u32be`` for the network-order headers.
-* ``get_<field>(frame)`` / ``set_<field>(frame, value)`` for every testbed header field
-  (``magic``, ``version``, ``msg_type``, ``job_id``, ``worker_id``, ``slot``, ``slot_set``,
-  ``flags``, ``codec``, ``n_workers``, ``exponent``, ``elem_count``, ``head_bytes``,
-  ``chunk_offset``, ``scale``); ``OFF_<FIELD>`` are their absolute offsets in the frame.
-* ``payload_i32(frame, count)`` / ``payload_f32(frame, count)``: views of the payload.
-* ``parse_frame(frame, length) -> status`` (``REASON_NONE`` = a valid testbed frame).
-* ``ipv4_checksum(frame) -> int`` (computed with the checksum field taken as zero),
-  ``ipv4_checksum_ok(frame) -> bool``, ``set_ipv4_checksum(frame)``.
-* ``set_payload_bytes(frame, payload_bytes) -> new_length``: fix IP total length, header
-  checksum and UDP length for a new payload size (UDP checksum set to 0).
-* ``swap_addresses(frame)``: swap MACs, IPs and UDP ports (the IP checksum is unchanged).
-* ``set_addresses(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport)``.
-* ``read_header(frame, headers, i)`` / ``write_header(frame, headers, i)``: copy between a
-  frame and row ``i`` of a ``HEADER_DTYPE`` array.
-* ``write_eth_ip_udp(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport, payload_bytes)``
-  ``-> length`` and ``build_frame(frame, headers, i, payload, payload_bytes, src_mac, dst_mac,
-  src_ip, dst_ip, sport, dport) -> length``.
-
-Batch kernels (njit, one call per burst):
-
-* ``parse_batch(buf, length, n, headers, status)``
-* ``build_batch(buf, length, n, headers, payload, payload_len, src_mac, dst_mac, src_ip,
-  dst_ip, sport, dport)`` with per-packet address arrays.
-
-The friendly Python wrappers :func:`parse` and :func:`build` validate their arguments.
+Per frame: byte readers/writers ``rd_*``/``wr_*``; ``header``/``header_at``; ``payload_i32`` /
+``payload_f32`` views; ``parse_frame``; ``ipv4_checksum``, ``ipv4_checksum_ok``,
+``set_ipv4_checksum``; ``set_payload_bytes``; ``swap_addresses``, ``set_addresses``;
+``write_eth_ip_udp`` (the one Eth/IPv4/UDP builder) and ``build_frame``. Per batch:
+``parse_batch`` and ``build_batch``. :func:`parse` and :func:`build` are validating wrappers.
 """
 
 from __future__ import annotations
@@ -53,32 +31,23 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from testbed.kernels import wire
+from testbed.kernels.wire import (
+    ETH_LEN,
+    FRAME_MAX,
+    HEADER_DTYPE,
+    HEADER_LEN,
+    HEADER_OFFSET,
+    IPV4_LEN,
+    MAGIC,
+    PAYLOAD_OFFSET,
+    TESTBED_UDP_PORT,
+    UDP_LEN,
+    VERSION,
+    Codec,
+    DropReason,
+    Flags,
+)
 
-#: Largest frame the data path handles; equals ``testbed.datapath.batch.FRAME_MAX``.
-FRAME_MAX = 2048
-
-# Status / drop reason codes: same numbers as testbed.datapath.batch.DropReason.
-REASON_NONE = 0
-REASON_TOO_SHORT = 1
-REASON_NOT_IPV4 = 2
-REASON_IP_OPTIONS = 3
-REASON_NOT_UDP = 4  # also: UDP but not to the testbed port (not one of ours)
-REASON_BAD_MAGIC = 5
-REASON_BAD_VERSION = 6
-REASON_BAD_LENGTH = 7
-REASON_UNKNOWN_TYPE = 8
-REASON_BAD_CODEC = 15
-REASON_OTHER = 19  # IP fragments (we never fragment; a fragment cannot be parsed)
-
-ETH_LEN = wire.ETH_LEN
-IPV4_LEN = wire.IPV4_LEN
-UDP_LEN = wire.UDP_LEN
-HEADER_OFFSET = wire.HEADER_OFFSET
-HEADER_LEN = wire.HEADER_LEN
-PAYLOAD_OFFSET = wire.PAYLOAD_OFFSET
-TESTBED_UDP_PORT = wire.TESTBED_UDP_PORT
-MAGIC = wire.MAGIC
-VERSION = wire.VERSION
 #: Largest payload that fits a FRAME_MAX frame.
 PAYLOAD_MAX = FRAME_MAX - PAYLOAD_OFFSET
 
@@ -106,33 +75,9 @@ OFF_UDP_DPORT = OFF_UDP + 2
 OFF_UDP_LEN = OFF_UDP + 4
 OFF_UDP_CSUM = OFF_UDP + 6
 
-# Absolute offsets of the testbed header fields (from the single wire table).
-_FO = wire.FIELD_OFFSETS
-OFF_MAGIC = HEADER_OFFSET + _FO["magic"]
-OFF_VERSION = HEADER_OFFSET + _FO["version"]
-OFF_MSG_TYPE = HEADER_OFFSET + _FO["msg_type"]
-OFF_JOB_ID = HEADER_OFFSET + _FO["job_id"]
-OFF_WORKER_ID = HEADER_OFFSET + _FO["worker_id"]
-OFF_SLOT = HEADER_OFFSET + _FO["slot"]
-OFF_SLOT_SET = HEADER_OFFSET + _FO["slot_set"]
-OFF_FLAGS = HEADER_OFFSET + _FO["flags"]
-OFF_CODEC = HEADER_OFFSET + _FO["codec"]
-OFF_N_WORKERS = HEADER_OFFSET + _FO["n_workers"]
-OFF_EXPONENT = HEADER_OFFSET + _FO["exponent"]
-OFF_ELEM_COUNT = HEADER_OFFSET + _FO["elem_count"]
-OFF_HEAD_BYTES = HEADER_OFFSET + _FO["head_bytes"]
-OFF_CHUNK_OFFSET = HEADER_OFFSET + _FO["chunk_offset"]
-OFF_SCALE = HEADER_OFFSET + _FO["scale"]
-
-FLAG_TRIMMED = int(wire.Flags.TRIMMED)
-FLAG_OVERFLOW = int(wire.Flags.OVERFLOW)
+FLAG_TRIMMED = int(Flags.TRIMMED)  # Numba has IntEnum constants, not IntFlag ones
 MSG_TYPE_MAX = max(int(t) for t in wire.MsgType)
-CODEC_INT32 = int(wire.Codec.INT32)
-CODEC_FLOAT32 = int(wire.Codec.FLOAT32)
-CODEC_FLOAT16 = int(wire.Codec.FLOAT16)
-CODEC_BFLOAT16 = int(wire.Codec.BFLOAT16)
-CODEC_TRIM_LAYOUT = int(wire.Codec.TRIM_LAYOUT)
-CODEC_MAX = max(int(c) for c in wire.Codec)
+CODEC_MAX = max(int(c) for c in Codec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,187 +212,20 @@ def wr_u32be(frame, off, value):
 
 
 # ---------------------------------------------------------------------------------------------
-# testbed header field getters / setters
+# the testbed header as a record (field names, types and offsets all come from wire.HEADER_DTYPE)
 
 
 @njit(cache=True, inline="always")
-def get_magic(frame):
-    """``magic`` field."""
-    return rd_u16le(frame, OFF_MAGIC)
+def header_at(row, base):
+    """The testbed header that starts at byte ``base`` of ``row`` (uint8[:]), as a record:
+    ``h = header_at(row, 0); h.job_id = 7``. Reads and writes go into ``row``."""
+    return row[base:base + HEADER_LEN].view(HEADER_DTYPE)[0]
 
 
 @njit(cache=True, inline="always")
-def set_magic(frame, value):
-    """Set the ``magic`` field."""
-    wr_u16le(frame, OFF_MAGIC, value)
-
-
-@njit(cache=True, inline="always")
-def get_version(frame):
-    """``version`` field."""
-    return np.int64(frame[OFF_VERSION])
-
-
-@njit(cache=True, inline="always")
-def set_version(frame, value):
-    """Set the ``version`` field."""
-    frame[OFF_VERSION] = value & 0xFF
-
-
-@njit(cache=True, inline="always")
-def get_msg_type(frame):
-    """``msg_type`` field (``wire.MsgType``)."""
-    return np.int64(frame[OFF_MSG_TYPE])
-
-
-@njit(cache=True, inline="always")
-def set_msg_type(frame, value):
-    """Set the ``msg_type`` field."""
-    frame[OFF_MSG_TYPE] = value & 0xFF
-
-
-@njit(cache=True, inline="always")
-def get_job_id(frame):
-    """``job_id`` field."""
-    return rd_u16le(frame, OFF_JOB_ID)
-
-
-@njit(cache=True, inline="always")
-def set_job_id(frame, value):
-    """Set the ``job_id`` field."""
-    wr_u16le(frame, OFF_JOB_ID, value)
-
-
-@njit(cache=True, inline="always")
-def get_worker_id(frame):
-    """``worker_id`` field."""
-    return rd_u16le(frame, OFF_WORKER_ID)
-
-
-@njit(cache=True, inline="always")
-def set_worker_id(frame, value):
-    """Set the ``worker_id`` field."""
-    wr_u16le(frame, OFF_WORKER_ID, value)
-
-
-@njit(cache=True, inline="always")
-def get_slot(frame):
-    """``slot`` field (job-relative)."""
-    return rd_u16le(frame, OFF_SLOT)
-
-
-@njit(cache=True, inline="always")
-def set_slot(frame, value):
-    """Set the ``slot`` field."""
-    wr_u16le(frame, OFF_SLOT, value)
-
-
-@njit(cache=True, inline="always")
-def get_slot_set(frame):
-    """``slot_set`` field (0/1)."""
-    return np.int64(frame[OFF_SLOT_SET])
-
-
-@njit(cache=True, inline="always")
-def set_slot_set(frame, value):
-    """Set the ``slot_set`` field."""
-    frame[OFF_SLOT_SET] = value & 0xFF
-
-
-@njit(cache=True, inline="always")
-def get_flags(frame):
-    """``flags`` field (``wire.Flags`` bits)."""
-    return np.int64(frame[OFF_FLAGS])
-
-
-@njit(cache=True, inline="always")
-def set_flags(frame, value):
-    """Set the ``flags`` field."""
-    frame[OFF_FLAGS] = value & 0xFF
-
-
-@njit(cache=True, inline="always")
-def get_codec(frame):
-    """``codec`` field (``wire.Codec``)."""
-    return np.int64(frame[OFF_CODEC])
-
-
-@njit(cache=True, inline="always")
-def set_codec(frame, value):
-    """Set the ``codec`` field."""
-    frame[OFF_CODEC] = value & 0xFF
-
-
-@njit(cache=True, inline="always")
-def get_n_workers(frame):
-    """``n_workers`` field."""
-    return np.int64(frame[OFF_N_WORKERS])
-
-
-@njit(cache=True, inline="always")
-def set_n_workers(frame, value):
-    """Set the ``n_workers`` field."""
-    frame[OFF_N_WORKERS] = value & 0xFF
-
-
-@njit(cache=True, inline="always")
-def get_exponent(frame):
-    """``exponent`` field (signed)."""
-    return rd_i16le(frame, OFF_EXPONENT)
-
-
-@njit(cache=True, inline="always")
-def set_exponent(frame, value):
-    """Set the ``exponent`` field (signed 16 bit)."""
-    wr_i16le(frame, OFF_EXPONENT, value)
-
-
-@njit(cache=True, inline="always")
-def get_elem_count(frame):
-    """``elem_count`` field."""
-    return rd_u16le(frame, OFF_ELEM_COUNT)
-
-
-@njit(cache=True, inline="always")
-def set_elem_count(frame, value):
-    """Set the ``elem_count`` field."""
-    wr_u16le(frame, OFF_ELEM_COUNT, value)
-
-
-@njit(cache=True, inline="always")
-def get_head_bytes(frame):
-    """``head_bytes`` field (trim boundary in payload bytes; 0 = not trimmable)."""
-    return rd_u16le(frame, OFF_HEAD_BYTES)
-
-
-@njit(cache=True, inline="always")
-def set_head_bytes(frame, value):
-    """Set the ``head_bytes`` field."""
-    wr_u16le(frame, OFF_HEAD_BYTES, value)
-
-
-@njit(cache=True, inline="always")
-def get_chunk_offset(frame):
-    """``chunk_offset`` field."""
-    return rd_u32le(frame, OFF_CHUNK_OFFSET)
-
-
-@njit(cache=True, inline="always")
-def set_chunk_offset(frame, value):
-    """Set the ``chunk_offset`` field."""
-    wr_u32le(frame, OFF_CHUNK_OFFSET, value)
-
-
-@njit(cache=True, inline="always")
-def get_scale(frame):
-    """``scale`` field (float32)."""
-    return rd_f32le(frame, OFF_SCALE)
-
-
-@njit(cache=True, inline="always")
-def set_scale(frame, value):
-    """Set the ``scale`` field (float32)."""
-    wr_f32le(frame, OFF_SCALE, value)
+def header(frame):
+    """The testbed header of an Ethernet ``frame`` as a record (see :func:`header_at`)."""
+    return header_at(frame, HEADER_OFFSET)
 
 
 @njit(cache=True, inline="always")
@@ -542,91 +320,79 @@ def set_addresses(frame, src_mac, dst_mac, src_ip, dst_ip, sport, dport):
 
 @njit(cache=True)
 def parse_frame(frame, length):
-    """Validate one frame; return ``REASON_NONE`` (0) for a well-formed testbed frame, else the
-    reason code.
+    """Validate one frame; return ``DropReason.NONE`` (0) for a well-formed testbed frame, else
+    the reason.
 
     Checks in order: Ethernet length and type; IPv4 version, IHL (options rejected),
     fragments; IP total length against the frame (Ethernet padding after it is allowed);
-    protocol UDP and destination port ``TESTBED_UDP_PORT`` (else ``REASON_NOT_UDP``); UDP
-    length = IP payload length; room for the testbed header; magic; version; msg_type;
-    codec; payload size: INT32/FLOAT32 need ``4 * elem_count`` bytes, FLOAT16/BFLOAT16
-    ``2 * elem_count``; ``head_bytes`` must not exceed the payload, and a frame flagged
-    TRIMMED must carry exactly ``head_bytes``. Never reads past ``length`` or the array.
+    protocol UDP from or to ``TESTBED_UDP_PORT`` (else ``NOT_UDP``: a worker's packets go to the
+    port, the switch's RESULTs come from it); UDP length = IP payload length; room for the
+    testbed header; magic; version; msg_type; codec; payload size: INT32/FLOAT32 need
+    ``4 * elem_count`` bytes, FLOAT16/BFLOAT16 ``2 * elem_count``; ``head_bytes`` must not exceed
+    the payload, and a frame flagged TRIMMED must carry exactly ``head_bytes``. Never reads past
+    ``length`` or the array.
     """
     if length > frame.shape[0] or length < ETH_LEN:
-        return REASON_TOO_SHORT if length < ETH_LEN else REASON_BAD_LENGTH
+        return DropReason.TOO_SHORT if length < ETH_LEN else DropReason.BAD_LENGTH
     if rd_u16be(frame, OFF_ETHERTYPE) != ETHERTYPE_IPV4:
-        return REASON_NOT_IPV4
+        return DropReason.NOT_IPV4
     if length < ETH_LEN + IPV4_LEN:
-        return REASON_TOO_SHORT
+        return DropReason.TOO_SHORT
     vihl = frame[OFF_IP]
     if (vihl >> 4) != 4:
-        return REASON_NOT_IPV4
+        return DropReason.NOT_IPV4
     ihl = vihl & 0xF
     if ihl > 5:
-        return REASON_IP_OPTIONS
+        return DropReason.IP_OPTIONS
     if ihl < 5:
-        return REASON_BAD_LENGTH
+        return DropReason.BAD_LENGTH
     if rd_u16be(frame, OFF_IP_FRAG) & 0x3FFF:
-        return REASON_OTHER  # MF set or non-zero fragment offset
+        return DropReason.OTHER  # MF set or non-zero fragment offset
     tot = rd_u16be(frame, OFF_IP_TOTLEN)
     if tot < IPV4_LEN or ETH_LEN + tot > length:
-        return REASON_BAD_LENGTH
+        return DropReason.BAD_LENGTH
     if frame[OFF_IP_PROTO] != IPPROTO_UDP:
-        return REASON_NOT_UDP
+        return DropReason.NOT_UDP
     if tot < IPV4_LEN + UDP_LEN:
-        return REASON_TOO_SHORT
-    if rd_u16be(frame, OFF_UDP_DPORT) != TESTBED_UDP_PORT:
-        return REASON_NOT_UDP
+        return DropReason.TOO_SHORT
+    if (rd_u16be(frame, OFF_UDP_DPORT) != TESTBED_UDP_PORT
+            and rd_u16be(frame, OFF_UDP_SPORT) != TESTBED_UDP_PORT):
+        return DropReason.NOT_UDP
     udp_len = rd_u16be(frame, OFF_UDP_LEN)
     if udp_len != tot - IPV4_LEN:
-        return REASON_BAD_LENGTH
+        return DropReason.BAD_LENGTH
     if udp_len < UDP_LEN + HEADER_LEN:
-        return REASON_TOO_SHORT
-    if rd_u16le(frame, OFF_MAGIC) != MAGIC:
-        return REASON_BAD_MAGIC
-    if frame[OFF_VERSION] != VERSION:
-        return REASON_BAD_VERSION
-    if frame[OFF_MSG_TYPE] > MSG_TYPE_MAX:
-        return REASON_UNKNOWN_TYPE
-    codec = frame[OFF_CODEC]
+        return DropReason.TOO_SHORT
+    h = header(frame)
+    if h.magic != MAGIC:
+        return DropReason.BAD_MAGIC
+    if h.version != VERSION:
+        return DropReason.BAD_VERSION
+    if h.msg_type > MSG_TYPE_MAX:
+        return DropReason.UNKNOWN_TYPE
+    codec = h.codec
     if codec > CODEC_MAX:
-        return REASON_BAD_CODEC
+        return DropReason.BAD_CODEC
     payload = udp_len - UDP_LEN - HEADER_LEN
-    count = rd_u16le(frame, OFF_ELEM_COUNT)
-    if codec == CODEC_INT32 or codec == CODEC_FLOAT32:
+    count = np.int64(h.elem_count)
+    if codec == Codec.INT32 or codec == Codec.FLOAT32:
         if 4 * count != payload:
-            return REASON_BAD_LENGTH
-    elif codec == CODEC_FLOAT16 or codec == CODEC_BFLOAT16:
+            return DropReason.BAD_LENGTH
+    elif codec == Codec.FLOAT16 or codec == Codec.BFLOAT16:
         if 2 * count != payload:
-            return REASON_BAD_LENGTH
-    head = rd_u16le(frame, OFF_HEAD_BYTES)
+            return DropReason.BAD_LENGTH
+    head = np.int64(h.head_bytes)
     if head > payload:
-        return REASON_BAD_LENGTH
-    if (frame[OFF_FLAGS] & FLAG_TRIMMED) and head != payload:
-        return REASON_BAD_LENGTH
-    return REASON_NONE
+        return DropReason.BAD_LENGTH
+    if (h.flags & FLAG_TRIMMED) and head != payload:
+        return DropReason.BAD_LENGTH
+    return DropReason.NONE
 
 
 @njit(cache=True)
 def read_header(frame, headers, i):
     """Copy the testbed header of ``frame`` into ``headers[i]`` (a HEADER_DTYPE array)."""
-    h = headers[i]
-    h.magic = rd_u16le(frame, OFF_MAGIC)
-    h.version = frame[OFF_VERSION]
-    h.msg_type = frame[OFF_MSG_TYPE]
-    h.job_id = rd_u16le(frame, OFF_JOB_ID)
-    h.worker_id = rd_u16le(frame, OFF_WORKER_ID)
-    h.slot = rd_u16le(frame, OFF_SLOT)
-    h.slot_set = frame[OFF_SLOT_SET]
-    h.flags = frame[OFF_FLAGS]
-    h.codec = frame[OFF_CODEC]
-    h.n_workers = frame[OFF_N_WORKERS]
-    h.exponent = rd_i16le(frame, OFF_EXPONENT)
-    h.elem_count = rd_u16le(frame, OFF_ELEM_COUNT)
-    h.head_bytes = rd_u16le(frame, OFF_HEAD_BYTES)
-    h.chunk_offset = rd_u32le(frame, OFF_CHUNK_OFFSET)
-    h.scale = rd_f32le(frame, OFF_SCALE)
+    headers[i:i + 1].view(np.uint8)[:] = frame[HEADER_OFFSET:PAYLOAD_OFFSET]
 
 
 @njit(cache=True)
@@ -639,7 +405,7 @@ def parse_batch(buf, length, n, headers, status):
     for i in range(n):
         s = parse_frame(buf[i], length[i])
         status[i] = s
-        if s == REASON_NONE:
+        if s == DropReason.NONE:
             read_header(buf[i], headers, i)
             ok += 1
     return ok
@@ -652,22 +418,7 @@ def parse_batch(buf, length, n, headers, status):
 @njit(cache=True)
 def write_header(frame, headers, i):
     """Write ``headers[i]`` (a HEADER_DTYPE array row) as the testbed header of ``frame``."""
-    h = headers[i]
-    wr_u16le(frame, OFF_MAGIC, h.magic)
-    frame[OFF_VERSION] = h.version
-    frame[OFF_MSG_TYPE] = h.msg_type
-    wr_u16le(frame, OFF_JOB_ID, h.job_id)
-    wr_u16le(frame, OFF_WORKER_ID, h.worker_id)
-    wr_u16le(frame, OFF_SLOT, h.slot)
-    frame[OFF_SLOT_SET] = h.slot_set
-    frame[OFF_FLAGS] = h.flags
-    frame[OFF_CODEC] = h.codec
-    frame[OFF_N_WORKERS] = h.n_workers
-    wr_i16le(frame, OFF_EXPONENT, h.exponent)
-    wr_u16le(frame, OFF_ELEM_COUNT, h.elem_count)
-    wr_u16le(frame, OFF_HEAD_BYTES, h.head_bytes)
-    wr_u32le(frame, OFF_CHUNK_OFFSET, h.chunk_offset)
-    wr_f32le(frame, OFF_SCALE, h.scale)
+    frame[HEADER_OFFSET:PAYLOAD_OFFSET] = headers[i:i + 1].view(np.uint8)
 
 
 @njit(cache=True)

@@ -43,15 +43,13 @@ from numba import njit, prange
 
 from testbed.kernels.packets import (
     FLAG_TRIMMED,
-    OFF_FLAGS,
-    OFF_HEAD_BYTES,
     OFF_UDP_LEN,
     PAYLOAD_MAX,
     f32_from_bits,
+    header,
     parse_frame,
     rd_f32le,
     rd_u16be,
-    rd_u16le,
     set_payload_bytes,
     wr_f32le,
 )
@@ -218,16 +216,17 @@ def trim_frame(frame, length):
 
     Returns the new length; the unchanged ``length`` when there is nothing to cut
     (``head_bytes`` 0 = not trimmable, or no tail beyond the head); ``-reason`` (a negative
-    ``REASON_*`` code) when the frame is not a valid testbed frame.
+    ``DropReason``) when the frame is not a valid testbed frame.
     """
     st = parse_frame(frame, length)
     if st != 0:
         return -st
-    head = rd_u16le(frame, OFF_HEAD_BYTES)
+    h = header(frame)
+    head = np.int64(h.head_bytes)
     payload = rd_u16be(frame, OFF_UDP_LEN) - UDP_LEN - HEADER_LEN
     if head == 0 or head >= payload:
         return length
-    frame[OFF_FLAGS] |= FLAG_TRIMMED
+    h.flags |= FLAG_TRIMMED
     return set_payload_bytes(frame, head)
 
 

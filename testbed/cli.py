@@ -93,6 +93,19 @@ def bench_collectives(json_out: bool = typer.Option(False, "--json")) -> None:
     raise typer.Exit(main(json_out=json_out))
 
 
+@bench_app.command("reliability")
+def bench_reliability(
+    quick: bool = typer.Option(False, "--quick", help="each impairment alone at its worst, "
+                               "all combined, 1 MiB (about 8 minutes)"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """In-network aggregation under loss, duplication, reordering, strangers and a dead
+    switch (every row checked against numpy)."""
+    from testbed.experiment.reliability import main
+
+    raise typer.Exit(main(quick=quick, json_out=json_out))
+
+
 @bench_app.command("all")
 def bench_all(json_out: bool = typer.Option(False, "--json")) -> None:
     """Every benchmark in turn (kernels, data path, collectives); exit status of the worst."""

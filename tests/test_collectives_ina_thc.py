@@ -11,91 +11,36 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from inasim import Sim
 
 from testbed.collectives import inakernel as ik
-from testbed.collectives.ina import run_direct, thc_check, thc_elems, thc_layout
+from testbed.collectives.ina import thc_check, thc_elems, thc_layout
 from testbed.collectives.report import rank_input
 from testbed.collectives.spec import CollectiveSpec
-from testbed.datapath.aggclient import udp_frame
-from testbed.datapath.aggregate import DEFAULT_AGG_IP, DEFAULT_AGG_MAC, AggregateStage
-from testbed.datapath.batch import Batch
-from testbed.datapath.forward import ip_to_int, mac_to_int
+from testbed.collectives.testing import run_direct
 from testbed.kernels.compressors import get_compressor
 from testbed.kernels.compressors.thc import rht_forward, rht_inverse
-from testbed.kernels.wire import HEADER_OFFSET
-
-AGG_MAC = mac_to_int(DEFAULT_AGG_MAC).to_bytes(6, "big")
-AGG_IP = ip_to_int(DEFAULT_AGG_IP).to_bytes(4, "big")
 
 
-def _loopback(xs, g=16, W=4, step=0):
-    """Run n THC workers against an in-process AggregateStage; return (outputs, packets)."""
-    n, count = len(xs), xs[0].size
-    comp = get_compressor("thc", granularity=g)
-    E, half = thc_elems(n, g), float(g // 2)
-    stage = AggregateStage(pool_slots=W, jobs={1: {"n_workers": n, "slots": W}})
-    ws = []
-    for r, x in enumerate(xs):
-        d, blk, skey, qkey = thc_layout(comp, count, E, step, r)
-        K = -(-d // E)
-        w = {"x": x, "d": d, "K": K, "blk": blk, "skey": skey, "qkey": qkey,
-             "out": np.full(count, np.nan, np.float32), "scratch": np.empty(E, np.float32),
-             "pkts": np.zeros((W, ik.ROW), np.uint8), "lens": np.zeros(W, np.int64),
-             "qsum": np.zeros(d, np.int32), "agreed": np.full(K, ik.THC_EXP_ZERO, np.int16),
-             "cur": np.full(W, -1, np.int64), "uses": np.zeros(W, np.int64),
-             "sent_at": np.zeros(W), "retx": np.zeros(W, np.bool_),
-             "deadline": np.full(W, np.inf), "rto": np.full(W, ik.T0),
-             "st": np.array([0.0, 0.0, ik.T0, 0.0]), "send": np.zeros(W, np.int64)}
-        for s in range(W):
-            w["lens"][s] = ik.thc_build_packet(w["pkts"], s, s, x, d, E, K, W, n, 1, r, 0,
-                                               w["agreed"], comp.clip, half, blk, skey, qkey,
-                                               w["scratch"])
-            w["cur"][s] = s
-        ws.append(w)
-    outbox = [(r, s) for r in range(n) for s in range(W)]
-    packets = 0
-    while outbox:
-        b = Batch(len(outbox) * (n + 1))
-        for i, (r, s) in enumerate(outbox):
-            f = udp_frame(bytes([2, 0, 0, 0, 0, r]), AGG_MAC, bytes([10, 0, 0, r + 1]), AGG_IP,
-                          5000 + r, 41000, bytes(ws[r]["pkts"][s, :ws[r]["lens"][s]]))
-            b.buf[i, :len(f)] = np.frombuffer(f, np.uint8)
-            b.length[i] = len(f)
-        b.n = packets_in = len(outbox)
-        packets += packets_in
-        stage.process(b, 0)
-        outbox = []
-        for i in range(packets_in, b.n):
-            f = bytes(b.buf[i, :b.length[i]])
-            r = int.from_bytes(f[36:38], "big") - 5000
-            w = ws[r]
-            rb = np.zeros((1, 2048), np.uint8)
-            rb[0, :len(f) - HEADER_OFFSET] = np.frombuffer(f[HEADER_OFFSET:], np.uint8)
-            res = ik.on_results_thc(
-                rb, np.array([len(f) - HEADER_OFFSET]), 1, np.zeros(1, np.bool_), w["pkts"],
-                w["lens"], w["x"], w["d"], E, w["qsum"], w["out"], w["agreed"], w["cur"],
-                w["uses"], w["sent_at"], w["retx"], w["deadline"], w["rto"], w["st"], 0.0,
-                w["K"], W, W, n, 1, r, comp.clip, half, w["blk"], w["skey"], w["qkey"],
-                w["send"], w["scratch"])
-            assert res[4] == -1, res
-            outbox += [(r, int(w["send"][k])) for k in range(res[1])]
-    outs = []
-    for w in ws:
-        assert (w["cur"] == -1).all()
-        outs.append(w["out"])
-    return outs, packets
+def _loopback(xs, g=16, W=4, step=0, **impair):
+    """n THC workers' real packets through the real switch kernel (simulated channel);
+    return (outputs, packets sent to the switch)."""
+    sim = Sim(xs=xs, W=W, mode=ik.MODE_THC, g=g, step=step, **impair)
+    ps = sim.run()
+    return [p.out for p in ps], sim.stats["to_switch"]
 
 
 @pytest.mark.parametrize("n, count, g", [(2, 5000, 16), (3, 777, 16), (4, 20000, 16),
                                          (8, 3000, 16), (20, 1500, 16), (4, 4000, 254)])
 def test_loopback_sum_within_thc_bound(n, count, g):
-    """Real packets through the real switch kernel in-process: every worker decodes the same
-    vector, within THC's bound of the numpy sum (int16 result lanes for g=254 / n=20)."""
+    """Real packets through the real switch kernel in-process, over a lossy, duplicating,
+    reordering channel: every worker decodes the same vector, within THC's bound of the numpy
+    sum (int16 result lanes for g=254 / n=20)."""
     spec = CollectiveSpec(algo="ina", compressor="thc", compressor_params={"granularity": g},
                           nbytes=4 * count, seed=n)
     spec.validate(n)
     xs = [rank_input(spec, r, count) for r in range(n)]
-    outs, _ = _loopback(xs, g)
+    outs, _ = _loopback(xs, g, loss=0.05, dup=0.05, reorder=0.1)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
     err, ok = thc_check(spec, xs, outs, n)
     assert ok, err

@@ -30,7 +30,7 @@ def frames(count: int, m: int = 4, start: int = 0):
 
 def number(f: bytes) -> int:
     """The ``chunk_offset`` a frame of :func:`frames` carries."""
-    return int(packets.get_chunk_offset(np.frombuffer(f, np.uint8)))
+    return int(wire.unpack_header(f, wire.HEADER_OFFSET)["chunk_offset"])
 
 
 def load(batch: Batch, fs, port: int, egress: bool = True) -> None:

@@ -19,7 +19,11 @@ from testbed.kernels.wire import (
     HEADER_FIELDS,
     HEADER_LEN,
     HEADER_OFFSET,
+    MAGIC,
     TESTBED_UDP_PORT,
+    VERSION,
+    Codec,
+    Flags,
     MsgType,
 )
 
@@ -32,14 +36,22 @@ def _field_strategy(code: str):
     return st.integers(int(info.min), int(info.max))
 
 
-fields = st.fixed_dictionaries({n: _field_strategy(t) for n, t in HEADER_FIELDS})
+fields = st.fixed_dictionaries({f.name: _field_strategy(f.code) for f in HEADER_FIELDS})
 
 
 def test_layer_is_derived_from_the_table():
     """Same field names, order and total length as the numpy dtype; every type is mapped."""
-    assert [f.name for f in TestbedHeader.fields_desc] == [n for n, _ in HEADER_FIELDS]
+    assert [f.name for f in TestbedHeader.fields_desc] == [f.name for f in HEADER_FIELDS]
     assert len(TestbedHeader()) == HEADER_LEN == HEADER_DTYPE.itemsize
-    assert {t for _, t in HEADER_FIELDS} <= set(FIELD_TYPES)
+    assert {f.code for f in HEADER_FIELDS} <= set(FIELD_TYPES)
+
+
+def test_enum_fields_show_names():
+    h = TestbedHeader(msg_type=int(MsgType.RESULT), codec=int(Codec.THC),
+                      flags=int(Flags.TRIMMED | Flags.ECN))
+    assert h.sprintf("%msg_type% %codec%") == "RESULT THC"
+    assert "TRIMMED" in h.sprintf("%flags%") and "ECN" in h.sprintf("%flags%")
+    assert TestbedHeader().magic == MAGIC and TestbedHeader().version == VERSION
 
 
 @settings(max_examples=300, deadline=None)
@@ -54,18 +66,22 @@ def test_numpy_bytes_equal_scapy_bytes(values):
     assert raw_np == raw_sc
     back = TestbedHeader(raw_np)
     parsed = np.frombuffer(raw_sc, HEADER_DTYPE)[0]
-    for k, _ in HEADER_FIELDS:
+    for k in (f.name for f in HEADER_FIELDS):
         if k == "scale":
             assert np.float32(back.scale) == parsed["scale"] == np.float32(values["scale"])
         else:
-            assert getattr(back, k) == parsed[k] == values[k]
+            assert int(getattr(back, k)) == parsed[k] == values[k]
 
 
 def test_scapy_dissects_engine_result_frames():
     """Feed contributions to an engine's aggregate stage; scapy parses its RESULT frames with
-    valid IP/UDP checksums and the header/payload the protocol says."""
+    a valid IP checksum, no UDP checksum (0, legal on IPv4) and the header/payload the
+    protocol says."""
+    members = [{"worker": w, "mac": f"02:00:00:00:00:0{w + 1}", "ip": f"10.0.0.{w + 1}",
+                "port": 6000 + w, "ingress": f"p{w}"} for w in range(2)]
     eng = Engine({"ports": ["p0", "p1"], "programs": [
-        ("aggregate", {"jobs": {3: {"n_workers": 2, "slots": 4}}}), ("forward", {})]})
+        ("aggregate", {"jobs": {3: {"slots": 4, "seq0": 1, "members": members}}}),
+        ("forward", {})]})
     agg_mac = mac_to_int(DEFAULT_AGG_MAC).to_bytes(6, "big")
     agg_ip = ip_to_int(DEFAULT_AGG_IP).to_bytes(4, "big")
     rng = np.random.default_rng(3)
@@ -88,10 +104,11 @@ def test_scapy_dissects_engine_result_frames():
         raw = bytes(b.buf[r, : b.length[r]])
         p = Ether(raw)
         assert TestbedHeader in p
-        ip_chk, udp_chk = p[IP].chksum, p[UDP].chksum
-        del p[IP].chksum, p[UDP].chksum  # scapy recomputes them on rebuild
+        ip_chk = p[IP].chksum
+        assert p[UDP].chksum == 0
+        del p[IP].chksum  # scapy recomputes it on rebuild
         again = Ether(bytes(p))
-        assert again[IP].chksum == ip_chk and again[UDP].chksum == udp_chk
+        assert again[IP].chksum == ip_chk
         h = p[TestbedHeader]
         w = int(b.out_port[r])
         assert (h.msg_type, h.job_id, h.worker_id, h.slot, h.slot_set) == (MsgType.RESULT, 3, w,

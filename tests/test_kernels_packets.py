@@ -22,7 +22,7 @@ def random_headers(rng: np.random.Generator, count: int, codec=wire.Codec.INT32)
     raw = rng.integers(0, 256, size=(count, wire.HEADER_LEN), dtype=np.uint8)
     h2 = raw.view(wire.HEADER_DTYPE).reshape(count)
     for name in ("job_id", "worker_id", "slot", "slot_set", "n_workers", "exponent",
-                 "chunk_offset", "scale", "flags"):
+                 "chunk_offset", "scale", "flags", "seq"):
         h[name] = h2[name]
     h["scale"] = np.where(np.isfinite(h["scale"]), h["scale"], 1.5)
     h["flags"] &= ~np.uint8(wire.Flags.TRIMMED)
@@ -42,18 +42,21 @@ def int32_frames(rng, count, elems=None):
     return h, payloads, buf, length
 
 
-def test_reason_codes_and_frame_max_match_datapath():
-    codes = {name[len("REASON_"):]: getattr(pk, name) for name in dir(pk)
-             if name.startswith("REASON_")}
-    assert codes, "packets must define REASON_* constants"
-    for name, value in codes.items():
-        assert DropReason[name] == value, name
-    assert pk.FRAME_MAX == FRAME_MAX
+def test_one_definition_of_drop_reasons_and_frame_max():
+    assert DropReason is wire.DropReason
+    assert pk.FRAME_MAX == FRAME_MAX == wire.FRAME_MAX
 
 
-def test_field_offsets_follow_wire_table():
-    for name, off in wire.FIELD_OFFSETS.items():
-        assert getattr(pk, f"OFF_{name.upper()}") == wire.HEADER_OFFSET + off
+def test_header_layout_follows_wire_table():
+    offsets = np.cumsum([0] + [np.dtype(f.code).itemsize for f in wire.HEADER_FIELDS])
+    assert dict(zip([f.name for f in wire.HEADER_FIELDS], offsets[:-1].tolist(),
+                    strict=True)) == wire.FIELD_OFFSETS
+    assert wire.HEADER_LEN == offsets[-1] == wire.HEADER_DTYPE.itemsize
+    assert wire.PAYLOAD_OFFSET == wire.HEADER_OFFSET + wire.HEADER_LEN
+
+
+def _off(name: str) -> int:
+    return wire.HEADER_OFFSET + wire.FIELD_OFFSETS[name]
 
 
 def test_build_matches_twin_and_parses_back():
@@ -146,13 +149,13 @@ def _mutated(field_off: int, value: bytes, elems: int = 4, fix_csum: bool = True
     (20, b"\x20\x00", DropReason.OTHER),  # more-fragments
     (16, b"\xff\xff", DropReason.BAD_LENGTH),
     (38, b"\x00\x30", DropReason.BAD_LENGTH),  # UDP length != IP payload
-    (pk.OFF_MAGIC, b"\x00\x00", DropReason.BAD_MAGIC),
-    (pk.OFF_VERSION, b"\x02", DropReason.BAD_VERSION),
-    (pk.OFF_MSG_TYPE, b"\x09", DropReason.UNKNOWN_TYPE),
-    (pk.OFF_CODEC, b"\x63", DropReason.BAD_CODEC),
-    (pk.OFF_ELEM_COUNT, b"\x05\x00", DropReason.BAD_LENGTH),  # 5*4 != 16 payload bytes
-    (pk.OFF_HEAD_BYTES, b"\x11\x00", DropReason.BAD_LENGTH),  # head beyond payload
-    (pk.OFF_FLAGS, bytes([int(wire.Flags.TRIMMED)]), DropReason.BAD_LENGTH),
+    (_off("magic"), b"\x00\x00", DropReason.BAD_MAGIC),
+    (_off("version"), b"\x09", DropReason.BAD_VERSION),
+    (_off("msg_type"), b"\x09", DropReason.UNKNOWN_TYPE),
+    (_off("codec"), b"\x63", DropReason.BAD_CODEC),
+    (_off("elem_count"), b"\x05\x00", DropReason.BAD_LENGTH),  # 5*4 != 16 payload bytes
+    (_off("head_bytes"), b"\x11\x00", DropReason.BAD_LENGTH),  # head beyond payload
+    (_off("flags"), bytes([int(wire.Flags.TRIMMED)]), DropReason.BAD_LENGTH),
 ])
 def test_each_malformation_has_its_reason(off, value, reason):
     buf, length = _mutated(off, value)
@@ -196,24 +199,51 @@ def test_primitives_roundtrip_against_numpy():
             assert np.float32(pk.rd_f32le(f, off)).view(np.uint32) == bits
 
 
-def test_getters_setters_match_structured_dtype():
+@njit(cache=True)
+def _read_fields(f):
+    h = pk.header(f)
+    return (h.magic, h.version, h.msg_type, h.job_id, h.worker_id, h.slot, h.slot_set, h.flags,
+            h.codec, h.n_workers, h.exponent, h.elem_count, h.head_bytes, h.chunk_offset,
+            h.scale, h.seq)
+
+
+@njit(cache=True)
+def _write_fields(f, v):
+    h = pk.header(f)
+    h.magic, h.version, h.msg_type, h.job_id = v[0], v[1], v[2], v[3]
+    h.worker_id, h.slot, h.slot_set, h.flags = v[4], v[5], v[6], v[7]
+    h.codec, h.n_workers, h.exponent, h.elem_count = v[8], v[9], v[10], v[11]
+    h.head_bytes, h.chunk_offset, h.scale, h.seq = v[12], v[13], v[14], v[15]
+
+
+def test_header_record_reads_and_writes_every_field_in_place():
+    assert [f.name for f in wire.HEADER_FIELDS][-1] == "seq"  # _read_fields lists them all
     rng = np.random.default_rng(7)
     h, _, buf, length = int32_frames(rng, 20)
     for i in range(20):
-        f = buf[i]
-        for name, _t in wire.HEADER_FIELDS:
-            got = getattr(pk, f"get_{name}")(f)
-            assert got == h[name][i], name
+        got = _read_fields(buf[i])
+        assert got == tuple(h[i].item()), i
+        assert wire.unpack_header(buf[i].tobytes(), wire.HEADER_OFFSET) == h[i]
     f = buf[0].copy()
-    vals = {"job_id": 513, "worker_id": 31, "slot": 8191, "slot_set": 1, "flags": 5,
-            "codec": 1, "n_workers": 64, "exponent": -149, "elem_count": 300,
-            "head_bytes": 40, "chunk_offset": 2**32 - 2, "scale": -0.125, "msg_type": 2,
-            "magic": 0x1234, "version": 9}
-    for name, v in vals.items():
-        getattr(pk, f"set_{name}")(f, v)
+    vals = (0x1234, 9, 2, 513, 31, 8191, 1, 5, 1, 64, -149, 300, 40, 2**32 - 2, -0.125,
+            2**32 - 1)
+    _write_fields(f, vals)
     view = f[wire.HEADER_OFFSET:wire.PAYLOAD_OFFSET].view(wire.HEADER_DTYPE)[0]
-    for name, v in vals.items():
-        assert view[name] == v, name
+    assert tuple(view.item()) == vals
+    assert bytes(f[wire.PAYLOAD_OFFSET:]) == bytes(buf[0, wire.PAYLOAD_OFFSET:])  # in place
+
+
+def test_pack_header_and_describe():
+    b = wire.pack_header(msg_type=int(wire.MsgType.RESULT), job_id=3, seq=7, flags=3)
+    h = wire.unpack_header(b)
+    d = wire.describe_header(h)
+    assert d["msg_type"] == "RESULT" and d["job_id"] == 3 and d["seq"] == 7
+    assert d["magic"] == wire.MAGIC and d["version"] == wire.VERSION
+    assert "TRIMMED" in d["flags"] and "OVERFLOW" in d["flags"]
+    with pytest.raises(ValueError, match="no field 'jobid'"):
+        wire.pack_header(jobid=1)
+    with pytest.raises(ValueError, match="needs"):
+        wire.unpack_header(b[:5])
 
 
 def test_checksum_swap_and_set_addresses():
@@ -242,11 +272,12 @@ def _njit_caller(buf, length, n):
     total = 0
     for i in range(n):
         f = buf[i]
-        if pk.parse_frame(f, length[i]) == pk.REASON_NONE:
-            p = pk.payload_i32(f, pk.get_elem_count(f))
+        if pk.parse_frame(f, length[i]) == DropReason.NONE:
+            h = pk.header(f)
+            p = pk.payload_i32(f, h.elem_count)
             for k in range(p.shape[0]):
                 total += p[k]
-            pk.set_slot(f, pk.get_slot(f) + 1)
+            h.slot += 1
     return total
 
 
@@ -281,3 +312,11 @@ def test_wrappers_reject_bad_input_with_names():
         pk.build(wire.new_headers(1), [b"x" * 3000], SMAC, DMAC, SIP, DIP, 1)
     with pytest.raises(TypeError, match="headers"):
         pk.build(np.zeros(1), [b""], SMAC, DMAC, SIP, DIP, 1)
+
+
+def test_frames_from_the_testbed_port_are_testbed_frames():
+    """A RESULT goes from the aggregator's port 41000 to the worker's own port."""
+    buf, length = _mutated(36, b"\x00\x35")  # dport 53: not to the testbed port ...
+    buf[0, 34:36] = np.frombuffer((41000).to_bytes(2, "big"), np.uint8)  # ... but from it
+    _, status = pk.parse(buf, length)
+    assert status[0] == ref.parse_frame(buf[0], int(length[0]))[0] == DropReason.NONE

@@ -169,12 +169,12 @@ def test_trim_frame_output_parses_and_checksums_verify():
 
 def test_trim_frame_not_trimmable_and_invalid():
     _, _, buf, length = _trim_layout_frame(m=16)
-    pk.set_head_bytes(buf[0], 0)
+    wire.unpack_header(buf[0], wire.HEADER_OFFSET)["head_bytes"] = 0  # a view: in place
     before = buf[0].copy()
     assert tr.trim_frame(buf[0], length[0]) == length[0]
     assert np.array_equal(buf[0], before)
     assert tr.trim_frame(buf[0], 20) == -int(DropReason.TOO_SHORT)
-    pk.set_magic(buf[0], 0)
+    wire.unpack_header(buf[0], wire.HEADER_OFFSET)["magic"] = 0
     assert tr.trim_frame(buf[0], length[0]) == -int(DropReason.BAD_MAGIC)
     rnd = np.random.default_rng(1).integers(0, 256, 2048, dtype=np.uint8)
     assert tr.trim_frame(rnd, 1500) < 0

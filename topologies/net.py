@@ -50,7 +50,7 @@ from mininet.nodelib import LinuxBridge
 
 from testbed.netlock import emulation_lock
 
-from . import routing
+from . import paths, routing
 from .base import (
     AGGREGATOR_IP,
     AGGREGATOR_MAC,
@@ -748,3 +748,22 @@ class TestbedNet:
                         stats[key] = int(f.read())
             ports[name] = stats
         return {"datapath": dp, "ports": ports}
+
+    def ina_members(self, hosts, port: int) -> list[dict]:
+        """The aggregator's member records of INA workers on ``hosts`` (ranks, names or Host
+        objects; worker id = position) binding UDP ``port``: what the control plane registers
+        with the aggregating switch (MAC, IP, port, the switch port their packets arrive on,
+        following the fabric's real ECMP choices)."""
+        names = self._host_names(hosts)
+        return paths.ina_members(self.topo, [self.topo.host_names.index(h) for h in names], port)
+
+    def dead_engines(self) -> dict[str, int]:
+        """Programmable nodes whose data-path engine has exited: node -> exit status
+        (negative: killed by that signal)."""
+        mn = self._require_running()
+        dead = {}
+        for node in list(mn.switches) + list(mn.hosts):
+            eng = getattr(node, "engine", None)
+            if eng is not None and eng.poll() is not None:
+                dead[node.name] = eng.returncode
+        return dead

@@ -12,10 +12,12 @@ import numpy as np
 
 from testbed.kernels import wire
 
-# Same numbers as testbed.datapath.batch.DropReason (kept separate on purpose: a twin).
-NONE, TOO_SHORT, NOT_IPV4, IP_OPTIONS, NOT_UDP = 0, 1, 2, 3, 4
-BAD_MAGIC, BAD_VERSION, BAD_LENGTH, UNKNOWN_TYPE = 5, 6, 7, 8
-BAD_CODEC, OTHER = 15, 19
+R = wire.DropReason
+NONE, TOO_SHORT, NOT_IPV4, IP_OPTIONS, NOT_UDP = R.NONE, R.TOO_SHORT, R.NOT_IPV4, \
+    R.IP_OPTIONS, R.NOT_UDP
+BAD_MAGIC, BAD_VERSION, BAD_LENGTH, UNKNOWN_TYPE = R.BAD_MAGIC, R.BAD_VERSION, R.BAD_LENGTH, \
+    R.UNKNOWN_TYPE
+BAD_CODEC, OTHER = R.BAD_CODEC, R.OTHER
 
 
 def ipv4_checksum(ip_header: bytes) -> int:
@@ -57,8 +59,8 @@ def parse_frame(frame: bytes | np.ndarray, length: int) -> tuple[int, np.ndarray
         return NOT_UDP, None
     if tot < 28:
         return TOO_SHORT, None
-    _sport, dport, ulen, _csum = struct.unpack("!HHHH", buf[34:42])
-    if dport != wire.TESTBED_UDP_PORT:
+    sport, dport, ulen, _csum = struct.unpack("!HHHH", buf[34:42])
+    if wire.TESTBED_UDP_PORT not in (sport, dport):
         return NOT_UDP, None
     if ulen != tot - 20:
         return BAD_LENGTH, None
@@ -87,16 +89,23 @@ def parse_frame(frame: bytes | np.ndarray, length: int) -> tuple[int, np.ndarray
     return NONE, hdr.copy()
 
 
+def udp_frame(src_mac: bytes, dst_mac: bytes, src_ip: bytes, dst_ip: bytes, sport: int,
+              dport: int, data: bytes) -> bytes:
+    """Eth/IPv4/UDP frame around ``data`` (testbed header + payload), addresses as raw bytes;
+    the same bytes as the kernels' ``write_eth_ip_udp`` (UDP checksum 0)."""
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28 + len(data), 0, 0x4000, 64, 17, 0,
+                               src_ip, dst_ip))
+    ip[10:12] = struct.pack("!H", ipv4_checksum(bytes(ip)))
+    eth = bytes(dst_mac) + bytes(src_mac) + struct.pack("!H", 0x0800)
+    return eth + bytes(ip) + struct.pack("!HHHH", sport, dport, 8 + len(data), 0) + data
+
+
 def build_frame(header: np.ndarray, payload: bytes, src_mac: bytes, dst_mac: bytes,
                 src_ip: int, dst_ip: int, sport: int, dport: int) -> bytes:
     """Bytes of a frame: Eth/IPv4 (DF, TTL 64, id 0)/UDP (checksum 0)/header/payload."""
     hdr = np.asarray(header, dtype=wire.HEADER_DTYPE).reshape(1).tobytes()
-    udp_len = 8 + len(hdr) + len(payload)
-    ip = bytearray(struct.pack("!BBHHHBBHII", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, 17, 0,
-                               src_ip, dst_ip))
-    ip[10:12] = struct.pack("!H", ipv4_checksum(bytes(ip)))
-    eth = bytes(dst_mac) + bytes(src_mac) + struct.pack("!H", 0x0800)
-    return eth + bytes(ip) + struct.pack("!HHHH", sport, dport, udp_len, 0) + hdr + payload
+    return udp_frame(src_mac, dst_mac, src_ip.to_bytes(4, "big"), dst_ip.to_bytes(4, "big"),
+                     sport, dport, hdr + payload)
 
 
 def parse_batch(buf: np.ndarray, length: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,22 +1,35 @@
-"""Batched hot loop of the INA worker: one ``@njit`` call per received burst.
+"""The INA worker's hot loop: one ``@njit`` call per received burst, one per timer check.
 
-:func:`on_results` walks a burst of RESULT datagrams (from ``recvmmsg``), applies each to the
-worker's per-slot state (see ``ina.py`` for the protocol), builds the next packet of every
-completed slot in place and lists the slots to send (for ``sendmmsg``). Python only loops
-over bursts. :func:`on_results_ref` is its plain-Python twin (same arguments, same effects);
-tests run both on the same inputs and compare every output array.
+Worker side of the protocol in ``docs/protocol.md`` (the switch side is
+:mod:`testbed.datapath.aggregate`). A worker keeps ``W`` slots busy; slot ``k`` carries packets
+``k, k + W, k + 2W, ...`` in successive *rounds*: round ``seq`` (a 32-bit serial number that
+starts at the job's ``seq0`` and continues across repetitions) uses register set ``seq & 1``.
+A RESULT is accepted only for the slot's current round and chunk offset, so duplicates, late
+answers and strangers' datagrams are ignored. Packets ``0..boot-1`` are the exponent bootstrap
+round (see ``ina.py``), one element each.
 
-Packet rows: ``pkts[W, ROW]`` bytes (testbed header + up to 256 elements); ``pkts_i32`` /
-``pkts_f32`` are int32 / float32 views of the same memory (the payload starts at element 7 =
-byte 28). Received datagrams: ``rbuf[B, RB]`` bytes with views ``rbuf_i32`` / ``rbuf_f32``.
+The state is three small records:
 
-``st`` (float64[4]) = srtt, rttvar, base timeout, last progress time. Returns
-``(done, nsend, ignored, lost, bad_slot)``; ``bad_slot >= 0`` flags a RESULT whose chunk offset,
-element count or codec does not match the slot's packet (protocol violation, the caller
-raises; nothing is written out of bounds).
+* :class:`Slots` - per slot: packet index outstanding (-1: idle), round, send time, send order,
+  retransmitted flag, deadline, timeout, packet length and the packet row itself;
+* :data:`LOOP_DTYPE` - one record: RTT estimator (srtt, rttvar, timeout), last progress time,
+  send counter and the highest send order answered (for fast retransmission);
+* :class:`Payload` - what is being reduced: input, outputs, agreed exponents, sizes and the
+  codec (``MODE_INT32`` SwitchML fixed point, ``MODE_NIC`` float32 that a SmartNIC quantises,
+  ``MODE_THC`` THC int8 lanes).
+
+Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
+``srtt + 4 rttvar``, at least SwitchML's 10 ms, doubling per retry up to 320 ms: :func:`expire`)
+or, sooner, once ``FAST_RETX`` packets sent after it were answered (a loss, since rounds of one
+worker complete in the order it sent them: :func:`on_results`), like TCP's fast retransmit.
+
+:mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;
+tests run both on the same inputs and compare every output.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -24,300 +37,22 @@ from numba import njit
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors._common import hash_u32, uniform
 from testbed.kernels.compressors.thc import fwht_inplace
-from testbed.kernels.wire import FIELD_OFFSETS, HEADER_LEN, MAGIC, VERSION, Codec, MsgType
+from testbed.kernels.packets import header_at
+from testbed.kernels.wire import HEADER_LEN, MAGIC, VERSION, Codec, Flags, MsgType
 
+#: int32 elements per INA packet (SwitchML's client default).
 ELEMS = 256
+#: Bytes of a packet row: header + 256 int32 (= 1024 THC int8 lanes).
 ROW = HEADER_LEN + 4 * ELEMS
-P0 = HEADER_LEN // 4  # first payload element in an int32/float32 view of a row
+#: SwitchML's initial retransmission timeout, and the cap of its doubling.
 T0 = 0.010
-#: chunk_offset of the exponent bootstrap packets: never a data offset, so a late duplicate
-#: of a bootstrap result is never taken for data (or the other way round)
-BOOT_OFFSET = 0xFFFFFFFF
 T_MAX = 0.320
-_RESULT = int(MsgType.RESULT)
-_DATA = int(MsgType.DATA)
-_INT32 = int(Codec.INT32)
-_FLOAT32 = int(Codec.FLOAT32)
-_EXP_MIN = fp.EXP_MIN
-_FO = FIELD_OFFSETS
-_O_TYPE, _O_JOB, _O_WORKER, _O_SLOT = _FO["msg_type"], _FO["job_id"], _FO["worker_id"], _FO["slot"]
-_O_SET, _O_FLAGS, _O_CODEC, _O_NW = _FO["slot_set"], _FO["flags"], _FO["codec"], _FO["n_workers"]
-_O_EXP, _O_ELEMS, _O_HEAD, _O_CHUNK = _FO["exponent"], _FO["elem_count"], _FO["head_bytes"], \
-    _FO["chunk_offset"]
-_O_SCALE = _FO["scale"]
+#: Answered packets sent after an unanswered one that make it a loss (TCP's dupack threshold).
+FAST_RETX = 3
+#: chunk_offset of the exponent bootstrap packets: never a data offset.
+BOOT_OFFSET = 0xFFFFFFFF
 
-
-@njit(cache=True)
-def _u16(b, i, o):
-    return np.int64(b[i, o]) | (np.int64(b[i, o + 1]) << 8)
-
-
-@njit(cache=True)
-def _put16(b, i, o, v):
-    b[i, o] = np.uint8(v & 0xFF)
-    b[i, o + 1] = np.uint8((v >> 8) & 0xFF)
-
-
-@njit(cache=True)
-def _write_data_header(pkts, slot, job_id, rank, sset, codec, n, e_next, cnt, off):
-    """Fill the testbed header of the DATA packet in row ``slot`` (shared by every codec)."""
-    _put16(pkts, slot, 0, MAGIC)
-    pkts[slot, 2] = VERSION
-    pkts[slot, _O_TYPE] = _DATA
-    _put16(pkts, slot, _O_JOB, job_id)
-    _put16(pkts, slot, _O_WORKER, rank)
-    _put16(pkts, slot, _O_SLOT, slot)
-    pkts[slot, _O_SET] = sset
-    pkts[slot, _O_FLAGS] = 0
-    pkts[slot, _O_CODEC] = codec
-    pkts[slot, _O_NW] = n
-    _put16(pkts, slot, _O_EXP, e_next & 0xFFFF)
-    _put16(pkts, slot, _O_ELEMS, cnt)
-    _put16(pkts, slot, _O_HEAD, 0)
-    for k in range(4):
-        pkts[slot, _O_CHUNK + k] = np.uint8((off >> (8 * k)) & 0xFF)
-        pkts[slot, _O_SCALE + k] = 0
-
-
-@njit(cache=True)
-def _chunk_offset(rbuf, i):
-    """``chunk_offset`` of received datagram ``i`` (little-endian u32)."""
-    off = np.int64(0)
-    for k in range(4):
-        off |= np.int64(rbuf[i, _O_CHUNK + k]) << (8 * k)
-    return off
-
-
-@njit(cache=True)
-def _rtt_sample(st, sample):
-    """Jacobson/Karels: update srtt ``st[0]``, rttvar ``st[1]`` and the timeout ``st[2]``."""
-    if st[0] == 0.0:
-        st[0] = sample
-        st[1] = sample / 2
-    else:
-        st[1] = 0.75 * st[1] + 0.25 * abs(st[0] - sample)
-        st[0] = 0.875 * st[0] + 0.125 * sample
-    st[2] = min(max(T0, st[0] + 4 * st[1]), T_MAX)
-
-
-@njit(cache=True)
-def build_packet(pkts, pkts_i32, pkts_f32, slot, j, x, K, boot, n, job_id, rank, sset,
-                 agreed, nic):
-    """Write packet ``j`` (bootstrap, or data chunk j-boot) into row ``slot``; return length."""
-    if nic:
-        lo = j * ELEMS
-        cnt = min(ELEMS, x.size - lo)
-        for k in range(cnt):
-            pkts_f32[slot, P0 + k] = x[lo + k]
-        e_next = 0
-        codec = _FLOAT32
-        off = lo
-    else:
-        if j < K:
-            lo = j * ELEMS
-            e_next = fp.block_exponent(x[lo:min(lo + ELEMS, x.size)])  # local exponent of j
-        else:
-            e_next = _EXP_MIN
-        if j >= boot:
-            lo = (j - boot) * ELEMS
-            cnt = min(ELEMS, x.size - lo)
-            fp.quantize_into(x[lo:lo + cnt], fp.scale_for(np.int64(agreed[j - boot]), n),
-                             pkts_i32[slot, P0:P0 + cnt])
-            off = lo
-        else:
-            cnt = 1
-            pkts_i32[slot, P0] = 0
-            off = BOOT_OFFSET
-        codec = _INT32
-    _write_data_header(pkts, slot, job_id, rank, sset, codec, n, e_next, cnt, off)
-    return HEADER_LEN + 4 * cnt
-
-
-@njit(cache=True)
-def on_results(rbuf, rbuf_i32, rbuf_f32, rlen, nrecv, drop, pkts, pkts_i32, pkts_f32, lens,
-               x, qsum, out, agreed, cur, uses, sent_at, retx, deadline, rto, st, now, K,
-               boot, W, n, job_id, rank, nic, send_list):
-    """Apply a burst of received datagrams; see the module docstring."""
-    total = K + boot
-    done = 0
-    nsend = 0
-    ignored = 0
-    lost = 0
-    for i in range(nrecv):
-        ln = rlen[i]
-        if ln < HEADER_LEN:
-            ignored += 1
-            continue
-        slot = _u16(rbuf, i, _O_SLOT)
-        ne = _u16(rbuf, i, _O_ELEMS)
-        if (_u16(rbuf, i, 0) != MAGIC or rbuf[i, _O_TYPE] != _RESULT
-                or _u16(rbuf, i, _O_JOB) != job_id or slot >= W or cur[slot] < 0
-                or rbuf[i, _O_SET] != (uses[slot] & 1) or ln < HEADER_LEN + 4 * ne):
-            ignored += 1  # not ours, or a duplicate answer to a retransmission
-            continue
-        if drop[i]:
-            lost += 1
-            continue
-        j = cur[slot]
-        off = _chunk_offset(rbuf, i)
-        lo = (j - boot) * ELEMS if j >= boot else BOOT_OFFSET
-        if off != lo:
-            ignored += 1  # a late duplicate of an older packet on this slot (same set bit)
-            continue
-        if j < K and not nic:
-            e = _u16(rbuf, i, _O_EXP)
-            agreed[j] = e - 65536 if e >= 32768 else e
-        if j >= boot:
-            if ne != min(ELEMS, x.size - lo) or (nic and rbuf[i, _O_CODEC] != _FLOAT32):
-                return done, nsend, ignored, lost, slot
-            if nic:
-                for k in range(ne):
-                    out[lo + k] = rbuf_f32[i, P0 + k]
-            else:
-                for k in range(ne):
-                    qsum[lo + k] = rbuf_i32[i, P0 + k]
-        done += 1
-        st[3] = now
-        uses[slot] += 1
-        if not retx[slot]:  # Karn: only unambiguous samples
-            _rtt_sample(st, now - sent_at[slot])
-        rto[slot] = st[2]
-        retx[slot] = False
-        nj = j + W
-        if nj < total:
-            lens[slot] = build_packet(pkts, pkts_i32, pkts_f32, slot, nj, x, K, boot, n,
-                                      job_id, rank, uses[slot] & 1, agreed, nic)
-            cur[slot] = nj
-            sent_at[slot] = now
-            deadline[slot] = now + st[2]
-            send_list[nsend] = slot
-            nsend += 1
-        else:
-            cur[slot] = -1
-            deadline[slot] = np.inf
-    return done, nsend, ignored, lost, -1
-
-
-# ------------------------------------------------------------------------------ numpy twins
-
-
-def build_packet_ref(pkts, pkts_i32, pkts_f32, slot, j, x, K, boot, n, job_id, rank, sset,
-                     agreed, nic):
-    """Plain numpy/struct twin of :func:`build_packet`."""
-    import struct
-
-    if nic:
-        lo = j * ELEMS
-        cnt = min(ELEMS, x.size - lo)
-        pkts_f32[slot, P0:P0 + cnt] = x[lo:lo + cnt]
-        e_next, codec, off = 0, _FLOAT32, lo
-    else:
-        if j < K:
-            chunk = x[j * ELEMS:(j + 1) * ELEMS]
-            m = float(np.max(np.abs(chunk))) if chunk.size else 0.0
-            if m == 0.0:
-                e_next = _EXP_MIN
-            else:
-                mant, ex = np.frexp(m)
-                e_next = max(int(ex) - 1 if mant == 0.5 else int(ex), _EXP_MIN)
-        else:
-            e_next = _EXP_MIN
-        if j >= boot:
-            lo = (j - boot) * ELEMS
-            cnt = min(ELEMS, x.size - lo)
-            f = np.ldexp(float(fp.INT32_MAX // n), -int(agreed[j - boot]))
-            pkts_i32[slot, P0:P0 + cnt] = np.rint(x[lo:lo + cnt].astype(np.float64) * f
-                                                  ).astype(np.int32)
-            off = lo
-        else:
-            cnt = 1
-            pkts_i32[slot, P0] = 0
-            off = BOOT_OFFSET
-        codec = _INT32
-    hdr = struct.pack("<HBBHHHBBBBhHHIf", MAGIC, VERSION, _DATA, job_id, rank, slot, sset, 0,
-                      codec, n, e_next, cnt, 0, off, 0.0)
-    pkts[slot, :HEADER_LEN] = np.frombuffer(hdr, dtype=np.uint8)
-    return HEADER_LEN + 4 * cnt
-
-
-def on_results_ref(rbuf, rbuf_i32, rbuf_f32, rlen, nrecv, drop, pkts, pkts_i32, pkts_f32,
-                   lens, x, qsum, out, agreed, cur, uses, sent_at, retx, deadline, rto, st,
-                   now, K, boot, W, n, job_id, rank, nic, send_list):
-    """Plain-Python twin of :func:`on_results` (struct parsing, numpy slices)."""
-    import struct
-
-    hdr = struct.Struct("<HBBHHHBBBBhHHIf")
-    total = K + boot
-    done = nsend = ignored = lost = 0
-    for i in range(nrecv):
-        ln = int(rlen[i])
-        if ln < HEADER_LEN:
-            ignored += 1
-            continue
-        (magic, _v, mt, job, _w, slot, sset, _f, codec, _n, e, ne, _h, off,
-         _s) = hdr.unpack_from(rbuf[i].tobytes(), 0)
-        if (magic != MAGIC or mt != _RESULT or job != job_id or slot >= W or cur[slot] < 0
-                or sset != (uses[slot] & 1) or ln < HEADER_LEN + 4 * ne):
-            ignored += 1
-            continue
-        if drop[i]:
-            lost += 1
-            continue
-        j = int(cur[slot])
-        lo = (j - boot) * ELEMS if j >= boot else BOOT_OFFSET
-        if off != lo:
-            ignored += 1
-            continue
-        if j < K and not nic:
-            agreed[j] = e
-        if j >= boot:
-            if ne != min(ELEMS, x.size - lo) or (nic and codec != _FLOAT32):
-                return done, nsend, ignored, lost, slot
-            if nic:
-                out[lo:lo + ne] = rbuf_f32[i, P0:P0 + ne]
-            else:
-                qsum[lo:lo + ne] = rbuf_i32[i, P0:P0 + ne]
-        done += 1
-        st[3] = now
-        uses[slot] += 1
-        if not retx[slot]:
-            sample = now - sent_at[slot]
-            if st[0] == 0.0:
-                st[0], st[1] = sample, sample / 2
-            else:
-                st[1] = 0.75 * st[1] + 0.25 * abs(st[0] - sample)
-                st[0] = 0.875 * st[0] + 0.125 * sample
-            st[2] = min(max(T0, st[0] + 4 * st[1]), T_MAX)
-        rto[slot] = st[2]
-        retx[slot] = False
-        nj = j + W
-        if nj < total:
-            lens[slot] = build_packet_ref(pkts, pkts_i32, pkts_f32, slot, nj, x, K, boot, n,
-                                          job_id, rank, int(uses[slot] & 1), agreed, nic)
-            cur[slot] = nj
-            sent_at[slot] = now
-            deadline[slot] = now + st[2]
-            send_list[nsend] = slot
-            nsend += 1
-        else:
-            cur[slot] = -1
-            deadline[slot] = np.inf
-    return done, nsend, ignored, lost, -1
-
-
-# ------------------------------------------------------------------ THC (INA + compression)
-#
-# algo="ina", compressor="thc" (see ina.py): per packet of E coordinates (whole rotation blocks),
-# the ``exponent`` field carries ceil(NORM_RES * log2 ||chunk||) of the packet's chunk (the norm
-# is rotation invariant, so it is taken before rotating) one slot-round ahead (the switch max-combines it, exactly like SwitchML's exponent),
-# and the payload is that chunk stochastically rounded to int8 levels -half..half on the grid
-# of the agreed scale M = clip * 2**(e/NORM_RES) / sqrt(ne), after rotating the chunk with the
-# blockwise randomized Hadamard transform (shared sign stream, global element index: the same
-# numbers as thc.rht_forward over the whole vector). The switch adds the int8 lanes in int32
-# registers and answers in the narrowest lane that holds the sums (int8/int16/int32, told by
-# payload bytes / elem_count) or with the OVERFLOW flag; each RESULT is de-scaled and
-# inverse-rotated into ``out`` as it arrives. Rotating and decoding per packet keeps the
-# transforms off the critical path (they overlap the network) and workers start in step.
+MODE_INT32, MODE_NIC, MODE_THC = 0, 1, 2
 
 #: int8 lanes per THC packet: the bytes of 256 int32, so a quarter of the packets of plain INA.
 THC_ELEMS = 1024
@@ -325,8 +60,88 @@ THC_ELEMS = 1024
 NORM_RES = 8
 #: exponent of an all-zero chunk (scale 0: everything quantises to 0)
 THC_EXP_ZERO = -32768
-_THC = int(Codec.THC)
-_OVERFLOW = 2  # wire.Flags.OVERFLOW
+_OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag ones
+
+LOOP_DTYPE = np.dtype([("srtt", "f8"), ("rttvar", "f8"), ("rto", "f8"), ("progress", "f8"),
+                       ("sends", "i8"), ("acked", "i8")])
+
+
+class Slots(NamedTuple):
+    """Per-slot state of one worker (index: slot 0..W-1)."""
+
+    cur: np.ndarray  # int64: packet index outstanding on the slot, -1 when idle
+    seq: np.ndarray  # int64: the slot's current round (32-bit serial number)
+    sent_at: np.ndarray  # float64: time of the last (re)send
+    order: np.ndarray  # int64: send counter value of the last (re)send
+    retx: np.ndarray  # bool: sent more than once (Karn: no RTT sample)
+    deadline: np.ndarray  # float64: retransmission time (inf when idle)
+    rto: np.ndarray  # float64: the slot's current timeout
+    lens: np.ndarray  # int64: bytes of the packet row
+    pkts: np.ndarray  # uint8[W, ROW]: the packets, header first
+
+
+class Payload(NamedTuple):
+    """What one worker reduces and how it is encoded."""
+
+    mode: int  # MODE_INT32, MODE_NIC or MODE_THC
+    x: np.ndarray  # float32 input
+    out: np.ndarray  # float32 result
+    qsum: np.ndarray  # int32 summed lanes (INT32: the whole vector; THC: padded length d)
+    agreed: np.ndarray  # int16 agreed exponent per data chunk
+    K: int  # data packets
+    boot: int  # exponent bootstrap packets before the data (W, or 0 for MODE_NIC)
+    E: int  # elements per data packet
+    d: int  # padded length (THC) or x.size
+    n: int  # workers
+    job_id: int
+    rank: int
+    clip: float  # THC: clamp factor
+    half: float  # THC: g / 2, the largest level
+    blk: int  # THC: rotation block
+    skey: np.uint64  # THC: shared sign stream
+    qkey: np.uint64  # THC: this rank's rounding stream
+    scratch: np.ndarray  # float32[E]
+
+
+def new_slots(W: int, seq0: int) -> Slots:
+    """Idle slots whose first round is ``seq0``."""
+    return Slots(np.full(W, -1, np.int64), np.full(W, seq0 % (1 << 32), np.int64), np.zeros(W),
+                 np.zeros(W, np.int64), np.zeros(W, np.bool_), np.full(W, np.inf),
+                 np.full(W, T0), np.zeros(W, np.int64), np.zeros((W, ROW), np.uint8))
+
+
+def new_loop(now: float) -> np.ndarray:
+    """The loop record at the start of a collective."""
+    st = np.zeros(1, LOOP_DTYPE)
+    st[0]["rto"] = T0
+    st[0]["progress"] = now
+    st[0]["acked"] = -1
+    return st
+
+
+# ------------------------------------------------------------------------------- packets
+
+
+@njit(cache=True)
+def write_data_header(row, slot, seq, codec, e_next, cnt, off, p):
+    """Fill the testbed header of a DATA packet of round ``seq`` in ``row``."""
+    h = header_at(row, 0)
+    h.magic = MAGIC
+    h.version = VERSION
+    h.msg_type = MsgType.DATA
+    h.job_id = p.job_id
+    h.worker_id = p.rank
+    h.slot = slot
+    h.slot_set = seq & 1
+    h.flags = 0
+    h.codec = codec
+    h.n_workers = p.n
+    h.exponent = e_next
+    h.elem_count = cnt
+    h.head_bytes = 0
+    h.chunk_offset = off
+    h.scale = 0.0
+    h.seq = seq
 
 
 @njit(cache=True)
@@ -384,122 +199,257 @@ def unrotate_chunk(buf, lo, cnt, blk, key, out):
 
 
 @njit(cache=True)
-def thc_build_packet(pkts, slot, j, x, d, E, K, boot, n, job_id, rank, sset, agreed, clip,
-                     half, blk, skey, qkey, scratch):
-    """Write THC packet ``j`` (bootstrap, or chunk j-boot rotated into ``scratch``) into row
-    ``slot``; return its length. Coordinate ``i`` rounds up with probability frac(a) using
-    ``uniform(i, qkey)`` (counter-based: the twin draws the same numbers)."""
-    if j < K:
-        e_next = thc_exponent(x, j * E, min(j * E + E, x.size))
-    else:
-        e_next = THC_EXP_ZERO
-    if j >= boot:
-        lo = (j - boot) * E
-        cnt = min(E, d - lo)
-        rotate_chunk(x, lo, cnt, blk, skey, scratch)
-        sc = thc_scale(np.int64(agreed[j - boot]), cnt, clip)
-        f = half / sc if sc > 0.0 else 0.0
-        lim = np.float64(half)
-        for k in range(cnt):
-            a = np.float64(scratch[k]) * f
-            if a > lim:
-                a = lim
-            elif a < -lim:
-                a = -lim
-            lv = np.floor(a)
-            if uniform(lo + k, qkey) < a - lv:
-                lv += 1.0
-            pkts[slot, HEADER_LEN + k] = np.uint8(np.int64(lv) & 0xFF)
-        off = lo
-    else:
-        cnt = 1
-        pkts[slot, HEADER_LEN] = 0
-        off = BOOT_OFFSET
-    _write_data_header(pkts, slot, job_id, rank, sset, _THC, n, e_next, cnt, off)
-    return HEADER_LEN + cnt
+def _thc_quantize(row, lo, cnt, sc, p):
+    """Stochastically round the rotated chunk in ``p.scratch`` to int8 levels -half..half on the
+    grid of scale ``sc`` into the payload of ``row``; coordinate ``i`` rounds up with
+    probability frac(a) using ``uniform(i, qkey)`` (counter-based: the twin draws the same)."""
+    f = p.half / sc if sc > 0.0 else 0.0
+    lim = np.float64(p.half)
+    for k in range(cnt):
+        a = np.float64(p.scratch[k]) * f
+        if a > lim:
+            a = lim
+        elif a < -lim:
+            a = -lim
+        lv = np.floor(a)
+        if uniform(lo + k, p.qkey) < a - lv:
+            lv += 1.0
+        row[HEADER_LEN + k] = np.uint8(np.int64(lv) & 0xFF)
 
 
 @njit(cache=True)
-def on_results_thc(rbuf, rlen, nrecv, drop, pkts, lens, x, d, E, qsum, out, agreed, cur, uses,
-                   sent_at, retx, deadline, rto, st, now, K, boot, W, n, job_id, rank, clip,
-                   half, blk, skey, qkey, send_list, scratch):
-    """THC twin of :func:`on_results`: apply a burst of RESULTs (int8/int16/int32 lanes into
-    ``qsum``, decoded into ``out``), build the next packets. Returns ``(done, nsend, ignored,
-    lost, bad_slot, overflow)``; ``overflow`` = 1 when ``bad_slot``'s RESULT carried the
-    OVERFLOW flag."""
-    total = K + boot
-    done = 0
-    nsend = 0
-    ignored = 0
-    lost = 0
+def build_packet(slots, s, j, p):
+    """Write packet ``j`` (bootstrap ``j < boot``, else data chunk ``j - boot``) of slot ``s``'s
+    current round into its row; return its length.
+
+    A packet carries the sender's local exponent of data chunk ``j`` (max-combined by the switch:
+    its RESULT returns the agreed exponent) and the data of chunk ``j - boot`` quantised with its
+    agreed exponent, which arrived one round earlier on the same slot."""
+    row = slots.pkts[s]
+    seq = slots.seq[s]
+    if p.mode == MODE_NIC:  # raw float32; the SmartNIC quantises
+        lo = j * p.E
+        cnt = min(p.E, p.x.size - lo)
+        row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.float32)[:] = p.x[lo:lo + cnt]
+        write_data_header(row, s, seq, Codec.FLOAT32, 0, cnt, lo, p)
+        return HEADER_LEN + 4 * cnt
+    if p.mode == MODE_THC:
+        e_next = thc_exponent(p.x, j * p.E, min(j * p.E + p.E, p.x.size)) if j < p.K \
+            else THC_EXP_ZERO
+    else:
+        e_next = fp.block_exponent(p.x[j * p.E:min(j * p.E + p.E, p.x.size)]) if j < p.K \
+            else fp.EXP_MIN
+    codec = Codec.THC if p.mode == MODE_THC else Codec.INT32
+    lane = 1 if p.mode == MODE_THC else 4
+    if j < p.boot:
+        row[HEADER_LEN:HEADER_LEN + lane] = 0
+        write_data_header(row, s, seq, codec, e_next, 1, BOOT_OFFSET, p)
+        return HEADER_LEN + lane
+    c = j - p.boot
+    lo = c * p.E
+    cnt = min(p.E, p.d - lo)
+    if p.mode == MODE_THC:
+        rotate_chunk(p.x, lo, cnt, p.blk, p.skey, p.scratch)
+        _thc_quantize(row, lo, cnt, thc_scale(np.int64(p.agreed[c]), cnt, p.clip), p)
+    else:
+        fp.quantize_into(p.x[lo:lo + cnt], fp.scale_for(np.int64(p.agreed[c]), p.n),
+                         row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.int32))
+    write_data_header(row, s, seq, codec, e_next, cnt, lo, p)
+    return HEADER_LEN + lane * cnt
+
+
+# ------------------------------------------------------------------------------- results
+
+
+@njit(cache=True)
+def match_result(rb, ln, slots, p):
+    """The slot a received datagram ``rb`` answers, or -1 when it is not a RESULT of this job
+    for a slot's current round and chunk (another job, a duplicate, a late answer, junk)."""
+    if ln < HEADER_LEN:
+        return -1
+    h = header_at(rb, 0)
+    s = np.int64(h.slot)
+    if (h.magic != MAGIC or h.msg_type != MsgType.RESULT or h.job_id != p.job_id
+            or s >= slots.cur.size):
+        return -1
+    j = slots.cur[s]
+    if j < 0 or np.int64(h.seq) != slots.seq[s]:
+        return -1
+    want = (j - p.boot) * p.E if j >= p.boot else BOOT_OFFSET
+    if np.int64(h.chunk_offset) != want:
+        return -1
+    return s
+
+
+@njit(cache=True)
+def apply_result(rb, ln, s, slots, p):
+    """Take the RESULT ``rb`` of slot ``s`` into the outputs; return 0, or 1 when it does not
+    fit the packet outstanding there (codec, size: a protocol violation), or 2 when the switch
+    flagged OVERFLOW (THC sums beyond an int32 lane)."""
+    h = header_at(rb, 0)
+    j = slots.cur[s]
+    ne = np.int64(h.elem_count)
+    if p.mode == MODE_THC and h.flags & _OVERFLOW:
+        return 2
+    if j < p.boot:
+        want = 1
+    else:
+        want = min(p.E, p.d - (j - p.boot) * p.E)
+    pl = ln - HEADER_LEN
+    lane = pl // ne if ne > 0 else 0
+    codec_ok = (h.codec == Codec.THC) if p.mode == MODE_THC else (
+        h.codec == (Codec.FLOAT32 if p.mode == MODE_NIC else Codec.INT32))
+    lanes_ok = (lane == 1 or lane == 2 or lane == 4) if p.mode == MODE_THC else lane == 4
+    if ne != want or not codec_ok or not lanes_ok or lane * ne != pl:
+        return 1
+    if j < p.K and p.mode != MODE_NIC:
+        p.agreed[j] = h.exponent
+    if j < p.boot:
+        return 0
+    c = j - p.boot
+    lo = c * p.E
+    o = HEADER_LEN
+    if p.mode == MODE_NIC:
+        p.out[lo:lo + ne] = rb[o:o + 4 * ne].view(np.float32)
+    elif p.mode == MODE_INT32:
+        p.qsum[lo:lo + ne] = rb[o:o + 4 * ne].view(np.int32)
+    else:
+        for k in range(ne):
+            v = np.int64(rb[o])
+            for b in range(1, lane):
+                v |= np.int64(rb[o + b]) << (8 * b)
+            top = np.int64(1) << (8 * lane - 1)
+            if v >= top:
+                v -= top << 1
+            p.qsum[lo + k] = v
+            o += lane
+        sc = thc_scale(np.int64(p.agreed[c]), ne, p.clip) / p.half
+        for k in range(ne):
+            p.scratch[k] = np.float32(p.qsum[lo + k] * sc)
+        unrotate_chunk(p.scratch, lo, ne, p.blk, p.skey, p.out)
+    return 0
+
+
+@njit(cache=True)
+def rtt_sample(st, sample):
+    """Jacobson/Karels: update srtt, rttvar and the base timeout of the loop record."""
+    if st.srtt == 0.0:
+        st.srtt = sample
+        st.rttvar = sample / 2
+    else:
+        st.rttvar = 0.75 * st.rttvar + 0.25 * abs(st.srtt - sample)
+        st.srtt = 0.875 * st.srtt + 0.125 * sample
+    st.rto = min(max(T0, st.srtt + 4 * st.rttvar), T_MAX)
+
+
+@njit(cache=True)
+def send(slots, s, st, now, msg_type):
+    """Stamp slot ``s``'s packet as sent now (``msg_type`` DATA or RETRANSMIT)."""
+    header_at(slots.pkts[s], 0).msg_type = msg_type
+    slots.sent_at[s] = now
+    slots.order[s] = st.sends
+    st.sends += 1
+    slots.deadline[s] = now + slots.rto[s]
+
+
+@njit(cache=True)
+def advance(slots, s, st, now, W, p):
+    """Slot ``s``'s round completed: sample the RTT, move to its next round and build the next
+    packet (True) or leave the slot idle (False)."""
+    if not slots.retx[s]:  # Karn: only unambiguous samples
+        rtt_sample(st, now - slots.sent_at[s])
+    slots.retx[s] = False
+    slots.rto[s] = st.rto
+    if slots.order[s] > st.acked:
+        st.acked = slots.order[s]
+    slots.seq[s] = (slots.seq[s] + 1) & 0xFFFFFFFF
+    nj = slots.cur[s] + W
+    if nj >= p.K + p.boot:
+        slots.cur[s] = -1
+        slots.deadline[s] = np.inf
+        return False
+    slots.cur[s] = nj
+    slots.lens[s] = build_packet(slots, s, nj, p)
+    send(slots, s, st, now, MsgType.DATA)
+    return True
+
+
+@njit(cache=True)
+def resend(slots, s, st, now, send_list, nsend):
+    """Stamp slot ``s``'s packet as a RETRANSMIT sent now and list it; return the new count."""
+    slots.retx[s] = True
+    send(slots, s, st, now, MsgType.RETRANSMIT)
+    send_list[nsend] = s
+    return nsend + 1
+
+
+@njit(cache=True)
+def fast_retransmit(slots, st, now, send_list, nsend):
+    """Resend every packet that ``FAST_RETX`` later-sent packets overtook; its new send order
+    waits for as many again before another resend. Returns the new ``nsend``."""
+    for s in range(slots.cur.size):
+        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st.acked:
+            nsend = resend(slots, s, st, now, send_list, nsend)
+    return nsend
+
+
+@njit(cache=True)
+def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
+    """Apply a burst of ``nrecv`` received datagrams (rows of ``rbuf``); ``drop[i]`` discards
+    datagram ``i`` after matching (seeded client-side loss). Builds the next packet of every
+    completed slot and lists the slots to send in ``send_list``. Returns ``(done, nsend,
+    ignored, lost, bad_slot, code)``: ``bad_slot >= 0`` with ``code`` 1 (mismatch) or 2
+    (OVERFLOW) stops at that datagram; the caller raises. ``loop`` is the 1-record array."""
+    st = loop[0]
+    W = slots.cur.size
+    done = nsend = ignored = lost = 0
     for i in range(nrecv):
-        ln = rlen[i]
-        if ln < HEADER_LEN:
+        s = match_result(rbuf[i], rlen[i], slots, p)
+        if s < 0:
             ignored += 1
-            continue
-        slot = _u16(rbuf, i, _O_SLOT)
-        ne = _u16(rbuf, i, _O_ELEMS)
-        if (_u16(rbuf, i, 0) != MAGIC or rbuf[i, _O_TYPE] != _RESULT
-                or _u16(rbuf, i, _O_JOB) != job_id or slot >= W or cur[slot] < 0
-                or rbuf[i, _O_SET] != (uses[slot] & 1)):
-            ignored += 1  # not ours, or a duplicate answer to a retransmission
             continue
         if drop[i]:
             lost += 1
             continue
-        j = cur[slot]
-        off = _chunk_offset(rbuf, i)
-        lo = (j - boot) * E if j >= boot else BOOT_OFFSET
-        if off != lo:
-            ignored += 1  # a late duplicate of an older packet on this slot (same set bit)
-            continue
-        if rbuf[i, _O_FLAGS] & _OVERFLOW:
-            return done, nsend, ignored, lost, slot, 1
-        want = 1 if j < boot else min(E, d - lo)
-        pl = ln - HEADER_LEN
-        lane = pl // ne if ne > 0 else 0
-        if (ne != want or rbuf[i, _O_CODEC] != _THC or lane * ne != pl
-                or (lane != 1 and lane != 2 and lane != 4)):
-            return done, nsend, ignored, lost, slot, 0
-        if j < K:
-            e = _u16(rbuf, i, _O_EXP)
-            agreed[j] = e - 65536 if e >= 32768 else e
-        if j >= boot:
-            p = HEADER_LEN
-            for k in range(ne):
-                v = np.int64(rbuf[i, p])
-                for b in range(1, lane):
-                    v |= np.int64(rbuf[i, p + b]) << (8 * b)
-                top = np.int64(1) << (8 * lane - 1)
-                if v >= top:
-                    v -= top << 1
-                qsum[lo + k] = v
-                p += lane
-            s = thc_scale(np.int64(agreed[j - boot]), ne, clip) / half
-            for k in range(ne):
-                scratch[k] = np.float32(qsum[lo + k] * s)
-            unrotate_chunk(scratch, lo, ne, blk, skey, out)
+        code = apply_result(rbuf[i], rlen[i], s, slots, p)
+        if code:
+            return done, nsend, ignored, lost, s, code
         done += 1
-        st[3] = now
-        uses[slot] += 1
-        if not retx[slot]:  # Karn: only unambiguous samples
-            _rtt_sample(st, now - sent_at[slot])
-        rto[slot] = st[2]
-        retx[slot] = False
-        nj = j + W
-        if nj < total:
-            lens[slot] = thc_build_packet(pkts, slot, nj, x, d, E, K, boot, n, job_id, rank,
-                                          uses[slot] & 1, agreed, clip, half, blk, skey, qkey,
-                                          scratch)
-            cur[slot] = nj
-            sent_at[slot] = now
-            deadline[slot] = now + st[2]
-            send_list[nsend] = slot
+        st.progress = now
+        if advance(slots, s, st, now, W, p):
+            send_list[nsend] = s
             nsend += 1
-        else:
-            cur[slot] = -1
-            deadline[slot] = np.inf
+    nsend = fast_retransmit(slots, st, now, send_list, nsend)
     return done, nsend, ignored, lost, -1, 0
+
+
+@njit(cache=True)
+def expire(slots, loop, now, send_list):
+    """Resend every packet whose deadline passed, doubling its timeout up to ``T_MAX``; return
+    how many are listed in ``send_list``."""
+    st = loop[0]
+    nsend = 0
+    for s in range(slots.cur.size):
+        if slots.cur[s] >= 0 and slots.deadline[s] <= now:
+            slots.rto[s] = min(slots.rto[s] * 2, T_MAX)
+            nsend = resend(slots, s, st, now, send_list, nsend)
+    return nsend
+
+
+@njit(cache=True)
+def start(slots, loop, p, now, send_list):
+    """Build and stamp the first packet of every slot; return how many to send."""
+    st = loop[0]
+    W = slots.cur.size
+    k = min(W, p.K + p.boot)
+    for s in range(k):
+        slots.cur[s] = s
+        slots.retx[s] = False
+        slots.rto[s] = st.rto
+        slots.lens[s] = build_packet(slots, s, s, p)
+        send(slots, s, st, now, MsgType.DATA)
+        send_list[s] = s
+    return k
 
 
 @njit(cache=True)
@@ -514,148 +464,3 @@ def thc_descale(qsum, agreed, E, clip, half, ysum):
         s = thc_scale(np.int64(agreed[c]), hi - lo, clip) / half
         for k in range(lo, hi):
             ysum[k] = np.float32(qsum[k] * s)
-
-
-# --------------------------------------------------------------------- THC numpy twins
-
-
-def thc_exponent_ref(y, lo, hi):
-    """numpy twin of :func:`thc_exponent`."""
-    s = 0.0
-    for v in np.asarray(y[lo:hi], dtype=np.float64).tolist():  # same order as the kernel
-        s += v * v
-    if s == 0.0:
-        return THC_EXP_ZERO
-    return int(min(max(np.ceil(NORM_RES * 0.5 * np.log2(s)), -32767.0), 32767.0))
-
-
-def thc_scale_ref(e, ne, clip):
-    """numpy twin of :func:`thc_scale`."""
-    if e == THC_EXP_ZERO or ne <= 0:
-        return 0.0
-    return clip * 2.0 ** (float(e) / NORM_RES) / np.sqrt(float(ne))
-
-
-def thc_quantize_ref(y, lo, scale, half, qkey):
-    """numpy twin of the quantiser inside :func:`thc_build_packet` (int8 levels)."""
-    from testbed.kernels.reference.compressors import uniform
-
-    f = half / scale if scale > 0.0 else 0.0
-    a = np.clip(np.asarray(y, dtype=np.float64) * f, -half, half)
-    lv = np.floor(a)
-    u = uniform(np.arange(lo, lo + a.size), qkey)
-    return (lv + (u < a - lv)).astype(np.int8)
-
-
-def thc_build_packet_ref(pkts, slot, j, x, d, E, K, boot, n, job_id, rank, sset, agreed, clip,
-                         half, blk, skey, qkey, scratch):
-    """Plain numpy/struct twin of :func:`thc_build_packet` (rotates the whole vector with the
-    reference transform and slices it; ``scratch`` is unused)."""
-    import struct
-
-    from testbed.kernels.reference.compressors import rht_forward
-
-    e_next = thc_exponent_ref(x, j * E, min(j * E + E, x.size)) if j < K else THC_EXP_ZERO
-    if j >= boot:
-        lo = (j - boot) * E
-        cnt = min(E, d - lo)
-        y = rht_forward(x, blk, skey, d)
-        sc = thc_scale_ref(int(agreed[j - boot]), cnt, clip)
-        q = thc_quantize_ref(y[lo:lo + cnt], lo, sc, half, qkey)
-        pkts[slot, HEADER_LEN:HEADER_LEN + cnt] = q.view(np.uint8)
-        off = lo
-    else:
-        cnt, off = 1, BOOT_OFFSET
-        pkts[slot, HEADER_LEN] = 0
-    hdr = struct.pack("<HBBHHHBBBBhHHIf", MAGIC, VERSION, _DATA, job_id, rank, slot, sset, 0,
-                      _THC, n, e_next, cnt, 0, off, 0.0)
-    pkts[slot, :HEADER_LEN] = np.frombuffer(hdr, dtype=np.uint8)
-    return HEADER_LEN + cnt
-
-
-def on_results_thc_ref(rbuf, rlen, nrecv, drop, pkts, lens, x, d, E, qsum, out, agreed, cur,
-                       uses, sent_at, retx, deadline, rto, st, now, K, boot, W, n, job_id, rank,
-                       clip, half, blk, skey, qkey, send_list, scratch):
-    """Plain-Python twin of :func:`on_results_thc` (struct parsing, numpy slices, the
-    reference transform)."""
-    import struct
-
-    from testbed.kernels.reference.compressors import fwht, hash_u32
-
-    hdr = struct.Struct("<HBBHHHBBBBhHHIf")
-    total = K + boot
-    done = nsend = ignored = lost = 0
-    for i in range(nrecv):
-        ln = int(rlen[i])
-        if ln < HEADER_LEN:
-            ignored += 1
-            continue
-        (magic, _v, mt, job, _w, slot, sset, flags, codec, _n, e, ne, _h, off,
-         _s) = hdr.unpack_from(rbuf[i].tobytes(), 0)
-        if (magic != MAGIC or mt != _RESULT or job != job_id or slot >= W or cur[slot] < 0
-                or sset != (uses[slot] & 1)):
-            ignored += 1
-            continue
-        if drop[i]:
-            lost += 1
-            continue
-        j = int(cur[slot])
-        lo = (j - boot) * E if j >= boot else BOOT_OFFSET
-        if off != lo:
-            ignored += 1
-            continue
-        if flags & _OVERFLOW:
-            return done, nsend, ignored, lost, slot, 1
-        want = 1 if j < boot else min(E, d - lo)
-        pl = ln - HEADER_LEN
-        lane = pl // ne if ne else 0
-        if ne != want or codec != _THC or lane * ne != pl or lane not in (1, 2, 4):
-            return done, nsend, ignored, lost, slot, 0
-        if j < K:
-            agreed[j] = e
-        if j >= boot:
-            t = {1: "<i1", 2: "<i2", 4: "<i4"}[lane]
-            qsum[lo:lo + ne] = np.frombuffer(rbuf[i].tobytes(), t, ne, HEADER_LEN)
-            s = thc_scale_ref(int(agreed[j - boot]), ne, clip) / half
-            z = (fwht((qsum[lo:lo + ne] * s).astype(np.float32).reshape(-1, blk))
-                 * np.float32(1.0 / np.sqrt(blk))).ravel()
-            neg = (hash_u32(np.arange(lo, lo + ne), skey) & np.uint64(1)).astype(bool)
-            hi = min(lo + ne, out.size)
-            out[lo:hi] = np.where(neg, -z, z)[:hi - lo]
-        done += 1
-        st[3] = now
-        uses[slot] += 1
-        if not retx[slot]:
-            sample = now - sent_at[slot]
-            if st[0] == 0.0:
-                st[0], st[1] = sample, sample / 2
-            else:
-                st[1] = 0.75 * st[1] + 0.25 * abs(st[0] - sample)
-                st[0] = 0.875 * st[0] + 0.125 * sample
-            st[2] = min(max(T0, st[0] + 4 * st[1]), T_MAX)
-        rto[slot] = st[2]
-        retx[slot] = False
-        nj = j + W
-        if nj < total:
-            lens[slot] = thc_build_packet_ref(pkts, slot, nj, x, d, E, K, boot, n, job_id,
-                                              rank, int(uses[slot] & 1), agreed, clip, half,
-                                              blk, skey, qkey, scratch)
-            cur[slot] = nj
-            sent_at[slot] = now
-            deadline[slot] = now + st[2]
-            send_list[nsend] = slot
-            nsend += 1
-        else:
-            cur[slot] = -1
-            deadline[slot] = np.inf
-    return done, nsend, ignored, lost, -1, 0
-
-
-def thc_descale_ref(qsum, agreed, E, clip, half):
-    """numpy twin of :func:`thc_descale` (returns ysum)."""
-    out = np.empty(qsum.size, dtype=np.float32)
-    for c, lo in enumerate(range(0, qsum.size, E)):
-        hi = min(lo + E, qsum.size)
-        s = thc_scale_ref(int(agreed[c]), hi - lo, clip) / half
-        out[lo:hi] = (qsum[lo:hi] * s).astype(np.float32)
-    return out

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,8 @@ _seq = itertools.count()
 CPU_SATURATED = 0.9
 #: a process that waited for a CPU this fraction of the run was starved (shared machine)
 CPU_WAIT_LIMIT = 0.1
+#: how often the runner checks the pool and the data-path engines (s)
+POLL_S = 0.2
 
 
 def _hosts(net) -> list:
@@ -110,10 +113,11 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     model_s = model.predict(spec.op, spec.algo, n, spec.nbytes, bw, alpha, servers=max(m, 1),
                             colocated=colocated, chunk_bytes=spec.chunk_bytes)
     if spec.compressor is not None and spec.algo == "ina":
-        # INA + THC: plain INA's model for the (narrower) bytes actually on the wire
-        from testbed.collectives import ina
-
-        model_s = ina.thc_model_s(net, spec, n)
+        # INA + THC: plain INA's model for the (narrower) bytes on the wire: as many frames
+        # as int32 INA moving the same number of payload bytes
+        ina = _ina()
+        model_s = model.predict("allreduce", "ina", n, ina.thc_int32_equivalent_bytes(spec, n),
+                                bw, alpha)
     elif spec.compressor is not None:
         # compressed ring = allgather of every worker's payload (C bytes each)
         from testbed.kernels.compressors import get_compressor
@@ -124,13 +128,14 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
     if spec.algo in ("ina", "nic"):
-        job["aggregator"] = _aggregator(net)
-        agg_client = net.switch_client(job["aggregator"]["switch"])
-        # a fresh partition of `window` slots for this job (removed again below)
-        agg_client.configure("aggregate", jobs={spec.job_id: {"n_workers": n,
-                                                              "slots": spec.window}})
-    if spec.algo == "nic":
-        _configure_nics(net)
+        agg_client = register_ina_job(net, spec, job, workers)
+    if spec.algo in ("ina", "nic"):
+        try:
+            _configure_nics(net, spec, offload=True)
+        except BaseException:
+            with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
+                _release(net, spec, agg_client)
+            raise
     jobdir = os.path.join(RUN_DIR, f"coll-{os.getpid()}-{next(_seq)}")
     os.makedirs(jobdir, exist_ok=True)
     path = os.path.join(jobdir, "job.json")
@@ -140,27 +145,23 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         json.dump(job, f)
     cmd = [sys.executable, "-m", "testbed.collectives.worker", "--job", path] + [
         f"testbed-node={r['host']}" for r in ranks]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    log_path = os.path.join(jobdir, "pool.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     limit = 60 + (spec.timeout_s + 10) * (spec.repetitions + 2)
     try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        _stop_pool(proc, jobdir, agg_client, spec.job_id)
-        raise CollectiveTimeout(f"collective pool did not finish within {limit:.0f} s") from None
+        _wait_pool(proc, net, spec, limit)
     except BaseException:  # KeyboardInterrupt included: clean up, then re-raise it unchanged
-        _stop_pool(proc, jobdir, agg_client, spec.job_id)
+        _stop_pool(proc, jobdir, net, spec, agg_client)
         raise
-    if agg_client is not None:
-        try:
-            agg_client.configure("aggregate", remove_jobs=[spec.job_id])
-        except BaseException:
-            shutil.rmtree(jobdir, ignore_errors=True)
-            raise
     try:
+        _release(net, spec, agg_client)
         with open(os.path.join(jobdir, "result.json")) as f:
             result = json.load(f)
     except OSError:
+        with open(log_path, "rb") as f:
+            out = f.read()
         raise CollectiveError(f"collective pool exited {proc.returncode} without a result:\n"
                               f"{out.decode(errors='replace')[-2000:]}") from None
     finally:
@@ -186,39 +187,131 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     return rows
 
 
-def _stop_pool(proc: subprocess.Popen, jobdir: str, agg_client, job_id) -> None:
+def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list):
+    """Control plane of an INA job: give every worker its UDP port, register the members (and
+    a fresh first round) with the aggregating switch; return its control client."""
+    ina = _ina()
+    agg = _aggregator(net)
+    port = ina.ina_port(spec.job_id)
+    members = net.ina_members(workers, port)
+    agg["seq0"] = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
+    job["aggregator"] = agg
+    for r, m in enumerate(members):
+        job["ranks"][r]["port"] = port
+        job["ranks"][r]["mac"] = m["mac"]
+    client = net.switch_client(agg["switch"])
+    try:
+        client.configure("aggregate", jobs={spec.job_id: {
+            "slots": spec.window, "seq0": agg["seq0"], "members": members}})
+    except RuntimeError as e:  # the control channel's error names the node and the cause
+        raise CollectiveError(f"{spec.op}/{spec.algo}: cannot register job {spec.job_id} on "
+                              f"{agg['switch']}: {e}") from None
+    return client
+
+
+def unregister_ina_job(client, spec: CollectiveSpec) -> None:
+    try:
+        client.configure("aggregate", remove_jobs=[spec.job_id])
+    except RuntimeError as e:  # the control channel's error names the node and the cause
+        raise CollectiveError(f"{spec.op}/{spec.algo}: removing job {spec.job_id} failed: "
+                              f"{e}") from None
+
+
+def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float) -> None:
+    """Wait for the pool, failing fast when a data-path engine of the network dies (the
+    collective could only time out then)."""
+    deadline = time.monotonic() + limit
+    dead_fn = getattr(net, "dead_engines", None)
+    while True:
+        try:
+            proc.wait(timeout=POLL_S)
+            _wait_group_gone(proc.pid)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        dead = dead_fn() if dead_fn is not None else {}
+        if dead:
+            what = ", ".join(f"{node} (exit status {code})" for node, code in sorted(dead.items()))
+            raise CollectiveError(f"{spec.op}/{spec.algo}: the data-path engine of {what} "
+                                  "died during the collective; its log is in "
+                                  f"{RUN_DIR}/<node>.log")
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"collective pool did not finish within {limit:.0f} s")
+
+
+def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
+    """Wait until no process of the pool's group is left (its children die with it, a moment
+    later); SIGKILL stragglers after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _release(net, spec: CollectiveSpec, agg_client) -> None:
+    """Give back what the job held: its switch partition, and its SmartNIC offload."""
+    if agg_client is not None:
+        unregister_ina_job(agg_client, spec)
+    if spec.algo == "nic":
+        _configure_nics(net, spec, offload=False)
+
+
+def _stop_pool(proc: subprocess.Popen, jobdir: str, net, spec: CollectiveSpec,
+               agg_client) -> None:
     """Teardown on a failure or Ctrl-C: kill the pool's process group, reap it, drop the job
-    folder and the switch partition. Runs while an exception propagates, so nothing here may
-    raise and mask it: the group may already be gone (the pool exited, or the terminal's
-    Ctrl-C reached it first: ``ProcessLookupError``), and the switch's control channel may be
-    down."""
+    folder, the switch partition and the NICs' offload. Runs while an exception propagates,
+    so nothing here may raise and mask it: the group may already be gone (the pool exited, or
+    the terminal's Ctrl-C reached it first: ``ProcessLookupError``), and a data-path engine's
+    control channel may be down."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, ChildProcessError):
         proc.wait()
     shutil.rmtree(jobdir, ignore_errors=True)
-    if agg_client is not None:
-        try:
-            agg_client.configure("aggregate", remove_jobs=[job_id])
-        except Exception:  # noqa: BLE001, S110 - best effort; the original error matters
-            pass
+    with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
+        _release(net, spec, agg_client)
 
 
-def _configure_nics(net) -> None:
-    """Put every SmartNIC into fixed32 mode with the factor the error bound assumes."""
-    from testbed.collectives.ina import NIC_FACTOR
+def _ina():
+    """The INA client module, imported on first use: it loads the compressor kernels, which
+    start Numba's thread pool, and the pool process (``worker.py``, which imports this module)
+    must choose a fork-safe threading layer before that happens."""
+    from testbed.collectives import ina
 
+    return ina
+
+
+def _configure_nics(net, spec: CollectiveSpec, offload: bool) -> None:
+    """SmartNIC offload of one INA job. ``algo="nic"``: every SmartNIC quantises (fixed32, the
+    factor the error bound assumes) for this job only while ``offload``, for no job after;
+    ``algo="ina"``: the NICs must leave the job's packets alone (the workers quantise)."""
+    ina = _ina()
     clients = getattr(net, "datapath_clients", dict)()
     nics = {k: c for k, c in clients.items() if k.startswith("tbn")}
     if not nics:
-        raise ValueError("algo 'nic' needs SmartNICs running the nic_codec program: build the "
-                         "topology with smartnic=True, programs={'smartnic': ['nic_codec']}")
+        if spec.algo == "nic":
+            raise ValueError("algo 'nic' needs SmartNICs running the nic_codec program: build "
+                             "the topology with smartnic=True, programs={'smartnic': "
+                             "['nic_codec']}")
+        return
     for name, c in nics.items():
+        if spec.algo == "nic":
+            settings = {"codec": "fixed32", "factor": ina.NIC_FACTOR,
+                        "jobs": [spec.job_id] if offload else []}
+        else:
+            settings = {"jobs": []}
         try:
-            c.configure("nic_codec", codec="fixed32", factor=NIC_FACTOR)
-        except Exception as e:  # noqa: BLE001 - the control error names the cause
-            raise ValueError(f"algo 'nic': SmartNIC {name} has no usable nic_codec stage "
-                             f"({e}); use programs={{'smartnic': ['nic_codec']}}") from None
+            c.configure("nic_codec", **settings)
+        except RuntimeError as e:  # the control error names the cause
+            if spec.algo == "nic" or "no stage" not in str(e):
+                raise ValueError(f"algo {spec.algo!r}: SmartNIC {name} has no usable nic_codec "
+                                 f"stage ({e}); use programs={{'smartnic': ['nic_codec']}}"
+                                 ) from None
 
 
 def _engine_pids(net) -> list[int]:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import mmap
 import os
 import signal
 import threading
 import time
 
-from testbed.collectives.runner import RUN_DIR
+import numpy as np
+
+from testbed.collectives.ina import InaClient
+from testbed.collectives.report import rank_input
+from testbed.collectives.runner import RUN_DIR, register_ina_job, unregister_ina_job
+from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.transport import CollectiveError
+from testbed.collectives.worker import enter_netns
 
 
 def leftovers(owner_pid: int | None = None) -> list[str]:
@@ -68,3 +77,48 @@ def kill_process_later(comm: str, delay_s: float, within_s: float = 30.0):
     thread = threading.Thread(target=killer)
     thread.start()
     return thread, killed
+
+
+def run_direct(net, spec: CollectiveSpec, n: int, hosts=None) -> tuple[list, list, float]:
+    """Run ``n`` INA clients once, each forked into its host's namespace (``hosts``, default
+    the first ``n``), without the collective pool: ``(inputs, outputs, seconds)``; inputs are
+    ``report.rank_input``.
+
+    For checks the pool does not make (e.g. THC's bound on one run). Registers the job on the
+    aggregator for the run only; children are killed on failure."""
+    hosts = list(hosts if hosts is not None else net.hosts)[:n]
+    job = {"n": n, "ranks": [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in hosts]}
+    client = register_ina_job(net, spec, job, hosts)
+    count = spec.count
+    xs = [rank_input(spec, r, count) for r in range(n)]
+    shm = mmap.mmap(-1, 4 * count * n)
+    outs = [np.frombuffer(shm, np.float32, count, 4 * count * r) for r in range(n)]
+    for o in outs:
+        o.fill(np.nan)
+    pids: list[int] = []
+    t0 = time.monotonic()
+    try:
+        for r in range(n):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    enter_netns(int(hosts[r].pid))
+                    c = InaClient(job, spec, r)
+                    c.allreduce(xs[r], outs[r])
+                    c.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+        pids = []
+        if codes != [0] * n:
+            raise CollectiveError(f"run_direct: worker exit codes {codes}")
+        return xs, [o.copy() for o in outs], time.monotonic() - t0
+    finally:
+        for p in pids:  # only our own children, on failure
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
+        unregister_ina_job(client, spec)

@@ -338,31 +338,6 @@ class _CpuSampler:
         return out
 
 
-def _warm_ina() -> None:
-    """Load (or compile once) the INA kernels with the argument types the workers use."""
-    from testbed.collectives import inakernel as ik
-    from testbed.kernels import fixedpoint as fp
-
-    x = np.ones(300, dtype=np.float32)
-    q = np.empty(300, dtype=np.int32)
-    sc = fp.scale_for(int(fp.block_exponent(x)), 2)
-    fp.quantize_into(x, sc, q)
-    fp.dequantize_into(q, sc, x)
-    W = 2
-    pkts = np.zeros((W, ik.ROW), dtype=np.uint8)
-    rbuf = np.zeros((1, 2048), dtype=np.uint8)
-    agreed = np.zeros(2, dtype=np.int16)
-    for nic in (False, True):
-        ik.build_packet(pkts, pkts.view(np.int32), pkts.view(np.float32), np.int64(0),
-                        np.int64(0), x, 2, 2, 2, 1, 0, np.int64(0), agreed, nic)
-        ik.on_results(rbuf, rbuf.view(np.int32), rbuf.view(np.float32),
-                      np.zeros(1, np.int64), 0, np.zeros(1, np.bool_), pkts,
-                      pkts.view(np.int32), pkts.view(np.float32), np.zeros(W, np.int64), x, q,
-                      x, agreed, np.zeros(W, np.int64), np.zeros(W, np.int64), np.zeros(W),
-                      np.zeros(W, np.bool_), np.zeros(W), np.zeros(W), np.zeros(4), 0.0, 2, 2,
-                      W, 2, 1, 0, nic, np.zeros(W, np.int64))
-
-
 def _par_min() -> int:
     from testbed.kernels.compressors._common import PAR_MIN
 
@@ -414,7 +389,9 @@ def run_pool(job: dict) -> dict:
         replicas = [compress.make(spec) for _ in range(n)]
         compress.warm(spec)
     if spec.algo in ("ina", "nic"):
-        _warm_ina()  # load the cached kernels once here; forked children inherit them
+        from testbed.collectives import ina  # numba: only INA jobs pay for it
+
+        ina.warm_up()  # load the cached kernels once here; forked children inherit them
     job["_pool_pid"] = os.getpid()
     children: dict[int, int] = {}
     ctls: dict[int, _Line] = {}

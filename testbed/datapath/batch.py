@@ -9,7 +9,7 @@ Conventions every stage follows:
 
 * ``out_port[i] == PORT_UNSET`` means no stage has decided yet. A stage decides by writing a
   port index, ``PORT_FLOOD`` (all ports but the ingress one), or ``PORT_DROP`` together with
-  a :class:`DropReason` in ``reason[i]``. Ingress stages (impair-ingress, codec, aggregate,
+  a :class:`~testbed.kernels.wire.DropReason` in ``reason[i]``. Ingress stages (impair-ingress, codec, aggregate,
   forward) skip packets that are already decided; egress stages (impair-egress, queue/trim)
   act on packets with ``out_port >= 0``.
 * A stage may *emit* new packets (e.g. the aggregation result multicast) by appending at
@@ -22,42 +22,17 @@ Conventions every stage follows:
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 
-#: Largest frame the engine handles (standard MTU 1500 + Ethernet header, with margin).
-FRAME_MAX = 2048
+from testbed.kernels.wire import FRAME_MAX, DropReason
+
+__all__ = ["FRAME_MAX", "PORT_DROP", "PORT_FLOOD", "PORT_HELD", "PORT_UNSET", "Batch",
+           "DropReason", "Stage"]
 
 PORT_UNSET = -1
 PORT_DROP = -2
 PORT_FLOOD = -3
 PORT_HELD = -4
-
-
-class DropReason(enum.IntEnum):
-    """Why a packet was dropped; every drop is counted under its reason."""
-
-    NONE = 0
-    TOO_SHORT = 1  # shorter than the headers it claims
-    NOT_IPV4 = 2
-    IP_OPTIONS = 3
-    NOT_UDP = 4
-    BAD_MAGIC = 5
-    BAD_VERSION = 6
-    BAD_LENGTH = 7  # IP/UDP/elem_count lengths disagree with the frame
-    UNKNOWN_TYPE = 8  # msg_type not valid here
-    UNKNOWN_JOB = 9
-    BAD_SLOT = 10  # slot outside the job's partition
-    BAD_WORKER = 11  # worker id >= job's n_workers
-    NO_ROUTE = 12  # forwarding table has no entry and flooding is off
-    QUEUE_FULL = 13  # drop-tail at an egress queue
-    IMPAIR_LOSS = 14  # seeded loss from the impair stage
-    BAD_CODEC = 15
-    ELEM_MISMATCH = 16  # contribution's elem_count differs from the slot's
-    STALE = 17  # retransmission to an incomplete slot (still waiting for others)
-    TTL = 18
-    OTHER = 19
 
 
 class Batch:

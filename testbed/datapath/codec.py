@@ -48,15 +48,8 @@ from testbed.kernels.compressors.fp16 import fp16_bits, fp16_to_f32_bits
 from testbed.kernels.compressors.signsgd import sign_unpack
 from testbed.kernels.fixedpoint import atp_dequantize_into, atp_quantize_into
 from testbed.kernels.packets import (
-    FRAME_MAX,
-    OFF_CODEC,
-    OFF_FLAGS,
-    OFF_HEAD_BYTES,
-    OFF_MSG_TYPE,
     OFF_UDP_LEN,
-    PAYLOAD_OFFSET,
-    get_elem_count,
-    get_scale,
+    header,
     parse_frame,
     payload_f32,
     payload_i32,
@@ -64,11 +57,20 @@ from testbed.kernels.packets import (
     rd_u16le,
     rd_u32le,
     set_payload_bytes,
-    set_scale,
     wr_u16le,
     wr_u32le,
 )
-from testbed.kernels.wire import ETH_LEN, HEADER_LEN, UDP_LEN, Codec, Flags, MsgType
+from testbed.kernels.wire import (
+    ETH_LEN,
+    FRAME_MAX,
+    HEADER_LEN,
+    PAYLOAD_OFFSET,
+    UDP_LEN,
+    Codec,
+    DropReason,
+    Flags,
+    MsgType,
+)
 
 #: Codec name -> the wire code it produces.
 CODECS = {"fp16": int(Codec.FLOAT16), "bf16": int(Codec.BFLOAT16), "fixed32": int(Codec.INT32),
@@ -90,7 +92,8 @@ _DATA = int(MsgType.DATA)
 _RESULT = int(MsgType.RESULT)
 _RETRANSMIT = int(MsgType.RETRANSMIT)
 # parse statuses that mean "not a testbed frame at all" (vs. a damaged one)
-_NOT_OURS = (2, 3, 4, 5, 19)  # NOT_IPV4, IP_OPTIONS, NOT_UDP, BAD_MAGIC, OTHER (fragment)
+_NOT_OURS = (int(DropReason.NOT_IPV4), int(DropReason.IP_OPTIONS), int(DropReason.NOT_UDP),
+             int(DropReason.BAD_MAGIC), int(DropReason.OTHER))
 
 
 @njit(cache=True)
@@ -98,7 +101,8 @@ def encode_frame(frame, codec, factor, scratch):
     """Rewrite a valid FLOAT32 testbed frame with ``codec`` (a wire code: FLOAT16, BFLOAT16,
     INT32 = ATP fixed point with ``factor``, or SIGN); return ``(new_length, overflow)``.
     ``scratch`` is float32 room for the payload (SIGN packs from a copy, not in place)."""
-    m = get_elem_count(frame)
+    h = header(frame)
+    m = np.int64(h.elem_count)
     overflow = False
     if codec == _SIGN:
         x = scratch[:m]
@@ -113,27 +117,27 @@ def encode_frame(frame, codec, factor, scratch):
                 if x[8 * b + j] >= 0.0:
                     v |= 1 << j
             frame[PAYLOAD_OFFSET + b] = v
-        set_scale(frame, total / m if m > 0 else 0.0)
+        h.scale = total / m if m > 0 else 0.0
     elif codec == _I32:
         overflow = atp_quantize_into(payload_f32(frame, m), factor, payload_i32(frame, m))
-        set_scale(frame, factor)
+        h.scale = factor
         nbytes = 4 * m
     else:
         # in place, front to back: element j is read (bytes 4j..4j+3) before bytes 2j..2j+1
         # are written, and those never reach an element not yet read
         for j in range(m):
             f = rd_u32le(frame, PAYLOAD_OFFSET + 4 * j)
-            h = fp16_bits(f) if codec == _F16 else bf16_bits(f)
+            half = fp16_bits(f) if codec == _F16 else bf16_bits(f)
             if (f & 0x7F800000) != 0x7F800000 and (
-                    (codec == _F16 and (h & 0x7C00) == 0x7C00)
-                    or (codec == _BF16 and (h & 0x7F80) == 0x7F80)):
+                    (codec == _F16 and (half & 0x7C00) == 0x7C00)
+                    or (codec == _BF16 and (half & 0x7F80) == 0x7F80)):
                 overflow = True  # a finite value became inf
-            wr_u16le(frame, PAYLOAD_OFFSET + 2 * j, h)
+            wr_u16le(frame, PAYLOAD_OFFSET + 2 * j, half)
         nbytes = 2 * m
-    frame[OFF_CODEC] = codec
-    wr_u16le(frame, OFF_HEAD_BYTES, 0)  # the float32 layout had no trimmable head
+    h.codec = codec
+    h.head_bytes = 0  # the float32 layout had no trimmable head
     if overflow:
-        frame[OFF_FLAGS] |= _FLAG_OVERFLOW
+        h.flags |= _FLAG_OVERFLOW
     return set_payload_bytes(frame, nbytes), overflow
 
 
@@ -142,34 +146,35 @@ def decode_frame(frame, factor, scratch_bits):
     """Widen a valid FLOAT16 / BFLOAT16 / INT32 / SIGN testbed frame to FLOAT32 in place (INT32
     as ``q / scale``, the header's scale or ``factor`` when it is 0; SIGN as ``+-scale``);
     return the new length. ``scratch_bits`` is uint8 room for a SIGN payload."""
-    m = get_elem_count(frame)
-    codec = frame[OFF_CODEC]
+    h = header(frame)
+    m = np.int64(h.elem_count)
+    codec = h.codec
     if codec == _SIGN:
         nb = (m + 7) // 8
         bits = scratch_bits[:nb]
         bits[:] = frame[PAYLOAD_OFFSET:PAYLOAD_OFFSET + nb]
-        s = get_scale(frame)
+        s = h.scale
         sign_unpack(bits, s, -s, payload_f32(frame, m))
-        set_scale(frame, 0.0)
+        h.scale = 0.0
     elif codec == _I32:
-        s = np.float64(get_scale(frame))
+        s = np.float64(h.scale)
         if not s > 0.0:
             s = factor
         atp_dequantize_into(payload_i32(frame, m), s, payload_f32(frame, m))
-        set_scale(frame, 0.0)
+        h.scale = 0.0
     else:
         # in place, back to front: element j's 2 bytes are read before 4j..4j+3 are written
         for j in range(m - 1, -1, -1):
-            h = rd_u16le(frame, PAYLOAD_OFFSET + 2 * j)
-            f = fp16_to_f32_bits(h) if codec == _F16 else h << 16
+            half = rd_u16le(frame, PAYLOAD_OFFSET + 2 * j)
+            f = fp16_to_f32_bits(half) if codec == _F16 else half << 16
             wr_u32le(frame, PAYLOAD_OFFSET + 4 * j, f)
-    frame[OFF_CODEC] = _F32
+    h.codec = _F32
     return set_payload_bytes(frame, 4 * m)
 
 
 @njit(cache=True)
 def codec_kernel(buf, length, in_port, out_port, n, host_port, net_port, codec, factor,
-                 max_len, cross_connect, counters, scratch, scratch_bits):
+                 max_len, cross_connect, counters, scratch, scratch_bits, job_ok):
     """Encode host->net and decode net->host testbed frames of the batch (module docstring)."""
     for i in range(n):
         if out_port[i] != PORT_UNSET:
@@ -191,8 +196,13 @@ def codec_kernel(buf, length, in_port, out_port, n, host_port, net_port, codec, 
             if not notours:
                 counters[C_MALFORMED] += 1
             continue
-        c = f[OFF_CODEC]
-        t = f[OFF_MSG_TYPE]
+        h = header(f)
+        if not job_ok[h.job_id]:
+            counters[C_PASSTHROUGH] += 1  # a job this NIC does not offload
+            continue
+        c = h.codec
+        t = h.msg_type
+        m = np.int64(h.elem_count)
         if ip_ == host_port:
             if c != _F32 or not (t == _DATA or t == _RETRANSMIT or t == _RESULT):
                 counters[C_PASSTHROUGH] += 1
@@ -208,11 +218,11 @@ def codec_kernel(buf, length, in_port, out_port, n, host_port, net_port, codec, 
                 counters[C_PASSTHROUGH] += 1
                 continue
             if c == _SIGN and rd_u16be(f, OFF_UDP_LEN) - UDP_LEN - HEADER_LEN != \
-                    (get_elem_count(f) + 7) // 8:
+                    (m + 7) // 8:
                 counters[C_PASSTHROUGH] += 1  # parse_frame does not size SIGN payloads
                 counters[C_MALFORMED] += 1
                 continue
-            if PAYLOAD_OFFSET + 4 * get_elem_count(f) > max_len:
+            if PAYLOAD_OFFSET + 4 * m > max_len:
                 counters[C_TOO_BIG] += 1
                 counters[C_PASSTHROUGH] += 1
                 continue
@@ -226,14 +236,16 @@ class CodecStage(Stage):
     Settings: ``codec`` (``"fp16"``, ``"bf16"``, ``"fixed32"`` or ``"sign"``), ``factor`` (fixed32's
     quantisation factor, ATP's 1e6 by default), ``host_port`` / ``net_port`` (name or index;
     default the node's first and second port), ``mtu`` (largest IP packet a widened frame may
-    become), ``cross_connect`` (also forward to the other port). All can change at run time.
+    become), ``cross_connect`` (also forward to the other port), ``jobs`` (``"all"``, the
+    default, or the job ids this NIC offloads; other jobs' frames pass untouched). All can
+    change at run time.
     """
 
     name = "nic_codec"
 
     def __init__(self, ports: list[str] | None = None, n_ports: int | None = None,
                  codec: str = "fp16", factor: float = ATP_FACTOR, host_port=0, net_port=1,
-                 mtu: int = 1500, cross_connect: bool = True):
+                 mtu: int = 1500, cross_connect: bool = True, jobs=None):
         self.ports = resolve_ports(ports if ports is not None or n_ports is not None
                                    else ["host", "net"], n_ports, "nic_codec")
         if len(self.ports) < 2:
@@ -247,15 +259,31 @@ class CodecStage(Stage):
         self.host_port, self.net_port = 0, 1
         self.mtu = 1500
         self.cross_connect = True
+        self.job_ok = np.ones(1 << 16, np.bool_)
         self.configure(codec=codec, factor=factor, host_port=host_port, net_port=net_port,
-                       mtu=mtu, cross_connect=cross_connect)
+                       mtu=mtu, cross_connect=cross_connect, jobs=jobs)
 
     def configure(self, codec=None, factor=None, host_port=None, net_port=None, mtu=None,
-                  cross_connect=None, **unknown) -> None:
-        """Change the codec, factor, ports, MTU or cross-connect at run time (all-or-nothing)."""
+                  cross_connect=None, jobs=None, **unknown) -> None:
+        """Change the codec, factor, ports, MTU, cross-connect or the offloaded jobs at run
+        time (all-or-nothing). ``jobs``: ``"all"`` or a list of job ids (``[]``: none)."""
         if unknown:
             raise ValueError(f"nic_codec: unknown settings {sorted(unknown)}; use codec, factor, "
-                             "host_port, net_port, mtu, cross_connect")
+                             "host_port, net_port, mtu, cross_connect, jobs")
+        job_ok = None
+        if jobs is not None:
+            job_ok = np.zeros(1 << 16, np.bool_)
+            if jobs == "all":
+                job_ok[:] = True
+            else:
+                try:
+                    ids = [int(j) for j in jobs]
+                except (TypeError, ValueError):
+                    raise ValueError(f"nic_codec: jobs must be 'all' or a list of job ids, got "
+                                     f"{jobs!r}") from None
+                if any(not 0 <= j < 1 << 16 for j in ids):
+                    raise ValueError(f"nic_codec: job ids must be 0..65535, got {ids}")
+                job_ok[ids] = True
         if codec is not None and codec not in CODECS:
             raise ValueError(f"nic_codec: codec must be one of {sorted(CODECS)}, got {codec!r}")
         if factor is not None:
@@ -280,13 +308,15 @@ class CodecStage(Stage):
             self.mtu = mtu
         if cross_connect is not None:
             self.cross_connect = bool(cross_connect)
+        if job_ok is not None:
+            self.job_ok = job_ok
 
     def process(self, batch: Batch, now_ns: int) -> None:
         """Encode/decode the batch's undecided frames (one Numba call)."""
         codec_kernel(batch.buf, batch.length, batch.in_port, batch.out_port, batch.n,
                      self.host_port, self.net_port, CODECS[self.codec], self.factor,
                      ETH_LEN + self.mtu, self.cross_connect, self.counters_arr, self._scratch,
-                     self._scratch_bits)
+                     self._scratch_bits, self.job_ok)
 
     def counters(self) -> dict:
         """Encode/decode counters (see the module docstring)."""

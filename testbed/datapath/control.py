@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
@@ -133,6 +134,7 @@ class DatapathClient:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._buf = b""
+        self._lock = threading.Lock()  # one request/response at a time (threads may share it)
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -147,16 +149,33 @@ class DatapathClient:
             self._sock = s
         return self._sock
 
+    @property
+    def node(self) -> str:
+        """The node this client talks to (from its socket's name)."""
+        return os.path.basename(self.path).removesuffix(".sock")
+
     def request(self, cmd: str, **args) -> object:
-        """Send one command and return its result (raises :class:`ControlError` on refusal)."""
+        """Send one command and return its result. Raises :class:`ControlError` when the
+        engine refuses it, and when the engine is gone or silent (the message names the node;
+        no bare OS error reaches the caller)."""
+        with self._lock:
+            return self._request(cmd, args)
+
+    def _request(self, cmd: str, args: dict) -> object:
         s = self._connect()
-        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        while b"\n" not in self._buf:
-            chunk = s.recv(65536)
-            if not chunk:
-                self.close()
-                raise ControlError(f"engine at {self.path} closed the connection")
-            self._buf += chunk
+        try:
+            s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+            while b"\n" not in self._buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError("connection closed")
+                self._buf += chunk
+        except OSError as e:
+            self.close()
+            what = "did not answer" if isinstance(e, TimeoutError) else "is gone"
+            raise ControlError(f"data-path engine of {self.node} {what} ({cmd!r}: "
+                               f"{type(e).__name__}: {e}); did it exit? see "
+                               f"{os.path.join(RUN_DIR, self.node + '.log')}") from None
         line, _, self._buf = self._buf.partition(b"\n")
         resp = json.loads(line)
         if not resp.get("ok"):

@@ -131,7 +131,7 @@ def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, t
                 tx_pk[op] += 1
                 tx_by[op] += length[i]
             else:
-                drops[n_ports if ip_ < 0 else ip_, 19] += 1  # OTHER: bad port from a stage
+                drops[n_ports if ip_ < 0 else ip_, DropReason.OTHER] += 1  # a bad port from a stage
         elif op == PORT_FLOOD:
             for p in range(n_ports):
                 if p != ip_ and flood_mask[p]:
@@ -142,7 +142,7 @@ def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, t
         elif op == PORT_DROP:
             drops[n_ports if ip_ < 0 else ip_, reason[i]] += 1
         elif op == -1:  # PORT_UNSET after all stages: nobody wanted it
-            drops[n_ports if ip_ < 0 else ip_, 12] += 1  # NO_ROUTE
+            drops[n_ports if ip_ < 0 else ip_, DropReason.NO_ROUTE] += 1
 
 
 def tally_reference(out_port: np.ndarray, in_port: np.ndarray, length: np.ndarray,
@@ -163,7 +163,8 @@ def tally_reference(out_port: np.ndarray, in_port: np.ndarray, length: np.ndarra
     drops = np.zeros((n_ports + 1, N_REASONS), np.int64)
     row = np.where(ip_ < 0, n_ports, ip_)
     r = np.where(op == PORT_DROP, reason.astype(np.int64),
-                 np.where(op == -1, 12, np.where(op >= n_ports, 19, -1)))
+                 np.where(op == -1, int(DropReason.NO_ROUTE),
+                          np.where(op >= n_ports, int(DropReason.OTHER), -1)))
     np.add.at(drops, (row[r >= 0], r[r >= 0]), 1)
     return {"rows": rows, "tx_pk": tx_pk, "tx_by": tx_by, "rx_pk": rx_pk, "rx_by": rx_by,
             "drops": drops}

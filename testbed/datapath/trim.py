@@ -47,7 +47,7 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
-from testbed.kernels.packets import OFF_FLAGS, OFF_UDP_CSUM, parse_frame, wr_u16be
+from testbed.kernels.packets import OFF_UDP_CSUM, header, parse_frame, wr_u16be
 from testbed.kernels.trimming import trim_frame
 from testbed.kernels.wire import Flags
 
@@ -223,7 +223,7 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
             full = True
         if not full:
             if ecn_bytes[p] > 0 and dq_bytes[p] >= ecn_bytes[p] and parse_frame(buf[i], ln) == 0:
-                buf[i, OFF_FLAGS] |= _FLAG_ECN
+                header(buf[i]).flags |= _FLAG_ECN
                 wr_u16be(buf[i], OFF_UDP_CSUM, 0)
                 counters[p, C_ECN] += 1
             _push(dq_buf, dq_len, dq_head, dq_cnt, dq_bytes, p, buf[i], ln)

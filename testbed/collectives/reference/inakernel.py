@@ -1,0 +1,242 @@
+"""Plain-Python twin of :mod:`testbed.collectives.inakernel` (same arguments, same effects).
+
+Written with numpy records and slices, Python ints and the reference transforms of
+``testbed.kernels.reference``: the tests run both on the same inputs and compare every array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from testbed.collectives.inakernel import (
+    BOOT_OFFSET,
+    FAST_RETX,
+    MODE_NIC,
+    MODE_THC,
+    NORM_RES,
+    T0,
+    T_MAX,
+    THC_EXP_ZERO,
+)
+from testbed.kernels import wire
+from testbed.kernels.reference import fixedpoint as ref_fp
+from testbed.kernels.reference.compressors import fwht, hash_u32, rht_forward, uniform
+from testbed.kernels.wire import HEADER_LEN, Codec, MsgType
+
+EXP_MIN = ref_fp.EXP_MIN
+
+
+def thc_exponent(y, lo, hi) -> int:
+    """ceil(NORM_RES * log2 ||y[lo:hi]||) summed in float64 in index order; zeros -> zero."""
+    s = 0.0
+    for v in np.asarray(y[lo:hi], dtype=np.float64).tolist():
+        s += v * v
+    if s == 0.0:
+        return THC_EXP_ZERO
+    return int(min(max(np.ceil(NORM_RES * 0.5 * np.log2(s)), -32767.0), 32767.0))
+
+
+def thc_scale(e, ne, clip) -> float:
+    """The agreed clamp value of a chunk of ``ne`` coordinates with agreed exponent ``e``."""
+    if e == THC_EXP_ZERO or ne <= 0:
+        return 0.0
+    return clip * 2.0 ** (float(e) / NORM_RES) / np.sqrt(float(ne))
+
+
+def thc_quantize(y, lo, scale, half, qkey) -> np.ndarray:
+    """int8 levels -half..half, coordinate ``lo + k`` rounded up with probability frac(a)."""
+    f = half / scale if scale > 0.0 else 0.0
+    a = np.clip(np.asarray(y, dtype=np.float64) * f, -half, half)
+    lv = np.floor(a)
+    u = uniform(np.arange(lo, lo + a.size), qkey)
+    return (lv + (u < a - lv)).astype(np.int8)
+
+
+def _header(row) -> np.void:
+    return row[:HEADER_LEN].view(wire.HEADER_DTYPE)[0]
+
+
+def build_packet(slots, s, j, p) -> int:
+    """Twin of ``inakernel.build_packet``."""
+    row = slots.pkts[s]
+    seq = int(slots.seq[s])
+    if p.mode == MODE_NIC:
+        lo = j * p.E
+        cnt = min(p.E, p.x.size - lo)
+        row[HEADER_LEN:HEADER_LEN + 4 * cnt] = np.frombuffer(p.x[lo:lo + cnt].tobytes(), np.uint8)
+        codec, e_next, off, length = Codec.FLOAT32, 0, lo, HEADER_LEN + 4 * cnt
+    else:
+        thc = p.mode == MODE_THC
+        if j < p.K:
+            chunk = p.x[j * p.E:min(j * p.E + p.E, p.x.size)]
+            e_next = thc_exponent(chunk, 0, chunk.size) if thc else \
+                int(ref_fp.chunk_exponents(chunk, max(chunk.size, 1))[0])
+        else:
+            e_next = THC_EXP_ZERO if thc else EXP_MIN
+        codec = Codec.THC if thc else Codec.INT32
+        lane = 1 if thc else 4
+        if j < p.boot:
+            row[HEADER_LEN:HEADER_LEN + lane] = 0
+            cnt, off = 1, BOOT_OFFSET
+        else:
+            c = j - p.boot
+            off = c * p.E
+            cnt = min(p.E, p.d - off)
+            if thc:
+                y = rht_forward(p.x, p.blk, p.skey, p.d)[off:off + cnt]
+                q = thc_quantize(y, off, thc_scale(int(p.agreed[c]), cnt, p.clip), p.half,
+                                 p.qkey)
+                row[HEADER_LEN:HEADER_LEN + cnt] = q.view(np.uint8)
+            else:
+                q = ref_fp.quantize(p.x[off:off + cnt], p.agreed[c:c + 1], p.n, cnt)
+                row[HEADER_LEN:HEADER_LEN + 4 * cnt] = q.astype("<i4").view(np.uint8)
+        length = HEADER_LEN + lane * cnt
+    row[:HEADER_LEN] = np.frombuffer(wire.pack_header(
+        msg_type=int(MsgType.DATA), job_id=p.job_id, worker_id=p.rank, slot=s, slot_set=seq & 1,
+        codec=int(codec), n_workers=p.n, exponent=e_next, elem_count=cnt, chunk_offset=off,
+        seq=seq), np.uint8)
+    return length
+
+
+def match_result(rb, ln, slots, p) -> int:
+    """Twin of ``inakernel.match_result``."""
+    if ln < HEADER_LEN:
+        return -1
+    h = _header(rb)
+    s = int(h["slot"])
+    if (h["magic"] != wire.MAGIC or h["msg_type"] != MsgType.RESULT or h["job_id"] != p.job_id
+            or s >= slots.cur.size):
+        return -1
+    j = int(slots.cur[s])
+    if j < 0 or int(h["seq"]) != int(slots.seq[s]):
+        return -1
+    want = (j - p.boot) * p.E if j >= p.boot else BOOT_OFFSET
+    return s if int(h["chunk_offset"]) == want else -1
+
+
+def apply_result(rb, ln, s, slots, p) -> int:
+    """Twin of ``inakernel.apply_result``."""
+    h = _header(rb)
+    j = int(slots.cur[s])
+    ne = int(h["elem_count"])
+    if p.mode == MODE_THC and int(h["flags"]) & wire.Flags.OVERFLOW:
+        return 2
+    want = 1 if j < p.boot else min(p.E, p.d - (j - p.boot) * p.E)
+    pl = int(ln) - HEADER_LEN
+    lane = pl // ne if ne else 0
+    if p.mode == MODE_THC:
+        ok = h["codec"] == Codec.THC and lane in (1, 2, 4)
+    else:
+        ok = h["codec"] == (Codec.FLOAT32 if p.mode == MODE_NIC else Codec.INT32) and lane == 4
+    if ne != want or not ok or lane * ne != pl:
+        return 1
+    if j < p.K and p.mode != MODE_NIC:
+        p.agreed[j] = h["exponent"]
+    if j < p.boot:
+        return 0
+    c = j - p.boot
+    lo = c * p.E
+    data = rb[HEADER_LEN:HEADER_LEN + pl].tobytes()
+    if p.mode == MODE_NIC:
+        p.out[lo:lo + ne] = np.frombuffer(data, "<f4")
+    elif p.mode != MODE_THC:
+        p.qsum[lo:lo + ne] = np.frombuffer(data, "<i4")
+    else:
+        p.qsum[lo:lo + ne] = np.frombuffer(data, {1: "<i1", 2: "<i2", 4: "<i4"}[lane])
+        sc = thc_scale(int(p.agreed[c]), ne, p.clip) / p.half
+        z = (fwht((p.qsum[lo:lo + ne] * sc).astype(np.float32).reshape(-1, p.blk))
+             * np.float32(1.0 / np.sqrt(p.blk))).ravel()
+        neg = (hash_u32(np.arange(lo, lo + ne), p.skey) & np.uint64(1)).astype(bool)
+        hi = min(lo + ne, p.out.size)
+        p.out[lo:hi] = np.where(neg, -z, z)[:hi - lo]
+    return 0
+
+
+def dequantize_int32(p) -> None:
+    """Twin of the client's final step for MODE_INT32: ``out`` from ``qsum`` per chunk."""
+    for k in range(p.K):
+        lo, hi = k * p.E, min(k * p.E + p.E, p.x.size)
+        p.out[lo:hi] = ref_fp.dequantize(p.qsum[lo:hi], p.agreed[k:k + 1], p.n, hi - lo)
+
+
+def _send(slots, s, st, now, msg_type) -> None:
+    slots.pkts[s][wire.FIELD_OFFSETS["msg_type"]] = int(msg_type)
+    slots.sent_at[s] = now
+    slots.order[s] = st["sends"]
+    st["sends"] += 1
+    slots.deadline[s] = now + slots.rto[s]
+
+
+def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
+    """Twin of ``inakernel.on_results``."""
+    st = loop[0]
+    W = slots.cur.size
+    done = nsend = ignored = lost = 0
+    for i in range(nrecv):
+        s = match_result(rbuf[i], rlen[i], slots, p)
+        if s < 0:
+            ignored += 1
+            continue
+        if drop[i]:
+            lost += 1
+            continue
+        code = apply_result(rbuf[i], rlen[i], s, slots, p)
+        if code:
+            return done, nsend, ignored, lost, s, code
+        done += 1
+        st["progress"] = now
+        if not slots.retx[s]:
+            sample = now - slots.sent_at[s]
+            if st["srtt"] == 0.0:
+                st["srtt"], st["rttvar"] = sample, sample / 2
+            else:
+                st["rttvar"] = 0.75 * st["rttvar"] + 0.25 * abs(st["srtt"] - sample)
+                st["srtt"] = 0.875 * st["srtt"] + 0.125 * sample
+            st["rto"] = min(max(T0, st["srtt"] + 4 * st["rttvar"]), T_MAX)
+        slots.retx[s] = False
+        slots.rto[s] = st["rto"]
+        st["acked"] = max(int(st["acked"]), int(slots.order[s]))
+        slots.seq[s] = (int(slots.seq[s]) + 1) % (1 << 32)
+        nj = int(slots.cur[s]) + W
+        if nj >= p.K + p.boot:
+            slots.cur[s] = -1
+            slots.deadline[s] = np.inf
+            continue
+        slots.cur[s] = nj
+        slots.lens[s] = build_packet(slots, s, nj, p)
+        _send(slots, s, st, now, MsgType.DATA)
+        send_list[nsend] = s
+        nsend += 1
+    for s in range(W):
+        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st["acked"]:
+            slots.retx[s] = True
+            _send(slots, s, st, now, MsgType.RETRANSMIT)
+            send_list[nsend] = s
+            nsend += 1
+    return done, nsend, ignored, lost, -1, 0
+
+
+def expire(slots, loop, now, send_list) -> int:
+    """Twin of ``inakernel.expire``."""
+    st = loop[0]
+    due = [s for s in range(slots.cur.size) if slots.cur[s] >= 0 and slots.deadline[s] <= now]
+    for k, s in enumerate(due):
+        slots.rto[s] = min(slots.rto[s] * 2, T_MAX)
+        slots.retx[s] = True
+        _send(slots, s, st, now, MsgType.RETRANSMIT)
+        send_list[k] = s
+    return len(due)
+
+
+def start(slots, loop, p, now, send_list) -> int:
+    """Twin of ``inakernel.start``."""
+    st = loop[0]
+    k = min(slots.cur.size, p.K + p.boot)
+    for s in range(k):
+        slots.cur[s] = s
+        slots.retx[s] = False
+        slots.rto[s] = st["rto"]
+        slots.lens[s] = build_packet(slots, s, s, p)
+        _send(slots, s, st, now, MsgType.DATA)
+        send_list[s] = s
+    return k

@@ -1,0 +1,45 @@
+"""In-network aggregation on real packets under the impairments the testbed offers, strangers
+on the fabric and a switch that dies: the suite-sized version of ``testbed bench reliability``
+(the same code, small sizes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.experiment import reliability as rel
+
+pytestmark = pytest.mark.mininet
+MiB = 1 << 20
+
+
+def _rows(fn, *args) -> list[dict]:
+    rows: list[dict] = []
+    fn(*args, rows.append)
+    return rows
+
+
+def test_matrix_exact_under_loss_duplication_reordering_star():
+    """INA, INA + THC and the SmartNIC-offloaded variant: exact (or within THC's bound) and
+    never hung, with each impairment alone and all together, at the aggregating switch."""
+    scenarios = [(0, 0, 0), (10, 0, 0), (0, 5, 0), (0, 0, 10), (10, 5, 10)]
+    rows = _rows(rel.matrix, "star4", list(rel.ALGOS), scenarios, MiB // 4)
+    assert len(rows) == len(scenarios) * len(rel.ALGOS)
+    bad = [r for r in rows if r["status"] != "ok"]
+    assert not bad, bad
+
+
+def test_stranger_flood_is_counted_and_harmless():
+    """A host outside the job sprays DATA with the job's id, every worker id and slot, from
+    its own address and spoofing a member's: the job stays exact, every stray packet is counted
+    NOT_MEMBER at the switch."""
+    (row,) = _rows(rel.non_member_flood, MiB // 2, 1000.0, "star4")
+    assert row["status"] == "ok", row
+    assert row["drops_not_member"] > 0 and row["all_strays_counted"], row
+
+
+def test_killed_switch_engine_fails_fast_naming_the_node():
+    (row,) = _rows(rel.engine_killed, MiB // 2, "star4")
+    assert row["status"] == "error", row
+    assert row["seconds_to_error"] is not None and row["seconds_to_error"] < 5, row
+    assert "tbs1" in row["error"] and "exit status -9" in row["error"], row
+    assert "BrokenPipe" not in row["error"] and row["leftovers"] == 0, row
