@@ -135,7 +135,7 @@ def test_fuzz_corpus_is_varied():
 def test_engine_survives_and_counts_every_malformed_packet(tmp_path):
     """Send the corpus through a real switch; drops by reason == prediction; still works."""
     from testbed.datapath.bench import save_frames
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     progs = [("aggregate", {"jobs": {JOB: {"n_workers": N_WORKERS, "slots": SLOTS}}}),
              ("forward", {})]

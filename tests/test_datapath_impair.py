@@ -369,7 +369,7 @@ def test_switch_impair_seeded_loss_is_reproducible_and_delay_adds_latency(tmp_pa
         start_capture,
     )
 
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     n = 1000
     with programmable_star(2, programs=[("forward", {}),
