@@ -270,9 +270,14 @@ class TestbedNet:
         Mininet's serial start would add the engines' start-up times)."""
         mn = self.mininet
         prog = [sw for sw in mn.switches if sw.name in self.topo.programmable]
-        for sw in mn.switches:
-            if sw.name not in self.topo.programmable:
-                sw.start([])
+        others = [sw for sw in mn.switches if sw.name not in self.topo.programmable]
+        for sw in others:
+            sw.start([])
+        # Node classes that queue their start-up commands (Open vSwitch) run them now, as
+        # Mininet's own start does.
+        for cls in sorted({type(sw) for sw in others}, key=str):
+            if hasattr(cls, "batchStartup"):
+                cls.batchStartup([sw for sw in others if type(sw) is cls])
         if prog:
             # Node start-up touches neighbours' shells too (offloads on the peer end): make
             # every node's cmd() exclusive while the threads run.
