@@ -337,15 +337,12 @@ def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
     from testbed.experiment.incast import run_incast
 
-    rates = [t.rate_mbps for t in point.trimming if t.rate_mbps]
-    link = point.topology.receiver_mbps or point.topology.bw_mbps
     seed = point.seed if job.seed is None else job.seed
     rows = []
     for rep in range(job.repetitions):
         row = run_incast(net, size, bits=int(job.options.get("bits", 1)), seed=seed + rep,
                          timeout_s=job.timeout_s,
-                         idle_ms=float(job.options.get("idle_ms", 30.0)),
-                         bottleneck_mbps=min([link, *rates]))
+                         idle_ms=float(job.options.get("idle_ms", 30.0)))
         row["rep"] = rep
         rows.append(row)
     return rows
