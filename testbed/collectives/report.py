@@ -218,4 +218,4 @@ def render_table(rows: Sequence[dict], columns: Sequence[str], *, title: str | N
     console = Console(file=out, width=max(120, Console(file=out).width))
     console.print(table)
     for note in notes:
-        console.print(escape(str(note)))
+        console.print(escape(str(note)), soft_wrap=True)
