@@ -191,6 +191,8 @@ def test_datapath_options_codec_and_nic_jobs():
     fp16 = datapath_options(parse_experiment({**base, "codec": {"codec": "fp16"},
                                               "jobs": [{"algo": "nic"}]}))
     assert fp16.nic_codec == {"codec": "fp16"}
+    bare = datapath_options(parse_experiment({"jobs": [{"algo": "nic"}, {"algo": "ring"}]}))
+    assert bare.nic_codec is None  # no SmartNICs: the nic job fails alone, the ring job runs
 
 
 @settings(max_examples=40, deadline=None)

@@ -220,7 +220,8 @@ def datapath_options(point: Experiment) -> DatapathOptions:
 
     Impairment percentages become probabilities and an impairment without a seed takes the
     experiment's. SmartNICs run the ``nic_codec`` stage when the experiment sets a codec, or
-    in fixed-point mode when a job uses ``algo = "nic"`` (the SmartNIC-offloaded INA).
+    in fixed-point mode when a job uses ``algo = "nic"`` (the SmartNIC-offloaded INA; without
+    SmartNICs that job fails on its own and the others run).
     """
     impairments = tuple(
         Impairment(node=i.node, direction=i.direction,
@@ -237,7 +238,8 @@ def datapath_options(point: Experiment) -> DatapathOptions:
     nic_codec = None
     if point.codec is not None:
         nic_codec = {"codec": point.codec.codec, **point.codec.settings}
-    elif any(j.algo == "nic" and j.op != "incast" for j in point.jobs):
+    elif point.topology.smartnic and any(j.algo == "nic" and j.op != "incast"
+                                         for j in point.jobs):
         nic_codec = {"codec": "fixed32"}
     return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec)
 
