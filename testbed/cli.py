@@ -80,7 +80,7 @@ def bench_kernels(
 @bench_app.command("datapath")
 def bench_datapath(json_out: bool = typer.Option(False, "--json")) -> None:
     """Data path programs against Linux bridge, OVS userspace and a Python forwarder (kpps)."""
-    from testbed.datapath.bench import main
+    from testbed.experiment.datapath_bench import main
 
     raise typer.Exit(main(json_out=json_out))
 
@@ -110,7 +110,7 @@ def bench_reliability(
 def bench_all(json_out: bool = typer.Option(False, "--json")) -> None:
     """Every benchmark in turn (kernels, data path, collectives); exit status of the worst."""
     from testbed.collectives.bench import main as collectives
-    from testbed.datapath.bench import main as datapath
+    from testbed.experiment.datapath_bench import main as datapath
     from testbed.kernels.bench import main as kernels
 
     codes = [kernels(json_out=json_out, elements=25_000_000), datapath(json_out=json_out),

@@ -15,9 +15,13 @@ plain data and ``render`` prints it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
+
+from mininet.log import setLogLevel
+
+from testbed.topologies import Star
+from testbed.topologies.net import TestbedNet
 
 NOT_ROOT_HELP = (
     "testbed demo builds an emulated network and needs root: run 'sudo make demo' "
@@ -25,14 +29,6 @@ NOT_ROOT_HELP = (
     "then 'cd /vagrant && sudo make demo'."
 )
 TOLERANCE = 0.10  # measured bandwidth within ±10 % of the shaped rate (Mininet's own: ±20 %)
-
-
-class _QuietHtbQuantum(logging.Filter):
-    """Drop the kernel's harmless 'quantum of class ... is big' note that Mininet logs as an
-    error for every HTB link faster than ~16 Mb/s (the kernel clamps the quantum itself)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "quantum of class" not in record.getMessage()
 
 
 def _iperf3(client, server, seconds: float, port: int = 5201) -> float:
@@ -59,37 +55,22 @@ def _iperf3(client, server, seconds: float, port: int = 5201) -> float:
 def run_smoke(n_hosts: int = 4, bw_mbps: float = 100.0, seconds: float = 3.0) -> dict:
     """Build the star, ping all pairs, measure tbh1 → tbh2 with iperf3, tear down.
 
-    Needs root; the caller holds the emulation lock. Returns ``{"hosts", "bw_mbps",
-    "pings_sent", "pings_received", "rtt_avg_ms", "iperf_mbps", "ratio"}``.
+    Needs root; the network holds the emulation lock (re-entrant: a caller may hold it).
+    Returns ``{"hosts", "bw_mbps", "pings_sent", "pings_received", "rtt_avg_ms",
+    "iperf_mbps", "ratio"}``.
     """
     if not 2 <= n_hosts <= 32:
         raise ValueError(f"n_hosts={n_hosts}: the smoke star needs 2..32 hosts")
     if bw_mbps <= 0:
         raise ValueError(f"bw_mbps={bw_mbps}: give a positive link rate in Mb/s")
-    from mininet.link import TCLink
-    from mininet.log import lg, setLogLevel
-    from mininet.net import Mininet
-    from mininet.nodelib import LinuxBridge
-
-    setLogLevel("error")
-    if not any(isinstance(f, _QuietHtbQuantum) for f in lg.filters):
-        lg.addFilter(_QuietHtbQuantum())
-    net = Mininet(switch=LinuxBridge, link=TCLink, controller=None, build=False,
-                  autoSetMacs=True, waitConnected=False)
-    try:
-        switch = net.addSwitch("tbs1")
-        for i in range(1, n_hosts + 1):
-            net.addLink(net.addHost(f"tbh{i}"), switch, bw=bw_mbps)
-        net.build()
-        net.start()
-        pings = net.pingFull(timeout="2")
+    setLogLevel("error")  # Mininet prints every ping otherwise; render() shows the summary
+    with TestbedNet(Star(n_hosts, bw_mbps=bw_mbps)) as net:
+        pings = net.mininet.pingFull(timeout="2")
         sent = sum(r[2][0] for r in pings)
         received = sum(r[2][1] for r in pings)
         rtts = [r[2][3] for r in pings if r[2][1]]
-        h1, h2 = net.get("tbh1"), net.get("tbh2")
+        h1, h2 = net.hosts[:2]
         mbps = _iperf3(h1, h2, seconds)
-    finally:
-        net.stop()
     return {
         "hosts": n_hosts,
         "bw_mbps": bw_mbps,

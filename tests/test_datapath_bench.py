@@ -32,7 +32,7 @@ def test_rings_and_frame_files(tmp_path):
 def test_bench_rows_against_anchors_same_run():
     """A short run of the real benchmark: every program row has every anchor measured in the
     same run, positive rates, and ratio == kpps / anchor_kpps."""
-    from testbed.datapath.bench import run_bench
+    from testbed.experiment.datapath_bench import run_bench
 
     rows, notes = run_bench(duration=0.5, elems_list=(16,), reps=1)
     programs = {r["program"] for r in rows}

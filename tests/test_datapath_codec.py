@@ -263,7 +263,7 @@ def test_round_trip_through_two_smartnic_nodes(tmp_path):
         start_capture,
     )
 
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     n, m = 64, 256
     rng = np.random.default_rng(5)

@@ -160,7 +160,7 @@ def test_forward_every_frame_intact_control_and_no_leftovers(tmp_path):
     """3000 frames of random size (up to MTU) h1->h2 arrive byte-identical, none lost;
     counters are readable while running and at the end; nothing is left behind."""
     from testbed.datapath.bench import load_frames
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     n = 3000
     with programmable_star(3, programs=[("forward", {})]) as (_net, (h1, h2, h3), s1):
@@ -207,7 +207,7 @@ def test_forward_every_frame_intact_control_and_no_leftovers(tmp_path):
 @pytest.mark.mininet
 def test_smartnic_bump_in_the_wire():
     """h1 -- tbn1(SmartNIC wire) -- tbs1 -- tbn2 -- h2: traffic crosses both NIC engines."""
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     with programmable_star(2, programs=[("forward", {})], nic_programs=[("wire", {})]) as (
             net, (h1, h2), _s1):

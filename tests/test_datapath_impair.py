@@ -369,7 +369,7 @@ def test_switch_impair_seeded_loss_is_reproducible_and_delay_adds_latency(tmp_pa
         start_capture,
     )
 
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     n = 1000
     with programmable_star(2, programs=[("forward", {}),
@@ -400,7 +400,8 @@ def test_switch_impair_seeded_loss_is_reproducible_and_delay_adds_latency(tmp_pa
             lost = c.counters()["stages"]["impair"]["ports"][p2]["lost"]
             assert lost == 3 * n - sum(len(r) for r in runs.values())  # counted, all runs
             c.configure("impair", loss=0.0, filter="all")
-        _, base = _rtt(h1.cmd("ping -q -c 5 -i 0.2", h2.IP()))
+        # the fastest undelayed ping: one slow reply on a loaded machine must not shift it
+        base, _ = _rtt(h1.cmd("ping -q -c 5 -i 0.2", h2.IP()))
         with sw.client() as c:
             c.configure("impair", delay_ms={p2: 20.0})  # one way: h1 -> h2 only
         lo, avg = _rtt(h1.cmd("ping -q -c 5 -i 0.2", h2.IP()))

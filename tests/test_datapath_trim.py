@@ -438,7 +438,7 @@ def test_incast_trims_at_switch_and_receiver_decodes_coarse_estimate(tmp_path):
     """4 senders -> 1 receiver whose switch port drains at 20 Mb/s: above the threshold the
     switch trims (nothing is lost, trimmed frames decode to the head estimate); in drop_tail
     mode the same incast loses frames instead."""
-    from testbed.datapath.nodes import programmable_star
+    from testbed.testing import programmable_star
 
     m, per_sender = 256, 50
     rng = np.random.default_rng(11)

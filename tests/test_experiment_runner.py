@@ -169,6 +169,10 @@ def test_incast_trimming_with_pcap_capture(tmp_path):
     # (the switch may trim more than the receiver used: a chunk NACKed after a slow idle
     # period under CPU load is sent again and may be trimmed again)
     assert trimmed > 0 and row["dp_trim_trimmed"] >= trimmed
+    # one report row like a collective's: the model's rate is the trim stage's drain rate
+    assert row["bw_mbps"] == 30 and row["busbw"] == pytest.approx(2 * row["algbw"])
+    assert row["fidelity"] == pytest.approx(row["time_s"] / row["model_s"])
+    assert row["cpu_max"] > 0 and row["cpu_bound"] in (True, False)
     assert 0 < row["rel_err"] < 1  # trimmed heads: close to, not equal to, the exact sum
     # the receiver's interface saw every chunk; scapy finds the trimmed ones by their flag,
     # exactly as many as the switch's trim stage counted

@@ -155,9 +155,10 @@ def test_job_options_are_checked_against_the_layers():
     assert "qsgd" in probs[0]
 
 
-def test_programs_for_orders_stages_and_sets_port_rates():
-    from testbed.experiment.runner import programs_for
-    from testbed.topologies import make_topology
+def test_datapath_options_order_stages_and_set_port_rates():
+    from testbed.experiment.runner import datapath_options
+    from testbed.topologies import TopologyError, make_topology
+    from testbed.topologies.pipeline import compose
 
     exp = parse_experiment({
         "topology": {"kind": "incast", "n_senders": 2, "bw_mbps": 100},
@@ -167,16 +168,31 @@ def test_programs_for_orders_stages_and_sets_port_rates():
                       "ports": [0]}],
         "jobs": [{"op": "incast"}]})
     topo = make_topology("incast", n_senders=2, bw_mbps=100, switch="programmable")
-    progs = programs_for(exp, topo)
+    progs = compose(topo, datapath_options(exp))
     names = [n for n, _ in progs["tbs1"]]
-    assert names == ["impair", "aggregate", "forward", "impair", "trim"]
+    assert names == ["impair_ingress", "aggregate", "forward", "impair", "trim"]
     imp = progs["tbs1"][0][1]
-    assert imp["loss"] == {1: 0.05} and imp["direction"] == "ingress"
+    assert imp["loss"] == {"tbs1-eth2": 0.05} and imp["seed"] == exp.seed
     trim = progs["tbs1"][-1][1]
-    assert trim["rate_mbps"] == {"tbs1-eth2": 100.0, "tbs1-eth3": 100.0, 0: 40}
-    assert trim["threshold_bytes"][0] == 9000 and trim["threshold_bytes"]["tbs1-eth2"] > 1e9
-    with pytest.raises(ValueError, match="not a programmable node"):
-        programs_for(exp, make_topology("incast", n_senders=2, switch="bridge"))
+    assert trim["rate_mbps"] == {"tbs1-eth1": 40, "tbs1-eth2": 100.0, "tbs1-eth3": 100.0}
+    assert trim["threshold_bytes"]["tbs1-eth1"] == 9000
+    assert trim["threshold_bytes"]["tbs1-eth2"] > 1e9
+    with pytest.raises(TopologyError, match="not a programmable node"):
+        compose(make_topology("incast", n_senders=2, switch="bridge"), datapath_options(exp))
+
+
+def test_datapath_options_codec_and_nic_jobs():
+    from testbed.experiment.runner import datapath_options
+
+    base = {"topology": {"smartnic": True}, "jobs": [{"algo": "ring"}]}
+    assert datapath_options(parse_experiment(base)).nic_codec is None
+    nic = datapath_options(parse_experiment({**base, "jobs": [{"algo": "nic"}]}))
+    assert nic.nic_codec == {"codec": "fixed32"}
+    fp16 = datapath_options(parse_experiment({**base, "codec": {"codec": "fp16"},
+                                              "jobs": [{"algo": "nic"}]}))
+    assert fp16.nic_codec == {"codec": "fp16"}
+    bare = datapath_options(parse_experiment({"jobs": [{"algo": "nic"}, {"algo": "ring"}]}))
+    assert bare.nic_codec is None  # no SmartNICs: the nic job fails alone, the ring job runs
 
 
 @settings(max_examples=40, deadline=None)

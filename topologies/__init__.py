@@ -4,7 +4,10 @@
   :class:`FatTree`, :class:`Dumbbell`, :class:`Incast`; or by name with
   :func:`make_topology` (``star``, ``leaf_spine``, ``fat_tree``, ``dumbbell``, ``incast``).
 * :class:`~testbed.topologies.net.TestbedNet`: build, start and tear down a network under the
-  emulation lock (imported lazily: it pulls in Mininet's runtime and the data path).
+  emulation lock (imported lazily: it pulls in Mininet's runtime and the data path); every
+  emulated network is built by it.
+* :func:`testbed.topologies.pipeline.compose`: which data-path stages each programmable node
+  runs (pure; ``TestbedNet.programs_plan()`` returns it).
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ then:
   static FDB entries (one ECMP member per destination MAC, chosen by hash), learning off, and
   flooding confined to a BFS spanning tree - so no STP and no 30 s convergence wait;
   loop-free bridge fabrics stay plain learning bridges;
-* configures the aggregator on the chosen programmable switch.
+* starts every programmable node with the pipeline :mod:`testbed.topologies.pipeline` composes
+  from the topology and the optional :class:`~testbed.topologies.pipeline.DatapathOptions`
+  (impairments, trimming, SmartNIC codec), and configures the aggregator on the chosen
+  programmable switch.
 
 Leaving the ``with`` block - normally, by an exception, by KeyboardInterrupt or SIGTERM -
 stops everything and removes every interface named after our nodes.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -41,13 +45,15 @@ import subprocess
 import tempfile
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from mininet.link import Link, TCIntf
+from mininet.log import lg
 from mininet.net import Mininet
 from mininet.nodelib import LinuxBridge
 
+from testbed.datapath.control import DatapathClient
+from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 from testbed.netlock import emulation_lock
 
 from . import paths, routing
@@ -61,6 +67,7 @@ from .base import (
     host_mac,
     netem_available,
 )
+from .pipeline import DatapathOptions, compose
 
 
 class TBIntf(TCIntf):
@@ -120,35 +127,14 @@ class TBBridge(LinuxBridge):
         super(LinuxBridge, self).stop(deleteIntfs)
 
 
-def _datapath():
-    """D's data-path node classes and client, or a clear error when they are not available."""
-    try:
-        from testbed.datapath import nodes  # noqa: PLC0415 - optional layer, imported lazily
-        from testbed.datapath.control import DatapathClient
-    except ImportError as exc:
-        raise TopologyError(
-            "switch='programmable' / smartnic need the data path's node classes "
-            f"(testbed.datapath.nodes, testbed.datapath.control), which failed to import: {exc}"
-        ) from exc
-    return nodes, DatapathClient
-
-
 @contextlib.contextmanager
 def _quiet_mininet():
-    from mininet.log import lg
-
     old = lg.getEffectiveLevel()
     lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         lg.setLevel(old)
-
-
-def _node_seed(seed: int, node: str, what: str) -> int:
-    """A per-node, per-stage seed derived from the topology's: independent loss patterns on
-    different nodes, yet the same run again for the same ``seed``."""
-    return zlib.crc32(f"{seed}:{node}:{what}".encode()) & 0x7FFFFFFF
 
 
 def _serialize_cmd(node) -> None:
@@ -175,12 +161,18 @@ class TestbedNet:
 
     Options: ``lock_timeout`` (s to wait for the emulation lock), ``offloads_off`` (True),
     ``static_arp`` (True), ``check_ping`` (False: run :meth:`pingall` at start and raise if
-    any pair fails), ``engine_opts`` (dict passed to every programmable node).
+    any pair fails), ``engine_opts`` (dict passed to every programmable node), ``datapath``
+    (:class:`~testbed.topologies.pipeline.DatapathOptions`: what the programmable nodes run
+    beyond the topology's own pipelines), ``switch_nodes`` (switch name -> Mininet node
+    parameters with ``cls``, replacing the Linux bridge of a switch that runs no data path,
+    e.g. ``{"tbs1": {"cls": OVSSwitch, "datapath": "user"}}``; loop-free fabrics only, since
+    looped ones rely on the bridges' static forwarding entries).
     """
 
     def __init__(self, topo: TestbedTopo, *, lock_timeout: float = 600.0,
                  offloads_off: bool = True, static_arp: bool = True, check_ping: bool = False,
-                 engine_opts: dict | None = None):
+                 engine_opts: dict | None = None, datapath: DatapathOptions | None = None,
+                 switch_nodes: dict[str, dict] | None = None):
         if not isinstance(topo, TestbedTopo):
             raise TopologyError(
                 f"topo must be a testbed topology (Star, LeafSpine, FatTree, Dumbbell, Incast "
@@ -191,6 +183,11 @@ class TestbedNet:
         self.static_arp = static_arp
         self.check_ping = check_ping
         self.engine_opts = dict(engine_opts or {})
+        if datapath is not None and not isinstance(datapath, DatapathOptions):
+            raise TopologyError(f"datapath must be a DatapathOptions record, got "
+                                f"{type(datapath).__name__}")
+        self.datapath = datapath or DatapathOptions()
+        self.switch_nodes = {k: dict(v) for k, v in (switch_nodes or {}).items()}
         self.mininet: Mininet | None = None
         self.timings: dict[str, float] = {}
         self._lock_cm = None
@@ -204,9 +201,8 @@ class TestbedNet:
         self.final_counters: dict = {}
         self._tables = routing.forwarding_tables(topo)
         self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
-        if topo.programmable:
-            _datapath()  # fail before taking the lock if the data path is missing
-            self.programs_plan()  # bad program overrides fail here, before anything is built
+        self._check_switch_nodes()
+        self.programs_plan()  # bad overrides and options fail here, before anything is built
 
     # ----- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> TestbedNet:
@@ -274,9 +270,14 @@ class TestbedNet:
         Mininet's serial start would add the engines' start-up times)."""
         mn = self.mininet
         prog = [sw for sw in mn.switches if sw.name in self.topo.programmable]
-        for sw in mn.switches:
-            if sw.name not in self.topo.programmable:
-                sw.start([])
+        others = [sw for sw in mn.switches if sw.name not in self.topo.programmable]
+        for sw in others:
+            sw.start([])
+        # Node classes that queue their start-up commands (Open vSwitch) run them now, as
+        # Mininet's own start does.
+        for cls in sorted({type(sw) for sw in others}, key=str):
+            if hasattr(cls, "batchStartup"):
+                cls.batchStartup([sw for sw in others if type(sw) is cls])
         if prog:
             # Node start-up touches neighbours' shells too (offloads on the peer end): make
             # every node's cmd() exclusive while the threads run.
@@ -359,23 +360,39 @@ class TestbedNet:
             subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
 
     # ----- building ------------------------------------------------------------------------
+    def _check_switch_nodes(self) -> None:
+        topo = self.topo
+        for name, params in self.switch_nodes.items():
+            if name not in topo.switch_roles or name in topo.programmable:
+                bridges = sorted(set(topo.switch_roles) - set(topo.programmable))
+                raise TopologyError(f"switch_nodes: {name!r} is not a switch that runs no data "
+                                    f"path; choose from {bridges}")
+            if "cls" not in params:
+                raise TopologyError(f"switch_nodes[{name!r}]: give the node class as 'cls'")
+            if self._tree is not None:
+                raise TopologyError(f"switch_nodes: this {topo.kind} has loops, so its bridges "
+                                    "need static forwarding entries; replace bridges only in "
+                                    "loop-free fabrics")
+
     def _assign_classes(self) -> None:
         topo = self.topo
         for name in topo.switch_roles:
             if name in topo.programmable:
                 continue
             info = dict(topo.nodeInfo(name))
-            info["cls"] = TBBridge
-            info["port_setup"] = self._bridge_setup(name) if self._tree is not None else []
+            info.pop("port_setup", None)
+            if name in self.switch_nodes:
+                info.update(self.switch_nodes[name])
+            else:
+                info["cls"] = TBBridge
+                info["port_setup"] = self._bridge_setup(name) if self._tree is not None else []
             topo.setNodeInfo(name, info)
-        if not topo.programmable:
-            return
-        nodes, _ = _datapath()
+        plan = self.programs_plan()
         for name in topo.programmable:
             info = dict(topo.nodeInfo(name))
             is_nic = topo.switch_roles[name] == "smartnic"
-            info["cls"] = nodes.SmartNIC if is_nic else nodes.ProgrammableSwitch
-            info["programs"] = self._programs_for(name, is_nic)
+            info["cls"] = SmartNIC if is_nic else ProgrammableSwitch
+            info["programs"] = plan[name]
             if not is_nic and self._tree is not None:
                 info["flood_ports"] = self._flood_ports(name)
             if name == topo.aggregator_switch:
@@ -385,9 +402,8 @@ class TestbedNet:
 
     def programs_plan(self) -> dict[str, list]:
         """Node -> the ``[(program, settings), ...]`` its engine starts with (no network
-        needed; see :meth:`_programs_for` for how it is composed)."""
-        return {name: self._programs_for(name, self.topo.switch_roles[name] == "smartnic")
-                for name in sorted(self.topo.programmable)}
+        needed; composed by :func:`testbed.topologies.pipeline.compose`)."""
+        return compose(self.topo, self.datapath, self._tables)
 
     def _flood_ports(self, name: str) -> list[str]:
         """Ports of a programmable switch that floods may use: host-facing + flood-tree."""
@@ -396,87 +412,6 @@ class TestbedNet:
         return [self._intf_name(name, port) for peer, (port, _bw) in sorted(adj[name].items())
                 if peer not in topo.switch_roles or topo.switch_roles[peer] == "smartnic"
                 or frozenset((name, peer)) in self._tree]
-
-    def _impaired_ports(self, name: str) -> tuple[list[str], list[str]]:
-        """(egress ports, ingress ports) of ``name`` whose links it must impair (no netem)."""
-        topo = self.topo
-        if topo.impair_mode() != "datapath":
-            return [], []
-        egress, ingress = [], []
-        for s in topo.link_specs:
-            for me, port, peer in ((s.a, s.port_a, s.b), (s.b, s.port_b, s.a)):
-                if me != name:
-                    continue
-                egress.append(self._intf_name(me, port))
-                if peer not in topo.programmable:  # nobody else impairs peer -> me
-                    ingress.append(self._intf_name(me, port))
-        return egress, ingress
-
-    def _programs_for(self, name: str, is_nic: bool) -> list:
-        """The node's pipeline: [impair_ingress] [aggregate] forward|wire [impair].
-
-        A ``programs`` override (by node name, or 'switch' / 'smartnic' for every node of
-        that kind) replaces the default ``[aggregate] forward`` / ``wire`` part. The topology
-        owns the ``aggregate`` stage: it is added on the aggregator switch when an override
-        lacks it, and dropped from other switches when it came from the generic 'switch'
-        key. A ``forward`` stage gets the computed table (``l2``, ``learn=False``) unless the
-        override sets them. Without netem, ``delay_ms``/``loss_pct`` add the impair stages.
-        """
-        from testbed.datapath.engine import normalize_programs
-
-        topo = self.topo
-        generic = "smartnic" if is_nic else "switch"
-        override = topo.programs.get(name)
-        from_generic = override is None and generic in topo.programs
-        if override is None:
-            override = topo.programs.get(generic)
-        if override is not None:
-            try:
-                core = normalize_programs(override)
-            except ValueError as exc:
-                raise TopologyError(f"programs[{name!r}]: {exc}") from None
-        elif is_nic:
-            core = [("wire", {})]
-        else:
-            core = [("forward", {})]
-        names = [p for p, _ in core]
-        if name == topo.aggregator_switch and "aggregate" not in names:
-            at = names.index("forward") if "forward" in names else 0
-            core.insert(at, ("aggregate", {}))
-        elif name != topo.aggregator_switch and from_generic and "aggregate" in names:
-            core = [(p, st) for p, st in core if p != "aggregate"]
-        table = {mac: [self._intf_name(name, p) for p in group]
-                 for mac, group in self._tables[name].items()}
-        out = []
-        for pname, settings in core:
-            settings = dict(settings)
-            if pname == "forward":
-                settings.setdefault("l2", table)
-                settings.setdefault("learn", False)
-            out.append((pname, settings))
-        egress, ingress = self._impaired_ports(name)
-        if (egress or ingress) and "impair" in [p for p, _ in out]:
-            raise TopologyError(
-                f"programs[{name!r}] has its own 'impair' stage, and delay_ms/loss_pct (no "
-                "netem here) need the topology's; use one or the other")
-        imp = {"loss": topo.loss_pct / 100.0, "delay_ms": topo.delay_ms}
-        ports = self._ports_of(name)
-        if ingress:
-            from .impair_stages import INGRESS_PROGRAM
-
-            per_port = {k: {p: (v if p in ingress else 0.0) for p in ports}
-                        for k, v in imp.items()}
-            out.insert(0, (INGRESS_PROGRAM, {**per_port, "seed": _node_seed(topo.seed, name,
-                                                                            "ingress")}))
-        if egress:
-            per_port = {k: {p: (v if p in egress else 0.0) for p in ports}
-                        for k, v in imp.items()}
-            out.append(("impair", {**per_port, "seed": _node_seed(topo.seed, name, "egress")}))
-        return out
-
-    def _ports_of(self, name: str) -> list[str]:
-        return [self._intf_name(name, p) for _peer, (p, _bw) in
-                sorted(routing.adjacency(self.topo)[name].items(), key=lambda kv: kv[1][0])]
 
     def _assign_link_params(self) -> None:
         topo = self.topo
@@ -586,9 +521,8 @@ class TestbedNet:
 
     def _program_datapath(self, tables, tree) -> None:
         """Connect a control client to every programmable node (tables went in at start)."""
-        _nodes, client_cls = _datapath()
         for name in sorted(self.topo.programmable):
-            self._clients[name] = client_cls(name)
+            self._clients[name] = DatapathClient(name)
 
     # ----- what the upper layers use -----------------------------------------------------
     def _require_running(self) -> Mininet:
@@ -632,6 +566,16 @@ class TestbedNet:
         """Node name -> data-path control client, for every programmable node."""
         self._require_running()
         return dict(self._clients)
+
+    def engine_pids(self) -> list[int]:
+        """PIDs of the running data-path engines (whose CPU can make a run ``cpu_bound``)."""
+        mn = self._require_running()
+        pids = []
+        for node in mn.switches:
+            eng = getattr(node, "engine", None)
+            if eng is not None and eng.poll() is None:
+                pids.append(int(eng.pid))
+        return pids
 
     def _host_names(self, hosts) -> list[str]:
         if hosts is None:
@@ -697,8 +641,6 @@ class TestbedNet:
         16 hosts, else 3). Sources ping in parallel. Returns ``{'pairs', 'failed': [(src,
         dst)], 'loss'}``; a pair counts as failed only if a retry also fails.
         """
-        import random
-
         hosts = self.hosts
         ips = self.host_ips
         n = len(hosts)

@@ -24,6 +24,7 @@ import sys
 import time
 
 from testbed.collectives import model
+from testbed.collectives.report import render_table
 from testbed.collectives.runner import run_collective
 from testbed.collectives.spec import CollectiveSpec
 
@@ -156,15 +157,9 @@ def main(json_out: bool = False, quick: bool | None = None) -> int:
                                                     for k, (m, d) in tg.items()}},
                          default=float))
     else:
-        print(" ".join(f"{c:>10}" for c in SHOW))
-        for r in rows:
-            vals = []
-            for c in SHOW:
-                v = r[c]
-                vals.append(f"{v:>10.3f}" if isinstance(v, float) else f"{v!s:>10}")
-            print(" ".join(vals))
-        for k, (m, d) in tg.items():
-            print(f"target {'MET    ' if m else 'NOT MET'} {k}: {d}")
+        render_table(rows, SHOW, title="testbed collectives vs the alpha-beta model",
+                     notes=[f"target {'MET    ' if m else 'NOT MET'} {k}: {d}"
+                            for k, (m, d) in tg.items()])
     return 0 if rows and all(r["correct"] for r in rows) else 1
 
 

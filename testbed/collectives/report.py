@@ -1,4 +1,8 @@
-"""Report rows (nccl-tests convention + model), per-rank inputs and the correctness check.
+"""Report rows (nccl-tests convention + model), per-rank inputs, the correctness check, and the
+one table renderer of the benchmarks.
+
+Every measured thing reports through :func:`make_row`: collectives, incasts
+(``testbed.experiment.incast``) and whatever measures the same quantities next.
 
 Inputs are generated per rank from ``(seed, rank)`` so whoever holds the seed can recompute
 them; the check compares every rank's output with the numpy reference computed in float64.
@@ -16,6 +20,12 @@ Error bounds (``max_abs_err`` must not exceed them for ``correct``):
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TextIO
 
 import numpy as np
 
@@ -126,17 +136,45 @@ def check(spec: CollectiveSpec, inputs: list[np.ndarray], outputs: list[np.ndarr
     return worst, ok
 
 
-def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu_bound: bool,
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a row describes when the measured thing is not a collective run from a
+    :class:`CollectiveSpec`: an incast (``op='incast'``: ``n`` senders each push ``nbytes``
+    to one receiver), with the same fields the row takes from a spec."""
+
+    op: str
+    algo: str
+    nbytes: int
+    count: int
+    seed: int = 0
+    compressor: str | None = None
+    error_feedback: bool = False
+    loss: float = 0.0
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor of ``op`` among ``n`` ranks (see
+    :func:`testbed.collectives.model.busbw_factor`); an incast's receiver link carries every
+    sender's bytes, so its factor is ``n`` (busbw = what crossed that link per second)."""
+    return float(n) if op == "incast" else model.busbw_factor(op, n)
+
+
+def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s: float,
+             cpu_bound: bool,
              max_abs_err: float, correct: bool, rep: int, topology: str = "",
              bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_engine: float = 0.0,
              cpu_wait: float = 0.0, cpu_s: float = 0.0, engine_cpu_s: float = 0.0,
              machine_cpu: float = 0.0,
              setup_s: float = 0.0, mem_mb: float = 0.0) -> dict:
-    """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s)."""
+    """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s).
+
+    ``algbw = bytes / time_s``, ``busbw = algbw x`` :func:`busbw_factor`,
+    ``fidelity = time_s / model_s``.
+    """
     algbw = spec.nbytes * 8 / time_s / 1e9 if time_s > 0 else float("nan")
     row = {
         "op": spec.op, "algo": spec.algo, "n": n, "bytes": spec.nbytes, "count": spec.count,
-        "time_s": time_s, "algbw": algbw, "busbw": algbw * model.busbw_factor(spec.op, n),
+        "time_s": time_s, "algbw": algbw, "busbw": algbw * busbw_factor(spec.op, n),
         "model_s": model_s, "fidelity": time_s / model_s if model_s > 0 else float("nan"),
         "cpu_bound": bool(cpu_bound), "max_abs_err": max_abs_err, "correct": bool(correct),
         "topology": topology, "bw_mbps": bw_mbps, "compressor": spec.compressor,
@@ -148,3 +186,36 @@ def make_row(spec: CollectiveSpec, *, n: int, time_s: float, model_s: float, cpu
     }
     assert tuple(row) == REPORT_COLUMNS
     return row
+
+
+def _cell(v: object) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:,.0f}" if abs(v) >= 10_000 else f"{v:.4g}"
+    return str(v)
+
+
+def render_table(rows: Sequence[dict], columns: Sequence[str], *, title: str | None = None,
+                 headers: Sequence[str] | None = None, notes: Iterable[str] = (),
+                 file: TextIO | None = None) -> None:
+    """Print ``rows`` as one table of ``columns`` (``headers``: their titles), then ``notes``
+    one per line. Numbers keep four significant digits; a missing key prints empty.
+
+    Every benchmark prints through this, so their tables read alike.
+    """
+    from rich.console import Console  # noqa: PLC0415 - only printing needs rich (start-up)
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, head in zip(columns, headers or columns, strict=True):
+        numeric = all(isinstance(r.get(col), (int, float)) for r in rows if col in r)
+        table.add_column(str(head), no_wrap=True, justify="right" if numeric else "left")
+    for r in rows:
+        table.add_row(*[escape(_cell(r[c])) if c in r else "" for c in columns])
+    out = file or sys.stdout
+    console = Console(file=out, width=max(120, Console(file=out).width))
+    console.print(table)
+    for note in notes:
+        console.print(escape(str(note)), soft_wrap=True)

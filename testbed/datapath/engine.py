@@ -20,15 +20,14 @@ order, then one Numba call tallies the batch and sorts rows per egress port (``P
 flows the loop does not poll at all. SIGTERM/SIGINT (or the control command ``stop``) end it
 cleanly; final counters go to ``--counters-out``.
 
-Stages are looked up by name in :data:`STAGES` (``"module:Class"`` strings, imported lazily) or
-given directly as ``"package.module:Class"``. A stage class is built with its settings as
+Stages are looked up by name in :data:`testbed.datapath.programs.STAGES` (``"module:Class"``
+strings, imported lazily) or given directly as ``"package.module:Class"``. A stage class is built with its settings as
 keyword arguments, plus ``ports=[names]`` if its ``__init__`` accepts ``ports`` (or ``**kw``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
 import os
@@ -47,36 +46,11 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
-
-#: program name -> "module:Class"; D2's stages register here by name.
-STAGES: dict[str, str] = {
-    "forward": "testbed.datapath.forward:ForwardStage",
-    "wire": "testbed.datapath.forward:WireStage",
-    "aggregate": "testbed.datapath.aggregate:AggregateStage",
-    "trim": "testbed.datapath.trim:TrimStage",
-    "impair": "testbed.datapath.impair:ImpairStage",
-    "nic_codec": "testbed.datapath.codec:CodecStage",
-}
+from testbed.datapath.programs import normalize_programs, stage_class
 
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
 DEFAULT_COALESCE_US = 50.0
-
-
-def stage_class(name: str) -> type:
-    """Resolve a program name (or ``module:Class``) to its Stage class."""
-    target = STAGES.get(name, name)
-    if ":" not in target:
-        raise ValueError(f"unknown program {name!r}; known: {sorted(STAGES)} "
-                         "(or give 'package.module:Class')")
-    mod, _, cls = target.partition(":")
-    try:
-        obj = getattr(importlib.import_module(mod), cls)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"program {name!r}: cannot load {target} ({e})") from None
-    if not (isinstance(obj, type) and issubclass(obj, Stage)):
-        raise ValueError(f"program {name!r}: {target} is not a Stage subclass")
-    return obj
 
 
 def make_stage(name: str, settings: dict, ports: list[str]) -> Stage:
@@ -90,26 +64,6 @@ def make_stage(name: str, settings: dict, ports: list[str]) -> Stage:
         return cls(**kw)
     except TypeError as e:
         raise ValueError(f"program {name!r}: bad settings {sorted(settings)} ({e})") from None
-
-
-def normalize_programs(programs) -> list[tuple[str, dict]]:
-    """Accept ``[("forward", {...})]``, ``[{"name": "forward", "settings": {...}}]`` or names."""
-    out = []
-    for p in programs or []:
-        if isinstance(p, str):
-            out.append((p, {}))
-        elif isinstance(p, dict):
-            if "name" not in p:
-                raise ValueError(f"program entry {p!r} has no 'name'")
-            out.append((p["name"], dict(p.get("settings") or {})))
-        elif isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str):
-            out.append((p[0], dict(p[1] or {})))
-        else:
-            raise ValueError(f"program entry {p!r}: use (name, settings) or "
-                             "{'name': ..., 'settings': {...}}")
-    if not out:
-        raise ValueError("no programs configured; give at least one, e.g. ['forward']")
-    return out
 
 
 @njit(cache=True)

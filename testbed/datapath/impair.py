@@ -377,3 +377,17 @@ class ImpairStage(Stage):
         totals = {k: int(self.counters_arr[:, j].sum()) for j, k in enumerate(COUNTER_NAMES)}
         return {"direction": self.direction, "seed": self.seed, "ports": ports,
                 "totals": totals}
+
+
+class IngressImpairStage(ImpairStage):
+    """:class:`ImpairStage` fixed to ``direction='ingress'`` (program name ``impair_ingress``).
+
+    A node whose ports are impaired in both directions runs two impair stages; the engine
+    addresses stages and their counters by name, so the ingress one needs its own.
+    """
+
+    name = "impair_ingress"
+
+    def __init__(self, ports=None, **settings):
+        settings.pop("direction", None)  # always ingress: that is the point of this class
+        super().__init__(ports=ports, direction="ingress", **settings)

@@ -5,17 +5,15 @@
   ``start()``; ``stop()`` sends SIGTERM, waits, keeps the final counters in
   ``final_counters`` and removes its files (config, socket, log on success).
 * :class:`SmartNIC` - a BlueField-class bump in the wire: a two-port node between a host and its
-  ToR; default program ``wire`` (port 0 <-> port 1), typically preceded by a ``nic_codec``
-  stage.
+  ToR; default program ``wire`` (port 0 <-> port 1), or ``nic_codec``, which converts
+  payloads and forwards between the two ports itself.
 
-Usage::
+``testbed.topologies.TestbedNet`` builds every network and picks these classes for the
+programmable nodes of a topology, with the programs ``testbed.topologies.pipeline`` composes;
+``testbed.testing.programmable_star`` is the small star the data-path tests use. A running
+node is reached through its control channel::
 
-    net = Mininet(topo=None, controller=None, build=False)
-    s1 = net.addSwitch("tbs1", cls=ProgrammableSwitch,
-                       programs=[("aggregate", {"jobs": {1: {"n_workers": 4, "slots": 64}}}),
-                                 ("forward", {})])
-    ...
-    s1.client().counters()
+    sw.client().counters()
 
 Node options: ``programs`` (list of ``(name, settings)`` / dicts / names), ``agg_ip`` /
 ``agg_mac`` (copied into the ``aggregate`` program's settings), ``rx_burst``, ``flood_ports``,
@@ -24,7 +22,6 @@ Node options: ``programs`` (list of ``(name, settings)`` / dicts / names), ``agg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -35,7 +32,7 @@ import time
 from mininet.node import Switch
 
 from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient, socket_path
-from testbed.datapath.engine import normalize_programs
+from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
 
@@ -200,38 +197,3 @@ class SmartNIC(ProgrammableSwitch):
             raise ValueError(f"SmartNIC {self.name} needs exactly 2 links (host, ToR), has "
                              f"{self.port_names()}")
         super().start(controllers)
-
-
-@contextlib.contextmanager
-def programmable_star(n_hosts: int, programs=None, nic_programs=None, **switch_opts):
-    """A star ``tbh1..tbhN -- tbs1`` (ProgrammableSwitch) under the emulation lock.
-
-    Yields ``(net, hosts, switch)``; everything is torn down in ``finally`` even on failure.
-    With ``nic_programs`` every host reaches the switch through its own SmartNIC ``tbnK``.
-    Hosts get offloads off and MACs ``00:00:00:00:00:0K`` (Mininet's autoSetMacs).
-    """
-    from mininet.log import setLogLevel
-    from mininet.net import Mininet
-
-    from testbed.netlock import emulation_lock
-
-    setLogLevel("error")
-    with emulation_lock():
-        net = Mininet(controller=None, build=False, autoSetMacs=True)
-        try:
-            hosts = [net.addHost(f"tbh{k + 1}") for k in range(n_hosts)]
-            sw = net.addSwitch("tbs1", cls=ProgrammableSwitch, programs=programs, **switch_opts)
-            for k, h in enumerate(hosts):
-                if nic_programs is not None:
-                    nic = net.addSwitch(f"tbn{k + 1}", cls=SmartNIC, programs=nic_programs)
-                    net.addLink(h, nic)
-                    net.addLink(nic, sw)
-                else:
-                    net.addLink(h, sw)
-            net.build()
-            net.start()
-            for h in hosts:
-                h.cmd("ethtool -K", h.defaultIntf().name, *_OFFLOADS)
-            yield net, hosts, sw
-        finally:
-            net.stop()

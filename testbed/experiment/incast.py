@@ -12,11 +12,11 @@ for the chunks it misses (NACK) until it has them all - so drops cost time and t
 accuracy.
 
 Run as an experiment job with ``op = "incast"`` (algo is ignored): rank 0 is the receiver,
-every other host a sender. The row reports ``time_s`` (first packet to last chunk at the
-receiver),
-``model_s`` (all senders' untrimmed bytes through the receiver's link), ``trimmed_frac``,
-``nacks``, ``resent``, ``max_abs_err`` and ``rel_err`` against the exact numpy sum, and
-``correct`` (every element within the trimming layout's error bound for the trimmed chunks).
+every other host a sender. The row is a report row like every collective's (see
+:func:`run_incast`): ``time_s`` (first packet to last chunk at the receiver), ``model_s`` (all
+senders' untrimmed bytes through the receiver's bottleneck), ``cpu_bound``, ``max_abs_err``
+against the exact numpy sum and ``correct`` (every element within the trimming layout's error
+bound for the trimmed chunks), plus ``rel_err``, ``trimmed_frac``, ``nacks`` and ``resent``.
 
 Processes: ``python -m testbed.experiment.incast receiver|sender ... testbed-node=<host>``
 (the marker lets ``testbed cleanup`` find them).
@@ -35,6 +35,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from testbed.collectives.report import Measured, make_row
 
 DATA_PORT = 41000  # the testbed UDP port: the data path recognises our header on it
 CTL_PORT = 41001
@@ -179,11 +181,16 @@ def _receiver(args) -> int:
 
 
 def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float = 60.0,
-               idle_ms: float = 30.0, bottleneck_mbps: float | None = None) -> dict[str, Any]:
-    """Run one incast on ``net`` (rank 0 receives, the other hosts send); return a row.
+               idle_ms: float = 30.0) -> dict[str, Any]:
+    """Run one incast on ``net`` (rank 0 receives, the other hosts send); return a report row.
 
-    ``bottleneck_mbps``: rate of the receiver's port for the model (default: the topology's
-    receiver link).
+    The row is :func:`testbed.collectives.report.make_row`'s (``op='incast'``,
+    ``algo='trim<bits>'``, ``n`` senders, ``bytes`` per sender; ``busbw`` is what crossed the
+    receiver's link per second) plus ``rel_err``, ``trimmed_frac``, ``nacks``, ``resent`` and
+    ``duplicates``. ``model_s``: every sender's untrimmed frames through the receiver's
+    bottleneck (:func:`receiver_rate_bps`, also the row's ``bw_mbps``). ``cpu_bound``: the
+    senders, the receiver or a data-path engine saturated a CPU or waited for one, by the
+    collectives' measurement and thresholds.
     """
     from testbed.kernels.trimming import total_bytes_for
     from testbed.kernels.wire import PAYLOAD_OFFSET
@@ -195,6 +202,7 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
         raise ValueError("incast needs at least 2 hosts (one receiver, one sender)")
     if nbytes < 4 or nbytes % 4:
         raise ValueError(f"nbytes={nbytes}: must be a positive multiple of 4 (float32)")
+    rate_bps = receiver_rate_bps(net)
     count = nbytes // 4
     recv, senders = hosts[0], hosts[1:]
     start_at = time.time() + 2.0 + 0.15 * len(senders)  # room for the processes to start
@@ -214,7 +222,9 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
             procs.append(h.popen(py + ["sender", *common, "--rank", str(r + 1), "--n",
                                        str(len(senders)), "--dst", recv.IP(),
                                        f"testbed-node={h.name}"]))
-        rc = procs[0].wait(timeout=timeout_s + (start_at - time.time()) + 30)
+        cpu = _wait_sampling(procs, net.engine_pids(), start_at,
+                             timeout_s + (start_at - time.time()) + 30)
+        rc = procs[0].returncode
         with open(out) as f:
             res = json.load(f)
     except (OSError, ValueError, subprocess.TimeoutExpired) as e:
@@ -237,28 +247,83 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
     if rc != 0 or not res["complete"]:
         raise RuntimeError(f"incast incomplete after {timeout_s} s: received {res['received']}"
                            f" of {res['expected']} chunks")
-    m = res["chunk_elems"]
-    frame = PAYLOAD_OFFSET + int(total_bytes_for(m, bits))
-    if bottleneck_mbps is None:
-        bottleneck_mbps = _receiver_mbps(net)
-    model_s = len(senders) * res["chunks"] * frame * 8 / (bottleneck_mbps * 1e6)
+    frame = PAYLOAD_OFFSET + int(total_bytes_for(res["chunk_elems"], bits))
     n = len(senders)
-    return {"op": "incast", "algo": f"trim{bits}", "n": n, "bytes": nbytes, "count": count,
-            "time_s": res["time_s"], "algbw": nbytes * n * 8 / res["time_s"] / 1e9,
-            "busbw": nbytes * n * 8 / res["time_s"] / 1e9, "model_s": model_s,
-            "fidelity": res["time_s"] / model_s, "cpu_bound": False,
-            "max_abs_err": res["max_abs_err"], "rel_err": res["rel_err"],
-            "correct": res["within_bound"], "trimmed_frac": res["trimmed"] / res["expected"],
-            "nacks": res["nacks"], "resent": res["resent"], "duplicates": res["duplicates"],
-            "seed": seed, "rep": 0}
+    model_s = n * res["chunks"] * frame * 8 / rate_bps
+    row = make_row(Measured(op="incast", algo=f"trim{bits}", nbytes=nbytes, count=count,
+                            seed=seed),
+                   n=n, time_s=res["time_s"], model_s=model_s, cpu_bound=cpu["bound"],
+                   max_abs_err=res["max_abs_err"], correct=res["within_bound"], rep=0,
+                   topology=net.topo.kind, bw_mbps=rate_bps / 1e6,
+                   cpu_max=cpu["cpu_max"], cpu_engine=cpu["cpu_engine"],
+                   cpu_wait=cpu["cpu_wait"], cpu_s=cpu["cpu_s"],
+                   engine_cpu_s=cpu["engine_cpu_s"], machine_cpu=cpu["machine_cpu"],
+                   setup_s=float("nan"), mem_mb=float("nan"))
+    row.update(rel_err=res["rel_err"], trimmed_frac=res["trimmed"] / res["expected"],
+               nacks=res["nacks"], resent=res["resent"], duplicates=res["duplicates"])
+    return row
 
 
-def _receiver_mbps(net) -> float:
-    topo = getattr(net, "topo", None)
-    for s in getattr(topo, "link_specs", []):
-        if "tbh1" in (s.a, s.b) and s.bw_mbps:
-            return float(s.bw_mbps)
-    return 100.0
+def receiver_rate_bps(net) -> float:
+    """Rate (bit/s) at which the senders' packets can reach the receiver (rank 0).
+
+    The network's per-flow bottleneck with every sender sending to the receiver at once, times
+    the number of senders: the receiver's link, or a slower link on the way. A ``trim`` stage
+    that drains the receiver's switch port slower than that (``rate_mbps``) is the bottleneck
+    instead. Raises ``ValueError`` when the links are unshaped (no rate to model).
+    """
+    hosts = net.topo.host_names
+    flow = net.bottleneck_bps(hosts, pattern="all_to_one")
+    if flow is None:
+        raise ValueError("incast: the links to the receiver are unshaped (bw_mbps=None), so "
+                         "there is no link rate for the model; give the topology a bw_mbps")
+    rate = flow * (len(hosts) - 1)
+    plan = net.programs_plan()
+    for s in net.topo.link_specs:
+        if hosts[0] not in (s.a, s.b):
+            continue
+        node, port = (s.b, s.port_b) if s.a == hosts[0] else (s.a, s.port_a)
+        for program, settings in plan.get(node, []):
+            drain = settings.get("rate_mbps") if program == "trim" else None
+            if isinstance(drain, dict):
+                drain = drain.get(f"{node}-eth{port}")
+            if drain:
+                rate = min(rate, float(drain) * 1e6)
+    return rate
+
+
+def _wait_sampling(procs: list, engines: list[int], start_at: float, timeout_s: float
+                   ) -> dict[str, Any]:
+    """Wait for the receiver (``procs[0]``) to exit, sampling the CPU of every incast process
+    and data-path engine from ``start_at`` (wall clock) on; return the CPU figures and
+    ``bound`` (the collectives' saturation rule)."""
+    # The senders and the receiver run this module too: the collectives' CPU measurement is
+    # imported only here, where it is used, so that those processes start fast.
+    from testbed.collectives.runner import CPU_SATURATED, CPU_WAIT_LIMIT  # noqa: PLC0415
+    from testbed.collectives.worker import _CpuSampler  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout_s
+    sampler = None
+    while procs[0].poll() is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("incast receiver", timeout_s)
+        if sampler is None and time.time() >= start_at:
+            sampler = _CpuSampler([p.pid for p in procs], engines)
+        elif sampler is not None:
+            sampler.sample()
+        time.sleep(0.05)
+    if sampler is None:  # the receiver ended before the start time: nothing ran
+        sampler = _CpuSampler([p.pid for p in procs], engines)
+    cpu = sampler.result()
+    figures = {"cpu_max": round(cpu["ours"]["max"], 3),
+               "cpu_engine": round(cpu["engines"]["max"], 3),
+               "cpu_wait": round(max(cpu["ours"]["wait"], cpu["engines"]["wait"]), 3),
+               "cpu_s": round(cpu["ours"]["cpu_s"], 3),
+               "engine_cpu_s": round(cpu["engines"]["cpu_s"], 3),
+               "machine_cpu": round(cpu["machine"], 3)}
+    figures["bound"] = (max(figures["cpu_max"], figures["cpu_engine"]) > CPU_SATURATED
+                        or figures["cpu_wait"] > CPU_WAIT_LIMIT)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:

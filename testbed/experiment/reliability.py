@@ -44,7 +44,6 @@ from testbed.collectives.worker import enter_netns
 from testbed.kernels.reference.packets import udp_frame
 from testbed.kernels.wire import TESTBED_UDP_PORT, MsgType, pack_header
 from testbed.topologies import FatTree, Star, TestbedNet
-from testbed.topologies.impair_stages import INGRESS_PROGRAM
 
 MiB = 1 << 20
 FULL = {"loss_pct": (0, 1, 5, 10), "dup_pct": (0, 1, 5), "reorder_pct": (0, 2, 10)}
@@ -61,7 +60,7 @@ def _topology(kind: str, nic: bool):
     aggregator, ready to be configured per scenario."""
     agg = "tbc1" if kind == "fattree_k4" else "tbs1"
     zero = {"filter": "testbed", "reorder_k": REORDER_K}
-    programs = {agg: [(INGRESS_PROGRAM, dict(zero)), ("aggregate", {}), ("forward", {}),
+    programs = {agg: [("impair_ingress", dict(zero)), ("aggregate", {}), ("forward", {}),
                       ("impair", dict(zero, direction="egress"))]}
     if nic:
         programs["smartnic"] = [("nic_codec", {})]

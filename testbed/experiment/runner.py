@@ -29,6 +29,9 @@ from testbed.experiment.results import (
     package_versions,
 )
 from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
+from testbed.topologies import make_topology
+from testbed.topologies.net import TestbedNet
+from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
 
 
 class RunAborted(RuntimeError):
@@ -201,16 +204,10 @@ def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
 # -- network ------------------------------------------------------------------------------------
 
 def _open_network(stack: contextlib.ExitStack, point: Experiment):
-    from testbed.topologies import TestbedNet, make_topology
-
     kwargs = point.topology.kwargs()
     kwargs.setdefault("seed", point.seed)
     topo = make_topology(point.topology.kind, **kwargs)
-    programs = programs_for(point, topo)
-    if programs:
-        kwargs["programs"] = {**kwargs.get("programs", {}), **programs}
-        topo = make_topology(point.topology.kind, **kwargs)
-    net = stack.enter_context(TestbedNet(topo))
+    net = stack.enter_context(TestbedNet(topo, datapath=datapath_options(point)))
     try:
         desc = net.describe()
     except Exception as e:  # describe() is provenance only
@@ -218,86 +215,33 @@ def _open_network(stack: contextlib.ExitStack, point: Experiment):
     return net, desc
 
 
-def programs_for(point: Experiment, topo) -> dict[str, list]:
-    """Per-node program lists for the impairments, trimming and codec of ``point``.
+def datapath_options(point: Experiment) -> DatapathOptions:
+    """The data-path conditions of ``point`` as the pipeline composer takes them.
 
-    Order in a switch: ingress impair, aggregate (on the aggregator switch), forward, egress
-    impair, trim (the egress queue must see every packet last). Only nodes that need more
-    than the topology's defaults get a list.
+    Impairment percentages become probabilities and an impairment without a seed takes the
+    experiment's. SmartNICs run the ``nic_codec`` stage when the experiment sets a codec, or
+    in fixed-point mode when a job uses ``algo = "nic"`` (the SmartNIC-offloaded INA; without
+    SmartNICs that job fails on its own and the others run).
     """
-    progs: dict[str, list] = {}
-    programmable = set(getattr(topo, "programmable", ()))
-    nodes = {i.node for i in point.impairments} | {t.node for t in point.trimming}
-    for node in sorted(nodes):
-        if node not in programmable:
-            field = "impairments" if node in {i.node for i in point.impairments} else "trimming"
-            raise ValueError(f"{field}: node {node!r} is not a programmable node of this "
-                             f"topology; programmable: {sorted(programmable) or 'none'} "
-                             "(set topology.switch = 'programmable')")
-        ingress = [("impair", _impair_settings(i, point.seed)) for i in point.impairments
-                   if i.node == node and i.direction == "ingress"]
-        egress = [("impair", _impair_settings(i, point.seed)) for i in point.impairments
-                  if i.node == node and i.direction == "egress"]
-        trims = [("trim", _trim_settings(t, point.topology.bw_mbps, _port_rates(topo, node)))
-                 for t in point.trimming if t.node == node]
-        middle = [("forward", {})]
-        if getattr(topo, "aggregator_switch", None) == node:
-            middle = [("aggregate", {}), ("forward", {})]
-        progs[node] = ingress + middle + egress + trims
+    impairments = tuple(
+        Impairment(node=i.node, direction=i.direction,
+                   ports=None if i.ports is None else tuple(i.ports),
+                   loss=i.loss_pct / 100.0, dup=i.dup_pct / 100.0,
+                   reorder=i.reorder_pct / 100.0, delay_ms=i.delay_ms, jitter_ms=i.jitter_ms,
+                   filter=i.filter, seed=point.seed if i.seed is None else i.seed)
+        for i in point.impairments)
+    trimming = tuple(
+        Trimming(node=t.node, mode=t.mode, rate_mbps=t.rate_mbps,
+                 threshold_bytes=t.threshold_bytes, queue_slots=t.queue_slots,
+                 ports=None if t.ports is None else tuple(t.ports))
+        for t in point.trimming)
+    nic_codec = None
     if point.codec is not None:
-        progs["smartnic"] = [("nic_codec", {"codec": point.codec.codec,
-                                            **point.codec.settings})]
-    return progs
-
-
-def _per_port(value: Any, ports: list | None) -> Any:
-    return value if ports is None else {p: value for p in ports}
-
-
-def _impair_settings(imp, seed: int) -> dict[str, Any]:
-    return {"direction": imp.direction, "seed": seed if imp.seed is None else imp.seed,
-            "filter": imp.filter,
-            "loss": _per_port(imp.loss_pct / 100.0, imp.ports),
-            "dup": _per_port(imp.dup_pct / 100.0, imp.ports),
-            "reorder": _per_port(imp.reorder_pct / 100.0, imp.ports),
-            "delay_ms": _per_port(imp.delay_ms, imp.ports),
-            "jitter_ms": _per_port(imp.jitter_ms, imp.ports)}
-
-
-def _port_rates(topo, node: str) -> dict[str, float]:
-    """Interface name -> link rate (Mb/s) of each port of ``node`` (shaped links only)."""
-    rates = {}
-    for s in getattr(topo, "link_specs", []):
-        for end, port in ((s.a, s.port_a), (s.b, s.port_b)):
-            if end == node and s.bw_mbps:
-                rates[f"{node}-eth{port}"] = float(s.bw_mbps)
-    return rates
-
-
-def _trim_settings(tr, bw_mbps: float, port_rates: dict[str, float] | None = None
-                   ) -> dict[str, Any]:
-    rate = tr.rate_mbps or bw_mbps
-    s: dict[str, Any] = {"mode": tr.mode, "queue_slots": tr.queue_slots}
-    if tr.ports is None:
-        s.update(rate_mbps=rate, threshold_bytes=tr.threshold_bytes)
-        return s
-    # Every port goes through the stage's queue: the chosen ones drain at rate_mbps with the
-    # threshold, the others at their own link rate with no trimming below a full queue.
-    names = [p if isinstance(p, str) else None for p in tr.ports]
-    rates: dict[Any, float] = dict(port_rates or {})
-    thresholds: dict[Any, int] = {k: 1 << 40 for k in rates}
-    for p, name in zip(tr.ports, names, strict=True):
-        key = name if name is not None else p
-        if name is None:  # an index: drop the name-keyed default of the same port
-            for k in list(rates):
-                if k.endswith(f"-eth{p + 1}"):
-                    rates.pop(k)
-                    thresholds.pop(k, None)
-        rates[key] = rate
-        thresholds[key] = tr.threshold_bytes
-    s["rate_mbps"] = rates
-    s["threshold_bytes"] = thresholds
-    return s
+        nic_codec = {"codec": point.codec.codec, **point.codec.settings}
+    elif point.topology.smartnic and any(j.algo == "nic" and j.op != "incast"
+                                         for j in point.jobs):
+        nic_codec = {"codec": "fixed32"}
+    return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec)
 
 
 def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) -> list:
@@ -395,15 +339,12 @@ def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
     from testbed.experiment.incast import run_incast
 
-    rates = [t.rate_mbps for t in point.trimming if t.rate_mbps]
-    link = point.topology.receiver_mbps or point.topology.bw_mbps
     seed = point.seed if job.seed is None else job.seed
     rows = []
     for rep in range(job.repetitions):
         row = run_incast(net, size, bits=int(job.options.get("bits", 1)), seed=seed + rep,
                          timeout_s=job.timeout_s,
-                         idle_ms=float(job.options.get("idle_ms", 30.0)),
-                         bottleneck_mbps=min([link, *rates]))
+                         idle_ms=float(job.options.get("idle_ms", 30.0)))
         row["rep"] = rep
         rows.append(row)
     return rows

@@ -1,0 +1,316 @@
+"""``testbed bench datapath``: data-path programs against anchors measured in the same run.
+
+Network per measurement: a :class:`~testbed.topologies.Star` of two hosts, ``tbh1 -- tbs1 --
+tbh2`` with unshaped links, built by :class:`~testbed.topologies.net.TestbedNet` like every
+network; ``tbs1`` is, in turn,
+
+* ``linux-bridge`` - the kernel bridge (ceiling),
+* ``ovs-userspace`` - Open vSwitch with ``datapath_type=netdev`` (daemons started here with their
+  own db/run dir under ``/run/testbed/ovs``; skipped with a reason if they cannot start),
+* ``python-naive`` - a per-packet Python AF_PACKET forwarder (floor),
+* ``forward`` - the engine running the forward program,
+* ``aggregate`` - the engine running aggregate + forward; ``tbh1`` plays ``N_AGG_WORKERS``
+  workers sending contributions in protocol order; the RESULTs are counted at ``tbh2``.
+
+The programs run exactly as written (a learning ``forward``), so the figures compare with the
+anchors, which learn too. Load: the batched generator of :mod:`testbed.datapath.bench` in
+``tbh1`` at full speed for ``DURATION_S``; the sink is the receiving interface's kernel rx
+counter (read in the host's namespace, so no user-space receiver competes for the CPUs).
+kpps = frames that reached the sink per second of sending (for aggregate: RESULT packets
+arriving at ``tbh2``, one per absorbed contribution; ``tbh1`` sends the contributions on
+behalf of workers whose address is ``tbh2``'s). Every rate is the best of ``REPS`` runs; all
+samples, the engine's own rx rate and its peak CPU fraction are in the notes.
+
+Rows (:func:`bench_row`): ``{program, packet_bytes, kpps, gbps, anchor, anchor_kpps, ratio}``,
+printed by the benchmarks' one table renderer
+(:func:`testbed.collectives.report.render_table`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from mininet.log import setLogLevel
+from mininet.node import OVSSwitch
+
+from testbed.collectives.report import render_table
+from testbed.datapath.bench import AGG_SLOTS, AGG_SPORT, DURATION_S, N_AGG_WORKERS
+from testbed.datapath.nodes import ProgrammableSwitch
+from testbed.kernels.wire import HEADER_OFFSET
+from testbed.netlock import emulation_lock
+from testbed.topologies import AGGREGATOR_IP, AGGREGATOR_MAC, Star
+from testbed.topologies.base import host_ip, host_mac
+from testbed.topologies.net import TestbedNet
+from testbed.topologies.pipeline import DatapathOptions
+
+#: frame sizes: 16 and 256 int32 elements behind the testbed headers (small, SwitchML default)
+ELEMS = (16, 256)
+#: each rate is the best of REPS runs (other processes on a shared machine can only slow it)
+REPS = 3
+ANCHORS = ("linux-bridge", "ovs-userspace", "python-naive")
+PROGRAMS = ("forward", "aggregate")
+COLUMNS = ("program", "packet_bytes", "kpps", "gbps", "anchor", "anchor_kpps", "ratio")
+HEADERS = ("program", "bytes", "kpps", "Gb/s", "anchor", "anchor kpps", "ratio")
+
+
+def _py() -> list[str]:
+    return [sys.executable, "-m", "testbed.datapath.bench"]
+
+
+def frame_bytes(elems: int) -> int:
+    """Bytes of a benchmark frame carrying ``elems`` int32 elements behind the headers."""
+    return HEADER_OFFSET + 28 + 4 * elems
+
+
+def bench_row(program: str, packet_bytes: int, kpps: float, anchor: str,
+              anchor_kpps: float) -> dict:
+    """One benchmark row; ``ratio`` = program kpps over anchor kpps (higher: the program
+    forwards more)."""
+    return {"program": program, "packet_bytes": packet_bytes, "kpps": round(kpps, 1),
+            "gbps": round(kpps * 1e3 * packet_bytes * 8 / 1e9, 3), "anchor": anchor,
+            "anchor_kpps": round(anchor_kpps, 1),
+            "ratio": round(kpps / anchor_kpps, 3) if anchor_kpps else None}
+
+
+class OVSDaemons:
+    """ovsdb-server + ovs-vswitchd with their own db/run dir (so we touch no system OVS)."""
+
+    def __init__(self, rundir: str = "/run/testbed/ovs"):
+        self.rundir = rundir
+        self.started = False
+        self.env_old: dict[str, str | None] = {}
+
+    def start(self) -> None:
+        """Start both daemons; raise RuntimeError with a reason if they cannot start."""
+        for tool in ("ovsdb-tool", "ovsdb-server", "ovs-vswitchd", "ovs-vsctl"):
+            if not shutil.which(tool) and not os.path.exists(f"/usr/sbin/{tool}"):
+                raise RuntimeError(f"{tool} not installed (apt-get install openvswitch-switch)")
+        schema = "/usr/share/openvswitch/vswitch.ovsschema"
+        os.makedirs(self.rundir, exist_ok=True)
+        db = os.path.join(self.rundir, "conf.db")
+        if os.path.exists(db):
+            os.unlink(db)
+        env = dict(os.environ, OVS_RUNDIR=self.rundir, OVS_DBDIR=self.rundir,
+                   OVS_LOGDIR=self.rundir)
+        run = lambda *c: subprocess.run(c, env=env, capture_output=True, text=True,  # noqa: E731
+                                        timeout=30)
+        r = run("ovsdb-tool", "create", db, schema)
+        if r.returncode:
+            raise RuntimeError(f"ovsdb-tool create failed: {r.stderr.strip()}")
+        sock = os.path.join(self.rundir, "db.sock")
+        r = run("ovsdb-server", db, f"--remote=punix:{sock}", "--pidfile", "--detach",
+                f"--log-file={self.rundir}/ovsdb-server.log", "--no-chdir")
+        if r.returncode:
+            raise RuntimeError(f"ovsdb-server failed: {r.stderr.strip()}")
+        self.started = True
+        run("ovs-vsctl", f"--db=unix:{sock}", "--no-wait", "init")
+        r = run("ovs-vswitchd", f"unix:{sock}", "--pidfile", "--detach", "--no-chdir",
+                f"--log-file={self.rundir}/ovs-vswitchd.log")
+        if r.returncode:
+            raise RuntimeError(f"ovs-vswitchd failed: {r.stderr.strip()}")
+        for k in ("OVS_RUNDIR", "OVS_DBDIR", "OVS_LOGDIR"):
+            self.env_old[k] = os.environ.get(k)
+            os.environ[k] = self.rundir  # Mininet's ovs-vsctl calls inherit this
+
+    def stop(self) -> None:
+        """Stop the daemons we started (by their pidfiles) and restore the environment."""
+        for name in ("ovs-vswitchd", "ovsdb-server"):
+            pidf = os.path.join(self.rundir, f"{name}.pid")
+            try:
+                with open(pidf) as fh:
+                    pid = int(fh.read().strip())
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(50):
+                    os.kill(pid, 0)
+                    time.sleep(0.05)
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        for k, v in self.env_old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+class PythonForwarderSwitch(ProgrammableSwitch):
+    """A namespace node running the naive per-packet Python forwarder instead of the engine."""
+
+    def start(self, controllers) -> None:
+        """Bring the ports up and start the forwarder."""
+        for intf in self.intfList():
+            if intf.name != "lo":
+                self.cmd("ip link set", intf.name, "up")
+        self._disable_offloads()
+        self.naive = self.popen(_py() + ["naive", f"testbed-node={self.name}", "--ports",
+                                         *self.port_names()],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+    def stop_engine(self, timeout: float = 5.0):
+        """Stop the forwarder (it keeps no counters)."""
+        p = getattr(self, "naive", None)
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.naive = None
+        return None
+
+
+def network(variant: str, rx_burst: int = 256) -> TestbedNet:
+    """The (not yet started) two-host star with ``variant`` as ``tbs1``."""
+    if variant in PROGRAMS:
+        progs = [("forward", {})]
+        if variant == "aggregate":
+            # tbh1 sends on behalf of N_AGG_WORKERS workers living at tbh2 (see _measure)
+            members = [{"worker": w, "mac": host_mac(1), "ip": host_ip(1), "port": AGG_SPORT,
+                        "ingress": "tbs1-eth1"} for w in range(N_AGG_WORKERS)]
+            progs.insert(0, ("aggregate", {
+                "jobs": {1: {"slots": AGG_SLOTS, "seq0": 0, "members": members}},
+                "results_via": "forward"}))
+        topo = Star(2, bw_mbps=None, switch="programmable", programs={"tbs1": progs},
+                    aggregator="tbs1" if variant == "aggregate" else None)
+        return TestbedNet(topo, engine_opts={"rx_burst": rx_burst},
+                          datapath=DatapathOptions(explicit_programs=True))
+    nodes = {"linux-bridge": None,
+             "ovs-userspace": {"cls": OVSSwitch, "datapath": "user", "failMode": "standalone"},
+             "python-naive": {"cls": PythonForwarderSwitch}}
+    if variant not in nodes:
+        raise ValueError(f"variant must be one of {ANCHORS + PROGRAMS}, got {variant!r}")
+    node = nodes[variant]
+    return TestbedNet(Star(2, bw_mbps=None),
+                      switch_nodes={"tbs1": node} if node is not None else None)
+
+
+def _measure(variant: str, elems_list, duration: float, rx_burst: int = 256,
+             reps: int = 1) -> dict[int, dict]:
+    """Build tbh1--tbs1--tbh2 with ``variant`` as tbs1; return {elems: best sink result}."""
+    out: dict[int, dict] = {}
+    with network(variant, rx_burst) as net:
+        h1, h2 = net.hosts
+        s1 = net.mininet.get("tbs1")
+        h1.cmd("ping -c 2 -i 0.2", h2.IP())  # the switches learn both MACs
+        engine = variant in PROGRAMS
+        for _rep in range(reps):  # best of reps: other load on the machine only slows
+            for elems in elems_list:
+                if variant == "aggregate":
+                    # tbh1 sends on behalf of workers living at tbh2 (results_via=forward routes
+                    # the RESULTs to tbh2 by MAC), so sender and receiver are different hosts
+                    # exactly as for the forwarding rows
+                    mode, dst_mac, dst_ip = "agg", AGGREGATOR_MAC, AGGREGATOR_IP
+                    src_mac, src_ip = h2.MAC(), h2.IP()
+                else:
+                    mode, dst_mac, dst_ip = "udp", h2.MAC(), h2.IP()
+                    src_mac, src_ip = h1.MAC(), h1.IP()
+                rx_if = h2.defaultIntf().name
+                # the sink is the receiving interface's kernel counter: costs no CPU, so the
+                # measurement is not capped by a user-space receiver on a shared machine
+                if variant == "aggregate":  # each generator run starts at round 0 again
+                    s1.client().reset_job(1)
+                eng0 = s1.client().counters() if engine else None
+                before = _rx_packets(h2, rx_if)
+                gen_p = h1.popen(_py() + ["gen", "--iface", h1.defaultIntf().name, "--mode", mode,
+                                          "--src-mac", src_mac, "--dst-mac", dst_mac, "--src-ip",
+                                          src_ip, "--dst-ip", dst_ip, "--elems", str(elems),
+                                          "--duration", str(duration)]
+                                 + (["--seq-step", "2"] if variant == "aggregate" else []),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                g_out, g_err = gen_p.communicate(timeout=duration + 60)
+                time.sleep(0.2)  # drain what is still in flight
+                got = _rx_packets(h2, rx_if) - before
+                try:
+                    g = json.loads(g_out)
+                except ValueError:
+                    raise RuntimeError(f"{variant}: load generator failed: {g_err[-800:]!r}") \
+                        from None
+                res = {"received": got, "kpps": got / g["seconds"] / 1e3, "gen": g}
+                if engine:
+                    eng1 = s1.client().counters()
+                    res["engine"] = eng1
+                    # what the switch itself processed (rx on the ingress port) per second
+                    rx0 = eng0["ports"]["tbs1-eth1"]["rx_packets"]
+                    rx1 = eng1["ports"]["tbs1-eth1"]["rx_packets"]
+                    res["engine_rx_kpps"] = (rx1 - rx0) / g["seconds"] / 1e3
+                res["samples_kpps"] = out.get(elems, {}).get("samples_kpps", []) + [
+                    round(res["kpps"], 1)]
+                if elems not in out or res["kpps"] > out[elems]["kpps"]:
+                    out[elems] = res
+                else:
+                    out[elems]["samples_kpps"] = res["samples_kpps"]
+    return out
+
+
+def _rx_packets(host, ifname: str) -> int:
+    """rx packet counter of ``ifname`` read inside ``host``'s namespace (/proc/net/dev)."""
+    for line in host.cmd("cat /proc/net/dev").splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == ifname:
+            return int(rest.split()[1])
+    raise RuntimeError(f"interface {ifname} not found in {host.name}")
+
+
+def run_bench(duration: float = DURATION_S, elems_list=ELEMS, reps: int = REPS
+              ) -> tuple[list[dict], dict]:
+    """Measure every variant; return (rows, notes) (notes: skipped anchors and engine stats)."""
+    setLogLevel("error")
+    results: dict[str, dict] = {}
+    notes: dict[str, object] = {}
+    with emulation_lock():  # one lock for the whole run: no other network interleaves
+        for variant in ("linux-bridge", "python-naive", *PROGRAMS):
+            results[variant] = _measure(variant, elems_list, duration, reps=reps)
+        ovs = OVSDaemons()
+        try:
+            ovs.start()
+            results["ovs-userspace"] = _measure("ovs-userspace", elems_list, duration, reps=reps)
+        except Exception as e:  # noqa: BLE001 - any failure skips this anchor with the reason
+            notes["ovs-userspace"] = f"skipped: {e}"
+        finally:
+            ovs.stop()
+    anchors = [a for a in ANCHORS if a in results]
+    notes["samples_kpps"] = {f"{v}/{frame_bytes(e)}B": results[v][e]["samples_kpps"]
+                             for v in results for e in elems_list}
+    rows = []
+    for program in PROGRAMS:
+        for elems in elems_list:
+            r = results[program][elems]
+            rows += [bench_row(program, frame_bytes(elems), r["kpps"], a,
+                               results[a][elems]["kpps"]) for a in anchors]
+            eng = r.get("engine", {})
+            notes[f"{program}/{frame_bytes(elems)}B"] = {
+                "cpu_max": eng.get("cpu_max"), "max_burst": eng.get("max_burst"),
+                "engine_rx_kpps": round(r.get("engine_rx_kpps", 0.0), 1),
+                "offered_kpps": round(r["gen"]["sent"] / r["gen"]["seconds"] / 1e3, 1),
+            }
+    return rows, notes
+
+
+def main(json_out: bool = False) -> int:
+    """Run the benchmark and print its rows (JSON lines with ``json_out``, else a table)."""
+    if os.geteuid() != 0:
+        print("testbed bench datapath needs root (it builds Mininet networks)", file=sys.stderr)
+        return 2
+    rows, notes = run_bench()
+    if json_out:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps({"notes": notes}))
+        return 0
+    render_table(rows, COLUMNS, headers=HEADERS,
+                 title="testbed data path vs anchors (kpps through tbh1 -- tbs1 -- tbh2)",
+                 notes=[f"# {k}: {v}" for k, v in notes.items()])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(json_out="--json" in sys.argv))

@@ -1,0 +1,199 @@
+"""Pipeline composition (``testbed.topologies.pipeline``): a pure function, no network built."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.topologies import FatTree, LeafSpine, Star, TopologyError, netem_available
+from testbed.topologies.base import AGGREGATOR_MAC, host_mac
+from testbed.topologies.pipeline import (
+    DatapathOptions,
+    Impairment,
+    Trimming,
+    compose,
+    node_ports,
+    node_seed,
+)
+
+no_netem = pytest.mark.skipif(netem_available(), reason="netem present: delay goes on the links")
+
+
+def names(plan: dict) -> dict[str, list[str]]:
+    return {n: [p for p, _ in progs] for n, progs in plan.items()}
+
+
+def stage(plan: dict, node: str, program: str, k: int = 0) -> dict:
+    return [s for p, s in plan[node] if p == program][k]
+
+
+def test_star_aggregator_and_forwarding_table():
+    plan = compose(Star(3, switch="programmable"))
+    assert names(plan) == {"tbs1": ["aggregate", "forward"]}
+    fwd = stage(plan, "tbs1", "forward")
+    assert fwd["learn"] is False
+    assert fwd["l2"] == {host_mac(r): [f"tbs1-eth{r + 1}"] for r in range(3)}
+    # the aggregator's own switch consumes the aggregator MAC: no route for it
+    assert AGGREGATOR_MAC not in fwd["l2"]
+    assert compose(Star(3)) == {}  # Linux bridges run no data path
+    assert names(compose(Star(3, switch="programmable", aggregator=None))) == {
+        "tbs1": ["forward"]}
+
+
+def test_leaf_spine_generic_override_ecmp_and_mixed_bridges():
+    plan = compose(LeafSpine(2, 2, 2, switch="programmable",
+                             programs={"switch": ["aggregate", ("forward", {"learn": True})]}))
+    # the generic key's aggregate stage stays only on the aggregator switch
+    assert names(plan) == {"tbl1": ["forward"], "tbl2": ["forward"],
+                           "tbsp1": ["aggregate", "forward"], "tbsp2": ["forward"]}
+    leaf = stage(plan, "tbl1", "forward")
+    assert leaf["learn"] is True  # the override's own setting wins over the default
+    # a host on the other leaf: one ECMP member per spine; the aggregator only via tbsp1
+    assert leaf["l2"][host_mac(2)] == ["tbl1-eth3", "tbl1-eth4"]
+    assert leaf["l2"][host_mac(0)] == ["tbl1-eth1"]
+    assert leaf["l2"][AGGREGATOR_MAC] == ["tbl1-eth3"]
+    mixed = compose(LeafSpine(2, 2, 1, switch={"tbsp1", "tbsp2"}))
+    assert names(mixed) == {"tbsp1": ["aggregate", "forward"], "tbsp2": ["forward"]}
+
+
+def test_fat_tree_every_switch_routes_every_host():
+    topo = FatTree(4, switch="programmable")
+    plan = compose(topo)
+    assert len(plan) == 20 and topo.aggregator_switch == "tbc1"
+    assert [n for n, progs in names(plan).items() if "aggregate" in progs] == ["tbc1"]
+    for node in plan:
+        l2 = stage(plan, node, "forward")["l2"]
+        assert {host_mac(r) for r in range(16)} <= set(l2), node
+        ports = node_ports(topo, node)
+        assert all(set(group) <= set(ports) for group in l2.values()), node
+    # edge switch: its own two hosts directly, everyone else over both aggregation switches
+    edge = stage(plan, "tbe1", "forward")["l2"]
+    assert edge[host_mac(0)] == ["tbe1-eth1"] and edge[host_mac(1)] == ["tbe1-eth2"]
+    assert all(edge[host_mac(r)] == ["tbe1-eth3", "tbe1-eth4"] for r in range(2, 16))
+
+
+def test_smartnic_nodes_and_codec():
+    topo = Star(2, switch="programmable", smartnic=True)
+    assert names(compose(topo)) == {"tbs1": ["aggregate", "forward"], "tbn1": ["wire"],
+                                    "tbn2": ["wire"]}
+    plan = compose(topo, DatapathOptions(nic_codec={"codec": "fixed32"}))
+    assert names(plan)["tbn1"] == ["nic_codec"]
+    assert stage(plan, "tbn2", "nic_codec") == {"codec": "fixed32"}
+    # a SmartNIC runs the data path on a bridge fabric too
+    assert names(compose(Star(2, smartnic=[1]))) == {"tbn2": ["wire"]}
+
+
+def test_codec_overrides_merge_or_fail():
+    over = Star(2, switch="programmable", smartnic=True,
+                programs={"smartnic": [("nic_codec", {"codec": "fp16", "mtu": 1400})]})
+    plan = compose(over, DatapathOptions(nic_codec={"codec": "bf16"}))
+    assert stage(plan, "tbn1", "nic_codec") == {"codec": "bf16", "mtu": 1400}
+    assert stage(compose(over), "tbn1", "nic_codec") == {"codec": "fp16", "mtu": 1400}
+    wire = Star(2, switch="programmable", smartnic=True, programs={"tbn1": ["wire"]})
+    with pytest.raises(TopologyError, match=r"programs\['tbn1'\] has no 'nic_codec'"):
+        compose(wire, DatapathOptions(nic_codec={"codec": "fp16"}))
+    with pytest.raises(TopologyError, match="needs SmartNIC nodes"):
+        compose(Star(2, switch="programmable"), DatapathOptions(nic_codec={"codec": "fp16"}))
+
+
+def test_impairments_directions_ports_and_names():
+    topo = Star(3, switch="programmable")
+    lone = compose(topo, DatapathOptions(impairments=(
+        Impairment("tbs1", loss=0.05, ports=(1, "tbs1-eth3"), seed=7),)))
+    assert names(lone)["tbs1"] == ["impair", "aggregate", "forward"]
+    imp = stage(lone, "tbs1", "impair")
+    assert imp["direction"] == "ingress" and imp["seed"] == 7
+    assert imp["loss"] == {"tbs1-eth2": 0.05, "tbs1-eth3": 0.05}
+    assert imp["delay_ms"] == {"tbs1-eth2": 0.0, "tbs1-eth3": 0.0}
+    both = compose(topo, DatapathOptions(impairments=(
+        Impairment("tbs1", loss=0.01), Impairment("tbs1", direction="egress", delay_ms=2.0))))
+    assert names(both)["tbs1"] == ["impair_ingress", "aggregate", "forward", "impair"]
+    assert stage(both, "tbs1", "impair")["delay_ms"] == 2.0
+    assert stage(both, "tbs1", "impair_ingress")["loss"] == 0.01
+    with pytest.raises(TopologyError, match=r"port index 3 is outside 0\.\.2"):
+        compose(topo, DatapathOptions(impairments=(Impairment("tbs1", ports=(3,)),)))
+    with pytest.raises(TopologyError, match="'tbs2-eth1' is not one of its ports"):
+        compose(topo, DatapathOptions(impairments=(Impairment("tbs1", ports=("tbs2-eth1",)),)))
+    with pytest.raises(TopologyError, match="node 'tbs9' is not a programmable node"):
+        compose(topo, DatapathOptions(impairments=(Impairment("tbs9"),)))
+
+
+def test_trimming_is_last_with_link_rates():
+    topo = Star(3, switch="programmable", bw_mbps=50,
+                programs={"tbs1": ["forward"]})
+    opts = DatapathOptions(trimming=(Trimming("tbs1", threshold_bytes=9000),),
+                           impairments=(Impairment("tbs1", direction="egress"),))
+    plan = compose(topo, opts)
+    assert names(plan)["tbs1"] == ["aggregate", "forward", "impair", "trim"]
+    assert stage(plan, "tbs1", "trim") == {"mode": "trim", "queue_slots": 256,
+                                           "rate_mbps": 50.0, "threshold_bytes": 9000}
+    one = compose(topo, DatapathOptions(trimming=(
+        Trimming("tbs1", mode="drop_tail", rate_mbps=20, ports=("tbs1-eth2",)),)))
+    trim = stage(one, "tbs1", "trim")
+    assert trim["mode"] == "drop_tail"
+    assert trim["rate_mbps"] == {"tbs1-eth1": 50.0, "tbs1-eth2": 20, "tbs1-eth3": 50.0}
+    assert trim["threshold_bytes"]["tbs1-eth2"] == 30_000
+    assert trim["threshold_bytes"]["tbs1-eth1"] > 1e9
+    with pytest.raises(TopologyError, match="give rate_mbps"):
+        compose(Star(2, switch="programmable", bw_mbps=None),
+                DatapathOptions(trimming=(Trimming("tbs1"),)))
+
+
+def test_bad_overrides_name_the_node():
+    with pytest.raises(TopologyError, match=r"programs\['tbs1'\]: unknown program 'forwrd'"):
+        compose(Star(2, switch="programmable", programs={"tbs1": ["forwrd"]}))
+    with pytest.raises(TopologyError, match=r"programs\['switch'\]: program entry 42"):
+        compose(Star(2, switch="programmable", programs={"switch": [42]}))
+    with pytest.raises(TopologyError, match=r"programs\['tbs1'\]: no programs configured"):
+        compose(Star(2, switch="programmable", programs={"tbs1": []}))
+    own_impair = Star(2, switch="programmable", programs={"tbs1": ["forward", "impair"]})
+    with pytest.raises(TopologyError, match="has its own 'impair' stage"):
+        compose(own_impair, DatapathOptions(impairments=(Impairment("tbs1"),)))
+    own_trim = Star(2, switch="programmable", programs={"tbs1": ["forward", "trim"]})
+    with pytest.raises(TopologyError, match="has its own 'trim' stage"):
+        compose(own_trim, DatapathOptions(trimming=(Trimming("tbs1"),)))
+    # module:Class programs pass the name check (the engine resolves them)
+    custom = compose(Star(2, switch="programmable",
+                          programs={"tbs1": ["testbed.datapath.forward:WireStage"]}))
+    assert names(custom)["tbs1"] == ["aggregate", "testbed.datapath.forward:WireStage"]
+
+
+@no_netem
+def test_link_impairments_in_the_data_path():
+    plan = compose(Star(2, switch="programmable", loss_pct=10, delay_ms=1, smartnic=[0],
+                        seed=4))
+    assert names(plan) == {"tbs1": ["impair_ingress", "aggregate", "forward", "impair"],
+                           "tbn1": ["impair_ingress", "wire", "impair"]}
+    # tbs1-tbn1: both ends programmable, each impairs its egress; tbh2-tbs1: tbs1 both ways
+    assert stage(plan, "tbs1", "impair")["loss"] == {"tbs1-eth1": 0.1, "tbs1-eth2": 0.1}
+    assert stage(plan, "tbs1", "impair_ingress")["loss"] == {"tbs1-eth1": 0.0, "tbs1-eth2": 0.1}
+    assert stage(plan, "tbn1", "impair_ingress")["delay_ms"] == {"tbn1-eth1": 1.0,
+                                                                  "tbn1-eth2": 0.0}
+    seeds = {stage(plan, n, p)["seed"] for n in plan for p in ("impair", "impair_ingress")}
+    assert len(seeds) == 4 and node_seed(4, "tbs1", "egress") in seeds
+    with pytest.raises(TopologyError, match="has its own 'impair' stage"):
+        compose(Star(2, switch="programmable", delay_ms=1,
+                     programs={"tbs1": ["forward", "impair"]}))
+    with pytest.raises(TopologyError, match="either as delay_ms/loss_pct or as impairments"):
+        compose(Star(2, switch="programmable", delay_ms=1),
+                DatapathOptions(impairments=(Impairment("tbs1"),)))
+
+
+def test_explicit_programs_run_as_written():
+    topo = Star(2, switch="programmable", programs={"tbs1": [("forward", {})]})
+    assert compose(topo, DatapathOptions(explicit_programs=True)) == {
+        "tbs1": [("forward", {})]}
+
+
+def test_compose_is_pure_and_testbednet_uses_it():
+    from testbed.topologies.net import TestbedNet
+
+    topo = LeafSpine(2, 2, 1, switch="programmable", smartnic=[1])
+    opts = DatapathOptions(impairments=(Impairment("tbl1", direction="egress", dup=0.1),),
+                           trimming=(Trimming("tbsp2", rate_mbps=10),),
+                           nic_codec={"codec": "fp16"})
+    first = compose(topo, opts)
+    stage(first, "tbl1", "forward")["l2"].clear()  # callers may change what they get
+    assert compose(topo, opts) != first
+    assert TestbedNet(topo, datapath=opts).programs_plan() == compose(topo, opts)
+    with pytest.raises(TopologyError, match="not a programmable node"):
+        TestbedNet(Star(2), datapath=DatapathOptions(trimming=(Trimming("tbs1"),)))

@@ -1,0 +1,314 @@
+"""Which data-path stages each programmable node runs, in which order, with which settings.
+
+:func:`compose` is the one place that decides a pipeline. It is a pure function of a topology
+and a :class:`DatapathOptions` record (the conditions an experiment adds on top of the
+topology: seeded impairments, trimming queues, a SmartNIC codec), so a notebook or a test can
+ask for a network's pipelines without building it. :class:`~testbed.topologies.net.TestbedNet`
+starts every engine with the result, and the experiment runner hands its options to
+``TestbedNet`` rather than composing anything itself.
+
+Order of the stages::
+
+    switch:   [ingress impair] [aggregate] forward          [egress impair] [trim]
+    SmartNIC: [ingress impair]             wire | nic_codec [egress impair] [trim]
+
+How the parts are chosen:
+
+* **Core.** A ``programs`` override of the topology (by node name, or ``'switch'`` /
+  ``'smartnic'`` for every node of that kind) replaces the default core: ``forward`` on a
+  switch, ``wire`` on a SmartNIC, ``nic_codec`` on a SmartNIC when the options ask for a codec
+  (then an override must contain ``nic_codec``; its settings are merged with the codec's).
+* **Aggregate.** The topology owns the aggregator: an ``aggregate`` stage is put in front of
+  ``forward`` on the aggregator switch when the core lacks it, and dropped from other switches
+  when it came from the generic ``'switch'`` key.
+* **Forwarding table.** A ``forward`` stage gets the routing's table (``l2``: destination MAC
+  -> ECMP group of ports) and ``learn=False`` unless the override sets them.
+* **Link impairments.** Without netem, the topology's ``delay_ms`` / ``loss_pct`` are applied
+  by the programmable end of each link: an egress stage on every port, and an ingress stage on
+  the ports whose peer runs no data path (nobody else impairs peer -> node). Seeds are derived
+  per node and direction from the topology's seed.
+* **Options.** Each :class:`Impairment` adds a stage in its direction; each :class:`Trimming`
+  adds a ``trim`` stage last (the egress queue must see every packet after the other stages).
+
+A node runs one stage per name, except that several impairments of the same direction stay
+separate ``impair`` stages. When a node is impaired in both directions, its ingress stage is
+``impair_ingress`` (the engine addresses stages and their counters by name); a lone ingress
+stage keeps the name ``impair``.
+
+``DatapathOptions(explicit_programs=True)`` uses the topology's overrides exactly as given
+(no aggregate stage added or removed, no table filled in: a ``forward`` stage then learns):
+for tests and benchmarks that exercise a stage on its own.
+
+Bad input raises :class:`~testbed.topologies.base.TopologyError` naming the node and the
+field: an unknown program name, options for a node that runs no data path, a port that is
+not the node's, two sources of the same stage.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from testbed.datapath.programs import normalize_programs
+
+from . import routing
+from .base import TestbedTopo, TopologyError
+
+#: names of the impair stages (an override with one conflicts with impairments added here)
+IMPAIR_STAGES = ("impair", "impair_ingress")
+#: trim threshold of the ports a trimming entry does not name: only a full queue drops
+NO_TRIM_BYTES = 1 << 40
+
+
+@dataclass(frozen=True)
+class Impairment:
+    """Seeded loss / duplication / reordering / delay on ports of one programmable node.
+
+    Probabilities are fractions in [0, 1]. ``ports``: indices (engine order, 0 = the node's
+    first port) or interface names; None = every port.
+    """
+
+    node: str
+    direction: str = "ingress"
+    ports: tuple[int | str, ...] | None = None
+    loss: float = 0.0
+    dup: float = 0.0
+    reorder: float = 0.0
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    filter: str = "all"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Trimming:
+    """An egress queue per port of one node, drained at ``rate_mbps``, trimming (or dropping,
+    ``mode='drop_tail'``) above ``threshold_bytes``.
+
+    ``rate_mbps`` None: the topology's ``bw_mbps``. ``ports`` (indices or names): only these
+    get the rate and threshold; the node's other ports drain at their own link rate and never
+    trim below a full queue. None = every port.
+    """
+
+    node: str
+    mode: str = "trim"
+    rate_mbps: float | None = None
+    threshold_bytes: int = 30_000
+    queue_slots: int = 256
+    ports: tuple[int | str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DatapathOptions:
+    """What an experiment adds to the topology's own pipelines (see the module docstring).
+
+    ``nic_codec``: settings of a ``nic_codec`` stage every SmartNIC runs (e.g.
+    ``{"codec": "fixed32"}``), None for none.
+    """
+
+    impairments: tuple[Impairment, ...] = ()
+    trimming: tuple[Trimming, ...] = ()
+    nic_codec: dict[str, Any] | None = None
+    explicit_programs: bool = False
+
+    def is_empty(self) -> bool:
+        """True when the options add nothing to the topology's pipelines."""
+        return not (self.impairments or self.trimming or self.nic_codec is not None
+                    or self.explicit_programs)
+
+
+def node_seed(seed: int, node: str, what: str) -> int:
+    """A per-node, per-stage seed derived from the topology's: independent loss patterns on
+    different nodes, yet the same run again for the same ``seed``."""
+    return zlib.crc32(f"{seed}:{node}:{what}".encode()) & 0x7FFFFFFF
+
+
+def node_ports(topo: TestbedTopo, node: str) -> list[str]:
+    """Interface names of ``node`` in engine order (index 0 = Mininet port 1)."""
+    adj = routing.adjacency(topo).get(node, {})
+    return [f"{node}-eth{port}" for port, _bw in sorted(adj.values())]
+
+
+def compose(topo: TestbedTopo, options: DatapathOptions | None = None,
+            tables: dict[str, dict[str, list[int]]] | None = None) -> dict[str, list]:
+    """Node -> ``[(program, settings), ...]`` for every programmable node of ``topo``.
+
+    ``tables``: the routing's forwarding tables when the caller has them already
+    (:func:`testbed.topologies.routing.forwarding_tables`). Raises :class:`TopologyError`.
+    """
+    options = options or DatapathOptions()
+    _check_option_nodes(topo, options)
+    if tables is None and not options.explicit_programs:
+        tables = routing.forwarding_tables(topo)
+    return {name: _node_pipeline(topo, options, tables, name)
+            for name in sorted(topo.programmable)}
+
+
+def _check_option_nodes(topo: TestbedTopo, options: DatapathOptions) -> None:
+    for what, entries in (("impairments", options.impairments), ("trimming", options.trimming)):
+        for entry in entries:
+            if entry.node not in topo.programmable:
+                raise TopologyError(
+                    f"{what}: node {entry.node!r} is not a programmable node of this topology; "
+                    f"programmable: {sorted(topo.programmable) or 'none'} (make it "
+                    "programmable: switch='programmable', or smartnic=... for a host's NIC)")
+    if options.nic_codec is not None and not topo.nic_of:
+        raise TopologyError("a SmartNIC codec needs SmartNIC nodes: build the topology with "
+                            "smartnic=True (or a list of host ranks)")
+
+
+def _node_pipeline(topo: TestbedTopo, options: DatapathOptions, tables, name: str) -> list:
+    is_nic = topo.switch_roles[name] == "smartnic"
+    ports = node_ports(topo, name)
+    core = _core(topo, options, tables, name, is_nic)
+    link_egress, link_ingress = _link_impairments(topo, name, ports)
+    opt_ingress = [i for i in options.impairments if i.node == name and i.direction == "ingress"]
+    opt_egress = [i for i in options.impairments if i.node == name and i.direction != "ingress"]
+    trims = [t for t in options.trimming if t.node == name]
+    own = [p for p, _ in core]
+    if any(p in IMPAIR_STAGES for p in own) and link_egress:
+        raise TopologyError(
+            f"programs[{name!r}] has its own 'impair' stage, and delay_ms/loss_pct (no netem "
+            "here) need the topology's; use one or the other")
+    if any(p in IMPAIR_STAGES for p in own) and (opt_ingress or opt_egress):
+        raise TopologyError(
+            f"programs[{name!r}] has its own 'impair' stage, and impairments on {name!r} add "
+            "one; use one or the other")
+    if "trim" in own and trims:
+        raise TopologyError(
+            f"programs[{name!r}] has its own 'trim' stage, and trimming on {name!r} adds one; "
+            "use one or the other")
+    if link_egress and (opt_ingress or opt_egress):
+        raise TopologyError(
+            f"impairments on {name!r}: the topology's delay_ms/loss_pct already impair this "
+            "node's links in its data path (no netem here); give the link impairment either "
+            "as delay_ms/loss_pct or as impairments, not both")
+    ingress: list[tuple[str, dict]] = []
+    egress: list[tuple[str, dict]] = []
+    if link_ingress:
+        ingress.append(("impair", _link_settings(topo, name, ports, link_ingress, "ingress")))
+    if link_egress:
+        egress.append(("impair", _link_settings(topo, name, ports, link_egress, "egress")))
+    ingress += [("impair", _impair_settings(i, name, ports)) for i in opt_ingress]
+    egress += [("impair", _impair_settings(i, name, ports)) for i in opt_egress]
+    if ingress and egress:
+        ingress = [("impair_ingress", s) for _, s in ingress]
+    tail = [("trim", _trim_settings(topo, t, name, ports)) for t in trims]
+    return ingress + core + egress + tail
+
+
+def _core(topo: TestbedTopo, options: DatapathOptions, tables, name: str, is_nic: bool
+          ) -> list:
+    """The node's middle stages: override or default, aggregate, forwarding table, codec."""
+    generic = "smartnic" if is_nic else "switch"
+    override = topo.programs.get(name)
+    from_generic = override is None and generic in topo.programs
+    if override is None:
+        override = topo.programs.get(generic)
+    key = name if not from_generic else generic
+    if override is not None:
+        try:
+            core = normalize_programs(override)
+        except ValueError as exc:
+            raise TopologyError(f"programs[{key!r}]: {exc}") from None
+    elif is_nic:
+        core = [("nic_codec", {}) if options.nic_codec is not None else ("wire", {})]
+    else:
+        core = [("forward", {})]
+    if is_nic and options.nic_codec is not None:
+        if "nic_codec" not in [p for p, _ in core]:
+            raise TopologyError(
+                f"programs[{key!r}] has no 'nic_codec' stage but a SmartNIC codec is asked "
+                "for; add 'nic_codec' to the override or drop the codec")
+        core = [(p, {**s, **options.nic_codec} if p == "nic_codec" else s) for p, s in core]
+    if options.explicit_programs:
+        return core
+    names = [p for p, _ in core]
+    if name == topo.aggregator_switch and "aggregate" not in names:
+        at = names.index("forward") if "forward" in names else 0
+        core.insert(at, ("aggregate", {}))
+    elif name != topo.aggregator_switch and from_generic and "aggregate" in names:
+        core = [(p, s) for p, s in core if p != "aggregate"]
+    table = {mac: [f"{name}-eth{p}" for p in group] for mac, group in tables[name].items()}
+    for pname, settings in core:
+        if pname == "forward":
+            settings.setdefault("l2", table)
+            settings.setdefault("learn", False)
+    return core
+
+
+def _link_impairments(topo: TestbedTopo, name: str, ports: list[str]
+                      ) -> tuple[list[str], list[str]]:
+    """(egress ports, ingress ports) of ``name`` whose links it must impair (no netem)."""
+    if topo.impair_mode() != "datapath":
+        return [], []
+    egress, ingress = [], []
+    for s in topo.link_specs:
+        for me, port, peer in ((s.a, s.port_a, s.b), (s.b, s.port_b, s.a)):
+            if me != name:
+                continue
+            egress.append(f"{me}-eth{port}")
+            if peer not in topo.programmable:  # nobody else impairs peer -> me
+                ingress.append(f"{me}-eth{port}")
+    return [p for p in ports if p in egress], [p for p in ports if p in ingress]
+
+
+def _link_settings(topo: TestbedTopo, name: str, ports: list[str], impaired: list[str],
+                   direction: str) -> dict:
+    values = {"loss": topo.loss_pct / 100.0, "delay_ms": topo.delay_ms}
+    out: dict[str, Any] = {k: {p: (v if p in impaired else 0.0) for p in ports}
+                           for k, v in values.items()}
+    if direction == "ingress":
+        out["direction"] = "ingress"
+    out["seed"] = node_seed(topo.seed, name, direction)
+    return out
+
+
+def _port_name(ref: int | str, name: str, ports: list[str], what: str) -> str:
+    if isinstance(ref, bool) or not isinstance(ref, (int, str)):
+        raise TopologyError(f"{what} on {name!r}: port {ref!r} must be an index or a name")
+    if isinstance(ref, int):
+        if not 0 <= ref < len(ports):
+            raise TopologyError(f"{what} on {name!r}: port index {ref} is outside "
+                                f"0..{len(ports) - 1} ({ports})")
+        return ports[ref]
+    if ref not in ports:
+        raise TopologyError(f"{what} on {name!r}: {ref!r} is not one of its ports {ports}")
+    return ref
+
+
+def _per_port(value: Any, chosen: list[str] | None) -> Any:
+    return value if chosen is None else dict.fromkeys(chosen, value)
+
+
+def _impair_settings(imp: Impairment, name: str, ports: list[str]) -> dict[str, Any]:
+    chosen = None if imp.ports is None else [_port_name(p, name, ports, "impairments")
+                                             for p in imp.ports]
+    return {"direction": imp.direction, "seed": imp.seed, "filter": imp.filter,
+            **{k: _per_port(getattr(imp, k), chosen)
+               for k in ("loss", "dup", "reorder", "delay_ms", "jitter_ms")}}
+
+
+def _trim_settings(topo: TestbedTopo, tr: Trimming, name: str, ports: list[str]
+                   ) -> dict[str, Any]:
+    rate = tr.rate_mbps if tr.rate_mbps is not None else topo.bw_mbps
+    if rate is None:
+        raise TopologyError(f"trimming on {name!r}: give rate_mbps (the topology's links are "
+                            "unshaped, so there is no link rate to drain the queue at)")
+    s: dict[str, Any] = {"mode": tr.mode, "queue_slots": tr.queue_slots}
+    if tr.ports is None:
+        s.update(rate_mbps=rate, threshold_bytes=tr.threshold_bytes)
+        return s
+    # Every port goes through the stage's queue: the chosen ones drain at rate_mbps with the
+    # threshold, the others at their own link rate with no trimming below a full queue.
+    link = {f"{name}-eth{port}": bw for port, bw in routing.adjacency(topo)[name].values()}
+    rates = {p: float(link[p]) for p in ports if link[p]}
+    thresholds = dict.fromkeys(rates, NO_TRIM_BYTES)
+    for ref in tr.ports:
+        p = _port_name(ref, name, ports, "trimming")
+        rates[p] = rate
+        thresholds[p] = tr.threshold_bytes
+    s["rate_mbps"] = rates
+    s["threshold_bytes"] = thresholds
+    return s
