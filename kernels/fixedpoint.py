@@ -44,7 +44,7 @@ Numba-callable kernels (``@njit(cache=True)``; arguments are numpy arrays and nu
 * whole tensors, one exponent per chunk: ``chunk_exponents_into(x, chunk, out)``,
   ``quantize_chunks_into(x, exps, n, chunk, out)``, ``dequantize_chunks_into(q, exps, n,
   chunk, out)``.
-* ``parallel=True`` twins of the whole-tensor kernels, suffix ``_par``:
+* ``parallel=True`` forms of the whole-tensor kernels, suffix ``_par``:
   ``chunk_exponents_into_par``, ``quantize_chunks_into_par``, ``dequantize_chunks_into_par``,
   ``add_into_par``, ``atp_quantize_into_par``, ``atp_add_into_par``,
   ``atp_dequantize_into_par`` (same arguments). Use them from Python on big tensors on an
@@ -64,7 +64,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from testbed.kernels.checks import check_array, check_finite
 from testbed.kernels.packets import f32_from_bits
+from testbed.kernels.parallel import PAR_BLOCKS, block_range
 
 INT32_MAX = 2147483647
 INT32_MIN = -2147483648
@@ -83,6 +85,7 @@ ATP_FACTOR = 1e6
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
+_FINITE = "fixed-point aggregation needs finite values (clip or drop inf/NaN before quantising)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,19 +180,6 @@ def dequantize_chunks_into(q, exps, n, chunk, out):
             out[i] = np.float32(np.float64(q[i]) * inv)
 
 
-@njit(cache=True, inline="always")
-def _block(b, nblocks, nch, chunk, length):
-    """Chunk range [c0, c1) and element range [lo, hi) of block b of nblocks."""
-    per = (nch + nblocks - 1) // nblocks
-    c0 = min(b * per, nch)
-    c1 = min(c0 + per, nch)
-    return c0, c1, min(c0 * chunk, length), min(c1 * chunk, length)
-
-
-#: Blocks a parallel kernel splits a tensor into (a constant: reading the thread count
-#: would stop Numba from caching the function).
-PAR_BLOCKS = 16
-
 # Parallel versions: the tensor is split into PAR_BLOCKS blocks of whole chunks (one prange
 # iteration each) that run the serial kernel. Worth it only on an idle multi-core machine: on
 # a loaded one a parallel region waits for its slowest (descheduled) thread.
@@ -201,7 +191,7 @@ def chunk_exponents_into_par(x, chunk, out):
     nch = (x.shape[0] + chunk - 1) // chunk
     nb = PAR_BLOCKS
     for b in prange(nb):
-        c0, c1, lo, hi = _block(b, nb, nch, chunk, x.shape[0])
+        c0, c1, lo, hi = block_range(b, nb, nch, chunk, x.shape[0])
         chunk_exponents_into(x[lo:hi], chunk, out[c0:c1])
 
 
@@ -211,7 +201,7 @@ def quantize_chunks_into_par(x, exps, n, chunk, out):
     nch = (x.shape[0] + chunk - 1) // chunk
     nb = PAR_BLOCKS
     for b in prange(nb):
-        c0, c1, lo, hi = _block(b, nb, nch, chunk, x.shape[0])
+        c0, c1, lo, hi = block_range(b, nb, nch, chunk, x.shape[0])
         quantize_chunks_into(x[lo:hi], exps[c0:c1], n, chunk, out[lo:hi])
 
 
@@ -221,7 +211,7 @@ def dequantize_chunks_into_par(q, exps, n, chunk, out):
     nch = (q.shape[0] + chunk - 1) // chunk
     nb = PAR_BLOCKS
     for b in prange(nb):
-        c0, c1, lo, hi = _block(b, nb, nch, chunk, q.shape[0])
+        c0, c1, lo, hi = block_range(b, nb, nch, chunk, q.shape[0])
         dequantize_chunks_into(q[lo:hi], exps[c0:c1], n, chunk, out[lo:hi])
 
 
@@ -230,7 +220,7 @@ def add_into_par(acc, q):
     """Parallel :func:`add_into` over a whole tensor."""
     nb = PAR_BLOCKS
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, acc.shape[0], 1, acc.shape[0])
+        _, _, lo, hi = block_range(b, nb, acc.shape[0], 1, acc.shape[0])
         add_into(acc[lo:hi], q[lo:hi])
 
 
@@ -285,7 +275,7 @@ def atp_quantize_into_par(x, factor, out):
     nb = PAR_BLOCKS
     bad = 0
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, x.shape[0], 1, x.shape[0])
+        _, _, lo, hi = block_range(b, nb, x.shape[0], 1, x.shape[0])
         bad += atp_quantize_into(x[lo:hi], factor, out[lo:hi])
     return bad > 0
 
@@ -296,7 +286,7 @@ def atp_add_into_par(acc, q):
     nb = PAR_BLOCKS
     bad = 0
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, acc.shape[0], 1, acc.shape[0])
+        _, _, lo, hi = block_range(b, nb, acc.shape[0], 1, acc.shape[0])
         bad += atp_add_into(acc[lo:hi], q[lo:hi])
     return bad > 0
 
@@ -306,32 +296,12 @@ def atp_dequantize_into_par(q, factor, out):
     """Parallel :func:`atp_dequantize_into`."""
     nb = PAR_BLOCKS
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, q.shape[0], 1, q.shape[0])
+        _, _, lo, hi = block_range(b, nb, q.shape[0], 1, q.shape[0])
         atp_dequantize_into(q[lo:hi], factor, out[lo:hi])
 
 
 # ---------------------------------------------------------------------------------------------
 # validating Python wrappers
-
-
-def _check_1d(name: str, a, dtype) -> None:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
-    if a.dtype != np.dtype(dtype):
-        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {a.dtype}; "
-                        f"convert with {name}.astype(np.{np.dtype(dtype).name})")
-    if a.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name}: must be contiguous; pass np.ascontiguousarray({name})")
-
-
-def _check_finite(name: str, x: np.ndarray) -> None:
-    bad = ~np.isfinite(x)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}: element {i} is {x.flat[i]}; fixed-point aggregation needs "
-                         f"finite values (clip or drop inf/NaN before quantising)")
 
 
 def _check_n(n) -> int:
@@ -353,7 +323,7 @@ def _n_chunks(length: int, chunk: int) -> int:
 
 
 def _check_exps(exps, length: int, chunk: int) -> None:
-    _check_1d("exps", exps, np.int16)
+    check_array("exps", exps, np.int16)
     if exps.shape[0] != _n_chunks(length, chunk):
         raise ValueError(f"exps: expected {_n_chunks(length, chunk)} exponents (one per chunk "
                          f"of {chunk} elements), got {exps.shape[0]}")
@@ -364,9 +334,9 @@ def _check_exps(exps, length: int, chunk: int) -> None:
 
 def exponents(x: np.ndarray, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Per-chunk exponents (int16) of float32 vector ``x``: smallest e with 2**e >= max|x|."""
-    _check_1d("x", x, np.float32)
+    check_array("x", x, np.float32)
     chunk = _check_chunk(chunk)
-    _check_finite("x", x)
+    check_finite("x", x, _FINITE)
     out = np.empty(_n_chunks(x.shape[0], chunk), dtype=np.int16)
     chunk_exponents_into(x, chunk, out)
     return out
@@ -383,10 +353,10 @@ def agree(exps: list[np.ndarray] | np.ndarray) -> np.ndarray:
 def quantize(x: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Quantise float32 ``x`` to int32 with the agreed per-chunk exponents ``exps`` for
     ``n`` workers."""
-    _check_1d("x", x, np.float32)
+    check_array("x", x, np.float32)
     n = _check_n(n)
     chunk = _check_chunk(chunk)
-    _check_finite("x", x)
+    check_finite("x", x, _FINITE)
     _check_exps(exps, x.shape[0], chunk)
     own = np.empty_like(exps)
     chunk_exponents_into(x, chunk, own)
@@ -413,7 +383,7 @@ def aggregate(qs: np.ndarray) -> np.ndarray:
 
 def dequantize(q: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """float32 values of int32 sums ``q`` quantised with ``exps`` for ``n`` workers."""
-    _check_1d("q", q, np.int32)
+    check_array("q", q, np.int32)
     n = _check_n(n)
     chunk = _check_chunk(chunk)
     _check_exps(exps, q.shape[0], chunk)
@@ -425,7 +395,7 @@ def dequantize(q: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHU
 def error_bound(result: np.ndarray, exps: np.ndarray, n: int,
                 chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Per-element bound on ``|result - exact sum|`` for an n-way sum (see module docstring)."""
-    _check_1d("result", result, np.float32)
+    check_array("result", result, np.float32)
     n = _check_n(n)
     chunk = _check_chunk(chunk)
     _check_exps(exps, result.shape[0], chunk)
@@ -449,8 +419,8 @@ def allreduce(xs: np.ndarray, chunk: int = DEFAULT_CHUNK) -> tuple[np.ndarray, n
 
 def atp_quantize(x: np.ndarray, factor: float = ATP_FACTOR) -> tuple[np.ndarray, bool]:
     """ATP quantisation ``round(x * factor)``; returns ``(q, overflow)``."""
-    _check_1d("x", x, np.float32)
-    _check_finite("x", x)
+    check_array("x", x, np.float32)
+    check_finite("x", x, _FINITE)
     if not (isinstance(factor, (int, float, np.floating)) and math.isfinite(factor)
             and factor > 0):
         raise ValueError(f"factor: must be a positive finite number, got {factor!r}")
@@ -473,7 +443,7 @@ def atp_aggregate(qs: np.ndarray) -> tuple[np.ndarray, bool]:
 
 def atp_dequantize(q: np.ndarray, factor: float = ATP_FACTOR) -> np.ndarray:
     """float32 values ``q / factor``."""
-    _check_1d("q", q, np.int32)
+    check_array("q", q, np.int32)
     if not (isinstance(factor, (int, float, np.floating)) and math.isfinite(factor)
             and factor > 0):
         raise ValueError(f"factor: must be a positive finite number, got {factor!r}")

@@ -12,9 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from testbed.kernels.benchutil import best_seconds, row
+from testbed.kernels.memory import ef_compensate
+from testbed.kernels.reductions import l2norm
 from testbed.kernels.reference import compressors as ref
+from testbed.kernels.reference import memory as ref_memory
+from testbed.kernels.rng import stream_key
 
-from ._common import l2norm, stream_key
 from .fp16 import fp16_encode
 from .natural import natural_encode
 from .powersgd import as_matrix, matmul_mq, matrix_shape
@@ -38,8 +41,6 @@ def _paired(fn, anchor, rounds: int) -> tuple[float, float]:
 
 def bench_rows(elements: int, repeat: int = 7) -> list[dict]:
     """Rows (see ``benchutil.row``) for the compressor kernels at ``elements`` float32."""
-    from testbed.kernels.memory import ef_compensate
-
     n = int(elements)
     if n < 1:
         raise ValueError(f"elements must be a positive element count, got {elements!r}")
@@ -105,5 +106,5 @@ def bench_rows(elements: int, repeat: int = 7) -> list[dict]:
             4 * n)
     r0 = np.zeros(n, dtype=np.float32)
     vs_twin("ef_compensate", lambda: ef_compensate(x, r0, 1.0, 1.0, c),
-            lambda: ref.ef_compensate(x, r0, 1.0, 1.0), 12 * n)
+            lambda: ref_memory.ef_compensate(x, r0, 1.0, 1.0), 12 * n)
     return rows

@@ -12,7 +12,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._common import kernel
+from testbed.kernels.parallel import kernel
 
 #: Elements per selection chunk (a multiple of 64: chunks start on a mask word).
 SELECT_CHUNK = 1 << 15

@@ -17,7 +17,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._common import Compressor, kernel
+from testbed.kernels.parallel import kernel
+
+from .base import Compressor
 
 #: Largest finite half: values beyond ~65520 become inf, so the compressor refuses them.
 FP16_MAX = 65504.0
@@ -158,13 +160,14 @@ else:
 
 @njit(cache=True)
 def fp16_encode_sw(x, out):
-    """Portable software twin of :func:`fp16_encode` (bit manipulation only)."""
+    """Portable software form of :func:`fp16_encode` (bit manipulation only): the fallback
+    on hosts without hardware half conversion, tested here on every host."""
     _encode_bits_sw(x.view(np.uint32), out)
 
 
 @njit(cache=True)
 def fp16_decode_sw(h, out):
-    """Portable software twin of :func:`fp16_decode`."""
+    """Portable software form of :func:`fp16_decode` (see :func:`fp16_encode_sw`)."""
     _decode_bits_sw(h, out.view(np.uint32))
 
 

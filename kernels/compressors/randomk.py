@@ -15,7 +15,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, count_for_ratio, hash_u32, stream_key
+from testbed.kernels.checks import check_number
+from testbed.kernels.rng import hash_u32, stream_key
+
+from .base import Compressor, count_for_ratio
 from .topk import scatter
 
 _SALT = 0x52414E44  # "RAND"
@@ -53,10 +56,10 @@ class RandomkCompressor(Compressor):
     summable = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
-        ratio = check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        ratio = check_number("ratio", 0.0, 1.0, lo_open=True)(ratio)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         if not isinstance(unbiased, (bool, np.bool_)):
-            raise ValueError(f"parameter 'unbiased' must be True or False, got {unbiased!r}")
+            raise ValueError(f"unbiased: must be True or False, got {unbiased!r}")
         super().__init__(ratio=ratio, seed=seed, unbiased=bool(unbiased))
         self.ratio, self.seed, self.unbiased = ratio, seed, bool(unbiased)
 

@@ -12,7 +12,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._common import Compressor, kernel
+from testbed.kernels.parallel import kernel
+
+from .base import Compressor
 
 
 @intrinsic

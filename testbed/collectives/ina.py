@@ -375,8 +375,9 @@ def thc_layout(comp, count: int, E: int, step: int, rank: int) -> tuple:
 
     The rotation block is the compressor's ``block`` capped at the packet's E lanes, so every
     packet holds whole blocks; a vector shorter than a block uses one power-of-two block."""
-    from testbed.kernels.compressors._common import stream_key
-    from testbed.kernels.compressors.thc import _SALT_SIGN, padded_length
+    from testbed.kernels.compressors.thc import SALT_SIGN as _SALT_SIGN
+    from testbed.kernels.compressors.thc import padded_length
+    from testbed.kernels.rng import stream_key
 
     d, blk = padded_length(int(count), min(int(comp.block), E))
     skey = stream_key(comp.seed, step, _SALT_SIGN)

@@ -22,8 +22,8 @@ import numpy as np
 from numba import njit
 
 from testbed.kernels import fixedpoint as fp
-from testbed.kernels.compressors._common import hash_u32, uniform
 from testbed.kernels.compressors.thc import fwht_inplace
+from testbed.kernels.rng import hash_u32, uniform
 from testbed.kernels.wire import FIELD_OFFSETS, HEADER_LEN, MAGIC, VERSION, Codec, MsgType
 
 ELEMS = 256
@@ -538,7 +538,7 @@ def thc_scale_ref(e, ne, clip):
 
 def thc_quantize_ref(y, lo, scale, half, qkey):
     """numpy twin of the quantiser inside :func:`thc_build_packet` (int8 levels)."""
-    from testbed.kernels.reference.compressors import uniform
+    from testbed.kernels.reference.rng import uniform
 
     f = half / scale if scale > 0.0 else 0.0
     a = np.clip(np.asarray(y, dtype=np.float64) * f, -half, half)
@@ -580,7 +580,8 @@ def on_results_thc_ref(rbuf, rlen, nrecv, drop, pkts, lens, x, d, E, qsum, out, 
     reference transform)."""
     import struct
 
-    from testbed.kernels.reference.compressors import fwht, hash_u32
+    from testbed.kernels.reference.compressors import fwht
+    from testbed.kernels.reference.rng import hash_u32
 
     hdr = struct.Struct("<HBBHHHBBBBhHHIf")
     total = K + boot

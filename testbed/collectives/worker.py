@@ -364,7 +364,7 @@ def _warm_ina() -> None:
 
 
 def _par_min() -> int:
-    from testbed.kernels.compressors._common import PAR_MIN
+    from testbed.kernels.parallel import PAR_MIN
 
     return PAR_MIN
 
