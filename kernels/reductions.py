@@ -11,6 +11,7 @@ import numpy as np
 from numba import njit, prange
 
 from testbed.kernels.parallel import kernel
+from testbed.kernels.simd import LANES, sum_abs_blocks, sum_squares_blocks
 
 #: Elements per partial sum: fixed (not per thread) so that results do not depend on the
 #: number of threads.
@@ -18,46 +19,15 @@ REDUCE_CHUNK = 1 << 16
 
 
 @njit(cache=True, inline="always")
-def _sum_sq(x, lo, hi):
-    # eight independent accumulators in a fixed order (still deterministic): breaks the add
-    # latency chain without fast-math reassociation
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    body = lo + ((hi - lo) // 8) * 8
-    for i in range(lo, body, 8):
-        v0, v1 = np.float64(x[i]), np.float64(x[i + 1])
-        v2, v3 = np.float64(x[i + 2]), np.float64(x[i + 3])
-        v4, v5 = np.float64(x[i + 4]), np.float64(x[i + 5])
-        v6, v7 = np.float64(x[i + 6]), np.float64(x[i + 7])
-        s0 += v0 * v0
-        s1 += v1 * v1
-        s2 += v2 * v2
-        s3 += v3 * v3
-        s4 += v4 * v4
-        s5 += v5 * v5
-        s6 += v6 * v6
-        s7 += v7 * v7
-    for i in range(body, hi):
+def _chunk_sum(x, lo, hi, power):
+    """``sum(|x_i| ** power)`` (power 1 or 2) over ``x[lo:hi]`` in float64: LANES-wide blocks
+    summed lane-wise (16 independent accumulators, a fixed order), then the tail in order."""
+    nb = (hi - lo) // LANES
+    s = sum_squares_blocks(x, lo, nb) if power == 2 else sum_abs_blocks(x, lo, nb)
+    for i in range(lo + nb * LANES, hi):
         v = np.float64(x[i])
-        s0 += v * v
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-
-
-@njit(cache=True, inline="always")
-def _sum_abs(x, lo, hi):
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    body = lo + ((hi - lo) // 8) * 8
-    for i in range(lo, body, 8):
-        s0 += abs(np.float64(x[i]))
-        s1 += abs(np.float64(x[i + 1]))
-        s2 += abs(np.float64(x[i + 2]))
-        s3 += abs(np.float64(x[i + 3]))
-        s4 += abs(np.float64(x[i + 4]))
-        s5 += abs(np.float64(x[i + 5]))
-        s6 += abs(np.float64(x[i + 6]))
-        s7 += abs(np.float64(x[i + 7]))
-    for i in range(body, hi):
-        s0 += abs(np.float64(x[i]))
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+        s += v * v if power == 2 else abs(v)
+    return s
 
 
 @kernel("x.size")
@@ -67,7 +37,7 @@ def _chunk_sums(x, power):
     for c in prange(nchunk):
         lo = c * REDUCE_CHUNK
         hi = min(x.size, lo + REDUCE_CHUNK)
-        part[c] = _sum_sq(x, lo, hi) if power == 2 else _sum_abs(x, lo, hi)
+        part[c] = _chunk_sum(x, lo, hi, power)
     return part
 
 

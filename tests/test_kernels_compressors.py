@@ -231,7 +231,8 @@ def test_select_ge_equals_twin(x, t):
     assert sel.count_ge(x, np.float32(t)) == ref.select_ge(x, t).size
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (1001, 1001), (65537, 655)])
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (1001, 1001), (65537, 655),
+                                 (12345, 7), (999_983, 9973)])
 def test_randomk_kernels_equal_twin(n, k):
     key = rng.stream_key(7, 11, 0x52414E44)
     idx = np.empty(k, np.int32)
@@ -243,6 +244,35 @@ def test_randomk_kernels_equal_twin(n, k):
         v = np.empty(k, np.float32)
         krk.randomk_gather(x, k, key, scaled, v)
         np.testing.assert_array_equal(v, ref.randomk_gather(x, k, key, scaled))
+
+
+@FAST
+@given(finite_vectors(0, 700), st.integers(0, 15), st.floats(0.0, 2.0))
+def test_mask_kernels_equal_twins_at_every_offset(x, off, t):
+    """sign_pack and select_ge read 64 floats per mask from any start address."""
+    y = np.concatenate([np.zeros(off, np.float32), x])[off:]
+    bits = np.empty((y.size + 7) // 8, np.uint8)
+    ksign.sign_pack(y, bits)
+    np.testing.assert_array_equal(bits, ref.sign_pack(y))
+    strided = np.zeros(2 * bits.size, np.uint8)
+    ksign.sign_pack(y, strided[::2])
+    np.testing.assert_array_equal(strided[::2], bits)
+    np.testing.assert_array_equal(sel.select_ge(y, np.float32(t)), ref.select_ge(y, t))
+
+
+def test_fp16_streaming_path_matches_numpy():
+    """Outputs past STREAM_MIN_BYTES are written with streaming stores, at any alignment."""
+    from testbed.kernels.simd import STREAM_MIN_BYTES
+
+    x = rand(STREAM_MIN_BYTES // 2 + 1001, 61, 1000.0)
+    for off in (0, 1, 3):
+        out = np.zeros(x.size + off, np.uint16)[off:]
+        kfp16.fp16_encode(x, out)
+        np.testing.assert_array_equal(out, ref.fp16_encode(x))
+    strided = np.zeros(2 * 1000, np.uint16)
+    kfp16.fp16_encode(x[:2000:2], strided[::2])  # non-contiguous views: the scalar path
+    np.testing.assert_array_equal(strided[::2], ref.fp16_encode(x[:2000:2]))
+    assert not strided[1::2].any()
 
 
 def test_dgc_select_equals_twin():
