@@ -1,16 +1,18 @@
 """``testbed bench kernels``: every Numba kernel against an anchor measured in the same run.
 
 One row per kernel (``testbed.kernels.benchutil.row``): ``kernel, elements, gbps, anchor,
-anchor_gbps, ratio``. GB/s counts bytes read plus bytes written, for kernel and anchor alike.
+anchor_gbps, ratio``, plus ``cpu`` (model, LLVM's name for it, widest vector unit: the
+ratios depend on it). GB/s counts bytes read plus bytes written, for kernel and anchor alike.
 Anchors: numpy ``np.add(a, b, out=c)`` on float32 (12 bytes per element) for the elementwise
 kernels (quantise, aggregate, dequantise; timed alternately with each kernel because the
 machine may be shared), the numpy twin in ``kernels/reference`` for the others. Each
-elementwise kernel has a serial row and a ``[par]`` row (``parallel=True`` variant).
-Memory-bound kernels that move 8 bytes per element (quantise, dequantise) get a lower GB/s
-than numpy add's 12 bytes because a fresh output costs a read-for-ownership that neither
-count includes. Packet kernels run over ``min(elements // 256, 8192)`` frames of 256 elements; their
-bytes are the header bytes each touches (documented per row below). The compressor rows come
-from ``testbed.kernels.compressors.bench_rows(elements)`` when it exists; if it does not, or
+elementwise kernel has a serial row and a ``[par]`` row (``parallel=True`` form).
+numpy's add also pays a read for ownership of its output line that neither count includes;
+the whole-tensor kernels avoid it with streaming stores (``testbed.kernels.simd``), which is
+how a kernel that moves 8 bytes per element can beat the anchor per counted byte. Packet
+kernels run over ``min(elements // 256, 8192)`` frames of 256 elements; their bytes are the
+header bytes each touches (documented per row below). The compressor rows come from
+``testbed.kernels.compressors.bench_rows(elements)`` when it exists; if it does not, or
 fails, a note row says so (``gbps``/``ratio`` None and a ``note`` key).
 """
 
@@ -26,7 +28,7 @@ from testbed.kernels import fixedpoint as fp
 from testbed.kernels import packets as pk
 from testbed.kernels import trimming as tr
 from testbed.kernels import wire
-from testbed.kernels.benchutil import best_seconds, row
+from testbed.kernels.benchutil import best_seconds, cpu_description, paired, row
 from testbed.kernels.reference import fixedpoint as ref_fp
 from testbed.kernels.reference import packets as ref_pk
 from testbed.kernels.reference import trimming as ref_tr
@@ -50,18 +52,6 @@ def _restore_and_trim(work, pristine, length, orig_len, n):
             length[i] = r
             done += 1
     return done
-
-
-def _paired(kernel, anchor, rounds: int = 7) -> tuple[float, float]:
-    """Best times of ``kernel`` and ``anchor`` measured alternately (after one warm-up call
-    each), so both see the same load on a shared machine."""
-    kernel()
-    anchor()
-    tk = ta = float("inf")
-    for _ in range(rounds):
-        tk = min(tk, best_seconds(kernel, repeat=1, warmup=0))
-        ta = min(ta, best_seconds(anchor, repeat=1, warmup=0))
-    return tk, ta
 
 
 def _elementwise_rows(x: np.ndarray, numpy_add) -> list[dict]:
@@ -99,7 +89,7 @@ def _elementwise_rows(x: np.ndarray, numpy_add) -> list[dict]:
     for name, serial, par, moved, anchor in cases:
         for label, fn in ((name, serial), (name + "[par]", par)):
             if anchor is None:  # numpy add, timed alternately with the kernel
-                tk, ta = _paired(fn, numpy_add)
+                tk, ta = paired(fn, numpy_add)
                 rows.append(row(label, n, tk, moved, "numpy add", ta, add_bytes))
             else:
                 rows.append(row(label, n, best_seconds(fn), moved, *anchor))
@@ -243,6 +233,9 @@ def rows(elements: int) -> list[dict]:
     out += _trimming_rows(x)
     out += _packet_rows(x)
     out += _compressor_rows(elements)
+    cpu = cpu_description()
+    for r in out:
+        r["cpu"] = cpu
     return out
 
 
@@ -262,6 +255,8 @@ def _print_table(result: list[dict]) -> None:
             continue
         table.add_row(escape(str(r["kernel"])), f"{r['elements']:,}", f"{r['gbps']:.2f}",
                       escape(str(r["anchor"])), f"{r['anchor_gbps']:.2f}", f"{r['ratio']:.2f}")
+    if result:
+        table.caption = f"CPU: {result[0]['cpu']}"
     console = Console(width=max(120, Console().width))
     console.print(table)
     for n in notes:

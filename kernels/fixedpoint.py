@@ -1,5 +1,8 @@
 """Fixed-point aggregation kernels: SwitchML block floating point and ATP fixed factor.
 
+(Longer than the 500-line guide: the two schemes share their block drivers, parallel forms
+and argument checks, which a split would spread over two modules.)
+
 SwitchML style (per-chunk shared exponent, an n-way int32 sum that cannot overflow)
 -------------------------------------------------------------------------------------
 
@@ -44,11 +47,17 @@ Numba-callable kernels (``@njit(cache=True)``; arguments are numpy arrays and nu
 * whole tensors, one exponent per chunk: ``chunk_exponents_into(x, chunk, out)``,
   ``quantize_chunks_into(x, exps, n, chunk, out)``, ``dequantize_chunks_into(q, exps, n,
   chunk, out)``.
-* ``parallel=True`` twins of the whole-tensor kernels, suffix ``_par``:
+* ``parallel=True`` forms of the whole-tensor kernels, suffix ``_par``:
   ``chunk_exponents_into_par``, ``quantize_chunks_into_par``, ``dequantize_chunks_into_par``,
   ``add_into_par``, ``atp_quantize_into_par``, ``atp_add_into_par``,
   ``atp_dequantize_into_par`` (same arguments). Use them from Python on big tensors on an
   idle machine; from per-packet njit code use the serial ones.
+
+The chunked SwitchML kernels and the ATP quantise/dequantise run in explicit SIMD blocks
+(``testbed.kernels.simd``; a block may straddle two chunks, each lane gets its own chunk's
+scale) and, for outputs of ``STREAM_MIN_BYTES`` or more, write with streaming stores: a
+memory-bound kernel then moves 8 bytes per element instead of 12. Results are bit-identical
+with the element-by-element formulas above (and the numpy twins).
 
 The njit kernels assume finite input and, for SwitchML quantisation, ``max|x| <= 2**e_max``
 (true by construction when ``e_max`` is the agreed max). The Python wrappers (``exponents``,
@@ -64,7 +73,19 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from testbed.kernels.checks import check_array, check_finite
 from testbed.kernels.packets import f32_from_bits
+from testbed.kernels.parallel import PAR_BLOCKS, block_range
+from testbed.kernels.simd import (
+    LANES,
+    STREAM_MIN_BYTES,
+    aligned_head,
+    atp_fast_limit,
+    atp_quantize_block,
+    contiguous,
+    scale_block,
+    store_fence,
+)
 
 INT32_MAX = 2147483647
 INT32_MIN = -2147483648
@@ -83,6 +104,7 @@ ATP_FACTOR = 1e6
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _INF_BITS = np.uint32(0x7F800000)
+_FINITE = "fixed-point aggregation needs finite values (clip or drop inf/NaN before quantising)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,42 +175,92 @@ def chunk_exponents_into(x, chunk, out):
         out[c] = block_exponent(x[lo:hi])
 
 
+#: 2**-e for every agreed exponent e in [EXP_MIN, EXP_MAX], exact in float64: the
+#: whole-tensor kernels scale a chunk without a libm ``ldexp`` call (same value as scale_for).
+_POW2_NEG = np.array([2.0 ** -e for e in range(EXP_MIN, EXP_MAX + 1)])
+
+
+@njit(cache=True, inline="always")
+def _chunk_scale(e, k):
+    """``scale_for(e, n)`` for ``k = INT32_MAX // n`` (exact: k times a power of two)."""
+    return k * _POW2_NEG[min(max(np.int64(e) - EXP_MIN, 0), EXP_MAX - EXP_MIN)]
+
+
+@njit(cache=True, inline="always")
+def _chunk_factor(e, k, inverse):
+    """What a chunk's elements are multiplied by: its scale, or ``1 / scale`` to dequantise
+    (the same expression as :func:`dequantize_into`, hence the same float64)."""
+    s = _chunk_scale(e, k)
+    return 1.0 / s if inverse else s
+
+
+@njit(cache=True, inline="always")
+def _scalar_chunks(src, exps, k, chunk, lo, hi, out, inverse):
+    """Elements ``lo:hi`` of :func:`quantize_chunks_into` (or, with ``inverse``, of
+    :func:`dequantize_chunks_into`), one at a time."""
+    for i in range(lo, hi):
+        v = np.float64(src[i]) * _chunk_factor(exps[i // chunk], k, inverse)
+        out[i] = v if inverse else np.rint(v)
+
+
+@njit(cache=True)
+def _scale_chunks(src, exps, n, chunk, out, stream, inverse):
+    """:func:`quantize_chunks_into` (``inverse`` False) or :func:`dequantize_chunks_into`
+    (True) in LANES-wide blocks (``chunk >= LANES``), streaming the stores when ``stream``.
+    A block that straddles two chunks multiplies each lane by its own chunk's factor, so the
+    blocks can follow the output's alignment."""
+    length = src.shape[0]
+    nch = (length + chunk - 1) // chunk
+    k = np.float64(INT32_MAX // n)
+    head = min(aligned_head(out, 0) if stream else 0, length)
+    _scalar_chunks(src, exps, k, chunk, 0, head, out, inverse)
+    i = head
+    bound = chunk  # first element of the chunk after the current one (head < chunk)
+    c = 0
+    f_cur = _chunk_factor(exps[0], k, inverse) if nch else 1.0
+    f_next = _chunk_factor(exps[1], k, inverse) if nch > 1 else f_cur
+    while i + LANES <= length:
+        if i >= bound:
+            c += 1
+            bound += chunk
+            f_cur = f_next
+            f_next = _chunk_factor(exps[c + 1], k, inverse) if c + 1 < nch else f_cur
+        if bound - i < LANES:  # the block straddles chunks c and c + 1
+            scale_block(src, i, out, f_cur, f_next, bound - i, stream)
+            i += LANES
+        else:  # the blocks inside chunk c (split = LANES folds the per-lane select away)
+            stop = min(bound, length) - LANES
+            while i <= stop:
+                scale_block(src, i, out, f_cur, f_cur, LANES, stream)
+                i += LANES
+    if stream:
+        store_fence()
+    _scalar_chunks(src, exps, k, chunk, i, length, out, inverse)
+
+
+@njit(cache=True, inline="always")
+def _chunks_into(src, exps, n, chunk, out, stream, inverse):
+    if chunk < LANES or not (contiguous(src) and contiguous(out)):
+        _scalar_chunks(src, exps, np.float64(INT32_MAX // n), chunk, 0, src.shape[0], out,
+                       inverse)
+    else:
+        _scale_chunks(src, exps, n, chunk, out, stream, inverse)
+
+
 @njit(cache=True)
 def quantize_chunks_into(x, exps, n, chunk, out):
-    """Quantise each chunk with the scale of its agreed exponent ``exps[c]`` for n workers."""
-    nch = (x.shape[0] + chunk - 1) // chunk
-    for c in range(nch):
-        lo = c * chunk
-        hi = min(lo + chunk, x.shape[0])
-        s = scale_for(exps[c], n)
-        for i in range(lo, hi):  # flat loop (no per-chunk call): same code as quantize_into
-            out[i] = np.int32(np.rint(np.float64(x[i]) * s))
+    """Quantise each chunk with the scale of its agreed exponent ``exps[c]`` for n workers
+    (``exps`` in [EXP_MIN, EXP_MAX]). Tensors of ``STREAM_MIN_BYTES`` and more are written
+    with streaming stores (they would not stay in the caches anyway)."""
+    _chunks_into(x, exps, n, chunk, out, 4 * x.shape[0] >= STREAM_MIN_BYTES, False)
 
 
 @njit(cache=True)
 def dequantize_chunks_into(q, exps, n, chunk, out):
-    """Dequantise each chunk with the scale of its agreed exponent ``exps[c]``."""
-    nch = (q.shape[0] + chunk - 1) // chunk
-    for c in range(nch):
-        lo = c * chunk
-        hi = min(lo + chunk, q.shape[0])
-        inv = 1.0 / scale_for(exps[c], n)
-        for i in range(lo, hi):  # flat loop: same code as dequantize_into
-            out[i] = np.float32(np.float64(q[i]) * inv)
+    """Dequantise each chunk with the scale of its agreed exponent ``exps[c]`` (streaming
+    stores from ``STREAM_MIN_BYTES``, as :func:`quantize_chunks_into`)."""
+    _chunks_into(q, exps, n, chunk, out, 4 * q.shape[0] >= STREAM_MIN_BYTES, True)
 
-
-@njit(cache=True, inline="always")
-def _block(b, nblocks, nch, chunk, length):
-    """Chunk range [c0, c1) and element range [lo, hi) of block b of nblocks."""
-    per = (nch + nblocks - 1) // nblocks
-    c0 = min(b * per, nch)
-    c1 = min(c0 + per, nch)
-    return c0, c1, min(c0 * chunk, length), min(c1 * chunk, length)
-
-
-#: Blocks a parallel kernel splits a tensor into (a constant: reading the thread count
-#: would stop Numba from caching the function).
-PAR_BLOCKS = 16
 
 # Parallel versions: the tensor is split into PAR_BLOCKS blocks of whole chunks (one prange
 # iteration each) that run the serial kernel. Worth it only on an idle multi-core machine: on
@@ -201,7 +273,7 @@ def chunk_exponents_into_par(x, chunk, out):
     nch = (x.shape[0] + chunk - 1) // chunk
     nb = PAR_BLOCKS
     for b in prange(nb):
-        c0, c1, lo, hi = _block(b, nb, nch, chunk, x.shape[0])
+        c0, c1, lo, hi = block_range(b, nb, nch, chunk, x.shape[0])
         chunk_exponents_into(x[lo:hi], chunk, out[c0:c1])
 
 
@@ -210,9 +282,10 @@ def quantize_chunks_into_par(x, exps, n, chunk, out):
     """Parallel :func:`quantize_chunks_into`."""
     nch = (x.shape[0] + chunk - 1) // chunk
     nb = PAR_BLOCKS
+    stream = 4 * x.shape[0] >= STREAM_MIN_BYTES
     for b in prange(nb):
-        c0, c1, lo, hi = _block(b, nb, nch, chunk, x.shape[0])
-        quantize_chunks_into(x[lo:hi], exps[c0:c1], n, chunk, out[lo:hi])
+        c0, c1, lo, hi = block_range(b, nb, nch, chunk, x.shape[0])
+        _chunks_into(x[lo:hi], exps[c0:c1], n, chunk, out[lo:hi], stream, False)
 
 
 @njit(cache=True, parallel=True)
@@ -220,9 +293,10 @@ def dequantize_chunks_into_par(q, exps, n, chunk, out):
     """Parallel :func:`dequantize_chunks_into`."""
     nch = (q.shape[0] + chunk - 1) // chunk
     nb = PAR_BLOCKS
+    stream = 4 * q.shape[0] >= STREAM_MIN_BYTES
     for b in prange(nb):
-        c0, c1, lo, hi = _block(b, nb, nch, chunk, q.shape[0])
-        dequantize_chunks_into(q[lo:hi], exps[c0:c1], n, chunk, out[lo:hi])
+        c0, c1, lo, hi = block_range(b, nb, nch, chunk, q.shape[0])
+        _chunks_into(q[lo:hi], exps[c0:c1], n, chunk, out[lo:hi], stream, True)
 
 
 @njit(cache=True, parallel=True)
@@ -230,7 +304,7 @@ def add_into_par(acc, q):
     """Parallel :func:`add_into` over a whole tensor."""
     nb = PAR_BLOCKS
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, acc.shape[0], 1, acc.shape[0])
+        _, _, lo, hi = block_range(b, nb, acc.shape[0], 1, acc.shape[0])
         add_into(acc[lo:hi], q[lo:hi])
 
 
@@ -238,23 +312,48 @@ def add_into_par(acc, q):
 # ATP fixed factor with overflow detection
 
 
+@njit(cache=True, inline="always")
+def _atp_quantize_scalar(x, f, lo, hi, out):
+    """Elements ``lo:hi`` of :func:`atp_quantize_into`; returns how many did not fit."""
+    top = np.float64(INT32_MAX)
+    bottom = np.float64(INT32_MIN)
+    bad = 0
+    for i in range(lo, hi):
+        r = np.rint(np.float64(x[i]) * f)
+        bad += (r > top) | (r < bottom) | (r != r)
+        r = 0.0 if r != r else r  # NaN -> 0 (a NaN cast is undefined)
+        r = top if r > top else r
+        r = bottom if r < bottom else r
+        out[i] = np.int32(r)
+    return bad
+
+
+@njit(cache=True)
+def _atp_quantize(x, factor, out, stream):
+    """:func:`atp_quantize_into` in LANES-wide blocks, streaming the stores when ``stream``;
+    returns a non-zero value when an element did not fit."""
+    n = x.shape[0]
+    f = np.float64(factor)
+    if not (contiguous(x) and contiguous(out)):
+        return _atp_quantize_scalar(x, f, 0, n, out)
+    limit = atp_fast_limit(f)
+    head = min(aligned_head(out, 0) if stream else 0, n)
+    bad = _atp_quantize_scalar(x, f, 0, head, out)
+    i = head
+    while i + LANES <= n:
+        bad |= atp_quantize_block(x, i, out, f, limit, stream)
+        i += LANES
+    if stream:
+        store_fence()
+    return bad | _atp_quantize_scalar(x, f, i, n, out)
+
+
 @njit(cache=True)
 def atp_quantize_into(x, factor, out):
     """``out[i] = round(x[i] * factor)`` as int32; return True when any product does not fit
-    int32 (or is NaN): those entries saturate (NaN -> 0), nothing wraps."""
-    f = np.float64(factor)
-    hi = np.float64(INT32_MAX)
-    lo = np.float64(INT32_MIN)
-    bad = 0
-    # branch-free (selects) so the loop vectorises; NaN -> 0 (a NaN cast is undefined)
-    for i in range(x.shape[0]):
-        r = np.rint(np.float64(x[i]) * f)
-        bad += (r > hi) | (r < lo) | (r != r)
-        r = 0.0 if r != r else r
-        r = hi if r > hi else r
-        r = lo if r < lo else r
-        out[i] = np.int32(r)
-    return bad > 0
+    int32 (or is NaN): those entries saturate (NaN -> 0), nothing wraps. Streaming stores
+    from ``STREAM_MIN_BYTES``."""
+    return _atp_quantize(x, factor, out, 4 * x.shape[0] >= STREAM_MIN_BYTES) > 0
 
 
 @njit(cache=True)
@@ -272,11 +371,29 @@ def atp_add_into(acc, q):
 
 
 @njit(cache=True)
-def atp_dequantize_into(q, factor, out):
-    """``out[i] = float32(q[i] / factor)``."""
+def _atp_dequantize(q, factor, out, stream):
+    """:func:`atp_dequantize_into` in LANES-wide blocks, streaming the stores when ``stream``."""
+    n = q.shape[0]
     inv = 1.0 / np.float64(factor)
-    for i in range(q.shape[0]):
+    head = n if not (contiguous(q) and contiguous(out)) else min(
+        aligned_head(out, 0) if stream else 0, n)
+    for i in range(head):
         out[i] = np.float32(np.float64(q[i]) * inv)
+    i = head
+    while i + LANES <= n:
+        scale_block(q, i, out, inv, inv, LANES, stream)
+        i += LANES
+    if stream:
+        store_fence()
+    for j in range(i, n):
+        out[j] = np.float32(np.float64(q[j]) * inv)
+
+
+@njit(cache=True)
+def atp_dequantize_into(q, factor, out):
+    """``out[i] = float32(q[i] / factor)`` (as ``q[i] * (1 / factor)`` in float64); streaming
+    stores from ``STREAM_MIN_BYTES``."""
+    _atp_dequantize(q, factor, out, 4 * q.shape[0] >= STREAM_MIN_BYTES)
 
 
 @njit(cache=True, parallel=True)
@@ -284,9 +401,10 @@ def atp_quantize_into_par(x, factor, out):
     """Parallel :func:`atp_quantize_into`; returns the combined overflow flag."""
     nb = PAR_BLOCKS
     bad = 0
+    stream = 4 * x.shape[0] >= STREAM_MIN_BYTES
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, x.shape[0], 1, x.shape[0])
-        bad += atp_quantize_into(x[lo:hi], factor, out[lo:hi])
+        _, _, lo, hi = block_range(b, nb, x.shape[0], 1, x.shape[0])
+        bad += _atp_quantize(x[lo:hi], factor, out[lo:hi], stream) != 0
     return bad > 0
 
 
@@ -296,7 +414,7 @@ def atp_add_into_par(acc, q):
     nb = PAR_BLOCKS
     bad = 0
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, acc.shape[0], 1, acc.shape[0])
+        _, _, lo, hi = block_range(b, nb, acc.shape[0], 1, acc.shape[0])
         bad += atp_add_into(acc[lo:hi], q[lo:hi])
     return bad > 0
 
@@ -305,33 +423,14 @@ def atp_add_into_par(acc, q):
 def atp_dequantize_into_par(q, factor, out):
     """Parallel :func:`atp_dequantize_into`."""
     nb = PAR_BLOCKS
+    stream = 4 * q.shape[0] >= STREAM_MIN_BYTES
     for b in prange(nb):
-        _, _, lo, hi = _block(b, nb, q.shape[0], 1, q.shape[0])
-        atp_dequantize_into(q[lo:hi], factor, out[lo:hi])
+        _, _, lo, hi = block_range(b, nb, q.shape[0], 1, q.shape[0])
+        _atp_dequantize(q[lo:hi], factor, out[lo:hi], stream)
 
 
 # ---------------------------------------------------------------------------------------------
 # validating Python wrappers
-
-
-def _check_1d(name: str, a, dtype) -> None:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
-    if a.dtype != np.dtype(dtype):
-        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {a.dtype}; "
-                        f"convert with {name}.astype(np.{np.dtype(dtype).name})")
-    if a.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D array, got shape {a.shape}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name}: must be contiguous; pass np.ascontiguousarray({name})")
-
-
-def _check_finite(name: str, x: np.ndarray) -> None:
-    bad = ~np.isfinite(x)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}: element {i} is {x.flat[i]}; fixed-point aggregation needs "
-                         f"finite values (clip or drop inf/NaN before quantising)")
 
 
 def _check_n(n) -> int:
@@ -353,7 +452,7 @@ def _n_chunks(length: int, chunk: int) -> int:
 
 
 def _check_exps(exps, length: int, chunk: int) -> None:
-    _check_1d("exps", exps, np.int16)
+    check_array("exps", exps, np.int16)
     if exps.shape[0] != _n_chunks(length, chunk):
         raise ValueError(f"exps: expected {_n_chunks(length, chunk)} exponents (one per chunk "
                          f"of {chunk} elements), got {exps.shape[0]}")
@@ -364,9 +463,9 @@ def _check_exps(exps, length: int, chunk: int) -> None:
 
 def exponents(x: np.ndarray, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Per-chunk exponents (int16) of float32 vector ``x``: smallest e with 2**e >= max|x|."""
-    _check_1d("x", x, np.float32)
+    check_array("x", x, np.float32)
     chunk = _check_chunk(chunk)
-    _check_finite("x", x)
+    check_finite("x", x, _FINITE)
     out = np.empty(_n_chunks(x.shape[0], chunk), dtype=np.int16)
     chunk_exponents_into(x, chunk, out)
     return out
@@ -383,10 +482,10 @@ def agree(exps: list[np.ndarray] | np.ndarray) -> np.ndarray:
 def quantize(x: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Quantise float32 ``x`` to int32 with the agreed per-chunk exponents ``exps`` for
     ``n`` workers."""
-    _check_1d("x", x, np.float32)
+    check_array("x", x, np.float32)
     n = _check_n(n)
     chunk = _check_chunk(chunk)
-    _check_finite("x", x)
+    check_finite("x", x, _FINITE)
     _check_exps(exps, x.shape[0], chunk)
     own = np.empty_like(exps)
     chunk_exponents_into(x, chunk, own)
@@ -413,7 +512,7 @@ def aggregate(qs: np.ndarray) -> np.ndarray:
 
 def dequantize(q: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """float32 values of int32 sums ``q`` quantised with ``exps`` for ``n`` workers."""
-    _check_1d("q", q, np.int32)
+    check_array("q", q, np.int32)
     n = _check_n(n)
     chunk = _check_chunk(chunk)
     _check_exps(exps, q.shape[0], chunk)
@@ -425,7 +524,7 @@ def dequantize(q: np.ndarray, exps: np.ndarray, n: int, chunk: int = DEFAULT_CHU
 def error_bound(result: np.ndarray, exps: np.ndarray, n: int,
                 chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Per-element bound on ``|result - exact sum|`` for an n-way sum (see module docstring)."""
-    _check_1d("result", result, np.float32)
+    check_array("result", result, np.float32)
     n = _check_n(n)
     chunk = _check_chunk(chunk)
     _check_exps(exps, result.shape[0], chunk)
@@ -449,8 +548,8 @@ def allreduce(xs: np.ndarray, chunk: int = DEFAULT_CHUNK) -> tuple[np.ndarray, n
 
 def atp_quantize(x: np.ndarray, factor: float = ATP_FACTOR) -> tuple[np.ndarray, bool]:
     """ATP quantisation ``round(x * factor)``; returns ``(q, overflow)``."""
-    _check_1d("x", x, np.float32)
-    _check_finite("x", x)
+    check_array("x", x, np.float32)
+    check_finite("x", x, _FINITE)
     if not (isinstance(factor, (int, float, np.floating)) and math.isfinite(factor)
             and factor > 0):
         raise ValueError(f"factor: must be a positive finite number, got {factor!r}")
@@ -473,7 +572,7 @@ def atp_aggregate(qs: np.ndarray) -> tuple[np.ndarray, bool]:
 
 def atp_dequantize(q: np.ndarray, factor: float = ATP_FACTOR) -> np.ndarray:
     """float32 values ``q / factor``."""
-    _check_1d("q", q, np.int32)
+    check_array("q", q, np.int32)
     if not (isinstance(factor, (int, float, np.floating)) and math.isfinite(factor)
             and factor > 0):
         raise ValueError(f"factor: must be a positive finite number, got {factor!r}")

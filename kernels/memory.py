@@ -3,9 +3,9 @@
 ``ResidualMemory``: ``compensate(x) = beta * residual + gamma * x`` (GRACE defaults beta =
 gamma = 1: plain x + residual) and ``update(x_compensated, decompressed)`` stores
 ``residual = x_compensated - decompressed``, i.e. what compression lost this step is added
-back next step. ``NoMemory`` is the do-nothing twin. ``compress_with_feedback`` runs the three
-steps. Keep one memory per tensor. Kernels are ``@njit(cache=True)`` with numpy twins in
-``testbed.kernels.reference.compressors``.
+back next step. ``NoMemory`` does nothing (no error feedback). ``compress_with_feedback``
+runs the three steps. Keep one memory per tensor. Kernels are ``@njit(cache=True)`` with
+numpy twins in ``testbed.kernels.reference.memory``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from testbed.kernels.compressors._common import check_number, check_vector, kernel
+from testbed.kernels.checks import check_number, check_vector
+from testbed.kernels.parallel import kernel
 
 __all__ = ["NoMemory", "ResidualMemory", "compress_with_feedback", "ef_compensate", "ef_update"]
 
@@ -38,8 +39,8 @@ class ResidualMemory:
     """Residual error feedback for one tensor (parameters ``beta`` = 1.0, ``gamma`` = 1.0)."""
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0):
-        self.beta = check_number("beta", beta, 0.0, 1e6)
-        self.gamma = check_number("gamma", gamma, 0.0, 1e6)
+        self.beta = check_number("beta", 0.0, 1e6)(beta)
+        self.gamma = check_number("gamma", 0.0, 1e6)(gamma)
         self.residual: np.ndarray | None = None
 
     def compensate(self, x: np.ndarray) -> np.ndarray:

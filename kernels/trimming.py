@@ -18,21 +18,22 @@ Payload layout (``Codec.TRIM_LAYOUT``, all little-endian)::
 Heads are *stochastic* b-bit quantisations of x on ``L = 2**b - 1`` uniform steps over
 ``[-s, s]``: with ``u = (x/s + 1) / 2 * L`` the head is ``floor(u) + Bernoulli(frac(u))``,
 decoded as ``s * (2q/L - 1)``. Its expectation is x (unbiased; b = 1 is a stochastic sign
-scaled by s). The random bits come from a counter-based hash (splitmix64) of ``(seed,
-counter + i)`` so encodes are reproducible and independent across chunks when each chunk
+scaled by s). The Bernoulli draws are ``testbed.kernels.rng.uniform01(seed, counter + i)``
+(counter-based), so encodes are reproducible and independent across chunks when each chunk
 passes its own ``counter`` (e.g. its ``chunk_offset``).
 
 Decoding a full payload is **bit-exact** (the tail is the float32 values; we chose exactness
 over saving the head's m*b bits: a 3.9 % overhead for b = 1, m = 256, 40 + 1024 bytes). A
 trimmed payload (exactly ``head_bytes`` long) decodes to the unbiased head estimate, whose
-per-element error is at most ``2 * s / L`` (one step). The float32 rounding of the decoded
-estimate (2**-24 relative) is the only deviation from exact unbiasedness.
+per-element error is at most ``2 * s / L`` (one step). The deviations from exact
+unbiasedness are the float32 rounding of the decoded estimate (2**-24 relative) and the
+24-bit resolution of the draws (a rounding probability off by at most 2**-24).
 
 njit kernels: ``head_bytes_for(m, bits)``, ``total_bytes_for(m, bits)``,
 ``encode_into(x, bits, seed, counter, out) -> nbytes``, ``decode_into(payload, nbytes, m,
 out) -> 1 full / 0 trimmed / -1 malformed``, ``trim_frame(frame, length) -> new length or
 -reason``, ``trim_frames(buf, length, n) -> frames trimmed``, whole-tensor ``encode_chunks_into`` /
-``decode_chunks_into`` and their ``parallel=True`` twins ``*_par``. Python wrappers: :func:`encode`,
+``decode_chunks_into`` and their ``parallel=True`` forms ``*_par``. Python wrappers: :func:`encode`,
 :func:`decode`, :func:`trim`.
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from testbed.kernels.checks import check_finite
 from testbed.kernels.packets import (
     FLAG_TRIMMED,
     OFF_UDP_LEN,
@@ -53,6 +55,7 @@ from testbed.kernels.packets import (
     set_payload_bytes,
     wr_f32le,
 )
+from testbed.kernels.rng import uniform01
 from testbed.kernels.wire import HEADER_LEN, UDP_LEN
 
 LAYOUT_VERSION = 1
@@ -61,25 +64,7 @@ PREAMBLE = 8
 #: Head widths the layout supports (each divides 8, so a head never straddles a byte).
 BITS_ALLOWED = (1, 2, 4, 8)
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
-_S11 = np.uint64(11)
-_ONE = np.uint64(1)
 _ABS_MASK = np.uint32(0x7FFFFFFF)
-
-
-@njit(cache=True, inline="always")
-def uniform01(seed, index):
-    """Uniform float64 in [0, 1) from a splitmix64 hash of ``(seed, index)``."""
-    z = np.uint64(seed) + (np.uint64(index) + _ONE) * _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    z = z ^ (z >> _S31)
-    return np.float64(z >> _S11) * (1.0 / 9007199254740992.0)
 
 
 @njit(cache=True)
@@ -260,9 +245,7 @@ def encode(x: np.ndarray, bits: int = 1, seed: int = 0, counter: int = 0) -> np.
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1:
         raise TypeError("x: expected a 1-D float32 numpy array (one chunk of a gradient)")
     bits = _check_bits(bits)
-    if not np.isfinite(x).all():
-        i = int(np.argmax(~np.isfinite(x)))
-        raise ValueError(f"x: element {i} is {x[i]}; the trimming layout needs finite values")
+    check_finite("x", x, "the trimming layout needs finite values")
     for name, v in (("seed", seed), ("counter", counter)):
         if not isinstance(v, (int, np.integer)) or not 0 <= v < 2**63:
             raise ValueError(f"{name}: must be an int in [0, 2**63), got {v!r}")

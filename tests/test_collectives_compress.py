@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from testbed.collectives.spec import CollectiveSpec
-from testbed.kernels.compressors._common import PAR_MIN
+from testbed.kernels.parallel import PAR_MIN
 
 COUNT = PAR_MIN + 1  # one element past the switch to the parallel kernels
 

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from testbed.kernels import reductions as red
+from testbed.kernels import rng
 from testbed.kernels.compressors import COMPRESSORS, decode_any, get_compressor
-from testbed.kernels.compressors import _common as cm
 from testbed.kernels.compressors import _select as sel
 from testbed.kernels.compressors import bf16 as kbf16
 from testbed.kernels.compressors import dgc as kdgc
@@ -26,7 +27,11 @@ from testbed.kernels.compressors import signsgd as ksign
 from testbed.kernels.compressors import signum as ksignum
 from testbed.kernels.compressors import terngrad as ktern
 from testbed.kernels.compressors import thc as kthc
+from testbed.kernels.compressors.base import count_for_ratio
+from testbed.kernels.parallel import PAR_MIN
 from testbed.kernels.reference import compressors as ref
+from testbed.kernels.reference import reductions as ref_red
+from testbed.kernels.reference import rng as ref_rng
 
 EXPECTED = {"none", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad",
             "signsgd", "efsignsgd", "signum", "onebit", "natural", "powersgd", "thc"}
@@ -171,18 +176,18 @@ def test_bf16_kernels_bit_exact():
 
 def test_hash_uniform_twin():
     i = np.arange(5000)
-    key = cm.stream_key(3, 4, 5)
+    key = rng.stream_key(3, 4, 5)
     from numba import njit
 
     @njit
     def draw(n, key):
         out = np.empty(n)
         for j in range(n):
-            out[j] = cm.uniform(j, key)
+            out[j] = rng.uniform(j, key)
         return out
 
     u = draw(5000, key)
-    np.testing.assert_array_equal(u, ref.uniform(i, key))
+    np.testing.assert_array_equal(u, ref_rng.uniform(i, key))
     assert 0.0 <= u.min() and u.max() < 1.0
     assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / u.size)
 
@@ -192,7 +197,7 @@ def test_hash_uniform_twin():
 def test_topk_select_equals_twin(x, ratio, quantize):
     if quantize:  # many ties
         x = np.round(x / (10.0 ** quantize)).astype(np.float32)
-    k = cm.count_for_ratio(x.size, ratio)
+    k = count_for_ratio(x.size, ratio)
     out = np.empty(k, np.int32)
     sel.topk_select(x, k, out)
     np.testing.assert_array_equal(out, ref.topk_select(x, k))
@@ -226,9 +231,10 @@ def test_select_ge_equals_twin(x, t):
     assert sel.count_ge(x, np.float32(t)) == ref.select_ge(x, t).size
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (1001, 1001), (65537, 655)])
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (1001, 1001), (65537, 655),
+                                 (12345, 7), (999_983, 9973)])
 def test_randomk_kernels_equal_twin(n, k):
-    key = cm.stream_key(7, 11, 0x52414E44)
+    key = rng.stream_key(7, 11, 0x52414E44)
     idx = np.empty(k, np.int32)
     krk.randomk_indices(n, k, key, idx)
     np.testing.assert_array_equal(idx, ref.randomk_indices(n, k, key))
@@ -240,9 +246,38 @@ def test_randomk_kernels_equal_twin(n, k):
         np.testing.assert_array_equal(v, ref.randomk_gather(x, k, key, scaled))
 
 
+@FAST
+@given(finite_vectors(0, 700), st.integers(0, 15), st.floats(0.0, 2.0))
+def test_mask_kernels_equal_twins_at_every_offset(x, off, t):
+    """sign_pack and select_ge read 64 floats per mask from any start address."""
+    y = np.concatenate([np.zeros(off, np.float32), x])[off:]
+    bits = np.empty((y.size + 7) // 8, np.uint8)
+    ksign.sign_pack(y, bits)
+    np.testing.assert_array_equal(bits, ref.sign_pack(y))
+    strided = np.zeros(2 * bits.size, np.uint8)
+    ksign.sign_pack(y, strided[::2])
+    np.testing.assert_array_equal(strided[::2], bits)
+    np.testing.assert_array_equal(sel.select_ge(y, np.float32(t)), ref.select_ge(y, t))
+
+
+def test_fp16_streaming_path_matches_numpy():
+    """Outputs past STREAM_MIN_BYTES are written with streaming stores, at any alignment."""
+    from testbed.kernels.simd import STREAM_MIN_BYTES
+
+    x = rand(STREAM_MIN_BYTES // 2 + 1001, 61, 1000.0)
+    for off in (0, 1, 3):
+        out = np.zeros(x.size + off, np.uint16)[off:]
+        kfp16.fp16_encode(x, out)
+        np.testing.assert_array_equal(out, ref.fp16_encode(x))
+    strided = np.zeros(2 * 1000, np.uint16)
+    kfp16.fp16_encode(x[:2000:2], strided[::2])  # non-contiguous views: the scalar path
+    np.testing.assert_array_equal(strided[::2], ref.fp16_encode(x[:2000:2]))
+    assert not strided[1::2].any()
+
+
 def test_dgc_select_equals_twin():
     x = rand(20_000, 4)
-    key = cm.stream_key(0, 2, 1)
+    key = rng.stream_key(0, 2, 1)
     for k in (1, 200, 6000):
         np.testing.assert_array_equal(kdgc.dgc_select(x, k, 1024, key),
                                       ref.dgc_select(x, k, 1024, key))
@@ -255,8 +290,8 @@ def test_dgc_select_equals_twin():
 @FAST
 @given(finite_vectors(0, 300), st.sampled_from([1, 4, 127, 256, 32767]), st.integers(0, 99))
 def test_qsgd_kernels_equal_twin(x, levels, step):
-    key = cm.stream_key(1, step, 2)
-    norm = float(cm.l2norm(x)) if x.size else 0.0
+    key = rng.stream_key(1, step, 2)
+    norm = float(red.l2norm(x)) if x.size else 0.0
     dt = np.int8 if levels <= 127 else np.int16
     out = np.empty(x.size, dt)
     kq.qsgd_quantize(x, levels, norm, key, out)
@@ -270,9 +305,9 @@ def test_qsgd_kernels_equal_twin(x, levels, step):
 @FAST
 @given(finite_vectors(0, 300), st.integers(0, 99))
 def test_terngrad_natural_kernels_equal_twins(x, step):
-    key = cm.stream_key(2, step, 3)
-    s = float(cm.absmax(x))
-    assert s == float(ref.absmax(x))
+    key = rng.stream_key(2, step, 3)
+    s = float(red.absmax(x))
+    assert s == float(ref_red.absmax(x))
     q = np.empty(x.size, np.int8)
     ktern.terngrad_quantize(x, s, key, q)
     np.testing.assert_array_equal(q, ref.terngrad_quantize(x, s, key))
@@ -289,8 +324,8 @@ def test_terngrad_natural_kernels_equal_twins(x, step):
 def test_natural_subnormals_and_signs():
     x = np.array([0.0, -0.0, 1e-45, -1e-40, 2.0**-126, 3.0, -6.0, 1.5 * 2.0**126], np.float32)
     code = np.empty(x.size, np.uint16)
-    knat.natural_encode(x, cm.stream_key(0, 0, 0), code)
-    np.testing.assert_array_equal(code, ref.natural_encode(x, cm.stream_key(0, 0, 0)))
+    knat.natural_encode(x, rng.stream_key(0, 0, 0), code)
+    np.testing.assert_array_equal(code, ref.natural_encode(x, rng.stream_key(0, 0, 0)))
     back = ref.natural_decode(code)
     assert back[0] == 0.0 and back[1] == 0.0 and np.signbit(back[1])
     assert back[2] in (0.0, np.float32(2.0**-126)) and back[3] in (0.0, -np.float32(2.0**-126))
@@ -324,10 +359,10 @@ def test_sign_kernels_equal_twins(n):
 
 def test_reductions_match_twins():
     x = rand(300_001, 9, 3.0)
-    assert cm.l2norm(x) == pytest.approx(ref.l2norm(x), rel=1e-12)
-    assert cm.l1norm(x) == pytest.approx(ref.l1norm(x), rel=1e-12)
-    assert cm.absmax(x) == ref.absmax(x)
-    assert cm.l2norm(np.zeros(0, np.float32)) == 0.0 and cm.absmax(np.zeros(0, np.float32)) == 0
+    assert red.l2norm(x) == pytest.approx(ref_red.l2norm(x), rel=1e-12)
+    assert red.l1norm(x) == pytest.approx(ref_red.l1norm(x), rel=1e-12)
+    assert red.absmax(x) == ref_red.absmax(x)
+    assert red.l2norm(np.zeros(0, np.float32)) == 0.0 and red.absmax(np.zeros(0, np.float32)) == 0
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1025])
@@ -370,7 +405,7 @@ def test_thc_kernels_match_twins(n, block):
     x = rand(n, n)
     d, blk = kthc.padded_length(n, block)
     assert d >= n and d % blk == 0 and blk & (blk - 1) == 0
-    key = cm.stream_key(1, 2, 3)
+    key = rng.stream_key(1, 2, 3)
     y = np.empty(d, np.float32)
     kthc.rht_forward(x, blk, key, y)
     np.testing.assert_array_equal(y, ref.rht_forward(x, blk, key, d))
@@ -698,13 +733,13 @@ def _parallel_cases():
     x = rand(5000, 31, 3.0)
     x[::97] = 0.0
     y = rand(4096, 32)
-    key = cm.stream_key(5, 6, 7)
+    key = rng.stream_key(5, 6, 7)
     h = np.arange(5000, dtype=np.uint16)
-    norm = float(cm.l2norm(x))
+    norm = float(red.l2norm(x))
     nchunk = (x.size + sel.SELECT_CHUNK - 1) // sel.SELECT_CHUNK
     return [
-        (cm._chunk_sums, lambda: (x, 2)), (cm._chunk_sums, lambda: (x, 1)),
-        (cm.absmax, lambda: (x,)), (cm.all_finite, lambda: (x,)),
+        (red._chunk_sums, lambda: (x, 2)), (red._chunk_sums, lambda: (x, 1)),
+        (red.absmax, lambda: (x,)), (red.all_finite, lambda: (x,)),
         (sel._count_ge, lambda: (x, np.float32(1.0), np.zeros(nchunk, np.int64))),
         (kbf16._encode_bits, lambda: (x.view(np.uint32), np.empty(x.size, np.uint16))),
         (kfp16._encode_bits_sw, lambda: (x.view(np.uint32), np.empty(x.size, np.uint16))),
@@ -716,7 +751,7 @@ def _parallel_cases():
         (kq.qsgd_quantize, lambda: (x * np.float32(1e-38), 127, norm * 1e-38, key,
                                     np.empty(x.size, np.int8))),
         (ksign._sign_words, lambda: (x[:4992], np.empty(624, np.uint8))),
-        (ktern.terngrad_quantize, lambda: (x, float(cm.absmax(x)), key,
+        (ktern.terngrad_quantize, lambda: (x, float(red.absmax(x)), key,
                                            np.empty(x.size, np.int8))),
         (kthc.rht_forward, lambda: (x, 1024, key, np.empty(5120, np.float32))),
         (kthc.rht_inverse, lambda: (y, 1024, key, 4000, np.empty(4000, np.float32))),
@@ -764,10 +799,10 @@ def test_kernels_callable_from_njit_per_packet():
             fp16_encode(x, h16[p])
             bf16_encode(x, b16[p])
             sign_pack(x, bits[p])
-            qsgd_quantize(x, 256, cm.l2norm(x), key, q[p])
+            qsgd_quantize(x, 256, red.l2norm(x), key, q[p])
 
     frames = rand(4 * 256, 40).reshape(4, 256)
-    key = cm.stream_key(0, 3, 0)
+    key = rng.stream_key(0, 3, 0)
     h16, b16 = np.empty((4, 256), np.uint16), np.empty((4, 256), np.uint16)
     bits, q = np.empty((4, 32), np.uint8), np.empty((4, 256), np.int16)
     per_packet(frames, key, h16, b16, bits, q)
@@ -776,7 +811,7 @@ def test_kernels_callable_from_njit_per_packet():
         np.testing.assert_array_equal(h16[p], ref.fp16_encode(x))
         np.testing.assert_array_equal(b16[p], ref.bf16_encode(x))
         np.testing.assert_array_equal(bits[p], ref.sign_pack(x))
-        np.testing.assert_array_equal(q[p], ref.qsgd_quantize(x, 256, cm.l2norm(x), key, np.int16))
+        np.testing.assert_array_equal(q[p], ref.qsgd_quantize(x, 256, red.l2norm(x), key, np.int16))
 
 
 @FAST
@@ -807,7 +842,7 @@ def test_cached_parallel_path_in_fresh_process():
     import subprocess
     import sys
 
-    n = cm.PAR_MIN + 123
+    n = PAR_MIN + 123
     x = rand(n, 50)
     idx = np.empty(n // 100, np.int32)
     sel.topk_select(x, n // 100, idx)  # compiled (and cached) here

@@ -252,3 +252,97 @@ def test_bad_input_raises_clear_errors():
         fp.atp_quantize(x, factor=0)
     with pytest.raises(TypeError, match="qs"):
         fp.aggregate(np.zeros((2, 3), np.int64))
+
+
+def _misaligned(n: int, dtype, off: int) -> np.ndarray:
+    """An output array whose first element sits ``off`` elements past an allocation start:
+    the block kernels must handle every alignment of the output."""
+    return np.zeros(n + off, dtype)[off:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 15), st.sampled_from([16, 17, 64, 100, 256]),
+       st.integers(1, 64), st.booleans(), st.integers(0, 2**31))
+def test_block_kernels_equal_twins_at_every_alignment(length, off, chunk, n, stream, seed):
+    """The LANES-wide block forms (plain or streaming stores, the streamed ones forced here on
+    small tensors) are bit-identical to the numpy twins, including blocks that straddle two
+    chunks and every output alignment."""
+    x = adversarial(length, np.random.default_rng(seed)) * np.float32(2.0**-3)
+    exps = ref.chunk_exponents(x, chunk)
+    q = _misaligned(length, np.int32, off)
+    fp._scale_chunks(x, exps, n, chunk, q, stream, False)
+    assert np.array_equal(q, ref.quantize(x, exps, n, chunk))
+    out = _misaligned(length, np.float32, off)
+    fp._scale_chunks(q, exps, n, chunk, out, stream, True)
+    assert np.array_equal(out.view(np.uint32), ref.dequantize(q, exps, n, chunk).view(np.uint32))
+    y = x * np.float32(1e-30)  # ATP: mostly in range, the adversarial magnitudes overflow
+    qa = _misaligned(length, np.int32, off)
+    bad = fp._atp_quantize(y, 1e6, qa, stream)
+    q_ref, over_ref = ref.atp_quantize(y, 1e6)
+    assert np.array_equal(qa, q_ref) and (bad != 0) == over_ref
+    fp._atp_dequantize(q_ref, 1e6, out, stream)
+    assert np.array_equal(out, ref.atp_dequantize(q_ref, 1e6))
+
+
+def test_atp_block_bounds_are_exact():
+    """Products exactly at the int32 rounding bounds (round half to even: 2**31 - 0.5 does
+    not fit, -2**31 - 0.5 does), just inside and outside them, NaN and +-inf, in every lane
+    position of a block and with the fast-path limit on either side."""
+    x = np.array([1.0, -1.0, 0.5, -0.5, np.nextafter(1.0, 0.0), np.nextafter(-1.0, 0.0),
+                  np.nextafter(1.0, 2.0), 2.0, -2.0, 0.0, np.nan, np.inf, -np.inf, 3e-7],
+                 dtype=np.float32)
+    for f in (2147483647.5, 2147483648.5, 2147483647.4999998, 2147483646.0, 1e6, 1.0):
+        for rot in range(16):
+            y = np.roll(np.resize(x, 48), rot)
+            for stream in (False, True):
+                q = _misaligned(y.size, np.int32, rot % 4)
+                bad = fp._atp_quantize(y, f, q, stream)
+                q_ref, over_ref = ref.atp_quantize(y, f)
+                assert np.array_equal(q, q_ref), (f, rot, stream)
+                assert (bad != 0) == over_ref, (f, rot, stream)
+    q = np.empty(2, np.int32)
+    assert not fp.atp_quantize_into(np.array([-1.0, 1.0], np.float32), 2147483647.4, q)
+    assert q.tolist() == [-2147483647, 2147483647]
+    assert not fp.atp_quantize_into(np.array([-1.0, 0.0], np.float32), 2147483648.5, q)
+    assert q.tolist() == [fp.INT32_MIN, 0]
+
+
+def test_streaming_path_of_whole_tensors_equals_twins():
+    """Tensors past STREAM_MIN_BYTES take the streaming stores through the public kernels."""
+    from testbed.kernels.simd import STREAM_MIN_BYTES
+
+    length = STREAM_MIN_BYTES // 4 + 1003
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal(length).astype(np.float32)
+    exps = ref.chunk_exponents(x, 256)
+    q = _misaligned(length, np.int32, 3)
+    fp.quantize_chunks_into(x, exps, 8, 256, q)
+    assert np.array_equal(q, ref.quantize(x, exps, 8, 256))
+    q2 = np.empty(length, np.int32)
+    fp.quantize_chunks_into_par(x, exps, 8, 256, q2)
+    assert np.array_equal(q2, q)
+    out = _misaligned(length, np.float32, 1)
+    fp.dequantize_chunks_into_par(q, exps, 8, 256, out)
+    assert np.array_equal(out, ref.dequantize(q, exps, 8, 256))
+    qa = _misaligned(length, np.int32, 2)
+    assert not fp.atp_quantize_into(x, 1e6, qa)
+    assert np.array_equal(qa, ref.atp_quantize(x, 1e6)[0])
+
+
+def test_strided_arrays_take_the_scalar_path():
+    """Non-contiguous views (typed layout "A") give the same results as contiguous ones."""
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal(2 * 1000).astype(np.float32)[::2]
+    exps = ref.chunk_exponents(np.ascontiguousarray(x), 256)
+    q = np.zeros(2 * 1000, np.int32)
+    fp.quantize_chunks_into(x, exps, 4, 256, q[::2])
+    assert np.array_equal(q[::2], ref.quantize(np.ascontiguousarray(x), exps, 4, 256))
+    assert not q[1::2].any()
+    out = np.zeros(2 * 1000, np.float32)
+    fp.dequantize_chunks_into(q[::2], exps, 4, 256, out[::2])
+    assert np.array_equal(out[::2], ref.dequantize(q[::2].copy(), exps, 4, 256))
+    qa = np.zeros(2 * 1000, np.int32)
+    assert not fp.atp_quantize_into(x, 1e6, qa[::2])
+    assert np.array_equal(qa[::2], ref.atp_quantize(np.ascontiguousarray(x), 1e6)[0])
+    fp.atp_dequantize_into(qa[::2], 1e6, out[::2])
+    assert np.array_equal(out[::2], ref.atp_dequantize(qa[::2].copy(), 1e6))

@@ -18,7 +18,7 @@ from testbed.kernels.memory import (
     ef_compensate,
     ef_update,
 )
-from testbed.kernels.reference import compressors as ref
+from testbed.kernels.reference import memory as ref
 
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

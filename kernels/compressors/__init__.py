@@ -18,7 +18,7 @@ import inspect
 
 import numpy as np
 
-from ._common import Compressor, decode_payload
+from .base import Compressor, decode_payload
 from .bf16 import Bf16Compressor
 from .dgc import DgcCompressor
 from .efsignsgd import EfsignsgdCompressor

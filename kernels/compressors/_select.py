@@ -12,7 +12,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._common import kernel
+from testbed.kernels.parallel import kernel
+from testbed.kernels.simd import mask64, splat, vector_of
 
 #: Elements per selection chunk (a multiple of 64: chunks start on a mask word).
 SELECT_CHUNK = 1 << 15
@@ -21,24 +22,26 @@ SELECT_CHUNK = 1 << 15
 @intrinsic
 def ge_mask64(typingctx, x, base, t):
     """uint64 whose bit j is ``|x[base + j]| >= t`` (C-contiguous float32 ``x``, float32 ``t``):
-    64 floats are loaded, sign-cleared and compared as one LLVM vector (vcmpps + kmov on AVX-512)."""
+    eight 8-lane compares of the sign-cleared floats (vcmpps + vmovmskps on AVX2, a mask
+    register on AVX-512)."""
     if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C"
             and isinstance(base, types.Integer) and t == types.float32):
         return None
 
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
-        vty = ir.VectorType(ir.FloatType(), 64)
-        v = builder.load(builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer()),
-                         align=4)
-        ity = ir.VectorType(ir.IntType(32), 64)  # |v|: clear the sign bits
-        a = builder.bitcast(builder.and_(builder.bitcast(v, ity),
-                                         ir.Constant(ity, [0x7FFFFFFF] * 64)), vty)
-        undef = ir.Constant(vty, ir.Undefined)
-        one = builder.insert_element(undef, args[2], ir.Constant(ir.IntType(32), 0))
-        tv = builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 64),
-                                                            None))
-        return builder.bitcast(builder.fcmp_ordered(">=", a, tv), ir.IntType(64))
+        vty = vector_of(ir.FloatType(), 8)
+        ity = vector_of(ir.IntType(32), 8)
+        tv = splat(builder, args[2], 8)
+
+        def compare8(k):
+            ptr = builder.gep(ary.data, [builder.add(args[1], ir.Constant(args[1].type, 8 * k))])
+            v = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=4)
+            a = builder.bitcast(builder.and_(builder.bitcast(v, ity),
+                                             ir.Constant(ity, [0x7FFFFFFF] * 8)), vty)
+            return builder.fcmp_ordered(">=", a, tv)
+
+        return mask64(builder, compare8)
 
     return types.uint64(x, base, t), codegen
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, kernel
+from testbed.kernels.parallel import kernel
+
+from .base import Compressor
 
 #: Smallest float32 magnitude that rounds to inf in bfloat16 (half-way above 0x7F7F).
 BF16_INF_FROM = np.array([0x7F7F8000], dtype=np.uint32).view(np.float32)[0]

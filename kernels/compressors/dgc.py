@@ -13,8 +13,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, count_for_ratio, hash_u32, stream_key
+from testbed.kernels.checks import check_number
+from testbed.kernels.rng import hash_u32, stream_key
+
 from ._select import kth_smallest, select_ge, topk_among
+from .base import Compressor, count_for_ratio
 from .topk import gather, sparse_decompress
 
 _SALT = 0x44474353  # "DGCS"
@@ -59,10 +62,10 @@ class DgcCompressor(Compressor):
 
     def __init__(self, ratio: float = 0.3, sample_ratio: float = 0.01, momentum: float = 0.0,
                  seed: int = 0):
-        ratio = check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
-        sample_ratio = check_number("sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True)
-        momentum = check_number("momentum", momentum, 0.0, 1.0)
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        ratio = check_number("ratio", 0.0, 1.0, lo_open=True)(ratio)
+        sample_ratio = check_number("sample_ratio", 0.0, 1.0, lo_open=True)(sample_ratio)
+        momentum = check_number("momentum", 0.0, 1.0)(momentum)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         super().__init__(ratio=ratio, sample_ratio=sample_ratio, momentum=momentum, seed=seed)
         self.ratio, self.sample_ratio, self.momentum, self.seed = ratio, sample_ratio, momentum, seed
         self.stateful = momentum > 0

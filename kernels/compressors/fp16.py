@@ -17,7 +17,18 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._common import Compressor, kernel
+from testbed.kernels.parallel import block_range, kernel
+from testbed.kernels.simd import (
+    LANES,
+    STREAM_MIN_BYTES,
+    aligned_head,
+    contiguous,
+    half_block,
+    store_fence,
+    stream_parts,
+)
+
+from .base import Compressor
 
 #: Largest finite half: values beyond ~65520 become inf, so the compressor refuses them.
 FP16_MAX = 65504.0
@@ -107,7 +118,20 @@ def f16_to_f32(typingctx, h):
 
 @kernel("x.size")
 def _encode_hw(x, out):
-    for i in prange(x.size):
+    n = x.size
+    stream = 2 * n >= STREAM_MIN_BYTES  # streaming stores for outputs beyond the caches
+    head = min(aligned_head(out, 0) if stream else 0, n)
+    nblk = (n - head) // LANES if contiguous(x) and contiguous(out) else 0
+    nb = stream_parts(nblk)
+    for p in prange(nb):
+        b0, b1, _, _ = block_range(p, nb, nblk, 1, nblk)
+        for b in range(b0, b1):
+            half_block(x, head + b * LANES, out, stream)
+        if stream:
+            store_fence()
+    for i in range(head):
+        out[i] = f32_to_f16(x[i])
+    for i in range(head + nblk * LANES, n):
         out[i] = f32_to_f16(x[i])
 
 
@@ -158,13 +182,14 @@ else:
 
 @njit(cache=True)
 def fp16_encode_sw(x, out):
-    """Portable software twin of :func:`fp16_encode` (bit manipulation only)."""
+    """Portable software form of :func:`fp16_encode` (bit manipulation only): the fallback
+    on hosts without hardware half conversion, tested here on every host."""
     _encode_bits_sw(x.view(np.uint32), out)
 
 
 @njit(cache=True)
 def fp16_decode_sw(h, out):
-    """Portable software twin of :func:`fp16_decode`."""
+    """Portable software form of :func:`fp16_decode` (see :func:`fp16_encode_sw`)."""
     _decode_bits_sw(h, out.view(np.uint32))
 
 

@@ -12,7 +12,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, hash_u32, kernel, stream_key
+from testbed.kernels.checks import check_number
+from testbed.kernels.parallel import kernel
+from testbed.kernels.rng import hash_u32, stream_key
+
+from .base import Compressor
 
 _SALT = 0x4E415455  # "NATU"
 #: 2^127: the largest power of two in float32; values at or above it cannot round up.
@@ -57,7 +61,7 @@ class NaturalCompressor(Compressor):
     name = "natural"
 
     def __init__(self, seed: int = 0):
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         super().__init__(seed=seed)
         self.seed = seed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import Compressor
+from .base import Compressor
 
 
 class NoneCompressor(Compressor):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import REDUCE_CHUNK, Compressor
+from testbed.kernels.reductions import REDUCE_CHUNK
+
+from .base import Compressor
 from .signsgd import pack_signs, packed_len, unpack_signs
 
 

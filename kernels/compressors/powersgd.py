@@ -16,7 +16,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number
+from testbed.kernels.checks import check_number
+
+from .base import Compressor
 
 _ROW_BLOCKS = 16
 
@@ -126,8 +128,8 @@ class PowersgdCompressor(Compressor):
     stateful = True
 
     def __init__(self, rank: int = 2, seed: int = 0):
-        rank = check_number("rank", rank, 1, 1024, integer=True)
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        rank = check_number("rank", 1, 1024, integer=True)(rank)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         super().__init__(rank=rank, seed=seed)
         self.rank, self.seed = rank, seed
         self._q = None

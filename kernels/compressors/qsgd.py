@@ -10,7 +10,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, kernel, l2norm, stream_key, uniform, uniform32
+from testbed.kernels.checks import check_number
+from testbed.kernels.parallel import kernel
+from testbed.kernels.reductions import l2norm
+from testbed.kernels.rng import stream_key, uniform, uniform32
+
+from .base import Compressor
 
 _SALT = 0x51534744  # "QSGD"
 
@@ -57,8 +62,8 @@ class QsgdCompressor(Compressor):
     name = "qsgd"
 
     def __init__(self, levels: int = 256, seed: int = 0):
-        levels = check_number("levels", levels, 1, 32767, integer=True)
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        levels = check_number("levels", 1, 32767, integer=True)(levels)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         super().__init__(levels=levels, seed=seed)
         self.levels, self.seed = levels, seed
         self.dtype = np.int8 if levels <= 127 else np.int16

@@ -13,34 +13,49 @@ index draw).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from ._common import Compressor, check_number, count_for_ratio, hash_u32, stream_key
+from testbed.kernels.checks import check_number
+from testbed.kernels.rng import hash_u32, stream_key
+
+from .base import Compressor, count_for_ratio
 from .topk import scatter
 
 _SALT = 0x52414E44  # "RAND"
 
 
+@njit(cache=True, inline="always")
+def _next_width(acc, q, r, k):
+    """Stratum j spans ``[j*n // k, (j+1)*n // k)``: with ``n = q*k + r`` and ``acc = (j*r)
+    mod k`` its width is q, plus 1 when ``acc + r`` reaches k. Returns ``(acc', width)``
+    (exact, no division per stratum)."""
+    acc += r
+    if acc >= k:
+        return acc - k, q + 1
+    return acc, q
+
+
 @njit(cache=True)
 def randomk_indices(n, k, key, out):
     """k stratified random indices of [0, n) for stream ``key`` into int32 ``out`` (ascending)."""
-    for j in prange(k):
-        lo = (j * n) // k
-        hi = ((j + 1) * n) // k
-        w = hi - lo
+    q = n // max(k, 1)
+    lo = acc = 0
+    for j in range(k):
+        acc, w = _next_width(acc, q, n - q * k, k)
         out[j] = lo + ((np.int64(hash_u32(j, key)) * w) >> 32)
+        lo += w
 
 
 @njit(cache=True)
 def randomk_gather(x, k, key, scaled, out):
     """Values of x at :func:`randomk_indices` (times the stratum width when ``scaled``)."""
-    n = x.size
-    for j in prange(k):
-        lo = (j * n) // k
-        hi = ((j + 1) * n) // k
-        w = hi - lo
+    q = x.size // max(k, 1)
+    lo = acc = 0
+    for j in range(k):
+        acc, w = _next_width(acc, q, x.size - q * k, k)
         v = x[lo + ((np.int64(hash_u32(j, key)) * w) >> 32)]
         out[j] = v * np.float32(w) if scaled else v
+        lo += w
 
 
 class RandomkCompressor(Compressor):
@@ -53,10 +68,10 @@ class RandomkCompressor(Compressor):
     summable = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
-        ratio = check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        ratio = check_number("ratio", 0.0, 1.0, lo_open=True)(ratio)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         if not isinstance(unbiased, (bool, np.bool_)):
-            raise ValueError(f"parameter 'unbiased' must be True or False, got {unbiased!r}")
+            raise ValueError(f"unbiased: must be True or False, got {unbiased!r}")
         super().__init__(ratio=ratio, seed=seed, unbiased=bool(unbiased))
         self.ratio, self.seed, self.unbiased = ratio, seed, bool(unbiased)
 

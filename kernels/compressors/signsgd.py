@@ -12,36 +12,45 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._common import Compressor, kernel
+from testbed.kernels.parallel import kernel
+from testbed.kernels.simd import mask64, store_u64le, vector_of
+
+from .base import Compressor
 
 
 @intrinsic
 def sign_mask64(typingctx, x, base):
-    """uint64 whose bit j is ``x[base + j] >= 0`` for a C-contiguous float32 ``x``: the 64
-    floats are loaded as one LLVM vector and compared at once (vcmpps + kmov on AVX-512)."""
+    """uint64 whose bit j is ``x[base + j] >= 0`` for a C-contiguous float32 ``x``: eight
+    8-lane compares (vcmpps + vmovmskps on AVX2, a mask register on AVX-512)."""
     if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C"
             and isinstance(base, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
-        vty = ir.VectorType(ir.FloatType(), 64)
-        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer())
-        v = builder.load(ptr, align=4)
-        # ordered >=: -0.0 counts as non-negative, NaN would not (inputs are finite)
-        return builder.bitcast(builder.fcmp_ordered(">=", v, ir.Constant(vty, None)),
-                               ir.IntType(64))
+        vty = vector_of(ir.FloatType(), 8)
+
+        def compare8(k):
+            ptr = builder.gep(ary.data, [builder.add(args[1], ir.Constant(args[1].type, 8 * k))])
+            v = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=4)
+            # ordered >=: -0.0 counts as non-negative, NaN would not (inputs are finite)
+            return builder.fcmp_ordered(">=", v, ir.Constant(vty, None))
+
+        return mask64(builder, compare8)
 
     return types.uint64(x, base), codegen
 
 
 @kernel("x.size")
 def _sign_words(x, out_bits):
+    contiguous = out_bits.strides[0] == 1
     for w in prange(x.size // 64):
         m = sign_mask64(x, 64 * w)
-        # byte stores: out_bits may be any slice of a frame (no alignment assumed)
-        for b in range(8):
-            out_bits[8 * w + b] = (m >> np.uint64(8 * b)) & np.uint64(0xFF)
+        if contiguous:  # one unaligned 8-byte store: out_bits may be any slice of a frame
+            store_u64le(out_bits, 8 * w, m)
+        else:
+            for b in range(8):
+                out_bits[8 * w + b] = (m >> np.uint64(8 * b)) & np.uint64(0xFF)
 
 
 @njit(cache=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number
+from testbed.kernels.checks import check_number
+
+from .base import Compressor
 from .signsgd import pack_signs, packed_len, unpack_signs
 
 
@@ -25,7 +27,7 @@ class SignumCompressor(Compressor):
     stateful = True
 
     def __init__(self, momentum: float = 0.9):
-        momentum = check_number("momentum", momentum, 0.0, 1.0)
+        momentum = check_number("momentum", 0.0, 1.0)(momentum)
         super().__init__(momentum=momentum)
         self.momentum = momentum
         self._m = None

@@ -9,7 +9,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, absmax, check_number, kernel, stream_key, uniform
+from testbed.kernels.checks import check_number
+from testbed.kernels.parallel import kernel
+from testbed.kernels.reductions import absmax
+from testbed.kernels.rng import stream_key, uniform
+
+from .base import Compressor
 
 _SALT = 0x5445524E  # "TERN"
 
@@ -38,7 +43,7 @@ class TerngradCompressor(Compressor):
     name = "terngrad"
 
     def __init__(self, seed: int = 0):
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         super().__init__(seed=seed)
         self.seed = seed
 

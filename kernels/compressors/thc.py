@@ -28,10 +28,18 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, hash_u32, kernel, l2norm, stream_key, uniform
+from testbed.kernels.checks import check_number, check_step, check_vector
+from testbed.kernels.parallel import kernel
+from testbed.kernels.reductions import l2norm
+from testbed.kernels.rng import hash_u32, stream_key, uniform
 
-_SALT_SIGN = 0x5448434B  # "THCK"
-_SALT_QUANT = 0x54484351  # "THCQ"
+from .base import Compressor
+
+#: Salt of the random signs D of the rotation: one stream per (seed, step) shared by every
+#: worker, so rotated vectors can be added (the INA worker derives its key with it too).
+SALT_SIGN = 0x5448434B  # "THCK"
+#: Salt of the stochastic-rounding stream of :meth:`ThcCompressor.compress`.
+SALT_QUANT = 0x54484351  # "THCQ"
 
 
 @njit(cache=True)
@@ -149,44 +157,40 @@ class ThcCompressor(Compressor):
 
     def __init__(self, granularity: int = 16, block: int = 1024, clip: float = 4.0,
                  seed: int = 0):
-        g = check_number("granularity", granularity, 2, 254, integer=True)
+        g = check_number("granularity", 2, 254, integer=True)(granularity)
         if g % 2:
-            raise ValueError(f"parameter 'granularity' must be even (levels -g/2..g/2), got {g}")
-        block = check_number("block", block, 1, 1 << 24, integer=True)
+            raise ValueError(f"granularity: must be even (levels -g/2..g/2), got {g}")
+        block = check_number("block", 1, 1 << 24, integer=True)(block)
         if block & (block - 1):
-            raise ValueError(f"parameter 'block' must be a power of two, got {block}")
-        clip = check_number("clip", clip, 0.0, 1e6, lo_open=True)
-        seed = check_number("seed", seed, 0, 2**63 - 1, integer=True)
+            raise ValueError(f"block: must be a power of two, got {block}")
+        clip = check_number("clip", 0.0, 1e6, lo_open=True)(clip)
+        seed = check_number("seed", 0, 2**63 - 1, integer=True)(seed)
         super().__init__(granularity=g, block=block, clip=clip, seed=seed)
         self.g, self.block, self.clip, self.seed = g, block, clip, seed
 
     @staticmethod
     def local_norm(x: np.ndarray) -> float:
         """This worker's contribution to the shared scale: ||x||_2 (agree on the max)."""
-        from ._common import check_vector
-
         x = check_vector(x)
         return float(l2norm(x)) if x.size else 0.0
 
     def compress(self, x, step=0, norm=None):
         """Compress with the agreed ``norm`` (max of the workers' local_norm; None = own)."""
-        from ._common import check_step, check_vector
-
         x = check_vector(x)
         step = check_step(step)
         own = float(l2norm(x)) if x.size else 0.0
         if norm is None:
             norm = own
         else:
-            norm = check_number("norm", norm, 0.0, 3.4e38)
+            norm = check_number("norm", 0.0, 3.4e38)(norm)
         n = x.size
         d, blk = padded_length(n, self.block)
         y = np.empty(d, dtype=np.float32)
         if n:
-            rht_forward(x, blk, stream_key(self.seed, step, _SALT_SIGN), y)
+            rht_forward(x, blk, stream_key(self.seed, step, SALT_SIGN), y)
         scale = self.clip * norm / math.sqrt(d) if d else 0.0
         q = np.empty(d, dtype=np.int8)
-        clipped = int(thc_quantize(y, scale, self.g // 2, stream_key(self.seed, step, _SALT_QUANT),
+        clipped = int(thc_quantize(y, scale, self.g // 2, stream_key(self.seed, step, SALT_QUANT),
                                    q)) if d else 0
         return (q,), {"n": int(n), "step": step, "scale": scale, "clipped": clipped}
 
@@ -200,7 +204,7 @@ class ThcCompressor(Compressor):
         thc_dequantize(q, float(ctx["scale"]), self.g // 2, y)
         out = np.empty(n, dtype=np.float32)
         if n:
-            rht_inverse(y, blk, stream_key(self.seed, step, _SALT_SIGN), n, out)
+            rht_inverse(y, blk, stream_key(self.seed, step, SALT_SIGN), n, out)
         return out
 
     def _aggregate(self, payloads):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import Compressor, check_number
+from testbed.kernels.checks import check_number
+
 from ._select import select_ge
+from .base import Compressor
 from .topk import gather, sparse_decompress
 
 
@@ -16,7 +18,7 @@ class ThresholdCompressor(Compressor):
     name = "threshold"
 
     def __init__(self, threshold: float = 0.01):
-        threshold = check_number("threshold", threshold, 0.0, 3.4e38)
+        threshold = check_number("threshold", 0.0, 3.4e38)(threshold)
         super().__init__(threshold=threshold)
         self.threshold = threshold
 

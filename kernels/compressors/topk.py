@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._common import Compressor, check_number, count_for_ratio
+from testbed.kernels.checks import check_number
+
 from ._select import topk_select
+from .base import Compressor, count_for_ratio
 
 __all__ = ["TopkCompressor", "topk_select", "gather", "scatter"]
 
@@ -47,7 +49,7 @@ class TopkCompressor(Compressor):
     name = "topk"
 
     def __init__(self, ratio: float = 0.01):
-        ratio = check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
+        ratio = check_number("ratio", 0.0, 1.0, lo_open=True)(ratio)
         super().__init__(ratio=ratio)
         self.ratio = ratio
 

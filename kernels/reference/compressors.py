@@ -1,61 +1,16 @@
-"""Plain numpy twins of the compressor and error-feedback kernels.
+"""Plain numpy twins of the compressor kernels (``testbed.kernels.compressors.*``).
 
-Each function mirrors the Numba kernel of the same name in ``testbed.kernels.compressors.*``
-or ``testbed.kernels.memory`` but returns a new array instead of filling ``out``. Elementwise
-and integer kernels (including the stochastic ones, which share the counter-based hash) are
-bit-exact twins; float reductions (norms, means, matrix products) agree to rounding.
+Each function mirrors the Numba kernel of the same name but returns a new array instead of
+filling ``out``. Elementwise and integer kernels (including the stochastic ones, which draw
+from the counter-based hash of ``testbed.kernels.rng``) are bit-exact twins; float
+reductions (means, matrix products) agree to rounding.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from testbed.kernels.compressors._common import stream_key  # noqa: F401  (pure Python, shared)
-
-_M32 = np.uint64(0xFFFFFFFF)
-
-
-# ----------------------------------------------------------------------------- randomness
-
-
-def hash_u32(i, key) -> np.ndarray:
-    """Twin of ``_common.hash_u32`` over an index array (uint64 results < 2**32)."""
-    h = (np.asarray(i).astype(np.uint64) * np.uint64(0x9E3779B1) + np.uint64(key)) & _M32
-    h ^= h >> np.uint64(16)
-    h = (h * np.uint64(0x7FEB352D)) & _M32
-    h ^= h >> np.uint64(15)
-    h = (h * np.uint64(0x846CA68B)) & _M32
-    h ^= h >> np.uint64(16)
-    return h
-
-
-def uniform32(i, key) -> np.ndarray:
-    """Twin of ``_common.uniform32``: float32 in [0, 1) with 24 bits."""
-    return (hash_u32(i, key) >> np.uint64(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
-
-
-def uniform(i, key) -> np.ndarray:
-    """Twin of ``_common.uniform``: the same draw as float64."""
-    return uniform32(i, key).astype(np.float64)
-
-
-# ----------------------------------------------------------------------------- reductions
-
-
-def l2norm(x) -> float:
-    """||x||_2 in float64."""
-    return float(np.sqrt(np.sum(np.square(x.astype(np.float64)))))
-
-
-def l1norm(x) -> float:
-    """||x||_1 in float64."""
-    return float(np.sum(np.abs(x.astype(np.float64))))
-
-
-def absmax(x) -> np.float32:
-    """max |x| (0 when empty)."""
-    return np.float32(np.max(np.abs(x))) if x.size else np.float32(0.0)
-
+from testbed.kernels.reference.rng import hash_u32, uniform, uniform32
 
 # ----------------------------------------------------------------------------- fp16 / bf16
 
@@ -308,16 +263,3 @@ def thc_dequantize(q, scale, half) -> np.ndarray:
 def thc_sum(stack) -> np.ndarray:
     """int32 sum over workers (axis 0)."""
     return stack.astype(np.int32).sum(axis=0, dtype=np.int32)
-
-
-# ----------------------------------------------------------------------------- error feedback
-
-
-def ef_compensate(x, residual, beta, gamma) -> np.ndarray:
-    """beta * residual + gamma * x (float32)."""
-    return np.float32(beta) * residual + np.float32(gamma) * x
-
-
-def ef_update(xc, decompressed) -> np.ndarray:
-    """xc - decompressed (float32)."""
-    return xc - decompressed

@@ -6,21 +6,10 @@ import numpy as np
 
 from testbed.kernels import wire
 from testbed.kernels.reference.packets import ipv4_checksum
+from testbed.kernels.reference.rng import uniform01
 
 PREAMBLE = 8
 LAYOUT_VERSION = 1
-_MASK64 = (1 << 64) - 1
-
-
-def uniform01(seed: int, index: np.ndarray) -> np.ndarray:
-    """splitmix64-based uniforms in [0, 1) for ``(seed, index)`` (numpy uint64, wrapping)."""
-    with np.errstate(over="ignore"):
-        z = (np.uint64(seed & _MASK64)
-             + (index.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53
 
 
 def head_bytes_for(m: int, bits: int) -> int:

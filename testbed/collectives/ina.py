@@ -63,8 +63,8 @@ from testbed.collectives.spec import INA_COMPRESSORS, CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors import get_compressor
-from testbed.kernels.compressors._common import stream_key
-from testbed.kernels.compressors.thc import _SALT_SIGN, padded_length, rht_forward, rht_inverse
+from testbed.kernels.compressors.thc import SALT_SIGN, padded_length, rht_forward, rht_inverse
+from testbed.kernels.rng import stream_key
 from testbed.kernels.wire import TESTBED_UDP_PORT, describe_header, unpack_header
 
 #: Factor of the SmartNIC's fixed-point codec for ``algo="nic"`` (ATP's).
@@ -329,7 +329,7 @@ def thc_layout(comp, count: int, E: int, step: int, rank: int) -> tuple:
     The rotation block is the compressor's ``block`` capped at the packet's E lanes, so every
     packet holds whole blocks; a vector shorter than a block uses one power-of-two block."""
     d, blk = padded_length(int(count), min(int(comp.block), E))
-    skey = stream_key(comp.seed, step, _SALT_SIGN)
+    skey = stream_key(comp.seed, step, SALT_SIGN)
     qkey = stream_key(comp.seed, step, SALT_QUANT_RANK + (rank << 16))
     return d, blk, skey, qkey
 

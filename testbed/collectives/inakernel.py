@@ -35,9 +35,9 @@ import numpy as np
 from numba import njit
 
 from testbed.kernels import fixedpoint as fp
-from testbed.kernels.compressors._common import hash_u32, uniform
 from testbed.kernels.compressors.thc import fwht_inplace
 from testbed.kernels.packets import header_at
+from testbed.kernels.rng import hash_u32, uniform
 from testbed.kernels.wire import HEADER_LEN, MAGIC, VERSION, Codec, Flags, MsgType
 
 #: int32 elements per INA packet (SwitchML's client default).

@@ -339,7 +339,7 @@ class _CpuSampler:
 
 
 def _par_min() -> int:
-    from testbed.kernels.compressors._common import PAR_MIN
+    from testbed.kernels.parallel import PAR_MIN
 
     return PAR_MIN
 

@@ -45,14 +45,10 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
-from testbed.datapath.trim import (
-    append_emitted,
-    check_number,
-    per_port,
-    resolve_ports,
-)
+from testbed.datapath.trim import append_emitted, per_port, resolve_ports
+from testbed.kernels.checks import check_number
 from testbed.kernels.packets import parse_frame
-from testbed.kernels.trimming import uniform01
+from testbed.kernels.rng import uniform01
 
 DIRECTIONS = ("ingress", "egress")
 FILTERS = ("all", "testbed")

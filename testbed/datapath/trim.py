@@ -47,6 +47,7 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
+from testbed.kernels.checks import check_number
 from testbed.kernels.packets import OFF_UDP_CSUM, header, parse_frame, wr_u16be
 from testbed.kernels.trimming import trim_frame
 from testbed.kernels.wire import Flags
@@ -96,20 +97,6 @@ def per_port(value, ports: list[str], who: str, check) -> dict[int, object]:
         return {i: check(v) for i, v in enumerate(value)}
     v = check(value)
     return dict.fromkeys(range(len(ports)), v)
-
-
-def check_number(name: str, lo: float, hi: float, *, integer: bool = False):
-    """A validator for a numeric setting in [lo, hi] whose error names ``name``."""
-
-    def check(v):
-        ok = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-        if isinstance(v, bool) or not isinstance(v, ok) or not math.isfinite(float(v)) \
-                or not lo <= v <= hi:
-            kind = "an integer" if integer else "a number"
-            raise ValueError(f"{name}: must be {kind} in [{lo}, {hi}], got {v!r}")
-        return int(v) if integer else float(v)
-
-    return check
 
 
 def resolve_ports(ports, n_ports, who: str) -> list[str]:
