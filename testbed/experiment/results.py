@@ -31,7 +31,7 @@ _PACKAGES = ("collective-offload-testbed", "numpy", "numba", "scapy", "mininet",
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def _json_default(o: Any) -> Any:

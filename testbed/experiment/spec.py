@@ -27,6 +27,7 @@ import copy
 import itertools
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,11 +40,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser under its PyPI name
-    import tomli as tomllib  # type: ignore[no-redef]
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 ALGOS = ("ring", "hd", "rs", "ina", "nic")
