@@ -19,7 +19,7 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True) ->
     from testbed.experiment.results import results_root
     from testbed.experiment.spec import ExperimentError, load_experiment
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # whole lines: logs and greps read them
     try:
         exp = load_experiment(path)
     except ExperimentError as e:
