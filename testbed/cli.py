@@ -6,6 +6,7 @@ Each subcommand lives in the module that owns it and is imported only when used,
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -116,8 +117,6 @@ def switch(ctx: typer.Context,
 
 
 def _switch_verb(ctx: typer.Context, verb: str, json_out: bool, *args, **kw) -> None:
-    import json
-
     from testbed import switchctl
 
     node = ctx.obj
@@ -176,8 +175,6 @@ def switch_trace(ctx: typer.Context,
 def _stored(name: str, out: str, json_out: bool, rows: list[dict], notes: dict,
             columns: tuple[str, ...] | None = None) -> None:
     """Store a benchmark's rows under ``out`` and print them (table or JSON)."""
-    import json
-
     from testbed.experiment.bench_results import print_rows, save_bench
 
     folder = save_bench(name, rows, out, notes)

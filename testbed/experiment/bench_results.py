@@ -12,6 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from testbed.experiment.plots import plot_bars, plot_ratios, use_headless
 from testbed.experiment.results import (
     ResultsStore,
     git_revision,
@@ -50,10 +56,6 @@ def save_bench(name: str, rows: list[dict], root: str | Path,
 
 def plot_bench(name: str, rows: list[dict], folder: Path) -> Path:
     """The benchmark's PNG in ``folder`` (headless backend outside Jupyter)."""
-    import pandas as pd
-
-    from testbed.experiment.plots import plot_bars, plot_ratios, use_headless
-
     use_headless()
     import matplotlib.pyplot as plt  # after use_headless() chose the backend
 
@@ -74,10 +76,6 @@ def plot_bench(name: str, rows: list[dict], folder: Path) -> Path:
 
 def print_rows(rows: list[dict], title: str, columns: tuple[str, ...] | None = None) -> None:
     """The rows as one rich table (``columns``, default every column the rows have)."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     cols = list(columns or dict.fromkeys(k for r in rows for k in r))
     table = Table(title=title)
     for c in cols:
