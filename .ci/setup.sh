@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up: Debian packages the testbed needs, then .venv with the package installed
-# editable plus its test extras. On a ready machine it checks and returns in seconds.
+# editable plus the extras `make test` ([test]) and `make lab` ([lab]) need, checked with
+# `pip check`. On a ready machine it checks and returns in seconds. Needs no network but the
+# Debian mirror and the Python package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,7 +14,7 @@ fi
 
 # Debian packages: mnexec (mininet), bridges, traffic tools, Open vSwitch (benchmark anchor).
 DEB_PKGS=(mininet bridge-utils iperf3 iperf iputils-ping ethtool iproute2 openvswitch-switch
-          tcpdump psmisc procps kmod python3-venv python3-dev gcc make)
+          tcpdump tshark psmisc procps kmod python3-venv python3-dev gcc make)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -35,9 +37,11 @@ fi
 stamp="$VENV/.testbed-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import testbed.kernels" 2>/dev/null; then
-    echo "setup: installing the testbed into $VENV (editable, with test extras)"
+    echo "setup: installing the testbed into $VENV (editable, with the test and lab extras)"
     "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -e '.[test]'
+    "$VENV/bin/pip" install -q -e '.[test,lab]'
+    # Conflicting requirements fail the set-up here rather than a test later.
+    "$VENV/bin/pip" check
     echo "$want" > "$stamp"
 fi
 

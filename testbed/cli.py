@@ -6,6 +6,10 @@ Each subcommand lives in the module that owns it and is imported only when used,
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import typer
 
 app = typer.Typer(
@@ -16,6 +20,16 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: print ratios against anchors measured in the same run.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+switch_app = typer.Typer(
+    help="Talk to a running programmable node (switch or SmartNIC) over its control socket: "
+         "testbed switch NODE counters|config|jobs|reset-job JOB|trace [--json].",
+    no_args_is_help=True)
+app.add_typer(switch_app, name="switch")
+
+OUT_HELP = ("results root: a folder <name>-<time>/ is created in it (default: $TESTBED_RESULTS, "
+            "else results/ of the checkout, else ~/testbed-results)")
+BENCH_OUT_HELP = ("also store the rows (jsonl, csv, parquet), metadata and a plot in "
+                  "DIR/bench-<name>-<time>/")
 
 
 @app.command()
@@ -48,49 +62,197 @@ def lab(
 
 
 @app.command()
-def demo() -> None:
-    """Run the embedded default experiment and print what it measured."""
-    from testbed.demo import main
+def wireshark() -> None:
+    """Print a Wireshark Lua dissector for the testbed header (generated from the wire table):
+    testbed wireshark > testbed.lua; wireshark -X lua_script:testbed.lua capture.pcap"""
+    from testbed.wireshark import main
 
     raise typer.Exit(main())
 
 
 @app.command()
+def demo(out: str = typer.Option(None, help=OUT_HELP)) -> None:
+    """Run the embedded default experiment and print what it measured."""
+    from testbed.experiment.demo import main
+    from testbed.experiment.plots import use_headless
+    from testbed.experiment.results import results_root
+
+    use_headless()
+    raise typer.Exit(main(out=results_root() if out is None else out))
+
+
+@app.command()
 def run(
     file: str = typer.Argument(..., help="experiment file (TOML or YAML)"),
-    out: str = typer.Option("results", help="results folder"),
+    out: str = typer.Option(None, help=OUT_HELP),
 ) -> None:
-    """Run an experiment file and write its results."""
+    """Run an experiment file and write its results (exit: 0 ok, 1 failed runs, 2 bad file)."""
     from testbed.experiment.cli import run_file
 
     raise typer.Exit(run_file(file, out))
+
+
+@app.command()
+def up(
+    file: str = typer.Argument(..., help="experiment file whose topology to build"),
+    point: int = typer.Option(0, help="which sweep point's network (0-based)"),
+    cli: bool = typer.Option(None, "--cli/--no-cli",
+                             help="Mininet's CLI (default: when stdin is a terminal)"),
+    detach: bool = typer.Option(False, "--detach",
+                                help="run in the background; return once the network is up"),
+) -> None:
+    """Build an experiment's network and keep it running until 'testbed down'."""
+    from testbed.up import up as start
+
+    raise typer.Exit(start(file, point=point, cli=cli, detach=detach))
+
+
+@app.command()
+def down(timeout: float = typer.Option(120.0, help="seconds to wait for the teardown")) -> None:
+    """Tear down the network 'testbed up' keeps running."""
+    from testbed.up import down as stop
+
+    raise typer.Exit(stop(timeout=timeout))
+
+
+# -- testbed switch NODE VERB ---------------------------------------------------------------------
+
+@switch_app.callback()
+def switch(ctx: typer.Context,
+           node: str = typer.Argument(..., help="node name, e.g. tbs1 (switch) or tbn1 (NIC)")
+           ) -> None:
+    """Talk to a running programmable node over its control socket."""
+    ctx.obj = node
+
+
+def _switch_verb(ctx: typer.Context, verb: str, json_out: bool, *args, **kw) -> None:
+    from testbed import switchctl
+
+    node = ctx.obj
+    try:
+        data = getattr(switchctl, verb.replace("-", "_"))(node, *args, **kw)
+    except switchctl.SwitchError as e:
+        print(f"testbed switch: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if json_out:
+        print(json.dumps(data, indent=1))
+    elif verb == "reset-job":
+        print(f"{node}: job {data['job']} reset (its slots are free)")
+    else:
+        getattr(switchctl, f"render_{verb}")(node, data)
+
+
+JSON_OPT = typer.Option(False, "--json", help="print the engine's answer as JSON")
+
+
+@switch_app.command("counters")
+def switch_counters(ctx: typer.Context, json_out: bool = JSON_OPT) -> None:
+    """Ports, drops by reason, every stage's counters, CPU."""
+    _switch_verb(ctx, "counters", json_out)
+
+
+@switch_app.command("config")
+def switch_config(ctx: typer.Context, json_out: bool = JSON_OPT) -> None:
+    """The configuration the engine started with: ports, program stages and settings."""
+    _switch_verb(ctx, "config", json_out)
+
+
+@switch_app.command("jobs")
+def switch_jobs(ctx: typer.Context, json_out: bool = JSON_OPT) -> None:
+    """Aggregation jobs registered on the node (and free slots)."""
+    _switch_verb(ctx, "jobs", json_out)
+
+
+@switch_app.command("reset-job")
+def switch_reset_job(ctx: typer.Context, job: int = typer.Argument(..., help="job id"),
+                     json_out: bool = JSON_OPT) -> None:
+    """Free a job's aggregation slots (after a worker died); other jobs are untouched."""
+    _switch_verb(ctx, "reset-job", json_out, job)
+
+
+@switch_app.command("trace")
+def switch_trace(ctx: typer.Context,
+                 count: int = typer.Option(20, help="frames to record (1..10000)"),
+                 timeout: float = typer.Option(10.0, help="give up waiting after this many s"),
+                 json_out: bool = JSON_OPT) -> None:
+    """The next frames through the node, decoded, with what the program did to each."""
+    _switch_verb(ctx, "trace", json_out, count=count, timeout=timeout)
+
+
+# -- benchmarks -----------------------------------------------------------------------------------
+
+def _stored(name: str, out: str, json_out: bool, rows: list[dict], notes: dict,
+            columns: tuple[str, ...] | None = None) -> None:
+    """Store a benchmark's rows under ``out`` and print them (table or JSON)."""
+    from testbed.experiment.bench_results import print_rows, save_bench
+
+    folder = save_bench(name, rows, out, notes)
+    if json_out:
+        print(json.dumps({"rows": rows, "notes": notes}, default=str))
+    else:
+        print_rows(rows, f"testbed bench {name}", columns)
+    print(f"results: {folder}", file=sys.stderr if json_out else sys.stdout)
+
+
+def _bench_kernels(json_out: bool, elements: int, out: str | None) -> int:
+    if out is None:
+        from testbed.kernels.bench import main
+
+        return main(json_out=json_out, elements=elements)
+    from testbed.kernels.bench import rows
+
+    _stored("kernels", out, json_out, rows(elements), {"elements": elements})
+    return 0
+
+
+def _bench_datapath(json_out: bool, out: str | None) -> int:
+    from testbed.experiment import datapath_bench as bench
+
+    if out is None:
+        return bench.main(json_out=json_out)
+    if os.geteuid() != 0:
+        print("testbed bench datapath needs root (it builds Mininet networks)", file=sys.stderr)
+        return 2
+    rows, notes = bench.run_bench()
+    _stored("datapath", out, json_out, rows, notes)
+    return 0
+
+
+def _bench_collectives(json_out: bool, out: str | None) -> int:
+    from testbed.collectives import bench
+
+    if out is None:
+        return bench.main(json_out=json_out)
+    quick = os.environ.get("TESTBED_BENCH_QUICK", "") not in ("", "0")
+    rows = bench.run(quick=quick, reps=int(os.environ.get("TESTBED_BENCH_REPS", "1")))
+    targets = {k: {"met": m, "detail": d} for k, (m, d) in bench.targets(rows).items()}
+    _stored("collectives", out, json_out, rows, {"quick": quick, "targets": targets},
+            bench.SHOW)
+    return 0 if rows and all(r["correct"] for r in rows) else 1
 
 
 @bench_app.command("kernels")
 def bench_kernels(
     json_out: bool = typer.Option(False, "--json"),
     elements: int = typer.Option(25_000_000, help="gradient length (float32 elements)"),
+    out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
 ) -> None:
     """Numba kernels against numpy anchors (GB/s)."""
-    from testbed.kernels.bench import main
-
-    raise typer.Exit(main(json_out=json_out, elements=elements))
+    raise typer.Exit(_bench_kernels(json_out, elements, out))
 
 
 @bench_app.command("datapath")
-def bench_datapath(json_out: bool = typer.Option(False, "--json")) -> None:
+def bench_datapath(json_out: bool = typer.Option(False, "--json"),
+                   out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
     """Data path programs against Linux bridge, OVS userspace and a Python forwarder (kpps)."""
-    from testbed.experiment.datapath_bench import main
-
-    raise typer.Exit(main(json_out=json_out))
+    raise typer.Exit(_bench_datapath(json_out, out))
 
 
 @bench_app.command("collectives")
-def bench_collectives(json_out: bool = typer.Option(False, "--json")) -> None:
+def bench_collectives(json_out: bool = typer.Option(False, "--json"),
+                      out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
     """Allreduce algorithms on a star against the alpha-beta model."""
-    from testbed.collectives.bench import main
-
-    raise typer.Exit(main(json_out=json_out))
+    raise typer.Exit(_bench_collectives(json_out, out))
 
 
 @bench_app.command("reliability")
@@ -107,14 +269,11 @@ def bench_reliability(
 
 
 @bench_app.command("all")
-def bench_all(json_out: bool = typer.Option(False, "--json")) -> None:
+def bench_all(json_out: bool = typer.Option(False, "--json"),
+              out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
     """Every benchmark in turn (kernels, data path, collectives); exit status of the worst."""
-    from testbed.collectives.bench import main as collectives
-    from testbed.experiment.datapath_bench import main as datapath
-    from testbed.kernels.bench import main as kernels
-
-    codes = [kernels(json_out=json_out, elements=25_000_000), datapath(json_out=json_out),
-             collectives(json_out=json_out)]
+    codes = [_bench_kernels(json_out, 25_000_000, out), _bench_datapath(json_out, out),
+             _bench_collectives(json_out, out)]
     raise typer.Exit(max(codes))
 
 

@@ -87,19 +87,21 @@ def test_plots_are_written(sweep_results, tmp_path):
 
 
 def _failing_experiment(stop_on_error: bool) -> dict:
-    # The second job asks for more workers than the network has: a real failure inside
-    # the collectives layer, after the first run finished.
+    # The second job drops 45 % of the aggregator's answers (client side) and waits only
+    # 2 ms for one, while a retransmission comes after 10 ms: a real time-out inside the
+    # collectives layer, after the first run finished (validation cannot foresee it).
     return {"name": "failing", "stop_on_error": stop_on_error,
-            "topology": {"kind": "star", "n_hosts": 2, "switch": "bridge"},
+            "topology": {"kind": "star", "n_hosts": 2, "switch": "programmable"},
             "jobs": [{"algo": "ring", "nbytes": SMALL},
-                     {"algo": "ring", "nbytes": SMALL, "options": {"workers": 5}},
+                     {"algo": "ina", "nbytes": SMALL, "timeout_s": 0.002,
+                      "options": {"loss": 0.45}},
                      {"algo": "hd", "nbytes": SMALL}]}
 
 
 def test_failed_run_is_recorded_and_others_kept(tmp_path):
     res = run(_failing_experiment(False), out_dir=tmp_path / "r", progress=False, doctor=False)
     assert list(res.df["status"]) == ["ok", "error", "ok"]
-    assert "workers" in res.df["error"][1]
+    assert "CollectiveTimeout" in res.df["error"][1]
     assert res.metadata["status"] == "completed_with_errors"
     assert [f["run"] for f in res.failures] == [1]
     assert len(pd.read_csv(tmp_path / "r" / "results.csv")) == 3

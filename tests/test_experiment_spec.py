@@ -196,12 +196,15 @@ def test_datapath_options_codec_and_nic_jobs():
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.integers(4, 1 << 24), min_size=1, max_size=4, unique=True),
-       ns=st.lists(st.integers(1, 64), min_size=1, max_size=3, unique=True),
+@given(sizes=st.lists(st.integers(1, 1 << 22).map(lambda e: 4 * e), min_size=1, max_size=4,
+                      unique=True),
+       ns=st.lists(st.integers(2, 32), min_size=1, max_size=3, unique=True),
        algos=st.lists(st.sampled_from(["ring", "hd", "rs", "ina", "nic"]), min_size=1,
                       max_size=3, unique=True))
 def test_sweep_expansion_property(sizes, ns, algos):
-    exp = parse_experiment({"jobs": [{}], "sweep": {"jobs.0.nbytes": sizes,
+    # every point runnable: whole float32 sizes, 2..32 hosts, SmartNICs with their codec
+    exp = parse_experiment({"topology": {"smartnic": True}, "codec": {"codec": "fixed32"},
+                            "jobs": [{}], "sweep": {"jobs.0.nbytes": sizes,
                                                     "topology.n_hosts": ns,
                                                     "jobs.0.algo": algos}})
     points = expand_sweep(exp)
@@ -211,3 +214,89 @@ def test_sweep_expansion_property(sizes, ns, algos):
     for params, point in points:
         assert (point.jobs[0].sizes(), point.topology.n_hosts, point.jobs[0].algo) == (
             [params["jobs.0.nbytes"]], params["topology.n_hosts"], params["jobs.0.algo"])
+
+
+# -- combinations that cannot run: found before anything is built, all at once ------------------
+
+def test_ina_without_a_programmable_switch_names_the_job_field():
+    probs = _problems({"topology": {"switch": "bridge", "n_hosts": 4},
+                       "jobs": [{"algo": "ring"}, {"algo": "ina"}]})
+    assert len(probs) == 1 and probs[0].startswith("jobs.1.algo: 'ina'")
+    assert "topology.switch = 'programmable'" in probs[0]
+    probs = _problems({"topology": {"aggregator": "none"}, "jobs": [{"algo": "nic"}]})
+    assert any(p.startswith("jobs.0.algo:") and "aggregator is 'none'" in p for p in probs)
+
+
+def test_odd_fat_tree_k_is_reported_with_the_other_problems():
+    probs = _problems({"topology": {"kind": "fat_tree", "k": 3, "switch": "bridge"},
+                       "jobs": [{"algo": "ina"}, {"algo": "rnig"}, {"nbytes": 6}]})
+    paths = sorted(p.split(":")[0] for p in probs)
+    assert paths == ["jobs.0.algo", "jobs.1.algo", "jobs.2.nbytes", "topology.k"], probs
+    assert any("even" in p for p in probs if p.startswith("topology.k"))
+
+
+def test_smartnic_options_need_smartnics_and_their_codec():
+    probs = _problems({"topology": {"n_hosts": 3, "smartnic": [0]}, "jobs": [{"algo": "nic"}]})
+    assert any("tbh2, tbh3 have none" in p for p in probs)
+    assert any("codec" in p and p.startswith("jobs.0.algo") for p in probs)
+    probs = _problems({"topology": {"switch": "bridge"}, "codec": {"codec": "fp16"},
+                       "jobs": [{}]})
+    assert probs == [p for p in probs if p.startswith("codec:")] and len(probs) == 1
+    assert parse_experiment({"topology": {"smartnic": True, "n_hosts": 2},
+                             "codec": {"codec": "fixed32"}, "jobs": [{"algo": "nic"}]})
+
+
+def test_sizes_hosts_nodes_ports_and_interfaces_must_exist():
+    probs = _problems({
+        "topology": {"n_hosts": 2},
+        "jobs": [{"nbytes": ["4KiB", "10B"]}, {"options": {"workers": 5}},
+                 {"op": "allgather", "algo": "hd", "options": {"workers": 2}},
+                 {"algo": "rs", "servers": 3}],
+        "impairments": [{"node": "tbs7"}],
+        "trimming": [{"node": "tbs1", "ports": [1, 2, "tbs1-eth9"]}],
+        "cross_traffic": [{"src": 0, "dst": 2}],
+        "capture": {"interfaces": ["tbh1-eth0", "tbs1-eth3"]}})
+    got = {p.split(":")[0]: p for p in probs}
+    assert set(got) == {"jobs.0.nbytes", "jobs.1.options.workers", "jobs.3.servers",
+                        "impairments.0.node", "trimming.0.ports", "cross_traffic.0.dst",
+                        "capture.interfaces.1"}, probs
+    assert "[2, 'tbs1-eth9']" in got["trimming.0.ports"]
+    assert "0..1" in got["cross_traffic.0.dst"]
+    probs = _problems({"topology": {"switch": "bridge"}, "jobs": [{}],
+                       "impairments": [{"node": "tbs1", "loss_pct": 1}]})
+    assert probs[0].startswith("impairments.0.node: 'tbs1' is not a programmable node")
+
+
+def test_problem_at_some_sweep_points_names_them():
+    probs = _problems({"jobs": [{"algo": "ina"}],
+                       "sweep": {"topology.switch": ["programmable", "bridge"],
+                                 "topology.n_hosts": [2, 4]}})
+    assert len(probs) == 1 and probs[0].startswith("jobs.0.algo:")
+    assert "(at sweep point topology.switch='bridge', topology.n_hosts=2 and 1 more)" in probs[0]
+    # a problem of every point is reported once, without a point
+    probs = _problems({"topology": {"switch": "bridge"}, "jobs": [{"algo": "ina"}],
+                       "sweep": {"topology.n_hosts": [2, 4]}})
+    assert len(probs) == 1 and "sweep point" not in probs[0]
+
+
+def test_experiment_objects_are_checked_too(tmp_path):
+    exp = Experiment.model_validate({"topology": {"switch": "bridge"},
+                                     "jobs": [{"algo": "ina"}]})
+    with pytest.raises(ExperimentError, match="jobs.0.algo"):
+        load_experiment(exp)
+    exp = parse_experiment({"jobs": [{"algo": "ina"}]})
+    with pytest.raises(ExperimentError, match="jobs.0.algo: 'ina'"):
+        with_overrides(exp, {"topology.switch": "bridge"})
+
+
+def test_cli_reports_every_combination_problem_and_builds_nothing(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\n[topology]\nkind = "fat_tree"\nk = 3\nswitch = "bridge"\n'
+                   '[[jobs]]\nalgo = "ina"\n[[jobs]]\nalgo = "ring"\nnbytes = "6B"\n')
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "run", str(bad), "--out",
+                        str(tmp_path / "res")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    for field in ("topology.k", "jobs.0.algo", "jobs.1.nbytes"):
+        assert field in r.stderr, field
+    assert "3 problems; nothing was run" in r.stderr
+    assert not (tmp_path / "res").exists()

@@ -42,12 +42,15 @@ def test_every_notebook_is_covered_and_stripped():
 
 
 def _inject(nb, params: dict) -> None:
-    """Papermill-style: a cell right after the parameters cell overrides them."""
+    """Papermill-style: a cell right after the parameters cell overrides them. A first cell
+    selects the inline backend, as a user's ``%matplotlib inline`` does: the figures must
+    survive it (the testbed's plots never switch the backend)."""
     idx = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     src = "\n".join(f"{k} = {v!r}" for k, v in params.items())
     cell = nbformat.v4.new_code_cell(src)
     cell.metadata["tags"] = ["injected-parameters"]
     nb.cells.insert(idx + 1, cell)
+    nb.cells.insert(0, nbformat.v4.new_code_cell("%matplotlib inline"))
 
 
 @pytest.mark.mininet

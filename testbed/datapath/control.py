@@ -7,6 +7,8 @@ line, one response per line::
     {"cmd": "counters"}                                   -> {"ok": true, "result": {...}}
     {"cmd": "configure", "stage": "aggregate", "settings": {"jobs": {"1": {...}}}}
     {"cmd": "reset_job", "job_id": 1}
+    {"cmd": "config"}                                     -> the engine's config + stage names
+    {"cmd": "trace", "count": 50}  then  {"cmd": "trace"} -> arm, then read packet records
     {"cmd": "stop"}
     errors                                                -> {"ok": false, "error": "..."}
 
@@ -193,6 +195,15 @@ class DatapathClient:
     def reset_job(self, job_id: int) -> object:
         """Free a job's aggregation slots after a worker died (see aggregate.reset_job)."""
         return self.request("reset_job", job_id=job_id)
+
+    def config(self) -> dict:
+        """The engine's configuration (node, ports, programs with settings, stage names)."""
+        return self.request("config")
+
+    def trace(self, count: int | None = None) -> dict:
+        """``count`` given: record the next ``count`` frames; else return what was recorded
+        (``{"remaining": n, "records": [...]}``, see :mod:`testbed.datapath.trace`)."""
+        return self.request("trace", count=count) if count is not None else self.request("trace")
 
     def stop(self) -> object:
         """Ask the engine to exit cleanly (it writes its final counters)."""

@@ -47,6 +47,7 @@ from testbed.datapath.batch import (
     Stage,
 )
 from testbed.datapath.programs import normalize_programs, stage_class
+from testbed.datapath.trace import Tracer
 
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
@@ -156,6 +157,8 @@ class Engine:
                                     for n, s in normalize_programs(config.get("programs"))]
         expansion = max(int(getattr(s, "max_expansion", 1)) for s in self.stages)
         self.batch = Batch(self.rx_burst * max(2, expansion) + 64)
+        self.config = dict(config)  # reported by the control command `config`
+        self.tracer = Tracer(self.ports)  # armed by the control command `trace`
         self.control_path = config.get("control_socket")
         self.disable_offloads = bool(config.get("disable_offloads", True))
         n = len(self.ports)
@@ -235,6 +238,8 @@ class Engine:
             except Exception:  # noqa: BLE001 - a buggy stage must not take the node down
                 self._stage_failed(s, b)
                 break
+        if self.tracer.remaining:
+            self.tracer.record(b, now)
         n = b.n
         self._route(n)
         for p, port in enumerate(self.io):
@@ -350,10 +355,15 @@ class Engine:
             for s in targets:
                 s.reset_job(int(req.get("job_id")))
             return True
+        if cmd == "config":
+            return {**self.config, "stages": [s.name for s in self.stages]}
+        if cmd == "trace":
+            return self.tracer.arm(req["count"]) if "count" in req else self.tracer.read()
         if cmd == "stop":
             self.running = False
             return True
-        raise ValueError(f"unknown command {cmd!r}; use counters, configure, reset_job, stop")
+        raise ValueError(f"unknown command {cmd!r}; use counters, config, configure, reset_job, "
+                         "trace, stop")
 
     def counters(self) -> dict:
         """Per-port rx/tx, drops by reason, stage counters and CPU figures."""

@@ -6,27 +6,32 @@ import sys
 from pathlib import Path
 
 
-def run_file(path: str, out: str = "results", progress: bool = True) -> int:
+def run_file(path: str, out: str | Path | None = None, progress: bool = True) -> int:
     """Run the experiment in ``path``; results under ``out/<name>-<timestamp>/``.
 
-    Exit codes: 0 all runs ok, 1 some runs failed (recorded in the results), 2 the file is
-    invalid (each bad field printed with its allowed values), 130 interrupted (Ctrl-C).
+    ``out`` defaults to the results root (``$TESTBED_RESULTS``, see
+    :func:`testbed.experiment.results.results_root`). Exit codes: 0 all runs ok, 1 some runs
+    failed (recorded in the results; how many is printed), 2 the file is invalid (each problem
+    printed with its field and what is allowed; nothing is built), 130 interrupted (Ctrl-C).
     """
     from rich.console import Console
 
+    from testbed.experiment.results import results_root
     from testbed.experiment.spec import ExperimentError, load_experiment
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # whole lines: logs and greps read them
     try:
         exp = load_experiment(path)
     except ExperimentError as e:
-        err.print(f"[red]error:[/] invalid experiment file {e.source}", highlight=False)
+        err.print(f"[red]error:[/] invalid experiment {e.source} ({len(e.problems)} "
+                  f"problem{'s' if len(e.problems) != 1 else ''}; nothing was run)",
+                  highlight=False)
         for p in e.problems:
             err.print(f"  - {p}", highlight=False, markup=False)
         return 2
     from testbed.experiment.runner import RunAborted, default_out_dir, run
 
-    out_dir = default_out_dir(exp, out)
+    out_dir = default_out_dir(exp, results_root() if out is None else out)
     try:
         res = run(exp, out_dir=out_dir, progress=progress and sys.stderr.isatty())
     except KeyboardInterrupt:
@@ -39,23 +44,45 @@ def run_file(path: str, out: str = "results", progress: bool = True) -> int:
         err.print(f"[red]error:[/] {type(e).__name__}: {e}", highlight=False)
         err.print(f"finished runs (if any) are in {out_dir}")
         return 1
-    res.print_table(title=f"{exp.name} ({len(res.df)} rows)")
+    failed = len(res.failures)
     if len(res.ok):
+        res.print_table(title=f"{exp.name} ({len(res.df)} rows)")
         try:
-            _plots(res)
+            write_plots(res)
         except Exception as e:  # a plot problem must not hide measured results
             err.print(f"[yellow]plot skipped:[/] {e}")
+    else:  # nothing measured: the failures are the whole story
+        for f in res.failures:
+            err.print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] {f.get('error')}",
+                      highlight=False)
     print(f"results: {Path(out_dir)}")
-    return 1 if res.failures else 0
+    if failed:
+        total = res.metadata.get("planned_runs", len(res.df))
+        err.print(f"[red]{failed} of {total} runs failed[/] (see 'failures' in "
+                  f"{Path(out_dir) / 'metadata.json'})", highlight=False)
+        return 1
+    return 0
 
 
-def _plots(res) -> None:
-    from testbed.experiment.plots import plot_bars, plot_overview
+def write_plots(res) -> list[Path]:
+    """The standard PNGs of a results folder (overviews against bytes and n, bars by label).
+
+    Selects the headless backend (outside Jupyter) and closes each figure once written.
+    """
+    from testbed.experiment.plots import plot_bars, plot_overview, use_headless
+
+    use_headless()
+    import matplotlib.pyplot as plt
 
     df = res.ok
     path = res.path
+    name = res.metadata["name"]
+    plots = []
     if df["bytes"].nunique() > 1:
-        plot_overview(df, x="bytes", out=path / "overview_vs_bytes.png", title=res.metadata["name"])
+        plots.append((plot_overview, {"x": "bytes"}, path / "overview_vs_bytes.png"))
     if "n" in df.columns and df["n"].nunique() > 1:
-        plot_overview(df, x="n", out=path / "overview_vs_n.png", title=res.metadata["name"])
-    plot_bars(df, y="time_s", out=path / "time_by_label.png", title=res.metadata["name"])
+        plots.append((plot_overview, {"x": "n"}, path / "overview_vs_n.png"))
+    plots.append((plot_bars, {"y": "time_s"}, path / "time_by_label.png"))
+    for fn, kw, out in plots:
+        plt.close(fn(df, out=out, title=name, **kw))
+    return [out for _, _, out in plots]

@@ -90,7 +90,7 @@ def render(res) -> dict[str, Any]:
     return out
 
 
-def run_demo(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path = "results",
+def run_demo(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path | None = None,
              repetitions: int = 1, progress: bool = True):
     """Run the demo experiment; returns ``(Results, plot path)``."""
     from testbed.experiment.plots import plot_bars
@@ -105,7 +105,7 @@ def run_demo(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path = "resul
     return res, png
 
 
-def main(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path = "results") -> int:
+def main(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path | None = None) -> int:
     """CLI entry (``testbed demo``): 0 when every run finished with a correct result."""
     from rich.console import Console
 

@@ -1,12 +1,17 @@
-"""Plots of experiment results (matplotlib, Agg backend, PNG).
+"""Plots of experiment results (matplotlib; Figures returned, PNGs written on request).
 
 Every plot draws the measurement (markers + solid line, mean over repetitions with min–max
 bars) and the α-β model's prediction for the same runs beside it (dashed line, same colour),
 so a reader sees at once how far the emulation is from the model.
+
+The plotting functions never choose matplotlib's backend: in a notebook the user's backend
+(``inline``, ``widget``, ...) shows the figures, and switching it would close them. Command-line
+entry points call :func:`use_headless` first, so they write PNGs without a display.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +22,26 @@ _LABELS = {"time_s": "time (s)", "busbw": "bus bandwidth (Gb/s)", "algbw": "alg 
            "fidelity": "measured / model"}
 
 
-def _pyplot():
+def in_ipython() -> bool:
+    """Whether this process runs an IPython shell or a Jupyter kernel."""
+    shell = sys.modules.get("IPython")
+    return shell is not None and getattr(shell, "get_ipython", lambda: None)() is not None
+
+
+def use_headless() -> None:
+    """Select the Agg backend for a command-line run (PNG files, no display needed).
+
+    Does nothing inside IPython/Jupyter: there the backend is the user's choice.
+    """
+    if in_ipython():
+        return
     import matplotlib
 
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
+    matplotlib.use("Agg")
+
+
+def _pyplot():
+    # Imported on first use: pandas-only users of the results never pay for matplotlib.
     import matplotlib.pyplot as plt
 
     return plt
@@ -133,5 +153,33 @@ def plot_bars(df, y: str = "time_s", hue: str = "label", out: str | Path | None 
         ax.set_title(title)
     if out is not None:
         fig.tight_layout()
+        fig.savefig(out, dpi=110)
+    return fig
+
+
+def plot_ratios(df, label: str = "label", y: str = "ratio", out: str | Path | None = None,
+                title: str | None = None, anchor: str = "anchor") -> Any:
+    """Horizontal bars of ``y`` (a ratio against an anchor measured in the same run) per
+    ``label``, drawn from the anchor's 1 on a log axis (ratios multiply: 0.5 and 2 are equally
+    far from the anchor); rows without a positive ratio are left out."""
+    plt = _pyplot()
+    data = df[df[y].notna()]
+    values = data[y].astype(float)
+    data, values = data[values > 0], values[values > 0]
+    labels = [str(v) for v in data[label]]
+    fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.32 * max(len(labels), 1)))
+    ax.barh(range(len(labels)), values - 1.0, left=1.0,
+            color=["C2" if v >= 1 else "C3" for v in values])
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=1, ls="--", label=f"{anchor} = 1")
+    ax.set_xlabel(f"{y} (log scale, higher is better)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    if out is not None:
         fig.savefig(out, dpi=110)
     return fig

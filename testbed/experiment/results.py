@@ -1,12 +1,19 @@
 """Results of an experiment: an incremental on-disk store and the tidy in-memory view.
 
-A results folder ``results/<name>-<timestamp>/`` holds
+Results folders are created under the *results root* (:func:`results_root`): the folder named
+by the environment variable ``TESTBED_RESULTS`` when set, otherwise ``results/`` of the source
+checkout the testbed runs from (an editable install, as ``make setup`` makes), otherwise
+``~/testbed-results``. The command line, the demo and notebooks started anywhere therefore
+write to the same place.
+
+A results folder ``<results root>/<name>-<timestamp>/`` holds
 
 * ``rows.jsonl`` - one JSON object per finished run, appended and fsync-ed as soon as the run
   ends (the crash-safe source of truth),
 * ``results.csv`` and ``results.parquet`` - the same rows as a table, rewritten after every run,
-* ``metadata.json`` - provenance (git revision, package versions, machine, seed, doctor summary,
-  topology descriptions, the experiment itself) and status (running / completed / failed /
+* ``metadata.json`` - provenance (git revision, package versions, the full list of installed
+  distributions like ``pip freeze``, machine and CPU model, seed, doctor summary, topology
+  descriptions, the experiment itself) and status (running / completed / failed /
   interrupted) with the recorded failures,
 * plots (``*.png``) and pcaps when asked for.
 """
@@ -23,6 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: Environment variable that names the results root (see :func:`results_root`).
+RESULTS_ENV = "TESTBED_RESULTS"
+#: Results root when the testbed is not imported from a source checkout.
+HOME_RESULTS = "~/testbed-results"
+
 #: Columns the runner adds in front of the collectives' report columns.
 RUN_COLUMNS = ("run", "point", "job", "label", "status", "error")
 
@@ -30,8 +42,37 @@ _PACKAGES = ("collective-offload-testbed", "numpy", "numba", "scapy", "mininet",
              "pyarrow", "pydantic", "matplotlib")
 
 
+def results_root() -> Path:
+    """The folder under which results folders are created, whatever the working directory.
+
+    ``$TESTBED_RESULTS`` when set (``~`` expanded, made absolute); else ``<checkout>/results``
+    when the package is imported from a source checkout (git-ignored there, and in the lab VM
+    the checkout is the folder shared with the host, so results show up on the laptop); else
+    ``~/testbed-results`` (an installed wheel has no checkout, and site-packages is no place
+    for data).
+    """
+    env = os.environ.get(RESULTS_ENV, "").strip()
+    if env:
+        return Path(env).expanduser().absolute()
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "testbed").is_dir():
+        return checkout / "results"
+    return Path(HOME_RESULTS).expanduser()
+
+
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def unique_folder(root: str | Path, name: str) -> Path:
+    """``<root>/<name>-<UTC timestamp>``, with a ``-1``, ``-2`` ... suffix if it exists."""
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{name}-{stamp}"
+    path, i = base, 1
+    while path.exists():
+        path = Path(f"{base}-{i}")
+        i += 1
+    return path
 
 
 def _json_default(o: Any) -> Any:
@@ -60,6 +101,8 @@ class ResultsStore:
         self.metadata.setdefault("status", "running")
         self.metadata.setdefault("failures", [])
         self.metadata.setdefault("started", _now())
+        # Every results folder records its whole environment, whoever wrote it.
+        self.metadata.setdefault("environment", environment_freeze())
         self.write_metadata()
 
     def append(self, row: dict[str, Any]) -> None:
@@ -239,10 +282,46 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def environment_freeze() -> list[str]:
+    """Every installed distribution as ``name==version`` (sorted, like ``pip freeze``).
+
+    Editable installs say where their source is (``name==version (editable: path)``), so a
+    results folder tells exactly which code and libraries produced it.
+    """
+    from importlib import metadata as md
+
+    out = set()
+    for dist in md.distributions():
+        name = dist.metadata.get("Name")
+        if not name:
+            continue
+        line = f"{name}=={dist.version}"
+        try:
+            direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            direct = {}
+        if direct.get("dir_info", {}).get("editable"):
+            line += f" (editable: {direct.get('url', '').removeprefix('file://')})"
+        out.add(line)
+    return sorted(out, key=str.lower)
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (benchmarks compare runs by it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def machine_info() -> dict[str, Any]:
-    """Host name, kernel, CPUs, memory and load at the start of the run."""
+    """Host name, kernel, CPUs and their model, memory and load at the start of the run."""
     info: dict[str, Any] = {"hostname": platform.node(), "kernel": platform.release(),
-                            "machine": platform.machine(), "cpus": os.cpu_count()}
+                            "machine": platform.machine(), "cpus": os.cpu_count(),
+                            "cpu_model": cpu_model()}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):

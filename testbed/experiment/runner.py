@@ -12,7 +12,6 @@ The network is torn down on every exit path, Ctrl-C included (``TestbedNet`` doe
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import json
 import signal
 import time
@@ -20,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from testbed.experiment import results
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -38,23 +38,18 @@ class RunAborted(RuntimeError):
     """Raised by :func:`run` when ``stop_on_error`` stopped the experiment at a failure."""
 
 
-def default_out_dir(exp: Experiment, root: str | Path = "results") -> Path:
-    """``<root>/<name>-<UTC timestamp>`` (unique: a suffix is added if it exists)."""
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = Path(root) / f"{exp.name}-{stamp}"
-    path, i = base, 1
-    while path.exists():
-        path = Path(f"{base}-{i}")
-        i += 1
-    return path
+def default_out_dir(exp: Experiment, root: str | Path | None = None) -> Path:
+    """``<root>/<name>-<UTC timestamp>`` (unique), ``root`` by default the results root
+    (``TESTBED_RESULTS``, see :func:`testbed.experiment.results.results_root`)."""
+    return results.unique_folder(results.results_root() if root is None else root, exp.name)
 
 
 def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None = None,
-        progress: bool = True, doctor: bool = True, results_root: str | Path = "results"
+        progress: bool = True, doctor: bool = True, results_root: str | Path | None = None
         ) -> Results:
     """Run ``experiment`` (object, dict or TOML/YAML path) and return its :class:`Results`.
 
-    ``out_dir``: results folder (default ``results/<name>-<timestamp>``). ``progress``: show a
+    ``out_dir``: results folder (default ``<results root>/<name>-<timestamp>``). ``progress``: show a
     progress bar. ``doctor``: store ``testbed doctor``'s summary in the metadata.
     """
     exp = load_experiment(experiment)
@@ -203,11 +198,21 @@ def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
 
 # -- network ------------------------------------------------------------------------------------
 
-def _open_network(stack: contextlib.ExitStack, point: Experiment):
+def topology_for(point: Experiment):
+    """The testbed topology of one experiment point (its seed by default)."""
     kwargs = point.topology.kwargs()
     kwargs.setdefault("seed", point.seed)
-    topo = make_topology(point.topology.kind, **kwargs)
-    net = stack.enter_context(TestbedNet(topo, datapath=datapath_options(point)))
+    return make_topology(point.topology.kind, **kwargs)
+
+
+def network_for(point: Experiment) -> TestbedNet:
+    """The (not yet started) network of one experiment point: its topology and the data-path
+    programs of its impairments, trimming and codec."""
+    return TestbedNet(topology_for(point), datapath=datapath_options(point))
+
+
+def _open_network(stack: contextlib.ExitStack, point: Experiment):
+    net = stack.enter_context(network_for(point))
     try:
         desc = net.describe()
     except Exception as e:  # describe() is provenance only

@@ -27,6 +27,7 @@ import copy
 import itertools
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,11 +40,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser under its PyPI name
-    import tomli as tomllib  # type: ignore[no-redef]
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 ALGOS = ("ring", "hd", "rs", "ina", "nic")
@@ -149,6 +145,9 @@ class JobSpec(_Strict):
         for s in v if isinstance(v, list) else [v]:
             if int(s) < 4:
                 raise ValueError("message size must be at least 4 bytes (one float32)")
+            if int(s) % 4:
+                raise ValueError(f"message size {int(s)} B is not a whole number of float32 "
+                                 "elements (a multiple of 4 bytes)")
         if isinstance(v, list) and not v:
             raise ValueError("give at least one size")
         return v
@@ -382,9 +381,13 @@ def with_overrides(exp: Experiment, overrides: dict[str, Any]) -> Experiment:
 def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
     """An :class:`Experiment` from a TOML/YAML path, a dict, or an Experiment (returned as is).
 
-    Raises :class:`ExperimentError` listing each bad field by dotted path with allowed values.
+    Raises :class:`ExperimentError` listing each bad field by dotted path with allowed values,
+    and each combination of fields that cannot run (see :func:`combination_problems`).
     """
     if isinstance(source, Experiment):
+        problems = combination_problems(source)
+        if problems:
+            raise ExperimentError("object", problems)
         return source
     if isinstance(source, dict):
         return parse_experiment(source, "object")
@@ -415,12 +418,18 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
 
 
 def parse_experiment(data: dict, source: str = "object") -> Experiment:
-    """Validate a plain dict into an :class:`Experiment` (readable :class:`ExperimentError`)."""
+    """Validate a plain dict into an :class:`Experiment` (readable :class:`ExperimentError`
+    listing every problem: bad fields, and combinations that cannot run at any sweep point)."""
     try:
         exp = Experiment.model_validate(data)
     except ValidationError as e:
-        raise ExperimentError(source, format_errors(e)) from None
-    expand_sweep(exp)  # every sweep point must be valid before anything runs
+        problems = format_errors(e)
+        # the parts that are valid on their own are still checked against each other
+        problems += [p for p in _partial_problems(data) if p not in problems]
+        raise ExperimentError(source, problems) from None
+    problems = combination_problems(exp)  # every sweep point, before anything runs
+    if problems:
+        raise ExperimentError(source, problems)
     return exp
 
 
@@ -500,3 +509,242 @@ def _compressor_names() -> list[str] | None:
     except Exception:
         return None
     return sorted(COMPRESSORS)
+
+
+# -- combinations that cannot run ----------------------------------------------------------------
+
+#: Largest INA message: the header's ``chunk_offset`` counts float32 elements in 32 bits.
+MAX_INA_BYTES = 4 * (1 << 32)
+
+
+def combination_problems(exp: Experiment) -> list[str]:
+    """Every problem of ``exp`` that single fields do not show, at every sweep point.
+
+    Builds each point's topology description (no network) and checks the jobs, impairments,
+    trimming, codec, cross traffic and capture against it: INA or NIC offload without an
+    aggregator on a programmable switch, NIC offload without SmartNICs or their codec, nodes
+    and ports that do not exist or are not programmable, host indices out of range, message
+    sizes the collectives reject, and what the topology layer rejects (e.g. the sizes of a
+    leaf-spine). A problem found at only some sweep points names them.
+    """
+    if not exp.sweep:
+        return _point_problems(exp, {})
+    base = exp.model_dump(exclude={"sweep"})
+    paths = list(exp.sweep)
+    found: dict[str, list[str]] = {}
+    combos = list(itertools.product(*(exp.sweep[p] for p in paths)))
+    cache: dict[str, Any] = {}
+    for combo in combos:
+        data = copy.deepcopy(base)
+        for p, v in zip(paths, combo, strict=True):
+            _set_path(data, p, v)
+        try:
+            problems = _point_problems(Experiment.model_validate(data), cache)
+        except ValidationError as e:
+            problems = format_errors(e)
+        where = ", ".join(f"{p}={v!r}" for p, v in zip(paths, combo, strict=True))
+        for prob in problems:
+            found.setdefault(prob, []).append(where)
+    out = []
+    for prob, points in found.items():
+        if len(points) == len(combos):
+            out.append(prob)
+        else:
+            more = f" and {len(points) - 1} more" if len(points) > 1 else ""
+            out.append(f"{prob} (at sweep point {points[0]}{more})")
+    return out
+
+
+def _point_problems(point: Experiment, cache: dict[str, Any]) -> list[str]:
+    key = json.dumps(point.topology.model_dump(mode="json"), sort_keys=True) + str(point.seed)
+    if key not in cache:
+        cache[key] = _build_topology(point.topology, point.seed)
+    topo, problems = cache[key]
+    return list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
+                                    point.trimming, point.codec, point.cross_traffic,
+                                    point.capture)
+
+
+def _partial_problems(data: Any) -> list[str]:
+    """Combination checks among the parts of an invalid experiment that are valid alone."""
+    if not isinstance(data, dict) or data.get("sweep"):
+        return []  # sweep points are checked once the experiment itself is valid
+
+    def part(model, value):
+        try:
+            return model.model_validate(value)
+        except (ValidationError, TypeError, ValueError):
+            return None
+
+    def parts(model, key):
+        values = data.get(key)
+        return [part(model, v) for v in values] if isinstance(values, list) else []
+
+    seed = data.get("seed", 0)
+    topology = part(TopologySpec, data.get("topology", {}))
+    if topology is None or isinstance(seed, bool) or not isinstance(seed, int):
+        return []
+    topo, problems = _build_topology(topology, seed)
+    codec = part(Codec, data["codec"]) if data.get("codec") is not None else None
+    capture = part(Capture, data["capture"]) if data.get("capture") is not None else None
+    return problems + _checks(topo, topology, parts(JobSpec, "jobs"),
+                              [p for p in parts(Impairment, "impairments") if p],
+                              [p for p in parts(Trimming, "trimming") if p], codec,
+                              [p for p in parts(CrossTraffic, "cross_traffic") if p], capture)
+
+
+def _build_topology(spec: TopologySpec, seed: int) -> tuple[Any, list[str]]:
+    """(topology description, problems) for ``spec``; (None, []) if the layer is missing."""
+    try:
+        from testbed.topologies import TopologyError, make_topology
+    except Exception:
+        return None, []
+    kwargs = spec.kwargs()
+    kwargs.setdefault("seed", seed)
+    try:
+        return make_topology(spec.kind, **kwargs), []
+    except (TopologyError, ValueError, TypeError) as e:
+        msg = str(e)
+        first = re.match(r"\w+", msg)
+        field = first.group(0) if first and first.group(0) in TopologySpec.model_fields else ""
+        return None, [f"topology{'.' + field if field else ''}: {msg}"]
+
+
+def _checks(topo, tspec: TopologySpec, jobs: list, impairments: list, trimming: list,
+            codec, cross_traffic: list, capture) -> list[str]:
+    problems = [p for i, job in enumerate(jobs) if job is not None
+                for p in [_aggregator_problem(f"jobs.{i}", job, tspec, topo)] if p]
+    if topo is None:  # the topology itself is wrong (reported): only what needs no graph
+        return problems
+    for i, job in enumerate(jobs):
+        if job is not None:
+            problems += _job_problems(f"jobs.{i}", job, topo, codec)
+    for what, items in (("impairments", impairments), ("trimming", trimming)):
+        for i, item in enumerate(items):
+            problems += _node_problems(f"{what}.{i}", item.node, item.ports, topo)
+    if codec is not None and not topo.nic_of:
+        problems.append("codec: the SmartNIC codec runs on SmartNIC nodes and this topology has "
+                        "none; set topology.smartnic = true (or a list of host ranks), or "
+                        "remove codec")
+    n = topo.n_hosts
+    for i, ct in enumerate(cross_traffic):
+        for end in ("src", "dst"):
+            if getattr(ct, end) >= n:
+                problems.append(f"cross_traffic.{i}.{end}: host index {getattr(ct, end)} is out "
+                                f"of range; the topology has {n} hosts (0..{n - 1})")
+    if capture is not None:
+        ifaces = [f"{node}-eth{p}" for node in topo.nodes() for p in topo.ports.get(node, {})]
+        for k, iface in enumerate(capture.interfaces):
+            if iface not in ifaces:
+                problems.append(f"capture.interfaces.{k}: {iface!r} is not an interface of "
+                                f"this topology; interfaces: {', '.join(sorted(ifaces)[:12])}"
+                                f"{' ...' if len(ifaces) > 12 else ''}")
+    return problems
+
+
+def _aggregator_problem(path: str, job: JobSpec, tspec: TopologySpec, topo) -> str | None:
+    """INA/NIC offload needs the aggregator on a programmable switch (None: it has one, or
+    more than 32 hosts keep it off, which the collectives' own check reports)."""
+    if job.op == "incast" or job.algo not in ("ina", "nic"):
+        return None
+    if tspec.switch == "bridge":
+        why = "topology.switch is 'bridge'; set topology.switch = 'programmable'"
+    elif tspec.aggregator == "none":
+        why = "topology.aggregator is 'none'; set it to 'auto' or a programmable switch"
+    elif topo is not None and topo.aggregator_switch is None and topo.n_hosts <= 32:
+        why = (f"'auto' found no programmable aggregation switch in this {tspec.kind}; name "
+               "one in topology.aggregator")
+    else:
+        return None
+    return (f"{path}.algo: {job.algo!r} aggregates in a programmable switch, but this "
+            f"topology has no aggregator: {why}")
+
+
+def _job_problems(path: str, job: JobSpec, topo, codec) -> list[str]:
+    problems: list[str] = []
+    n = topo.n_hosts
+    if job.op == "incast":
+        if n < 2:
+            problems.append(f"{path}.op: incast needs at least 2 hosts (a receiver and a "
+                            f"sender); the topology has {n}")
+        return problems
+    if job.algo == "nic":
+        workers = topo.host_names[:min(int(job.options.get("workers") or n), n)]
+        bare = [h for h in workers if h not in topo.nic_of]
+        if bare:
+            problems.append(f"{path}.algo: 'nic' converts on each worker's SmartNIC, but "
+                            f"{', '.join(bare)} have none; set topology.smartnic = true")
+        if codec is None:
+            problems.append(f"{path}.algo: 'nic' needs the SmartNICs' nic_codec program; add "
+                            "a codec section (codec = 'fixed32')")
+        if max(job.sizes()) > MAX_INA_BYTES:
+            problems.append(f"{path}.nbytes: in-network aggregation addresses at most 2^32 "
+                            f"float32 elements per message ({MAX_INA_BYTES} B)")
+    elif job.algo == "ina" and max(job.sizes()) > MAX_INA_BYTES:
+        problems.append(f"{path}.nbytes: in-network aggregation addresses at most 2^32 float32 "
+                        f"elements per message ({MAX_INA_BYTES} B)")
+    if job.algo == "rs":
+        w = int(job.options.get("workers") or n)
+        if w + job.servers > n and job.servers > w:
+            problems.append(f"{path}.servers: {job.servers} reduction servers do not fit: "
+                            f"{n} hosts hold {w} workers, so servers share worker hosts and "
+                            f"need servers <= workers; add hosts or lower servers")
+    for msg in _collective_problems(job, n):
+        line = _collective_field(path, job, msg)
+        if line not in problems:
+            problems.append(line)
+    return problems
+
+
+def _collective_problems(job: JobSpec, n_hosts: int) -> list[str]:
+    """What the collectives layer's own validation says about each size of ``job``."""
+    try:
+        from testbed.collectives.spec import CollectiveSpec
+    except Exception:
+        return []
+    out: list[str] = []
+    for size in job.sizes():
+        try:
+            CollectiveSpec(op=job.op, algo=job.algo, nbytes=size, dtype=job.dtype,
+                           compressor=job.compressor,
+                           compressor_params=dict(job.compressor_params),
+                           error_feedback=job.error_feedback, servers=job.servers,
+                           timeout_s=job.timeout_s, seed=job.seed or 0,
+                           repetitions=job.repetitions, **job.options).validate(n_hosts)
+        except (ValueError, TypeError) as e:
+            if str(e) not in out:
+                out.append(str(e))
+    return out
+
+
+def _collective_field(path: str, job: JobSpec, msg: str) -> str:
+    """``msg`` of the collectives' validation under the job field it is about."""
+    m = re.search(r"CollectiveSpec\.(\w+)", msg)
+    field = m.group(1) if m else ""
+    if field in JobSpec.model_fields:
+        where = f"{path}.{field}"
+    elif field in job.options:
+        where = f"{path}.options.{field}"
+    elif field == "workers":  # not set: every host works, so the topology's size is at fault
+        where = f"{path}.algo" if job.algo in ("ina", "nic") else "topology"
+    else:
+        where = path
+    return f"{where}: {msg.replace('CollectiveSpec.', '')}"
+
+
+def _node_problems(path: str, node: str, ports: list | None, topo) -> list[str]:
+    programmable = sorted(topo.programmable)
+    if node not in topo.nodes():
+        return [f"{path}.node: {node!r} is not a node of this topology; programmable nodes: "
+                f"{', '.join(programmable) or 'none'}"]
+    if node not in topo.programmable:
+        return [f"{path}.node: {node!r} is not a programmable node (programmable: "
+                f"{', '.join(programmable) or 'none'}); set topology.switch = 'programmable'"]
+    own = sorted(topo.ports.get(node, {}))
+    names = [f"{node}-eth{p}" for p in own]
+    bad = [p for p in ports or [] if not (p in names if isinstance(p, str)
+                                          else 0 <= p < len(own))]
+    if bad:
+        return [f"{path}.ports: {bad} are not ports of {node}; give indices 0..{len(own) - 1} "
+                f"or names {', '.join(names)}"]
+    return []

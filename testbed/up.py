@@ -1,0 +1,249 @@
+"""``testbed up FILE`` / ``testbed down``: an emulated network that outlives one command.
+
+``up`` builds the topology of an experiment file, with the data-path programs its impairments,
+trimming and codec ask for, and keeps it running: with Mininet's CLI when standard input is a
+terminal (``exit`` or Ctrl-D tears it down), otherwise until ``testbed down``, SIGTERM or
+Ctrl-C. ``--detach`` starts it in the background and returns once it is ready. The jobs, cross
+traffic and captures of the file are not started: the network is there to look at, ping, and
+query with ``testbed switch NODE ...`` over the nodes' control sockets.
+
+The ``up`` process holds the emulation lock for the network's whole life, like every other
+network: ``testbed run``, the tests and ``testbed cleanup`` wait for it (``cleanup`` names it as
+the holder). Its state file ``<run dir>/up.json`` (pid, pid start time, experiment, nodes and
+their shells' pids, for ``mnexec -a PID command`` inside a node) lets ``down`` find it; ``down`` sends it SIGTERM and waits until its teardown finished. If the
+``up`` process died without tearing down (SIGKILL), ``down`` runs ``testbed cleanup``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from testbed.datapath.control import RUN_DIR
+
+#: Where the running network is described for ``down`` and ``switch``.
+STATE_PATH = Path(RUN_DIR) / "up.json"
+#: Output of a detached ``up`` (the network's own messages, errors included).
+LOG_PATH = Path(RUN_DIR) / "up.log"
+NOT_ROOT = ("testbed {verb} builds and tears down emulated networks and needs root: run "
+            "'sudo .venv/bin/testbed {verb} ...' (or use the lab VM)")
+
+
+class _Down(BaseException):
+    """Raised by the SIGTERM handler of a running ``up`` (not an Exception: nothing may
+    swallow it, Mininet's CLI included)."""
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Start time of ``pid`` in clock ticks (tells a reused pid apart), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def read_state() -> dict[str, Any] | None:
+    """The running ``up``'s state, or None when no network is up (a stale file is reported
+    with ``alive: False``)."""
+    try:
+        state = json.loads(STATE_PATH.read_text())
+    except (OSError, ValueError):
+        return None
+    state["alive"] = _start_ticks(int(state.get("pid", 0))) == state.get("start_ticks")
+    return state
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    STATE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    tmp = STATE_PATH.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, STATE_PATH)
+
+
+def _remove_own_state() -> None:
+    state = read_state()
+    if state is not None and int(state.get("pid", 0)) == os.getpid():
+        STATE_PATH.unlink(missing_ok=True)
+
+
+def _load_point(file: str, point: int):
+    """(experiment, point experiment) or raise ValueError with the problems."""
+    from testbed.experiment.spec import ExperimentError, expand_sweep, load_experiment
+
+    try:
+        exp = load_experiment(file)
+    except ExperimentError as e:
+        raise ValueError("\n".join([f"invalid experiment {e.source}:",
+                                    *(f"  - {p}" for p in e.problems)])) from None
+    points = expand_sweep(exp)
+    if not 0 <= point < len(points):
+        raise ValueError(f"--point {point}: {file} has {len(points)} sweep point(s), "
+                         f"0..{len(points) - 1}")
+    return exp, points[point][1]
+
+
+def _busy_message(state: dict[str, Any]) -> str:
+    return (f"a network is already up: {state.get('name')} from {state.get('file')} "
+            f"(pid {state.get('pid')}); 'testbed down' first")
+
+
+def up(file: str, point: int = 0, cli: bool | None = None, detach: bool = False,
+       ready_timeout: float = 900.0) -> int:
+    """CLI entry of ``testbed up``: 0 after a clean teardown (or, detached, once ready);
+    1 on failure, 2 for a bad file or option, 130 on Ctrl-C."""
+    if os.geteuid() != 0:
+        _err(NOT_ROOT.format(verb="up"))
+        return 1
+    try:
+        exp, pt = _load_point(file, point)
+    except ValueError as e:
+        _err(str(e))
+        return 2
+    state = read_state()
+    if state is not None and state["alive"]:
+        _err(_busy_message(state))
+        return 1
+    if detach:
+        return _detach(file, point, ready_timeout)
+    if cli is None:
+        cli = sys.stdin.isatty()
+    return _serve(file, exp, pt, cli)
+
+
+def _detach(file: str, point: int, ready_timeout: float) -> int:
+    """Start ``up`` in its own session (output to LOG_PATH); return once it is ready."""
+    LOG_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOG_PATH, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "testbed.cli", "up", str(Path(file).resolve()), "--point",
+             str(point), "--no-cli"], stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        state = read_state()
+        if state and state.get("pid") == proc.pid and state.get("ready"):
+            _say(f"up: {state['name']} (pid {proc.pid}, log {LOG_PATH}); "
+                 "'testbed down' tears it down")
+            return 0
+        if proc.poll() is not None:
+            _err(f"testbed up failed (exit {proc.returncode}):\n{_tail(LOG_PATH)}")
+            return 1
+        time.sleep(0.2)
+    _err(f"testbed up: not ready after {ready_timeout:.0f} s (pid {proc.pid} keeps trying; "
+         f"log {LOG_PATH}); 'testbed down' stops it")
+    return 1
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _serve(file: str, exp, pt, cli: bool) -> int:
+    """Build the network, keep it until told to stop, tear it down."""
+    from testbed.experiment.runner import network_for
+
+    try:
+        network = network_for(pt)
+    except Exception as e:  # bad combination the topology layer found
+        _err(f"testbed up: {type(e).__name__}: {e}")
+        return 2
+    state = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "ready": False,
+             "file": str(Path(file).resolve()), "name": exp.name,
+             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    _write_state(state)
+    # SIGTERM from `testbed down`: TestbedNet turns it into KeyboardInterrupt while it builds
+    # and restores this handler afterwards; once the network runs, ours applies.
+    old = signal.signal(signal.SIGTERM, _on_term)
+    code = 0
+    try:
+        with network as net:
+            desc = net.describe()
+            # node pids let other commands enter a node: `mnexec -a PID cmd`, `nsenter -t PID -n`
+            pids = {n.name: n.pid for n in net.mininet.hosts + net.mininet.switches
+                    if getattr(n, "pid", None)}
+            state.update(ready=True, hosts=desc.get("hosts"), aggregator=net.aggregator,
+                         programmable=sorted(net.datapath_clients()),
+                         programs=desc.get("programs"), pids=pids)
+            _write_state(state)
+            signal.signal(signal.SIGTERM, _on_term)
+            _banner(state, cli)
+            if cli:
+                from mininet.cli import CLI
+
+                CLI(net.mininet)
+            else:
+                while True:
+                    signal.pause()
+    except _Down:
+        pass
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # noqa: BLE001 - reported without a traceback
+        _err(f"testbed up: {type(e).__name__}: {e}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        _remove_own_state()
+    _say(f"down: {exp.name} torn down")
+    return code
+
+
+def _on_term(signum, frame) -> None:
+    raise _Down(signum)
+
+
+def _banner(state: dict[str, Any], cli: bool) -> None:
+    nodes = state.get("programmable") or []
+    _say(f"up: {state['name']}: hosts {', '.join(state.get('hosts') or [])}; programmable "
+         f"{', '.join(nodes) or 'none'}; aggregator "
+         f"{(state.get('aggregator') or {}).get('switch', 'none')}")
+    if nodes:
+        _say(f"  testbed switch {nodes[0]} counters | config | jobs | trace")
+    _say("  'exit' (or Ctrl-D) tears it down" if cli else "  'testbed down' tears it down")
+
+
+def down(timeout: float = 120.0) -> int:
+    """CLI entry of ``testbed down``: stop the running ``up`` and wait for its teardown."""
+    if os.geteuid() != 0:
+        _err(NOT_ROOT.format(verb="down"))
+        return 1
+    state = read_state()
+    if state is None:
+        _say("no network is up")
+        return 0
+    pid = int(state["pid"])
+    if not state["alive"]:
+        STATE_PATH.unlink(missing_ok=True)
+        _say(f"the 'testbed up' process of {state.get('name')} (pid {pid}) is gone; "
+             "removing what it left behind")
+        from testbed.cleanup import main as cleanup
+
+        return cleanup()
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _start_ticks(pid) == state["start_ticks"]:
+        if time.monotonic() > deadline:
+            _err(f"testbed down: pid {pid} still tearing down after {timeout:.0f} s; if it is "
+                 "stuck, 'testbed cleanup' waits for the lock and removes what is left")
+            return 1
+        time.sleep(0.1)
+    _say(f"down: {state.get('name')} (pid {pid}) torn down")
+    return 0
