@@ -383,7 +383,8 @@ def max_min_rates(weights: list[dict], capacity: dict, caps: list[float] | None 
                 for f in on_link[link]:
                     frozen[f] = True
         for f in range(nf):
-            if not frozen[f] and caps[f] - rate[f] <= 1e-12 * max(caps[f], 1.0):
+            if not frozen[f] and math.isfinite(caps[f]) and \
+                    caps[f] - rate[f] <= 1e-12 * max(caps[f], 1.0):
                 frozen[f] = True
     return rate
 
