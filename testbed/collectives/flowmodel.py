@@ -36,9 +36,14 @@ How a prediction is made:
 6. **INA loss** (first order in the loss rate, see :func:`ina_loss_s`).
 
 The closed-form alpha-beta model (:func:`testbed.collectives.model.predict`) is the special
-case of one switch where every phase's flows cross distinct links: a star gives the same time
-(``tests/test_collectives_flowmodel.py`` checks it). Beyond one switch the two differ exactly
-where the issue lies: colliding ECMP flows share an uplink, halving-doubling's rounds have
+case of one switch where every phase's flows cross distinct links and every link carries data
+both ways: on a star the two give the same time for ring, halving-doubling and INA, and for
+the reduction server with as many servers as workers (``tests/test_collectives_flowmodel.py``
+checks it). Where they differ on a star, the flow model is the finer one: one-way phases
+(binomial broadcast, the halving-doubling fold) leave a link direction without reverse data,
+so its payload share is 1448/1514 instead of 1448/1547; with fewer reduction servers than
+workers, piece 0 waits for the busier server link. Beyond one switch the two differ where the
+closed form cannot look: colliding ECMP flows share an uplink, halving-doubling's rounds have
 their own pairs, oversubscribed uplinks carry several flows.
 
 ``time_dilation`` (a factor f >= 1, threaded through for dilated runs): the emulation runs

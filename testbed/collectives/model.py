@@ -1,4 +1,10 @@
-"""The alpha-beta model of every (op, algo) the testbed runs (formulas: shared/ANCHORS.md).
+"""The closed-form alpha-beta model of every (op, algo) the testbed runs.
+
+It is the one-switch special case of the flow-level model (:mod:`testbed.collectives.flowmodel`,
+which gives every run's ``model_s``): one bottleneck rate B for every flow, every link busy in
+both directions. On a star the two agree (tested); across a fabric only the flow model sees
+which flows share a link. The formulas are the nccl-tests / MPICH ones (ring
+``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...).
 
 ``predict(op, algo, n, nbytes, bw_bps, alpha_s)`` returns seconds. ``bw_bps`` is the
 bottleneck link rate in bit/s as configured on the links; the model converts it to *goodput*
