@@ -121,3 +121,8 @@ def test_decision_reasons():
     assert "saturated" in cpumon.cpu_bound_reasons(0.95, 0.0, 0.0)[0]
     assert "waited" in cpumon.cpu_bound_reasons(0.5, 0.2, 0.1, wait_thread="send1[7]")[0]
     assert "core" in cpumon.cpu_bound_reasons(0.5, 0.0, 0.99, busy_thread="engine[3]")[0]
+
+
+def test_an_empty_group_reports_zeros():
+    rep = cpumon.CpuMonitor({"ranks": [os.getpid()], "engines": []}).stop()
+    assert rep.group_max["engines"] == 0.0 and rep.group_cpu_s["engines"] == 0.0

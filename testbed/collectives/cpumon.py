@@ -173,7 +173,9 @@ class CpuMonitor:
             b0, t0 = self.c0.get(cpu, (b1, t1))
             core_util[cpu] = (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
         util = sum(core_util.values()) / len(core_util) if core_util else 0.0
-        rep = CpuReport(wall, util, core_util, 0.0, "", 0.0, "")
+        rep = CpuReport(wall, util, core_util, 0.0, "", 0.0, "",
+                        dict.fromkeys(self.groups, 0.0), dict.fromkeys(self.groups, 0.0),
+                        dict.fromkeys(self.groups, 0.0))
         for (g, p), seen in self.last.items():
             base = self.first[(g, p)]
             gmax = gwait = gcpu = 0.0
