@@ -23,8 +23,8 @@ from testbed.collectives.transport import CollectiveError, Comm
 
 
 def test_ports_stay_out_of_reserved_ranges():
-    ports = {tcp_port(j, s, d) for j in range(TCP_JOB_SLOTS) for s in (0, 5, MAX_RANKS - 1)
-             for d in range(MAX_RANKS)}
+    ports = {tcp_port(j, s, d) for j in range(TCP_JOB_SLOTS) for d in range(MAX_RANKS)
+             for s in range(d + 1)}
     assert min(ports) >= TCP_PORT_LO and max(ports) <= TCP_PORT_HI
     assert not any(32768 <= p <= 60999 or 20000 <= p <= 29999 or 5201 <= p <= 5399
                    for p in ports)
@@ -41,25 +41,23 @@ def test_ports_stay_out_of_reserved_ranges():
         tcp_tuple(1, 2, 2)
 
 
-@pytest.mark.parametrize("n, m", [(4, 0), (5, 0), (8, 0), (4, 4), (6, 2)])
-def test_ports_are_unique_per_host(n, m):
-    """Every (host, port) a job binds is distinct, for every algorithm's peers, including a
-    reduction server co-located on a worker's host."""
+def test_every_port_of_a_job_is_its_own():
+    """Each (src, dst) pair and each listener has a port of its own, so ranks sharing an
+    address (co-located servers, tests on the loopback) never collide."""
     job = 3
-    for peers in (lambda r: ring.ring_peers(r, n), lambda r: hd.hd_peers(r, n, "allreduce")):
-        for r in range(n):  # one rank per host: its listening port and one per higher peer
-            bound = [tcp_port(job, r, r)] + [tcp_port(job, r, p) for p in peers(r) if p > r]
-            assert len(bound) == len(set(bound))
-    if m:
-        host = {r: r for r in range(n)} | {n + j: (j * n) // m for j in range(m)}
-        bound = []
-        for r in range(n + m):
-            bound.append((host[r], tcp_port(job, r, r)))
-            if r < n:
-                bound += [(host[r], tcp_port(job, r, s)) for s in range(n, n + m)]
-        assert len(bound) == len(set(bound))
+    ports = [tcp_port(job, s, d) for d in range(MAX_RANKS) for s in range(d + 1)]
+    assert len(ports) == len(set(ports)) == MAX_RANKS * (MAX_RANKS + 1) // 2
+    with pytest.raises(ValueError, match="lower rank"):
+        tcp_port(job, 4, 1)
     # the two ends of each flow see each other's ports
     assert tcp_tuple(job, 1, 4) == tcp_tuple(job, 4, 1)[::-1]
+    assert tcp_tuple(job, 1, 4) == (tcp_port(job, 1, 4), tcp_port(job, 4, 4))
+    # what ring / hd / rs ranks bind: distinct for every algorithm's peers
+    for n in (5, 8):
+        for peers in (lambda r, n=n: ring.ring_peers(r, n),
+                      lambda r, n=n: hd.hd_peers(r, n, "allreduce")):
+            bound = [tcp_port(job, r, p) for r in range(n) for p in peers(r) + [r] if p >= r]
+            assert len(bound) == len(set(bound))
 
 
 def _time_wait(ports: set[int]) -> list[str]:
@@ -97,7 +95,7 @@ def test_connections_use_the_mapped_ports_and_leave_no_time_wait():
     data flows, and closing leaves no TIME_WAIT, so the same job connects again at once."""
     n, job = 3, 41
     ips = [f"127.0.3.{r + 1}" for r in range(n)]
-    ports = {tcp_port(job, s, d) for s in range(n) for d in range(n)}
+    ports = {tcp_port(job, s, d) for d in range(n) for s in range(d + 1)}
     for _round in range(2):
         comms = _mesh(job, n, ips)
         try:

@@ -12,12 +12,11 @@ port ``tcp_port(j, r, p)``, to ``tcp_port(j, p, p)``. Ports lie in ``TCP_PORT_LO
 ``TCP_PORT_HI`` (6000-19999): below Linux's ephemeral range (32768-60999), outside the INA
 worker ports (20000-29999) and above the iperf3 ports the cross traffic uses (5201, 5301+k).
 
-A connecting port depends on (job, destination) only: it must be unique per host address,
-and the ranks that share a host (a reduction server co-located with a worker) never connect to
-the same peer (servers only accept), so the source rank adds no uniqueness. Listening ports
-and connecting ports use disjoint halves of the job's block, so a co-located server's
-listening port never meets its worker's source ports. Jobs ``job_id`` and
-``job_id + TCP_JOB_SLOTS`` share ports: run them on different hosts, not at once.
+Every (src, dst) pair of a job has its own port, so ranks that share an address (a reduction
+server co-located with a worker, or every rank of a test on the loopback) never bind the same
+one: a job's block holds ``MAX_RANKS * (MAX_RANKS + 1) / 2`` ports, the pairs ``src < dst``
+first (triangular numbering), then one listening port per rank. Jobs ``job_id`` and
+``job_id + TCP_JOB_SLOTS`` share a block: do not run them on the same hosts at once.
 
 INA (UDP): a worker of job ``j`` binds ``ina_worker_port(j)`` (``20000 + j % 10000``) and
 sends to the aggregator's ``INA_AGG_PORT`` (41000).
@@ -29,9 +28,11 @@ from __future__ import annotations
 TCP_PORT_LO = 6000
 TCP_PORT_HI = 19999
 #: Ranks per job that get deterministic ports (workers + servers).
-MAX_RANKS = 128
+MAX_RANKS = 64
+_PAIRS = MAX_RANKS * (MAX_RANKS - 1) // 2
+_BLOCK = _PAIRS + MAX_RANKS
 #: Distinct port blocks: jobs whose ids differ by a multiple of this share ports.
-TCP_JOB_SLOTS = (TCP_PORT_HI + 1 - TCP_PORT_LO) // (2 * MAX_RANKS)
+TCP_JOB_SLOTS = (TCP_PORT_HI + 1 - TCP_PORT_LO) // _BLOCK
 #: The aggregator's UDP port (the testbed header's port, ``testbed.kernels.wire``).
 INA_AGG_PORT = 41000
 #: INA worker UDP ports: ``INA_PORT_BASE + job_id % INA_PORT_SPAN``.
@@ -46,14 +47,19 @@ def _check_rank(name: str, v) -> None:
 
 
 def tcp_port(job_id: int, src: int, dst: int) -> int:
-    """TCP port rank ``src`` of job ``job_id`` binds for its connection to rank ``dst``;
-    ``src == dst``: the rank's listening port (see the module docstring)."""
+    """TCP port rank ``src`` of job ``job_id`` binds for its connection to rank ``dst``
+    (``src < dst``: it connects); ``src == dst``: the rank's listening port."""
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
         raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
     _check_rank("src", src)
     _check_rank("dst", dst)
-    base = TCP_PORT_LO + (job_id % TCP_JOB_SLOTS) * 2 * MAX_RANKS
-    return base + MAX_RANKS + src if src == dst else base + dst
+    if src > dst:
+        raise ValueError(f"src={src} > dst={dst}: the lower rank opens the connection; its "
+                         f"peer's end is the listening port tcp_port(job, {src}, {src})")
+    base = TCP_PORT_LO + (job_id % TCP_JOB_SLOTS) * _BLOCK
+    if src == dst:
+        return base + _PAIRS + src
+    return base + dst * (dst - 1) // 2 + src
 
 
 def tcp_tuple(job_id: int, src: int, dst: int) -> tuple[int, int]:
