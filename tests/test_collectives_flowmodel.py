@@ -345,25 +345,32 @@ def test_rs_colocated_servers_skip_their_own_shard():
     assert p.phases[0].transfer_s == pytest.approx(ab.rs_link_load(4, 4, True) * t)
 
 
-def test_ina_loss_first_order():
-    assert fm.ina_loss_s(n=4, packets=1000, window=64, p_up=0, p_down=0, frame_s=1e-4,
+def test_ina_window_and_loss_first_order():
+    assert fm.ina_extra_s(n=4, packets=1000, window=64, p_up=0, p_down=0, frame_s=1e-4,
                          rtt_s=1e-3) == 0.0
     p, n, K, W, fs, rtt = 0.01, 4, 8192, 64, 9e-5, 4e-4
     rho = 1 - (1 - p) ** n * (1 - p)
     rto = max(0.010, 2 * (rtt + W * fs))
     want = K * 2 * p * fs + max(0.0, K / W * (rtt + rho * rto) - K * fs) + \
         rto * (1 - (1 - rho) ** W)
-    got = fm.ina_loss_s(n=n, packets=K, window=W, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
+    got = fm.ina_extra_s(n=n, packets=K, window=W, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
     assert got == pytest.approx(want)
+    assert fm.ina_extra_s(n=4, packets=1000, window=1, p_up=0, p_down=0, frame_s=1e-4,
+                          rtt_s=1e-3) == pytest.approx(1000 * (1e-3 - 1e-4))
     # a small window cannot hide the stalls: the chain bound takes over
-    small = fm.ina_loss_s(n=n, packets=K, window=4, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
+    small = fm.ina_extra_s(n=n, packets=K, window=4, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
     assert small > got
     star = Star(4, bw_mbps=100, switch="programmable")
     clean = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 * MB), hop_latency_s=HOP)
     lossy = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 * MB, loss=0.01),
                        hop_latency_s=HOP)
-    assert clean.loss_s == 0 and lossy.loss_s > 0
-    assert lossy.time_s == pytest.approx(clean.time_s + lossy.loss_s)
+    assert clean.ina_extra_s == 0 and lossy.ina_extra_s > 0
+    assert lossy.time_s == pytest.approx(clean.time_s + lossy.ina_extra_s)
+    # without loss, a window far below the round trip's worth of packets sets the pace
+    tiny = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 * MB, window=1),
+                      hop_latency_s=1e-3)
+    K = 8 * MB // 1024
+    assert tiny.time_s >= K * 2 * 1e-3
 
 
 def test_incast_trimming_counts_the_bytes_that_cross():

@@ -33,7 +33,8 @@ How a prediction is made:
 5. **Pipelining fill.** The reduction server returns piece 0 once every worker's piece 0
    arrived: + ``piece / r_min`` (the slowest flow's rate); the chain broadcast's last rank gets
    the first chunk after ``n - 2`` relays: + ``(n - 2) * chunk / r_min``.
-6. **INA loss** (first order in the loss rate, see :func:`ina_loss_s`).
+6. **INA's window and loss**: a window too small for the round trip, and the retransmission
+   cost under loss to first order in the loss rate (:func:`ina_extra_s`).
 
 The closed-form alpha-beta model (:func:`testbed.collectives.model.predict`) is the special
 case of one switch where every phase's flows cross distinct links and every link carries data
@@ -66,7 +67,7 @@ from testbed.collectives.spec import CollectiveSpec
 from testbed.topologies import routing
 
 __all__ = ["Flow", "Phase", "Prediction", "predict", "predict_s", "phases", "max_min_rates",
-           "ina_loss_s", "incast_s", "IncastPrediction", "ina_worker_port", "INA_AGG_PORT",
+           "ina_extra_s", "incast_s", "IncastPrediction", "ina_worker_port", "INA_AGG_PORT",
            "tcp_port", "placement", "TCP_WIRE", "TCP_ACK", "INA_WIRE", "DEFAULT_HOP_S"]
 
 #: Wire bytes per TCP payload byte on the data path, and of ACKs on the reverse path.
@@ -134,7 +135,8 @@ class Prediction:
     time_s: float | None
     phases: list[PhaseResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    loss_s: float = 0.0
+    #: INA: time its window and losses add (:func:`ina_extra_s`), included in ``time_s``
+    ina_extra_s: float = 0.0
     time_dilation: float = 1.0
 
     @property
@@ -150,7 +152,8 @@ class Prediction:
             lines.append(f"{p.name:>12}: {p.time_s * 1e3:9.3f} ms  slowest flow "
                          f"{slow * 8 / 1e6:8.2f} Mb/s  bottleneck {p.bottleneck}")
         total = "n/a" if self.time_s is None else f"{self.time_s:.4f} s"
-        lines.append(f"total {total}" + (f" (loss {self.loss_s:.4f} s)" if self.loss_s else "")
+        lines.append(f"total {total}" + (f" (INA window/loss {self.ina_extra_s:.4f} s)"
+                                          if self.ina_extra_s else "")
                      + "".join(f"\n  note: {n}" for n in self.notes))
         return "\n".join(lines)
 
@@ -468,11 +471,12 @@ def _run_phase(net: _Network, ph: Phase, hop_s: float) -> PhaseResult:
     return PhaseResult(ph.name, t + latency + fill, t, latency, fill, rates, bneck)
 
 
-# ------------------------------------------------------------------------------ INA loss
+# ------------------------------------------------------------------------------ INA window, loss
 
-def ina_loss_s(*, n: int, packets: int, window: int, p_up: float, p_down: float,
-               frame_s: float, rtt_s: float, rto_s: float | None = None) -> float:
-    """First-order extra time of an INA allreduce under packet loss.
+def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float,
+                frame_s: float, rtt_s: float, rto_s: float | None = None) -> float:
+    """Extra time of an INA allreduce beyond its bandwidth time: its window and, to first
+    order in the loss rate, its losses.
 
     ``packets``: data packets per worker (K); ``window``: slots per worker (W); ``p_up`` /
     ``p_down``: probability that a contribution / a RESULT is lost on its way (client-side
@@ -493,14 +497,13 @@ def ina_loss_s(*, n: int, packets: int, window: int, p_up: float, p_down: float,
                                                     # stall in the last window is not hidden
 
     A stall of one slot is hidden while the other W - 1 keep the link busy, which is why only
-    the chain bound and the last window add time. Second-order effects (several losses of
-    one packet, RTO doubling) are left out: the formula is meant for loss rates of a few
-    per cent.
+    the chain bound and the last window add time. Without loss only the chain bound remains:
+    a window too small for the round trip (``K / W * rtt > K * frame``) limits the rate.
+    Second-order effects (several losses of one packet, RTO doubling) are left out: the
+    formula is meant for loss rates of a few per cent.
     """
     if not (0 <= p_up < 1 and 0 <= p_down < 1):
         raise ValueError(f"loss probabilities must be in [0, 1), got {p_up}, {p_down}")
-    if p_up == 0 and p_down == 0:
-        return 0.0
     rho = 1 - (1 - p_up) ** n * (1 - p_down)
     rto = rto_s if rto_s is not None else max(0.010, 2 * (rtt_s + window * frame_s))
     retx = packets * (p_up + p_down) * frame_s
@@ -509,19 +512,20 @@ def ina_loss_s(*, n: int, packets: int, window: int, p_up: float, p_down: float,
     return retx + chain + tail
 
 
-def _ina_loss(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: float) -> float:
-    """:func:`ina_loss_s` for the INA phase ``ph`` (its result ``res``) on ``topo``."""
+def _ina_extra(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: float) -> float:
+    """:func:`ina_extra_s` for the INA phase ``ph`` (its result ``res``) on ``topo``."""
     loss_link = max((s.loss_pct / 100.0 for s in topo.link_specs), default=0.0)
     up = [(f, r, p) for f, r, p in res.rates if f.dst == topo.aggregator_switch]
-    if not up or (spec.loss == 0 and loss_link == 0):
+    if not up:
         return 0.0
     hops = max(len(p) - 1 for _f, _r, p in up)
     p_path = 1 - (1 - loss_link) ** hops  # every impaired link of the path, each way
     # and the client's own drops (contributions and results alike)
     p_loss = 1 - (1 - spec.loss) * (1 - p_path)
     f, r, _ = min(up, key=lambda x: x[1])  # the slowest worker
-    return ina_loss_s(n=len(up), packets=ph.packets, window=spec.window, p_up=p_loss,
-                      p_down=p_loss, frame_s=f.nbytes / r / ph.packets, rtt_s=2 * hops * hop_s)
+    return ina_extra_s(n=len(up), packets=ph.packets, window=spec.window, p_up=p_loss,
+                       p_down=p_loss, frame_s=f.nbytes / r / ph.packets,
+                       rtt_s=2 * hops * hop_s)
 
 
 # ------------------------------------------------------------------------------ predict
@@ -565,15 +569,15 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     results = [_run_phase(net, p, hop_s) for p in phs]
     total = sum(r.time_s for r in results)
     notes = []
-    loss_s = 0.0
+    extra_s = 0.0
     if spec.algo in ("ina", "nic"):
-        loss_s = _ina_loss(spec, phs[0], results[0], topo, hop_s)
-        total += loss_s
+        extra_s = _ina_extra(spec, phs[0], results[0], topo, hop_s)
+        total += extra_s
     elif any(s.loss_pct for s in topo.link_specs):
         notes.append("links drop packets (loss_pct) and TCP's loss recovery is not modelled: "
                      "the time is a lower bound")
     f = float(time_dilation)
-    return Prediction(total / f, results, notes, loss_s / f, f)
+    return Prediction(total / f, results, notes, extra_s / f, f)
 
 
 def predict_s(topology, spec: CollectiveSpec, **kw) -> float:
