@@ -98,7 +98,7 @@ def test_many_light_threads_are_not_cpu_bound():
         pytest.skip(f"other work loaded the machine meanwhile ({rep.cpu_util:.0%})")
     total = rep.group_cpu_s["ranks"] / rep.wall_s
     assert total > 0.9, rep  # what summing the threads of the process called saturated
-    assert rep.cpu_max < cpumon.THREAD_SATURATED, rep
+    assert rep.cpu_demand < cpumon.DEMAND_SATURATED, rep
     assert rep.cpu_wait <= cpumon.WAIT_LIMIT, rep
     assert not rep.cpu_bound, rep.why
 
@@ -120,7 +120,8 @@ def test_decision_reasons():
     assert cpumon.cpu_bound_reasons(0.5, 0.02, 0.4) == []
     assert "saturated" in cpumon.cpu_bound_reasons(0.95, 0.0, 0.0)[0]
     assert "waited" in cpumon.cpu_bound_reasons(0.5, 0.2, 0.1, wait_thread="send1[7]")[0]
-    assert "core" in cpumon.cpu_bound_reasons(0.5, 0.0, 0.99, busy_thread="engine[3]")[0]
+    assert "engine[3] was busy" in cpumon.cpu_bound_reasons(0.5, 0.0, 0.92,
+                                                            demand_thread="engine[3]")[0]
 
 
 def test_an_empty_group_reports_zeros():

@@ -161,9 +161,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     topo = _topology_name(net)
     rows = []
     for rep, r in enumerate(result["reps"]):
-        # cpumon: cores saturated, a rank/engine thread waiting for a CPU, or one using a core
-        bound = bool(cpumon.cpu_bound_reasons(r["cpu_util"], r["cpu_wait"],
-                                              max(r["cpu_max"], r["cpu_engine"])))
+        # cpumon: cores saturated, a rank/engine thread waiting for a CPU, or one never idle
+        bound = bool(cpumon.cpu_bound_reasons(r["cpu_util"], r["cpu_wait"], r["cpu_demand"]))
         rows.append(make_row(spec, n=n, time_s=r["time_s"], model_s=model_s, cpu_bound=bound,
                              max_abs_err=r["max_abs_err"], correct=r["correct"], rep=rep,
                              topology=topo, bw_mbps=bw_mbps, cpu_max=round(r["cpu_max"], 3),

@@ -434,6 +434,7 @@ def run_pool(job: dict) -> dict:
                 err, ok = check(spec, ins, outs, n)
             result["reps"].append({"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
                                    "cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait,
+                                   "cpu_demand": cpu.cpu_demand,
                                    "cpu_max": cpu.group_max["ranks"],
                                    "cpu_engine": cpu.group_max["engines"],
                                    "cpu_s": cpu.group_cpu_s["ranks"],
