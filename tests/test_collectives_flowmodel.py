@@ -404,3 +404,18 @@ def test_bad_input_is_named():
         fm.predict(Star(4, bw_mbps=None), CollectiveSpec(algo="ring"))
     with pytest.raises(TypeError, match="CollectiveSpec"):
         fm.predict(star, {"algo": "ring"})
+
+
+def test_ina_thc_counts_its_wire_bytes():
+    """INA + THC: one int8 lane per (padded) element each way when the n-way sums fit int8;
+    int16 RESULT lanes (packets of 512 lanes) when they may not."""
+    star = Star(8, bw_mbps=100, switch="programmable")
+    plain = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 << 20), hop_latency_s=HOP)
+    small = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 << 20, compressor="thc"),
+                       hop_latency_s=HOP)  # g = 16: 8 * 8 <= 127, int8 both ways
+    wide = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 << 20, compressor="thc",
+                                           compressor_params={"granularity": 64}),
+                      hop_latency_s=HOP)  # 8 * 32 > 127: int16 results
+    lat = 4 * 1 * HOP
+    assert (small.time_s - lat) == pytest.approx((plain.time_s - lat) / 4, rel=1e-3)
+    assert (wide.time_s - lat) == pytest.approx((plain.time_s - lat) / 2, rel=1e-3)

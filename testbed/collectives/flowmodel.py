@@ -75,8 +75,8 @@ TCP_WIRE = ab.TCP_FRAME / ab.TCP_MSS
 TCP_ACK = ab.TCP_ACK_SHARE / ab.TCP_MSS
 #: Wire bytes per INA payload byte (each direction; no ACKs).
 INA_WIRE = ab.INA_FRAME / ab.INA_PAYLOAD
-#: Per-hop latency without a measurement: the configured link delay plus this (a veth, a
-#: bridge or the data path's engine forwarding one packet, measured by ping on a star here).
+#: Per-hop latency without a measurement: the configured link delay plus this forwarding
+#: allowance (the value ``TestbedNet.hop_latency_s`` assumes when it cannot ping).
 DEFAULT_HOP_S = 20e-6
 #: Payload and header bytes of an INA packet: the THC variant keeps the 70 B of headers.
 INA_HDR = ab.INA_FRAME - ab.INA_PAYLOAD
@@ -267,14 +267,14 @@ def _compressed_bytes(spec: CollectiveSpec) -> int:
 
 def _thc_wire(spec: CollectiveSpec, n: int) -> tuple[int, float, float, float, float]:
     """(packets, up payload, down payload, up wire ratio, down wire ratio) of INA + THC per
-    worker:
-    K packets of E int8 lanes up, the same K packets back in the widest RESULT lane the
-    sums can need (int8 when n * g/2 <= 127, else int16: an upper bound, the switch may
+    worker: K packets of E int8 lanes up, the same K packets back in the widest RESULT lane
+    the sums can need (int8 when n * g/2 <= 127, else int16: an upper bound, the switch may
     narrow a slot's lanes)."""
-    # Function-level import: the INA client loads Numba kernels.
-    from testbed.collectives.ina import _thc_comp, thc_elems, thc_layout
+    # Function-level imports: the INA client and the compressors load Numba kernels.
+    from testbed.collectives.ina import thc_elems, thc_layout
+    from testbed.kernels.compressors import get_compressor
 
-    comp = _thc_comp(spec)
+    comp = get_compressor("thc", **spec.compressor_params)
     E = thc_elems(n, comp.g)
     d = thc_layout(comp, spec.count, E, 0, 0)[0]
     K = -(-d // E)
@@ -332,7 +332,7 @@ def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None =
     if op in ("reduce_scatter", "allgather"):
         return _hd_rounds(rk, count, n, lambda v: v, halving=op == "reduce_scatter",
                           doubling=op == "allgather")
-    p, rem, _new, old = hd._fold(n)
+    p, rem, _new, old = hd.fold(n)
     out = []
     if rem:  # the odd one of each of the first rem pairs hands its array over ...
         out.append(Phase("fold", [rk.tcp(2 * i + 1, 2 * i, count) for i in range(rem)]))
