@@ -247,7 +247,8 @@ def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
 
 def _ina_phase(hosts: list[str], aggregator: str, job_id: int, packets: int, up_bytes: float,
                down_bytes: float, up_wire: float, down_wire: float, nic: bool) -> Phase:
-    port = ina_worker_port(job_id)
+    # a SmartNIC recognises testbed frames by UDP port 41000, so its worker binds that port
+    port = INA_AGG_PORT if nic else ina_worker_port(job_id)
     flows = []
     for h in hosts:
         flows.append(Flow(h, aggregator, up_bytes, port, INA_AGG_PORT, 17, up_wire, 0.0))
