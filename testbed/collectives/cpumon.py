@@ -27,10 +27,10 @@ core a rank's thread waits 0.5 of the run and more (``tests/test_collectives_cpu
 ``DEMAND_SATURATED = 0.90``: a polling thread that sleeps on purpose never reaches 1.0 even
 when it is the bottleneck; the data-path engine sleeps 50 us after each mostly empty burst
 (interrupt coalescing). Measured here: the engine of an 8-host programmable star forwarding
-a ring allreduce ran 0.85-0.89 of the run and waited 0.06-0.07 (demand 0.91-0.96) while the
-cores were only 0.75 busy, and the run took 3.3x the model: the engine was the bottleneck.
-On the oversubscribed leaf-spines of ``testbed bench fidelity``, where the runs came within
-0.1-0.2 of the model, the engines ran 0.55-0.66.
+a ring allreduce ran 0.85-0.94 of the run while the cores were only 0.71-0.78 busy, and the
+run took 2.5-3.4x the model: the engine set the pace. On the oversubscribed leaf-spines of
+``testbed bench fidelity``, where runs came within 1.03-1.37x of the model, the engines ran
+0.49-0.67.
 
 Use::
 
