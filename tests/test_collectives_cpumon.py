@@ -86,7 +86,7 @@ def test_many_light_threads_are_not_cpu_bound():
     """Three threads at ~35 % of a core each: together more than the 0.9 of a core that the
     old per-process sum flagged, yet no core is saturated and no thread waits."""
     before = _measure([], 0.5)
-    if before.cpu_util > 0.5:
+    if before.cpu_util > 0.25:  # others' load would make these threads queue for real
         pytest.skip(f"the machine is busy with other work ({before.cpu_util:.0%} of its cores)")
     p = _start(DUTY, 3, 0.35, 3.0)
     try:
@@ -94,7 +94,7 @@ def test_many_light_threads_are_not_cpu_bound():
         rep = _measure([p.pid], 1.5)
     finally:
         _stop([p])
-    if rep.cpu_util >= 0.8:
+    if rep.cpu_util >= cpumon.UTIL_SATURATED:
         pytest.skip(f"other work loaded the machine meanwhile ({rep.cpu_util:.0%})")
     total = rep.group_cpu_s["ranks"] / rep.wall_s
     assert total > 0.9, rep  # what summing the threads of the process called saturated
