@@ -268,6 +268,17 @@ def bench_reliability(
     raise typer.Exit(main(quick=quick, json_out=json_out))
 
 
+@bench_app.command("fidelity")
+def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
+                   quick: bool = typer.Option(False, "--quick", help="one size (4 MiB)"),
+                   programmable: bool = typer.Option(False, "--programmable",
+                                                     help="data path on every switch")) -> None:
+    """Collectives on star, leaf-spine and fat-tree against the flow-level model."""
+    from testbed.experiment.fidelity import main
+
+    raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable))
+
+
 @bench_app.command("all")
 def bench_all(json_out: bool = typer.Option(False, "--json"),
               out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:

@@ -11,13 +11,14 @@ import os
 import pytest
 
 from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.testing import loopback_ip
 from testbed.collectives.worker import run_pool
 
 
 def _run(n: int, m: int = 0, **kw) -> dict:
     spec = CollectiveSpec(timeout_s=10, chunk_bytes=4096, **kw)
     spec.validate(n + m)
-    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": "127.0.0.1"}
+    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": loopback_ip()}
              for i in range(n + m)]
     return run_pool({"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks})
 

@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.testing import loopback_ip
 from testbed.kernels.parallel import PAR_MIN
 
 COUNT = PAR_MIN + 1  # one element past the switch to the parallel kernels
@@ -26,7 +27,7 @@ def _pool(tmp_path, spec: CollectiveSpec, n: int) -> dict:
     """Run the pool exactly as run_collective does (``python -m ...worker --job``) on the
     loopback of this namespace; return its result.json."""
     spec.validate(n)
-    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": "127.0.0.1"}
+    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": loopback_ip()}
              for i in range(n)]
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"spec": spec.to_json(), "n": n, "m": 0, "ranks": ranks}))
@@ -86,6 +87,7 @@ def test_teardown_keeps_ctrl_c_when_the_pool_is_gone(tmp_path):
     """Ctrl-C after the pool's process group vanished: KeyboardInterrupt, not
     ProcessLookupError from killpg, and the job folder is removed."""
     from testbed.collectives.runner import _stop_pool
+    from testbed.collectives.spec import CollectiveSpec
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     proc.wait()  # reaped: its process group no longer exists
@@ -95,7 +97,7 @@ def test_teardown_keeps_ctrl_c_when_the_pool_is_gone(tmp_path):
         try:
             raise KeyboardInterrupt
         except BaseException:
-            _stop_pool(proc, str(jobdir), None, 1)
+            _stop_pool(proc, str(jobdir), None, CollectiveSpec(), None)
             raise
     assert not jobdir.exists()
 

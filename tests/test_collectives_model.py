@@ -17,7 +17,7 @@ A = 20e-6
 
 def test_goodput_ratios_follow_frame_sizes():
     assert model.goodput_Bps("ring", B) == pytest.approx(B / 8 * 1448 / (1514 + 33))
-    assert model.goodput_Bps("ina", B) == pytest.approx(B / 8 * 1024 / 1094)
+    assert model.goodput_Bps("ina", B) == pytest.approx(B / 8 * 1024 / (1024 + 74))  # 14+20+8+32
     assert model.goodput_Bps("nic", B) == model.goodput_Bps("ina", B)
 
 

@@ -1,20 +1,74 @@
 """Pure graph computations over a testbed topology: shortest paths, ECMP groups, flood tree,
-forwarding tables and the alpha-beta model's bottleneck bandwidth.
+forwarding tables, the path one flow takes, and the alpha-beta model's bottleneck bandwidth.
 
 No Mininet objects here: everything is computed from ``topo.link_specs`` so it can be
 tested without building a network, and is the one source both the programmable switches'
-tables and the Linux-bridge static FDBs are derived from.
+tables and the Linux-bridge static FDBs are derived from. A topology is a ``TestbedTopo`` or
+its ``describe()`` dict (plain data, e.g. read back from a results folder's metadata):
+:func:`as_topology` turns the latter into a :class:`TopologyView` the functions here accept.
+
+:func:`flow_path` follows one flow hop by hop the way the network forwards it: a programmable
+node picks the ECMP member by the data path's own hash of the 5-tuple
+(``testbed.datapath.forward.flow_hash_reference``, the Python twin of the ``forward`` kernel's
+``flow_hash``), a Linux bridge of a looped fabric by its static FDB entry (:func:`pick_port`,
+one member per destination MAC), a bridge of a loop-free fabric by the only shortest path.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections import deque
+from dataclasses import dataclass, field
 
-from .base import AGGREGATOR_MAC, TestbedTopo, host_mac
+from .base import AGGREGATOR_IP, AGGREGATOR_MAC, LinkSpec, TestbedTopo, host_ip, host_mac
 
 
-def adjacency(topo: TestbedTopo) -> dict[str, dict[str, tuple[int, float | None]]]:
+@dataclass
+class TopologyView:
+    """What the routing functions read of a topology, built from its ``describe()`` dict."""
+
+    kind: str
+    link_specs: list[LinkSpec]
+    host_names: list[str]
+    switch_roles: dict[str, str]
+    programmable: frozenset[str]
+    aggregator_switch: str | None
+    seed: int = 0
+    params: dict = field(default_factory=dict)
+
+    def fabric_switches(self) -> list[str]:
+        """Switch names excluding SmartNIC nodes, in creation order."""
+        return [s for s, r in self.switch_roles.items() if r != "smartnic"]
+
+
+def as_topology(topo) -> TestbedTopo | TopologyView:
+    """``topo`` itself when it is a topology object, else a :class:`TopologyView` of a
+    ``TestbedTopo.describe()`` dict (keys ``kind``, ``hosts``, ``switches``, ``programmable``,
+    ``aggregator``, ``links``, ``params.seed``)."""
+    if hasattr(topo, "link_specs") and hasattr(topo, "switch_roles"):
+        return topo
+    if not isinstance(topo, dict):
+        raise TypeError(f"topology must be a TestbedTopo or its describe() dict, got "
+                        f"{type(topo).__name__}")
+    missing = [k for k in ("hosts", "switches", "links") if k not in topo]
+    if missing:
+        raise ValueError(f"topology description lacks {missing}: pass TestbedTopo.describe() "
+                         "(or the 'topology' entry of a results folder's metadata)")
+    try:
+        links = [LinkSpec(**d) for d in topo["links"]]
+    except TypeError as e:
+        raise ValueError(f"topology description: bad link record ({e}); links must be "
+                         "LinkSpec.to_dict() entries") from None
+    params = dict(topo.get("params") or {})
+    return TopologyView(kind=str(topo.get("kind", "")), link_specs=links,
+                        host_names=list(topo["hosts"]), switch_roles=dict(topo["switches"]),
+                        programmable=frozenset(topo.get("programmable") or ()),
+                        aggregator_switch=topo.get("aggregator"),
+                        seed=int(params.get("seed", 0)), params=params)
+
+
+def adjacency(topo) -> dict[str, dict[str, tuple[int, float | None]]]:
     """node -> {neighbour: (local port number, link bw in Mb/s or None)}."""
     adj: dict[str, dict[str, tuple[int, float | None]]] = {}
     for s in topo.link_specs:
@@ -103,6 +157,67 @@ def forwarding_tables(topo: TestbedTopo) -> dict[str, dict[str, list[int]]]:
 def pick_port(group: list[int], mac: str, seed: int = 0) -> int:
     """Deterministic single choice from an ECMP group for a destination (static FDB)."""
     return group[zlib.crc32(f"{seed}:{mac}".encode()) % len(group)]
+
+
+def node_address(topo, node: str) -> tuple[str, str]:
+    """(IPv4, MAC) that packets to ``node`` carry: a host's, or the aggregator's virtual
+    address for the aggregator switch."""
+    if node in topo.host_names:
+        r = topo.host_names.index(node)
+        return host_ip(r), host_mac(r)
+    if node == topo.aggregator_switch:
+        return AGGREGATOR_IP, AGGREGATOR_MAC
+    raise ValueError(f"{node!r} is neither a host nor the aggregator switch of this topology; "
+                     f"hosts: {topo.host_names[:4]}..., aggregator: {topo.aggregator_switch}")
+
+
+def flow_frame(src_ip: str, dst_ip: str, proto: int, sport: int, dport: int) -> bytes:
+    """The first 38 bytes of an Ethernet/IPv4 frame of a flow: all the ECMP hash reads."""
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + 8, 0, 0, 64, proto, 0,
+                     bytes(int(b) for b in src_ip.split(".")),
+                     bytes(int(b) for b in dst_ip.split(".")))
+    return b"\x00" * 12 + b"\x08\x00" + ip + struct.pack("!HH", sport, dport)
+
+
+def flow_path(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
+              tables: dict | None = None) -> list[str]:
+    """Nodes a flow from ``src`` to ``dst`` (hosts, or the aggregator switch) crosses, ends
+    included, as the network forwards it (see the module docstring). ``tables``: a
+    precomputed :func:`forwarding_tables` of ``topo`` (saves recomputing it per flow)."""
+    # Function-level import: the data path module loads Numba (start-up time), which the
+    # other functions here do not need.
+    from testbed.datapath.forward import flow_hash_reference
+
+    topo = as_topology(topo)
+    tables = forwarding_tables(topo) if tables is None else tables
+    adj = adjacency(topo)
+    src_ip = node_address(topo, src)[0]
+    dst_ip, dst_mac = node_address(topo, dst)
+    h = flow_hash_reference(flow_frame(src_ip, dst_ip, proto, sport, dport))
+    static_fdb = has_loops(topo)
+    by_port = {u: {p: v for v, (p, _bw) in nbrs.items()} for u, nbrs in adj.items()}
+    path = [src]
+    node = src
+    while node != dst:
+        if len(path) > len(adj):
+            raise RuntimeError(f"forwarding loop from {src} to {dst}: {path}")
+        if node in topo.switch_roles:
+            group = tables[node].get(dst_mac)
+            if not group:
+                raise ValueError(f"no route from {node} to {dst} ({dst_mac})")
+            if node in topo.programmable:
+                port = group[h % len(group)]
+            elif static_fdb:
+                port = pick_port(group, dst_mac, topo.seed)
+            else:
+                port = group[0]  # loop-free fabric: the only shortest path
+            node = by_port[node][port]
+        else:  # a host has one link
+            if node != src:
+                raise ValueError(f"path from {src} to {dst} runs through host {node}")
+            node = next(iter(adj[node]))
+        path.append(node)
+    return path
 
 
 def _flow_paths(adj, src: str, dst: str) -> dict[tuple[str, str], float]:

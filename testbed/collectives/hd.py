@@ -19,7 +19,7 @@ def _pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _fold(n: int):
+def fold(n: int):
     """(p, rem, new_rank(old) -> int|None, old_rank(new) -> int)."""
     p = _pow2(n)
     rem = n - p
@@ -47,7 +47,7 @@ def hd_peers(rank: int, n: int, op: str) -> list[int]:
                 peers.add(rank - d)
             d *= 2
         return sorted(peers)
-    p, rem, new, old = _fold(n)
+    p, rem, new, old = fold(n)
     peers = set()
     if rank < 2 * rem:
         peers.add(rank ^ 1)
@@ -104,7 +104,7 @@ def _doubling(comm: Comm, out: np.ndarray, v: int, p: int, old) -> None:
 def allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
     """Halving-doubling allreduce of ``x`` into ``out`` for any n >= 2."""
     r = comm.rank
-    p, rem, new, old = _fold(n)
+    p, rem, new, old = fold(n)
     out[:] = x
     tmp = np.empty(min(chunk, out.size), dtype=out.dtype)
     if r < 2 * rem:

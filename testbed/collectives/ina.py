@@ -59,6 +59,7 @@ import time
 import numpy as np
 
 from testbed.collectives import inakernel as ik
+from testbed.collectives.ports import INA_PORT_SPAN, ina_worker_port
 from testbed.collectives.spec import INA_COMPRESSORS, CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels import fixedpoint as fp
@@ -69,10 +70,6 @@ from testbed.kernels.wire import TESTBED_UDP_PORT, describe_header, unpack_heade
 
 #: Factor of the SmartNIC's fixed-point codec for ``algo="nic"`` (ATP's).
 NIC_FACTOR = fp.ATP_FACTOR
-#: UDP ports the control plane gives INA workers: ``INA_PORT_BASE + job_id % INA_PORT_SPAN``
-#: (below Linux's ephemeral range, so never taken by a TCP connection of the same host).
-INA_PORT_BASE = 20000
-INA_PORT_SPAN = 10000
 
 RX_BURST = 64
 #: pause after a partial burst (see the module docstring); only with a window of >= 16 packets
@@ -85,11 +82,6 @@ _libc.recvmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.
 _libc.sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
 #: per-worker stochastic-rounding stream of THC ("THCR")
 SALT_QUANT_RANK = 0x54484352
-
-
-def ina_port(job_id: int) -> int:
-    """The UDP port an INA worker of job ``job_id`` binds (one job per port and host)."""
-    return INA_PORT_BASE + int(job_id) % INA_PORT_SPAN
 
 
 def _mmsg(count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +116,7 @@ class InaClient:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        port = int(me.get("port") or ina_port(spec.job_id))
+        port = int(me.get("port") or ina_worker_port(spec.job_id))
         try:
             self.sock.bind((me["ip"], port))
         except OSError as e:
@@ -332,15 +324,6 @@ def thc_layout(comp, count: int, E: int, step: int, rank: int) -> tuple:
     skey = stream_key(comp.seed, step, SALT_SIGN)
     qkey = stream_key(comp.seed, step, SALT_QUANT_RANK + (rank << 16))
     return d, blk, skey, qkey
-
-
-def thc_int32_equivalent_bytes(spec: CollectiveSpec, n: int) -> int:
-    """Bytes an int32 INA allreduce would move in as many packets as INA + THC of ``spec`` on
-    ``n`` workers sends (the padded length in E-lane packets): the alpha-beta model's size."""
-    comp = get_compressor("thc", **spec.compressor_params)
-    E = thc_elems(n, comp.g)
-    d = thc_layout(comp, spec.count, E, 0, 0)[0]
-    return int(d * (4 * ik.ELEMS / E))
 
 
 #: failure probability the per-element (Hoeffding) bound of :func:`thc_check` allows

@@ -1,4 +1,10 @@
-"""The alpha-beta model of every (op, algo) the testbed runs (formulas: shared/ANCHORS.md).
+"""The closed-form alpha-beta model of every (op, algo) the testbed runs.
+
+It is the one-switch special case of the flow-level model (:mod:`testbed.collectives.flowmodel`,
+which gives every run's ``model_s``): one bottleneck rate B for every flow, every link busy in
+both directions. On a star the two agree (tested); across a fabric only the flow model sees
+which flows share a link. The formulas are the nccl-tests / MPICH ones (ring
+``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...).
 
 ``predict(op, algo, n, nbytes, bw_bps, alpha_s)`` returns seconds. ``bw_bps`` is the
 bottleneck link rate in bit/s as configured on the links; the model converts it to *goodput*
@@ -8,7 +14,7 @@ links (HTB) count every byte of the Ethernet frame:
 * TCP (ring, hd, rs, tree): MSS 1448 B (timestamps on) in a 1514 B frame, plus the reverse
   flow's delayed ACKs (one 66 B frame per two segments) sharing the same link direction, as
   every link carries data both ways in these algorithms: 1448 / (1514 + 33) -> 0.936.
-* INA / NIC (UDP + 28 B testbed header): 256 x 4 B = 1024 B payload in a 1094 B frame -> 0.936.
+* INA / NIC (UDP + the testbed header): 256 x 4 B = 1024 B payload in a 1098 B frame -> 0.933.
 
 ``alpha_s`` is the one-way latency of one message between two hosts (the hop latency of
 the topology plus the software latency of sending a message).
@@ -19,13 +25,14 @@ from __future__ import annotations
 import math
 
 from testbed.collectives.spec import ALGOS, INA_ELEMS, OPS
+from testbed.kernels.wire import PAYLOAD_OFFSET
 
 ETH_HDR = 14
 TCP_MSS = 1448  # 1500 - 20 (IP) - 20 (TCP) - 12 (timestamp option)
 TCP_FRAME = 1500 + ETH_HDR
 TCP_ACK_SHARE = 66 / 2  # delayed ACK (Eth+IP+TCP with timestamps) every second segment
 INA_PAYLOAD = INA_ELEMS * 4
-INA_FRAME = ETH_HDR + 20 + 8 + 28 + INA_PAYLOAD
+INA_FRAME = PAYLOAD_OFFSET + INA_PAYLOAD
 
 #: Payload fraction of the wire bytes per protocol.
 GOODPUT = {"tcp": TCP_MSS / (TCP_FRAME + TCP_ACK_SHARE), "ina": INA_PAYLOAD / INA_FRAME}

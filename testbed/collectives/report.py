@@ -37,11 +37,12 @@ REPORT_COLUMNS: tuple[str, ...] = (
     "cpu_bound", "max_abs_err", "correct",
     # context
     "topology", "bw_mbps", "compressor", "error_feedback", "loss", "rep", "seed",
-    # diagnostics: busiest worker/server process and busiest data-path engine (fraction of
-    # one core), largest fraction of the run one of them waited for a CPU, CPU seconds of
-    # workers+servers and of engines, whole-machine CPU busy fraction, set-up seconds of the
-    # processes and connections, their memory (MB, proportional set size)
-    "cpu_max", "cpu_engine", "cpu_wait", "cpu_s", "engine_cpu_s", "machine_cpu", "setup_s",
+    # diagnostics (testbed.collectives.cpumon): busiest worker/server thread and busiest
+    # data-path engine thread (fraction of one core), largest fraction of the run one of
+    # those threads waited for a CPU, CPU seconds of workers+servers and of engines, busy
+    # fraction of the machine's cores, set-up seconds of the processes and connections, their
+    # memory (MB, proportional set size)
+    "cpu_max", "cpu_engine", "cpu_wait", "cpu_s", "engine_cpu_s", "cpu_util", "setup_s",
     "mem_mb",
 )
 
@@ -164,7 +165,7 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
              max_abs_err: float, correct: bool, rep: int, topology: str = "",
              bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_engine: float = 0.0,
              cpu_wait: float = 0.0, cpu_s: float = 0.0, engine_cpu_s: float = 0.0,
-             machine_cpu: float = 0.0,
+             cpu_util: float = 0.0,
              setup_s: float = 0.0, mem_mb: float = 0.0) -> dict:
     """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s).
 
@@ -181,7 +182,7 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
         "error_feedback": spec.error_feedback, "loss": spec.loss, "rep": rep,
         "seed": spec.seed, "cpu_max": cpu_max, "cpu_engine": cpu_engine,
         "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
-        "machine_cpu": machine_cpu, "setup_s": setup_s,
+        "cpu_util": cpu_util, "setup_s": setup_s,
         "mem_mb": mem_mb,
     }
     assert tuple(row) == REPORT_COLUMNS

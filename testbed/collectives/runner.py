@@ -1,9 +1,10 @@
 """``run_collective(net, spec)``: run a collective on an emulated network, return report rows.
 
 ``net`` is a ``testbed.topologies.TestbedNet`` (or anything with the same handles: ``hosts``
-in rank order, ``bottleneck_bps(hosts)``, ``hop_latency_s()``, optionally ``aggregator``,
-``describe()``). The run happens in a pool process (``python -m testbed.collectives.worker``)
-whose children enter the hosts' network namespaces; see worker.py.
+in rank order, ``topo`` (the topology the model reads), ``bottleneck_bps(hosts)``,
+``hop_latency_s()``, optionally ``aggregator``, ``describe()``). The run happens in a pool
+process (``python -m testbed.collectives.worker``) whose children enter the hosts' network
+namespaces; see worker.py.
 """
 
 from __future__ import annotations
@@ -19,17 +20,13 @@ import subprocess
 import sys
 import time
 
-from testbed.collectives import model
+from testbed.collectives import cpumon, flowmodel, ports
 from testbed.collectives.report import make_row
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
 _seq = itertools.count()
-#: above this fraction of one core a worker/server/engine process counts as saturated
-CPU_SATURATED = 0.9
-#: a process that waited for a CPU this fraction of the run was starved (shared machine)
-CPU_WAIT_LIMIT = 0.1
 #: how often the runner checks the pool and the data-path engines (s)
 POLL_S = 0.2
 
@@ -109,21 +106,11 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     n, m = len(workers), len(servers)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
     bw = net_bandwidth(net, workers + servers, spec.algo)
-    alpha = net_alpha(net)
-    model_s = model.predict(spec.op, spec.algo, n, spec.nbytes, bw, alpha, servers=max(m, 1),
-                            colocated=colocated, chunk_bytes=spec.chunk_bytes)
-    if spec.compressor is not None and spec.algo == "ina":
-        # INA + THC: plain INA's model for the (narrower) bytes on the wire: as many frames
-        # as int32 INA moving the same number of payload bytes
-        ina = _ina()
-        model_s = model.predict("allreduce", "ina", n, ina.thc_int32_equivalent_bytes(spec, n),
-                                bw, alpha)
-    elif spec.compressor is not None:
-        # compressed ring = allgather of every worker's payload (C bytes each)
-        from testbed.kernels.compressors import get_compressor
-
-        c = get_compressor(spec.compressor, **spec.compressor_params).payload_bytes(spec.count)
-        model_s = model.predict("allgather", "ring", n, n * c, bw, alpha)
+    # the flow-level model on the net's own topology: the real ECMP path of every flow,
+    # max-min sharing, the measured hop latency (the closed form is its star special case)
+    model_s = flowmodel.predict(net.topo, spec, workers=[h.name for h in workers],
+                                servers=[h.name for h in servers],
+                                hop_latency_s=net.hop_latency_s()).time_s
     job = {"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks, "bw_bps": bw,
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
@@ -174,15 +161,15 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     topo = _topology_name(net)
     rows = []
     for rep, r in enumerate(result["reps"]):
-        bound = (max(r["cpu_max"], r["cpu_engine"]) > CPU_SATURATED
-                 or r["cpu_wait"] > CPU_WAIT_LIMIT)
+        # cpumon: cores saturated, a rank/engine thread waiting for a CPU, or one never idle
+        bound = bool(cpumon.cpu_bound_reasons(r["cpu_util"], r["cpu_wait"], r["cpu_demand"]))
         rows.append(make_row(spec, n=n, time_s=r["time_s"], model_s=model_s, cpu_bound=bound,
                              max_abs_err=r["max_abs_err"], correct=r["correct"], rep=rep,
                              topology=topo, bw_mbps=bw_mbps, cpu_max=round(r["cpu_max"], 3),
                              cpu_engine=round(r["cpu_engine"], 3),
                              cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
                              engine_cpu_s=round(r["engine_cpu_s"], 3),
-                             machine_cpu=round(r["machine_cpu"], 3), setup_s=setup_s,
+                             cpu_util=round(r["cpu_util"], 3), setup_s=setup_s,
                              mem_mb=round(result.get("mem_mb", 0.0), 1)))
     return rows
 
@@ -190,9 +177,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
 def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list):
     """Control plane of an INA job: give every worker its UDP port, register the members (and
     a fresh first round) with the aggregating switch; return its control client."""
-    ina = _ina()
     agg = _aggregator(net)
-    port = ina.ina_port(spec.job_id)
+    port = ports.ina_worker_port(spec.job_id)
     members = net.ina_members(workers, port)
     agg["seq0"] = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
     job["aggregator"] = agg

@@ -20,6 +20,14 @@ from testbed.collectives.transport import CollectiveError
 from testbed.collectives.worker import enter_netns
 
 
+def loopback_ip() -> str:
+    """An address of 127.0.0.0/8 of this process's own (derived from its pid): ranks of a
+    test run on the loopback bind deterministic TCP ports (``collectives.ports``), so test
+    sessions running at once on one machine must not share an address."""
+    pid = os.getpid()
+    return f"127.{1 + (pid >> 16) % 254}.{(pid >> 8) & 255}.{1 + (pid & 255) % 254}"
+
+
 def leftovers(owner_pid: int | None = None) -> list[str]:
     """Collective processes (``tbw-*`` workers, ``tbr-*`` servers) still alive, and job
     folders of ``owner_pid`` (default: this process) still under ``/run/testbed``."""

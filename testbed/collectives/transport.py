@@ -4,6 +4,13 @@ A :class:`Comm` belongs to one rank (worker or server) inside its host's network
 It holds one TCP connection per peer rank it talks to, a sender thread per peer (so a rank
 can send and receive at once, as ring steps need) and the timeout after which a silent peer
 fails the run with :class:`CollectiveTimeout`.
+
+Every socket binds a deterministic port (:func:`testbed.collectives.ports.tcp_port`), so the
+5-tuple of every flow, and with it the path an ECMP switch hashes it onto, is known before the
+run. Sockets close with an RST (``SO_LINGER`` 0): no TIME_WAIT entry is left that would stop
+the next run of the same job from binding the same ports (Linux refuses ``connect`` from a
+bound port to a peer with a TIME_WAIT entry for that 4-tuple). A Comm closes only after every
+rank finished (the pool's ``exit``) or when the run failed, so no data is in flight then.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from testbed.collectives.ports import TCP_JOB_SLOTS, tcp_port
+
 
 class CollectiveError(RuntimeError):
     """A collective failed (a peer died, closed its connection, or sent garbage)."""
@@ -25,16 +34,17 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 
 
 _HELLO = struct.Struct("<I")
-
-
+_LINGER_RST = struct.pack("ii", 1, 0)  # l_onoff=1, l_linger=0: close() sends an RST
 
 class Comm:
     """Connections of one rank to its peers, plus per-peer sender threads."""
 
-    def __init__(self, rank: int, names: list[str], timeout_s: float):
+    def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0):
         self.rank = rank
         self.names = names  # host name of every rank, for error messages
         self.timeout_s = timeout_s
+        self.job_id = job_id
+        self.ip = ""
         self.socks: dict[int, socket.socket] = {}
         self._senders: dict[int, ThreadPoolExecutor] = {}
         self.listener: socket.socket | None = None
@@ -44,10 +54,10 @@ class Comm:
         return f"rank {peer} ({self.names[peer]})"
 
     def listen(self, ip: str) -> int:
-        """Open the listening socket on ``ip``; return its port."""
+        """Open the listening socket on ``ip`` at the rank's own port; return the port."""
+        self.ip = ip
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip, 0))
+        self._bind(s, tcp_port(self.job_id, self.rank, self.rank))
         s.listen(256)
         s.settimeout(self.timeout_s)
         self.listener = s
@@ -62,6 +72,7 @@ class Comm:
             while True:
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 self._tune(s)
+                self._bind(s, tcp_port(self.job_id, self.rank, p))
                 try:
                     s.connect(tuple(addrs[p]))
                     break
@@ -92,8 +103,22 @@ class Comm:
                 raise CollectiveError(f"{self.who(self.rank)}: unexpected hello from rank {p}")
             self._add(p, s)
 
+    def _bind(self, s: socket.socket, port: int) -> None:
+        """Bind ``s`` to ``(self.ip, port)``; a port held by someone else is a clear error."""
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((self.ip, port))
+        except OSError as e:
+            s.close()
+            raise CollectiveError(
+                f"{self.who(self.rank)}: cannot bind TCP port {port} on {self.ip}: {e}. Another "
+                f"job whose job_id equals {self.job_id} modulo {TCP_JOB_SLOTS} runs on this "
+                "host, or a process of an earlier run is still alive (testbed cleanup); give "
+                "concurrent jobs different job_id values") from None
+
     def _tune(self, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
         # Buffers stay autotuned: fixed 4 MiB buffers (SO_*BUFFORCE) were tried for the
         # reduction server and changed nothing measurable (its fidelity gap was uneven TCP
         # sharing among a worker's flows, fixed by a credit window: see server.py).

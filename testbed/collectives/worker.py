@@ -38,6 +38,7 @@ import traceback
 import numpy as np
 
 from testbed.collectives import compress, hd, ring, server
+from testbed.collectives.cpumon import CpuMonitor
 from testbed.collectives.model import rs_chunk_bytes, rs_window_pieces
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
@@ -196,7 +197,7 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
             ctl.recv()
             run = lambda rep: client.allreduce(x, out)  # noqa: E731
         else:
-            comm = Comm(rank, names, spec.timeout_s)
+            comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id)
             port = comm.listen(info["ip"])
             ctl.send({"type": "port", "port": port})
             addrs = {int(k): v for k, v in ctl.recv()["addrs"].items()}
@@ -236,24 +237,6 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
             comm.close()
 
 
-def _sched(pid: int) -> tuple[int, int] | None:
-    """(ns on a CPU, ns runnable but waiting for a CPU) summed over the threads of ``pid``."""
-    run = wait = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                a, b, _ = f.read().split()
-        except (OSError, ValueError):
-            continue  # thread exited meanwhile
-        run += int(a)
-        wait += int(b)
-    return run, wait
-
-
 def _pss_mb(pid: int) -> float:
     """Proportional set size of ``pid`` in MB (shared pages split among the sharers, so the
     sum over the pool and its forked children is their real memory cost)."""
@@ -267,75 +250,6 @@ def _pss_mb(pid: int) -> float:
     return 0.0
 
 
-def _machine() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        v = [int(t) for t in f.readline().split()[1:]]
-    total = sum(v[:8])
-    return total - v[3] - v[4], total  # busy (not idle/iowait), total
-
-
-class _CpuSampler:
-    """CPU use of our processes during a repetition, from ``/proc/<pid>/task/*/schedstat``.
-
-    Two groups: ``ours`` (workers and servers) and ``engines`` (data-path engines). Per group:
-
-    * ``max``: the busiest process's core fraction, the max over intervals of at least
-      ``min_interval`` s (a process pinned near 1.0 is the bottleneck);
-    * ``wait``: the largest fraction of the run a process spent runnable but waiting for a
-      CPU (the machine is shared: a starved emulator slows the collective although the
-      network is idle);
-    * ``cpu_s``: CPU seconds the group used.
-
-    Plus ``machine``: busy fraction of all CPUs (everyone's load, for context).
-    """
-
-    def __init__(self, ours: list[int], engines: list[int], min_interval: float = 0.25):
-        self.groups = {"ours": list(ours), "engines": list(engines)}
-        self.pids = self.groups["ours"] + self.groups["engines"]
-        self.min_interval = min_interval
-        self.start()
-
-    def start(self) -> None:
-        """Begin a measurement (one repetition)."""
-        self.t = self.t0 = time.monotonic()
-        self.last = {p: _sched(p) for p in self.pids}
-        self.first = dict(self.last)
-        self.m0 = _machine()
-        self.peak = dict.fromkeys(self.pids, 0.0)
-
-    def sample(self) -> None:
-        """Take an interval sample if ``min_interval`` has passed."""
-        now = time.monotonic()
-        dt = now - self.t
-        if dt < self.min_interval:
-            return
-        for p in self.pids:
-            c = _sched(p)
-            if c is not None and self.last.get(p) is not None:
-                self.peak[p] = max(self.peak[p], (c[0] - self.last[p][0]) / 1e9 / dt)
-            self.last[p] = c
-        self.t = now
-
-    def result(self) -> dict:
-        """Measurements since :meth:`start` (see the class docstring)."""
-        self.sample()
-        wall = max(time.monotonic() - self.t0, 1e-6)
-        out = {}
-        for g, pids in self.groups.items():
-            mx = wait = cpu = 0.0
-            for p in pids:
-                c, c0 = _sched(p), self.first.get(p)
-                if c is None or c0 is None:
-                    continue
-                run_s = (c[0] - c0[0]) / 1e9
-                cpu += run_s
-                wait = max(wait, (c[1] - c0[1]) / 1e9 / wall)
-                peak = self.peak[p] if self.t > self.t0 else run_s / wall
-                mx = max(mx, peak)
-            out[g] = {"max": mx, "wait": wait, "cpu_s": cpu}
-        b1, t1 = _machine()
-        out["machine"] = (b1 - self.m0[0]) / max(t1 - self.m0[1], 1)
-        return out
 
 
 def _par_min() -> int:
@@ -421,7 +335,9 @@ def run_pool(job: dict) -> dict:
     for r, c in ctls.items():
         sel.register(c.sock, selectors.EVENT_READ, r)
     dead: dict[int, str] = {}
-    sampler = _CpuSampler(list(children.values()), list(job.get("extra_pids", [])))
+    # CPU saturation per thread and core (cpumon): the ranks and the data-path engines
+    sampler = CpuMonitor({"ranks": list(children.values()),
+                          "engines": list(job.get("extra_pids", []))})
 
     def gather(kind: str, wait_s: float) -> dict[int, dict]:
         """Collect one message of ``kind`` from every live child; errors end it early."""
@@ -485,7 +401,7 @@ def run_pool(job: dict) -> dict:
                 c.send({"type": "go", "rep": rep})
             done = gather("done", spec.timeout_s + 5)
             t_end = max(d["t_end"] for d in done.values())
-            cpu = sampler.result()
+            cpu = sampler.stop()
             if replicas is not None and spec.algo == "ina":
                 # INA + THC: the switch summed quantized rotations; THC's own error bound
                 from testbed.collectives.ina import thc_check
@@ -496,13 +412,13 @@ def run_pool(job: dict) -> dict:
             else:
                 err, ok = check(spec, ins, outs, n)
             result["reps"].append({"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
-                                   "cpu_max": cpu["ours"]["max"],
-                                   "cpu_wait": max(cpu["ours"]["wait"],
-                                                   cpu["engines"]["wait"]),
-                                   "cpu_engine": cpu["engines"]["max"],
-                                   "cpu_s": cpu["ours"]["cpu_s"],
-                                   "engine_cpu_s": cpu["engines"]["cpu_s"],
-                                   "machine_cpu": cpu["machine"]})
+                                   "cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait,
+                                   "cpu_demand": cpu.cpu_demand,
+                                   "cpu_max": cpu.group_max["ranks"],
+                                   "cpu_engine": cpu.group_max["engines"],
+                                   "cpu_s": cpu.group_cpu_s["ranks"],
+                                   "engine_cpu_s": cpu.group_cpu_s["engines"],
+                                   "cpu_why": cpu.why})
     except RuntimeError as e:
         result["error"] = str(e)
     finally:

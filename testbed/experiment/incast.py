@@ -257,7 +257,7 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
                    topology=net.topo.kind, bw_mbps=rate_bps / 1e6,
                    cpu_max=cpu["cpu_max"], cpu_engine=cpu["cpu_engine"],
                    cpu_wait=cpu["cpu_wait"], cpu_s=cpu["cpu_s"],
-                   engine_cpu_s=cpu["engine_cpu_s"], machine_cpu=cpu["machine_cpu"],
+                   engine_cpu_s=cpu["engine_cpu_s"], cpu_util=cpu["cpu_util"],
                    setup_s=float("nan"), mem_mb=float("nan"))
     row.update(rel_err=res["rel_err"], trimmed_frac=res["trimmed"] / res["expected"],
                nacks=res["nacks"], resent=res["resent"], duplicates=res["duplicates"])
@@ -294,36 +294,32 @@ def receiver_rate_bps(net) -> float:
 
 def _wait_sampling(procs: list, engines: list[int], start_at: float, timeout_s: float
                    ) -> dict[str, Any]:
-    """Wait for the receiver (``procs[0]``) to exit, sampling the CPU of every incast process
-    and data-path engine from ``start_at`` (wall clock) on; return the CPU figures and
-    ``bound`` (the collectives' saturation rule)."""
-    # The senders and the receiver run this module too: the collectives' CPU measurement is
-    # imported only here, where it is used, so that those processes start fast.
-    from testbed.collectives.runner import CPU_SATURATED, CPU_WAIT_LIMIT  # noqa: PLC0415
-    from testbed.collectives.worker import _CpuSampler  # noqa: PLC0415
+    """Wait for the receiver (``procs[0]``) to exit, measuring the CPU of every incast thread
+    and data-path engine (per thread and core, ``testbed.collectives.cpumon``) from
+    ``start_at`` (wall clock) on; return the CPU figures and ``bound``."""
+    # The senders and the receiver run this module too: the CPU measurement is imported only
+    # here, where it is used, so that those processes start fast.
+    from testbed.collectives.cpumon import CpuMonitor  # noqa: PLC0415
 
     deadline = time.monotonic() + timeout_s
-    sampler = None
+    groups = {"ranks": [p.pid for p in procs], "engines": engines}
+    mon = None
     while procs[0].poll() is None:
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired("incast receiver", timeout_s)
-        if sampler is None and time.time() >= start_at:
-            sampler = _CpuSampler([p.pid for p in procs], engines)
-        elif sampler is not None:
-            sampler.sample()
+        if mon is None and time.time() >= start_at:
+            mon = CpuMonitor(groups)
+        elif mon is not None:
+            mon.sample()
         time.sleep(0.05)
-    if sampler is None:  # the receiver ended before the start time: nothing ran
-        sampler = _CpuSampler([p.pid for p in procs], engines)
-    cpu = sampler.result()
-    figures = {"cpu_max": round(cpu["ours"]["max"], 3),
-               "cpu_engine": round(cpu["engines"]["max"], 3),
-               "cpu_wait": round(max(cpu["ours"]["wait"], cpu["engines"]["wait"]), 3),
-               "cpu_s": round(cpu["ours"]["cpu_s"], 3),
-               "engine_cpu_s": round(cpu["engines"]["cpu_s"], 3),
-               "machine_cpu": round(cpu["machine"], 3)}
-    figures["bound"] = (max(figures["cpu_max"], figures["cpu_engine"]) > CPU_SATURATED
-                        or figures["cpu_wait"] > CPU_WAIT_LIMIT)
-    return figures
+    if mon is None:  # the receiver ended before the start time: nothing ran
+        mon = CpuMonitor(groups)
+    cpu = mon.stop()
+    return {"cpu_max": round(cpu.group_max["ranks"], 3),
+            "cpu_engine": round(cpu.group_max["engines"], 3),
+            "cpu_wait": round(cpu.cpu_wait, 3), "cpu_util": round(cpu.cpu_util, 3),
+            "cpu_s": round(cpu.group_cpu_s["ranks"], 3),
+            "engine_cpu_s": round(cpu.group_cpu_s["engines"], 3), "bound": cpu.cpu_bound}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from testbed.collectives import CollectiveSpec, run_collective
-from testbed.collectives.ina import ina_port
+from testbed.collectives.ports import ina_worker_port
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.collectives.worker import enter_netns
 from testbed.kernels.reference.packets import udp_frame
@@ -198,7 +198,7 @@ def non_member_flood(nbytes: int, rate_pps: float, kind: str, emit) -> None:
         c = net.switch_client(agg)
         before = c.counters()
         spoof = {"iface": stranger.defaultIntf().name, "mac": _mac(member.MAC()),
-                 "ip": _ip(member.IP()), "port": ina_port(spec.job_id),
+                 "ip": _ip(member.IP()), "port": ina_worker_port(spec.job_id),
                  "agg_mac": _mac(net.aggregator["mac"]), "agg_ip": _ip(net.aggregator["ip"])}
         r, w = os.pipe()
         # the stranger does not know seq0 (random per registration); it guesses around 0

@@ -1,0 +1,652 @@
+"""Flow-level model of a collective on a real topology: phases of flows on the paths the
+switches really use, max-min fair rates, per-hop latency.
+
+``predict(topology, spec)`` is a pure function of a topology description (a ``TestbedTopo``
+or its ``describe()`` dict) and a :class:`CollectiveSpec`; it builds no network, so a notebook
+can ask "what would this cost" before running anything. ``runner.run_collective`` puts its
+result in every row's ``model_s``.
+
+How a prediction is made:
+
+1. **Flows and paths.** Each algorithm is a sequence of phases; a phase is a set of flows
+   that run at once, each with a byte count (see :func:`phases`). A flow's path is the one the
+   network forwards it on (:func:`testbed.topologies.routing.flow_path`): programmable
+   switches hash the 5-tuple with the data path's ECMP hash, and the 5-tuple is known because
+   the collectives bind deterministic ports (:mod:`testbed.collectives.ports`); Linux bridges
+   of a looped fabric follow their static FDB; loop-free fabrics have one path. Flows between
+   ranks on one host (a co-located reduction server) use no link.
+2. **Wire bytes.** A flow of D payload bytes puts ``D * wire`` bytes on every directed link
+   of its path and, for TCP, ``D * ack`` bytes of ACKs on every link of the reverse path:
+   TCP ``wire = 1514/1448`` (MSS 1448 with timestamps in a 1514 B frame), ``ack = 33/1448``
+   (a 66 B delayed ACK per two segments); INA ``wire = 1094/1024`` (256 int32 + 70 B of
+   headers), no ACKs. HTB shapes whole frames, so a link of ``bw_mbps`` carries
+   ``bw_mbps * 1e6 / 8`` wire bytes per second in each direction.
+3. **Rates: max-min fairness by progressive filling.** All unfrozen flows' payload rates grow
+   together; a directed link is full when ``sum(rate_f * weight_f) = capacity``, which freezes
+   every flow on it; repeat until every flow is frozen. Within a phase the rates are
+   recomputed whenever a flow finishes (a fluid simulation), and the phase ends with its last
+   flow. A flow that crosses no shaped link makes the model fail with a clear error.
+4. **Latency.** A phase adds ``hops * hop_latency_s`` for its longest path, times the number
+   of one-way trips the phase waits for (1 for a TCP step, 2 for a reduction-server round
+   trip, 4 for INA: the exponent bootstrap round trip plus the last packet's round trip; 2 for
+   the SmartNIC variant, which has no bootstrap round).
+5. **Pipelining fill.** The reduction server returns piece 0 once every worker's piece 0
+   arrived: + ``piece / r_min`` (the slowest flow's rate); the chain broadcast's last rank gets
+   the first chunk after ``n - 2`` relays: + ``(n - 2) * chunk / r_min``.
+6. **INA's window and loss**: a window too small for the round trip, and the retransmission
+   cost under loss to first order in the loss rate (:func:`ina_extra_s`).
+
+The closed-form alpha-beta model (:func:`testbed.collectives.model.predict`) is the special
+case of one switch where every phase's flows cross distinct links and every link carries data
+both ways: on a star the two give the same time for ring, halving-doubling and INA, and for
+the reduction server with as many servers as workers (``tests/test_collectives_flowmodel.py``
+checks it). Where they differ on a star, the flow model is the finer one: one-way phases
+(binomial broadcast, the halving-doubling fold) leave a link direction without reverse data,
+so its payload share is 1448/1514 instead of 1448/1547; with fewer reduction servers than
+workers, piece 0 waits for the busier server link. Beyond one switch the two differ where the
+closed form cannot look: colliding ECMP flows share an uplink, halving-doubling's rounds have
+their own pairs, oversubscribed uplinks carry several flows.
+
+``time_dilation`` (a factor f >= 1, threaded through for dilated runs): the emulation runs
+every link at ``bw / f``, so the model computes the dilated run's wall time with rates divided
+by f and returns it divided by f, the time the undilated network would take. ``hop_latency_s``
+is the latency measured on the (dilated) network, so it is divided by f as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from testbed.collectives import hd
+from testbed.collectives import model as ab
+from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple
+from testbed.collectives.report import shard_bounds
+from testbed.collectives.spec import CollectiveSpec
+from testbed.topologies import routing
+
+__all__ = ["Flow", "Phase", "Prediction", "predict", "predict_s", "phases", "max_min_rates",
+           "ina_extra_s", "incast_s", "IncastPrediction", "ina_worker_port", "INA_AGG_PORT",
+           "tcp_port", "placement", "TCP_WIRE", "TCP_ACK", "INA_WIRE", "DEFAULT_HOP_S"]
+
+#: Wire bytes per TCP payload byte on the data path, and of ACKs on the reverse path.
+TCP_WIRE = ab.TCP_FRAME / ab.TCP_MSS
+TCP_ACK = ab.TCP_ACK_SHARE / ab.TCP_MSS
+#: Wire bytes per INA payload byte (each direction; no ACKs).
+INA_WIRE = ab.INA_FRAME / ab.INA_PAYLOAD
+#: Per-hop latency without a measurement: the configured link delay plus this forwarding
+#: allowance (the value ``TestbedNet.hop_latency_s`` assumes when it cannot ping).
+DEFAULT_HOP_S = 20e-6
+#: Payload and header bytes of an INA packet: the THC variant keeps the 70 B of headers.
+INA_HDR = ab.INA_FRAME - ab.INA_PAYLOAD
+
+
+@dataclass(frozen=True)
+class Flow:
+    """``nbytes`` payload bytes from node ``src`` to node ``dst``.
+
+    ``sport``/``dport``/``proto`` form the 5-tuple the ECMP hash reads; ``wire``: wire bytes
+    per payload byte on the path, ``ack``: on the reverse path (TCP ACKs)."""
+
+    src: str
+    dst: str
+    nbytes: float
+    sport: int
+    dport: int
+    proto: int = 6
+    wire: float = TCP_WIRE
+    ack: float = TCP_ACK
+    #: the path of an INA RESULT is its contribution's path reversed (results_via ingress)
+    reverse_of: tuple[str, str, int, int] | None = None
+
+
+@dataclass
+class Phase:
+    """Flows that run at once; ``trips``: one-way path latencies the phase waits for;
+    ``fill_bytes``: pipelining fill, paid at the slowest flow's rate."""
+
+    name: str
+    flows: list[Flow]
+    trips: float = 1.0
+    fill_bytes: float = 0.0
+    #: packets per worker (INA: what the loss model counts)
+    packets: int = 0
+
+
+@dataclass
+class PhaseResult:
+    """A phase's predicted time and why: the initial rate (payload B/s) and path per flow,
+    and the most loaded directed link."""
+
+    name: str
+    time_s: float
+    transfer_s: float
+    latency_s: float
+    fill_s: float
+    rates: list[tuple[Flow, float, list[str]]]
+    bottleneck: tuple[str, str] | None
+
+
+@dataclass
+class Prediction:
+    """The model's answer: ``time_s`` (None when the model does not apply, see ``notes``)."""
+
+    time_s: float | None
+    phases: list[PhaseResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    #: INA: time its window and losses add (:func:`ina_extra_s`), included in ``time_s``
+    ina_extra_s: float = 0.0
+    time_dilation: float = 1.0
+
+    @property
+    def applies(self) -> bool:
+        """Whether ``time_s`` is a prediction (else ``notes`` say why not)."""
+        return self.time_s is not None
+
+    def summary(self) -> str:
+        """One line per phase: time, slowest rate and bottleneck link."""
+        lines = []
+        for p in self.phases:
+            slow = min((r for _f, r, _p in p.rates), default=float("nan"))
+            lines.append(f"{p.name:>12}: {p.time_s * 1e3:9.3f} ms  slowest flow "
+                         f"{slow * 8 / 1e6:8.2f} Mb/s  bottleneck {p.bottleneck}")
+        total = "n/a" if self.time_s is None else f"{self.time_s:.4f} s"
+        lines.append(f"total {total}" + (f" (INA window/loss {self.ina_extra_s:.4f} s)"
+                                          if self.ina_extra_s else "")
+                     + "".join(f"\n  note: {n}" for n in self.notes))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ placement
+
+def placement(host_names: list[str], spec: CollectiveSpec) -> tuple[list[str], list[str]]:
+    """(worker hosts, server hosts) as ``runner.placement`` puts them: the first n hosts
+    work; reduction servers take the next m hosts, or are spread over the workers when the
+    topology has too few hosts."""
+    n = spec.workers or len(host_names)
+    workers = list(host_names[:n])
+    if spec.algo != "rs":
+        return workers, []
+    m = spec.servers
+    if n + m <= len(host_names):
+        return workers, list(host_names[n:n + m])
+    return workers, [workers[(j * n) // m] for j in range(m)]
+
+
+# ------------------------------------------------------------------------------ phases
+
+class _Ranks:
+    """Rank -> host and the TCP flow between two ranks (deterministic ports)."""
+
+    def __init__(self, hosts: list[str], job_id: int, itemsize: int):
+        self.hosts = hosts
+        self.job = job_id
+        self.itemsize = itemsize
+
+    def tcp(self, src: int, dst: int, elems: float) -> Flow:
+        sport, dport = tcp_tuple(self.job, src, dst)
+        return Flow(self.hosts[src], self.hosts[dst], elems * self.itemsize, sport, dport)
+
+
+def _sizes(count: int, parts: int) -> list[int]:
+    b = shard_bounds(count, parts)
+    return [int(b[i + 1] - b[i]) for i in range(parts)]
+
+
+def _ring_steps(rk: _Ranks, n: int, sizes: list[int], rs: bool, ag: bool) -> list[Phase]:
+    """Ring steps (``ring._ring``): step k of the reduce-scatter, rank r sends shard
+    (r-1-k) mod n to r+1; step k of the allgather, shard (r-k) mod n."""
+    out = []
+    if rs:
+        for k in range(n - 1):
+            out.append(Phase(f"rs step {k}", [rk.tcp(r, (r + 1) % n, sizes[(r - 1 - k) % n])
+                                             for r in range(n)]))
+    if ag:
+        for k in range(n - 1):
+            out.append(Phase(f"ag step {k}", [rk.tcp(r, (r + 1) % n, sizes[(r - k) % n])
+                                             for r in range(n)]))
+    return out
+
+
+def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
+               doubling: bool) -> list[Phase]:
+    """Recursive halving then doubling among p virtual ranks (``hd._halving`` /
+    ``hd._doubling``): exact element counts of every exchanged range, per round."""
+    b = shard_bounds(count, p)
+    out = []
+    if halving:
+        rng = {v: (0, p) for v in range(p)}
+        d = p // 2
+        while d >= 1:
+            flows = []
+            for v in range(p):
+                s0, s1 = rng[v]
+                mid = (s0 + s1) // 2
+                keep, give = ((mid, s1), (s0, mid)) if v & d else ((s0, mid), (mid, s1))
+                flows.append(rk.tcp(old(v), old(v ^ d), int(b[give[1]] - b[give[0]])))
+                rng[v] = keep
+            out.append(Phase(f"halving d={d}", flows))
+            d //= 2
+    if doubling:
+        rng = {v: (v, v + 1) for v in range(p)}
+        d = 1
+        while d < p:
+            flows = []
+            for v in range(p):
+                s0, s1 = rng[v]
+                flows.append(rk.tcp(old(v), old(v ^ d), int(b[s1] - b[s0])))
+            for v in range(p):
+                s0, s1 = rng[v]
+                o0, o1 = rng[v ^ d]
+                rng[v] = (min(s0, o0), max(s1, o1))
+            out.append(Phase(f"doubling d={d}", flows))
+            d *= 2
+    return out
+
+
+def _ina_phase(hosts: list[str], aggregator: str, job_id: int, packets: int, up_bytes: float,
+               down_bytes: float, up_wire: float, down_wire: float, nic: bool) -> Phase:
+    # a SmartNIC recognises testbed frames by UDP port 41000, so its worker binds that port
+    port = ina_worker_port(job_id)  # SmartNIC-offloaded workers bind it too
+    flows = []
+    for h in hosts:
+        flows.append(Flow(h, aggregator, up_bytes, port, INA_AGG_PORT, 17, up_wire, 0.0))
+        flows.append(Flow(aggregator, h, down_bytes, INA_AGG_PORT, port, 17, down_wire, 0.0,
+                          reverse_of=(h, aggregator, port, INA_AGG_PORT)))
+    return Phase("ina", flows, trips=2.0 if nic else 4.0, packets=packets)
+
+
+def _compressed_bytes(spec: CollectiveSpec) -> int:
+    """Bytes one worker's compressed payload puts on the wire (8 B length prefix + blob)."""
+    # Function-level import: the compressors load Numba, which plain runs do not need.
+    from testbed.kernels.compressors import get_compressor
+
+    comp = get_compressor(spec.compressor, **spec.compressor_params)
+    return int(comp.payload_bytes(spec.count)) + 8
+
+
+def _thc_wire(spec: CollectiveSpec, n: int) -> tuple[int, float, float, float, float]:
+    """(packets, up payload, down payload, up wire ratio, down wire ratio) of INA + THC per
+    worker: K packets of E int8 lanes up, the same K packets back in the widest RESULT lane
+    the sums can need (int8 when n * g/2 <= 127, else int16: an upper bound, the switch may
+    narrow a slot's lanes)."""
+    # Function-level imports: the INA client and the compressors load Numba kernels.
+    from testbed.collectives.ina import thc_elems, thc_layout
+    from testbed.kernels.compressors import get_compressor
+
+    comp = get_compressor("thc", **spec.compressor_params)
+    E = thc_elems(n, comp.g)
+    d = thc_layout(comp, spec.count, E, 0, 0)[0]
+    K = -(-d // E)
+    lane = 1 if n * (comp.g // 2) <= 127 else 2
+    up, down = K * E, K * E * lane
+    return K, up, down, (INA_HDR + E) / E, (INA_HDR + E * lane) / (E * lane)
+
+
+def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None = None,
+           aggregator: str | None = None) -> list[Phase]:
+    """The phases of ``spec`` among ``workers`` (host names in rank order), ``servers``
+    (reduction servers, ranks n..n+m-1) and the ``aggregator`` switch (INA)."""
+    n = len(workers)
+    servers = list(servers or [])
+    count, op, algo = spec.count, spec.op, spec.algo
+    rk = _Ranks(workers + servers, spec.job_id, spec.itemsize)
+    chunk_el = max(1, spec.chunk_bytes // spec.itemsize)
+    if algo in ("ina", "nic"):
+        if aggregator is None:
+            raise ValueError(f"algo={algo!r} needs an aggregator switch; this topology has "
+                             "none (make a switch programmable, aggregator='auto')")
+        if spec.compressor is not None:
+            return [_ina_phase(workers, aggregator, spec.job_id, *_thc_wire(spec, n), nic=False)]
+        return [_ina_phase(workers, aggregator, spec.job_id, -(-count // ab.INA_ELEMS),
+                           spec.nbytes, spec.nbytes, INA_WIRE, INA_WIRE, nic=algo == "nic")]
+    if spec.compressor is not None:  # ring allgather of every worker's compressed payload
+        c = _compressed_bytes(spec) / spec.itemsize
+        return [Phase(f"ag step {k}", [rk.tcp(r, (r + 1) % n, c) for r in range(n)])
+                for k in range(n - 1)]
+    if algo == "rs":
+        m = len(servers)
+        if m < 1:
+            raise ValueError("algo='rs' needs at least one server host")
+        sizes = _sizes(count, m)
+        flows = [rk.tcp(w, n + j, sizes[j]) for w in range(n) for j in range(m)]
+        flows += [rk.tcp(n + j, w, sizes[j]) for w in range(n) for j in range(m)]
+        piece = min(ab.rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes), spec.nbytes / m)
+        return [Phase("reduce+return", flows, trips=2.0, fill_bytes=piece)]
+    if algo == "ring":
+        if op == "broadcast":
+            fill = max(n - 2, 0) * min(chunk_el, count) * spec.itemsize
+            return [Phase("chain", [rk.tcp(r, r + 1, count) for r in range(n - 1)],
+                          trips=n - 1, fill_bytes=fill)]
+        sizes = _sizes(count, n)
+        return _ring_steps(rk, n, sizes, rs=op in ("allreduce", "reduce_scatter"),
+                           ag=op in ("allreduce", "allgather"))
+    # halving-doubling
+    if op == "broadcast":  # binomial tree: round d, ranks < d send everything to rank + d
+        out, d = [], 1
+        while d < n:
+            out.append(Phase(f"binomial d={d}", [rk.tcp(r, r + d, count)
+                                                  for r in range(d) if r + d < n]))
+            d *= 2
+        return out
+    if op in ("reduce_scatter", "allgather"):
+        return _hd_rounds(rk, count, n, lambda v: v, halving=op == "reduce_scatter",
+                          doubling=op == "allgather")
+    p, rem, _new, old = hd.fold(n)
+    out = []
+    if rem:  # the odd one of each of the first rem pairs hands its array over ...
+        out.append(Phase("fold", [rk.tcp(2 * i + 1, 2 * i, count) for i in range(rem)]))
+    out += _hd_rounds(rk, count, p, old, halving=True, doubling=True)
+    if rem:  # ... and gets the sum back
+        out.append(Phase("unfold", [rk.tcp(2 * i, 2 * i + 1, count) for i in range(rem)]))
+    return out
+
+
+# ------------------------------------------------------------------------------ rates
+
+def max_min_rates(weights: list[dict], capacity: dict, caps: list[float] | None = None
+                  ) -> list[float]:
+    """Max-min fair payload rates by progressive filling.
+
+    ``weights[f]``: {link: wire bytes per payload byte of flow f on that link};
+    ``capacity``: {link: wire bytes/s} (links not in it are unconstrained); ``caps``:
+    optional per-flow upper bounds. Every unfrozen flow's rate grows by the same amount until
+    a link fills (sum of rate * weight = capacity) or a flow reaches its cap; those flows
+    freeze; repeat. Raises ValueError for a flow that no capacity bounds."""
+    nf = len(weights)
+    rate = [0.0] * nf
+    frozen = [False] * nf
+    caps = caps or [math.inf] * nf
+    on_link: dict = {}
+    for f, w in enumerate(weights):
+        for link, x in w.items():
+            if link in capacity and x > 0:
+                on_link.setdefault(link, []).append(f)
+    used = dict.fromkeys(on_link, 0.0)
+    while not all(frozen):
+        inc, full = math.inf, []
+        for link, fs in on_link.items():
+            wsum = sum(weights[f][link] for f in fs if not frozen[f])
+            if wsum <= 0:
+                continue
+            room = max(capacity[link] - used[link], 0.0) / wsum
+            if room < inc * (1 - 1e-12):
+                inc, full = room, [link]
+            elif room <= inc * (1 + 1e-12):
+                full.append(link)
+        cap_inc = min((caps[f] - rate[f] for f in range(nf) if not frozen[f]), default=math.inf)
+        if math.isinf(inc) and math.isinf(cap_inc):
+            free = [f for f in range(nf) if not frozen[f]]
+            raise ValueError(f"flows {free} cross no shaped link: the model needs a bandwidth "
+                             "(give the topology bw_mbps)")
+        step = min(inc, cap_inc)
+        for f in range(nf):
+            if not frozen[f]:
+                rate[f] += step
+                for link, x in weights[f].items():
+                    if link in used:
+                        used[link] += step * x
+        if step == inc:
+            for link in full:
+                for f in on_link[link]:
+                    frozen[f] = True
+        for f in range(nf):
+            if not frozen[f] and math.isfinite(caps[f]) and \
+                    caps[f] - rate[f] <= 1e-12 * max(caps[f], 1.0):
+                frozen[f] = True
+    return rate
+
+
+class _Network:
+    """Directed link capacities (wire B/s) and the paths of flows (cached per 5-tuple)."""
+
+    def __init__(self, topo, dilation: float):
+        self.topo = topo
+        self.adj = routing.adjacency(topo)
+        self.tables = routing.forwarding_tables(topo)
+        self.capacity = {}
+        for s in topo.link_specs:
+            if s.bw_mbps is not None:
+                c = s.bw_mbps * 1e6 / 8 / dilation
+                self.capacity[(s.a, s.b)] = c
+                self.capacity[(s.b, s.a)] = c
+        self._paths: dict = {}
+
+    def path(self, src: str, dst: str, sport: int, dport: int, proto: int) -> list[str]:
+        key = (src, dst, sport, dport, proto)
+        if key not in self._paths:
+            self._paths[key] = routing.flow_path(self.topo, src, dst, sport, dport, proto,
+                                                 tables=self.tables)
+        return self._paths[key]
+
+    def flow_path(self, f: Flow) -> list[str]:
+        if f.reverse_of is not None:
+            s, d, sp, dp = f.reverse_of
+            return self.path(s, d, sp, dp, f.proto)[::-1]
+        return self.path(f.src, f.dst, f.sport, f.dport, f.proto)
+
+    def weights(self, f: Flow) -> dict:
+        p = self.flow_path(f)
+        w: dict = {}
+        for a, b in zip(p, p[1:], strict=False):
+            w[(a, b)] = w.get((a, b), 0.0) + f.wire
+            if f.ack:
+                w[(b, a)] = w.get((b, a), 0.0) + f.ack
+        return w
+
+
+def _run_phase(net: _Network, ph: Phase, hop_s: float) -> PhaseResult:
+    """Fluid simulation of one phase: max-min rates, recomputed whenever a flow finishes."""
+    flows = [f for f in ph.flows if f.src != f.dst and f.nbytes > 0]
+    if not flows:
+        return PhaseResult(ph.name, 0.0, 0.0, 0.0, 0.0, [], None)
+    weights = [net.weights(f) for f in flows]
+    left = [float(f.nbytes) for f in flows]
+    active = list(range(len(flows)))
+    t = 0.0
+    first: list[float] | None = None
+    while active:
+        r = max_min_rates([weights[i] for i in active], net.capacity)
+        if first is None:
+            first = r
+        dt = min(left[i] / ri for i, ri in zip(active, r, strict=True))
+        still = []
+        for i, ri in zip(active, r, strict=True):
+            left[i] -= ri * dt
+            if left[i] > 1e-9 * flows[i].nbytes:
+                still.append(i)
+        t += dt
+        active = still
+    assert first is not None
+    hops = max(len(net.flow_path(f)) - 1 for f in flows)
+    latency = ph.trips * hops * hop_s
+    fill = ph.fill_bytes / min(first) if ph.fill_bytes else 0.0
+    load: dict = {}
+    for w, ri in zip(weights, first, strict=True):
+        for link, x in w.items():
+            load[link] = load.get(link, 0.0) + x * ri
+    util = {k: v / net.capacity[k] for k, v in load.items() if k in net.capacity}
+    bneck = max(util, key=util.get) if util else None
+    rates = [(f, ri, net.flow_path(f)) for f, ri in zip(flows, first, strict=True)]
+    return PhaseResult(ph.name, t + latency + fill, t, latency, fill, rates, bneck)
+
+
+# ------------------------------------------------------------------------------ INA window, loss
+
+def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float,
+                frame_s: float, rtt_s: float, rto_s: float | None = None) -> float:
+    """Extra time of an INA allreduce beyond its bandwidth time: its window and, to first
+    order in the loss rate, its losses.
+
+    ``packets``: data packets per worker (K); ``window``: slots per worker (W); ``p_up`` /
+    ``p_down``: probability that a contribution / a RESULT is lost on its way (client-side
+    ``spec.loss`` and every impaired link of the path); ``frame_s``: time one frame takes on
+    the worker's bottleneck; ``rtt_s``: unloaded round trip. The formula::
+
+        rho   = 1 - (1 - p_up)**n * (1 - p_down)    # a worker's slot round needs a retry:
+                                                    # any of the n contributions or its own
+                                                    # RESULT was lost
+        RTO   = max(10 ms, 2 * (rtt + W * frame))   # SwitchML's 10 ms, or srtt + 4 rttvar
+                                                    # of the loaded round trip, ~2x it
+        extra = K * (p_up + p_down) * frame         # retransmitted frames on the worker link
+              + max(0, (K / W) * (rtt + rho * RTO) - K * frame)
+                                                    # a slot's chain of K/W rounds, each
+                                                    # stalled by an RTO with probability rho,
+                                                    # beyond what the bandwidth hides
+              + RTO * (1 - (1 - rho)**W)            # the run ends with its last slot: one
+                                                    # stall in the last window is not hidden
+
+    A stall of one slot is hidden while the other W - 1 keep the link busy, which is why only
+    the chain bound and the last window add time. Without loss only the chain bound remains:
+    a window too small for the round trip (``K / W * rtt > K * frame``) limits the rate.
+    Second-order effects (several losses of one packet, RTO doubling) are left out: the
+    formula is meant for loss rates of a few per cent.
+    """
+    if not (0 <= p_up < 1 and 0 <= p_down < 1):
+        raise ValueError(f"loss probabilities must be in [0, 1), got {p_up}, {p_down}")
+    rho = 1 - (1 - p_up) ** n * (1 - p_down)
+    rto = rto_s if rto_s is not None else max(0.010, 2 * (rtt_s + window * frame_s))
+    retx = packets * (p_up + p_down) * frame_s
+    chain = max(0.0, packets / window * (rtt_s + rho * rto) - packets * frame_s)
+    tail = rto * (1 - (1 - rho) ** window)
+    return retx + chain + tail
+
+
+def _ina_extra(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: float) -> float:
+    """:func:`ina_extra_s` for the INA phase ``ph`` (its result ``res``) on ``topo``."""
+    loss_link = max((s.loss_pct / 100.0 for s in topo.link_specs), default=0.0)
+    up = [(f, r, p) for f, r, p in res.rates if f.dst == topo.aggregator_switch]
+    if not up:
+        return 0.0
+    hops = max(len(p) - 1 for _f, _r, p in up)
+    p_path = 1 - (1 - loss_link) ** hops  # every impaired link of the path, each way
+    # and the client's own drops (contributions and results alike)
+    p_loss = 1 - (1 - spec.loss) * (1 - p_path)
+    f, r, _ = min(up, key=lambda x: x[1])  # the slowest worker
+    return ina_extra_s(n=len(up), packets=ph.packets, window=spec.window, p_up=p_loss,
+                       p_down=p_loss, frame_s=f.nbytes / r / ph.packets,
+                       rtt_s=2 * hops * hop_s)
+
+
+# ------------------------------------------------------------------------------ predict
+
+def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
+            servers: list[str] | None = None, hop_latency_s: float | None = None,
+            time_dilation: float = 1.0, results_via: str = "ingress") -> Prediction:
+    """Predicted time of ``spec`` on ``topology`` (see the module docstring).
+
+    ``topology``: a ``TestbedTopo`` or its ``describe()`` dict. ``workers`` / ``servers``:
+    host names (default: :func:`placement`). ``hop_latency_s``: one-way latency per link
+    (default: the configured ``delay_ms`` plus :data:`DEFAULT_HOP_S`; a running
+    ``TestbedNet`` measures it: ``net.hop_latency_s()``). ``results_via``: how the aggregator
+    returns INA results, ``"ingress"`` (the data path's default) or ``"forward"`` (ECMP).
+    """
+    if not isinstance(spec, CollectiveSpec):
+        raise TypeError(f"spec must be a CollectiveSpec, got {type(spec).__name__}")
+    topo = routing.as_topology(topology)
+    spec.validate(len(topo.host_names))
+    if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
+            or not time_dilation >= 1:
+        raise ValueError(f"time_dilation={time_dilation!r} must be a number >= 1")
+    if results_via not in ("ingress", "forward"):
+        raise ValueError(f"results_via={results_via!r} must be 'ingress' or 'forward'")
+    if workers is None or (spec.algo == "rs" and servers is None):
+        w0, s0 = placement(topo.host_names, spec)
+        workers = w0 if workers is None else list(workers)
+        servers = s0 if servers is None else list(servers)
+    bad = [h for h in list(workers) + list(servers or []) if h not in topo.host_names]
+    if bad:
+        raise ValueError(f"hosts {bad} are not hosts of this topology ({topo.host_names[:4]}...)")
+    if hop_latency_s is None:
+        delay = max((s.delay_ms for s in topo.link_specs), default=0.0)
+        hop_latency_s = delay * 1e-3 * time_dilation + DEFAULT_HOP_S
+    hop_s = float(hop_latency_s)
+    net = _Network(topo, float(time_dilation))
+    phs = phases(spec, list(workers), list(servers or []), topo.aggregator_switch)
+    if results_via == "forward":  # RESULTs hashed onto their own ECMP path
+        for p in phs:
+            p.flows = [dataclasses.replace(f, reverse_of=None) for f in p.flows]
+    results = [_run_phase(net, p, hop_s) for p in phs]
+    total = sum(r.time_s for r in results)
+    notes = []
+    extra_s = 0.0
+    if spec.algo in ("ina", "nic"):
+        extra_s = _ina_extra(spec, phs[0], results[0], topo, hop_s)
+        total += extra_s
+    elif any(s.loss_pct for s in topo.link_specs):
+        notes.append("links drop packets (loss_pct) and TCP's loss recovery is not modelled: "
+                     "the time is a lower bound")
+    f = float(time_dilation)
+    return Prediction(total / f, results, notes, extra_s / f, f)
+
+
+def predict_s(topology, spec: CollectiveSpec, **kw) -> float:
+    """:func:`predict`'s time in seconds (NaN when the model does not apply)."""
+    p = predict(topology, spec, **kw)
+    return float("nan") if p.time_s is None else p.time_s
+
+
+# ------------------------------------------------------------------------------ incast
+
+@dataclass
+class IncastPrediction:
+    """Incast through a trimming (or drop-tail) port: time (None when the model does not
+    apply), the bytes that cross the bottleneck and the fraction of packets trimmed."""
+
+    time_s: float | None
+    bottleneck_bytes: float
+    trimmed_frac: float
+    note: str = ""
+
+
+def incast_s(*, senders: int, frames: int, frame_bytes: int, trimmed_bytes: int,
+             access_mbps: float, port_mbps: float, threshold_bytes: float,
+             mode: str | None = "trim") -> IncastPrediction:
+    """Incast of ``senders`` x ``frames`` frames of ``frame_bytes`` into one port.
+
+    Senders push at their access rate C (aggregate rate n C); the port drains at R. Without
+    congestion (n C <= R) the time is one sender's bytes at C. Otherwise the port's data queue
+    fills to ``threshold_bytes`` first (all frames pass), then (``mode="trim"``) every frame
+    that arrives while it is full is cut to ``trimmed_bytes`` and served first (NDP header
+    queue): with arrival rate ``lam = n C / F`` frames/s, data frames get through at
+    ``a = (R - lam h) / (F - h)`` per second, so the port stays exactly busy. The run ends when
+    the senders are done plus the time to drain the full data queue::
+
+        time = frames * F / C + threshold / R
+
+    (or all bytes / R when the queue never fills). ``mode="drop_tail"``: without congestion
+    as above; with it, drops are recovered in NACK rounds after an idle timeout, which this
+    model does not describe: ``time_s`` is None and ``note`` says so. ``mode=None``: no
+    queue of ours (the kernel's qdisc), the model is all bytes / R.
+    """
+    if senders < 1 or frames < 0 or frame_bytes <= 0 or not 0 < trimmed_bytes <= frame_bytes:
+        raise ValueError("need senders >= 1, frames >= 0, 0 < trimmed_bytes <= frame_bytes")
+    if access_mbps <= 0 or port_mbps <= 0 or threshold_bytes < 0:
+        raise ValueError("need access_mbps > 0, port_mbps > 0, threshold_bytes >= 0")
+    if mode not in ("trim", "drop_tail", None):
+        raise ValueError(f"mode={mode!r} must be 'trim', 'drop_tail' or None")
+    C, R = access_mbps * 1e6 / 8, port_mbps * 1e6 / 8
+    F, h = float(frame_bytes), float(trimmed_bytes)
+    total = senders * frames * F
+    t_send = frames * F / C
+    if mode is None or senders * C <= R:
+        return IncastPrediction(max(t_send, total / R), total, 0.0)
+    t_fill = threshold_bytes / (senders * C - R)
+    if t_fill >= t_send:  # the queue never reaches the threshold: nothing trimmed or dropped
+        return IncastPrediction(max(t_send, total / R), total, 0.0)
+    if mode == "drop_tail":
+        return IncastPrediction(None, float("nan"), 0.0,
+                                "drop-tail: the queue overflows and the receiver recovers the "
+                                "drops in NACK rounds after its idle timeout; not modelled")
+    lam = senders * C / F
+    if lam * h >= R:
+        return IncastPrediction(None, float("nan"), 1.0,
+                                "even the trimmed headers exceed the port rate: headers are "
+                                "dropped too; not modelled")
+    a = (R - lam * h) / (F - h)
+    passed = lam * t_fill + a * (t_send - t_fill)
+    n_all = senders * frames
+    passed = min(passed, n_all)
+    crossed = passed * F + (n_all - passed) * h
+    return IncastPrediction(t_send + threshold_bytes / R, crossed, 1 - passed / n_all)

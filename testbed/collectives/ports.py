@@ -1,0 +1,83 @@
+"""Deterministic ports of the collectives' flows, so the fabric's ECMP choice is predictable.
+
+A programmable switch picks one member of an ECMP group by a hash of the IPv4 5-tuple
+(``testbed.datapath.forward.flow_hash``), so a flow's path depends on its ports. With
+ephemeral ports the path of every TCP flow would be a coin toss per run; with the ports below
+it is a pure function of (job, ranks), which the flow-level model
+(:mod:`testbed.collectives.flowmodel`) evaluates the same way the switches do.
+
+TCP (ring, halving-doubling, reduction server): rank ``r`` of job ``j`` listens on
+``tcp_port(j, r, r)``; for every peer ``p > r`` it opens the connection itself, from source
+port ``tcp_port(j, r, p)``, to ``tcp_port(j, p, p)``. Ports lie in ``TCP_PORT_LO`` ..
+``TCP_PORT_HI`` (6000-19999): below Linux's ephemeral range (32768-60999), outside the INA
+worker ports (20000-29999) and above the iperf3 ports the cross traffic uses (5201, 5301+k).
+
+Every (src, dst) pair of a job has its own port, so ranks that share an address (a reduction
+server co-located with a worker, or every rank of a test on the loopback) never bind the same
+one: a job's block holds ``MAX_RANKS * (MAX_RANKS + 1) / 2`` ports, the pairs ``src < dst``
+first (triangular numbering), then one listening port per rank. Jobs ``job_id`` and
+``job_id + TCP_JOB_SLOTS`` share a block: do not run them on the same hosts at once.
+
+INA (UDP): a worker of job ``j`` binds ``ina_worker_port(j)`` (``20000 + j % 10000``) and
+sends to the aggregator's ``INA_AGG_PORT`` (41000).
+"""
+
+from __future__ import annotations
+
+from testbed.kernels.wire import TESTBED_UDP_PORT
+
+#: First and last TCP port the collectives bind.
+TCP_PORT_LO = 6000
+TCP_PORT_HI = 19999
+#: Ranks per job that get deterministic ports (workers + servers).
+MAX_RANKS = 64
+_PAIRS = MAX_RANKS * (MAX_RANKS - 1) // 2
+_BLOCK = _PAIRS + MAX_RANKS
+#: Distinct port blocks: jobs whose ids differ by a multiple of this share ports.
+TCP_JOB_SLOTS = (TCP_PORT_HI + 1 - TCP_PORT_LO) // _BLOCK
+#: The aggregator's UDP port (the testbed header's port).
+INA_AGG_PORT = TESTBED_UDP_PORT
+#: INA worker UDP ports: ``INA_PORT_BASE + job_id % INA_PORT_SPAN``.
+INA_PORT_BASE = 20000
+INA_PORT_SPAN = 10000
+
+
+def _check_rank(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_RANKS:
+        raise ValueError(f"{name}={v!r}: ranks with deterministic ports are integers "
+                         f"0..{MAX_RANKS - 1}; run at most {MAX_RANKS} ranks per job")
+
+
+def tcp_port(job_id: int, src: int, dst: int) -> int:
+    """TCP port rank ``src`` of job ``job_id`` binds for its connection to rank ``dst``
+    (``src < dst``: it connects); ``src == dst``: the rank's listening port."""
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
+        raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
+    _check_rank("src", src)
+    _check_rank("dst", dst)
+    if src > dst:
+        raise ValueError(f"src={src} > dst={dst}: the lower rank opens the connection; its "
+                         f"peer's end is the listening port tcp_port(job, {src}, {src})")
+    base = TCP_PORT_LO + (job_id % TCP_JOB_SLOTS) * _BLOCK
+    if src == dst:
+        return base + _PAIRS + src
+    return base + dst * (dst - 1) // 2 + src
+
+
+def tcp_tuple(job_id: int, src: int, dst: int) -> tuple[int, int]:
+    """(source port, destination port) of the bytes rank ``src`` sends to rank ``dst``.
+
+    The lower rank opened the connection: its end has port ``tcp_port(j, low, high)``, the
+    higher rank's end is its listening port."""
+    if src == dst:
+        raise ValueError(f"src == dst == {src}: a rank sends nothing to itself over TCP")
+    lo, hi = min(src, dst), max(src, dst)
+    p_lo, p_hi = tcp_port(job_id, lo, hi), tcp_port(job_id, hi, hi)
+    return (p_lo, p_hi) if src == lo else (p_hi, p_lo)
+
+
+def ina_worker_port(job_id: int) -> int:
+    """UDP port every INA worker of job ``job_id`` binds (20000-29999)."""
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
+        raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
+    return INA_PORT_BASE + job_id % INA_PORT_SPAN

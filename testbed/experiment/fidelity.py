@@ -1,0 +1,170 @@
+"""``testbed bench fidelity [--quick] [--json]``: measured collective times against the
+flow-level model, beyond one switch.
+
+Networks (100 Mb/s access links): a star of 4 and of 8 hosts; a leaf-spine of 4 leaves x 2
+spines with 2 hosts per leaf at 2:1 and at 4:1 oversubscription (uplinks 50 and 25 Mb/s); a
+k=4 fat-tree (16 hosts). Every host is a worker. Algorithms: ring, halving-doubling, the
+reduction server (one server co-located on every worker) and in-network aggregation. Sizes:
+4 MiB (``--quick``), 4 and 32 MiB otherwise.
+
+Switches: the aggregator's switch runs the programmable data path (it must, for INA); the
+others are Linux bridges unless ``programmable=True`` (``--programmable``), which puts the data
+path on every switch (ECMP by the 5-tuple hash, at the price of one engine process per switch:
+20 on the fat-tree). The model follows whichever forwarding the fabric uses.
+
+One row per run: ``topology, algo, n, bytes, time_s, model_s, fidelity (time_s / model_s),
+cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_max, cpu_engine, correct, switches,
+cpu_model``. ``time_dilation`` is 1: runs are not dilated (yet). Per topology the summary
+compares the algorithms' order by the model with their order as measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+ALGOS = ("ring", "hd", "rs", "ina")
+ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "cpu_bound",
+            "cpu_util", "time_dilation", "cpu_wait", "cpu_max", "cpu_engine", "correct",
+            "switches", "cpu_model")
+
+
+def topologies(programmable: bool = False) -> list[tuple[str, object]]:
+    """(name, topology) of every network of the benchmark."""
+    from testbed.topologies import FatTree, LeafSpine, Star
+
+    def sw(agg: str):
+        return "programmable" if programmable else {agg}
+
+    return [
+        ("star4", Star(4, bw_mbps=100, switch="programmable")),
+        ("star8", Star(8, bw_mbps=100, switch="programmable")),
+        ("leafspine-2:1", LeafSpine(leaves=4, spines=2, hosts_per_leaf=2, oversubscription=2,
+                                    bw_mbps=100, switch=sw("tbsp1"))),
+        ("leafspine-4:1", LeafSpine(leaves=4, spines=2, hosts_per_leaf=2, oversubscription=4,
+                                    bw_mbps=100, switch=sw("tbsp1"))),
+        ("fattree-k4", FatTree(4, bw_mbps=100, switch=sw("tbc1"))),
+    ]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def run(quick: bool = False, programmable: bool = False, reps: int = 1,
+        time_dilation: float = 1.0, only: list[str] | None = None, log=sys.stderr,
+        on_row=None) -> list[dict]:
+    """Run the benchmark; return its rows (``ROW_KEYS``). ``only``: topology names to run;
+    ``on_row(row)`` is called as each row is measured."""
+    from testbed.collectives import CollectiveSpec, run_collective
+    from testbed.topologies import TestbedNet
+
+    if time_dilation != 1:
+        raise ValueError(f"time_dilation={time_dilation!r}: the emulated network does not "
+                         "dilate time yet; use 1")
+    sizes = [4 * MiB] if quick else [4 * MiB, 32 * MiB]
+    cpu = cpu_model()
+    rows: list[dict] = []
+    for name, topo in topologies(programmable):
+        if only and name not in only:
+            continue
+        t0 = time.monotonic()
+        with TestbedNet(topo) as net:
+            n = len(topo.host_names)
+            lock = net.timings.get("lock_wait_s", 0.0)
+            print(f"# {name}: {n} hosts, up in {time.monotonic() - t0 - lock:.1f} s "
+                  f"(lock wait {lock:.1f} s), forwarding {net.forwarding_mode}", file=log)
+            for size in sizes:
+                for algo in ALGOS:
+                    spec = CollectiveSpec(algo=algo, nbytes=size, servers=n, window=64,
+                                          repetitions=reps, timeout_s=120)
+                    try:
+                        got = run_collective(net, spec)
+                    except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end
+                        print(f"# {name} {algo} {size // MiB} MiB failed: {e}", file=log)
+                        got = [{"algo": algo, "n": n, "bytes": size, "time_s": float("nan"),
+                                "model_s": float("nan"), "fidelity": float("nan"),
+                                "cpu_bound": None, "cpu_util": None, "cpu_wait": None,
+                                "cpu_max": None, "cpu_engine": None, "correct": False,
+                                "error": f"{type(e).__name__}: {e}"}]
+                    for r in got:
+                        row = {k: r.get(k) for k in ROW_KEYS}
+                        row.update(topology=name, time_dilation=time_dilation,
+                                   switches="programmable" if programmable else "aggregator",
+                                   cpu_model=cpu)
+                        if "error" in r:
+                            row["error"] = r["error"]
+                        rows.append(row)
+                        print(_line(row), file=log)
+                        if on_row is not None:
+                            on_row(row)
+    return rows
+
+
+def _line(r: dict) -> str:
+    def f(v, fmt):
+        return "-" if v is None or v != v else format(v, fmt)
+
+    return (f"{r['topology']:>14} {r['algo']:>4} n={r['n']:<2} {r['bytes'] // MiB:>3} MiB  "
+            f"time {f(r['time_s'], '.3f')} s  model {f(r['model_s'], '.3f')} s  "
+            f"fidelity {f(r['fidelity'], '.2f')}  cpu_bound={r['cpu_bound']} "
+            f"(util {f(r['cpu_util'], '.2f')}, wait {f(r['cpu_wait'], '.2f')}, "
+            f"engine {f(r['cpu_engine'], '.2f')})  correct={r['correct']}")
+
+
+def orderings(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    """Per (topology, bytes): the algorithms ordered by model and by measurement (mean over
+    repetitions), and whether the two orders agree."""
+    out: dict[tuple[str, int], dict] = {}
+    groups: dict[tuple[str, int], dict[str, list]] = {}
+    for r in rows:
+        if r["time_s"] == r["time_s"] and r["time_s"] is not None:
+            g = groups.setdefault((r["topology"], r["bytes"]), {})
+            g.setdefault(r["algo"], []).append((r["time_s"], r["model_s"]))
+    for key, g in groups.items():
+        meas = {a: sum(t for t, _ in v) / len(v) for a, v in g.items()}
+        mod = {a: v[0][1] for a, v in g.items()}
+        by_model = sorted(mod, key=mod.get)
+        by_meas = sorted(meas, key=meas.get)
+        out[key] = {"model": by_model, "measured": by_meas, "same": by_model == by_meas}
+    return out
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Lines: the fidelity range and the orderings per topology and size."""
+    lines = []
+    ok = [r for r in rows if r["fidelity"] == r["fidelity"] and r["fidelity"] is not None]
+    bound = [r for r in ok if r["cpu_bound"]]
+    within = [r for r in ok if 0.90 <= r["fidelity"] <= 1.15]
+    lines.append(f"{len(ok)} runs: {len(bound)} cpu_bound, {len(within)} within 0.90-1.15 of "
+                 "the model")
+    for (topo, size), o in orderings(rows).items():
+        lines.append(f"{topo:>14} {size // MiB:>3} MiB  model: {' < '.join(o['model'])}   "
+                     f"measured: {' < '.join(o['measured'])}   "
+                     f"{'same order' if o['same'] else 'ORDER DIFFERS'}")
+    return lines
+
+
+def main(json_out: bool = False, quick: bool = False, programmable: bool = False) -> int:
+    """Entry point of ``testbed bench fidelity``; 0 when every run completed correctly."""
+    def emit(row: dict) -> None:
+        if json_out:
+            print(json.dumps(row, default=float), flush=True)
+
+    t0 = time.monotonic()
+    rows = run(quick=quick, programmable=programmable, on_row=emit)
+    out = sys.stderr if json_out else sys.stdout
+    for line in summary(rows):
+        print(("# " if json_out else "") + line, file=out)
+    print(f"# {time.monotonic() - t0:.0f} s in all", file=out)
+    return 0 if rows and all(r["correct"] for r in rows) else 1

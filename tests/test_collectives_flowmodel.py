@@ -1,0 +1,421 @@
+"""The flow-level model: ECMP paths as the data path forwards, max-min rates, phases, and its
+agreement with the closed-form alpha-beta model on a star (no network is built here)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from testbed.collectives import CollectiveSpec, hd, ring
+from testbed.collectives import flowmodel as fm
+from testbed.collectives import model as ab
+from testbed.collectives.ports import tcp_tuple
+from testbed.topologies import Dumbbell, FatTree, LeafSpine, Star, routing
+from testbed.topologies.base import AGGREGATOR_MAC, host_mac
+
+MB = 1 << 20
+HOP = 50e-6
+G_TCP = ab.TCP_MSS / (ab.TCP_FRAME + ab.TCP_ACK_SHARE)  # payload share of a busy duplex link
+
+
+# ------------------------------------------------------------------ paths = the data path's
+
+def _tcp_frame(dst_mac: str, src_ip: str, dst_ip: str, sport: int, dport: int) -> bytes:
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40, 0, 0, 64, 6, 0,
+                     bytes(int(b) for b in src_ip.split(".")),
+                     bytes(int(b) for b in dst_ip.split(".")))
+    tcp = struct.pack("!HHIIBBHHH", sport, dport, 0, 0, 0x50, 0x10, 1000, 0, 0)
+    return bytes.fromhex(dst_mac.replace(":", "")) + bytes(6) + b"\x08\x00" + ip + tcp
+
+
+def _forward_hop(topo, plan, sw: str, prev: str, frame: bytes) -> str:
+    """Run the switch's real forward stage (the settings TestbedNet pushes) on ``frame``
+    arriving from ``prev``; return the neighbour it leaves towards."""
+    from testbed.datapath.batch import Batch
+    from testbed.datapath.forward import ForwardStage
+
+    adj = routing.adjacency(topo)
+    ports = [f"{sw}-eth{p}" for p in sorted(p for p, _ in adj[sw].values())]
+    settings = dict(next(st for name, st in plan[sw] if name == "forward"))
+    stage = ForwardStage(ports=ports, **settings)
+    b = Batch(1)
+    b.buf[0, :len(frame)] = np.frombuffer(frame, np.uint8)
+    b.length[0] = len(frame)
+    b.in_port[0] = ports.index(f"{sw}-eth{adj[sw][prev][0]}")
+    b.n = 1
+    stage.process(b, 0)
+    out = ports[int(b.out_port[0])]
+    return next(v for v, (p, _) in adj[sw].items() if f"{sw}-eth{p}" == out)
+
+
+@pytest.mark.parametrize("topo", [
+    FatTree(4, switch="programmable"),
+    LeafSpine(leaves=3, spines=3, hosts_per_leaf=2, switch="programmable"),
+], ids=["fattree4", "leafspine3x3"])
+def test_flow_path_is_the_path_the_forward_kernel_takes(topo):
+    """Every hop of flow_path, for many 5-tuples, is what the data path's forward stage,
+    configured as TestbedNet configures it, does with a real frame of that flow."""
+    from testbed.topologies.net import TestbedNet
+
+    plan = TestbedNet(topo).programs_plan()  # no network: just the programs it would push
+    tables = routing.forwarding_tables(topo)
+    hosts = topo.host_names
+    rng = np.random.default_rng(5)
+    paths = set()
+    for _ in range(40):
+        a, b = rng.choice(len(hosts), 2, replace=False)
+        sport, dport = (int(x) for x in rng.integers(6000, 20000, 2))
+        path = routing.flow_path(topo, hosts[a], hosts[b], sport, dport, tables=tables)
+        frame = _tcp_frame(host_mac(int(b)), f"10.0.0.{a + 1}", f"10.0.0.{b + 1}", sport, dport)
+        for i in range(1, len(path) - 1):
+            assert _forward_hop(topo, plan, path[i], path[i - 1], frame) == path[i + 1], path
+        paths.add(tuple(path))
+    assert len(paths) > 10  # many different paths were checked
+
+
+def test_bridge_fabric_paths_follow_the_static_fdb():
+    """A looped Linux-bridge fabric forwards by destination MAC (pick_port), whatever the
+    ports; a loop-free one has a single path."""
+    ls = LeafSpine(leaves=2, spines=4, hosts_per_leaf=2, seed=3)
+    adj = routing.adjacency(ls)
+    tables = routing.forwarding_tables(ls)
+    group = tables["tbl1"][host_mac(2)]
+    spine = next(v for v, (p, _) in adj["tbl1"].items()
+                 if p == routing.pick_port(group, host_mac(2), 3))
+    for sport in range(6000, 6040):
+        assert routing.flow_path(ls, "tbh1", "tbh3", sport, 7000) == \
+            ["tbh1", "tbl1", spine, "tbl2", "tbh3"]
+    assert routing.flow_path(Dumbbell(2, 2), "tbh1", "tbh4", 1, 2) == \
+        ["tbh1", "tbs1", "tbs2", "tbh4"]
+
+
+def test_ina_flows_end_at_the_aggregator():
+    ft = FatTree(4, switch="programmable")
+    p = routing.flow_path(ft, "tbh16", "tbc1", fm.ina_worker_port(1), fm.INA_AGG_PORT, 17)
+    assert p[0] == "tbh16" and p[-1] == "tbc1" and len(p) == 4  # edge, agg, core
+    assert routing.node_address(ft, "tbc1") == ("10.0.0.254", AGGREGATOR_MAC)
+
+
+def test_describe_dict_is_as_good_as_the_topology():
+    ft = FatTree(4, switch="programmable", seed=2)
+    desc = ft.describe()
+    view = routing.as_topology(desc)
+    assert view.host_names == ft.host_names and view.programmable == ft.programmable
+    assert routing.forwarding_tables(view) == routing.forwarding_tables(ft)
+    spec = CollectiveSpec(algo="hd", nbytes=4 * MB)
+    assert fm.predict(desc, spec).time_s == pytest.approx(fm.predict(ft, spec).time_s)
+    with pytest.raises(ValueError, match="lacks"):
+        routing.as_topology({"kind": "star"})
+    with pytest.raises(TypeError, match="describe"):
+        routing.as_topology(42)
+
+
+# ------------------------------------------------------------------ max-min by hand
+
+def test_max_min_progressive_filling_by_hand():
+    # three flows, two links of 10: f0 on A, f1 on A and B, f2 on B with weight 2
+    w = [{"A": 1.0}, {"A": 1.0, "B": 1.0}, {"B": 2.0}]
+    r = fm.max_min_rates(w, {"A": 10.0, "B": 10.0})
+    # B fills first: r1 + 2 r2 = 10 with r1 = r2 -> 10/3; then f0 takes the rest of A
+    assert r == pytest.approx([10 - 10 / 3, 10 / 3, 10 / 3])
+    assert fm.max_min_rates([{"A": 1.0}], {"A": 8.0}, caps=[3.0]) == pytest.approx([3.0])
+    with pytest.raises(ValueError, match="no shaped link"):
+        fm.max_min_rates([{"X": 1.0}], {"A": 1.0})
+
+
+# ------------------------------------------------------------------ star = closed form
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("op, algo", [
+    ("allreduce", "ring"), ("allreduce", "hd"), ("allreduce", "ina"),
+    ("reduce_scatter", "ring"), ("allgather", "ring"), ("broadcast", "ring"),
+    ("reduce_scatter", "hd"), ("allgather", "hd"), ("broadcast", "hd"),
+])
+def test_star_agrees_with_the_closed_form(n, op, algo):
+    topo = Star(n, bw_mbps=100, switch="programmable")
+    spec = CollectiveSpec(op=op, algo=algo, nbytes=8 * MB)
+    got = fm.predict(topo, spec, hop_latency_s=HOP).time_s
+    want = ab.predict(op, algo, n, spec.nbytes, 100e6, 2 * HOP)
+    # one-way transfers: a link direction carries data or ACKs, not both, so the payload
+    # share is 1448/1514 where the closed form assumes duplex traffic (1448/1547)
+    one_way = spec.nbytes / (100e6 / 8 * ab.TCP_MSS / ab.TCP_FRAME)
+    if op == "broadcast" and algo == "hd":  # binomial rounds send one way
+        want = math.ceil(math.log2(n)) * (2 * HOP + one_way)
+    if op == "broadcast" and algo == "ring" and n == 2:  # a chain of one flow
+        want = 2 * HOP + one_way
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("n, m", [(4, 4), (4, 2), (4, 1)])
+def test_star_reduction_server_agrees_with_the_closed_form(n, m):
+    topo = Star(n + m, bw_mbps=100)  # dedicated servers
+    spec = CollectiveSpec(algo="rs", nbytes=8 * MB, workers=n, servers=m)
+    got = fm.predict(topo, spec, hop_latency_s=HOP).time_s
+    want = ab.predict("allreduce", "rs", n, spec.nbytes, 100e6, 2 * HOP, servers=m,
+                      colocated=False)
+    # pipeline fill: piece 0 of every worker must reach the server. The closed form charges
+    # m pieces at the worker link's rate; the flows really share the busier server link, n
+    # of them, so piece 0 takes n pieces' time when m < n
+    piece = ab.rs_chunk_bytes(spec.nbytes, m)
+    want += (n - m) * piece / (100e6 / 8 * G_TCP)
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_star_hd_fold_pays_its_one_way_exchanges():
+    """n = 6: two folded pairs exchange the whole array one way (data one way, ACKs the
+    other), then the power-of-two exchange of 4, then the sum back."""
+    topo = Star(6, bw_mbps=100)
+    spec = CollectiveSpec(algo="hd", nbytes=8 * MB)
+    B = 100e6 / 8
+    one_way = spec.nbytes / (B * ab.TCP_MSS / ab.TCP_FRAME)
+    pow2 = ab.predict("allreduce", "hd", 4, spec.nbytes, 100e6, 2 * HOP)
+    assert fm.predict(topo, spec, hop_latency_s=HOP).time_s == pytest.approx(
+        pow2 + 2 * (one_way + 2 * HOP), rel=1e-6)
+
+
+def test_star_compressed_ring_is_an_allgather_of_the_payloads():
+    topo = Star(4, bw_mbps=100)
+    spec = CollectiveSpec(algo="ring", nbytes=4 * MB, compressor="topk",
+                          compressor_params={"ratio": 0.01})
+    from testbed.kernels.compressors import get_compressor
+
+    c = get_compressor("topk", ratio=0.01).payload_bytes(spec.count) + 8
+    t = fm.predict(topo, spec, hop_latency_s=HOP).time_s
+    assert t == pytest.approx(ab.predict("allgather", "ring", 4, 4 * c, 100e6, 2 * HOP))
+
+
+def test_time_dilation_leaves_the_undilated_time():
+    topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, oversubscription=2)
+    spec = CollectiveSpec(algo="ring", nbytes=4 * MB)
+    base = fm.predict(topo, spec, hop_latency_s=HOP).time_s
+    f = 5.0
+    dil = fm.predict(topo, spec, hop_latency_s=HOP * f, time_dilation=f)
+    assert dil.time_s == pytest.approx(base) and dil.time_dilation == f
+    with pytest.raises(ValueError, match="time_dilation"):
+        fm.predict(topo, spec, time_dilation=0.5)
+
+
+# ------------------------------------------------------------------ hand-worked fabrics
+
+def _ports_for(topo, src, dst, want_mid: str):
+    """A job id whose deterministic TCP ports send src -> dst through ``want_mid``."""
+    r_src, r_dst = topo.host_names.index(src), topo.host_names.index(dst)
+    for j in range(200):
+        sp, dp = tcp_tuple(j, r_src, r_dst)
+        if want_mid in routing.flow_path(topo, src, dst, sp, dp):
+            return sp, dp
+    raise AssertionError("no port pair takes that path")
+
+
+def _phase_time(topo, flows):
+    p = fm.Phase("hand", flows, trips=0.0)
+    net = fm._Network(routing.as_topology(topo), 1.0)
+    return fm._run_phase(net, p, 0.0)
+
+
+def test_leaf_spine_colliding_and_separate_flows_by_hand():
+    """Two flows leave leaf 1 for leaf 2 over uplinks of 40 Mb/s. On different spines each
+    gets a whole uplink; on one spine they share it. Their ACKs come back leaf 2 -> leaf 1
+    (the reverse paths), on links the data does not use."""
+    ls = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, uplink_mbps=40, switch="programmable")
+    S = 1 * MB
+    up = 40e6 / 8
+    a = _ports_for(ls, "tbh1", "tbh3", "tbsp1")
+    b_same = _ports_for(ls, "tbh2", "tbh4", "tbsp1")
+    b_other = _ports_for(ls, "tbh2", "tbh4", "tbsp2")
+    f1 = fm.Flow("tbh1", "tbh3", S, *a)
+    # separate spines: each flow has an uplink to itself (the ACKs return leaf 2 -> leaf 1,
+    # the other direction of the links, which no data uses)
+    res = _phase_time(ls, [f1, fm.Flow("tbh2", "tbh4", S, *b_other)])
+    assert [r for _f, r, _p in res.rates] == pytest.approx([up / fm.TCP_WIRE] * 2)
+    assert res.transfer_s == pytest.approx(S / (up / fm.TCP_WIRE))
+    # one spine: the two flows split its uplink
+    res = _phase_time(ls, [f1, fm.Flow("tbh2", "tbh4", S, *b_same)])
+    assert [r for _f, r, _p in res.rates] == pytest.approx([up / 2 / fm.TCP_WIRE] * 2)
+    assert res.transfer_s == pytest.approx(S / (up / 2 / fm.TCP_WIRE))
+    assert res.bottleneck == ("tbl1", "tbsp1")
+
+
+def test_fat_tree_collision_on_an_edge_uplink_by_hand():
+    """k=4, every link 100 Mb/s: two flows from the same edge switch to another pod collide
+    on an edge uplink (half a link each) or not (a whole access link each). INA-style flows
+    (no ACKs) keep the arithmetic plain."""
+    ft = FatTree(4, switch="programmable")
+    C = 100e6 / 8
+    S = 2 * MB
+
+    def flow(src, dst, sport):
+        return fm.Flow(src, dst, S, sport, 41000, 17, fm.INA_WIRE, 0.0)
+
+    by_agg: dict[str, list[int]] = {}
+    for sport in range(20000, 20050):
+        p = routing.flow_path(ft, "tbh1", "tbh13", sport, 41000, 17)
+        by_agg.setdefault(p[2], []).append(sport)
+    assert set(by_agg) == {"tba1", "tba2"}  # both uplinks of tbe1 are used by some ports
+    (s1, s2), s3 = by_agg["tba1"][:2], by_agg["tba2"][0]
+    # tbh2 -> tbh14 with the same ports hashes differently: search for its own agg
+    q = {routing.flow_path(ft, "tbh2", "tbh14", s, 41000, 17)[2]: s
+         for s in range(20000, 20050)}
+    collide = _phase_time(ft, [flow("tbh1", "tbh13", s1), flow("tbh2", "tbh14", q["tba1"])])
+    assert [r for _f, r, _p in collide.rates] == pytest.approx([C / 2 / fm.INA_WIRE] * 2)
+    apart = _phase_time(ft, [flow("tbh1", "tbh13", s1), flow("tbh2", "tbh14", q["tba2"])])
+    assert [r for _f, r, _p in apart.rates] == pytest.approx([C / fm.INA_WIRE] * 2)
+    assert collide.transfer_s == pytest.approx(2 * apart.transfer_s)
+    # one host, two flows: its access link is the bottleneck wherever they go
+    same_src = _phase_time(ft, [flow("tbh1", "tbh13", s2), flow("tbh1", "tbh13", s3)])
+    assert [r for _f, r, _p in same_src.rates] == pytest.approx([C / 2 / fm.INA_WIRE] * 2)
+    assert same_src.bottleneck == ("tbh1", "tbe1")
+
+
+def test_max_min_gives_the_leftover_to_the_unconstrained_flow():
+    """Dumbbell 2+2, bottleneck 30 Mb/s, access 100 Mb/s: two flows cross it (15 each), a
+    third stays on the left and gets the rest of the shared access link of tbh1."""
+    d = Dumbbell(2, 2, bottleneck_mbps=30)
+    C, Bn = 100e6 / 8, 30e6 / 8
+    flows = [fm.Flow("tbh1", "tbh3", MB, 1, 2, 17, 1.0, 0.0),
+             fm.Flow("tbh2", "tbh4", MB, 1, 2, 17, 1.0, 0.0),
+             fm.Flow("tbh1", "tbh2", MB, 3, 4, 17, 1.0, 0.0)]
+    res = _phase_time(d, flows)
+    assert [r for _f, r, _p in res.rates] == pytest.approx([Bn / 2, Bn / 2, C - Bn / 2])
+    # the fluid simulation: the local flow ends first, then nothing changes for the others
+    assert res.transfer_s == pytest.approx(MB / (Bn / 2))
+
+
+def test_oversubscribed_leaf_spine_orders_algorithms_by_their_real_flows():
+    """4 leaves x 2 spines, 2 hosts per leaf, 4:1 (uplinks 25 Mb/s), all programmable:
+    INA squeezes both workers of a leaf through the one uplink to the aggregator spine
+    (12.5 Mb/s each); ring has one flow per leaf uplink pair; hd's d=2 and d=4 rounds put two
+    flows on each leaf's uplinks, which collide when the hash picks one spine for both."""
+    ls = LeafSpine(leaves=4, spines=2, hosts_per_leaf=2, oversubscription=4,
+                   switch="programmable")
+    S = 4 * MB
+    t = {a: fm.predict(ls, CollectiveSpec(algo=a, nbytes=S, servers=8), hop_latency_s=HOP)
+         for a in ("ring", "hd", "ina")}
+    ina_rate = 25e6 / 8 / 2 / fm.INA_WIRE
+    assert t["ina"].time_s == pytest.approx(S / ina_rate + 4 * 2 * HOP, rel=1e-6)
+    ring_rate = min(r for ph in t["ring"].phases for _f, r, _p in ph.rates)
+    assert ring_rate <= 25e6 / 8 / fm.TCP_WIRE * (1 + 1e-9)
+    halving = {ph.name: ph for ph in t["hd"].phases}
+    cross = [r for _f, r, p in halving["halving d=4"].rates if p[1] != p[-2]]
+    assert cross and min(cross) < 25e6 / 8 / fm.TCP_WIRE  # some cross-leaf flows collide
+    assert t["ring"].time_s < t["ina"].time_s < t["hd"].time_s
+
+
+# ------------------------------------------------------------------ phases = the algorithms
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 8])
+def test_phases_use_the_implementations_peers_and_bytes(n):
+    hosts = [f"tbh{i + 1}" for i in range(n)]
+    count = 1000 * n + 7
+    spec = CollectiveSpec(algo="ring", nbytes=4 * count)
+    ph = fm.phases(spec, hosts)
+    assert len(ph) == 2 * (n - 1)
+    sent = {h: 0.0 for h in hosts}
+    for p in ph:
+        for f in p.flows:
+            a = hosts.index(f.src)
+            assert f.dst == hosts[(a + 1) % n]
+            assert hosts.index(f.dst) in ring.ring_peers(a, n)
+            sent[f.src] += f.nbytes
+    # every rank sends 2 (n-1)/n of the array (shards may differ by one element)
+    for v in sent.values():
+        assert abs(v - 2 * (n - 1) / n * spec.nbytes) <= 2 * (n - 1) * 4
+    spec = CollectiveSpec(algo="hd", nbytes=4 * count)
+    for p in fm.phases(spec, hosts):
+        for f in p.flows:
+            a, b = hosts.index(f.src), hosts.index(f.dst)
+            assert b in hd.hd_peers(a, n, "allreduce")
+            sp, dp = tcp_tuple(spec.job_id, a, b)
+            assert (f.sport, f.dport) == (sp, dp)
+
+
+def test_rs_colocated_servers_skip_their_own_shard():
+    topo = Star(4, bw_mbps=100)
+    spec = CollectiveSpec(algo="rs", nbytes=8 * MB, servers=4)
+    workers, servers = fm.placement(topo.host_names, spec)
+    assert servers == workers  # co-located, one per worker
+    p = fm.predict(topo, spec, hop_latency_s=HOP)
+    flows = p.phases[0].rates
+    assert len(flows) == 2 * 4 * 3  # the 8 local flows use no link
+    # each host link carries (n-1 + m-1)/m S each way: the closed form's co-located load
+    t = 8 * MB / (100e6 / 8 * G_TCP)
+    assert p.phases[0].transfer_s == pytest.approx(ab.rs_link_load(4, 4, True) * t)
+
+
+def test_ina_window_and_loss_first_order():
+    assert fm.ina_extra_s(n=4, packets=1000, window=64, p_up=0, p_down=0, frame_s=1e-4,
+                         rtt_s=1e-3) == 0.0
+    p, n, K, W, fs, rtt = 0.01, 4, 8192, 64, 9e-5, 4e-4
+    rho = 1 - (1 - p) ** n * (1 - p)
+    rto = max(0.010, 2 * (rtt + W * fs))
+    want = K * 2 * p * fs + max(0.0, K / W * (rtt + rho * rto) - K * fs) + \
+        rto * (1 - (1 - rho) ** W)
+    got = fm.ina_extra_s(n=n, packets=K, window=W, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
+    assert got == pytest.approx(want)
+    assert fm.ina_extra_s(n=4, packets=1000, window=1, p_up=0, p_down=0, frame_s=1e-4,
+                          rtt_s=1e-3) == pytest.approx(1000 * (1e-3 - 1e-4))
+    # a small window cannot hide the stalls: the chain bound takes over
+    small = fm.ina_extra_s(n=n, packets=K, window=4, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
+    assert small > got
+    star = Star(4, bw_mbps=100, switch="programmable")
+    clean = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 * MB), hop_latency_s=HOP)
+    lossy = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 * MB, loss=0.01),
+                       hop_latency_s=HOP)
+    assert clean.ina_extra_s == 0 and lossy.ina_extra_s > 0
+    assert lossy.time_s == pytest.approx(clean.time_s + lossy.ina_extra_s)
+    # without loss, a window far below the round trip's worth of packets sets the pace
+    tiny = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 * MB, window=1),
+                      hop_latency_s=1e-3)
+    K = 8 * MB // 1024
+    assert tiny.time_s >= K * 2 * 1e-3
+
+
+def test_incast_trimming_counts_the_bytes_that_cross():
+    # 3 senders at 100 Mb/s into a 50 Mb/s trimming port: senders finish at line rate, the
+    # port carries only what it can, plus a full data queue to drain at the end
+    F, h, frames = 1100, 120, 240
+    r = fm.incast_s(senders=3, frames=frames, frame_bytes=F, trimmed_bytes=h,
+                    access_mbps=100, port_mbps=50, threshold_bytes=30_000)
+    C, R = 100e6 / 8, 50e6 / 8
+    assert r.time_s == pytest.approx(frames * F / C + 30_000 / R)
+    assert 0 < r.trimmed_frac < 1
+    assert r.bottleneck_bytes < 3 * frames * F
+    untrimmed = 3 * frames * F / R
+    assert r.time_s < untrimmed / 2  # what the old model missed
+    dt = fm.incast_s(senders=3, frames=frames, frame_bytes=F, trimmed_bytes=h,
+                     access_mbps=100, port_mbps=50, threshold_bytes=30_000, mode="drop_tail")
+    assert dt.time_s is None and "NACK" in dt.note
+    # no congestion: the model is plain serialisation, trimming or not
+    calm = fm.incast_s(senders=1, frames=frames, frame_bytes=F, trimmed_bytes=h,
+                       access_mbps=100, port_mbps=100, threshold_bytes=0, mode="drop_tail")
+    assert calm.time_s == pytest.approx(frames * F / C) and calm.trimmed_frac == 0
+
+
+def test_bad_input_is_named():
+    star = Star(4, bw_mbps=100)
+    with pytest.raises(ValueError, match="aggregator"):
+        fm.predict(star, CollectiveSpec(algo="ina"))  # a bridge star has none
+    with pytest.raises(ValueError, match="not hosts"):
+        fm.predict(star, CollectiveSpec(algo="ring", workers=2), workers=["tbh1", "tbh9"])
+    with pytest.raises(ValueError, match="no shaped link"):
+        fm.predict(Star(4, bw_mbps=None), CollectiveSpec(algo="ring"))
+    with pytest.raises(TypeError, match="CollectiveSpec"):
+        fm.predict(star, {"algo": "ring"})
+
+
+def test_ina_thc_counts_its_wire_bytes():
+    """INA + THC: one int8 lane per (padded) element each way when the n-way sums fit int8;
+    int16 RESULT lanes (packets of 512 lanes) when they may not."""
+    star = Star(8, bw_mbps=100, switch="programmable")
+    plain = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 << 20), hop_latency_s=HOP)
+    small = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 << 20, compressor="thc"),
+                       hop_latency_s=HOP)  # g = 16: 8 * 8 <= 127, int8 both ways
+    wide = fm.predict(star, CollectiveSpec(algo="ina", nbytes=8 << 20, compressor="thc",
+                                           compressor_params={"granularity": 64}),
+                      hop_latency_s=HOP)  # 8 * 32 > 127: int16 results
+    lat = 4 * 1 * HOP
+    assert (small.time_s - lat) == pytest.approx((plain.time_s - lat) / 4, rel=1e-3)
+    assert (wide.time_s - lat) == pytest.approx((plain.time_s - lat) / 2, rel=1e-3)

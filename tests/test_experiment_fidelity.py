@@ -1,0 +1,49 @@
+"""``testbed bench fidelity``: its row format, orderings, and one real topology of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.experiment import fidelity
+
+MiB = 1 << 20
+
+
+def _row(topo, algo, t, m):
+    return {"topology": topo, "algo": algo, "bytes": 4 * MiB, "time_s": t, "model_s": m,
+            "fidelity": t / m, "cpu_bound": False, "correct": True}
+
+
+def test_orderings_compare_model_and_measurement():
+    rows = [_row("ls", "ring", 1.0, 1.1), _row("ls", "ina", 2.0, 1.0),
+            _row("ls", "hd", 3.0, 3.0), _row("star", "ring", 1.0, 1.0),
+            _row("star", "ina", 0.5, 0.6)]
+    o = fidelity.orderings(rows)
+    assert o[("ls", 4 * MiB)] == {"model": ["ina", "ring", "hd"],
+                                  "measured": ["ring", "ina", "hd"], "same": False}
+    assert o[("star", 4 * MiB)]["same"]
+    lines = fidelity.summary(rows)
+    assert "ORDER DIFFERS" in lines[1] and "same order" in lines[2]
+    assert lines[0].startswith("5 runs: 0 cpu_bound, 3 within")
+
+
+def test_topologies_are_the_advertised_ones():
+    topos = dict(fidelity.topologies())
+    assert [len(t.host_names) for t in topos.values()] == [4, 8, 8, 8, 16]
+    assert topos["leafspine-4:1"].uplink_mbps() == 25.0
+    assert topos["leafspine-2:1"].uplink_mbps() == 50.0
+    assert topos["fattree-k4"].programmable == {"tbc1"}
+    assert all(t.aggregator_switch for t in topos.values())
+    with pytest.raises(ValueError, match="time_dilation"):
+        fidelity.run(time_dilation=2.0)
+
+
+@pytest.mark.mininet
+def test_star4_rows_have_every_key_and_are_correct():
+    rows = fidelity.run(quick=True, only=["star4"])
+    assert [r["algo"] for r in rows] == list(fidelity.ALGOS)
+    for r in rows:
+        assert set(fidelity.ROW_KEYS) <= set(r)
+        assert r["correct"] is True and r["time_dilation"] == 1.0
+        assert r["model_s"] > 0 and r["fidelity"] == pytest.approx(r["time_s"] / r["model_s"])
+        assert 0 <= r["cpu_util"] <= 1
