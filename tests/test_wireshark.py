@@ -42,7 +42,8 @@ def test_tshark_reads_an_ina_capture_like_scapy(tmp_path):
     with TestbedNet(Star(2, bw_mbps=None, switch="programmable")) as net:
         h1 = net.hosts[0]
         # -Z root: tcpdump would otherwise write as user tcpdump, into a root-only folder
-        cap = h1.popen(["tcpdump", "-Z", "root", "-i", h1.defaultIntf().name, "-U", "-w",
+        cap = h1.popen(["tcpdump", "-Z", "root", "--immediate-mode", "-i", h1.defaultIntf().name,
+                        "-U", "-w",
                         str(pcap), "udp port 41000"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE)
         try:

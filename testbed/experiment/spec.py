@@ -674,9 +674,6 @@ def _job_problems(path: str, job: JobSpec, topo, codec) -> list[str]:
         if bare:
             problems.append(f"{path}.algo: 'nic' converts on each worker's SmartNIC, but "
                             f"{', '.join(bare)} have none; set topology.smartnic = true")
-        if codec is None:
-            problems.append(f"{path}.algo: 'nic' needs the SmartNICs' nic_codec program; add "
-                            "a codec section (codec = 'fixed32')")
         if max(job.sizes()) > MAX_INA_BYTES:
             problems.append(f"{path}.nbytes: in-network aggregation addresses at most 2^32 "
                             f"float32 elements per message ({MAX_INA_BYTES} B)")
