@@ -1,10 +1,13 @@
-"""A discrete-event simulation of INA workers and one aggregating switch, without a network.
+"""A discrete-event simulation of INA workers and aggregating switches, without a network.
 
 The workers are the real worker kernels (:mod:`testbed.collectives.inakernel`, or its twin);
-the switch is the real ``AggregateStage`` (or its twin ``AggregateReference``); frames are real
-Eth/IPv4/UDP bytes. Between them a seeded channel loses, duplicates and delays (reorders)
-packets in both directions. Deterministic for a seed, and fast: the protocol's invariants can
-be exercised under any impairment mix in a unit test.
+the switches are the real ``AggregateStage`` (or its twin ``AggregateReference``); frames are
+real Eth/IPv4/UDP bytes. Between any two nodes a seeded channel loses, duplicates and delays
+(reorders) packets. Layouts: one switch; a two-level aggregation tree (leaf switches of
+``fanout`` workers under a root); or one switch whose job runs in shared mode on a pool too
+small for it, with a host fallback aggregator (another aggregate stage, as on a host).
+Deterministic for a seed, and fast: the protocol's invariants can be exercised under any
+impairment mix in a unit test.
 """
 
 from __future__ import annotations
@@ -26,14 +29,20 @@ from testbed.kernels.compressors import get_compressor
 from testbed.kernels.reference.packets import udp_frame
 from testbed.kernels.wire import HEADER_OFFSET, TESTBED_UDP_PORT
 
-AGG_MAC, AGG_IP = "02:54:42:00:00:fe", "10.0.0.254"
 PORT = 20001
+FB_PORT = TESTBED_UDP_PORT  # a host aggregator binds the testbed port on its host
 
 
-def member(r: int) -> dict:
-    """Addresses of worker ``r`` (ingress port index ``r`` of the switch)."""
-    return {"worker": r, "mac": f"02:00:00:00:00:{r + 1:02x}", "ip": f"10.0.0.{r + 1}",
-            "port": PORT, "ingress": r}
+def identity(k: int) -> tuple[str, str]:
+    """(MAC, IP) of switch ``k`` (0: the root, or the only switch)."""
+    return f"02:54:42:01:00:{k:02x}", f"10.254.0.{k + 1}"
+
+
+def worker_addr(r: int) -> tuple[str, str]:
+    return f"02:00:00:00:{r >> 8:02x}:{(r & 0xFF) + 1:02x}", f"10.0.{r >> 8}.{(r & 0xFF) + 1}"
+
+
+FB_MAC, FB_IP = "02:54:42:0f:00:01", "10.253.0.1"
 
 
 def _raw_mac(s: str) -> bytes:
@@ -44,18 +53,36 @@ def _raw_ip(s: str) -> bytes:
     return bytes(int(p) for p in s.split("."))
 
 
-class KernelSwitch:
-    """The real aggregate stage, one frame per batch."""
+class Switch:
+    """One aggregating node (kernel stage or twin) with ``n_ports`` ports."""
 
-    def __init__(self, n: int, W: int, job_id: int, seq0: int):
-        ports = [f"p{r}" for r in range(n)]
-        self.stage = AggregateStage(ports=ports, agg_ip=AGG_IP, agg_mac=AGG_MAC,
-                                    pool_slots=max(W, 1) + 3)
-        members = [dict(member(r), ingress=f"p{r}") for r in range(n)]
-        self.stage.configure(jobs={job_id: {"slots": W, "seq0": seq0, "members": members}})
-        self.batch = Batch(64)
+    def __init__(self, kind: str, k: int, n_ports: int, job_id: int, job: dict,
+                 pool_entries: int = 0, pool_lanes: int = 256, identity_=None):
+        mac, ip = identity_ or identity(k)
+        self.kind = kind
+        if kind == "kernel":
+            self.ports = [f"p{i}" for i in range(n_ports)]
+            named = dict(job, members=[dict(m, ingress=self.ports[m["ingress"]])
+                                       for m in job["members"]])
+            for key in ("parent", "fallback"):
+                if job.get(key):
+                    named[key] = dict(job[key], egress=self.ports[job[key]["egress"]])
+            self.stage = AggregateStage(ports=self.ports, agg_ip=ip, agg_mac=mac,
+                                        pool_slots=job["slots"] + 3,
+                                        pool_bytes=pool_entries * 8 * pool_lanes,
+                                        pool_lanes=pool_lanes)
+            self.stage.configure(jobs={job_id: named})
+            self.batch = Batch(64)
+        else:
+            self.ref = AggregateReference(mac, ip, {job_id: job}, pool_entries=pool_entries,
+                                          pool_lanes=pool_lanes)
 
     def process(self, frame: bytes, in_port: int):
+        """(decision, reason, [(out port, frame)], the frame as it leaves when forwarded)."""
+        if self.kind != "kernel":
+            self.ref.last_frame = frame
+            d, r, out = self.ref.process(frame, in_port)
+            return d, int(r), out, self.ref.last_frame
         b = self.batch
         b.reset()
         b.buf[0, :len(frame)] = np.frombuffer(frame, np.uint8)
@@ -63,35 +90,27 @@ class KernelSwitch:
         b.in_port[0] = in_port
         b.n = 1
         self.stage.process(b, 0)
-        results = [(int(b.out_port[i]), b.buf[i, :b.length[i]].tobytes()) for i in range(1, b.n)]
-        return int(b.out_port[0]), int(b.reason[0]), results
-
-
-class ReferenceSwitch:
-    """The aggregate stage's plain-Python twin."""
-
-    def __init__(self, n: int, W: int, job_id: int, seq0: int):
-        self.ref = AggregateReference(AGG_MAC, AGG_IP, {
-            job_id: {"slots": W, "seq0": seq0, "members": [member(r) for r in range(n)]}})
-
-    def process(self, frame: bytes, in_port: int):
-        return self.ref.process(frame, in_port)
+        out = [(int(b.out_port[i]), b.buf[i, :b.length[i]].tobytes()) for i in range(1, b.n)]
+        return int(b.out_port[0]), int(b.reason[0]), out, b.buf[0, :b.length[0]].tobytes()
 
 
 class Sim:
-    """``n`` workers reducing random vectors of ``count`` elements through one switch.
+    """``n`` workers reducing random vectors of ``count`` elements through switches.
 
-    ``loss``, ``dup``, ``reorder``: per-packet probabilities in both directions (a reordered
-    packet is held back up to ``hold_s``); ``latency_s`` one way; ``kernels``: ``ik`` or its
-    twin; ``switch``: ``"kernel"`` or ``"reference"``; ``mode``: ``ik.MODE_INT32``,
-    ``ik.MODE_THC`` (granularity ``g``) or ``ik.MODE_NIC`` (each worker's packets cross the
-    SmartNIC codec's real ``fixed32`` encode/decode kernels). ``xs``: the inputs (default
-    seeded random), ``step``: THC's repetition counter.
+    ``loss``, ``dup``, ``reorder``: per-packet probabilities on every hop (a reordered packet
+    is held back up to ``hold_s``); ``latency_s`` per hop; ``kernels``: ``ik`` or its twin;
+    ``switch``: ``"kernel"`` or ``"reference"``; ``mode``: ``ik.MODE_INT32``, ``ik.MODE_THC``
+    (granularity ``g``) or ``ik.MODE_NIC`` (each worker's packets cross the SmartNIC codec's
+    real ``fixed32`` kernels). ``fanout``: leaf switches of that many workers under a root
+    (None: one switch). ``pool``: the one switch's job runs in shared mode on a pool of that
+    many entries, with a host fallback aggregator; ``pool_taken``: entries another job holds.
+    ``xs``: the inputs (default seeded random); ``step``: THC's repetition counter.
     """
 
     def __init__(self, n=3, W=4, count=2000, mode=ik.MODE_INT32, seed=0, loss=0.0, dup=0.0,
                  reorder=0.0, latency_s=1e-4, hold_s=2e-3, kernels=ik, switch="kernel",
-                 job_id=5, seq0=(1 << 32) - 3, reps=1, xs=None, g=16, step=0):
+                 job_id=5, seq0=(1 << 32) - 3, reps=1, xs=None, g=16, step=0, fanout=None,
+                 pool=None, pool_taken=()):
         if xs is not None:
             n, count = len(xs), xs[0].size
         self.n, self.W, self.count, self.mode = n, W, count, mode
@@ -101,24 +120,90 @@ class Sim:
         self.latency_s, self.hold_s = latency_s, hold_s
         self.k = kernels
         self.job_id = job_id
-        cls = KernelSwitch if switch == "kernel" else ReferenceSwitch
-        self.switch = cls(n, W, job_id, seq0)
+        self.E = ina.thc_elems(n, g) if mode == ik.MODE_THC else ik.ELEMS
         self.xs = xs if xs is not None else [
             (self.rng.standard_normal(count) * 10.0 ** self.rng.integers(-3, 3))
             .astype(np.float32) for _ in range(n)]
         self.slots = [ik.new_slots(W, seq0) for _ in range(n)]
         self.reps = reps
-        self.stats = {"switch_drops": {}, "to_switch": 0, "to_workers": 0, "results": 0}
+        self.stats = {"switch_drops": {}, "to_switch": 0, "to_workers": 0, "results": 0,
+                      "fallback": 0}
+        self._build(switch, seq0, fanout, pool, pool_taken)
+
+    def _build(self, kind, seq0, fanout, pool, pool_taken):
+        """Nodes, links and registrations. ``self.up[r]`` = (node, port) a worker sends to;
+        ``self.links[(node, port)]`` = (peer node, peer port)."""
+        n, W = self.n, self.W
+        base = {"slots": W, "seq0": seq0, "lanes": self.E}
+        self.nodes, self.links, self.up, self.member_id = {}, {}, {}, {}
+        self.agg_of = {}
+        self.rank_of_ip = {_raw_ip(worker_addr(r)[1]): r for r in range(n)}
+
+        def wmember(r, mid, port):
+            mac, ip = worker_addr(r)
+            return {"worker": mid, "mac": mac, "ip": ip, "port": PORT, "ingress": port}
+
+        if fanout is None:
+            job = dict(base, members=[wmember(r, r, r) for r in range(n)])
+            pool_entries = 0
+            if pool is not None:
+                job.update(mode="shared", fallback={"mac": FB_MAC, "ip": FB_IP,
+                                                    "port": FB_PORT, "egress": n})
+                pool_entries = pool
+                fb_job = dict(base, members=[wmember(r, r, 0) for r in range(n)])
+                self.nodes["fb"] = Switch(kind, -1, 1, self.job_id, fb_job,
+                                          identity_=(FB_MAC, FB_IP))
+                self.links[("root", n)] = ("fb", 0)
+                self.links[("fb", 0)] = ("root", n)
+            self.nodes["root"] = Switch(kind, 0, n + 1, self.job_id, job, pool_entries)
+            if pool_taken:  # another job holds these pool entries
+                self._take_pool(pool_taken)
+            for r in range(n):
+                self.up[r] = ("root", r)
+                self.links[("root", r)] = ("w", r)
+                self.member_id[r] = r
+                self.agg_of[r] = identity(0)
+            return
+        leaves = [list(range(i, min(i + fanout, n))) for i in range(0, n, fanout)]
+        root_members = []
+        for li, ranks in enumerate(leaves):
+            name = f"leaf{li}"
+            lmac, lip = identity(li + 1)
+            job = dict(base, members=[wmember(r, m, m) for m, r in enumerate(ranks)])
+            rmac, rip = identity(0)
+            job["parent"] = {"mac": rmac, "ip": rip, "egress": len(ranks), "index": li}
+            self.nodes[name] = Switch(kind, li + 1, len(ranks) + 1, self.job_id, job)
+            for m, r in enumerate(ranks):
+                self.up[r] = (name, m)
+                self.links[(name, m)] = ("w", r)
+                self.member_id[r] = m
+                self.agg_of[r] = (lmac, lip)
+            self.links[(name, len(ranks))] = ("root", li)
+            self.links[("root", li)] = (name, len(ranks))
+            root_members.append({"worker": li, "mac": lmac, "ip": lip,
+                                 "port": TESTBED_UDP_PORT, "ingress": li})
+        self.nodes["root"] = Switch(kind, 0, len(leaves), self.job_id,
+                                    dict(base, members=root_members))
+
+    def _take_pool(self, entries):
+        """Mark pool entries as held by another job (they stay so: first come, first served)."""
+        root = self.nodes["root"]
+        if root.kind == "kernel":
+            owner = root.stage.regs.pool_owner
+            owner[list(entries)] = root.stage.max_slots - 1  # a slot no job of ours has
+        else:
+            for e in entries:
+                root.ref.pool[e] = (-1, e)
 
     def _payload(self, r: int) -> ik.Payload:
+        mid = self.member_id[r]
         if self.mode == ik.MODE_THC:
             comp = get_compressor("thc", granularity=self.g)
-            E = ina.thc_elems(self.n, self.g)
-            d, blk, skey, qkey = ina.thc_layout(comp, self.count, E, self.step, r)
-            K = -(-d // E)
+            d, blk, skey, qkey = ina.thc_layout(comp, self.count, self.E, self.step, r)
+            K = -(-d // self.E)
             return ik.Payload(ik.MODE_THC, self.xs[r], np.full(self.count, np.nan, np.float32),
                               np.zeros(d, np.int32), np.full(K, ik.THC_EXP_ZERO, np.int16), K,
-                              self.W, E, d, self.n, self.job_id, r, float(comp.clip),
+                              self.W, self.E, d, self.n, self.job_id, mid, float(comp.clip),
                               float(self.g // 2), blk, skey, qkey,
                               np.zeros(ik.THC_ELEMS, np.float32))
         K = -(-self.count // ik.ELEMS)
@@ -127,11 +212,11 @@ class Sim:
         return ik.Payload(self.mode, self.xs[r], np.full(self.count, np.nan, np.float32),
                           np.zeros(self.count, np.int32),
                           np.full(max(K, 1), fp.EXP_MIN, np.int16), K, 0 if nic else self.W,
-                          ik.ELEMS, self.count, self.n, self.job_id, r, 0.0, 1.0, 1, z, z,
+                          ik.ELEMS, self.count, self.n, self.job_id, mid, 0.0, 1.0, 1, z, z,
                           np.zeros(ik.THC_ELEMS, np.float32))
 
     # --- the channel ---------------------------------------------------------------------------
-    def _transmit(self, now, dst, data, port):
+    def _transmit(self, now, dst, port, data):
         if self.rng.random() < self.loss:
             return
         copies = 2 if self.rng.random() < self.dup else 1
@@ -142,15 +227,34 @@ class Sim:
             heapq.heappush(self.events, (t, next(self.tick), dst, port, data))
 
     def _send_rows(self, r, k, now, send_list):
-        m = member(r)
+        mac, ip = worker_addr(r)
+        amac, aip = self.agg_of[r]
+        node, port = self.up[r]
         for s in send_list[:k]:
             row = self.slots[r].pkts[s, :self.slots[r].lens[s]].tobytes()
-            frame = udp_frame(_raw_mac(m["mac"]), _raw_mac(AGG_MAC), _raw_ip(m["ip"]),
-                              _raw_ip(AGG_IP), PORT, TESTBED_UDP_PORT, row)
+            frame = udp_frame(_raw_mac(mac), _raw_mac(amac), _raw_ip(ip), _raw_ip(aip), PORT,
+                              TESTBED_UDP_PORT, row)
             if self.mode == ik.MODE_NIC:  # the worker's SmartNIC quantises on the way out
                 frame = self._nic(frame, encode=True)
             self.stats["to_switch"] += 1
-            self._transmit(now, "switch", frame, r)
+            self._transmit(now, node, port, frame)
+
+    def _switch(self, now, name, port, data):
+        decision, reason, emitted, fwd = self.nodes[name].process(data, port)
+        if decision == PORT_DROP:
+            self.stats["switch_drops"][reason] = self.stats["switch_drops"].get(reason, 0) + 1
+        elif decision >= 0:  # a contribution forwarded (host fallback)
+            self.stats["fallback"] += 1
+            emitted = [(decision, fwd)] + emitted
+        else:
+            assert decision in (PORT_HELD, PORT_UNSET), decision
+        for out_port, frame in emitted:
+            self.stats["results"] += 1
+            if name == "fb":  # the host's RESULTs cross the switch's forwarding to the worker
+                self._transmit(now, "w", self.rank_of_ip[frame[30:34]], frame)
+                continue
+            peer, peer_port = self.links[(name, out_port)]
+            self._transmit(now, peer, peer_port, frame)
 
     # --- run -------------------------------------------------------------------------------------
     def run(self, max_time_s: float = 60.0) -> list[ik.Payload]:
@@ -188,17 +292,10 @@ class Sim:
                 continue
             if now > max_time_s:
                 raise TimeoutError(f"simulation stuck at t={now:.3f} s: done={done}/{total}")
-            if dst == "switch":
-                decision, reason, results = self.switch.process(data, port)
-                if decision == PORT_DROP:
-                    self.stats["switch_drops"][reason] = \
-                        self.stats["switch_drops"].get(reason, 0) + 1
-                assert decision in (PORT_DROP, PORT_HELD, PORT_UNSET), decision
-                for out_port, frame in results:
-                    self.stats["results"] += 1
-                    self._transmit(now, out_port, frame, out_port)
+            if dst != "w":
+                self._switch(now, dst, port, data)
                 continue
-            r = dst
+            r = port
             if self.mode == ik.MODE_NIC:  # ... and widens the INT32 result on the way in
                 data = self._nic(data, encode=False)
             data = data[HEADER_OFFSET:]

@@ -5,16 +5,24 @@ apply a burst of packets to them (one call per burst). The protocol and its inva
 
 State, grouped in small typed records:
 
-* :class:`Registers` - a pool of slots, each with two register *sets*; per (slot, set) the
-  round ``seq`` it holds, a worker bitmap, the number of contributions still missing, element
-  count, max exponent, chunk offset, codec and the int32 values;
-* :class:`Jobs` - per job its contiguous partition of the pool and its members: per worker id
-  the MAC, IPv4 address, UDP port and switch ingress port the control plane registered;
-* :class:`Aggregator` - the aggregator's own MAC/IP, the summable codecs, where results leave.
+* :class:`Registers` - per slot (a job's slot ``k`` is global slot ``base + k``) and register
+  *set*: the round ``seq`` it holds, its state (``OPEN``, ``UP``: complete here and sent to the
+  parent switch, ``DONE``, ``HOST``: aggregated by the job's host fallback), the members counted,
+  the contributions still missing, element count, max exponent, chunk offset and codec; the
+  slot's values live in the switch's aggregator **memory** (flat int32 words) at ``val_off``:
+  ``lanes`` words per set, in a static partition of the job or, for a job in shared mode, in a
+  pool entry it claimed (``pool_owner``), ATP style;
+* :class:`Jobs` - per job: its slots, lanes and mode; its members (workers or child switches of
+  an aggregation tree: MAC, IPv4, UDP port and the ingress port the control plane registered);
+  its parent switch in the tree (none at the root) and its host fallback aggregator;
+* :class:`Aggregator` - this switch's aggregator identity (MAC/IP), summable codecs, where
+  results leave, the shared pool's place in memory.
 
-Steps, in the order :func:`aggregate_kernel` runs them per packet: :func:`answer_arp`,
-:func:`addressed_to_aggregator`, :func:`check_contribution`, :func:`find_member`, the slot
-check, :func:`apply_contribution`, then :func:`build_result` for each RESULT it emits.
+Per packet, :func:`aggregate_kernel` runs: :func:`answer_arp`, :func:`addressed_to_aggregator`,
+then a contribution (:func:`check_contribution`, :func:`find_member`, the slot check,
+:func:`apply_contribution`) or a parent's RESULT (:func:`apply_parent_result`), then emits what
+the outcome asks for: RESULTs to members (:func:`build_result`), the partial sum to the parent
+(:func:`build_upward`), or the contribution forwarded to the host fallback (:func:`to_fallback`).
 """
 
 from __future__ import annotations
@@ -26,16 +34,21 @@ from numba import njit
 
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET
 from testbed.kernels.packets import (
+    OFF_ETH_DST,
     OFF_ETH_SRC,
     OFF_IP_DST,
     OFF_IP_SRC,
+    OFF_UDP_CSUM,
+    OFF_UDP_DPORT,
     OFF_UDP_SPORT,
     header,
     header_at,
     parse_frame,
     rd_u16be,
     rd_u32be,
+    set_ipv4_checksum,
     wr_u16be,
+    wr_u32be,
     write_eth_ip_udp,
 )
 from testbed.kernels.wire import (
@@ -57,12 +70,19 @@ MAX_JOBS = 64
 #: Largest int32 payload that fits a 1500-byte MTU.
 MAX_ELEMS_MTU = MTU_PAYLOAD // 4
 #: Most int8 lanes per ``Codec.THC`` packet: 1024 x 1 B = the bytes of SwitchML's 256 int32,
-#: so the same bytes need a quarter of the packets. Registers stay int32 (per slot and set).
+#: so the same bytes need a quarter of the packets. Registers stay int32.
 THC_MAX_ELEMS = 1024
+SEQ_MOD = 1 << 32
+_F_OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag ones
+
+#: States of a (slot, set) round.
+OPEN, UP, DONE, HOST = 0, 1, 2, 3
+#: Job modes.
+STATIC, SHARED = 0, 1
 
 COUNTER_NAMES = (
-    "contributions",  # absorbed into a round
-    "completed",  # rounds completed (each multicast once)
+    "contributions",  # absorbed into a round in this switch's memory
+    "completed",  # rounds completed here (root) or by the parent's RESULT (tree node)
     "results_sent",  # RESULT packets emitted (multicast copies + answers)
     "retransmissions_answered",  # a counted member asked again for a complete round
     "duplicates",  # a counted member's contribution again while the round is open
@@ -70,44 +90,61 @@ COUNTER_NAMES = (
     "not_member",  # DATA from an unregistered address/port/ingress
     "bad_seq",  # a round the protocol cannot have reached
     "arp_replies",
-    "result_overflow",  # results not emitted because the batch was full (workers retransmit)
+    "result_overflow",  # emissions lost because the batch was full (workers retransmit)
     "dropped",  # every drop, whatever its reason (reasons in the engine's counters)
+    "upward_sent",  # partial sums sent to the parent switch (first sends)
+    "upward_resent",  # partial sums sent again (a child retransmitted meanwhile)
+    "parent_results",  # RESULTs of the parent switch taken and multicast down
+    "fallback_forwarded",  # contributions forwarded to the job's host aggregator
+    "pool_claims",  # shared-pool entries a job slot claimed
 )
 (C_CONTRIB, C_COMPLETED, C_RESULTS, C_ANSWERED, C_DUPLICATES, C_STALE, C_NOT_MEMBER, C_BAD_SEQ,
- C_ARP, C_OVERFLOW, C_DROPPED) = range(len(COUNTER_NAMES))
-
-SEQ_MOD = 1 << 32
-_F_OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag ones
+ C_ARP, C_OVERFLOW, C_DROPPED, C_UP_SENT, C_UP_RESENT, C_PARENT_RESULTS, C_FALLBACK,
+ C_POOL_CLAIMS) = range(len(COUNTER_NAMES))
 
 
 class Registers(NamedTuple):
-    """The switch's aggregation registers: index ``[pool slot, set]`` (values add ``[, lane]``)."""
+    """The switch's aggregation registers: ``[slot, set]`` metadata and the value memory."""
 
     seq: np.ndarray  # int64: the round the set holds (a 32-bit serial number)
+    state: np.ndarray  # int64: OPEN, UP, DONE or HOST
     bitmap: np.ndarray  # uint32: members counted in that round
-    missing: np.ndarray  # int64: contributions the round still needs (0 = complete)
+    missing: np.ndarray  # int64: contributions the round still needs
     nelems: np.ndarray  # int64
     exponent: np.ndarray  # int64: max of the contributions' exponents
     chunk: np.ndarray  # int64: chunk offset of the round's data
     codec: np.ndarray  # int64
-    values: np.ndarray  # int32[..., lanes]
+    overflow: np.ndarray  # bool: some partial sum fitted no lane (THC): the round says so
+    val_off: np.ndarray  # int64[slot]: word offset of the slot's set-0 values, -1: none yet
+    values: np.ndarray  # int32[memory words]
+    pool_owner: np.ndarray  # int64[pool entries]: global slot owning a shared entry, -1: free
 
 
 class Jobs(NamedTuple):
     """Jobs the control plane registered: ``row[job_id]`` indexes the other arrays (-1: none)."""
 
     row: np.ndarray  # int32[65536]
-    base: np.ndarray  # int64[J]: first pool slot of the job's partition
+    base: np.ndarray  # int64[J]: first global slot of the job's metadata partition
     slots: np.ndarray  # int64[J]
-    n_workers: np.ndarray  # int64[J]
+    n_workers: np.ndarray  # int64[J]: members (workers or child switches)
+    lanes: np.ndarray  # int64[J]: int32 registers per set and slot (elements per packet)
+    mode: np.ndarray  # int64[J]: STATIC or SHARED
     mac: np.ndarray  # uint8[J, W, 6]: per member
     ip: np.ndarray  # int64[J, W] (host order)
     port: np.ndarray  # int64[J, W]: UDP port
     ingress: np.ndarray  # int64[J, W]: switch port its packets arrive on
+    up_mac: np.ndarray  # uint8[J, 6]: the parent switch (tree)
+    up_ip: np.ndarray  # int64[J]
+    up_egress: np.ndarray  # int64[J]: port towards the parent, -1 at the root
+    up_index: np.ndarray  # int64[J]: this switch's member id at its parent
+    fb_mac: np.ndarray  # uint8[J, 6]: the job's host fallback aggregator (shared mode)
+    fb_ip: np.ndarray  # int64[J]
+    fb_port: np.ndarray  # int64[J]
+    fb_egress: np.ndarray  # int64[J]: port towards it, -1: no fallback
 
 
 class Aggregator(NamedTuple):
-    """The aggregator's own address and policy."""
+    """This switch's aggregator identity and policy."""
 
     mac: np.ndarray  # uint8[6]
     ip: int  # host order
@@ -115,32 +152,41 @@ class Aggregator(NamedTuple):
     via_ingress: bool  # results leave by the member's ingress port (else: forward stage)
     max_elems: int  # int32 lanes per packet at most
     thc_max: int  # int8 lanes per THC packet at most
+    pool_base: int  # word offset of the shared pool
+    pool_lanes: int  # lanes per set of a pool entry
 
 
-def new_registers(pool_slots: int, lanes: int) -> Registers:
-    """Zeroed registers for ``pool_slots`` slots of ``lanes`` int32 values per set."""
-    z = (pool_slots, 2)
-    return Registers(np.zeros(z, np.int64), np.zeros(z, np.uint32), np.zeros(z, np.int64),
+def new_registers(max_slots: int, words: int, pool_entries: int) -> Registers:
+    """Zeroed registers: ``max_slots`` slots of metadata, ``words`` int32 words of memory."""
+    z = (max_slots, 2)
+    return Registers(np.zeros(z, np.int64), np.full(z, DONE, np.int64), np.zeros(z, np.uint32),
                      np.zeros(z, np.int64), np.zeros(z, np.int64), np.zeros(z, np.int64),
-                     np.zeros(z, np.int64), np.zeros((pool_slots, 2, lanes), np.int32))
+                     np.zeros(z, np.int64), np.zeros(z, np.int64), np.zeros(z, np.bool_),
+                     np.full(max_slots, -1, np.int64), np.zeros(max(words, 1), np.int32),
+                     np.full(max(pool_entries, 1), -1, np.int64))
 
 
 def new_jobs() -> Jobs:
     """An empty job table."""
     j, w = MAX_JOBS, MAX_WORKERS
-    return Jobs(np.full(1 << 16, -1, np.int32), np.zeros(j, np.int64), np.zeros(j, np.int64),
-                np.zeros(j, np.int64), np.zeros((j, w, 6), np.uint8), np.zeros((j, w), np.int64),
-                np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64))
+    z = np.zeros(j, np.int64)
+    return Jobs(np.full(1 << 16, -1, np.int32), z.copy(), z.copy(), z.copy(), z.copy(), z.copy(),
+                np.zeros((j, w, 6), np.uint8), np.zeros((j, w), np.int64),
+                np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64),
+                np.zeros((j, 6), np.uint8), z.copy(), np.full(j, -1, np.int64), z.copy(),
+                np.zeros((j, 6), np.uint8), z.copy(), z.copy(), np.full(j, -1, np.int64))
 
 
 def init_rounds(regs: Registers, lo: int, hi: int, seq0: int) -> None:
-    """Put pool slots ``lo..hi-1`` before round ``seq0``: the set of ``seq0`` holds round
-    ``seq0 - 2`` and the other set ``seq0 - 1``, both complete with no member counted, so the
-    first contribution of round ``seq0`` starts a round and nothing older can."""
+    """Put slots ``lo..hi-1`` before round ``seq0``: the set of ``seq0`` holds round
+    ``seq0 - 2`` and the other set ``seq0 - 1``, both DONE with no member counted, so the first
+    contribution of round ``seq0`` starts a round and nothing older can."""
     s0 = seq0 & 1
     regs.seq[lo:hi, s0] = (seq0 - 2) % SEQ_MOD
     regs.seq[lo:hi, 1 - s0] = (seq0 - 1) % SEQ_MOD
-    for a in (regs.bitmap, regs.missing, regs.nelems, regs.exponent, regs.chunk, regs.codec):
+    regs.state[lo:hi] = DONE
+    for a in (regs.bitmap, regs.missing, regs.nelems, regs.exponent, regs.chunk, regs.codec,
+              regs.overflow):
         a[lo:hi] = 0
 
 
@@ -153,9 +199,10 @@ def serial_diff(a, b):
 
 @njit(cache=True)
 def result_lane(codec, values, elems):
-    """(lane bytes, flags) of a RESULT: 4 (int32) unless ``codec`` is THC, whose sums go out
-    in the narrowest of int8/int16/int32 that holds every sum of the slot and fits the MTU;
-    none -> (0, OVERFLOW) and an empty payload (never a silently wrapped sum)."""
+    """(lane bytes, flags) of a RESULT or an upward partial sum: 4 (int32) unless ``codec`` is
+    THC, whose sums go out in the narrowest of int8/int16/int32 that holds every sum of the
+    slot and fits the MTU; none -> (0, OVERFLOW) and an empty payload (never a silently
+    wrapped sum)."""
     if codec != Codec.THC:
         return 4, 0
     lo = np.int64(0)
@@ -175,6 +222,32 @@ def result_lane(codec, values, elems):
     return 0, _F_OVERFLOW
 
 
+@njit(cache=True, inline="always")
+def set_values(regs, g, s, lanes):
+    """The int32 registers of slot ``g``, set ``s`` (a view into the value memory)."""
+    o = regs.val_off[g] + s * lanes
+    return regs.values[o:o + lanes]
+
+
+@njit(cache=True)
+def read_lanes(f, o, ne, lane, out, add):
+    """``out[:ne]`` = (or ``+=`` with ``add``) ``ne`` signed little-endian lanes of ``lane``
+    bytes at ``f[o:]`` (int32 registers wrap like a switch ALU)."""
+    if lane == 4:
+        src = f[o:o + 4 * ne].view(np.int32)
+        if add:
+            out[:ne] += src
+        else:
+            out[:ne] = src
+    elif lane == 2:
+        src16 = f[o:o + 2 * ne].view(np.int16)
+        for k in range(ne):
+            out[k] = (out[k] if add else 0) + np.int32(src16[k])
+    else:
+        for k in range(ne):
+            out[k] = (out[k] if add else 0) + np.int32(np.int8(f[o + k]))
+
+
 # ------------------------------------------------------------------------------- the steps
 
 
@@ -192,15 +265,14 @@ def answer_arp(f, ln, port, agg):
         f[22 + j] = agg.mac[j]
     for j in range(4):
         f[38 + j] = f[28 + j]  # target ip = sender ip
-    wr_u16be(f, 28, agg.ip >> 16)
-    wr_u16be(f, 30, agg.ip & 0xFFFF)
+    wr_u32be(f, 28, agg.ip)
     wr_u16be(f, 20, 2)
     return True
 
 
 @njit(cache=True)
 def addressed_to_aggregator(f, ln, agg):
-    """Whether the frame's destination MAC or IPv4 address is the aggregator's."""
+    """Whether the frame's destination MAC or IPv4 address is this aggregator's."""
     to_mac = True
     for j in range(6):
         if f[j] != agg.mac[j]:
@@ -211,9 +283,18 @@ def addressed_to_aggregator(f, ln, agg):
     return ln >= 34 and rd_u16be(f, 12) == 0x0800 and rd_u32be(f, OFF_IP_DST) == agg.ip
 
 
+@njit(cache=True, inline="always")
+def payload_lane(f, ne):
+    """Bytes per element of a testbed frame's payload (0 when it does not divide)."""
+    pl = rd_u16be(f, 38) - 8 - HEADER_LEN
+    return pl // ne if ne > 0 and pl % ne == 0 else 0
+
+
 @njit(cache=True)
 def check_contribution(f, ln, agg):
-    """DropReason.NONE when ``f`` is a well-formed DATA/RETRANSMIT the aggregator can sum."""
+    """DropReason.NONE when ``f`` is a well-formed DATA/RETRANSMIT the aggregator can sum.
+    THC contributions carry int8 lanes from workers and int16/int32 lanes from child switches
+    (their partial sums); INT32 carries int32."""
     st = parse_frame(f, ln)
     if st != DropReason.NONE:
         return st
@@ -225,8 +306,10 @@ def check_contribution(f, ln, agg):
     ne = np.int64(h.elem_count)
     narrow = h.codec == Codec.THC
     lim = agg.thc_max if narrow else agg.max_elems
-    lane = 1 if narrow else 4
-    if ne == 0 or ne > lim or ne * lane != rd_u16be(f, 38) - 8 - HEADER_LEN:
+    lane = payload_lane(f, ne)
+    if narrow and h.flags & _F_OVERFLOW and rd_u16be(f, 38) == 8 + HEADER_LEN:
+        return DropReason.NONE if 0 < ne <= lim else DropReason.BAD_LENGTH  # a child's overflow
+    if ne == 0 or ne > lim or (lane != 4 and not (narrow and (lane == 1 or lane == 2))):
         return DropReason.BAD_LENGTH
     return DropReason.NONE
 
@@ -251,27 +334,60 @@ def find_member(f, in_port, jobs):
     return jx, DropReason.NONE
 
 
-# outcomes of apply_contribution (besides drop reasons, which are > 0)
-ADDED = -1  # counted; the round still misses contributions
-COMPLETED = -2  # counted, and it was the last one: multicast the result
-ANSWER = -3  # a counted member asked again for a complete round: unicast the result
+@njit(cache=True)
+def pool_index(job_id, slot, entries):
+    """The shared-pool entry a job slot hashes to (ATP: a hash of (job, index))."""
+    h = (np.uint64(job_id) << np.uint64(32)) | np.uint64(slot)
+    h = (h ^ (h >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
+    h = (h ^ (h >> np.uint64(33))) * np.uint64(0xC4CEB9FE1A85EC53)
+    h = h ^ (h >> np.uint64(33))
+    return np.int64(h % np.uint64(entries))
 
 
 @njit(cache=True)
-def apply_contribution(f, g, bit, nw, regs):
-    """Apply the contribution in ``f`` to pool slot ``g``; return ADDED, COMPLETED, ANSWER or
-    a DropReason (see the module docstring for the rules)."""
+def claim(regs, g, job_id, slot, agg):
+    """For a shared-mode job slot: the values of ``g`` are in memory (an entry it owns, or one it
+    claims now while free); False when another job's slot owns its entry (host fallback)."""
+    if regs.val_off[g] >= 0:
+        return True
+    entries = regs.pool_owner.size
+    p = pool_index(job_id, slot, entries)
+    if regs.pool_owner[p] >= 0 and regs.pool_owner[p] != g:
+        return False
+    regs.pool_owner[p] = g
+    regs.val_off[g] = agg.pool_base + p * 2 * agg.pool_lanes
+    return True
+
+
+# outcomes of apply_contribution (drop reasons are > 0)
+ADDED = -1  # counted; the round still misses contributions
+COMPLETED = -2  # counted, and it was the last one: multicast (root) or send upward
+ANSWER = -3  # a counted member asked again for a complete round: unicast the result
+RESEND_UP = -4  # a counted member asked again while the parent has not answered: resend up
+FALLBACK = -5  # the round is the host fallback's: forward the contribution there
+
+
+@njit(cache=True)
+def apply_contribution(f, jx, g, bit, regs, jobs, agg):
+    """Apply the contribution in ``f`` (member bit ``bit`` of job row ``jx``) to global slot
+    ``g``; return an outcome above or a DropReason (see docs/protocol.md)."""
     h = header(f)
     r = np.int64(h.seq)
     s = r & 1
+    st = regs.state[g, s]
     d = serial_diff(r, regs.seq[g, s])
     if d == 0:
+        if st == HOST:
+            return FALLBACK
         if regs.bitmap[g, s] & bit:
-            return ANSWER if regs.missing[g, s] == 0 else DropReason.DUPLICATE
-        if regs.missing[g, s] == 0:
+            if st == DONE:
+                return ANSWER
+            return RESEND_UP if st == UP else DropReason.DUPLICATE
+        if st != OPEN:
             return DropReason.STALE  # a finished round this member never took part in
     elif d == 2:
-        if (regs.missing[g, s] != 0 or regs.missing[g, 1 - s] != 0
+        other = regs.state[g, 1 - s]
+        if ((st != DONE and st != HOST) or (other != DONE and other != HOST)
                 or serial_diff(r - 1, regs.seq[g, 1 - s]) != 0):
             return DropReason.BAD_SEQ
     elif d < 0:
@@ -279,54 +395,115 @@ def apply_contribution(f, g, bit, nw, regs):
     else:
         return DropReason.BAD_SEQ
     ne = np.int64(h.elem_count)
-    narrow = h.codec == Codec.THC
-    vals = regs.values[g, s]
-    o = PAYLOAD_OFFSET
-    if d == 2:  # first contribution of a new round: overwrite
+    lanes = jobs.lanes[jx]
+    if ne > lanes:
+        return DropReason.BAD_LENGTH
+    ovf = (h.flags & _F_OVERFLOW) != 0 and rd_u16be(f, 38) == 8 + HEADER_LEN  # a child's
+    lane = 0 if ovf else payload_lane(f, ne)
+    if d == 2:  # the first contribution of a new round
         regs.seq[g, s] = r
+        if jobs.mode[jx] == SHARED and not claim(regs, g, h.job_id, g - jobs.base[jx], agg):
+            regs.state[g, s] = HOST
+            return FALLBACK
+        regs.state[g, s] = OPEN
         regs.nelems[g, s] = ne
         regs.exponent[g, s] = h.exponent
         regs.chunk[g, s] = h.chunk_offset
         regs.codec[g, s] = h.codec
-        regs.missing[g, s] = nw - 1
+        regs.missing[g, s] = jobs.n_workers[jx] - 1
         regs.bitmap[g, s] = bit
-        if narrow:
-            for k in range(ne):
-                vals[k] = np.int32(np.int8(f[o + k]))
+        regs.overflow[g, s] = ovf
+        vals = set_values(regs, g, s, lanes)
+        if ovf:
+            vals[:ne] = 0
         else:
-            vals[:ne] = f[o:o + 4 * ne].view(np.int32)
+            read_lanes(f, PAYLOAD_OFFSET, ne, lane, vals, False)
     else:
         if regs.nelems[g, s] != ne or regs.chunk[g, s] != h.chunk_offset:
             return DropReason.ELEM_MISMATCH
         if regs.codec[g, s] != h.codec:  # lanes of another meaning: never add them
             return DropReason.BAD_CODEC
-        if narrow:
-            for k in range(ne):
-                vals[k] += np.int32(np.int8(f[o + k]))
+        if ovf:
+            regs.overflow[g, s] = True
         else:
-            vals[:ne] += f[o:o + 4 * ne].view(np.int32)
+            read_lanes(f, PAYLOAD_OFFSET, ne, lane, set_values(regs, g, s, lanes), True)
         if h.exponent > regs.exponent[g, s]:
             regs.exponent[g, s] = h.exponent
         regs.missing[g, s] -= 1
         regs.bitmap[g, s] |= bit
-    return COMPLETED if regs.missing[g, s] == 0 else ADDED
+    if regs.missing[g, s] != 0:
+        return ADDED
+    regs.state[g, s] = UP if jobs.up_egress[jx] >= 0 else DONE
+    return COMPLETED
 
 
 @njit(cache=True)
-def build_result(row, g, s, jx, w, job_id, slot, regs, jobs, agg):
-    """Write the RESULT of pool slot ``g``, set ``s`` for member ``w`` of job row ``jx`` into
-    ``row``; return its length."""
+def from_parent(f, in_port, jx, jobs):
+    """Whether ``f`` comes from job row ``jx``'s registered parent switch, by its port."""
+    if jobs.up_egress[jx] < 0 or in_port != jobs.up_egress[jx]:
+        return False
+    if rd_u32be(f, OFF_IP_SRC) != jobs.up_ip[jx] or rd_u16be(f, OFF_UDP_SPORT) != \
+            TESTBED_UDP_PORT:
+        return False
+    for j in range(6):
+        if f[OFF_ETH_SRC + j] != jobs.up_mac[jx, j]:
+            return False
+    return True
+
+
+# outcomes of apply_parent_result
+TAKEN = -1  # the round is DONE with the parent's sum: multicast it down
+
+
+@njit(cache=True)
+def apply_parent_result(f, jx, g, regs, jobs):
+    """Take the parent's RESULT for slot ``g`` into the registers; TAKEN or a DropReason."""
+    h = header(f)
+    r = np.int64(h.seq)
+    s = r & 1
+    d = serial_diff(r, regs.seq[g, s])
+    if d < 0 or (d == 0 and regs.state[g, s] == DONE):
+        return DropReason.STALE if d < 0 else DropReason.DUPLICATE
+    if d != 0 or regs.state[g, s] != UP:
+        return DropReason.BAD_SEQ
+    ne = np.int64(h.elem_count)
+    if ne != regs.nelems[g, s] or np.int64(h.chunk_offset) != regs.chunk[g, s] or \
+            h.codec != regs.codec[g, s]:
+        return DropReason.ELEM_MISMATCH
+    ovf = (h.flags & _F_OVERFLOW) != 0
+    lane = payload_lane(f, ne)
+    if not ovf and lane != 4 and not (h.codec == Codec.THC and (lane == 1 or lane == 2)):
+        return DropReason.BAD_LENGTH
+    regs.overflow[g, s] = ovf  # the sums fitted no lane up the tree: say so downward
+    if not ovf:
+        read_lanes(f, PAYLOAD_OFFSET, ne, lane, set_values(regs, g, s, jobs.lanes[jx]), False)
+    regs.exponent[g, s] = h.exponent
+    regs.state[g, s] = DONE
+    return TAKEN
+
+
+# ------------------------------------------------------------------------------- emissions
+
+
+@njit(cache=True)
+def write_sum(row, g, s, jx, msg_type, dst_mac, dst_ip, dst_port, worker, job_id, slot, regs,
+              jobs, agg):
+    """Write slot ``g``, set ``s``'s sum as a testbed packet from this aggregator into ``row``
+    (a RESULT to a member, or a DATA/RETRANSMIT to the parent); return its length."""
     ne = regs.nelems[g, s]
-    vals = regs.values[g, s]
-    lane, flags = result_lane(regs.codec[g, s], vals, ne)
-    n = write_eth_ip_udp(row, agg.mac, jobs.mac[jx, w], agg.ip, jobs.ip[jx, w],
-                         TESTBED_UDP_PORT, jobs.port[jx, w], ne * lane)
+    vals = set_values(regs, g, s, jobs.lanes[jx])
+    if regs.overflow[g, s]:
+        lane, flags = 0, _F_OVERFLOW
+    else:
+        lane, flags = result_lane(regs.codec[g, s], vals, ne)
+    n = write_eth_ip_udp(row, agg.mac, dst_mac, agg.ip, dst_ip, TESTBED_UDP_PORT, dst_port,
+                         ne * lane)
     h = header_at(row, HEADER_OFFSET)
     h.magic = MAGIC
     h.version = VERSION
-    h.msg_type = MsgType.RESULT
+    h.msg_type = msg_type
     h.job_id = job_id
-    h.worker_id = w
+    h.worker_id = worker
     h.slot = slot
     h.slot_set = s
     h.flags = flags
@@ -352,17 +529,84 @@ def build_result(row, g, s, jx, w, job_id, slot, regs, jobs, agg):
 
 
 @njit(cache=True)
-def _emit(buf, length, in_port, out_port, reason, n_out, g, s, jx, w, job_id, slot, regs, jobs,
-          agg, counters):
-    """Append the RESULT for member ``w`` at row ``n_out``; return the new batch size."""
-    if n_out >= buf.shape[0]:
+def build_result(row, g, s, jx, w, job_id, slot, regs, jobs, agg):
+    """The RESULT of slot ``g``, set ``s`` for member ``w``; return its length."""
+    return write_sum(row, g, s, jx, MsgType.RESULT, jobs.mac[jx, w], jobs.ip[jx, w],
+                     jobs.port[jx, w], w, job_id, slot, regs, jobs, agg)
+
+
+@njit(cache=True)
+def build_upward(row, g, s, jx, msg_type, job_id, slot, regs, jobs, agg):
+    """This switch's partial sum of slot ``g``, set ``s`` to its parent; return its length."""
+    return write_sum(row, g, s, jx, msg_type, jobs.up_mac[jx], jobs.up_ip[jx],
+                     TESTBED_UDP_PORT, jobs.up_index[jx], job_id, slot, regs, jobs, agg)
+
+
+@njit(cache=True)
+def to_fallback(f, jx, jobs):
+    """Readdress contribution ``f`` to its job's host fallback aggregator (source unchanged,
+    so the host checks membership itself); return the egress port, -1 without a fallback."""
+    if jobs.fb_egress[jx] < 0:
+        return -1
+    for j in range(6):
+        f[OFF_ETH_DST + j] = jobs.fb_mac[jx, j]
+    wr_u32be(f, OFF_IP_DST, jobs.fb_ip[jx])
+    wr_u16be(f, OFF_UDP_DPORT, jobs.fb_port[jx])
+    wr_u16be(f, OFF_UDP_CSUM, 0)  # no UDP checksum (legal on IPv4) rather than a stale one
+    set_ipv4_checksum(f)
+    return jobs.fb_egress[jx]
+
+
+class Batch4(NamedTuple):
+    """The batch columns the kernel writes (a small record instead of four arguments)."""
+
+    buf: np.ndarray
+    length: np.ndarray
+    in_port: np.ndarray
+    out_port: np.ndarray
+    reason: np.ndarray
+
+
+@njit(cache=True)
+def _emit_row(b, n_out, counters):
+    """The next free row for an emission, or -1 (counted) when the batch is full."""
+    if n_out >= b.buf.shape[0]:
         counters[C_OVERFLOW] += 1
+        return -1
+    b.in_port[n_out] = -1
+    b.reason[n_out] = 0
+    return n_out
+
+
+@njit(cache=True)
+def emit_result(b, n_out, g, s, jx, w, job_id, slot, regs, jobs, agg, counters):
+    """Append member ``w``'s RESULT; return the new batch size."""
+    i = _emit_row(b, n_out, counters)
+    if i < 0:
         return n_out
-    length[n_out] = build_result(buf[n_out], g, s, jx, w, job_id, slot, regs, jobs, agg)
-    out_port[n_out] = jobs.ingress[jx, w] if agg.via_ingress else PORT_UNSET
-    in_port[n_out] = -1
-    reason[n_out] = 0
+    b.length[i] = build_result(b.buf[i], g, s, jx, w, job_id, slot, regs, jobs, agg)
+    b.out_port[i] = jobs.ingress[jx, w] if agg.via_ingress else PORT_UNSET
     counters[C_RESULTS] += 1
+    return n_out + 1
+
+
+@njit(cache=True)
+def emit_all(b, n_out, g, s, jx, job_id, slot, regs, jobs, agg, counters):
+    """Append one RESULT per member; return the new batch size."""
+    for v in range(jobs.n_workers[jx]):
+        n_out = emit_result(b, n_out, g, s, jx, v, job_id, slot, regs, jobs, agg, counters)
+    return n_out
+
+
+@njit(cache=True)
+def emit_upward(b, n_out, g, s, jx, msg_type, job_id, slot, regs, jobs, agg, counters):
+    """Append the partial sum to the parent; return the new batch size."""
+    i = _emit_row(b, n_out, counters)
+    if i < 0:
+        return n_out
+    b.length[i] = build_upward(b.buf[i], g, s, jx, msg_type, job_id, slot, regs, jobs, agg)
+    b.out_port[i] = jobs.up_egress[jx]
+    counters[C_UP_SENT if msg_type == MsgType.DATA else C_UP_RESENT] += 1
     return n_out + 1
 
 
@@ -373,9 +617,9 @@ _R_BAD_SEQ = int(DropReason.BAD_SEQ)
 
 
 @njit(cache=True)
-def _drop(out_port, reason, counters, i, r):
-    out_port[i] = PORT_DROP
-    reason[i] = r
+def _drop(b, counters, i, r):
+    b.out_port[i] = PORT_DROP
+    b.reason[i] = r
     counters[C_DROPPED] += 1
     if r == _R_DUPLICATE:
         counters[C_DUPLICATES] += 1
@@ -388,53 +632,99 @@ def _drop(out_port, reason, counters, i, r):
 
 
 @njit(cache=True)
-def aggregate_kernel(buf, length, in_port, out_port, reason, n, regs, jobs, agg, counters):
-    """Run the aggregation protocol over ``batch[0:n]``; return the new batch size (RESULT
-    packets are appended after row ``n``, up to ``buf.shape[0]``)."""
+def _parent_result(b, i, n_out, jx, regs, jobs, agg, counters):
+    """A RESULT addressed to this switch: its parent's sum, multicast down; return n_out."""
+    h = header(b.buf[i])
+    if h.slot >= jobs.slots[jx] or h.slot_set != (h.seq & 1):
+        _drop(b, counters, i, DropReason.BAD_SLOT)
+        return n_out
+    g = jobs.base[jx] + h.slot
+    outcome = apply_parent_result(b.buf[i], jx, g, regs, jobs)
+    if outcome > 0:
+        _drop(b, counters, i, outcome)
+        return n_out
+    b.out_port[i] = PORT_HELD
+    counters[C_PARENT_RESULTS] += 1
+    counters[C_COMPLETED] += 1
+    return emit_all(b, n_out, g, np.int64(h.seq & 1), jx, h.job_id, h.slot, regs, jobs, agg,
+                    counters)
+
+
+@njit(cache=True)
+def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
+    """A member's DATA/RETRANSMIT: apply it and emit what it completes; return n_out."""
+    f = b.buf[i]
+    h = header(f)
+    if h.slot >= jobs.slots[jx] or h.slot_set != (h.seq & 1):
+        _drop(b, counters, i, DropReason.BAD_SLOT)
+        return n_out
+    w = np.int64(h.worker_id)
+    g = jobs.base[jx] + h.slot
+    s = np.int64(h.seq & 1)
+    claimed = regs.val_off[g] >= 0
+    outcome = apply_contribution(f, jx, g, np.uint32(1) << np.uint32(w), regs, jobs, agg)
+    if not claimed and regs.val_off[g] >= 0:
+        counters[C_POOL_CLAIMS] += 1
+    if outcome == FALLBACK:
+        port = to_fallback(f, jx, jobs)
+        if port < 0:
+            _drop(b, counters, i, DropReason.NO_ROUTE)
+        else:
+            b.out_port[i] = port
+            counters[C_FALLBACK] += 1
+        return n_out
+    if outcome > 0:
+        _drop(b, counters, i, outcome)
+        return n_out
+    b.out_port[i] = PORT_HELD
+    if outcome == ANSWER:
+        counters[C_ANSWERED] += 1
+        return emit_result(b, n_out, g, s, jx, w, h.job_id, h.slot, regs, jobs, agg, counters)
+    if outcome == RESEND_UP:
+        counters[C_DUPLICATES] += 1
+        return emit_upward(b, n_out, g, s, jx, MsgType.RETRANSMIT, h.job_id, h.slot, regs, jobs,
+                           agg, counters)
+    counters[C_CONTRIB] += 1
+    if outcome != COMPLETED:
+        return n_out
+    if jobs.up_egress[jx] >= 0:
+        return emit_upward(b, n_out, g, s, jx, MsgType.DATA, h.job_id, h.slot, regs, jobs, agg,
+                           counters)
+    counters[C_COMPLETED] += 1
+    return emit_all(b, n_out, g, s, jx, h.job_id, h.slot, regs, jobs, agg, counters)
+
+
+@njit(cache=True)
+def aggregate_kernel(b, n, regs, jobs, agg, counters):
+    """Run the aggregation protocol over ``batch[0:n]``; return the new batch size (emitted
+    packets are appended after row ``n``, up to the batch's capacity)."""
     n_out = n
     for i in range(n):
-        if out_port[i] != PORT_UNSET:
+        if b.out_port[i] != PORT_UNSET:
             continue
-        f = buf[i]
-        ln = length[i]
+        f = b.buf[i]
+        ln = b.length[i]
         if ln < 14:
             continue
-        if answer_arp(f, ln, in_port[i], agg):
-            out_port[i] = in_port[i]
+        if answer_arp(f, ln, b.in_port[i], agg):
+            b.out_port[i] = b.in_port[i]
             counters[C_ARP] += 1
             continue
         if not addressed_to_aggregator(f, ln, agg):
             continue
+        st = parse_frame(f, ln)
+        if st == DropReason.NONE and header(f).msg_type == MsgType.RESULT:
+            jx = jobs.row[header(f).job_id]
+            if jx >= 0 and from_parent(f, b.in_port[i], jx, jobs):
+                n_out = _parent_result(b, i, n_out, jx, regs, jobs, agg, counters)
+                continue
         r = check_contribution(f, ln, agg)
         if r != DropReason.NONE:
-            _drop(out_port, reason, counters, i, r)
+            _drop(b, counters, i, r)
             continue
-        jx, r = find_member(f, in_port[i], jobs)
+        jx, r = find_member(f, b.in_port[i], jobs)
         if r != DropReason.NONE:
-            _drop(out_port, reason, counters, i, r)
+            _drop(b, counters, i, r)
             continue
-        h = header(f)
-        if h.slot >= jobs.slots[jx] or h.slot_set != (h.seq & 1):
-            _drop(out_port, reason, counters, i, DropReason.BAD_SLOT)
-            continue
-        w = np.int64(h.worker_id)
-        g = jobs.base[jx] + h.slot
-        s = np.int64(h.seq & 1)
-        nw = jobs.n_workers[jx]
-        outcome = apply_contribution(f, g, np.uint32(1) << np.uint32(w), nw, regs)
-        if outcome > 0:
-            _drop(out_port, reason, counters, i, outcome)
-            continue
-        out_port[i] = PORT_HELD
-        if outcome == ANSWER:
-            counters[C_ANSWERED] += 1
-            n_out = _emit(buf, length, in_port, out_port, reason, n_out, g, s, jx, w, h.job_id,
-                          h.slot, regs, jobs, agg, counters)
-            continue
-        counters[C_CONTRIB] += 1
-        if outcome == COMPLETED:
-            counters[C_COMPLETED] += 1
-            for v in range(nw):
-                n_out = _emit(buf, length, in_port, out_port, reason, n_out, g, s, jx, v,
-                              h.job_id, h.slot, regs, jobs, agg, counters)
+        n_out = _contribution(b, i, n_out, jx, regs, jobs, agg, counters)
     return n_out

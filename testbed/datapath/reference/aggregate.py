@@ -1,8 +1,12 @@
 """Plain-Python twin of :mod:`testbed.datapath.aggregate` (per packet, dict state).
 
 ``AggregateReference(agg_mac, agg_ip, jobs).process(frame, in_port)`` returns
-``(decision, reason, results)``: decision an out port or ``PORT_*``, reason a ``DropReason``
-(0 unless dropped), results a list of ``(out_port, frame bytes)``. ARP is not modelled.
+``(decision, reason, emitted)``: decision an out port or ``PORT_*``, reason a ``DropReason`` (0
+unless dropped), emitted a list of ``(out_port, frame bytes)`` (RESULTs, partial sums sent up a
+tree) in the order the kernel appends them; a contribution forwarded to a host fallback is the
+decision (its port) with the frame rewritten in ``self.last_frame``. ARP is not modelled.
+``jobs`` is the stage's ``jobs`` setting with port indices for ``ingress``/``egress``; the
+shared pool is ``pool_entries`` entries of ``pool_lanes`` lanes.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ import struct
 
 import numpy as np
 
-from testbed.datapath.aggregate import MAX_ELEMS_MTU, THC_MAX_ELEMS
+from testbed.datapath.aggkernel import MAX_ELEMS_MTU, THC_MAX_ELEMS
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET
 from testbed.kernels import wire
-from testbed.kernels.reference.packets import parse_frame, udp_frame
-from testbed.kernels.wire import Codec, DropReason, MsgType
+from testbed.kernels.reference.packets import ipv4_checksum, parse_frame, udp_frame
+from testbed.kernels.wire import Codec, DropReason, Flags, MsgType
 
 R = DropReason
+SEQ = 1 << 32
 
 
 def _ip(s: str) -> bytes:
@@ -28,9 +33,14 @@ def _mac(s: str) -> bytes:
     return bytes(int(p, 16) for p in s.split(":"))
 
 
+def _diff(a: int, b: int) -> int:
+    d = (a - b) % SEQ
+    return d - SEQ if d >= SEQ // 2 else d
+
+
 def result_lanes(codec: int, values: np.ndarray) -> tuple[str | None, int]:
-    """(numpy lane type or None, flags) of a RESULT: int32 unless THC, whose sums go out in the
-    narrowest of int8/int16/int32 that holds them all and fits the MTU, else OVERFLOW."""
+    """(numpy lane type or None, flags) of a sum sent on: int32 unless THC, whose sums go out
+    in the narrowest of int8/int16/int32 that holds them all and fits the MTU, else OVERFLOW."""
     if codec != Codec.THC:
         return "<i4", 0
     lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
@@ -39,35 +49,61 @@ def result_lanes(codec: int, values: np.ndarray) -> tuple[str | None, int]:
         if info.min <= min(lo, 0) and max(hi, 0) <= info.max and size * values.size <= \
                 wire.MTU_PAYLOAD:
             return t, 0
-    return None, int(wire.Flags.OVERFLOW)
+    return None, int(Flags.OVERFLOW)
+
+
+def _pool_index(job_id: int, slot: int, entries: int) -> int:
+    m = (1 << 64) - 1
+    h = (job_id << 32) | slot
+    h = ((h ^ (h >> 33)) * 0xFF51AFD7ED558CCD) & m
+    h = ((h ^ (h >> 33)) * 0xC4CEB9FE1A85EC53) & m
+    return (h ^ (h >> 33)) % entries
 
 
 class AggregateReference:
-    """Per-packet model of the aggregate stage; ``jobs`` as the stage's ``jobs`` setting but
-    with ``ingress`` given as port indices."""
+    """Per-packet model of the aggregate stage (see the module docstring)."""
 
     def __init__(self, agg_mac: str, agg_ip: str, jobs: dict, max_elems: int = MAX_ELEMS_MTU,
-                 codecs=(Codec.INT32, Codec.THC), via_ingress: bool = True):
+                 codecs=(Codec.INT32, Codec.THC), via_ingress: bool = True,
+                 pool_entries: int = 0, pool_lanes: int = 256):
         self.mac, self.ip = _mac(agg_mac), _ip(agg_ip)
         self.max_elems = max_elems
         self.codecs = {int(c) for c in codecs}
         self.via_ingress = via_ingress
+        self.pool_entries, self.pool_lanes = pool_entries, pool_lanes
+        self.pool: dict[int, tuple[int, int]] = {}  # entry -> (job, slot)
         self.jobs: dict[int, dict] = {}
-        self.rounds: dict[tuple[int, int, int], dict] = {}  # (job, slot, set) -> round state
+        self.rounds: dict[tuple[int, int, int], dict] = {}  # (job, slot, set) -> round
+        self.in_memory: set[tuple[int, int]] = set()  # (job, slot) whose values are held
+        self.last_frame = b""
         for jid, spec in jobs.items():
             self.add_job(int(jid), spec)
 
     def add_job(self, job_id: int, spec: dict) -> None:
-        """Register a job (``slots``, ``seq0``, ``members``) and put its slots before ``seq0``."""
+        """Register a job and put its slots before ``seq0``."""
         members = {int(m["worker"]): (_mac(m["mac"]), _ip(m["ip"]), int(m["port"]),
                                       int(m["ingress"])) for m in spec["members"]}
+        parent = spec.get("parent")
+        fb = spec.get("fallback")
+        self.pool = {e: o for e, o in self.pool.items() if o[0] != job_id}
+        self.in_memory = {k for k in self.in_memory if k[0] != job_id}
+        shared = spec.get("mode", "static") == "shared"
+        self.jobs[job_id] = {
+            "slots": int(spec["slots"]), "members": members, "lanes": int(spec.get("lanes", 256)),
+            "shared": shared,
+            "parent": None if parent is None else (_mac(parent["mac"]), _ip(parent["ip"]),
+                                                   int(parent["egress"]), int(parent["index"])),
+            "fallback": None if fb is None else (_mac(fb["mac"]), _ip(fb["ip"]), int(fb["port"]),
+                                                 int(fb["egress"]))}
         seq0 = int(spec.get("seq0", 0))
-        self.jobs[job_id] = {"slots": int(spec["slots"]), "members": members}
         for k in range(int(spec["slots"])):
+            if not shared:
+                self.in_memory.add((job_id, k))
             for back in (2, 1):
-                r = (seq0 - back) % (1 << 32)
-                self.rounds[(job_id, k, r & 1)] = {"seq": r, "counted": set(), "missing": 0}
+                r = (seq0 - back) % SEQ
+                self.rounds[(job_id, k, r & 1)] = {"seq": r, "counted": set(), "state": "done"}
 
+    # ------------------------------------------------------------------------------------
     def process(self, f: bytes, in_port: int):
         """Apply one frame; see the module docstring."""
         if len(f) < 14:
@@ -76,18 +112,25 @@ class AggregateReference:
         if f[0:6] != self.mac and not to_ip:
             return PORT_UNSET, 0, []
         status, _hdr = parse_frame(np.frombuffer(f, np.uint8), len(f))
+        h = wire.unpack_header(f, wire.HEADER_OFFSET) if not status else None
+        if h is not None and int(h["msg_type"]) == MsgType.RESULT:
+            job = self.jobs.get(int(h["job_id"]))
+            if job is not None and self._from_parent(f, in_port, job):
+                return self._parent_result(f, h, job)
         if status:
             return PORT_DROP, int(status), []
-        h = wire.unpack_header(f, wire.HEADER_OFFSET)
         payload = f[wire.PAYLOAD_OFFSET:14 + int.from_bytes(f[16:18], "big")]
         if int(h["msg_type"]) not in (MsgType.DATA, MsgType.RETRANSMIT):
             return PORT_DROP, R.UNKNOWN_TYPE, []
         codec = int(h["codec"])
         if codec not in self.codecs:
             return PORT_DROP, R.BAD_CODEC, []
-        ne = int(h["elem_count"])
-        lane_t, lim = ("<i1", THC_MAX_ELEMS) if codec == Codec.THC else ("<i4", self.max_elems)
-        if not 0 < ne <= lim or ne * np.dtype(lane_t).itemsize != len(payload):
+        ne, flags = int(h["elem_count"]), int(h["flags"])
+        thc = codec == Codec.THC
+        overflowed = thc and flags & Flags.OVERFLOW and not payload
+        lane = len(payload) // ne if ne and len(payload) % ne == 0 else 0
+        lim = THC_MAX_ELEMS if thc else self.max_elems
+        if not 0 < ne <= lim or not (overflowed or lane == 4 or (thc and lane in (1, 2))):
             return PORT_DROP, R.BAD_LENGTH, []
         jid, w = int(h["job_id"]), int(h["worker_id"])
         job = self.jobs.get(jid)
@@ -102,50 +145,142 @@ class AggregateReference:
         r, slot = int(h["seq"]), int(h["slot"])
         if slot >= job["slots"] or int(h["slot_set"]) != r & 1:
             return PORT_DROP, R.BAD_SLOT, []
+        vals = None if overflowed else np.frombuffer(payload, {1: "<i1", 2: "<i2", 4: "<i4"}[lane]
+                                                     ).astype(np.int64)
+        return self._contribute(f, h, job, jid, w, r, slot, ne, vals)
+
+    def _contribute(self, f, h, job, jid, w, r, slot, ne, vals):
         here = self.rounds[(jid, slot, r & 1)]
         other = self.rounds[(jid, slot, 1 - (r & 1))]
-        d = (r - here["seq"]) % (1 << 32)
-        d = d - (1 << 32) if d >= 1 << 31 else d
-        vals = np.frombuffer(payload, lane_t).astype(np.int64)
+        d = _diff(r, here["seq"])
         if d == 0:
+            if here["state"] == "host":
+                return self._fallback(f, job)
             if w in here["counted"]:
-                if here["missing"]:
-                    return PORT_DROP, R.DUPLICATE, []
-                return PORT_HELD, 0, [self._result(jid, slot, here, w)]
-            if not here["missing"]:
+                if here["state"] == "done":
+                    return PORT_HELD, 0, [self._result(jid, slot, here, w)]
+                if here["state"] == "up":
+                    return PORT_HELD, 0, [self._upward(jid, slot, here, MsgType.RETRANSMIT)]
+                return PORT_DROP, R.DUPLICATE, []
+            if here["state"] != "open":
                 return PORT_DROP, R.STALE, []
+        elif d == 2:
+            if (here["state"] not in ("done", "host") or other["state"] not in ("done", "host")
+                    or other["seq"] != (r - 1) % SEQ):
+                return PORT_DROP, R.BAD_SEQ, []
+        else:
+            return PORT_DROP, (R.STALE if d < 0 else R.BAD_SEQ), []
+        if ne > job["lanes"]:
+            return PORT_DROP, R.BAD_LENGTH, []
+        if d == 2:
+            here["seq"] = r
+            if job["shared"] and not self._claim(jid, slot):
+                here["state"] = "host"
+                return self._fallback(f, job)
+            here.update(state="open", counted={w}, values=vals, ne=ne, overflow=vals is None,
+                        chunk=int(h["chunk_offset"]), codec=int(h["codec"]),
+                        exp=int(h["exponent"]))
+        else:
             if (here["ne"], here["chunk"]) != (ne, int(h["chunk_offset"])):
                 return PORT_DROP, R.ELEM_MISMATCH, []
-            if here["codec"] != codec:
+            if here["codec"] != int(h["codec"]):
                 return PORT_DROP, R.BAD_CODEC, []
-            here["values"] = here["values"] + vals
+            if vals is None:
+                here["overflow"] = True
+            elif here["values"] is None:
+                here["values"] = vals
+            else:
+                here["values"] = here["values"] + vals
             here["exp"] = max(here["exp"], int(h["exponent"]))
-            here["missing"] -= 1
             here["counted"].add(w)
-        elif d == 2:
-            if here["missing"] or other["missing"] or other["seq"] != (r - 1) % (1 << 32):
-                return PORT_DROP, R.BAD_SEQ, []
-            here.update(seq=r, counted={w}, missing=len(job["members"]) - 1, values=vals,
-                        ne=ne, chunk=int(h["chunk_offset"]), codec=codec,
-                        exp=int(h["exponent"]))
-        elif d < 0:
-            return PORT_DROP, R.STALE, []
-        else:
-            return PORT_DROP, R.BAD_SEQ, []
-        if here["missing"]:
+        if len(here["counted"]) < len(job["members"]):
             return PORT_HELD, 0, []
+        if job["parent"] is not None:
+            here["state"] = "up"
+            return PORT_HELD, 0, [self._upward(jid, slot, here, MsgType.DATA)]
+        here["state"] = "done"
         return PORT_HELD, 0, [self._result(jid, slot, here, v) for v in sorted(job["members"])]
 
-    def _result(self, jid: int, slot: int, rnd: dict, w: int) -> tuple[int, bytes]:
-        """(out port, RESULT frame) of round ``rnd`` for member ``w``."""
-        mac, ip, port, ingress = self.jobs[jid]["members"][w]
+    def _claim(self, jid: int, slot: int) -> bool:
+        if (jid, slot) in self.in_memory:
+            return True
+        e = _pool_index(jid, slot, self.pool_entries)
+        if e in self.pool:
+            return False
+        self.pool[e] = (jid, slot)
+        self.in_memory.add((jid, slot))
+        return True
+
+    def _fallback(self, f: bytes, job: dict):
+        if job["fallback"] is None:
+            return PORT_DROP, R.NO_ROUTE, []
+        mac, ip, port, egress = job["fallback"]
+        g = bytearray(f)
+        g[0:6], g[30:34] = mac, ip
+        g[36:38], g[40:42] = port.to_bytes(2, "big"), b"\0\0"
+        g[24:26] = b"\0\0"
+        g[24:26] = ipv4_checksum(bytes(g[14:34])).to_bytes(2, "big")
+        self.last_frame = bytes(g)
+        return egress, 0, []
+
+    def _from_parent(self, f: bytes, in_port: int, job: dict) -> bool:
+        p = job["parent"]
+        return (p is not None and in_port == p[2] and f[6:12] == p[0] and f[26:30] == p[1]
+                and int.from_bytes(f[34:36], "big") == wire.TESTBED_UDP_PORT)
+
+    def _parent_result(self, f: bytes, h, job: dict):
+        jid, slot, r = int(h["job_id"]), int(h["slot"]), int(h["seq"])
+        if slot >= job["slots"] or int(h["slot_set"]) != r & 1:
+            return PORT_DROP, R.BAD_SLOT, []
+        here = self.rounds[(jid, slot, r & 1)]
+        d = _diff(r, here["seq"])
+        if d < 0:
+            return PORT_DROP, R.STALE, []
+        if d == 0 and here["state"] == "done":
+            return PORT_DROP, R.DUPLICATE, []
+        if d != 0 or here["state"] != "up":
+            return PORT_DROP, R.BAD_SEQ, []
+        ne = int(h["elem_count"])
+        if (ne, int(h["chunk_offset"]), int(h["codec"])) != (here["ne"], here["chunk"],
+                                                             here["codec"]):
+            return PORT_DROP, R.ELEM_MISMATCH, []
+        data = f[wire.PAYLOAD_OFFSET:14 + int.from_bytes(f[16:18], "big")]
+        ovf = bool(int(h["flags"]) & Flags.OVERFLOW)
+        lane = len(data) // ne if ne and len(data) % ne == 0 else 0
+        if not ovf and not (lane == 4 or (here["codec"] == Codec.THC and lane in (1, 2))):
+            return PORT_DROP, R.BAD_LENGTH, []
+        here["overflow"] = ovf
+        if not ovf:
+            here["values"] = np.frombuffer(data, {1: "<i1", 2: "<i2", 4: "<i4"}[lane]).astype(
+                np.int64)
+        here["exp"] = int(h["exponent"])
+        here["state"] = "done"
+        return PORT_HELD, 0, [self._result(jid, slot, here, v) for v in sorted(job["members"])]
+
+    # ------------------------------------------------------------------------------------
+    def _sum_bytes(self, rnd: dict) -> tuple[bytes, int]:
+        if rnd["overflow"]:
+            return b"", int(Flags.OVERFLOW)
         # int32 registers wrap like a switch ALU
         regs = ((rnd["values"] + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.int64)
         lane_t, flags = result_lanes(rnd["codec"], regs)
-        data = regs.astype(lane_t).tobytes() if lane_t else b""
-        hdr = wire.pack_header(msg_type=int(MsgType.RESULT), job_id=jid, worker_id=w, slot=slot,
+        return (regs.astype(lane_t).tobytes() if lane_t else b""), flags
+
+    def _packet(self, msg_type, jid, w, slot, rnd, dst_mac, dst_ip, dst_port) -> bytes:
+        data, flags = self._sum_bytes(rnd)
+        hdr = wire.pack_header(msg_type=int(msg_type), job_id=jid, worker_id=w, slot=slot,
                                slot_set=rnd["seq"] & 1, flags=flags, codec=rnd["codec"],
                                n_workers=len(self.jobs[jid]["members"]), exponent=rnd["exp"],
                                elem_count=rnd["ne"], chunk_offset=rnd["chunk"], seq=rnd["seq"])
-        frame = udp_frame(self.mac, mac, self.ip, ip, wire.TESTBED_UDP_PORT, port, hdr + data)
+        return udp_frame(self.mac, dst_mac, self.ip, dst_ip, wire.TESTBED_UDP_PORT, dst_port,
+                         hdr + data)
+
+    def _result(self, jid: int, slot: int, rnd: dict, w: int) -> tuple[int, bytes]:
+        mac, ip, port, ingress = self.jobs[jid]["members"][w]
+        frame = self._packet(MsgType.RESULT, jid, w, slot, rnd, mac, ip, port)
         return (ingress if self.via_ingress else PORT_UNSET), frame
+
+    def _upward(self, jid: int, slot: int, rnd: dict, msg_type) -> tuple[int, bytes]:
+        mac, ip, egress, index = self.jobs[jid]["parent"]
+        return egress, self._packet(msg_type, jid, index, slot, rnd, mac, ip,
+                                    wire.TESTBED_UDP_PORT)
