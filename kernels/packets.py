@@ -51,6 +51,13 @@ from testbed.kernels.wire import (
 #: Largest payload that fits a FRAME_MAX frame.
 PAYLOAD_MAX = FRAME_MAX - PAYLOAD_OFFSET
 
+# Decisions a data-path kernel writes into a batch's ``out_port`` column besides a port index
+# (the batch conventions are in ``testbed.datapath.batch``).
+PORT_UNSET = -1  # no stage has decided yet
+PORT_DROP = -2  # dropped, with a DropReason
+PORT_FLOOD = -3  # out of every port but the ingress one
+PORT_HELD = -4  # kept by a stage (a queue, a delay line, the aggregator's registers)
+
 ETHERTYPE_IPV4 = 0x0800
 IPPROTO_UDP = 17
 IP_TTL = 64

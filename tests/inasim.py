@@ -190,7 +190,7 @@ class Sim:
         root = self.nodes["root"]
         if root.kind == "kernel":
             owner = root.stage.regs.pool_owner
-            owner[list(entries)] = root.stage.max_slots - 1  # a slot no job of ours has
+            owner[list(entries)] = root.stage.table.max_slots - 1  # a slot no job of ours has
         else:
             for e in entries:
                 root.ref.pool[e] = (-1, e)

@@ -58,16 +58,16 @@ def _members(job: int, n: int, ingress_names: bool) -> list[dict]:
     return out
 
 
-def _jobs(ingress_names: bool, jobs=JOBS) -> dict:
-    return {j: {"slots": s, "seq0": q, "members": _members(j, n, ingress_names)}
+def _jobs(ingress_names: bool, jobs=JOBS, lanes: int = 256) -> dict:
+    return {j: {"slots": s, "seq0": q, "lanes": lanes, "members": _members(j, n, ingress_names)}
             for j, (n, s, q) in jobs.items()}
 
 
-def _pair(jobs=JOBS, max_elems=16, **kw):
+def _pair(jobs=JOBS, max_elems=16, lanes=256, **kw):
     """A kernel stage and its twin with the same jobs."""
-    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=max_elems, jobs=_jobs(True, jobs),
-                           **kw)
-    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, _jobs(False, jobs),
+    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=max_elems,
+                           jobs=_jobs(True, jobs, lanes), **kw)
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, _jobs(False, jobs, lanes),
                              max_elems=max_elems)
     return stage, ref
 
@@ -321,7 +321,7 @@ def test_thc_int8_lanes_exact_sums(n):
     narrowest lane that holds the sums; kernel == twin byte for byte, answers included."""
     rng = np.random.default_rng(n)
     jobs = {5: (n, 2, 0)}
-    stage, ref = _pair(jobs)
+    stage, ref = _pair(jobs, lanes=THC_MAX_ELEMS)
     ports = list(range(n))
     for k, hi, ne in ((0, 8, 1024), (1, 127, 600)):
         vals = [rng.integers(-hi, hi + 1, ne) for _ in range(n)]
@@ -342,7 +342,7 @@ def test_thc_int8_lanes_exact_sums(n):
 def test_thc_overflow_flag_and_codec_checks():
     """Sums that fit no lane within the MTU -> OVERFLOW and no payload (never wrapped); THC
     length/limit checks; a switch configured for INT32 only refuses THC."""
-    stage, ref = _pair({1: (2, 2, 0)})
+    stage, ref = _pair({1: (2, 2, 0)}, lanes=THC_MAX_ELEMS)
     big = np.full(1024, 100, np.int8)  # sums 200: int16 x 1024 = 2048 B > MTU
     _, res = both(stage, ref, [frame(1, w, 0, 0, big, codec=Codec.THC) for w in (0, 1)], [0, 1])
     for _, fr in res:
@@ -355,11 +355,10 @@ def test_thc_overflow_flag_and_codec_checks():
         assert both(stage, ref, [f], [0])[0] == [(PORT_DROP, R.BAD_LENGTH)]
     only = AggregateStage(ports=PORTS, pool_slots=2, max_elems=16, codecs=["INT32"],
                           jobs=_jobs(True, {1: (2, 2, 0)}))
-    assert only.regs.values.shape[2] == 16  # no THC registers allocated
     t8 = frame(1, 1, 0, 0, np.ones(4, np.int8), codec=Codec.THC)
     assert run_kernel(only, [t8], [1])[0] == [(PORT_DROP, R.BAD_CODEC)]
     only.configure(codecs=["INT32", "THC"])
-    assert only.regs.values.shape[2] == THC_MAX_ELEMS
+    assert run_kernel(only, [t8], [1])[0] == [(PORT_HELD, 0)]
 
 
 # ------------------------------------------------------------------- ARP, config, counters
@@ -398,13 +397,15 @@ def test_job_partitions_and_bad_config():
     stage.configure(remove_jobs=[5])
     assert stage.free_slots() == 6
     with pytest.raises(ValueError, match="needs 1..32 members"):
-        stage.add_job(7, 1, [])
+        stage.add_job(7, {"slots": 1, "members": []})
     with pytest.raises(ValueError, match="workers must be 0..1"):
-        stage.add_job(7, 1, [m2[0], m2[0]])
+        stage.add_job(7, {"slots": 1, "members": [m2[0], m2[0]]})
     with pytest.raises(ValueError, match="missing"):
-        stage.add_job(7, 1, [{"worker": 0, "mac": "02:00:00:00:00:01"}])
+        stage.add_job(7, {"slots": 1, "members": [{"worker": 0, "mac": "02:00:00:00:00:01"}]})
     with pytest.raises(ValueError, match="unknown port 'zz'"):
-        stage.add_job(7, 1, [dict(m2[0], ingress="zz")])
+        stage.add_job(7, {"slots": 1, "members": [dict(m2[0], ingress="zz")]})
+    with pytest.raises(ValueError, match="mode must be"):
+        stage.add_job(7, {"slots": 1, "members": m2, "mode": "greedy"})
     with pytest.raises(ValueError, match="unknown keys"):
         stage.configure(jobs={7: {"slots": 1, "n_workers": 2, "members": m2}})
     with pytest.raises(ValueError, match="unknown settings"):
@@ -526,3 +527,199 @@ def test_protocol_exact_through_smartnic_codecs_under_impairments():
     ps = sim.run()
     want = sim.expected_nic()
     assert all(np.array_equal(p.out, want) for p in ps)
+
+
+# ------------------------------------------------------------- trees, memory and the shared pool
+
+PARENT = {"mac": "02:54:42:01:00:00", "ip": "10.254.0.1", "index": 3}
+PARENT_MAC, PARENT_IP = bytes.fromhex("025442010000"), bytes([10, 254, 0, 1])
+UPLINK = 7  # the port towards the parent
+
+
+def _tree_pair(lanes=256, n=2):
+    """A leaf switch (2 members, parent on port 7): kernel and twin."""
+    job = {1: (n, 2, 10)}
+    kj, rj = _jobs(True, job, lanes), _jobs(False, job, lanes)
+    kj[1]["parent"] = dict(PARENT, egress=PORTS[UPLINK])
+    rj[1]["parent"] = dict(PARENT, egress=UPLINK)
+    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj)
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16)
+    return stage, ref
+
+
+def parent_result(seq, vals, slot=0, chunk=0, codec=Codec.INT32, flags=0, exponent=0):
+    vals = np.asarray(vals, np.int32 if codec != Codec.THC else np.int8)
+    hdr = header_bytes(int(MsgType.RESULT), 1, PARENT["index"], slot, seq & 1, 2, vals.size,
+                       chunk, exponent=exponent, codec=int(codec), flags=flags, seq=seq)
+    return udp_frame(PARENT_MAC, AGG_MAC, PARENT_IP, AGG_IP, 41000, 41000, hdr + vals.tobytes())
+
+
+def test_tree_node_sends_its_partial_sum_up_and_multicasts_the_parents_result():
+    stage, ref = _tree_pair()
+    dec, out = both(stage, ref, [frame(1, w, 0, 10, [w + 1] * 4, exponent=w) for w in (0, 1)],
+                    [0, 1])
+    assert dec == [(PORT_HELD, 0)] * 2 and len(out) == 1 and out[0][0] == UPLINK
+    up = unpack_header(out[0][1], HEADER_OFFSET)
+    assert (up["msg_type"], up["worker_id"], up["seq"], up["exponent"]) == (MsgType.DATA, 3, 10,
+                                                                            1)
+    assert out[0][1][:6] == PARENT_MAC and out[0][1][6:12] == AGG_MAC
+    assert values_of(out[0][1]).tolist() == [3] * 4  # the partial sum
+    # a member retransmits while the parent has not answered: the partial goes up again
+    dec, again = both(stage, ref, [frame(1, 0, 0, 10, [1] * 4, MsgType.RETRANSMIT)], [0])
+    assert dec == [(PORT_HELD, 0)] and again[0][0] == UPLINK
+    assert unpack_header(again[0][1], HEADER_OFFSET)["msg_type"] == MsgType.RETRANSMIT
+    # the parent's RESULT (the whole tree's sum) comes down to every member
+    dec, down = both(stage, ref, [parent_result(10, [11] * 4, exponent=5)], [UPLINK])
+    assert dec == [(PORT_HELD, 0)] and [p for p, _ in down] == [0, 1]
+    assert all(values_of(f).tolist() == [11] * 4 for _, f in down)
+    assert unpack_header(down[0][1], HEADER_OFFSET)["exponent"] == 5
+    # a duplicate RESULT, or one from anywhere but the parent's port, changes nothing
+    assert both(stage, ref, [parent_result(10, [11] * 4)], [UPLINK])[0] == \
+        [(PORT_DROP, R.DUPLICATE)]
+    assert both(stage, ref, [parent_result(11, [1] * 4)], [0])[0] == [(PORT_DROP, R.UNKNOWN_TYPE)]
+    # now done: a member's lost result is answered from the registers
+    _, ans = both(stage, ref, [frame(1, 1, 0, 10, [2] * 4, MsgType.RETRANSMIT)], [1])
+    assert ans == [down[1]]
+    c = stage.counters()
+    assert (c["upward_sent"], c["upward_resent"], c["parent_results"]) == (1, 1, 1)
+
+
+def test_tree_node_rounds_wait_for_the_parent():
+    """A round sent up is not done: the next round of that slot cannot start before the
+    parent's RESULT came back (every member needs it first)."""
+    stage, ref = _tree_pair()
+    both(stage, ref, [frame(1, w, 0, 10, [1] * 4) for w in (0, 1)], [0, 1])
+    assert both(stage, ref, [frame(1, 0, 0, 11, [1] * 4)], [0])[0] == [(PORT_DROP, R.BAD_SEQ)]
+    both(stage, ref, [parent_result(10, [4] * 4)], [UPLINK])
+    assert both(stage, ref, [frame(1, 0, 0, 11, [1] * 4)], [0])[0] == [(PORT_HELD, 0)]
+
+
+def test_thc_partial_sums_travel_in_wider_lanes():
+    """THC: two children's int8 levels add up beyond int8: the partial goes up in int16 lanes,
+    and the parent accepts int16 lanes from a child switch."""
+    stage, ref = _tree_pair(lanes=THC_MAX_ELEMS)
+    vals = [np.full(600, 100, np.int8), np.full(600, 100, np.int8)]
+    _, out = both(stage, ref, [frame(1, w, 0, 10, vals[w], codec=Codec.THC) for w in (0, 1)],
+                  [0, 1])
+    assert (len(out[0][1]) - PAYLOAD_OFFSET) // 600 == 2
+    assert values_of(out[0][1]).tolist() == [200] * 600
+    # as a contribution at a root with that child as member: accepted and added
+    root = AggregateStage(ports=PORTS, pool_slots=8, jobs={1: {
+        "slots": 2, "seq0": 10, "lanes": THC_MAX_ELEMS, "members": [
+            {"worker": 0, "mac": DEFAULT_AGG_MAC, "ip": DEFAULT_AGG_IP, "port": 41000,
+             "ingress": "p0"}]}})
+    up = bytearray(out[0][1])
+    up[0:6] = PARENT_MAC  # addressed to the root ...
+    up[30:34] = PARENT_IP
+    up[HEADER_OFFSET + FIELD_OFFSETS["worker_id"]] = 0  # ... whose only member it is
+    root.configure(agg_mac=PARENT["mac"], agg_ip=PARENT["ip"])
+    dec, res = run_kernel(root, [bytes(up)], [0])
+    assert dec == [(PORT_HELD, 0)] and values_of(res[0][1]).tolist() == [200] * 600
+
+
+def test_overflow_is_said_all_the_way_down():
+    """A child's partial that fit no lane comes up flagged OVERFLOW with no payload: the round
+    completes and says OVERFLOW (never a wrapped sum); the parent's OVERFLOW comes down."""
+    stage, ref = _tree_pair(lanes=THC_MAX_ELEMS)
+    big = np.full(1024, 100, np.int8)  # 200 per lane: int16 x 1024 > MTU
+    _, out = both(stage, ref, [frame(1, w, 0, 10, big, codec=Codec.THC) for w in (0, 1)],
+                  [0, 1])
+    h = unpack_header(out[0][1], HEADER_OFFSET)
+    assert int(h["flags"]) == int(Flags.OVERFLOW) and len(out[0][1]) == PAYLOAD_OFFSET
+    res = bytearray(parent_result(10, [], codec=Codec.THC, flags=int(Flags.OVERFLOW)))
+    res[HEADER_OFFSET + FIELD_OFFSETS["elem_count"]:][:2] = (1024).to_bytes(2, "little")
+    _, down = both(stage, ref, [bytes(res)], [UPLINK])
+    assert all(int(unpack_header(f, HEADER_OFFSET)["flags"]) == int(Flags.OVERFLOW)
+               for _, f in down)
+
+
+def test_memory_is_a_resource_admission_names_what_is_free():
+    stage = AggregateStage(ports=["a", "b"], memory_bytes=64 << 10)
+    m2 = [{"worker": w, "mac": f"02:00:00:00:00:0{w + 1}", "ip": f"10.0.0.{w + 1}",
+           "port": 20001, "ingress": ["a", "b"][w]} for w in range(2)]
+    stage.configure(jobs={1: {"slots": 16, "lanes": 256, "members": m2}})  # 32 KiB
+    c = stage.counters()
+    assert c["memory"]["configured_bytes"] == 64 << 10
+    assert c["memory"]["allocated_bytes"] == c["jobs"]["1"]["memory_bytes"] == 32 << 10
+    with pytest.raises(ValueError, match=r"needs 65536 B .* only 32768 B are free"):
+        stage.configure(jobs={2: {"slots": 32, "lanes": 256, "members": m2}})
+    stage.configure(jobs={2: {"slots": 8, "lanes": 512, "members": m2}})  # exactly the rest
+    assert stage.free_memory_bytes() == 0
+    stage.configure(remove_jobs=[1])
+    assert stage.free_memory_bytes() == 32 << 10
+    with pytest.raises(ValueError, match="shared pool"):
+        stage.configure(jobs={3: {"slots": 1, "members": m2, "mode": "shared", "fallback": {
+            "mac": "02:00:00:00:00:09", "ip": "10.0.0.9", "port": 41000, "egress": "a"}}})
+
+
+FB = {"mac": "02:54:42:0f:00:01", "ip": "10.253.0.1", "port": 41000}
+
+
+def _shared_pair(entries=2, taken=()):
+    job = {1: (2, 3, 10)}
+    kj, rj = _jobs(True, job), _jobs(False, job)
+    kj[1].update(mode="shared", fallback=dict(FB, egress=PORTS[6]))
+    rj[1].update(mode="shared", fallback=dict(FB, egress=6))
+    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj,
+                           pool_bytes=entries * 8 * 256, memory_bytes=64 << 10)
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16,
+                             pool_entries=entries, pool_lanes=256)
+    for e in taken:
+        stage.regs.pool_owner[e] = 7  # another job's slot
+        ref.pool[e] = (99, e)
+    return stage, ref
+
+
+def test_shared_pool_claims_entries_and_falls_back_to_the_host():
+    """Slots claim pool entries by hash on their first round; a slot whose entry another job
+    holds forwards its rounds (retransmissions included) to the job's host aggregator,
+    readdressed, source unchanged; the other slots aggregate in the switch."""
+    from testbed.kernels.aggregation import pool_index
+
+    owner = {k: pool_index(1, k, 2) for k in range(3)}
+    taken = {owner[0]}  # slot 0's entry is another job's
+    stage, ref = _shared_pair(taken=taken)
+    host_slots = [k for k in range(3) if owner[k] in taken or
+                  any(owner[j] == owner[k] for j in range(k))]  # or an earlier slot of ours
+    for k in range(3):
+        frames = [frame(1, w, k, 10, [k + w] * 4) for w in (0, 1)]
+        b = Batch(8)
+        for i, f in enumerate(frames):
+            b.buf[i, :len(f)] = np.frombuffer(f, np.uint8)
+            b.length[i], b.in_port[i] = len(f), i
+        b.n = 2
+        stage.process(b, 0)
+        for i, f in enumerate(frames):
+            d, r, out = ref.process(f, i)
+            assert (int(b.out_port[i]), int(b.reason[i])) == (d, int(r))
+            if k in host_slots:
+                assert d == 6 and bytes(b.buf[i, :len(f)]) == ref.last_frame
+                fwd = ref.last_frame
+                assert fwd[0:6] == bytes.fromhex("0254420f0001") and fwd[30:34] == bytes(
+                    [10, 253, 0, 1]) and fwd[26:30] == f[26:30]  # from the worker still
+        if k not in host_slots:
+            assert b.n == 4  # two RESULTs from the switch
+    c = stage.counters()
+    assert c["fallback_forwarded"] == 2 * len(host_slots)
+    assert c["jobs"]["1"]["slots_at_host"] == len(host_slots)
+    stage.configure(remove_jobs=[1])
+    assert int(np.count_nonzero(stage.regs.pool_owner >= 0)) == len(taken)  # ours freed
+
+
+@pytest.mark.parametrize("layout", ["tree", "shared"])
+@pytest.mark.parametrize("seed", range(3))
+def test_trees_and_shared_pool_exact_under_impairments_and_twin_agrees(layout, seed):
+    """A two-level tree (leaves of 3 workers), or a shared pool too small for the job (host
+    fallback for the rest), over a channel that loses, duplicates and reorders on every hop:
+    exact sums, twice in a row, and the kernels and the twins take the same decisions."""
+    kw = dict(n=7, W=4, count=2500, seed=seed, loss=0.08, dup=0.08, reorder=0.3, reps=2)
+    kw.update(fanout=3) if layout == "tree" else kw.update(pool=4, pool_taken=(0, 1))
+    a, b = Sim(**kw), Sim(**kw, kernels=ik_ref, switch="reference")
+    pa, pb = a.run(), b.run()
+    want = a.expected_qsum(pa[0])
+    assert all(np.array_equal(p.qsum, want) for p in pa)
+    assert all(np.array_equal(x.qsum, y.qsum) for x, y in zip(pa, pb, strict=True))
+    assert a.stats == b.stats or {k: v for k, v in a.stats.items() if k != "switch_drops"} == \
+        {k: v for k, v in b.stats.items() if k != "switch_drops"}
+    if layout == "shared":
+        assert a.stats["fallback"] > 0

@@ -1,7 +1,7 @@
 """The ``aggregate`` program: exactly-once in-network aggregation (SwitchML lineage).
 
 The protocol and its invariants are written down in ``docs/protocol.md``; this module is the
-switch side's stage (configuration, jobs, counters), :mod:`testbed.datapath.aggkernel` its
+switch side's stage (configuration, jobs, counters), :mod:`testbed.kernels.aggregation` its
 data path, :mod:`testbed.collectives.inakernel` the worker side.
 
 Jobs are added by the control plane with their *members*: per worker id the MAC, IPv4 address,
@@ -34,35 +34,26 @@ import time
 
 import numpy as np
 
-from testbed.datapath.aggkernel import (
-    COUNTER_NAMES,
-    DONE,
-    HOST,
-    MAX_ELEMS_MTU,
-    MAX_JOBS,
-    MAX_WORKERS,
-    OPEN,
-    SEQ_MOD,
-    SHARED,
-    STATIC,
-    THC_MAX_ELEMS,
-    UP,
-    Aggregator,
-    Batch4,
-    aggregate_kernel,
-    init_rounds,
-    new_jobs,
-    new_registers,
-    result_lane,
-)
 from testbed.datapath.batch import Batch, Stage
 from testbed.datapath.forward import ip_to_int, mac_to_int
 from testbed.datapath.trim import port_index
+from testbed.kernels.aggregation import (
+    COUNTER_NAMES,
+    MAX_ELEMS_MTU,
+    MAX_JOBS,
+    MAX_WORKERS,
+    THC_MAX_ELEMS,
+    Aggregation,
+    Batch4,
+    Member,
+    Peer,
+    result_lane,
+)
 from testbed.kernels.wire import Codec
 
 __all__ = ["COUNTER_NAMES", "DEFAULT_AGG_IP", "DEFAULT_AGG_MAC", "DEFAULT_CODECS",
            "MAX_ELEMS_MTU", "MAX_JOBS", "MAX_WORKERS", "THC_MAX_ELEMS", "AggregateStage",
-           "result_lane"]
+           "parse_members", "parse_peer", "result_lane"]
 
 DEFAULT_AGG_IP = "10.0.0.254"
 DEFAULT_AGG_MAC = "02:54:42:00:00:fe"
@@ -71,53 +62,48 @@ DEFAULT_CODECS = ("INT32", "THC")
 #: Aggregator memory of a switch unless configured: SwitchML's 8192 slots x 2 sets x 256 int32
 #: (16 MiB), in the range of one Tofino pipeline's register SRAM.
 DEFAULT_MEMORY_BYTES = 16 << 20
-#: Slots of metadata (round, bitmap, ...) a switch keeps, whatever their values' memory.
+#: Slots of metadata (round, bitmap, ...) an aggregator keeps, whatever their values' memory.
 DEFAULT_MAX_SLOTS = 16384
 #: int32 registers per set of a slot unless a job says otherwise (SwitchML's 256 per packet).
 DEFAULT_LANES = 256
-#: Bytes of small registers per slot (round, state, bitmap, missing, ...) on top of its values.
-SLOT_METADATA_BYTES = 2 * 32
 
 
-def _member_row(job_id: int, m: dict, ports: list[str]) -> tuple:
-    """(worker, mac bytes, ip int, udp port, ingress index) of one member spec."""
-    who = f"aggregate: job {job_id}: member {m!r}"
-    if not isinstance(m, dict):
-        raise ValueError(f"{who}: expected {{'worker', 'mac', 'ip', 'port', 'ingress'}}")
-    missing = {"worker", "mac", "ip", "port", "ingress"} - set(m)
-    if missing:
-        raise ValueError(f"{who}: missing {sorted(missing)}")
-    port = int(m["port"])
-    if not 1 <= port <= 0xFFFF:
-        raise ValueError(f"{who}: port must be 1..65535")
-    return (int(m["worker"]), mac_to_int(m["mac"]).to_bytes(6, "big"), ip_to_int(m["ip"]), port,
-            port_index(ports, m["ingress"], who))
+def _mac(value) -> bytes:
+    return mac_to_int(value).to_bytes(6, "big")
 
 
-def _peer(job_id: int, what: str, spec, ports: list[str], keys: tuple[str, ...]) -> dict:
-    """A checked parent/fallback record: mac bytes, ip int, egress index, and ``keys``."""
-    who = f"aggregate: job {job_id}: {what}"
-    if not isinstance(spec, dict):
-        raise ValueError(f"{who}: expected {{'mac', 'ip', 'egress', ...}}, got {spec!r}")
-    missing = {"mac", "ip", "egress", *keys} - set(spec)
-    if missing:
-        raise ValueError(f"{who}: missing {sorted(missing)}")
-    out = {"mac": mac_to_int(spec["mac"]).to_bytes(6, "big"), "ip": ip_to_int(spec["ip"]),
-           "egress": port_index(ports, spec["egress"], who)}
-    for k in keys:
-        out[k] = int(spec[k])
+def parse_members(job_id: int, members: list, ports: list[str]) -> list[Member]:
+    """Member records from ``[{"worker", "mac", "ip", "port", "ingress"}, ...]`` (ingress: a
+    port name of ``ports`` or an index); ``ValueError`` naming the bad one."""
+    out = []
+    for m in members:
+        who = f"aggregate: job {job_id}: member {m!r}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{who}: expected {{'worker', 'mac', 'ip', 'port', 'ingress'}}")
+        missing = {"worker", "mac", "ip", "port", "ingress"} - set(m)
+        if missing:
+            raise ValueError(f"{who}: missing {sorted(missing)}")
+        port = int(m["port"])
+        if not 1 <= port <= 0xFFFF:
+            raise ValueError(f"{who}: port must be 1..65535")
+        out.append(Member(int(m["worker"]), _mac(m["mac"]), ip_to_int(m["ip"]), port,
+                          port_index(ports, m["ingress"], who)))
     return out
 
 
-def _free_range(used: list[tuple[int, int]], lo: int, hi: int, size: int) -> int:
-    """First offset in ``lo..hi`` where ``size`` units fit between the ``(start, size)`` ranges
-    in ``used``, or -1."""
-    base = lo
-    for b, n in sorted(used):
-        if b - base >= size:
-            return base
-        base = max(base, b + n)
-    return base if hi - base >= size else -1
+def parse_peer(job_id: int, what: str, spec, ports: list[str], key: str) -> Peer:
+    """A parent (``key="index"``) or fallback (``key="port"``) record: ``{"mac", "ip",
+    "egress", key}`` plus, for a parent, the optional ``ingress`` its RESULTs arrive on
+    (default: the egress port)."""
+    who = f"aggregate: job {job_id}: {what}"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{who}: expected {{'mac', 'ip', 'egress', {key!r}}}, got {spec!r}")
+    missing = {"mac", "ip", "egress", key} - set(spec)
+    if missing:
+        raise ValueError(f"{who}: missing {sorted(missing)}")
+    egress = port_index(ports, spec["egress"], who)
+    ingress = port_index(ports, spec["ingress"], who) if "ingress" in spec else egress
+    return Peer(_mac(spec["mac"]), ip_to_int(spec["ip"]), egress, ingress, int(spec[key]))
 
 
 class AggregateStage(Stage):
@@ -140,9 +126,10 @@ class AggregateStage(Stage):
       with the free memory in the error) or ``"shared"`` (slots claim pool entries by hash on
       their first round, first come first served; a slot whose entry another job holds sends its
       rounds to the job's ``fallback`` aggregator on a host: ``{"mac", "ip", "port", "egress"}``);
-    * ``parent`` (tree nodes below the root): ``{"mac", "ip", "egress", "index"}``: the parent
-      switch's aggregator identity, the port towards it and this switch's member id there.
-      A completed round's partial sum goes up; the parent's RESULT comes down to the members.
+    * ``parent`` (tree nodes below the root): ``{"mac", "ip", "egress", "index"}`` and
+      optionally ``"ingress"``: the parent switch's aggregator identity, the port towards it,
+      this switch's member id there, and the port its RESULTs arrive on. A completed round's
+      partial sum goes up; the parent's RESULT comes down to the members.
     """
 
     name = "aggregate"
@@ -169,23 +156,21 @@ class AggregateStage(Stage):
         if not 1 <= pool_lanes <= THC_MAX_ELEMS:
             raise ValueError(f"aggregate: pool_lanes must be 1..{THC_MAX_ELEMS}, got {pool_lanes}")
         self.ports = [str(p) for p in ports] if ports is not None else []
-        self.max_slots, self.max_elems = max_slots, max_elems
-        self.memory_words = memory_bytes // 4
-        self.pool_lanes = pool_lanes
-        self.pool_entries = pool_bytes // (8 * pool_lanes)
-        self.pool_words = self.pool_entries * 2 * pool_lanes
-        self.static_words = self.memory_words - self.pool_words
-        self.regs = new_registers(max_slots, self.memory_words, self.pool_entries)
-        self.jobs_arr = new_jobs()
-        self.counters_arr = np.zeros(len(COUNTER_NAMES), np.int64)
-        self.jobs: dict[int, dict] = {}
-        self._agg = {"mac": np.zeros(6, np.uint8), "ip": 0, "codec_ok": np.zeros(256, np.bool_),
-                     "via_ingress": True, "max_elems": max_elems, "thc_max": THC_MAX_ELEMS,
-                     "pool_base": self.static_words, "pool_lanes": pool_lanes}
-        self.agg = Aggregator(**self._agg)
+        self.table = Aggregation(memory_bytes, pool_bytes // (8 * pool_lanes), pool_lanes,
+                                 max_slots, max_elems)
         self._rate = (time.monotonic(), 0)
         self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or list(DEFAULT_CODECS),
                        jobs=jobs or {}, results_via=results_via)
+
+    @property
+    def regs(self):
+        """The aggregation registers (for tests and telemetry)."""
+        return self.table.regs
+
+    @property
+    def jobs(self) -> dict[int, dict]:
+        """Registered jobs: id -> their allocation."""
+        return self.table.jobs
 
     # --- control -----------------------------------------------------------------------------
     def configure(self, agg_ip: str | None = None, agg_mac: str | None = None,
@@ -198,16 +183,10 @@ class AggregateStage(Stage):
         if unknown:
             raise ValueError(f"aggregate: unknown settings {sorted(unknown)}; use agg_ip, "
                              "agg_mac, jobs, remove_jobs, codecs, results_via")
-        a = self._agg
-        if results_via is not None:
-            if results_via not in ("ingress", "forward"):
-                raise ValueError(f"aggregate: results_via must be 'ingress' or 'forward', got "
-                                 f"{results_via!r}")
-            a["via_ingress"] = results_via == "ingress"
-        if agg_ip is not None:
-            a["ip"] = ip_to_int(agg_ip)
-        if agg_mac is not None:
-            a["mac"] = np.frombuffer(mac_to_int(agg_mac).to_bytes(6, "big"), np.uint8).copy()
+        if results_via is not None and results_via not in ("ingress", "forward"):
+            raise ValueError(f"aggregate: results_via must be 'ingress' or 'forward', got "
+                             f"{results_via!r}")
+        ok = None
         if codecs is not None:
             ok = np.zeros(256, np.bool_)
             for c in codecs:
@@ -216,171 +195,70 @@ class AggregateStage(Stage):
                 except (KeyError, ValueError):
                     raise ValueError(f"aggregate: unknown codec {c!r}; choose from "
                                      f"{[m.name for m in Codec]}") from None
-            a["codec_ok"] = ok
-        self.agg = Aggregator(**a)
+        self.table.set_identity(mac=None if agg_mac is None else _mac(agg_mac),
+                                ip=None if agg_ip is None else ip_to_int(agg_ip), codec_ok=ok,
+                                via_ingress=None if results_via is None
+                                else results_via == "ingress")
         for jid in remove_jobs or []:
-            self.remove_job(int(jid))
+            self.table.remove_job(int(jid))
         for jid, spec in (jobs or {}).items():
-            if not isinstance(spec, dict):
-                raise ValueError(f"aggregate: job {jid}: expected {{'slots': k, 'seq0': r, "
-                                 "'members': [...]}")
-            keys = {"slots", "seq0", "members", "lanes", "mode", "parent", "fallback"}
-            unknown_keys = set(spec) - keys
-            if unknown_keys:
-                raise ValueError(f"aggregate: job {jid}: unknown keys {sorted(unknown_keys)}; "
-                                 f"use {sorted(keys)}")
-            self.add_job(int(jid), int(spec.get("slots", 0)), spec.get("members") or [],
-                         int(spec.get("seq0", 0)), lanes=int(spec.get("lanes", DEFAULT_LANES)),
-                         mode=spec.get("mode", "static"), parent=spec.get("parent"),
-                         fallback=spec.get("fallback"))
+            self.add_job(int(jid), spec)
+
+    def add_job(self, job_id: int, spec: dict) -> None:
+        """Register one job from its settings (see the class docstring)."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"aggregate: job {job_id}: expected {{'slots': k, 'seq0': r, "
+                             "'members': [...]}")
+        keys = {"slots", "seq0", "members", "lanes", "mode", "parent", "fallback"}
+        unknown = set(spec) - keys
+        if unknown:
+            raise ValueError(f"aggregate: job {job_id}: unknown keys {sorted(unknown)}; use "
+                             f"{sorted(keys)}")
+        mode = spec.get("mode", "static")
+        if mode not in ("static", "shared"):
+            raise ValueError(f"aggregate: job {job_id}: mode must be 'static' or 'shared', got "
+                             f"{mode!r}")
+        parent = spec.get("parent")
+        fallback = spec.get("fallback")
+        self.table.add_job(
+            job_id, int(spec.get("slots", 0)),
+            parse_members(job_id, spec.get("members") or [], self.ports),
+            int(spec.get("seq0", 0)), lanes=int(spec.get("lanes", DEFAULT_LANES)),
+            shared=mode == "shared",
+            parent=None if parent is None else parse_peer(job_id, "parent", parent, self.ports,
+                                                          "index"),
+            fallback=None if fallback is None else parse_peer(job_id, "fallback", fallback,
+                                                              self.ports, "port"))
 
     def free_slots(self) -> int:
         """Slots of metadata no job holds."""
-        return self.max_slots - sum(j["slots"] for j in self.jobs.values())
+        return self.table.free_slots()
 
     def free_memory_bytes(self) -> int:
-        """Bytes of static aggregator memory no job holds (outside the shared pool)."""
-        return 4 * (self.static_words - sum(j["words"] for j in self.jobs.values()))
-
-    def add_job(self, job_id: int, slots: int, members: list[dict], seq0: int = 0, *,
-                lanes: int = DEFAULT_LANES, mode: str = "static", parent: dict | None = None,
-                fallback: dict | None = None) -> None:
-        """Register ``job_id`` (see the class docstring); refused when it does not fit."""
-        who = f"aggregate: job {job_id}"
-        if not 0 <= job_id < 1 << 16:
-            raise ValueError(f"aggregate: job_id must be 0..65535, got {job_id}")
-        if not 1 <= slots <= 1 << 16:
-            raise ValueError(f"{who}: slots must be 1..65536, got {slots}")
-        if not 0 <= seq0 < SEQ_MOD:
-            raise ValueError(f"{who}: seq0 must be 0..2**32-1, got {seq0}")
-        if not 1 <= lanes <= THC_MAX_ELEMS:
-            raise ValueError(f"{who}: lanes must be 1..{THC_MAX_ELEMS}, got {lanes}")
-        if mode not in ("static", "shared"):
-            raise ValueError(f"{who}: mode must be 'static' or 'shared', got {mode!r}")
-        rows = [_member_row(job_id, m, self.ports) for m in members]
-        n = len(rows)
-        if not 1 <= n <= MAX_WORKERS:
-            raise ValueError(f"{who}: needs 1..{MAX_WORKERS} members, got {n}")
-        if sorted(r[0] for r in rows) != list(range(n)):
-            raise ValueError(f"{who}: member workers must be 0..{n - 1}, each once; got "
-                             f"{sorted(r[0] for r in rows)}")
-        up = None if parent is None else _peer(job_id, "parent", parent, self.ports, ("index",))
-        fb = None if fallback is None else _peer(job_id, "fallback", fallback, self.ports,
-                                                 ("port",))
-        if mode == "shared":
-            if fb is None:
-                raise ValueError(f"{who}: shared mode needs a 'fallback' host aggregator")
-            if self.pool_entries == 0:
-                raise ValueError(f"{who}: shared mode, but this switch has no shared pool "
-                                 "(pool_bytes = 0)")
-            if lanes > self.pool_lanes:
-                raise ValueError(f"{who}: lanes {lanes} > the pool's {self.pool_lanes}")
-        if job_id in self.jobs:
-            self.remove_job(job_id)
-        idx = next((k for k in range(MAX_JOBS)
-                    if k not in {j["index"] for j in self.jobs.values()}), -1)
-        if idx < 0:
-            raise ValueError(f"aggregate: at most {MAX_JOBS} jobs at once; remove one first")
-        base = _free_range([(j["base"], j["slots"]) for j in self.jobs.values()], 0,
-                           self.max_slots, slots)
-        if base < 0:
-            raise ValueError(f"{who} asks for {slots} slots but only {self.free_slots()} are "
-                             f"free (contiguous) of {self.max_slots}; ask for fewer or remove "
-                             "a job")
-        words = slots * 2 * lanes if mode == "static" else 0
-        vbase = _free_range([(j["vbase"], j["words"]) for j in self.jobs.values() if j["words"]],
-                            0, self.static_words, words) if words else 0
-        if vbase < 0:
-            raise ValueError(f"{who} needs {4 * words} B of aggregator memory ({slots} slots x 2 "
-                             f"sets x {lanes} lanes x 4 B) but only {self.free_memory_bytes()} B "
-                             f"are free (contiguous) of {4 * self.static_words} B static memory; "
-                             "ask for fewer slots, use shared mode, or fall back to the hosts")
-        self.jobs[job_id] = {"index": idx, "base": base, "slots": slots, "n_workers": n,
-                             "seq0": seq0, "lanes": lanes, "mode": mode, "vbase": vbase,
-                             "words": words, "parent": parent is not None}
-        J, R = self.jobs_arr, self.regs
-        J.base[idx], J.slots[idx], J.n_workers[idx], J.lanes[idx] = base, slots, n, lanes
-        J.mode[idx] = SHARED if mode == "shared" else STATIC
-        J.ingress[idx] = -1
-        for w, mac, ip, port, ingress in rows:
-            J.mac[idx, w] = np.frombuffer(mac, np.uint8)
-            J.ip[idx, w], J.port[idx, w], J.ingress[idx, w] = ip, port, ingress
-        J.up_egress[idx], J.fb_egress[idx] = -1, -1
-        if up is not None:
-            J.up_mac[idx] = np.frombuffer(up["mac"], np.uint8)
-            J.up_ip[idx], J.up_egress[idx], J.up_index[idx] = up["ip"], up["egress"], up["index"]
-        if fb is not None:
-            J.fb_mac[idx] = np.frombuffer(fb["mac"], np.uint8)
-            J.fb_ip[idx], J.fb_port[idx], J.fb_egress[idx] = fb["ip"], fb["port"], fb["egress"]
-        if mode == "static":
-            R.val_off[base:base + slots] = vbase + np.arange(slots) * 2 * lanes
-        else:
-            R.val_off[base:base + slots] = -1
-        init_rounds(R, base, base + slots, seq0)
-        J.row[job_id] = idx
+        """Bytes of static aggregator memory no job holds."""
+        return self.table.free_memory_bytes()
 
     def remove_job(self, job_id: int) -> None:
-        """Forget ``job_id``, free its slots, memory and shared-pool entries (packets for it
-        then drop ``UNKNOWN_JOB``)."""
-        if job_id not in self.jobs:
-            raise ValueError(f"aggregate: no job {job_id}; jobs are {sorted(self.jobs)}")
-        j = self.jobs.pop(job_id)
-        self.jobs_arr.row[job_id] = -1
-        lo, hi = j["base"], j["base"] + j["slots"]
-        owner = self.regs.pool_owner
-        owner[(owner >= lo) & (owner < hi)] = -1
-        self.regs.val_off[lo:hi] = -1
+        """Forget ``job_id`` and free what it held (its packets then drop ``UNKNOWN_JOB``)."""
+        self.table.remove_job(job_id)
 
     def reset_job(self, job_id: int, seq0: int | None = None) -> None:
-        """Start ``job_id`` afresh at round ``seq0`` (default: the job's first round): every
-        round of its partition is forgotten. For a job whose worker died mid-aggregation;
-        other jobs are never affected (disjoint partitions)."""
-        if job_id not in self.jobs:
-            raise ValueError(f"aggregate: no job {job_id}; jobs are {sorted(self.jobs)}")
-        j = self.jobs[job_id]
-        if seq0 is not None:
-            j["seq0"] = int(seq0) % SEQ_MOD
-        init_rounds(self.regs, j["base"], j["base"] + j["slots"], j["seq0"])
+        """Start ``job_id`` afresh at round ``seq0`` (default: its first round): for a job
+        whose worker died mid-aggregation; other jobs are never affected."""
+        self.table.reset_job(job_id, seq0)
 
     # --- data path ---------------------------------------------------------------------------
     def process(self, batch: Batch, now_ns: int) -> None:
         """Aggregate the contributions in ``batch``; append the packets it emits."""
         b = Batch4(batch.buf, batch.length, batch.in_port, batch.out_port, batch.reason)
-        batch.n = aggregate_kernel(b, batch.n, self.regs, self.jobs_arr, self.agg,
-                                   self.counters_arr)
+        batch.n = self.table.process(b, batch.n)
 
     def counters(self) -> dict:
-        """Protocol counters; per job its slots, memory, mode and rounds by where they were
-        aggregated; memory configured/allocated/in use; completed rounds per second."""
-        out = {k: int(v) for k, v in zip(COUNTER_NAMES, self.counters_arr, strict=True)}
-        R = self.regs
-        jobs, in_use = {}, 0
-        for jid, j in self.jobs.items():
-            lo, hi = j["base"], j["base"] + j["slots"]
-            st = R.state[lo:hi]
-            held = int(np.count_nonzero(R.val_off[lo:hi] >= 0))
-            open_sets = int(np.count_nonzero((st == OPEN) | (st == UP)))
-            in_use += open_sets * j["lanes"] * 4
-            jobs[str(jid)] = {
-                "slots": j["slots"], "n_workers": j["n_workers"], "base": j["base"],
-                "lanes": j["lanes"], "mode": j["mode"], "tree_child": j["parent"],
-                "memory_bytes": 4 * (j["words"] if j["mode"] == "static"
-                                     else held * 2 * self.pool_lanes),
-                "slots_in_memory": held, "slots_at_host": int(np.count_nonzero(
-                    (st == HOST).any(axis=1) & (R.val_off[lo:hi] < 0))),
-                "open_sets": open_sets, "up_sets": int(np.count_nonzero(st == UP)),
-                "done_sets": int(np.count_nonzero(st == DONE))}
-        now, done = time.monotonic(), int(self.counters_arr[COUNTER_NAMES.index("completed")])
+        """The aggregation's counters (see :meth:`Aggregation.counters`) and completed rounds
+        per second since the previous call."""
+        out = self.table.counters()
+        now, done = time.monotonic(), out["completed"]
         t0, done0 = self._rate
         out["aggregations_per_s"] = round((done - done0) / (now - t0), 1) if now > t0 else 0.0
         self._rate = (now, done)
-        out["jobs"] = jobs
-        out["free_slots"] = self.free_slots()
-        out["memory"] = {"configured_bytes": 4 * self.memory_words,
-                         "pool_bytes": 4 * self.pool_words,
-                         "pool_entries": self.pool_entries,
-                         "pool_entries_held": int(np.count_nonzero(R.pool_owner >= 0)),
-                         "allocated_bytes": 4 * sum(j["words"] for j in self.jobs.values()),
-                         "free_bytes": self.free_memory_bytes(), "in_use_bytes": in_use,
-                         "slot_metadata_bytes": SLOT_METADATA_BYTES * self.max_slots}
         return out

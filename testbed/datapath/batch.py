@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.kernels.packets import PORT_DROP, PORT_FLOOD, PORT_HELD, PORT_UNSET
 from testbed.kernels.wire import FRAME_MAX, DropReason
 
 __all__ = ["FRAME_MAX", "PORT_DROP", "PORT_FLOOD", "PORT_HELD", "PORT_UNSET", "Batch",
            "DropReason", "Stage"]
 
-PORT_UNSET = -1
-PORT_DROP = -2
-PORT_FLOOD = -3
-PORT_HELD = -4
 
 
 class Batch:

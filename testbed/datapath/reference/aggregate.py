@@ -15,9 +15,9 @@ import struct
 
 import numpy as np
 
-from testbed.datapath.aggkernel import MAX_ELEMS_MTU, THC_MAX_ELEMS
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET
 from testbed.kernels import wire
+from testbed.kernels.aggregation import MAX_ELEMS_MTU, THC_MAX_ELEMS
 from testbed.kernels.reference.packets import ipv4_checksum, parse_frame, udp_frame
 from testbed.kernels.wire import Codec, DropReason, Flags, MsgType
 

@@ -1,7 +1,9 @@
-"""The aggregate program's data path: its registers, job table and the ``@njit`` steps that
-apply a burst of packets to them (one call per burst). The protocol and its invariants are in
-``docs/protocol.md``; :mod:`testbed.datapath.aggregate` is the stage (control plane side) and
-:mod:`testbed.datapath.reference.aggregate` the plain-Python twin.
+"""In-network aggregation as a kernel: registers, a job table and the ``@njit`` steps that
+apply a burst of frames to them (one call per burst), and :class:`Aggregation`, the state one
+aggregator keeps. The data-path stage ``aggregate`` (:mod:`testbed.datapath.aggregate`) runs
+it on a programmable switch; a job's host fallback aggregator
+(:mod:`testbed.collectives.fallback`) runs it on a host. The protocol and its invariants are in
+``docs/protocol.md``; :mod:`testbed.datapath.reference.aggregate` is the plain-Python twin.
 
 State, grouped in small typed records:
 
@@ -32,7 +34,6 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET
 from testbed.kernels.packets import (
     OFF_ETH_DST,
     OFF_ETH_SRC,
@@ -41,6 +42,9 @@ from testbed.kernels.packets import (
     OFF_UDP_CSUM,
     OFF_UDP_DPORT,
     OFF_UDP_SPORT,
+    PORT_DROP,
+    PORT_HELD,
+    PORT_UNSET,
     header,
     header_at,
     parse_frame,
@@ -136,6 +140,7 @@ class Jobs(NamedTuple):
     up_mac: np.ndarray  # uint8[J, 6]: the parent switch (tree)
     up_ip: np.ndarray  # int64[J]
     up_egress: np.ndarray  # int64[J]: port towards the parent, -1 at the root
+    up_ingress: np.ndarray  # int64[J]: port the parent's RESULTs arrive on
     up_index: np.ndarray  # int64[J]: this switch's member id at its parent
     fb_mac: np.ndarray  # uint8[J, 6]: the job's host fallback aggregator (shared mode)
     fb_ip: np.ndarray  # int64[J]
@@ -173,7 +178,8 @@ def new_jobs() -> Jobs:
     return Jobs(np.full(1 << 16, -1, np.int32), z.copy(), z.copy(), z.copy(), z.copy(), z.copy(),
                 np.zeros((j, w, 6), np.uint8), np.zeros((j, w), np.int64),
                 np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64),
-                np.zeros((j, 6), np.uint8), z.copy(), np.full(j, -1, np.int64), z.copy(),
+                np.zeros((j, 6), np.uint8), z.copy(), np.full(j, -1, np.int64),
+                np.full(j, -1, np.int64), z.copy(),
                 np.zeros((j, 6), np.uint8), z.copy(), z.copy(), np.full(j, -1, np.int64))
 
 
@@ -440,7 +446,7 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg):
 @njit(cache=True)
 def from_parent(f, in_port, jx, jobs):
     """Whether ``f`` comes from job row ``jx``'s registered parent switch, by its port."""
-    if jobs.up_egress[jx] < 0 or in_port != jobs.up_egress[jx]:
+    if jobs.up_egress[jx] < 0 or in_port != jobs.up_ingress[jx]:
         return False
     if rd_u32be(f, OFF_IP_SRC) != jobs.up_ip[jx] or rd_u16be(f, OFF_UDP_SPORT) != \
             TESTBED_UDP_PORT:
@@ -728,3 +734,221 @@ def aggregate_kernel(b, n, regs, jobs, agg, counters):
             continue
         n_out = _contribution(b, i, n_out, jx, regs, jobs, agg, counters)
     return n_out
+
+
+# ------------------------------------------------------------------------------- the state
+
+#: Slot metadata (round, state, bitmap, missing, ...) in bytes per slot, both sets.
+SLOT_METADATA_BYTES = 2 * 8 * 8
+
+
+class Member(NamedTuple):
+    """A registered member: worker id, MAC (6 bytes), IPv4 (host order), UDP port, ingress."""
+
+    worker: int
+    mac: bytes
+    ip: int
+    port: int
+    ingress: int
+
+
+class Peer(NamedTuple):
+    """A job's parent switch or host fallback: MAC, IPv4, the port towards it, the port its
+    packets arrive on, and this aggregator's member id there (parent) or its UDP port
+    (fallback)."""
+
+    mac: bytes
+    ip: int
+    egress: int
+    ingress: int
+    index_or_port: int
+
+
+def free_range(used: list[tuple[int, int]], lo: int, hi: int, size: int) -> int:
+    """First offset in ``lo..hi`` where ``size`` units fit between the ``(start, size)`` ranges
+    in ``used``, or -1."""
+    base = lo
+    for b, n in sorted(used):
+        if b - base >= size:
+            return base
+        base = max(base, b + n)
+    return base if hi - base >= size else -1
+
+
+class Aggregation:
+    """The state of one aggregator (a switch's or a host's): identity, memory, shared pool,
+    jobs, counters; :meth:`process` applies a burst. Memory is the int32 value words the jobs'
+    slots hold: a static job reserves ``slots x 2 x lanes`` words (or is refused saying what is
+    free), the shared pool (``pool_entries`` entries of ``pool_lanes`` lanes per set) serves
+    the jobs in shared mode."""
+
+    def __init__(self, memory_bytes: int, pool_entries: int, pool_lanes: int, max_slots: int,
+                 max_elems: int):
+        self.max_slots, self.max_elems = max_slots, max_elems
+        self.memory_words = memory_bytes // 4
+        self.pool_entries, self.pool_lanes = pool_entries, pool_lanes
+        self.pool_words = pool_entries * 2 * pool_lanes
+        if self.pool_words > self.memory_words:
+            raise ValueError(f"aggregate: the shared pool ({4 * self.pool_words} B) exceeds the "
+                             f"memory ({4 * self.memory_words} B)")
+        self.static_words = self.memory_words - self.pool_words
+        self.regs = new_registers(max_slots, self.memory_words, pool_entries)
+        self.jobs_arr = new_jobs()
+        self.counters_arr = np.zeros(len(COUNTER_NAMES), np.int64)
+        self.jobs: dict[int, dict] = {}
+        self._agg = {"mac": np.zeros(6, np.uint8), "ip": 0, "codec_ok": np.zeros(256, np.bool_),
+                     "via_ingress": True, "max_elems": max_elems, "thc_max": THC_MAX_ELEMS,
+                     "pool_base": self.static_words, "pool_lanes": pool_lanes}
+        self.agg = Aggregator(**self._agg)
+
+    def set_identity(self, mac: bytes | None = None, ip: int | None = None,
+                     codec_ok: np.ndarray | None = None, via_ingress: bool | None = None) -> None:
+        """Change the aggregator's address, summable codecs or where results leave."""
+        a = self._agg
+        if mac is not None:
+            a["mac"] = np.frombuffer(bytes(mac), np.uint8).copy()
+        if ip is not None:
+            a["ip"] = int(ip)
+        if codec_ok is not None:
+            a["codec_ok"] = codec_ok
+        if via_ingress is not None:
+            a["via_ingress"] = bool(via_ingress)
+        self.agg = Aggregator(**a)
+
+    def free_slots(self) -> int:
+        """Slots of metadata no job holds."""
+        return self.max_slots - sum(j["slots"] for j in self.jobs.values())
+
+    def free_memory_bytes(self) -> int:
+        """Bytes of static aggregator memory no job holds (outside the shared pool)."""
+        return 4 * (self.static_words - sum(j["words"] for j in self.jobs.values()))
+
+    def add_job(self, job_id: int, slots: int, members: list[Member], seq0: int = 0, *,
+                lanes: int = 256, shared: bool = False, parent: Peer | None = None,
+                fallback: Peer | None = None) -> None:
+        """Register ``job_id`` (replacing it if present); ``ValueError`` when it does not fit
+        or is malformed (the message says what is free or what is wrong)."""
+        who = f"aggregate: job {job_id}"
+        if not 0 <= job_id < 1 << 16:
+            raise ValueError(f"aggregate: job_id must be 0..65535, got {job_id}")
+        if not 1 <= slots <= 1 << 16:
+            raise ValueError(f"{who}: slots must be 1..65536, got {slots}")
+        if not 0 <= seq0 < SEQ_MOD:
+            raise ValueError(f"{who}: seq0 must be 0..2**32-1, got {seq0}")
+        if not 1 <= lanes <= THC_MAX_ELEMS:
+            raise ValueError(f"{who}: lanes must be 1..{THC_MAX_ELEMS}, got {lanes}")
+        n = len(members)
+        if not 1 <= n <= MAX_WORKERS:
+            raise ValueError(f"{who}: needs 1..{MAX_WORKERS} members, got {n}")
+        if sorted(m.worker for m in members) != list(range(n)):
+            raise ValueError(f"{who}: member workers must be 0..{n - 1}, each once; got "
+                             f"{sorted(m.worker for m in members)}")
+        if shared:
+            if fallback is None:
+                raise ValueError(f"{who}: shared mode needs a 'fallback' host aggregator")
+            if self.pool_entries == 0:
+                raise ValueError(f"{who}: shared mode, but this aggregator has no shared pool "
+                                 "(pool_bytes = 0)")
+            if lanes > self.pool_lanes:
+                raise ValueError(f"{who}: lanes {lanes} > the pool's {self.pool_lanes}")
+        if job_id in self.jobs:
+            self.remove_job(job_id)
+        idx = next((k for k in range(MAX_JOBS)
+                    if k not in {j["index"] for j in self.jobs.values()}), -1)
+        if idx < 0:
+            raise ValueError(f"aggregate: at most {MAX_JOBS} jobs at once; remove one first")
+        base = free_range([(j["base"], j["slots"]) for j in self.jobs.values()], 0,
+                          self.max_slots, slots)
+        if base < 0:
+            raise ValueError(f"{who} asks for {slots} slots but only {self.free_slots()} are "
+                             f"free (contiguous) of {self.max_slots}; ask for fewer or remove "
+                             "a job")
+        words = 0 if shared else slots * 2 * lanes
+        vbase = free_range([(j["vbase"], j["words"]) for j in self.jobs.values() if j["words"]],
+                           0, self.static_words, words) if words else 0
+        if vbase < 0:
+            raise ValueError(f"{who} needs {4 * words} B of aggregator memory ({slots} slots x 2 "
+                             f"sets x {lanes} lanes x 4 B) but only {self.free_memory_bytes()} B "
+                             f"are free (contiguous) of {4 * self.static_words} B static memory; "
+                             "ask for fewer slots, use shared mode, or fall back to the hosts")
+        self.jobs[job_id] = {"index": idx, "base": base, "slots": slots, "n_workers": n,
+                             "seq0": seq0, "lanes": lanes, "shared": shared, "vbase": vbase,
+                             "words": words, "tree_child": parent is not None}
+        J, R = self.jobs_arr, self.regs
+        J.base[idx], J.slots[idx], J.n_workers[idx], J.lanes[idx] = base, slots, n, lanes
+        J.mode[idx] = SHARED if shared else STATIC
+        J.ingress[idx] = -1
+        for m in members:
+            J.mac[idx, m.worker] = np.frombuffer(m.mac, np.uint8)
+            J.ip[idx, m.worker], J.port[idx, m.worker] = m.ip, m.port
+            J.ingress[idx, m.worker] = m.ingress
+        J.up_egress[idx], J.up_ingress[idx], J.fb_egress[idx] = -1, -1, -1
+        if parent is not None:
+            J.up_mac[idx] = np.frombuffer(parent.mac, np.uint8)
+            J.up_ip[idx], J.up_egress[idx] = parent.ip, parent.egress
+            J.up_ingress[idx], J.up_index[idx] = parent.ingress, parent.index_or_port
+        if fallback is not None:
+            J.fb_mac[idx] = np.frombuffer(fallback.mac, np.uint8)
+            J.fb_ip[idx], J.fb_egress[idx] = fallback.ip, fallback.egress
+            J.fb_port[idx] = fallback.index_or_port
+        R.val_off[base:base + slots] = (-1 if shared else
+                                        vbase + np.arange(slots) * 2 * lanes)
+        init_rounds(R, base, base + slots, seq0)
+        J.row[job_id] = idx
+
+    def remove_job(self, job_id: int) -> None:
+        """Forget ``job_id``, free its slots, memory and shared-pool entries."""
+        if job_id not in self.jobs:
+            raise ValueError(f"aggregate: no job {job_id}; jobs are {sorted(self.jobs)}")
+        j = self.jobs.pop(job_id)
+        self.jobs_arr.row[job_id] = -1
+        lo, hi = j["base"], j["base"] + j["slots"]
+        owner = self.regs.pool_owner
+        owner[(owner >= lo) & (owner < hi)] = -1
+        self.regs.val_off[lo:hi] = -1
+
+    def reset_job(self, job_id: int, seq0: int | None = None) -> None:
+        """Start ``job_id`` afresh at round ``seq0`` (default: its first round)."""
+        if job_id not in self.jobs:
+            raise ValueError(f"aggregate: no job {job_id}; jobs are {sorted(self.jobs)}")
+        j = self.jobs[job_id]
+        if seq0 is not None:
+            j["seq0"] = int(seq0) % SEQ_MOD
+        init_rounds(self.regs, j["base"], j["base"] + j["slots"], j["seq0"])
+
+    def process(self, b: Batch4, n: int) -> int:
+        """Apply ``n`` frames of a batch; return the new batch size."""
+        return aggregate_kernel(b, n, self.regs, self.jobs_arr, self.agg, self.counters_arr)
+
+    def counters(self) -> dict:
+        """Protocol counters; per job its slots, memory, mode and where its slots' rounds are
+        aggregated; the memory configured, allocated and in use."""
+        out = {k: int(v) for k, v in zip(COUNTER_NAMES, self.counters_arr, strict=True)}
+        R = self.regs
+        jobs, in_use = {}, 0
+        for jid, j in self.jobs.items():
+            lo, hi = j["base"], j["base"] + j["slots"]
+            st = R.state[lo:hi]
+            held = int(np.count_nonzero(R.val_off[lo:hi] >= 0))
+            open_sets = int(np.count_nonzero((st == OPEN) | (st == UP)))
+            in_use += open_sets * j["lanes"] * 4
+            jobs[str(jid)] = {
+                "slots": j["slots"], "n_workers": j["n_workers"], "base": j["base"],
+                "lanes": j["lanes"], "mode": "shared" if j["shared"] else "static",
+                "tree_child": j["tree_child"],
+                "memory_bytes": 4 * (j["words"] if not j["shared"]
+                                     else held * 2 * self.pool_lanes),
+                "slots_in_memory": held, "slots_at_host": int(np.count_nonzero(
+                    (st == HOST).any(axis=1) & (R.val_off[lo:hi] < 0))),
+                "open_sets": open_sets, "up_sets": int(np.count_nonzero(st == UP))}
+        out["jobs"] = jobs
+        out["free_slots"] = self.free_slots()
+        out["memory"] = {"configured_bytes": 4 * self.memory_words,
+                         "pool_bytes": 4 * self.pool_words,
+                         "pool_entries": self.pool_entries,
+                         "pool_entries_held": int(np.count_nonzero(R.pool_owner[
+                             :self.pool_entries] >= 0)),
+                         "allocated_bytes": 4 * sum(j["words"] for j in self.jobs.values()),
+                         "free_bytes": self.free_memory_bytes(), "in_use_bytes": in_use,
+                         "slot_metadata_bytes": SLOT_METADATA_BYTES * self.max_slots}
+        return out
