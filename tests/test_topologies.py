@@ -436,9 +436,12 @@ def test_program_overrides_and_the_aggregate_stage():
 
     ls = TestbedNet(LeafSpine(2, 2, 1, switch="programmable",
                               programs={"switch": ["aggregate", "forward"]}))
-    # the generic key's aggregate stage stays only on the aggregator switch
-    assert names(ls) == {"tbl1": ["forward"], "tbl2": ["forward"],
-                         "tbsp1": ["aggregate", "forward"], "tbsp2": ["forward"]}
+    # every programmable switch aggregates (any can be in a job's tree), each as itself
+    assert names(ls) == {s: ["aggregate", "forward"] for s in ("tbl1", "tbl2", "tbsp1", "tbsp2")}
+    idents = {n: (dict(p)["aggregate"]["agg_ip"], dict(p)["aggregate"]["agg_mac"])
+              for n, p in ls.programs_plan().items()}
+    assert idents["tbsp1"] == ("10.0.0.254", "02:54:42:00:00:fe")  # the classic aggregator
+    assert len(set(idents.values())) == 4
     fwd = dict(ls.programs_plan()["tbl1"])["forward"]
     assert fwd["learn"] is False and fwd["l2"]["00:00:00:00:00:02"] == ["tbl1-eth2", "tbl1-eth3"]
     star = TestbedNet(Star(2, switch="programmable", smartnic=True,

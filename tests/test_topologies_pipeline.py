@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from testbed.topologies import FatTree, LeafSpine, Star, TopologyError, netem_available
-from testbed.topologies.base import AGGREGATOR_MAC, host_mac
+from testbed.topologies.base import AGGREGATOR_MAC, host_mac, switch_identity
 from testbed.topologies.pipeline import (
     DatapathOptions,
     Impairment,
@@ -42,9 +42,8 @@ def test_star_aggregator_and_forwarding_table():
 def test_leaf_spine_generic_override_ecmp_and_mixed_bridges():
     plan = compose(LeafSpine(2, 2, 2, switch="programmable",
                              programs={"switch": ["aggregate", ("forward", {"learn": True})]}))
-    # the generic key's aggregate stage stays only on the aggregator switch
-    assert names(plan) == {"tbl1": ["forward"], "tbl2": ["forward"],
-                           "tbsp1": ["aggregate", "forward"], "tbsp2": ["forward"]}
+    # every programmable switch aggregates (any can be in a job's tree)
+    assert names(plan) == {s: ["aggregate", "forward"] for s in ("tbl1", "tbl2", "tbsp1", "tbsp2")}
     leaf = stage(plan, "tbl1", "forward")
     assert leaf["learn"] is True  # the override's own setting wins over the default
     # a host on the other leaf: one ECMP member per spine; the aggregator only via tbsp1
@@ -52,17 +51,20 @@ def test_leaf_spine_generic_override_ecmp_and_mixed_bridges():
     assert leaf["l2"][host_mac(0)] == ["tbl1-eth1"]
     assert leaf["l2"][AGGREGATOR_MAC] == ["tbl1-eth3"]
     mixed = compose(LeafSpine(2, 2, 1, switch={"tbsp1", "tbsp2"}))
-    assert names(mixed) == {"tbsp1": ["aggregate", "forward"], "tbsp2": ["forward"]}
+    assert names(mixed) == {"tbsp1": ["aggregate", "forward"], "tbsp2": ["aggregate", "forward"]}
 
 
 def test_fat_tree_every_switch_routes_every_host():
     topo = FatTree(4, switch="programmable")
     plan = compose(topo)
     assert len(plan) == 20 and topo.aggregator_switch == "tbc1"
-    assert [n for n, progs in names(plan).items() if "aggregate" in progs] == ["tbc1"]
+    assert all("aggregate" in progs for progs in names(plan).values())
+    identities = {switch_identity(topo, s)[0] for s in plan}
+    assert len(identities) == 20  # one aggregator identity per switch, each routed everywhere
     for node in plan:
         l2 = stage(plan, node, "forward")["l2"]
         assert {host_mac(r) for r in range(16)} <= set(l2), node
+        assert identities - {switch_identity(topo, node)[0]} <= set(l2), node
         ports = node_ports(topo, node)
         assert all(set(group) <= set(ports) for group in l2.values()), node
     # edge switch: its own two hosts directly, everyone else over both aggregation switches

@@ -61,6 +61,30 @@ def host_ip(rank: int) -> str:
     return f"10.{(num >> 16) & 0xFF}.{(num >> 8) & 0xFF}.{num & 0xFF}"
 
 
+def switch_identity(topo, switch: str) -> tuple[str, str]:
+    """(MAC, IPv4) of ``switch``'s aggregator: the topology's aggregator switch answers the
+    well-known ``AGGREGATOR_MAC``/``AGGREGATOR_IP``; every other programmable switch (trees,
+    other jobs' roots) ``02:54:42:01:HH:LL`` / ``10.254.HH.LL`` by its rank among them."""
+    if switch == topo.aggregator_switch:
+        return AGGREGATOR_MAC, AGGREGATOR_IP
+    fabric = sorted(s for s in topo.programmable if topo.switch_roles.get(s) != "smartnic")
+    if switch not in fabric:
+        raise TopologyError(f"{switch!r} is not a programmable switch of this topology; "
+                            f"programmable switches: {fabric or 'none'}")
+    k = fabric.index(switch) + 1
+    return f"02:54:42:01:{k >> 8:02x}:{k & 0xFF:02x}", f"10.254.{k >> 8}.{k & 0xFF}"
+
+
+def aggregating_switches(topo) -> list[str]:
+    """Programmable switches (SmartNICs excepted): each runs an aggregate stage, unless the
+    topology was built with ``aggregator=None`` (no in-network aggregation at all)."""
+    params = topo.params if isinstance(getattr(topo, "params", None), dict) else {}
+    option = getattr(topo, "aggregator_option", params.get("aggregator", "auto"))
+    if option is None:
+        return []
+    return sorted(s for s in topo.programmable if topo.switch_roles.get(s) != "smartnic")
+
+
 def host_mac(rank: int) -> str:
     """MAC of the host of ``rank``: 00:00:00:00:00:<rank+1> in hex (as autoSetMacs)."""
     num = rank + 1
@@ -126,8 +150,11 @@ class TestbedTopo(Topo):
       node ``tbn<rank+1>`` between host and ToR.
     * ``programs`` (None): dict node name (or 'switch' / 'smartnic' for all of that kind) ->
       program options passed to the data-path node.
-    * ``aggregator`` ('auto'): switch name that hosts the aggregator, None for none; 'auto'
-      picks the kind's natural place when that switch is programmable.
+    * ``aggregator`` ('auto'): switch name that hosts the classic single-switch aggregator
+      (``10.0.0.254``), None for no in-network aggregation at all (no ``aggregate`` stage on
+      any switch); 'auto' picks the kind's natural place when that switch is programmable.
+      Every programmable switch can be part of a job's aggregation tree
+      (:mod:`testbed.topologies.aggtree`) unless this is None.
     * ``seed`` (0): seed of everything random (impairments, ECMP hash salt).
     """
 
@@ -164,7 +191,7 @@ class TestbedTopo(Topo):
         self.switch_roles: dict[str, str] = {}
         self._switch_opt = switch
         self._smartnic_opt = smartnic
-        self._aggregator_opt = aggregator
+        self.aggregator_option = aggregator
         self._n_hosts_planned = self.planned_hosts()
         self._nic_ranks = self._resolve_smartnic(smartnic, self._n_hosts_planned)
 
@@ -340,7 +367,7 @@ class TestbedTopo(Topo):
                 "switch": self._switch_opt if isinstance(self._switch_opt, str)
                 else sorted(self._switch_opt),
                 "smartnic": sorted(self._nic_ranks),
-                "aggregator": self._aggregator_opt,
+                "aggregator": self.aggregator_option,
                 "seed": self.seed,
             },
             "hosts": list(self.host_names),

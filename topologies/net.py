@@ -56,16 +56,18 @@ from testbed.datapath.control import DatapathClient
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 from testbed.netlock import emulation_lock
 
-from . import paths, routing
+from . import aggtree, routing
 from .base import (
     AGGREGATOR_IP,
     AGGREGATOR_MAC,
     MAX_BW_MBPS,
     TestbedTopo,
     TopologyError,
+    aggregating_switches,
     host_ip,
     host_mac,
     netem_available,
+    switch_identity,
 )
 from .pipeline import DatapathOptions, compose
 
@@ -395,8 +397,6 @@ class TestbedNet:
             info["programs"] = plan[name]
             if not is_nic and self._tree is not None:
                 info["flood_ports"] = self._flood_ports(name)
-            if name == topo.aggregator_switch:
-                info.update(agg_ip=AGGREGATOR_IP, agg_mac=AGGREGATOR_MAC)
             info.update(self.engine_opts)
             topo.setNodeInfo(name, info)
 
@@ -451,8 +451,12 @@ class TestbedNet:
                         if r2 != rank:
                             f.write(f"neigh replace {ip} lladdr {host_mac(r2)} dev {intf} "
                                     "nud permanent\n")
-                    f.write(f"neigh replace {AGGREGATOR_IP} lladdr {AGGREGATOR_MAC} "
-                            f"dev {intf} nud permanent\n")
+                    for sw in aggregating_switches(self.topo):  # every aggregator identity
+                        mac, ip = switch_identity(self.topo, sw)
+                        f.write(f"neigh replace {ip} lladdr {mac} dev {intf} nud permanent\n")
+                    if not self.topo.programmable:  # the well-known address, for bridges too
+                        f.write(f"neigh replace {AGGREGATOR_IP} lladdr {AGGREGATOR_MAC} "
+                                f"dev {intf} nud permanent\n")
                 parts.append(f"ip -batch {path}")
             parts.append(f"tc qdisc show dev {intf}")
             out = h.cmd("; ".join(parts))
@@ -691,13 +695,26 @@ class TestbedNet:
             ports[name] = stats
         return {"datapath": dp, "ports": ports}
 
-    def ina_members(self, hosts, port: int) -> list[dict]:
-        """The aggregator's member records of INA workers on ``hosts`` (ranks, names or Host
-        objects; worker id = position) binding UDP ``port``: what the control plane registers
-        with the aggregating switch (MAC, IP, port, the switch port their packets arrive on,
-        following the fabric's real ECMP choices)."""
+    def ina_plan(self, hosts, port: int, tree=None) -> aggtree.InaPlan:
+        """The aggregation tree of an INA job with workers on ``hosts`` (ranks, names or Host
+        objects, in worker order) binding UDP ``port``: which switches aggregate, their members
+        and parents, each worker's switch and member id (``tree``: None/'single', 'auto' or a
+        list of switches; see :mod:`testbed.topologies.aggtree`)."""
         names = self._host_names(hosts)
-        return paths.ina_members(self.topo, [self.topo.host_names.index(h) for h in names], port)
+        return aggtree.plan(self.topo, [self.topo.host_names.index(h) for h in names], port,
+                            tree, self._tables)
+
+    def first_hop(self, switch: str, host: str, sport: int, dport: int) -> str:
+        """The interface of programmable ``switch`` that a UDP flow to ``host`` leaves by."""
+        return aggtree.egress_port(self.topo, switch, host, sport, dport, self._tables)
+
+    def aggregators(self) -> dict[str, dict]:
+        """Programmable switch -> its aggregator identity ``{"ip", "mac"}``."""
+        out = {}
+        for sw in aggregating_switches(self.topo):
+            mac, ip = switch_identity(self.topo, sw)
+            out[sw] = {"ip": ip, "mac": mac}
+        return out
 
     def dead_engines(self) -> dict[str, int]:
         """Programmable nodes whose data-path engine has exited: node -> exit status

@@ -18,9 +18,10 @@ How the parts are chosen:
   ``'smartnic'`` for every node of that kind) replaces the default core: ``forward`` on a
   switch, ``wire`` on a SmartNIC, ``nic_codec`` on a SmartNIC when the options ask for a codec
   (then an override must contain ``nic_codec``; its settings are merged with the codec's).
-* **Aggregate.** The topology owns the aggregator: an ``aggregate`` stage is put in front of
-  ``forward`` on the aggregator switch when the core lacks it, and dropped from other switches
-  when it came from the generic ``'switch'`` key.
+* **Aggregate.** Every programmable switch (SmartNICs excepted) aggregates: an ``aggregate``
+  stage is put in front of ``forward`` when the core lacks it, with the switch's aggregator
+  identity (:func:`~testbed.topologies.base.switch_identity`: the aggregator switch answers
+  the well-known address) and the options' ``aggregate`` settings (memory, shared pool).
 * **Forwarding table.** A ``forward`` stage gets the routing's table (``l2``: destination MAC
   -> ECMP group of ports) and ``learn=False`` unless the override sets them.
 * **Link impairments.** Without netem, the topology's ``delay_ms`` / ``loss_pct`` are applied
@@ -53,7 +54,7 @@ from typing import Any
 from testbed.datapath.programs import normalize_programs
 
 from . import routing
-from .base import TestbedTopo, TopologyError
+from .base import TestbedTopo, TopologyError, aggregating_switches, switch_identity
 
 #: names of the impair stages (an override with one conflicts with impairments added here)
 IMPAIR_STAGES = ("impair", "impair_ingress")
@@ -104,18 +105,20 @@ class DatapathOptions:
     """What an experiment adds to the topology's own pipelines (see the module docstring).
 
     ``nic_codec``: settings of a ``nic_codec`` stage every SmartNIC runs (e.g.
-    ``{"codec": "fixed32"}``), None for none.
+    ``{"codec": "fixed32"}``), None for none. ``aggregate``: settings of every switch's
+    ``aggregate`` stage (e.g. ``{"memory_bytes": 1 << 20, "pool_bytes": 1 << 19}``).
     """
 
     impairments: tuple[Impairment, ...] = ()
     trimming: tuple[Trimming, ...] = ()
     nic_codec: dict[str, Any] | None = None
     explicit_programs: bool = False
+    aggregate: dict[str, Any] | None = None
 
     def is_empty(self) -> bool:
         """True when the options add nothing to the topology's pipelines."""
         return not (self.impairments or self.trimming or self.nic_codec is not None
-                    or self.explicit_programs)
+                    or self.explicit_programs or self.aggregate)
 
 
 def node_seed(seed: int, node: str, what: str) -> int:
@@ -225,11 +228,13 @@ def _core(topo: TestbedTopo, options: DatapathOptions, tables, name: str, is_nic
     if options.explicit_programs:
         return core
     names = [p for p, _ in core]
-    if name == topo.aggregator_switch and "aggregate" not in names:
-        at = names.index("forward") if "forward" in names else 0
-        core.insert(at, ("aggregate", {}))
-    elif name != topo.aggregator_switch and from_generic and "aggregate" in names:
-        core = [(p, s) for p, s in core if p != "aggregate"]
+    if not is_nic:
+        if "aggregate" not in names and name in aggregating_switches(topo):
+            at = names.index("forward") if "forward" in names else 0
+            core.insert(at, ("aggregate", {}))
+        mac, ip = switch_identity(topo, name)
+        core = [(p, {"agg_ip": ip, "agg_mac": mac, **(options.aggregate or {}), **s}
+                 if p == "aggregate" else s) for p, s in core]
     table = {mac: [f"{name}-eth{p}" for p in group] for mac, group in tables[name].items()}
     for pname, settings in core:
         if pname == "forward":

@@ -21,7 +21,14 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from .base import AGGREGATOR_IP, AGGREGATOR_MAC, LinkSpec, TestbedTopo, host_ip, host_mac
+from .base import (
+    LinkSpec,
+    TestbedTopo,
+    aggregating_switches,
+    host_ip,
+    host_mac,
+    switch_identity,
+)
 
 
 @dataclass
@@ -130,10 +137,11 @@ def flood_tree(topo: TestbedTopo, adj=None) -> set[frozenset[str]]:
 
 
 def destinations(topo: TestbedTopo) -> dict[str, str]:
-    """MAC -> node where that MAC lives: every host, and the aggregator's virtual MAC."""
+    """MAC -> node where that MAC lives: every host, and every programmable switch's
+    aggregator identity (:func:`~testbed.topologies.base.switch_identity`)."""
     dst = {host_mac(r): h for r, h in enumerate(topo.host_names)}
-    if topo.aggregator_switch is not None:
-        dst[AGGREGATOR_MAC] = topo.aggregator_switch
+    for sw in aggregating_switches(topo):
+        dst[switch_identity(topo, sw)[0]] = sw
     return dst
 
 
@@ -160,15 +168,16 @@ def pick_port(group: list[int], mac: str, seed: int = 0) -> int:
 
 
 def node_address(topo, node: str) -> tuple[str, str]:
-    """(IPv4, MAC) that packets to ``node`` carry: a host's, or the aggregator's virtual
-    address for the aggregator switch."""
+    """(IPv4, MAC) that packets to ``node`` carry: a host's, or a programmable switch's
+    aggregator identity."""
     if node in topo.host_names:
         r = topo.host_names.index(node)
         return host_ip(r), host_mac(r)
-    if node == topo.aggregator_switch:
-        return AGGREGATOR_IP, AGGREGATOR_MAC
-    raise ValueError(f"{node!r} is neither a host nor the aggregator switch of this topology; "
-                     f"hosts: {topo.host_names[:4]}..., aggregator: {topo.aggregator_switch}")
+    if node in aggregating_switches(topo):
+        mac, ip = switch_identity(topo, node)
+        return ip, mac
+    raise ValueError(f"{node!r} is neither a host nor a programmable switch of this topology; "
+                     f"hosts: {topo.host_names[:4]}..., switches: {aggregating_switches(topo)}")
 
 
 def flow_frame(src_ip: str, dst_ip: str, proto: int, sport: int, dport: int) -> bytes:
@@ -179,11 +188,13 @@ def flow_frame(src_ip: str, dst_ip: str, proto: int, sport: int, dport: int) -> 
     return b"\x00" * 12 + b"\x08\x00" + ip + struct.pack("!HH", sport, dport)
 
 
-def flow_path(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
-              tables: dict | None = None) -> list[str]:
-    """Nodes a flow from ``src`` to ``dst`` (hosts, or the aggregator switch) crosses, ends
-    included, as the network forwards it (see the module docstring). ``tables``: a
-    precomputed :func:`forwarding_tables` of ``topo`` (saves recomputing it per flow)."""
+def flow_hops(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
+              tables: dict | None = None) -> list[tuple[str, int, int]]:
+    """``[(node, in port, out port), ...]`` of a flow from ``src`` to ``dst`` (hosts, or
+    programmable switches by their aggregator identity) as the network forwards it (see the
+    module docstring), ends included (the source's in port and the destination's out port are
+    -1; ports are Mininet port numbers). ``tables``: a precomputed :func:`forwarding_tables`
+    of ``topo`` (saves recomputing it per flow)."""
     # Function-level import: the data path module loads Numba (start-up time), which the
     # other functions here do not need.
     from testbed.datapath.forward import flow_hash_reference
@@ -196,11 +207,11 @@ def flow_path(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
     h = flow_hash_reference(flow_frame(src_ip, dst_ip, proto, sport, dport))
     static_fdb = has_loops(topo)
     by_port = {u: {p: v for v, (p, _bw) in nbrs.items()} for u, nbrs in adj.items()}
-    path = [src]
-    node = src
+    hops: list[tuple[str, int, int]] = []
+    node, in_port = src, -1
     while node != dst:
-        if len(path) > len(adj):
-            raise RuntimeError(f"forwarding loop from {src} to {dst}: {path}")
+        if len(hops) > len(adj):
+            raise RuntimeError(f"forwarding loop from {src} to {dst}: {hops}")
         if node in topo.switch_roles:
             group = tables[node].get(dst_mac)
             if not group:
@@ -211,13 +222,22 @@ def flow_path(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
                 port = pick_port(group, dst_mac, topo.seed)
             else:
                 port = group[0]  # loop-free fabric: the only shortest path
-            node = by_port[node][port]
         else:  # a host has one link
             if node != src:
                 raise ValueError(f"path from {src} to {dst} runs through host {node}")
-            node = next(iter(adj[node]))
-        path.append(node)
-    return path
+            port = next(iter(adj[node].values()))[0]
+        hops.append((node, in_port, port))
+        nxt = by_port[node][port]
+        in_port = adj[nxt][node][0]
+        node = nxt
+    hops.append((dst, in_port, -1))
+    return hops
+
+
+def flow_path(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
+              tables: dict | None = None) -> list[str]:
+    """Nodes a flow from ``src`` to ``dst`` crosses, ends included (see :func:`flow_hops`)."""
+    return [node for node, _, _ in flow_hops(topo, src, dst, sport, dport, proto, tables)]
 
 
 def _flow_paths(adj, src: str, dst: str) -> dict[tuple[str, str], float]:

@@ -2,7 +2,8 @@
 
 The control plane (``runner.py``) registers the job's members with the aggregating switch before
 the workers start: each worker binds exactly the UDP port it was given (``job["ranks"][r]
-["port"]``) and starts its slots at the job's first round ``job["aggregator"]["seq0"]``.
+["port"]``), sends to the tree switch it was given (``job["ranks"][r]["aggregator"]``) as member
+``job["ranks"][r]["member"]``, and starts its slots at the job's first round ``job["seq0"]``.
 
 Fixed point: ``testbed.kernels.fixedpoint`` (per-packet block exponent, scale
 ``floor(INT32_MAX/n) / 2**e``). Exponent agreement is SwitchML's "one packet ahead", done per
@@ -84,6 +85,37 @@ _libc.sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.
 SALT_QUANT_RANK = 0x54484352
 
 
+def _ip_u32(ip: str) -> int:
+    return int.from_bytes(socket.inet_aton(ip), "big")
+
+
+def _sockaddr_in(ip: str, port: int) -> np.ndarray:
+    """A ``struct sockaddr_in`` (16 bytes) for ``sendmmsg``'s ``msg_name``."""
+    a = np.zeros(16, np.uint8)
+    a[0:2] = np.frombuffer(socket.AF_INET.to_bytes(2, "little"), np.uint8)
+    a[2:4] = np.frombuffer(port.to_bytes(2, "big"), np.uint8)
+    a[4:8] = np.frombuffer(socket.inet_aton(ip), np.uint8)
+    return a
+
+
+def ina_lanes(spec: CollectiveSpec, n: int) -> int:
+    """Elements per packet of an INA job (the switch's registers per slot set)."""
+    if spec.compressor is not None:
+        return thc_elems(n, get_compressor("thc", **spec.compressor_params).g)
+    return ik.ELEMS
+
+
+def rounds(spec: CollectiveSpec, n: int) -> int:
+    """Rounds (packets per worker) of one INA allreduce of ``spec``: the exponent bootstrap
+    round of ``slots`` packets, then one per chunk."""
+    if spec.compressor is not None:
+        comp = get_compressor("thc", **spec.compressor_params)
+        E = thc_elems(n, comp.g)
+        return -(-thc_layout(comp, spec.count, E, 0, 0)[0] // E) + spec.slots
+    K = -(-spec.count // ik.ELEMS)
+    return K if spec.algo == "nic" else K + spec.slots
+
+
 def _mmsg(count: int) -> tuple[np.ndarray, np.ndarray]:
     """(iovecs uint64[count, 2] = base, len; struct mmsghdr uint64[count, 8]) for LP64 Linux:
     msghdr = name, namelen, iov, iovlen, control, controllen, flags (56 B) + msg_len."""
@@ -104,12 +136,14 @@ class InaClient:
         self.rank = rank
         me = job["ranks"][rank]
         self.host = me["host"]
-        agg = job["aggregator"]
+        agg = me["aggregator"]  # the tree switch this worker sends to
         self.agg = (agg["ip"], int(agg.get("port", TESTBED_UDP_PORT)))
+        self.member = int(me.get("member", rank))  # its member id there (worker_id on the wire)
+        fallback = agg.get("fallback_ip")
         self.job_id = spec.job_id
         self.mode = ik.MODE_NIC if spec.algo == "nic" else (
             ik.MODE_THC if spec.compressor is not None else ik.MODE_INT32)
-        self.W = spec.window
+        self.W = spec.slots
         self.timeout_s = spec.timeout_s
         self.loss = float(spec.loss)
         self.rng = np.random.default_rng([spec.seed, 7919, rank])
@@ -125,16 +159,29 @@ class InaClient:
                                   f"({e}); another INA job with the same port on this host? "
                                   "give the jobs job ids that differ modulo "
                                   f"{INA_PORT_SPAN}") from None
-        self.sock.connect(self.agg)  # the kernel then drops datagrams from anyone else
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
-        self.slots = ik.new_slots(self.W, int(agg.get("seq0", 0)))
+        self.slots = ik.new_slots(self.W, int(job.get("seq0", 0)))
         self.pkts_addr = np.uint64(self.slots.pkts.ctypes.data)
         self.send_list = np.zeros(self.W, dtype=np.int64)
         self.siov, self.shdr = _mmsg(self.W)
         self.shdr_addr = self.shdr.ctypes.data
         self.rbuf = np.zeros((RX_BURST, RB), dtype=np.uint8)
         self.riov, self.rhdr = _mmsg(RX_BURST)
+        self.sources = None
+        if fallback is None:
+            self.sock.connect(self.agg)  # the kernel then drops datagrams from anyone else
+        else:
+            # shared mode: RESULTs come from the switch or from the job's host fallback; the
+            # socket stays unconnected, packets go to the switch by address, and datagrams
+            # from anyone else are ignored by their source address
+            self.sources = np.array([_ip_u32(self.agg[0]), _ip_u32(fallback)], np.uint32)
+            self.dst = _sockaddr_in(*self.agg)
+            self.shdr[:, 0] = np.uint64(self.dst.ctypes.data)
+            self.shdr[:, 1] = 16
+            self.names = np.zeros((RX_BURST, 16), np.uint8)
+            self.rhdr[:, 0] = np.uint64(self.names.ctypes.data) + \
+                np.arange(RX_BURST, dtype=np.uint64) * np.uint64(16)
         self.riov[:, 0] = np.uint64(self.rbuf.ctypes.data) + \
             np.arange(RX_BURST, dtype=np.uint64) * np.uint64(RB)
         self.riov[:, 1] = RB
@@ -167,7 +214,7 @@ class InaClient:
 
     def _payload(self, x: np.ndarray, out: np.ndarray, step: int) -> ik.Payload:
         count = x.size
-        W, n = self.W, self.n
+        W, n, member = self.W, self.n, self.member
         scratch = np.empty(ik.THC_ELEMS, dtype=np.float32)
         zero = np.uint64(0)
         if self.mode == ik.MODE_THC:
@@ -176,13 +223,13 @@ class InaClient:
             K = -(-d // self.E)
             return ik.Payload(ik.MODE_THC, x, out, np.zeros(d, np.int32),
                               np.full(max(K, 1), ik.THC_EXP_ZERO, np.int16), K, W, self.E, d, n,
-                              self.job_id, self.rank, float(comp.clip), float(comp.g // 2), blk,
+                              self.job_id, member, float(comp.clip), float(comp.g // 2), blk,
                               skey, qkey, scratch)
         K = -(-count // ik.ELEMS)
         nic = self.mode == ik.MODE_NIC
         return ik.Payload(self.mode, x, out, np.zeros(1 if nic else count, np.int32),
                           np.full(max(K, 1), fp.EXP_MIN, np.int16), K, 0 if nic else W,
-                          ik.ELEMS, count, n, self.job_id, self.rank, 0.0, 1.0, 1, zero, zero,
+                          ik.ELEMS, count, n, self.job_id, member, 0.0, 1.0, 1, zero, zero,
                           scratch)
 
     def _send(self, k: int) -> None:
@@ -242,6 +289,14 @@ class InaClient:
                 continue
             rlen = (self.rhdr[:got, 7] & np.uint64(0xFFFFFFFF)).astype(np.int64)
             drop = (self.rng.random(got) < self.loss) if self.loss else no_drop
+            if self.sources is not None:  # shared mode: only the switch and the fallback
+                src = self.names[:got, 4:8].astype(np.uint32)
+                src = (src[:, 0] << 24) | (src[:, 1] << 16) | (src[:, 2] << 8) | src[:, 3]
+                foreign = ~np.isin(src, self.sources)
+                if foreign.any():
+                    self.stats["foreign"] = self.stats.get("foreign", 0) + int(foreign.sum())
+                    drop = drop[:got] | foreign
+                self.rhdr[:, 1] = 16  # the kernel wrote the names' lengths
             d, ns, ign, lost, bad, code = ik.on_results(self.rbuf, rlen, got, drop, self.slots,
                                                         loop, p, time.monotonic(),
                                                         self.send_list)

@@ -94,7 +94,7 @@ class Payload(NamedTuple):
     d: int  # padded length (THC) or x.size
     n: int  # workers
     job_id: int
-    rank: int
+    member: int  # this worker's member id at the switch it sends to (worker_id on the wire)
     clip: float  # THC: clamp factor
     half: float  # THC: g / 2, the largest level
     blk: int  # THC: rotation block
@@ -130,7 +130,7 @@ def write_data_header(row, slot, seq, codec, e_next, cnt, off, p):
     h.version = VERSION
     h.msg_type = MsgType.DATA
     h.job_id = p.job_id
-    h.worker_id = p.rank
+    h.worker_id = p.member
     h.slot = slot
     h.slot_set = seq & 1
     h.flags = 0

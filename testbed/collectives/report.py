@@ -44,7 +44,13 @@ REPORT_COLUMNS: tuple[str, ...] = (
     # memory (MB, proportional set size)
     "cpu_max", "cpu_engine", "cpu_wait", "cpu_s", "engine_cpu_s", "cpu_util", "setup_s",
     "mem_mb",
+    # in-network aggregation (None for host algorithms): the aggregating switches (root
+    # first), the fraction of rounds aggregated in the network, rounds the host fallback
+    # aggregated, aggregator memory the job held over its switches (bytes)
+    "tree", "in_network_fraction", "host_fallback_chunks", "switch_mem_bytes",
 )
+#: The in-network columns of a row; a host algorithm's row has None there.
+INA_COLUMNS = ("tree", "in_network_fraction", "host_fallback_chunks", "switch_mem_bytes")
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -166,8 +172,9 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
              bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_engine: float = 0.0,
              cpu_wait: float = 0.0, cpu_s: float = 0.0, engine_cpu_s: float = 0.0,
              cpu_util: float = 0.0,
-             setup_s: float = 0.0, mem_mb: float = 0.0) -> dict:
-    """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s).
+             setup_s: float = 0.0, mem_mb: float = 0.0, ina: dict | None = None) -> dict:
+    """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s); ``ina``:
+    the :data:`INA_COLUMNS` of an in-network job.
 
     ``algbw = bytes / time_s``, ``busbw = algbw x`` :func:`busbw_factor`,
     ``fidelity = time_s / model_s``.
@@ -184,6 +191,7 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
         "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
         "cpu_util": cpu_util, "setup_s": setup_s,
         "mem_mb": mem_mb,
+        **{k: (ina or {}).get(k) for k in INA_COLUMNS},
     }
     assert tuple(row) == REPORT_COLUMNS
     return row

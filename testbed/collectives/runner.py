@@ -24,6 +24,7 @@ from testbed.collectives import cpumon, flowmodel, ports
 from testbed.collectives.report import make_row
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
+from testbed.kernels.wire import TESTBED_UDP_PORT
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
 _seq = itertools.count()
@@ -39,8 +40,11 @@ def _hosts(net) -> list:
 
 
 def placement(net, spec: CollectiveSpec) -> tuple[list, list, bool]:
-    """(worker hosts, server hosts, servers co-located with workers?) for ``spec``."""
+    """(worker hosts, server hosts, servers co-located with workers?) for ``spec``: the hosts
+    of ``spec.hosts`` (default every host of the net) in order, workers first."""
     hosts = _hosts(net)
+    if spec.hosts is not None:
+        hosts = [hosts[r] for r in spec.hosts]
     n = spec.workers or len(hosts)
     workers = hosts[:n]
     if spec.algo != "rs":
@@ -116,6 +120,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     agg_client = None
     if spec.algo in ("ina", "nic"):
         agg_client = register_ina_job(net, spec, job, workers)
+    ina_cols = None
     if spec.algo in ("ina", "nic"):
         try:
             _configure_nics(net, spec, offload=True)
@@ -143,16 +148,21 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         _stop_pool(proc, jobdir, net, spec, agg_client)
         raise
     try:
-        _release(net, spec, agg_client)
         with open(os.path.join(jobdir, "result.json")) as f:
             result = json.load(f)
     except OSError:
         with open(log_path, "rb") as f:
             out = f.read()
+        _release(net, spec, agg_client)
         raise CollectiveError(f"collective pool exited {proc.returncode} without a result:\n"
                               f"{out.decode(errors='replace')[-2000:]}") from None
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
+    try:
+        if agg_client is not None:
+            ina_cols = _ina_columns(agg_client, result.get("fallback"))
+    finally:
+        _release(net, spec, agg_client)
     if result.get("error"):
         cls = CollectiveTimeout if result.get("timeout") else CollectiveError
         raise cls(f"{spec.op}/{spec.algo} on {n} workers failed: {result['error']}")
@@ -170,37 +180,110 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                              cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
                              engine_cpu_s=round(r["engine_cpu_s"], 3),
                              cpu_util=round(r["cpu_util"], 3), setup_s=setup_s,
-                             mem_mb=round(result.get("mem_mb", 0.0), 1)))
+                             mem_mb=round(result.get("mem_mb", 0.0), 1), ina=ina_cols))
     return rows
 
 
-def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list):
-    """Control plane of an INA job: give every worker its UDP port, register the members (and
-    a fresh first round) with the aggregating switch; return its control client."""
-    agg = _aggregator(net)
+def _ina_columns(handle: InaJob, fallback: dict | None) -> dict:
+    """The INA columns of a job's rows (over the whole run): its tree, how much of it the
+    network aggregated, what the host fallback did (``fallback``: its counters), the switch
+    memory it held."""
+    per_switch = handle.switch_counters()
+    host_rounds = int((fallback or {}).get("completed", 0))
+    spec = handle.spec
+    rounds = _ina().rounds(spec, len(handle.plan.workers)) * spec.repetitions
+    return {"tree": handle.tree, "host_fallback_chunks": host_rounds,
+            "in_network_fraction": round(1.0 - host_rounds / rounds, 4) if rounds else None,
+            "switch_mem_bytes": int(sum(c.get("memory_bytes", 0)
+                                        for c in per_switch.values()))}
+
+
+class InaJob:
+    """An INA job registered on the switches of its aggregation tree (the control plane's
+    handle): the plan, the switches' control clients, the fallback aggregator if any."""
+
+    def __init__(self, spec: CollectiveSpec, plan, clients: dict, fallback: dict | None):
+        self.spec, self.plan, self.clients, self.fallback = spec, plan, clients, fallback
+
+    @property
+    def tree(self) -> list[str]:
+        """Aggregating switches, root first."""
+        return self.plan.tree
+
+    def switch_counters(self) -> dict[str, dict]:
+        """Per tree switch, its aggregate stage's counters for this job (memory, slots)."""
+        out = {}
+        for sw, c in self.clients.items():
+            agg = c.counters()["stages"]["aggregate"]
+            out[sw] = dict(agg["jobs"].get(str(self.spec.job_id), {}),
+                           fallback_forwarded=agg["fallback_forwarded"],
+                           contributions=agg["contributions"], completed=agg["completed"])
+        return out
+
+    def release(self) -> None:
+        """Remove the job from every switch (all are tried; the first failure is raised)."""
+        errors = []
+        for sw, c in self.clients.items():
+            try:
+                c.configure("aggregate", remove_jobs=[self.spec.job_id])
+            except RuntimeError as e:  # the control channel's error names the node
+                errors.append(f"{sw}: {e}")
+        if errors:
+            raise CollectiveError(f"{self.spec.op}/{self.spec.algo}: removing job "
+                                  f"{self.spec.job_id} failed: {'; '.join(errors)}")
+
+
+def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> InaJob:
+    """Control plane of an INA job: plan its aggregation tree (``spec.placement``), give every
+    worker its UDP port, its switch and member id, and register the job (members, parent,
+    memory, a fresh first round) on every tree switch; in shared mode also plan the host
+    fallback aggregator (on the first worker's host). Returns the :class:`InaJob`."""
     port = ports.ina_worker_port(spec.job_id)
-    members = net.ina_members(workers, port)
-    agg["seq0"] = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
-    job["aggregator"] = agg
-    for r, m in enumerate(members):
-        job["ranks"][r]["port"] = port
-        job["ranks"][r]["mac"] = m["mac"]
-    client = net.switch_client(agg["switch"])
+    place = spec.placement or {}
     try:
-        client.configure("aggregate", jobs={spec.job_id: {
-            "slots": spec.window, "seq0": agg["seq0"], "members": members}})
-    except RuntimeError as e:  # the control channel's error names the node and the cause
-        raise CollectiveError(f"{spec.op}/{spec.algo}: cannot register job {spec.job_id} on "
-                              f"{agg['switch']}: {e}") from None
-    return client
+        plan = net.ina_plan(workers, port, place.get("tree"))
+    except ValueError as e:  # a TopologyError names what is wrong with the tree
+        raise ValueError(f"CollectiveSpec.placement: {e}") from None
+    seq0 = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
+    lanes = _ina().ina_lanes(spec, len(workers))
+    regs = plan.registrations(spec.slots, seq0, lanes)
+    fallback = None
+    if place.get("mode") == "shared":
+        host = workers[0]
+        egress = net.first_hop(plan.root, host.name, TESTBED_UDP_PORT, TESTBED_UDP_PORT)
+        regs[plan.root]["mode"] = "shared"
+        regs[plan.root]["fallback"] = {"mac": host.MAC(), "ip": host.IP(),
+                                       "port": TESTBED_UDP_PORT, "egress": egress}
+        fallback = {"host": host.name, "pid": int(host.pid), "ip": host.IP(),
+                    "mac": host.MAC(), "port": TESTBED_UDP_PORT, "slots": spec.slots,
+                    "seq0": seq0, "lanes": lanes,
+                    "members": [{"worker": i, "mac": h.MAC(), "ip": h.IP(), "port": port,
+                                 "ingress": 0} for i, h in enumerate(workers)]}
+    job["seq0"] = seq0
+    job["tree"] = plan.tree
+    job["fallback"] = fallback
+    for r, w in enumerate(plan.workers):
+        job["ranks"][r].update(port=port, member=w["member"], aggregator={
+            "ip": w["ip"], "mac": w["mac"], "switch": w["switch"],
+            "port": TESTBED_UDP_PORT, "fallback_ip": fallback["ip"] if fallback else None})
+    clients: dict = {}
+    handle = InaJob(spec, plan, clients, fallback)
+    for sw in plan.tree:
+        try:
+            c = net.switch_client(sw)
+            c.configure("aggregate", jobs={spec.job_id: regs[sw]})
+        except (RuntimeError, KeyError) as e:  # the control error names the cause
+            with contextlib.suppress(CollectiveError):
+                handle.release()
+            raise CollectiveError(f"{spec.op}/{spec.algo}: cannot register job {spec.job_id} "
+                                  f"on {sw}: {e}") from None
+        clients[sw] = c
+    return handle
 
 
-def unregister_ina_job(client, spec: CollectiveSpec) -> None:
-    try:
-        client.configure("aggregate", remove_jobs=[spec.job_id])
-    except RuntimeError as e:  # the control channel's error names the node and the cause
-        raise CollectiveError(f"{spec.op}/{spec.algo}: removing job {spec.job_id} failed: "
-                              f"{e}") from None
+def unregister_ina_job(handle: InaJob, spec: CollectiveSpec) -> None:
+    """Remove the job from its switches (see :meth:`InaJob.release`)."""
+    handle.release()
 
 
 def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float) -> None:
@@ -311,9 +394,3 @@ def _engine_pids(net) -> list[int]:
     return pids
 
 
-def _aggregator(net) -> dict:
-    agg = getattr(net, "aggregator", None)
-    if agg is None:
-        raise ValueError("algo 'ina'/'nic' needs a net with a programmable switch "
-                         "(net.aggregator is None): use switch='programmable'")
-    return {"ip": agg["ip"], "port": int(agg.get("port", 41000)), "switch": agg["switch"]}

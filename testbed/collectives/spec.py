@@ -30,6 +30,8 @@ INA_ELEMS = 256
 INA_COMPRESSORS = ("thc",)
 #: Default outstanding packets (slots) per INA worker.
 DEFAULT_WINDOW = 64
+#: Keys of ``CollectiveSpec.placement``.
+PLACEMENT_KEYS = ("tree", "mode", "slots")
 
 
 @dataclasses.dataclass
@@ -46,7 +48,11 @@ class CollectiveSpec:
     payloads); with ``algo="ina"`` one of :data:`INA_COMPRESSORS` (summed in the switch).
     ``loss``: seeded drop probability applied in the INA client on receive
     (client-side impairment when the switch has no impair stage). ``timeout_s``: a peer silent
-    that long fails the run with :class:`CollectiveTimeout`.
+    that long fails the run with :class:`CollectiveTimeout`. ``hosts``: host ranks of the
+    workers (then servers) in rank order, default the first hosts of the net (jobs sharing a
+    fabric take disjoint host sets). ``placement`` (``algo`` ina/nic): where the job is
+    aggregated, ``{"tree": None | "single" | "auto" | [switches, root first], "mode": "static"
+    | "shared", "slots": N}`` (see :data:`PLACEMENT_KEYS`; slots default ``window``).
     """
 
     op: str = "allreduce"
@@ -65,6 +71,8 @@ class CollectiveSpec:
     seed: int = 0
     repetitions: int = 1
     job_id: int = 1
+    hosts: list[int] | None = None
+    placement: dict = dataclasses.field(default_factory=dict)
 
     @property
     def itemsize(self) -> int:
@@ -145,8 +153,20 @@ class CollectiveSpec:
                 raise ValueError(f"CollectiveSpec.compressor / compressor_params: {e}") from None
         if self.error_feedback and self.compressor is None:
             raise ValueError("CollectiveSpec.error_feedback=True needs a compressor")
+        self._validate_placement()
+        if self.hosts is not None:
+            if (not isinstance(self.hosts, list | tuple) or not self.hosts or any(
+                    isinstance(h, bool) or not isinstance(h, int | np.integer) or h < 0
+                    for h in self.hosts) or len(set(self.hosts)) != len(self.hosts)):
+                raise ValueError(f"CollectiveSpec.hosts={self.hosts!r} must be distinct host "
+                                 "ranks (integers >= 0)")
+            if n_hosts is not None and max(self.hosts) >= n_hosts:
+                raise ValueError(f"CollectiveSpec.hosts: rank {max(self.hosts)} but the net has "
+                                 f"{n_hosts} hosts")
         if self.workers is not None:
             _int(self, "workers", 2)
+        if n_hosts is not None and self.hosts is not None:
+            n_hosts = len(self.hosts)
         if n_hosts is not None:
             n = self.workers if self.workers is not None else n_hosts
             if n > n_hosts:
@@ -165,6 +185,43 @@ class CollectiveSpec:
             if n & (n - 1):
                 raise ValueError(f"CollectiveSpec.algo='hd' for op={self.op!r} needs a power "
                                  f"of two workers, got {n}; use algo='ring'")
+
+    def _validate_placement(self) -> None:
+        p = self.placement
+        if not isinstance(p, dict):
+            raise ValueError(f"CollectiveSpec.placement={p!r} must be a dict with keys from "
+                             f"{PLACEMENT_KEYS}")
+        if not p:
+            return
+        if self.algo not in ("ina", "nic"):
+            raise ValueError(f"CollectiveSpec.placement applies to in-network aggregation "
+                             f"(algo 'ina' or 'nic'), not algo={self.algo!r}")
+        bad = set(p) - set(PLACEMENT_KEYS)
+        if bad:
+            raise ValueError(f"CollectiveSpec.placement: unknown keys {sorted(bad)}; use "
+                             f"{PLACEMENT_KEYS}")
+        tree = p.get("tree")
+        if not (tree is None or tree in ("single", "auto") or (
+                isinstance(tree, list | tuple) and tree and all(isinstance(t, str) for t in tree))):
+            raise ValueError(f"CollectiveSpec.placement.tree={tree!r} must be 'single', 'auto' "
+                             "or a list of switch names (root first)")
+        if p.get("mode", "static") not in ("static", "shared"):
+            raise ValueError(f"CollectiveSpec.placement.mode={p.get('mode')!r} must be "
+                             "'static' or 'shared'")
+        if p.get("mode") == "shared" and tree not in (None, "single") and not (
+                isinstance(tree, list | tuple) and len(tree) == 1):
+            raise ValueError("CollectiveSpec.placement: mode 'shared' (host fallback) is "
+                             "implemented for single-switch placements; use tree='single' or "
+                             "one switch, or mode 'static' for a tree")
+        slots = p.get("slots", self.window)
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 4096:
+            raise ValueError(f"CollectiveSpec.placement.slots={slots!r} must be an integer "
+                             "1..4096")
+
+    @property
+    def slots(self) -> int:
+        """Aggregator slots per tree switch: ``placement.slots``, default ``window``."""
+        return int(self.placement.get("slots", self.window)) if self.placement else self.window
 
     def to_json(self) -> dict:
         """Plain dict (JSON-serialisable) of the fields."""

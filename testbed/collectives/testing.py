@@ -14,7 +14,7 @@ import numpy as np
 
 from testbed.collectives.ina import InaClient
 from testbed.collectives.report import rank_input
-from testbed.collectives.runner import RUN_DIR, register_ina_job, unregister_ina_job
+from testbed.collectives.runner import RUN_DIR, register_ina_job
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError
 from testbed.collectives.worker import enter_netns
@@ -96,7 +96,7 @@ def run_direct(net, spec: CollectiveSpec, n: int, hosts=None) -> tuple[list, lis
     aggregator for the run only; children are killed on failure."""
     hosts = list(hosts if hosts is not None else net.hosts)[:n]
     job = {"n": n, "ranks": [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in hosts]}
-    client = register_ina_job(net, spec, job, hosts)
+    handle = register_ina_job(net, spec, job, hosts)
     count = spec.count
     xs = [rank_input(spec, r, count) for r in range(n)]
     shm = mmap.mmap(-1, 4 * count * n)
@@ -129,4 +129,4 @@ def run_direct(net, spec: CollectiveSpec, n: int, hosts=None) -> tuple[list, lis
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
                 os.kill(p, signal.SIGKILL)
                 os.waitpid(p, 0)
-        unregister_ina_job(client, spec)
+        handle.release()

@@ -237,6 +237,73 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
             comm.close()
 
 
+def _fallback_child(job: dict, spec: CollectiveSpec, sock: socket.socket) -> int:
+    """A job's host fallback aggregator (shared mode): serve until the pool says stop, then
+    report the counters."""
+    fb = job["fallback"]
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != job["_pool_pid"]:
+        return 1
+    _prctl_name("tbf-" + fb["host"])
+    ctl = _Line(sock)
+    try:
+        enter_netns(fb["pid"])
+        from testbed.collectives.fallback import HostAggregator  # numba: shared mode only
+
+        agg = HostAggregator(spec.job_id, fb)
+        ctl.send({"type": "ready"})
+        counters = agg.serve(sock.fileno())
+        agg.close()
+        ctl.send({"type": "counters", "counters": {
+            k: counters[k] for k in ("completed", "contributions", "duplicates", "not_member",
+                                     "stale", "results_sent", "results_sent_host")}})
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
+        with contextlib.suppress(OSError):
+            ctl.send({"type": "error", "error": f"fallback aggregator: {type(e).__name__}: {e}",
+                      "timeout": False})
+        return 1
+
+
+def _start_fallback(job: dict, spec: CollectiveSpec) -> tuple[int, _Line]:
+    """Fork the host fallback aggregator and wait until it listens."""
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            a.close()
+            code = _fallback_child(job, spec, b)
+        finally:
+            os._exit(code)
+    b.close()
+    a.settimeout(spec.timeout_s + 30)
+    line = _Line(a)
+    try:
+        msg = line.recv()
+    except (OSError, EOFError) as e:
+        raise RuntimeError(f"fallback aggregator on {job['fallback']['host']}: {e}") from None
+    if msg["type"] != "ready":
+        raise RuntimeError(msg.get("error", str(msg)))
+    return pid, line
+
+
+def _stop_fallback(fallback: tuple[int, _Line] | None, result: dict) -> None:
+    """Stop the fallback aggregator; its counters go to ``result["fallback"]``."""
+    if fallback is None:
+        return
+    pid, line = fallback
+    with contextlib.suppress(OSError, EOFError, ValueError):
+        line.send({"type": "stop"})
+        msg = line.recv()
+        if msg.get("type") == "counters":
+            result["fallback"] = msg["counters"]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
 def _pss_mb(pid: int) -> float:
     """Proportional set size of ``pid`` in MB (shared pages split among the sharers, so the
     sum over the pool and its forked children is their real memory cost)."""
@@ -311,6 +378,7 @@ def run_pool(job: dict) -> dict:
     ctls: dict[int, _Line] = {}
     sys.stdout.flush()
     sys.stderr.flush()
+    fallback = _start_fallback(job, spec) if job.get("fallback") else None
     for rank in range(n + m):
         a, b = socket.socketpair()
         pid = os.fork()
@@ -336,7 +404,8 @@ def run_pool(job: dict) -> dict:
         sel.register(c.sock, selectors.EVENT_READ, r)
     dead: dict[int, str] = {}
     # CPU saturation per thread and core (cpumon): the ranks and the data-path engines
-    sampler = CpuMonitor({"ranks": list(children.values()),
+    sampler = CpuMonitor({"ranks": list(children.values())
+                          + ([fallback[0]] if fallback is not None else []),
                           "engines": list(job.get("extra_pids", []))})
 
     def gather(kind: str, wait_s: float) -> dict[int, dict]:
@@ -422,6 +491,7 @@ def run_pool(job: dict) -> dict:
     except RuntimeError as e:
         result["error"] = str(e)
     finally:
+        _stop_fallback(fallback, result)
         for c in ctls.values():
             try:
                 c.send({"type": "exit"})

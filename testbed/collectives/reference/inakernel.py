@@ -92,7 +92,7 @@ def build_packet(slots, s, j, p) -> int:
                 row[HEADER_LEN:HEADER_LEN + 4 * cnt] = q.astype("<i4").view(np.uint8)
         length = HEADER_LEN + lane * cnt
     row[:HEADER_LEN] = np.frombuffer(wire.pack_header(
-        msg_type=int(MsgType.DATA), job_id=p.job_id, worker_id=p.rank, slot=s, slot_set=seq & 1,
+        msg_type=int(MsgType.DATA), job_id=p.job_id, worker_id=p.member, slot=s, slot_set=seq & 1,
         codec=int(codec), n_workers=p.n, exponent=e_next, elem_count=cnt, chunk_offset=off,
         seq=seq), np.uint8)
     return length

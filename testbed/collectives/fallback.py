@@ -1,0 +1,126 @@
+"""A job's host fallback aggregator (ATP style): the rounds its switch cannot hold.
+
+In shared mode (``placement.mode = "shared"``) a job's slots claim entries of the switch's
+shared pool; a slot whose entry another job holds sends its rounds here instead: the switch
+readdresses those contributions to this aggregator (the source, the worker, is unchanged),
+which runs the same aggregation kernel as the switch (:mod:`testbed.kernels.aggregation`) on a
+UDP socket of one of the job's hosts and answers the workers directly; the workers accept
+RESULTs from their switch and from here. Exactly-once holds as at the switch: the same rounds,
+the same membership (by IPv4 address and UDP port: a host sees no MAC or ingress port).
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+
+import numpy as np
+
+from testbed.kernels.aggregation import MAX_ELEMS_MTU, Aggregation, Batch4, Member
+from testbed.kernels.packets import PORT_UNSET, write_eth_ip_udp
+from testbed.kernels.wire import (
+    FRAME_MAX,
+    HEADER_LEN,
+    HEADER_OFFSET,
+    TESTBED_UDP_PORT,
+    Codec,
+)
+
+BURST = 64
+
+
+def _mac(s: str) -> bytes:
+    return bytes(int(p, 16) for p in s.split(":"))
+
+
+def _ip(s: str) -> int:
+    return int.from_bytes(socket.inet_aton(s), "big")
+
+
+class HostAggregator:
+    """The fallback aggregator of one job (``job["fallback"]`` of the collectives runner:
+    ``ip``, ``mac``, ``port``, ``slots``, ``seq0``, ``lanes``, ``members``)."""
+
+    def __init__(self, job_id: int, fb: dict):
+        lanes, slots = int(fb["lanes"]), int(fb["slots"])
+        self.table = Aggregation(memory_bytes=max(slots * 2 * lanes * 4, 4), pool_entries=0,
+                                 pool_lanes=1, max_slots=slots, max_elems=MAX_ELEMS_MTU)
+        ok = np.zeros(256, np.bool_)
+        ok[[int(Codec.INT32), int(Codec.THC)]] = True
+        self.mac, self.ip = _mac(fb["mac"]), _ip(fb["ip"])
+        self.table.set_identity(mac=self.mac, ip=self.ip, codec_ok=ok, via_ingress=True)
+        members = [Member(int(m["worker"]), _mac(m["mac"]), _ip(m["ip"]), int(m["port"]), 0)
+                   for m in fb["members"]]
+        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes)
+        self.mac_of = {(m.ip, m.port): m.mac for m in members}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.bind((fb["ip"], int(fb.get("port", TESTBED_UDP_PORT))))
+        self.sock.setblocking(False)
+        cap = BURST * (1 + len(members))
+        self.b = Batch4(np.zeros((cap, FRAME_MAX), np.uint8), np.zeros(cap, np.int32),
+                        np.zeros(cap, np.int16), np.full(cap, PORT_UNSET, np.int16),
+                        np.zeros(cap, np.uint8))
+        self.dgram = bytearray(FRAME_MAX)
+        self.sent = 0
+
+    def poll_once(self) -> int:
+        """Take the datagrams waiting (up to a burst), aggregate them, send what completes;
+        return how many were taken."""
+        b, k = self.b, 0
+        view = memoryview(self.dgram)
+        while k < BURST:
+            try:
+                size, (src, sport) = self.sock.recvfrom_into(view)
+            except BlockingIOError:
+                break
+            if size < HEADER_LEN or size > FRAME_MAX - HEADER_OFFSET:
+                continue
+            ip = _ip(src)
+            smac = np.frombuffer(self.mac_of.get((ip, sport), bytes(6)), np.uint8)
+            b.length[k] = write_eth_ip_udp(b.buf[k], smac, np.frombuffer(self.mac, np.uint8),
+                                           ip, self.ip, sport, TESTBED_UDP_PORT,
+                                           size - HEADER_LEN)
+            b.buf[k, HEADER_OFFSET:HEADER_OFFSET + size] = np.frombuffer(view[:size], np.uint8)
+            b.in_port[k], b.out_port[k], b.reason[k] = 0, PORT_UNSET, 0
+            k += 1
+        if k == 0:
+            return 0
+        n = self.table.process(b, k)
+        for i in range(k, n):
+            f = b.buf[i]
+            dst = socket.inet_ntoa(f[30:34].tobytes())
+            dport = (int(f[36]) << 8) | int(f[37])
+            try:
+                self.sock.sendto(f[HEADER_OFFSET:b.length[i]].tobytes(), (dst, dport))
+                self.sent += 1
+            except BlockingIOError:
+                pass  # the worker retransmits; its round is answered again
+        return k
+
+    def serve(self, stop_fd: int) -> dict:
+        """Serve until ``stop_fd`` becomes readable (or closes); return the counters."""
+        sel = selectors.DefaultSelector()
+        sel.register(self.sock, selectors.EVENT_READ, "data")
+        sel.register(stop_fd, selectors.EVENT_READ, "stop")
+        try:
+            while True:
+                events = sel.select(1.0)
+                if any(key.data == "stop" for key, _ in events):
+                    while self.poll_once():
+                        pass
+                    return self.counters()
+                while self.poll_once() == BURST:
+                    pass
+        finally:
+            sel.close()
+
+    def counters(self) -> dict:
+        """The aggregation's counters (``completed``: rounds aggregated here)."""
+        out = self.table.counters()
+        out["results_sent_host"] = self.sent
+        return out
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.sock.close()
