@@ -549,14 +549,19 @@ def build_upward(row, g, s, jx, msg_type, job_id, slot, regs, jobs, agg):
 
 
 @njit(cache=True)
-def to_fallback(f, jx, jobs):
-    """Readdress contribution ``f`` to its job's host fallback aggregator (source unchanged,
-    so the host checks membership itself); return the egress port, -1 without a fallback."""
+def to_fallback(f, jx, jobs, agg):
+    """Readdress contribution ``f`` to its job's host fallback aggregator, from this switch's
+    identity (the member checked here stays in the header's ``worker_id``; a host would drop
+    a packet carrying its own address as source, and the fallback can trust its switch alone);
+    return the egress port, -1 without a fallback."""
     if jobs.fb_egress[jx] < 0:
         return -1
     for j in range(6):
         f[OFF_ETH_DST + j] = jobs.fb_mac[jx, j]
+        f[OFF_ETH_SRC + j] = agg.mac[j]
+    wr_u32be(f, OFF_IP_SRC, agg.ip)
     wr_u32be(f, OFF_IP_DST, jobs.fb_ip[jx])
+    wr_u16be(f, OFF_UDP_SPORT, TESTBED_UDP_PORT)
     wr_u16be(f, OFF_UDP_DPORT, jobs.fb_port[jx])
     wr_u16be(f, OFF_UDP_CSUM, 0)  # no UDP checksum (legal on IPv4) rather than a stale one
     set_ipv4_checksum(f)
@@ -672,7 +677,7 @@ def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
     if not claimed and regs.val_off[g] >= 0:
         counters[C_POOL_CLAIMS] += 1
     if outcome == FALLBACK:
-        port = to_fallback(f, jx, jobs)
+        port = to_fallback(f, jx, jobs, agg)
         if port < 0:
             _drop(b, counters, i, DropReason.NO_ROUTE)
         else:

@@ -27,7 +27,7 @@ from testbed.datapath.reference.aggregate import AggregateReference
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors import get_compressor
 from testbed.kernels.reference.packets import udp_frame
-from testbed.kernels.wire import HEADER_OFFSET, TESTBED_UDP_PORT
+from testbed.kernels.wire import FIELD_OFFSETS, HEADER_OFFSET, TESTBED_UDP_PORT
 
 PORT = 20001
 FB_PORT = TESTBED_UDP_PORT  # a host aggregator binds the testbed port on its host
@@ -245,7 +245,7 @@ class Sim:
             self.stats["switch_drops"][reason] = self.stats["switch_drops"].get(reason, 0) + 1
         elif decision >= 0:  # a contribution forwarded (host fallback)
             self.stats["fallback"] += 1
-            emitted = [(decision, fwd)] + emitted
+            emitted = [(decision, self._as_host_sees(fwd))] + emitted
         else:
             assert decision in (PORT_HELD, PORT_UNSET), decision
         for out_port, frame in emitted:
@@ -255,6 +255,17 @@ class Sim:
                 continue
             peer, peer_port = self.links[(name, out_port)]
             self._transmit(now, peer, peer_port, frame)
+
+    def _as_host_sees(self, frame: bytes) -> bytes:
+        """What ``HostAggregator`` hands its kernel: a frame from its switch (checked here)
+        gets the registered address of the member its header names."""
+        f = bytearray(frame)
+        assert f[26:30] == _raw_ip(identity(0)[1]) and f[34:36] == TESTBED_UDP_PORT.to_bytes(
+            2, "big"), "the switch forwards to its fallback from its own identity"
+        r = int.from_bytes(f[HEADER_OFFSET + FIELD_OFFSETS["worker_id"]:][:2], "little")
+        mac, ip = worker_addr(r)
+        f[6:12], f[26:30], f[34:36] = _raw_mac(mac), _raw_ip(ip), PORT.to_bytes(2, "big")
+        return bytes(f)
 
     # --- run -------------------------------------------------------------------------------------
     def run(self, max_time_s: float = 60.0) -> list[ik.Payload]:

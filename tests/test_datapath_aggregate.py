@@ -634,7 +634,7 @@ def test_overflow_is_said_all_the_way_down():
 
 
 def test_memory_is_a_resource_admission_names_what_is_free():
-    stage = AggregateStage(ports=["a", "b"], memory_bytes=64 << 10)
+    stage = AggregateStage(ports=["a", "b"], memory_bytes=64 << 10, pool_bytes=0)
     m2 = [{"worker": w, "mac": f"02:00:00:00:00:0{w + 1}", "ip": f"10.0.0.{w + 1}",
            "port": 20001, "ingress": ["a", "b"][w]} for w in range(2)]
     stage.configure(jobs={1: {"slots": 16, "lanes": 256, "members": m2}})  # 32 KiB
@@ -673,7 +673,8 @@ def _shared_pair(entries=2, taken=()):
 def test_shared_pool_claims_entries_and_falls_back_to_the_host():
     """Slots claim pool entries by hash on their first round; a slot whose entry another job
     holds forwards its rounds (retransmissions included) to the job's host aggregator,
-    readdressed, source unchanged; the other slots aggregate in the switch."""
+    readdressed from the switch's identity (the member stays in the header); the other slots
+    aggregate in the switch."""
     from testbed.kernels.aggregation import pool_index
 
     owner = {k: pool_index(1, k, 2) for k in range(3)}
@@ -696,7 +697,9 @@ def test_shared_pool_claims_entries_and_falls_back_to_the_host():
                 assert d == 6 and bytes(b.buf[i, :len(f)]) == ref.last_frame
                 fwd = ref.last_frame
                 assert fwd[0:6] == bytes.fromhex("0254420f0001") and fwd[30:34] == bytes(
-                    [10, 253, 0, 1]) and fwd[26:30] == f[26:30]  # from the worker still
+                    [10, 253, 0, 1]) and fwd[26:30] == bytes([10, 0, 0, 254])
+                assert fwd[6:12] == bytes.fromhex(DEFAULT_AGG_MAC.replace(":", ""))
+                assert fwd[34:36] == (41000).to_bytes(2, "big") and fwd[42:] == f[42:]
         if k not in host_slots:
             assert b.n == 4  # two RESULTs from the switch
     c = stage.counters()

@@ -2,11 +2,14 @@
 
 In shared mode (``placement.mode = "shared"``) a job's slots claim entries of the switch's
 shared pool; a slot whose entry another job holds sends its rounds here instead: the switch
-readdresses those contributions to this aggregator (the source, the worker, is unchanged),
-which runs the same aggregation kernel as the switch (:mod:`testbed.kernels.aggregation`) on a
-UDP socket of one of the job's hosts and answers the workers directly; the workers accept
-RESULTs from their switch and from here. Exactly-once holds as at the switch: the same rounds,
-the same membership (by IPv4 address and UDP port: a host sees no MAC or ingress port).
+readdresses those contributions to this aggregator, from its own identity (the member it
+checked stays in the header's ``worker_id``; the host of a worker would drop a packet carrying
+its own address as source). This aggregator runs the same aggregation kernel as the switch
+(:mod:`testbed.kernels.aggregation`) on a UDP socket of one of the job's hosts: it takes
+datagrams from its switch only, gives each the registered address of the member its header
+names (so the kernel's membership check holds as on the switch), and answers the workers
+directly; the workers accept RESULTs from their switch and from here. Exactly-once holds as at
+the switch: the same rounds, the same members.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from testbed.kernels.aggregation import MAX_ELEMS_MTU, Aggregation, Batch4, Member
 from testbed.kernels.packets import PORT_UNSET, write_eth_ip_udp
 from testbed.kernels.wire import (
+    FIELD_OFFSETS,
     FRAME_MAX,
     HEADER_LEN,
     HEADER_OFFSET,
@@ -27,6 +31,7 @@ from testbed.kernels.wire import (
 )
 
 BURST = 64
+WORKER_ID = FIELD_OFFSETS["worker_id"]
 
 
 def _mac(s: str) -> bytes:
@@ -39,7 +44,8 @@ def _ip(s: str) -> int:
 
 class HostAggregator:
     """The fallback aggregator of one job (``job["fallback"]`` of the collectives runner:
-    ``ip``, ``mac``, ``port``, ``slots``, ``seq0``, ``lanes``, ``members``)."""
+    ``ip``, ``mac``, ``port``, ``slots``, ``seq0``, ``lanes``, ``members``, and ``switch_ip``:
+    the switch whose pool it backs, the only source it takes datagrams from)."""
 
     def __init__(self, job_id: int, fb: dict):
         lanes, slots = int(fb["lanes"]), int(fb["slots"])
@@ -52,7 +58,8 @@ class HostAggregator:
         members = [Member(int(m["worker"]), _mac(m["mac"]), _ip(m["ip"]), int(m["port"]), 0)
                    for m in fb["members"]]
         self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes)
-        self.mac_of = {(m.ip, m.port): m.mac for m in members}
+        self.switch_ip = _ip(fb["switch_ip"])
+        self.member_addr = {m.worker: m for m in members}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.bind((fb["ip"], int(fb.get("port", TESTBED_UDP_PORT))))
@@ -62,7 +69,7 @@ class HostAggregator:
                         np.zeros(cap, np.int16), np.full(cap, PORT_UNSET, np.int16),
                         np.zeros(cap, np.uint8))
         self.dgram = bytearray(FRAME_MAX)
-        self.sent = 0
+        self.sent = self.foreign = 0
 
     def poll_once(self) -> int:
         """Take the datagrams waiting (up to a burst), aggregate them, send what completes;
@@ -76,11 +83,15 @@ class HostAggregator:
                 break
             if size < HEADER_LEN or size > FRAME_MAX - HEADER_OFFSET:
                 continue
-            ip = _ip(src)
-            smac = np.frombuffer(self.mac_of.get((ip, sport), bytes(6)), np.uint8)
-            b.length[k] = write_eth_ip_udp(b.buf[k], smac, np.frombuffer(self.mac, np.uint8),
-                                           ip, self.ip, sport, TESTBED_UDP_PORT,
-                                           size - HEADER_LEN)
+            member = int.from_bytes(self.dgram[WORKER_ID:WORKER_ID + 2], "little")
+            m = self.member_addr.get(member) \
+                if _ip(src) == self.switch_ip and sport == TESTBED_UDP_PORT else None
+            if m is None:  # not from our switch, or no member of the job: never counted
+                self.foreign += 1
+                continue
+            b.length[k] = write_eth_ip_udp(b.buf[k], np.frombuffer(m.mac, np.uint8),
+                                           np.frombuffer(self.mac, np.uint8), m.ip, self.ip,
+                                           m.port, TESTBED_UDP_PORT, size - HEADER_LEN)
             b.buf[k, HEADER_OFFSET:HEADER_OFFSET + size] = np.frombuffer(view[:size], np.uint8)
             b.in_port[k], b.out_port[k], b.reason[k] = 0, PORT_UNSET, 0
             k += 1
@@ -119,6 +130,7 @@ class HostAggregator:
         """The aggregation's counters (``completed``: rounds aggregated here)."""
         out = self.table.counters()
         out["results_sent_host"] = self.sent
+        out["foreign"] = self.foreign
         return out
 
     def close(self) -> None:

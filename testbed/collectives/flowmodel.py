@@ -64,10 +64,11 @@ from testbed.collectives import model as ab
 from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple
 from testbed.collectives.report import shard_bounds
 from testbed.collectives.spec import CollectiveSpec
-from testbed.topologies import routing
+from testbed.topologies import aggtree, routing
+from testbed.topologies.base import TopologyError
 
 __all__ = ["Flow", "Phase", "Prediction", "predict", "predict_s", "phases", "max_min_rates",
-           "ina_extra_s", "incast_s", "IncastPrediction", "ina_worker_port", "INA_AGG_PORT",
+           "ina_extra_s", "incast_s", "IncastPrediction", "InaTree", "ina_worker_port", "INA_AGG_PORT",
            "tcp_port", "placement", "TCP_WIRE", "TCP_ACK", "INA_WIRE", "DEFAULT_HOP_S"]
 
 #: Wire bytes per TCP payload byte on the data path, and of ACKs on the reverse path.
@@ -112,6 +113,9 @@ class Phase:
     fill_bytes: float = 0.0
     #: packets per worker (INA: what the loss model counts)
     packets: int = 0
+    #: links of the phase's longest one-way trip when it is not one flow's path (an INA
+    #: tree: worker to root through every level); None: the longest flow path
+    trip_hops: int | None = None
 
 
 @dataclass
@@ -163,7 +167,9 @@ class Prediction:
 def placement(host_names: list[str], spec: CollectiveSpec) -> tuple[list[str], list[str]]:
     """(worker hosts, server hosts) as ``runner.placement`` puts them: the first n hosts
     work; reduction servers take the next m hosts, or are spread over the workers when the
-    topology has too few hosts."""
+    topology has too few hosts (``spec.hosts``: the hosts to use, by rank)."""
+    if spec.hosts is not None:
+        host_names = [host_names[r] for r in spec.hosts]
     n = spec.workers or len(host_names)
     workers = list(host_names[:n])
     if spec.algo != "rs":
@@ -245,16 +251,57 @@ def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
     return out
 
 
-def _ina_phase(hosts: list[str], aggregator: str, job_id: int, packets: int, up_bytes: float,
+def _ina_phase(hosts: list[str], tree: InaTree, job_id: int, packets: int, up_bytes: float,
                down_bytes: float, up_wire: float, down_wire: float, nic: bool) -> Phase:
-    # a SmartNIC recognises testbed frames by UDP port 41000, so its worker binds that port
+    """Every edge of the aggregation tree carries one contribution stream up and one RESULT
+    stream down at once (the switches aggregate as packets arrive: a pipeline); the phase waits
+    for the trips from a worker to the root and back."""
     port = ina_worker_port(job_id)  # SmartNIC-offloaded workers bind it too
     flows = []
-    for h in hosts:
-        flows.append(Flow(h, aggregator, up_bytes, port, INA_AGG_PORT, 17, up_wire, 0.0))
-        flows.append(Flow(aggregator, h, down_bytes, INA_AGG_PORT, port, 17, down_wire, 0.0,
-                          reverse_of=(h, aggregator, port, INA_AGG_PORT)))
-    return Phase("ina", flows, trips=2.0 if nic else 4.0, packets=packets)
+    edges = [(h, tree.parent[h], port) for h in hosts]
+    edges += [(s, p, INA_AGG_PORT) for s, p in tree.parent.items()
+              if p is not None and s not in hosts]
+    for child, parent, sport in edges:
+        flows.append(Flow(child, parent, up_bytes, sport, INA_AGG_PORT, 17, up_wire, 0.0))
+        flows.append(Flow(parent, child, down_bytes, INA_AGG_PORT, sport, 17, down_wire, 0.0,
+                          reverse_of=(child, parent, sport, INA_AGG_PORT)))
+    return Phase("ina", flows, trips=2.0 if nic else 4.0, packets=packets,
+                 trip_hops=tree.trip_hops if len(tree.parent) > len(hosts) + 1 else None)
+
+
+@dataclass
+class InaTree:
+    """An INA job's aggregation tree as the model needs it: node -> the switch it sends to
+    (None for the root), and the links of the longest worker-to-root chain."""
+
+    root: str
+    parent: dict[str, str | None]
+    trip_hops: int
+
+    @classmethod
+    def of(cls, topo, workers: list[str], spec: CollectiveSpec, tables=None) -> InaTree:
+        """The tree :func:`testbed.topologies.aggtree.plan` gives ``spec.placement["tree"]``."""
+        ranks = [topo.host_names.index(h) for h in workers]
+        tree = (spec.placement or {}).get("tree")
+        plan = aggtree.plan(topo, ranks, ina_worker_port(spec.job_id), tree, tables)
+        parent: dict[str, str | None] = {plan.root: None}
+        for h, w in zip(workers, plan.workers, strict=True):
+            parent[h] = w["switch"]
+        for s, node in plan.nodes.items():
+            if node["parent"] is not None:
+                parent[s] = node["parent"]["switch"]
+        port = ina_worker_port(spec.job_id)
+
+        def hops(a: str, b: str, sport: int) -> int:
+            return len(routing.flow_path(topo, a, b, sport, INA_AGG_PORT, 17, tables)) - 1
+
+        def chain(node: str) -> int:
+            p = parent[node]
+            if p is None:
+                return 0
+            return hops(node, p, port if node in workers else INA_AGG_PORT) + chain(p)
+
+        return cls(plan.root, parent, max(chain(h) for h in workers))
 
 
 def _compressed_bytes(spec: CollectiveSpec) -> int:
@@ -285,9 +332,10 @@ def _thc_wire(spec: CollectiveSpec, n: int) -> tuple[int, float, float, float, f
 
 
 def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None = None,
-           aggregator: str | None = None) -> list[Phase]:
+           aggregator: str | InaTree | None = None) -> list[Phase]:
     """The phases of ``spec`` among ``workers`` (host names in rank order), ``servers``
-    (reduction servers, ranks n..n+m-1) and the ``aggregator`` switch (INA)."""
+    (reduction servers, ranks n..n+m-1) and the ``aggregator`` (INA: a switch name, or the
+    job's :class:`InaTree`)."""
     n = len(workers)
     servers = list(servers or [])
     count, op, algo = spec.count, spec.op, spec.algo
@@ -297,6 +345,9 @@ def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None =
         if aggregator is None:
             raise ValueError(f"algo={algo!r} needs an aggregator switch; this topology has "
                              "none (make a switch programmable, aggregator='auto')")
+        if isinstance(aggregator, str):
+            aggregator = InaTree(aggregator, {aggregator: None, **dict.fromkeys(workers,
+                                                                              aggregator)}, 0)
         if spec.compressor is not None:
             return [_ina_phase(workers, aggregator, spec.job_id, *_thc_wire(spec, n), nic=False)]
         return [_ina_phase(workers, aggregator, spec.job_id, -(-count // ab.INA_ELEMS),
@@ -459,7 +510,8 @@ def _run_phase(net: _Network, ph: Phase, hop_s: float) -> PhaseResult:
         t += dt
         active = still
     assert first is not None
-    hops = max(len(net.flow_path(f)) - 1 for f in flows)
+    hops = ph.trip_hops if ph.trip_hops is not None else max(
+        len(net.flow_path(f)) - 1 for f in flows)
     latency = ph.trips * hops * hop_s
     fill = ph.fill_bytes / min(first) if ph.fill_bytes else 0.0
     load: dict = {}
@@ -516,10 +568,11 @@ def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float
 def _ina_extra(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: float) -> float:
     """:func:`ina_extra_s` for the INA phase ``ph`` (its result ``res``) on ``topo``."""
     loss_link = max((s.loss_pct / 100.0 for s in topo.link_specs), default=0.0)
-    up = [(f, r, p) for f, r, p in res.rates if f.dst == topo.aggregator_switch]
+    up = [(f, r, p) for f, r, p in res.rates if f.reverse_of is None]  # contributions
     if not up:
         return 0.0
-    hops = max(len(p) - 1 for _f, _r, p in up)
+    # a slot's round needs every contribution of every tree edge; its trip crosses each level
+    hops = ph.trip_hops if ph.trip_hops is not None else max(len(p) - 1 for _f, _r, p in up)
     p_path = 1 - (1 - loss_link) ** hops  # every impaired link of the path, each way
     # and the client's own drops (contributions and results alike)
     p_loss = 1 - (1 - spec.loss) * (1 - p_path)
@@ -563,7 +616,14 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
         hop_latency_s = delay * 1e-3 * time_dilation + DEFAULT_HOP_S
     hop_s = float(hop_latency_s)
     net = _Network(topo, float(time_dilation))
-    phs = phases(spec, list(workers), list(servers or []), topo.aggregator_switch)
+    agg: str | InaTree | None = topo.aggregator_switch
+    if spec.algo in ("ina", "nic") and ((spec.placement or {}).get("tree") not in (None, "single")
+                                        or agg is not None):
+        try:
+            agg = InaTree.of(topo, list(workers), spec, net.tables)
+        except TopologyError as e:
+            raise ValueError(f"CollectiveSpec.placement: {e}") from None
+    phs = phases(spec, list(workers), list(servers or []), agg)
     if results_via == "forward":  # RESULTs hashed onto their own ECMP path
         for p in phs:
             p.flows = [dataclasses.replace(f, reverse_of=None) for f in p.flows]

@@ -255,6 +255,7 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
         regs[plan.root]["fallback"] = {"mac": host.MAC(), "ip": host.IP(),
                                        "port": TESTBED_UDP_PORT, "egress": egress}
         fallback = {"host": host.name, "pid": int(host.pid), "ip": host.IP(),
+                    "switch_ip": net.aggregators()[plan.root]["ip"],
                     "mac": host.MAC(), "port": TESTBED_UDP_PORT, "slots": spec.slots,
                     "seq0": seq0, "lanes": lanes,
                     "members": [{"worker": i, "mac": h.MAC(), "ip": h.IP(), "port": port,

@@ -256,7 +256,8 @@ def _fallback_child(job: dict, spec: CollectiveSpec, sock: socket.socket) -> int
         agg.close()
         ctl.send({"type": "counters", "counters": {
             k: counters[k] for k in ("completed", "contributions", "duplicates", "not_member",
-                                     "stale", "results_sent", "results_sent_host")}})
+                                     "stale", "results_sent", "results_sent_host",
+                                     "foreign")}})
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
         with contextlib.suppress(OSError):

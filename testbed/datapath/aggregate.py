@@ -62,6 +62,8 @@ DEFAULT_CODECS = ("INT32", "THC")
 #: Aggregator memory of a switch unless configured: SwitchML's 8192 slots x 2 sets x 256 int32
 #: (16 MiB), in the range of one Tofino pipeline's register SRAM.
 DEFAULT_MEMORY_BYTES = 16 << 20
+#: The shared pool's part of the aggregator memory unless configured (1/POOL_SHARE).
+POOL_SHARE = 4
 #: Slots of metadata (round, bitmap, ...) an aggregator keeps, whatever their values' memory.
 DEFAULT_MAX_SLOTS = 16384
 #: int32 registers per set of a slot unless a job says otherwise (SwitchML's 256 per packet).
@@ -112,7 +114,8 @@ class AggregateStage(Stage):
 
     Settings: ``agg_ip``, ``agg_mac`` (this switch's aggregator identity), ``memory_bytes``
     (aggregator memory, default :data:`DEFAULT_MEMORY_BYTES`), ``pool_bytes`` (the part of it
-    that is the shared pool for jobs in shared mode, default 0) and ``pool_lanes`` (lanes per set
+    that is the shared pool for jobs in shared mode, default a quarter; the rest is for static
+    partitions) and ``pool_lanes`` (lanes per set
     of a pool entry, default 256), ``pool_slots`` (slots of metadata, default
     :data:`DEFAULT_MAX_SLOTS`), ``max_elems`` (int32 lanes per packet at most), ``codecs``
     (summable payload codecs, default INT32 and THC), ``results_via`` (``"ingress"``: a RESULT
@@ -138,11 +141,12 @@ class AggregateStage(Stage):
 
     def __init__(self, ports: list[str] | None = None, agg_ip: str = DEFAULT_AGG_IP,
                  agg_mac: str = DEFAULT_AGG_MAC, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                 pool_bytes: int = 0, pool_lanes: int = DEFAULT_LANES,
+                 pool_bytes: int | None = None, pool_lanes: int = DEFAULT_LANES,
                  pool_slots: int = DEFAULT_MAX_SLOTS, max_elems: int = MAX_ELEMS_MTU,
                  jobs: dict | None = None, codecs: list | None = None,
                  results_via: str = "ingress"):
-        memory_bytes, pool_bytes = int(memory_bytes), int(pool_bytes)
+        memory_bytes = int(memory_bytes)
+        pool_bytes = memory_bytes // POOL_SHARE if pool_bytes is None else int(pool_bytes)
         pool_lanes, max_slots, max_elems = int(pool_lanes), int(pool_slots), int(max_elems)
         if not 1 <= max_slots <= 1 << 20:
             raise ValueError(f"aggregate: pool_slots must be 1..{1 << 20}, got {max_slots}")

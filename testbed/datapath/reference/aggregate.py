@@ -217,6 +217,8 @@ class AggregateReference:
         mac, ip, port, egress = job["fallback"]
         g = bytearray(f)
         g[0:6], g[30:34] = mac, ip
+        g[6:12], g[26:30] = self.mac, self.ip  # from the switch: the member is in the header
+        g[34:36] = wire.TESTBED_UDP_PORT.to_bytes(2, "big")
         g[36:38], g[40:42] = port.to_bytes(2, "big"), b"\0\0"
         g[24:26] = b"\0\0"
         g[24:26] = ipv4_checksum(bytes(g[14:34])).to_bytes(2, "big")
