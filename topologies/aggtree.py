@@ -180,7 +180,11 @@ def plan(topo, ranks: list[int], port: int, tree=None, tables: dict | None = Non
         if p is None:
             continue
         ip, mac = routing.node_address(topo, p)
-        up, down = hops(s, p, TESTBED_UDP_PORT), hops(p, s, TESTBED_UDP_PORT)
+        up = hops(s, p, TESTBED_UDP_PORT)
+        # the parent's RESULT leaves by the port s's partial sums arrived on (results_via
+        # ingress), then follows the fabric's forwarding: where it arrives is s's parent port
+        down = routing.flow_hops(topo, p, s, TESTBED_UDP_PORT, TESTBED_UDP_PORT, UDP, tables,
+                                 first_port=up[-1][1])
         out.nodes[s]["parent"] = {"switch": p, "mac": mac, "ip": ip,
                                   "egress": f"{s}-eth{up[0][2]}",
                                   "ingress": f"{s}-eth{down[-1][1]}", "index": member_id[s]}

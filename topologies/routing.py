@@ -189,12 +189,15 @@ def flow_frame(src_ip: str, dst_ip: str, proto: int, sport: int, dport: int) -> 
 
 
 def flow_hops(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
-              tables: dict | None = None) -> list[tuple[str, int, int]]:
+              tables: dict | None = None, first_port: int | None = None
+              ) -> list[tuple[str, int, int]]:
     """``[(node, in port, out port), ...]`` of a flow from ``src`` to ``dst`` (hosts, or
     programmable switches by their aggregator identity) as the network forwards it (see the
     module docstring), ends included (the source's in port and the destination's out port are
     -1; ports are Mininet port numbers). ``tables``: a precomputed :func:`forwarding_tables`
-    of ``topo`` (saves recomputing it per flow)."""
+    of ``topo`` (saves recomputing it per flow). ``first_port``: the port ``src`` sends on
+    instead of its table's choice (an aggregator's RESULT leaves by the port its member's
+    packets came in on)."""
     # Function-level import: the data path module loads Numba (start-up time), which the
     # other functions here do not need.
     from testbed.datapath.forward import flow_hash_reference
@@ -212,7 +215,9 @@ def flow_hops(topo, src: str, dst: str, sport: int, dport: int, proto: int = 6,
     while node != dst:
         if len(hops) > len(adj):
             raise RuntimeError(f"forwarding loop from {src} to {dst}: {hops}")
-        if node in topo.switch_roles:
+        if node == src and first_port is not None:
+            port = first_port
+        elif node in topo.switch_roles:
             group = tables[node].get(dst_mac)
             if not group:
                 raise ValueError(f"no route from {node} to {dst} ({dst_mac})")

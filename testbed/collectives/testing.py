@@ -29,8 +29,9 @@ def loopback_ip() -> str:
 
 
 def leftovers(owner_pid: int | None = None) -> list[str]:
-    """Collective processes (``tbw-*`` workers, ``tbr-*`` servers) still alive, and job
-    folders of ``owner_pid`` (default: this process) still under ``/run/testbed``."""
+    """Collective processes (``tbw-*`` workers, ``tbr-*`` servers, ``tbf-*`` host fallback
+    aggregators) still alive, and job folders of ``owner_pid`` (default: this process) still
+    under ``/run/testbed``."""
     left = []
     for comm in glob.glob("/proc/[0-9]*/comm"):
         try:
@@ -38,7 +39,7 @@ def leftovers(owner_pid: int | None = None) -> list[str]:
                 name = f.read().strip()
         except OSError:
             continue
-        if name.startswith(("tbw-", "tbr-")):
+        if name.startswith(("tbw-", "tbr-", "tbf-")):
             left.append(f"{comm}: {name}")
     pid = os.getpid() if owner_pid is None else owner_pid
     left += glob.glob(os.path.join(RUN_DIR, f"coll-{pid}-*"))

@@ -4,7 +4,7 @@ Design (measured, see the E2 report): one *pool* process starts in the root name
 imports numpy once, generates every rank's input into shared memory, then ``fork``s one child
 per rank (workers, then reduction servers). Each child ``setns``-es into its host's network
 namespace (``/proc/<host shell pid>/ns/net``), names itself ``tbw-<host>`` (servers
-``tbr-<host>``) and dies with the pool (``PR_SET_PDEATHSIG``). A fork costs a few ms and
+``tbr-<host>``, a shared-mode job's host fallback aggregator ``tbf-<host>``) and dies with the pool (``PR_SET_PDEATHSIG``). A fork costs a few ms and
 shares the parent's pages, where a fresh interpreter per host costs 0.34 s / 31 MB (numpy) to
 1.3 s / 164 MB (numba + kernels) each, measured here. Measured set-up (pool start + fork +
 TCP connections) and memory (PSS of pool + children) for a ring of n workers: n=2 0.28 s /
