@@ -142,10 +142,16 @@ class Jobs(NamedTuple):
     up_egress: np.ndarray  # int64[J]: port towards the parent, -1 at the root
     up_ingress: np.ndarray  # int64[J]: port the parent's RESULTs arrive on
     up_index: np.ndarray  # int64[J]: this switch's member id at its parent
-    fb_mac: np.ndarray  # uint8[J, 6]: the job's host fallback aggregator (shared mode)
-    fb_ip: np.ndarray  # int64[J]
-    fb_port: np.ndarray  # int64[J]
-    fb_egress: np.ndarray  # int64[J]: port towards it, -1: no fallback
+    fb_n: np.ndarray  # int64[J]: host fallback aggregators (shared mode); slot s uses s % fb_n
+    fb_mac: np.ndarray  # uint8[J, W, 6]
+    fb_ip: np.ndarray  # int64[J, W]
+    fb_port: np.ndarray  # int64[J, W]
+    fb_egress: np.ndarray  # int64[J, W]: port towards it
+
+
+class AdmissionError(ValueError):
+    """A job does not fit an aggregator (jobs, slots or memory): a refusal, not a bad setting;
+    the control plane may run the job another way (``placement.refused``)."""
 
 
 class Aggregator(NamedTuple):
@@ -180,7 +186,8 @@ def new_jobs() -> Jobs:
                 np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64),
                 np.zeros((j, 6), np.uint8), z.copy(), np.full(j, -1, np.int64),
                 np.full(j, -1, np.int64), z.copy(),
-                np.zeros((j, 6), np.uint8), z.copy(), z.copy(), np.full(j, -1, np.int64))
+                z.copy(), np.zeros((j, w, 6), np.uint8), np.zeros((j, w), np.int64),
+                np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64))
 
 
 def init_rounds(regs: Registers, lo: int, hi: int, seq0: int) -> None:
@@ -549,23 +556,26 @@ def build_upward(row, g, s, jx, msg_type, job_id, slot, regs, jobs, agg):
 
 
 @njit(cache=True)
-def to_fallback(f, jx, jobs, agg):
-    """Readdress contribution ``f`` to its job's host fallback aggregator, from this switch's
-    identity (the member checked here stays in the header's ``worker_id``; a host would drop
-    a packet carrying its own address as source, and the fallback can trust its switch alone);
-    return the egress port, -1 without a fallback."""
-    if jobs.fb_egress[jx] < 0:
+def to_fallback(f, jx, slot, jobs, agg):
+    """Readdress contribution ``f`` (of job slot ``slot``) to the job's host fallback
+    aggregator of that slot (``slot % fb_n``: the overflow is spread over the job's hosts, as
+    ATP's parameter servers shard a job's model), from this switch's identity (the member
+    checked here stays in the header's ``worker_id``; a host would drop a packet carrying its
+    own address as source, and the fallback can trust its switch alone); return the egress
+    port, -1 without a fallback."""
+    if jobs.fb_n[jx] <= 0:
         return -1
+    k = slot % jobs.fb_n[jx]
     for j in range(6):
-        f[OFF_ETH_DST + j] = jobs.fb_mac[jx, j]
+        f[OFF_ETH_DST + j] = jobs.fb_mac[jx, k, j]
         f[OFF_ETH_SRC + j] = agg.mac[j]
     wr_u32be(f, OFF_IP_SRC, agg.ip)
-    wr_u32be(f, OFF_IP_DST, jobs.fb_ip[jx])
+    wr_u32be(f, OFF_IP_DST, jobs.fb_ip[jx, k])
     wr_u16be(f, OFF_UDP_SPORT, TESTBED_UDP_PORT)
-    wr_u16be(f, OFF_UDP_DPORT, jobs.fb_port[jx])
+    wr_u16be(f, OFF_UDP_DPORT, jobs.fb_port[jx, k])
     wr_u16be(f, OFF_UDP_CSUM, 0)  # no UDP checksum (legal on IPv4) rather than a stale one
     set_ipv4_checksum(f)
-    return jobs.fb_egress[jx]
+    return jobs.fb_egress[jx, k]
 
 
 class Batch4(NamedTuple):
@@ -677,7 +687,7 @@ def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
     if not claimed and regs.val_off[g] >= 0:
         counters[C_POOL_CLAIMS] += 1
     if outcome == FALLBACK:
-        port = to_fallback(f, jx, jobs, agg)
+        port = to_fallback(f, jx, np.int64(h.slot), jobs, agg)
         if port < 0:
             _drop(b, counters, i, DropReason.NO_ROUTE)
         else:
@@ -830,9 +840,10 @@ class Aggregation:
 
     def add_job(self, job_id: int, slots: int, members: list[Member], seq0: int = 0, *,
                 lanes: int = 256, shared: bool = False, parent: Peer | None = None,
-                fallback: Peer | None = None) -> None:
+                fallback: Peer | list[Peer] | None = None) -> None:
         """Register ``job_id`` (replacing it if present); ``ValueError`` when it does not fit
-        or is malformed (the message says what is free or what is wrong)."""
+        or is malformed (the message says what is free or what is wrong). ``fallback``: the
+        host aggregator, or several (slot ``s`` goes to ``fallback[s % len(fallback)]``)."""
         who = f"aggregate: job {job_id}"
         if not 0 <= job_id < 1 << 16:
             raise ValueError(f"aggregate: job_id must be 0..65535, got {job_id}")
@@ -848,8 +859,13 @@ class Aggregation:
         if sorted(m.worker for m in members) != list(range(n)):
             raise ValueError(f"{who}: member workers must be 0..{n - 1}, each once; got "
                              f"{sorted(m.worker for m in members)}")
+        fallbacks = [] if fallback is None else (
+            [fallback] if isinstance(fallback, Peer) else list(fallback))
+        if len(fallbacks) > MAX_WORKERS:
+            raise ValueError(f"{who}: at most {MAX_WORKERS} fallback aggregators, got "
+                             f"{len(fallbacks)}")
         if shared:
-            if fallback is None:
+            if not fallbacks:
                 raise ValueError(f"{who}: shared mode needs a 'fallback' host aggregator")
             if self.pool_entries == 0:
                 raise ValueError(f"{who}: shared mode, but this aggregator has no shared pool "
@@ -861,21 +877,22 @@ class Aggregation:
         idx = next((k for k in range(MAX_JOBS)
                     if k not in {j["index"] for j in self.jobs.values()}), -1)
         if idx < 0:
-            raise ValueError(f"aggregate: at most {MAX_JOBS} jobs at once; remove one first")
+            raise AdmissionError(f"aggregate: at most {MAX_JOBS} jobs at once; remove one first")
         base = free_range([(j["base"], j["slots"]) for j in self.jobs.values()], 0,
                           self.max_slots, slots)
         if base < 0:
-            raise ValueError(f"{who} asks for {slots} slots but only {self.free_slots()} are "
-                             f"free (contiguous) of {self.max_slots}; ask for fewer or remove "
-                             "a job")
+            raise AdmissionError(f"{who} asks for {slots} slots but only {self.free_slots()} "
+                                 f"are free (contiguous) of {self.max_slots}; ask for fewer or "
+                                 "remove a job")
         words = 0 if shared else slots * 2 * lanes
         vbase = free_range([(j["vbase"], j["words"]) for j in self.jobs.values() if j["words"]],
                            0, self.static_words, words) if words else 0
         if vbase < 0:
-            raise ValueError(f"{who} needs {4 * words} B of aggregator memory ({slots} slots x 2 "
-                             f"sets x {lanes} lanes x 4 B) but only {self.free_memory_bytes()} B "
-                             f"are free (contiguous) of {4 * self.static_words} B static memory; "
-                             "ask for fewer slots, use shared mode, or fall back to the hosts")
+            raise AdmissionError(f"{who} needs {4 * words} B of aggregator memory ({slots} slots "
+                                 f"x 2 sets x {lanes} lanes x 4 B) but only "
+                                 f"{self.free_memory_bytes()} B are free (contiguous) of "
+                                 f"{4 * self.static_words} B static memory; ask for fewer "
+                                 "slots, use shared mode, or fall back to the hosts")
         self.jobs[job_id] = {"index": idx, "base": base, "slots": slots, "n_workers": n,
                              "seq0": seq0, "lanes": lanes, "shared": shared, "vbase": vbase,
                              "words": words, "tree_child": parent is not None}
@@ -888,14 +905,15 @@ class Aggregation:
             J.ip[idx, m.worker], J.port[idx, m.worker] = m.ip, m.port
             J.ingress[idx, m.worker] = m.ingress
         J.up_egress[idx], J.up_ingress[idx], J.fb_egress[idx] = -1, -1, -1
+        J.fb_n[idx] = len(fallbacks)
         if parent is not None:
             J.up_mac[idx] = np.frombuffer(parent.mac, np.uint8)
             J.up_ip[idx], J.up_egress[idx] = parent.ip, parent.egress
             J.up_ingress[idx], J.up_index[idx] = parent.ingress, parent.index_or_port
-        if fallback is not None:
-            J.fb_mac[idx] = np.frombuffer(fallback.mac, np.uint8)
-            J.fb_ip[idx], J.fb_egress[idx] = fallback.ip, fallback.egress
-            J.fb_port[idx] = fallback.index_or_port
+        for k, fb in enumerate(fallbacks):
+            J.fb_mac[idx, k] = np.frombuffer(fb.mac, np.uint8)
+            J.fb_ip[idx, k], J.fb_egress[idx, k] = fb.ip, fb.egress
+            J.fb_port[idx, k] = fb.index_or_port
         R.val_off[base:base + slots] = (-1 if shared else
                                         vbase + np.arange(slots) * 2 * lanes)
         init_rounds(R, base, base + slots, seq0)

@@ -268,6 +268,19 @@ def bench_reliability(
     raise typer.Exit(main(quick=quick, json_out=json_out))
 
 
+@bench_app.command("tenancy")
+def bench_tenancy(
+    quick: bool = typer.Option(False, "--quick", help="4 MiB on the fat-tree, 1 MiB per "
+                               "tenant (a few minutes)"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Aggregation trees on a fat-tree and two tenants sharing switch memory (static vs
+    shared pool), against their targets (every row checked against numpy)."""
+    from testbed.experiment.tenancy import main
+
+    raise typer.Exit(main(quick=quick, json_out=json_out))
+
+
 @bench_app.command("fidelity")
 def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
                    quick: bool = typer.Option(False, "--quick", help="one size (4 MiB)"),

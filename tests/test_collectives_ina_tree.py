@@ -5,6 +5,7 @@ host fallback. Every row is checked against the numpy sum of the inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -154,7 +155,20 @@ def test_static_partitions_admit_what_fits_and_refuse_the_rest(small_switch):
     for spec in _jobs("static", 3):
         if spec.job_id not in refused:
             check_rows(three[spec.job_id], spec, 2)
+            assert three[spec.job_id][0]["placement_mode"] == "static"
     assert not _switch_stats(net, "tbs1")["jobs"]
+    # the tenant's own fallback: a refused job runs as ring on its hosts
+    specs = [dataclasses.replace(s, placement={**s.placement, "refused": "ring"})
+             for s in _jobs("static", 3)]
+    out = _concurrent(net, specs)
+    modes = sorted(out[s.job_id][0]["placement_mode"] for s in specs)
+    assert modes == ["refused", "static", "static"], out
+    for s in specs:
+        rows = out[s.job_id]
+        ring = rows[0]["placement_mode"] == "refused"
+        assert rows[0]["algo"] == ("ring" if ring else "ina")
+        assert rows[0]["refused_by"] == ("tbs1" if ring else None)
+        assert all(r["correct"] for r in rows)
 
 
 @pytest.mark.parametrize("k", [2, 3])

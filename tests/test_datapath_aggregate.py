@@ -655,11 +655,19 @@ def test_memory_is_a_resource_admission_names_what_is_free():
 FB = {"mac": "02:54:42:0f:00:01", "ip": "10.253.0.1", "port": 41000}
 
 
-def _shared_pair(entries=2, taken=()):
+FB2 = {"mac": "02:54:42:0f:00:02", "ip": "10.253.0.2", "port": 41001}
+
+
+def _shared_pair(entries=2, taken=(), two_fallbacks=False):
     job = {1: (2, 3, 10)}
     kj, rj = _jobs(True, job), _jobs(False, job)
-    kj[1].update(mode="shared", fallback=dict(FB, egress=PORTS[6]))
-    rj[1].update(mode="shared", fallback=dict(FB, egress=6))
+    if two_fallbacks:  # slot s overflows to fallback s % 2 (the second behind port 7)
+        kj[1].update(mode="shared", fallback=[dict(FB, egress=PORTS[6]),
+                                              dict(FB2, egress=PORTS[7])])
+        rj[1].update(mode="shared", fallback=[dict(FB, egress=6), dict(FB2, egress=7)])
+    else:
+        kj[1].update(mode="shared", fallback=dict(FB, egress=PORTS[6]))
+        rj[1].update(mode="shared", fallback=dict(FB, egress=6))
     stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj,
                            pool_bytes=entries * 8 * 256, memory_bytes=64 << 10)
     ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16,
@@ -670,16 +678,17 @@ def _shared_pair(entries=2, taken=()):
     return stage, ref
 
 
-def test_shared_pool_claims_entries_and_falls_back_to_the_host():
+@pytest.mark.parametrize("two_fallbacks", [False, True])
+def test_shared_pool_claims_entries_and_falls_back_to_the_host(two_fallbacks):
     """Slots claim pool entries by hash on their first round; a slot whose entry another job
-    holds forwards its rounds (retransmissions included) to the job's host aggregator,
-    readdressed from the switch's identity (the member stays in the header); the other slots
-    aggregate in the switch."""
+    holds forwards its rounds (retransmissions included) to the job's host aggregator of that
+    slot (slot % number of fallbacks), readdressed from the switch's identity (the member stays
+    in the header); the other slots aggregate in the switch."""
     from testbed.kernels.aggregation import pool_index
 
     owner = {k: pool_index(1, k, 2) for k in range(3)}
     taken = {owner[0]}  # slot 0's entry is another job's
-    stage, ref = _shared_pair(taken=taken)
+    stage, ref = _shared_pair(taken=taken, two_fallbacks=two_fallbacks)
     host_slots = [k for k in range(3) if owner[k] in taken or
                   any(owner[j] == owner[k] for j in range(k))]  # or an earlier slot of ours
     for k in range(3):
@@ -694,12 +703,14 @@ def test_shared_pool_claims_entries_and_falls_back_to_the_host():
             d, r, out = ref.process(f, i)
             assert (int(b.out_port[i]), int(b.reason[i])) == (d, int(r))
             if k in host_slots:
-                assert d == 6 and bytes(b.buf[i, :len(f)]) == ref.last_frame
+                x = k % 2 if two_fallbacks else 0
+                assert d == 6 + x and bytes(b.buf[i, :len(f)]) == ref.last_frame
                 fwd = ref.last_frame
-                assert fwd[0:6] == bytes.fromhex("0254420f0001") and fwd[30:34] == bytes(
-                    [10, 253, 0, 1]) and fwd[26:30] == bytes([10, 0, 0, 254])
+                assert fwd[0:6] == bytes.fromhex(f"0254420f000{x + 1}") and fwd[30:34] == \
+                    bytes([10, 253, 0, 1 + x]) and fwd[26:30] == bytes([10, 0, 0, 254])
                 assert fwd[6:12] == bytes.fromhex(DEFAULT_AGG_MAC.replace(":", ""))
                 assert fwd[34:36] == (41000).to_bytes(2, "big") and fwd[42:] == f[42:]
+                assert fwd[36:38] == (41000 + x).to_bytes(2, "big")
         if k not in host_slots:
             assert b.n == 4  # two RESULTs from the switch
     c = stage.counters()

@@ -19,6 +19,11 @@ CASES = {
                             "RATE_MBPS": 30}, 1),
     "04_compression": ({"NBYTES": 64 << 10, "N_HOSTS": 3, "COMPRESSORS": ["none", "fp16"],
                         "ERROR_FEEDBACK": [False, True]}, 1),
+    "05_multitenant_offload": ({"TREE_TOPOLOGY": {"kind": "leaf_spine", "leaves": 2,
+                                                  "spines": 1, "hosts_per_leaf": 2,
+                                                  "bw_mbps": 20, "switch": "programmable"},
+                                "TREE_NBYTES": 128 << 10, "HOSTS_PER_LEAF": 2,
+                                "TENANT_NBYTES": 128 << 10}, 2),
 }
 
 

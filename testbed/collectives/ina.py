@@ -139,7 +139,7 @@ class InaClient:
         agg = me["aggregator"]  # the tree switch this worker sends to
         self.agg = (agg["ip"], int(agg.get("port", TESTBED_UDP_PORT)))
         self.member = int(me.get("member", rank))  # its member id there (worker_id on the wire)
-        fallback = agg.get("fallback_ip")
+        fallbacks = agg.get("fallback_ips") or []
         self.job_id = spec.job_id
         self.mode = ik.MODE_NIC if spec.algo == "nic" else (
             ik.MODE_THC if spec.compressor is not None else ik.MODE_INT32)
@@ -169,13 +169,14 @@ class InaClient:
         self.rbuf = np.zeros((RX_BURST, RB), dtype=np.uint8)
         self.riov, self.rhdr = _mmsg(RX_BURST)
         self.sources = None
-        if fallback is None:
+        if not fallbacks:
             self.sock.connect(self.agg)  # the kernel then drops datagrams from anyone else
         else:
-            # shared mode: RESULTs come from the switch or from the job's host fallback; the
+            # shared mode: RESULTs come from the switch or from the job's host fallbacks; the
             # socket stays unconnected, packets go to the switch by address, and datagrams
             # from anyone else are ignored by their source address
-            self.sources = np.array([_ip_u32(self.agg[0]), _ip_u32(fallback)], np.uint32)
+            self.sources = np.array([_ip_u32(self.agg[0])] + [_ip_u32(f) for f in fallbacks],
+                                    np.uint32)
             self.dst = _sockaddr_in(*self.agg)
             self.shdr[:, 0] = np.uint64(self.dst.ctypes.data)
             self.shdr[:, 1] = 16
@@ -289,7 +290,7 @@ class InaClient:
                 continue
             rlen = (self.rhdr[:got, 7] & np.uint64(0xFFFFFFFF)).astype(np.int64)
             drop = (self.rng.random(got) < self.loss) if self.loss else no_drop
-            if self.sources is not None:  # shared mode: only the switch and the fallback
+            if self.sources is not None:  # shared mode: only the switch and the fallbacks
                 src = self.names[:got, 4:8].astype(np.uint32)
                 src = (src[:, 0] << 24) | (src[:, 1] << 16) | (src[:, 2] << 8) | src[:, 3]
                 foreign = ~np.isin(src, self.sources)

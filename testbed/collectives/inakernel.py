@@ -19,7 +19,8 @@ The state is three small records:
   ``MODE_THC`` THC int8 lanes).
 
 Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
-``srtt + 4 rttvar``, at least SwitchML's 10 ms, doubling per retry up to 320 ms: :func:`expire`)
+``srtt + 4 rttvar`` and twice the slot's last round trip, at least SwitchML's 10 ms, doubling
+per retry up to 320 ms: :func:`expire`)
 or, sooner, once ``FAST_RETX`` packets sent after it were answered (a loss, since rounds of one
 worker complete in the order it sent them: :func:`on_results`), like TCP's fast retransmit.
 
@@ -49,6 +50,8 @@ T0 = 0.010
 T_MAX = 0.320
 #: Answered packets sent after an unanswered one that make it a loss (TCP's dupack threshold).
 FAST_RETX = 3
+#: a packet overtaken by FAST_RETX later ones is lost once outstanding this many round trips
+REORDER_SLACK = 1.5
 #: chunk_offset of the exponent bootstrap packets: never a data offset.
 BOOT_OFFSET = 0xFFFFFFFF
 
@@ -76,6 +79,7 @@ class Slots(NamedTuple):
     retx: np.ndarray  # bool: sent more than once (Karn: no RTT sample)
     deadline: np.ndarray  # float64: retransmission time (inf when idle)
     rto: np.ndarray  # float64: the slot's current timeout
+    rtt: np.ndarray  # float64: the slot's last RTT sample (0: none yet)
     lens: np.ndarray  # int64: bytes of the packet row
     pkts: np.ndarray  # uint8[W, ROW]: the packets, header first
 
@@ -107,7 +111,8 @@ def new_slots(W: int, seq0: int) -> Slots:
     """Idle slots whose first round is ``seq0``."""
     return Slots(np.full(W, -1, np.int64), np.full(W, seq0 % (1 << 32), np.int64), np.zeros(W),
                  np.zeros(W, np.int64), np.zeros(W, np.bool_), np.full(W, np.inf),
-                 np.full(W, T0), np.zeros(W, np.int64), np.zeros((W, ROW), np.uint8))
+                 np.full(W, T0), np.zeros(W), np.zeros(W, np.int64),
+                 np.zeros((W, ROW), np.uint8))
 
 
 def new_loop(now: float) -> np.ndarray:
@@ -357,9 +362,12 @@ def advance(slots, s, st, now, W, p):
     """Slot ``s``'s round completed: sample the RTT, move to its next round and build the next
     packet (True) or leave the slot idle (False)."""
     if not slots.retx[s]:  # Karn: only unambiguous samples
-        rtt_sample(st, now - slots.sent_at[s])
+        slots.rtt[s] = now - slots.sent_at[s]
+        rtt_sample(st, slots.rtt[s])
     slots.retx[s] = False
-    slots.rto[s] = st.rto
+    # the worker's timeout, but never under twice the slot's own last round trip: slots differ
+    # in path (host fallback) and a slot keeps its path
+    slots.rto[s] = min(max(st.rto, 2.0 * slots.rtt[s]), T_MAX)
     if slots.order[s] > st.acked:
         st.acked = slots.order[s]
     slots.seq[s] = (slots.seq[s] + 1) & 0xFFFFFFFF
@@ -385,11 +393,19 @@ def resend(slots, s, st, now, send_list, nsend):
 
 @njit(cache=True)
 def fast_retransmit(slots, st, now, send_list, nsend):
-    """Resend every packet that ``FAST_RETX`` later-sent packets overtook; its new send order
-    waits for as many again before another resend. Returns the new ``nsend``."""
+    """Resend every packet that ``FAST_RETX`` later-sent packets overtook and that is late for
+    its slot (RACK-like: outstanding longer than ``REORDER_SLACK`` times the slot's last round
+    trip, or the mean one before the slot has a sample); its new send order waits for as many
+    again before another resend. Returns the new ``nsend``.
+
+    Why the time condition: a round completes when the *slowest* member's contribution
+    arrives, and slots differ in path (a shared-pool slot summed by the host fallback takes
+    two more hops), so later-sent packets overtaking an earlier one is not by itself a loss."""
     for s in range(slots.cur.size):
         if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st.acked:
-            nsend = resend(slots, s, st, now, send_list, nsend)
+            ref = slots.rtt[s] if slots.rtt[s] > 0.0 else st.srtt
+            if now - slots.sent_at[s] > REORDER_SLACK * ref:
+                nsend = resend(slots, s, st, now, send_list, nsend)
     return nsend
 
 

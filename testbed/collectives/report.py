@@ -46,11 +46,15 @@ REPORT_COLUMNS: tuple[str, ...] = (
     "mem_mb",
     # in-network aggregation (None for host algorithms): the aggregating switches (root
     # first), the fraction of rounds aggregated in the network, rounds the host fallback
-    # aggregated, aggregator memory the job held over its switches (bytes)
+    # aggregated, aggregator memory the job held over its switches (bytes), how it held it
+    # ('static', 'shared', or 'refused': a switch refused it at admission and the job ran as
+    # ring on the hosts, placement.refused = 'ring') and the switch that refused it
     "tree", "in_network_fraction", "host_fallback_chunks", "switch_mem_bytes",
+    "placement_mode", "refused_by",
 )
 #: The in-network columns of a row; a host algorithm's row has None there.
-INA_COLUMNS = ("tree", "in_network_fraction", "host_fallback_chunks", "switch_mem_bytes")
+INA_COLUMNS = ("tree", "in_network_fraction", "host_fallback_chunks", "switch_mem_bytes",
+               "placement_mode", "refused_by")
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -10,6 +10,7 @@ namespaces; see worker.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -22,7 +23,7 @@ import time
 
 from testbed.collectives import cpumon, flowmodel, ports
 from testbed.collectives.report import make_row
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import SHARED_TREE_ERROR, CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels.wire import TESTBED_UDP_PORT
 
@@ -119,7 +120,18 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
     if spec.algo in ("ina", "nic"):
-        agg_client = register_ina_job(net, spec, job, workers)
+        try:
+            agg_client = register_ina_job(net, spec, job, workers)
+        except AdmissionRefused as e:
+            if (spec.placement or {}).get("refused", "fail") != "ring":
+                raise
+            # the tenant's fallback: the same collective on the hosts
+            ring = dataclasses.replace(spec, algo="ring", placement={}, compressor=None,
+                                       compressor_params={})
+            rows = run_collective(net, ring, extra_pids)
+            for r in rows:
+                r.update(placement_mode="refused", refused_by=e.switch)
+            return rows
     ina_cols = None
     if spec.algo in ("ina", "nic"):
         try:
@@ -193,17 +205,26 @@ def _ina_columns(handle: InaJob, fallback: dict | None) -> dict:
     spec = handle.spec
     rounds = _ina().rounds(spec, len(handle.plan.workers)) * spec.repetitions
     return {"tree": handle.tree, "host_fallback_chunks": host_rounds,
+            "placement_mode": (spec.placement or {}).get("mode", "static"),
             "in_network_fraction": round(1.0 - host_rounds / rounds, 4) if rounds else None,
             "switch_mem_bytes": int(sum(c.get("memory_bytes", 0)
                                         for c in per_switch.values()))}
 
 
+class AdmissionRefused(CollectiveError):
+    """A switch of the job's tree refused it at admission (memory, slots or jobs full);
+    ``switch`` names it."""
+
+    switch: str = ""
+
+
 class InaJob:
     """An INA job registered on the switches of its aggregation tree (the control plane's
-    handle): the plan, the switches' control clients, the fallback aggregator if any."""
+    handle): the plan, the switches' control clients, the host fallback aggregators (shared
+    mode; empty otherwise)."""
 
-    def __init__(self, spec: CollectiveSpec, plan, clients: dict, fallback: dict | None):
-        self.spec, self.plan, self.clients, self.fallback = spec, plan, clients, fallback
+    def __init__(self, spec: CollectiveSpec, plan, clients: dict, fallbacks: list[dict]):
+        self.spec, self.plan, self.clients, self.fallbacks = spec, plan, clients, fallbacks
 
     @property
     def tree(self) -> list[str]:
@@ -237,38 +258,43 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
     """Control plane of an INA job: plan its aggregation tree (``spec.placement``), give every
     worker its UDP port, its switch and member id, and register the job (members, parent,
     memory, a fresh first round) on every tree switch; in shared mode also plan the host
-    fallback aggregator (on the first worker's host). Returns the :class:`InaJob`."""
+    fallback aggregators (one per worker host). Returns the :class:`InaJob`."""
     port = ports.ina_worker_port(spec.job_id)
     place = spec.placement or {}
     try:
         plan = net.ina_plan(workers, port, place.get("tree"))
     except ValueError as e:  # a TopologyError names what is wrong with the tree
         raise ValueError(f"CollectiveSpec.placement: {e}") from None
+    if place.get("mode") == "shared" and len(plan.tree) > 1:
+        raise ValueError(f"{SHARED_TREE_ERROR} (tree 'auto' gave {plan.tree})")
     seq0 = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
     lanes = _ina().ina_lanes(spec, len(workers))
     regs = plan.registrations(spec.slots, seq0, lanes)
-    fallback = None
+    fallbacks: list[dict] = []
     if place.get("mode") == "shared":
-        host = workers[0]
-        egress = net.first_hop(plan.root, host.name, TESTBED_UDP_PORT, TESTBED_UDP_PORT)
+        # one fallback aggregator per worker host; slot s overflows to the (s % n)-th, so the
+        # overflow is spread like a sharded reduction server rather than onto one host's link
         regs[plan.root]["mode"] = "shared"
-        regs[plan.root]["fallback"] = {"mac": host.MAC(), "ip": host.IP(),
-                                       "port": TESTBED_UDP_PORT, "egress": egress}
-        fallback = {"host": host.name, "pid": int(host.pid), "ip": host.IP(),
-                    "switch_ip": net.aggregators()[plan.root]["ip"],
-                    "mac": host.MAC(), "port": TESTBED_UDP_PORT, "slots": spec.slots,
-                    "seq0": seq0, "lanes": lanes,
-                    "members": [{"worker": i, "mac": h.MAC(), "ip": h.IP(), "port": port,
-                                 "ingress": 0} for i, h in enumerate(workers)]}
+        regs[plan.root]["fallback"] = []
+        members = [{"worker": i, "mac": h.MAC(), "ip": h.IP(), "port": port, "ingress": 0}
+                   for i, h in enumerate(workers)]
+        for host in dict.fromkeys(workers):
+            egress = net.first_hop(plan.root, host.name, TESTBED_UDP_PORT, TESTBED_UDP_PORT)
+            regs[plan.root]["fallback"].append({"mac": host.MAC(), "ip": host.IP(),
+                                                "port": TESTBED_UDP_PORT, "egress": egress})
+            fallbacks.append({"host": host.name, "pid": int(host.pid), "ip": host.IP(),
+                              "switch_ip": net.aggregators()[plan.root]["ip"],
+                              "mac": host.MAC(), "port": TESTBED_UDP_PORT, "slots": spec.slots,
+                              "seq0": seq0, "lanes": lanes, "members": members})
     job["seq0"] = seq0
     job["tree"] = plan.tree
-    job["fallback"] = fallback
+    job["fallbacks"] = fallbacks
     for r, w in enumerate(plan.workers):
         job["ranks"][r].update(port=port, member=w["member"], aggregator={
             "ip": w["ip"], "mac": w["mac"], "switch": w["switch"],
-            "port": TESTBED_UDP_PORT, "fallback_ip": fallback["ip"] if fallback else None})
+            "port": TESTBED_UDP_PORT, "fallback_ips": [f["ip"] for f in fallbacks]})
     clients: dict = {}
-    handle = InaJob(spec, plan, clients, fallback)
+    handle = InaJob(spec, plan, clients, fallbacks)
     for sw in plan.tree:
         try:
             c = net.switch_client(sw)
@@ -276,8 +302,10 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
         except (RuntimeError, KeyError) as e:  # the control error names the cause
             with contextlib.suppress(CollectiveError):
                 handle.release()
-            raise CollectiveError(f"{spec.op}/{spec.algo}: cannot register job {spec.job_id} "
-                                  f"on {sw}: {e}") from None
+            cls = AdmissionRefused if str(e).startswith("AdmissionError:") else CollectiveError
+            err = cls(f"{spec.op}/{spec.algo}: cannot register job {spec.job_id} on {sw}: {e}")
+            err.switch = sw
+            raise err from None
         clients[sw] = c
     return handle
 

@@ -31,7 +31,10 @@ INA_COMPRESSORS = ("thc",)
 #: Default outstanding packets (slots) per INA worker.
 DEFAULT_WINDOW = 64
 #: Keys of ``CollectiveSpec.placement``.
-PLACEMENT_KEYS = ("tree", "mode", "slots")
+PLACEMENT_KEYS = ("tree", "mode", "slots", "refused")
+SHARED_TREE_ERROR = ("CollectiveSpec.placement: mode 'shared' (host fallback) is implemented "
+                     "for single-switch placements; use tree='single' or one switch, or mode "
+                     "'static' for a tree")
 
 
 @dataclasses.dataclass
@@ -52,7 +55,8 @@ class CollectiveSpec:
     workers (then servers) in rank order, default the first hosts of the net (jobs sharing a
     fabric take disjoint host sets). ``placement`` (``algo`` ina/nic): where the job is
     aggregated, ``{"tree": None | "single" | "auto" | [switches, root first], "mode": "static"
-    | "shared", "slots": N}`` (see :data:`PLACEMENT_KEYS`; slots default ``window``).
+    | "shared", "slots": N, "refused": "fail" | "ring"}`` (see :data:`PLACEMENT_KEYS`; slots
+    default ``window``; ``refused``: what a switch's admission refusal does).
     """
 
     op: str = "allreduce"
@@ -208,11 +212,12 @@ class CollectiveSpec:
         if p.get("mode", "static") not in ("static", "shared"):
             raise ValueError(f"CollectiveSpec.placement.mode={p.get('mode')!r} must be "
                              "'static' or 'shared'")
-        if p.get("mode") == "shared" and tree not in (None, "single") and not (
-                isinstance(tree, list | tuple) and len(tree) == 1):
-            raise ValueError("CollectiveSpec.placement: mode 'shared' (host fallback) is "
-                             "implemented for single-switch placements; use tree='single' or "
-                             "one switch, or mode 'static' for a tree")
+        if p.get("mode") == "shared" and isinstance(tree, list | tuple) and len(tree) > 1:
+            raise ValueError(SHARED_TREE_ERROR)
+        if p.get("refused", "fail") not in ("fail", "ring"):
+            raise ValueError(f"CollectiveSpec.placement.refused={p.get('refused')!r} must be "
+                             "'fail' (an admission refusal is an error) or 'ring' (run the job "
+                             "on the hosts instead)")
         slots = p.get("slots", self.window)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 4096:
             raise ValueError(f"CollectiveSpec.placement.slots={slots!r} must be an integer "

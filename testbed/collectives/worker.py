@@ -47,6 +47,9 @@ from testbed.collectives.transport import CollectiveTimeout, Comm
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
+#: what a host fallback aggregator reports (summed over a job's fallbacks)
+FALLBACK_COUNTERS = ("completed", "contributions", "duplicates", "not_member", "stale",
+                     "results_sent", "results_sent_host", "foreign")
 _libc = ctypes.CDLL(None, use_errno=True)
 
 ALGOS = {
@@ -237,10 +240,9 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
             comm.close()
 
 
-def _fallback_child(job: dict, spec: CollectiveSpec, sock: socket.socket) -> int:
-    """A job's host fallback aggregator (shared mode): serve until the pool says stop, then
-    report the counters."""
-    fb = job["fallback"]
+def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.socket) -> int:
+    """One of a job's host fallback aggregators (shared mode, ``fb``): serve until the pool
+    says stop, then report the counters."""
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != job["_pool_pid"]:
         return 1
@@ -254,55 +256,61 @@ def _fallback_child(job: dict, spec: CollectiveSpec, sock: socket.socket) -> int
         ctl.send({"type": "ready"})
         counters = agg.serve(sock.fileno())
         agg.close()
-        ctl.send({"type": "counters", "counters": {
-            k: counters[k] for k in ("completed", "contributions", "duplicates", "not_member",
-                                     "stale", "results_sent", "results_sent_host",
-                                     "foreign")}})
+        ctl.send({"type": "counters", "counters": {k: counters[k] for k in FALLBACK_COUNTERS}})
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
         with contextlib.suppress(OSError):
-            ctl.send({"type": "error", "error": f"fallback aggregator: {type(e).__name__}: {e}",
-                      "timeout": False})
+            ctl.send({"type": "error", "error": f"fallback aggregator on {fb['host']}: "
+                      f"{type(e).__name__}: {e}", "timeout": False})
         return 1
 
 
-def _start_fallback(job: dict, spec: CollectiveSpec) -> tuple[int, _Line]:
-    """Fork the host fallback aggregator and wait until it listens."""
-    a, b = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            a.close()
-            code = _fallback_child(job, spec, b)
-        finally:
-            os._exit(code)
-    b.close()
-    a.settimeout(spec.timeout_s + 30)
-    line = _Line(a)
+def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, _Line]]:
+    """Fork the job's host fallback aggregators and wait until each listens."""
+    started: list[tuple[int, _Line]] = []
     try:
-        msg = line.recv()
-    except (OSError, EOFError) as e:
-        raise RuntimeError(f"fallback aggregator on {job['fallback']['host']}: {e}") from None
-    if msg["type"] != "ready":
-        raise RuntimeError(msg.get("error", str(msg)))
-    return pid, line
+        for fb in job.get("fallbacks") or []:
+            a, b = socket.socketpair()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    a.close()
+                    code = _fallback_child(job, fb, spec, b)
+                finally:
+                    os._exit(code)
+            b.close()
+            a.settimeout(spec.timeout_s + 30)
+            line = _Line(a)
+            started.append((pid, line))
+            try:
+                msg = line.recv()
+            except (OSError, EOFError) as e:
+                raise RuntimeError(f"fallback aggregator on {fb['host']}: {e}") from None
+            if msg["type"] != "ready":
+                raise RuntimeError(msg.get("error", str(msg)))
+    except BaseException:
+        _stop_fallbacks(started, {})
+        raise
+    return started
 
 
-def _stop_fallback(fallback: tuple[int, _Line] | None, result: dict) -> None:
-    """Stop the fallback aggregator; its counters go to ``result["fallback"]``."""
-    if fallback is None:
-        return
-    pid, line = fallback
-    with contextlib.suppress(OSError, EOFError, ValueError):
-        line.send({"type": "stop"})
-        msg = line.recv()
-        if msg.get("type") == "counters":
-            result["fallback"] = msg["counters"]
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+def _stop_fallbacks(fallbacks: list[tuple[int, _Line]], result: dict) -> None:
+    """Stop the fallback aggregators; their summed counters go to ``result["fallback"]``."""
+    total: dict[str, int] = {}
+    for pid, line in fallbacks:
+        with contextlib.suppress(OSError, EOFError, ValueError):
+            line.send({"type": "stop"})
+            msg = line.recv()
+            if msg.get("type") == "counters":
+                for k, v in msg["counters"].items():
+                    total[k] = total.get(k, 0) + int(v)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    if fallbacks:
+        result["fallback"] = total
 
 
 def _pss_mb(pid: int) -> float:
@@ -379,7 +387,7 @@ def run_pool(job: dict) -> dict:
     ctls: dict[int, _Line] = {}
     sys.stdout.flush()
     sys.stderr.flush()
-    fallback = _start_fallback(job, spec) if job.get("fallback") else None
+    fallbacks = _start_fallbacks(job, spec)
     for rank in range(n + m):
         a, b = socket.socketpair()
         pid = os.fork()
@@ -406,7 +414,7 @@ def run_pool(job: dict) -> dict:
     dead: dict[int, str] = {}
     # CPU saturation per thread and core (cpumon): the ranks and the data-path engines
     sampler = CpuMonitor({"ranks": list(children.values())
-                          + ([fallback[0]] if fallback is not None else []),
+                          + [pid for pid, _ in fallbacks],
                           "engines": list(job.get("extra_pids", []))})
 
     def gather(kind: str, wait_s: float) -> dict[int, dict]:
@@ -492,7 +500,7 @@ def run_pool(job: dict) -> dict:
     except RuntimeError as e:
         result["error"] = str(e)
     finally:
-        _stop_fallback(fallback, result)
+        _stop_fallbacks(fallbacks, result)
         for c in ctls.values():
             try:
                 c.send({"type": "exit"})

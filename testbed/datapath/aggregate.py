@@ -128,7 +128,8 @@ class AggregateStage(Stage):
     * ``mode``: ``"static"`` (default: a reserved partition of memory, or refused at admission
       with the free memory in the error) or ``"shared"`` (slots claim pool entries by hash on
       their first round, first come first served; a slot whose entry another job holds sends its
-      rounds to the job's ``fallback`` aggregator on a host: ``{"mac", "ip", "port", "egress"}``);
+      rounds to the job's ``fallback`` aggregator on a host: ``{"mac", "ip", "port", "egress"}``,
+      or a list of them: slot ``s`` goes to the ``s % len``-th, spreading the overflow);
     * ``parent`` (tree nodes below the root): ``{"mac", "ip", "egress", "index"}`` and
       optionally ``"ingress"``: the parent switch's aggregator identity, the port towards it,
       this switch's member id there, and the port its RESULTs arrive on. A completed round's
@@ -231,8 +232,9 @@ class AggregateStage(Stage):
             shared=mode == "shared",
             parent=None if parent is None else parse_peer(job_id, "parent", parent, self.ports,
                                                           "index"),
-            fallback=None if fallback is None else parse_peer(job_id, "fallback", fallback,
-                                                              self.ports, "port"))
+            fallback=None if fallback is None else [
+                parse_peer(job_id, "fallback", fb, self.ports, "port")
+                for fb in (fallback if isinstance(fallback, list) else [fallback])])
 
     def free_slots(self) -> int:
         """Slots of metadata no job holds."""

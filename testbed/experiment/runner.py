@@ -5,6 +5,8 @@ describe the same network (topology, impairments, trimming, codec, cross traffic
 share one built network, so a size or algorithm sweep pays the set-up once. Each finished run
 is on disk (see :mod:`testbed.experiment.results`) before the next one starts; a failed run is
 recorded as a row with ``status='error'`` and the runner goes on (unless ``stop_on_error``).
+The jobs of a ``concurrent`` point run at the same time, each in a thread (tenants of one
+fabric); each gets its own rows, with ``concurrent_jobs`` (1 for a job run alone).
 The network is torn down on every exit path, Ctrl-C included (``TestbedNet`` does it in its
 ``__exit__``; cross traffic and captures are stopped in ``finally`` blocks here).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -131,23 +134,42 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                         raise RunAborted(f"network set-up failed: {err}") from e
                     i = j
                     continue
-                for (pi, params, pt, ji, job, size) in group:
-                    try:
-                        rows = _run_one(net, pt, job, size, out, run_idx, xt)
-                        for r in rows:
-                            store.append(_ok_row(run_idx, pi, params, pt, ji, job, size, r))
-                    except (KeyboardInterrupt, SystemExit):
-                        raise
-                    except Exception as e:
-                        if _interrupted(e):
-                            raise KeyboardInterrupt from e
-                        err = _describe_error(e)
-                        store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
-                        if exp.stop_on_error:
-                            raise RunAborted(f"run {run_idx} failed: {err}") from e
-                    run_idx += 1
-                    advance(_run_text(store.rows[-1], params))
+                for batch in _batches(group):
+                    pt = batch[0][2]
+                    outcomes = _run_batch(net, pt, [(g[4], g[5]) for g in batch], out,
+                                          run_idx, xt)
+                    failed = None
+                    for (pi, params, pt, ji, job, size), outcome in zip(batch, outcomes,
+                                                                        strict=True):
+                        if isinstance(outcome, BaseException):
+                            if isinstance(outcome, (KeyboardInterrupt, SystemExit)) or \
+                                    _interrupted(outcome):
+                                raise KeyboardInterrupt from outcome
+                            err = _describe_error(outcome)
+                            store.append(_error_row(run_idx, pi, params, pt, ji, job, size,
+                                                    err))
+                            failed = failed or (run_idx, err, outcome)
+                        else:
+                            for r in outcome:
+                                store.append(_ok_row(run_idx, pi, params, pt, ji, job, size,
+                                                     r))
+                        run_idx += 1
+                        advance(_run_text(store.rows[-1], params))
+                    if failed is not None and exp.stop_on_error:
+                        raise RunAborted(f"run {failed[0]} failed: {failed[1]}") from failed[2]
             i = j
+
+
+def _batches(group: list) -> list[list]:
+    """The runs of a network group in the order they run: one at a time, or all the jobs of a
+    ``concurrent`` point at once."""
+    out: list[list] = []
+    for g in group:
+        if out and g[2].concurrent and out[-1][0][2].concurrent and out[-1][0][0] == g[0]:
+            out[-1].append(g)
+        else:
+            out.append([g])
+    return out
 
 
 def _run_text(row: dict, params: dict) -> str:
@@ -246,7 +268,8 @@ def datapath_options(point: Experiment) -> DatapathOptions:
     elif point.topology.smartnic and any(j.algo == "nic" and j.op != "incast"
                                          for j in point.jobs):
         nic_codec = {"codec": "fixed32"}
-    return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec)
+    return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec,
+                           aggregate=point.topology.aggregate_settings())
 
 
 def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) -> list:
@@ -311,34 +334,66 @@ def _stop(proc, sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
 def _collective_spec(job: JobSpec, size: int, point: Experiment):
     from testbed.collectives import CollectiveSpec
 
+    extra: dict[str, Any] = {}
+    if job.hosts is not None:
+        extra["hosts"] = list(job.hosts)
+    if job.placement is not None:
+        extra["placement"] = job.placement.as_dict()
+    if point.concurrent:  # tenants of one fabric: distinct job ids (switch partitions, ports)
+        extra["job_id"] = point.jobs.index(job) + 1
     return CollectiveSpec(op=job.op, algo=job.algo, nbytes=size, dtype=job.dtype,
                           compressor=job.compressor, compressor_params=dict(job.compressor_params),
                           error_feedback=job.error_feedback, servers=job.servers,
                           timeout_s=job.timeout_s,
                           seed=point.seed if job.seed is None else job.seed,
-                          repetitions=job.repetitions, **job.options)
+                          repetitions=job.repetitions, **{**extra, **job.options})
 
 
-def _run_one(net, point: Experiment, job: JobSpec, size: int, out: Path, run_idx: int,
-             xt: list | None = None) -> list[dict]:
+def _run_job(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
     from testbed.collectives import run_collective
 
+    if job.op == "incast":
+        return _run_incast(net, point, job, size)
+    return run_collective(net, _collective_spec(job, size, point))
+
+
+def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Path,
+               run_idx: int, xt: list | None = None) -> list[list[dict] | BaseException]:
+    """Run ``runs`` (one, or the concurrent jobs of a point, each in its thread); per run its
+    rows (with the data-path counter deltas, capture and cross-traffic columns of the whole
+    batch, and ``concurrent_jobs``) or the exception it raised."""
     xt = xt or []
     xt_before = [_tx_bytes(src) for _, src in xt]
     t0 = time.monotonic()
     before = _counters(net)
+    outcomes: list[list[dict] | BaseException | None] = [None] * len(runs)
+
+    def one(k: int) -> None:
+        try:
+            outcomes[k] = _run_job(net, point, *runs[k])
+        except BaseException as e:  # noqa: BLE001 - reported per run by the caller
+            outcomes[k] = e
+
     with contextlib.ExitStack() as stack:
         captures = _start_captures(stack, net, point, out, run_idx)
-        if job.op == "incast":
-            rows = _run_incast(net, point, job, size)
+        if len(runs) == 1:
+            one(0)
         else:
-            rows = run_collective(net, _collective_spec(job, size, point))
+            threads = [threading.Thread(target=one, args=(k,), name=f"job-{k}")
+                       for k in range(len(runs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         stack.close()  # stop tcpdump before reading its files
         cap_cols = _summarise_captures(captures, out, run_idx)
     after = _counters(net)
-    dp_cols = _counter_deltas(before, after, out, run_idx)
+    roles = dict(getattr(getattr(net, "topo", None), "switch_roles", {}) or {})
+    dp_cols = _counter_deltas(before, after, out, run_idx, roles)
     xt_cols = _cross_traffic_cols(xt, xt_before, time.monotonic() - t0) if xt else {}
-    return [{**r, **dp_cols, **cap_cols, **xt_cols} for r in rows]
+    extra = {**dp_cols, **cap_cols, **xt_cols, "concurrent_jobs": len(runs)}
+    return [o if isinstance(o, BaseException) else [{**r, **extra} for r in o]
+            for o in outcomes]
 
 
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
@@ -378,7 +433,8 @@ def flatten_counters(obj: Any, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def _counter_deltas(before, after, out: Path, run_idx: int) -> dict[str, float]:
+def _counter_deltas(before, after, out: Path, run_idx: int, roles: dict | None = None
+                    ) -> dict[str, float]:
     if before is None or after is None:
         return {}
     b, a = flatten_counters(before), flatten_counters(after)
@@ -386,7 +442,22 @@ def _counter_deltas(before, after, out: Path, run_idx: int) -> dict[str, float]:
     cdir = out / "counters"
     cdir.mkdir(exist_ok=True)
     (cdir / f"run{run_idx:04d}.json").write_text(json.dumps(delta, indent=1, sort_keys=True))
-    return summarize_counters(delta, a)
+    return {**summarize_counters(delta, a), **port_bytes_by_role(delta, roles or {})}
+
+
+def port_bytes_by_role(delta: dict[str, float], roles: dict[str, str]) -> dict[str, float]:
+    """``port_bytes_<role>``: bytes that crossed the ports of the switches of each role (rx +
+    tx, e.g. ``port_bytes_core``: every byte on a core link, counted once), from the
+    flattened ``ports.<interface>.{rx,tx}_bytes`` deltas; ``roles``: switch -> role."""
+    cols: dict[str, float] = {f"port_bytes_{r}": 0.0 for r in set(roles.values())}
+    for path, v in delta.items():
+        parts = path.split(".")
+        if len(parts) != 3 or parts[0] != "ports" or parts[2] not in ("rx_bytes", "tx_bytes"):
+            continue
+        role = roles.get(parts[1].rsplit("-", 1)[0])
+        if role is not None:
+            cols[f"port_bytes_{role}"] += v
+    return cols
 
 
 def summarize_counters(delta: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -94,8 +94,29 @@ class TopologySpec(_Strict):
     bottleneck_mbps: float | None = Field(None, gt=0)
     n_senders: int | None = Field(None, ge=1)
     receiver_mbps: float | None = Field(None, gt=0)
+    switch_memory: ByteSize | None = Field(
+        None, description="aggregator memory of every programmable switch (default 16 MiB)")
+    shared_pool: ByteSize | None = Field(
+        None, description="the part of switch_memory that is the shared pool of jobs in "
+                          "placement mode 'shared' (default a quarter)")
     params: dict[str, Any] = Field(default_factory=dict,
                                    description="further keyword options for make_topology")
+
+    @model_validator(mode="after")
+    def _pool_fits(self) -> TopologySpec:
+        if self.shared_pool is not None and int(self.shared_pool) > int(
+                self.switch_memory if self.switch_memory is not None else 16 << 20):
+            raise ValueError(f"shared_pool ({int(self.shared_pool)} B) exceeds switch_memory")
+        return self
+
+    def aggregate_settings(self) -> dict[str, int] | None:
+        """Settings of every switch's ``aggregate`` stage (memory), None for the defaults."""
+        out = {}
+        if self.switch_memory is not None:
+            out["memory_bytes"] = int(self.switch_memory)
+        if self.shared_pool is not None:
+            out["pool_bytes"] = int(self.shared_pool)
+        return out or None
 
     @model_validator(mode="after")
     def _fields_fit_kind(self) -> TopologySpec:
@@ -109,13 +130,41 @@ class TopologySpec(_Strict):
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``testbed.topologies.make_topology(kind, **kwargs)``."""
-        out = self.model_dump(exclude={"kind", "params"}, exclude_none=True)
+        out = self.model_dump(exclude={"kind", "params", "switch_memory", "shared_pool"},
+                              exclude_none=True)
         if out.get("smartnic") is False:
             out.pop("smartnic")
         if out.get("aggregator") == "none":
             out["aggregator"] = None
         out.update(self.params)
         return out
+
+
+class Placement(_Strict):
+    """Where an in-network job aggregates (``algo`` ina/nic): its tree of switches, how it
+    holds switch memory, and its slots per switch."""
+
+    tree: Literal["single", "auto"] | list[str] = Field(
+        "single", description="'single': the topology's aggregator; 'auto': the lowest common "
+                              "ancestor tree of the job's workers; or switch names, root first")
+    mode: Literal["static", "shared"] = Field(
+        "static", description="'static': reserved slots or refused at admission; 'shared': "
+                              "the switch's best-effort pool, overflow to a host aggregator")
+    slots: int | None = Field(None, ge=1, le=4096, description="default: the job's window")
+    refused: Literal["fail", "ring"] = Field(
+        "fail", description="a switch refuses the job at admission: 'fail' (an error row) or "
+                            "'ring' (run it on the hosts, placement_mode 'refused')")
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_names(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("give at least one switch (the root first)")
+        return v
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``CollectiveSpec.placement`` dict."""
+        return self.model_dump(exclude_none=True)
 
 
 class JobSpec(_Strict):
@@ -136,8 +185,24 @@ class JobSpec(_Strict):
     repetitions: int = Field(1, ge=1, le=1000)
     seed: int | None = Field(None, description="default: the experiment's seed")
     timeout_s: float = Field(60.0, gt=0)
+    hosts: list[int] | None = Field(None, description="host ranks of the job's workers "
+                                                      "(default: the first hosts)")
+    placement: Placement | None = Field(None, description="in-network placement (ina, nic)")
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="further CollectiveSpec fields (e.g. window)")
+
+    @model_validator(mode="after")
+    def _placement_needs_ina(self) -> JobSpec:
+        if self.placement is not None and self.algo not in ("ina", "nic"):
+            raise ValueError(f"placement applies to algo 'ina' or 'nic', not {self.algo!r}")
+        if self.placement is not None and self.placement.mode == "shared" and isinstance(
+                self.placement.tree, list) and len(self.placement.tree) > 1:
+            raise ValueError("placement mode 'shared' works on one switch; use tree 'single' "
+                             "or one switch name, or mode 'static' for a tree")
+        if self.hosts is not None and (len(set(self.hosts)) != len(self.hosts)
+                                       or min(self.hosts, default=0) < 0 or not self.hosts):
+            raise ValueError(f"hosts={self.hosts!r} must be distinct host ranks >= 0")
+        return self
 
     @field_validator("nbytes")
     @classmethod
@@ -278,6 +343,8 @@ class Experiment(_Strict):
     cross_traffic: list[CrossTraffic] = Field(default_factory=list)
     capture: Capture | None = None
     settle_s: float = Field(0.0, ge=0, description="pause after cross traffic starts")
+    concurrent: bool = Field(False, description="run the jobs of a point at the same time "
+                                                "(tenants of one fabric), each on its hosts")
     stop_on_error: bool = Field(False, description="stop at the first failed run")
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
 
@@ -297,6 +364,21 @@ class Experiment(_Strict):
         data = self.model_dump(exclude={"sweep"})
         for path in self.sweep:
             _check_path(data, path)
+        return self
+
+    @model_validator(mode="after")
+    def _concurrent_jobs(self) -> Experiment:
+        if not self.concurrent:
+            return self
+        for k, job in enumerate(self.jobs):
+            if len(job.sizes()) != 1:
+                raise ValueError(f"jobs.{k}: concurrent jobs run once per point: give one "
+                                 "nbytes (sweep over sizes instead)")
+            if job.op == "incast":
+                raise ValueError(f"jobs.{k}: op 'incast' cannot run concurrently")
+        ids = [j.options.get("job_id", k + 1) for k, j in enumerate(self.jobs)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"concurrent jobs need distinct options.job_id, got {ids}")
         return self
 
     def points(self) -> list[tuple[dict[str, Any], Experiment]]:

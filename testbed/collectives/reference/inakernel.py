@@ -14,6 +14,7 @@ from testbed.collectives.inakernel import (
     MODE_NIC,
     MODE_THC,
     NORM_RES,
+    REORDER_SLACK,
     T0,
     T_MAX,
     THC_EXP_ZERO,
@@ -187,6 +188,7 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
         st["progress"] = now
         if not slots.retx[s]:
             sample = now - slots.sent_at[s]
+            slots.rtt[s] = sample
             if st["srtt"] == 0.0:
                 st["srtt"], st["rttvar"] = sample, sample / 2
             else:
@@ -194,7 +196,7 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
                 st["srtt"] = 0.875 * st["srtt"] + 0.125 * sample
             st["rto"] = min(max(T0, st["srtt"] + 4 * st["rttvar"]), T_MAX)
         slots.retx[s] = False
-        slots.rto[s] = st["rto"]
+        slots.rto[s] = min(max(st["rto"], 2.0 * slots.rtt[s]), T_MAX)
         st["acked"] = max(int(st["acked"]), int(slots.order[s]))
         slots.seq[s] = (int(slots.seq[s]) + 1) % (1 << 32)
         nj = int(slots.cur[s]) + W
@@ -208,7 +210,9 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
         send_list[nsend] = s
         nsend += 1
     for s in range(W):
-        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st["acked"]:
+        ref = slots.rtt[s] if slots.rtt[s] > 0.0 else st["srtt"]
+        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st["acked"] and \
+                now - slots.sent_at[s] > REORDER_SLACK * ref:
             slots.retx[s] = True
             _send(slots, s, st, now, MsgType.RETRANSMIT)
             send_list[nsend] = s

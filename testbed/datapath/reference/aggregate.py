@@ -93,8 +93,8 @@ class AggregateReference:
             "shared": shared,
             "parent": None if parent is None else (_mac(parent["mac"]), _ip(parent["ip"]),
                                                    int(parent["egress"]), int(parent["index"])),
-            "fallback": None if fb is None else (_mac(fb["mac"]), _ip(fb["ip"]), int(fb["port"]),
-                                                 int(fb["egress"]))}
+            "fallback": [(_mac(x["mac"]), _ip(x["ip"]), int(x["port"]), int(x["egress"]))
+                         for x in ([] if fb is None else fb if isinstance(fb, list) else [fb])]}
         seq0 = int(spec.get("seq0", 0))
         for k in range(int(spec["slots"])):
             if not shared:
@@ -155,7 +155,7 @@ class AggregateReference:
         d = _diff(r, here["seq"])
         if d == 0:
             if here["state"] == "host":
-                return self._fallback(f, job)
+                return self._fallback(f, job, slot)
             if w in here["counted"]:
                 if here["state"] == "done":
                     return PORT_HELD, 0, [self._result(jid, slot, here, w)]
@@ -176,7 +176,7 @@ class AggregateReference:
             here["seq"] = r
             if job["shared"] and not self._claim(jid, slot):
                 here["state"] = "host"
-                return self._fallback(f, job)
+                return self._fallback(f, job, slot)
             here.update(state="open", counted={w}, values=vals, ne=ne, overflow=vals is None,
                         chunk=int(h["chunk_offset"]), codec=int(h["codec"]),
                         exp=int(h["exponent"]))
@@ -211,10 +211,10 @@ class AggregateReference:
         self.in_memory.add((jid, slot))
         return True
 
-    def _fallback(self, f: bytes, job: dict):
-        if job["fallback"] is None:
+    def _fallback(self, f: bytes, job: dict, slot: int):
+        if not job["fallback"]:
             return PORT_DROP, R.NO_ROUTE, []
-        mac, ip, port, egress = job["fallback"]
+        mac, ip, port, egress = job["fallback"][slot % len(job["fallback"])]
         g = bytearray(f)
         g[0:6], g[30:34] = mac, ip
         g[6:12], g[26:30] = self.mac, self.ip  # from the switch: the member is in the header
