@@ -3,8 +3,8 @@ architecture diagram regenerates from its source and says what the committed one
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -49,29 +49,29 @@ def test_demo_table_picture_is_the_demo_table():
         assert word in text, f"demo_table.svg lacks {word!r}"
 
 
+def _script(name: str):
+    """A script of docs/images/ loaded as a module (they are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(f"tb_docs_{name}", IMAGES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _svg_texts(path: Path) -> list[str]:
     return sorted(t.text or "" for t in ET.parse(path).getroot().iter(f"{SVG}text"))
 
 
-def test_architecture_diagram_regenerates_from_its_source(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(IMAGES))
-    import architecture
-
+def test_architecture_diagram_regenerates_from_its_source(tmp_path):
+    architecture = _script("architecture")
     out = architecture.main(tmp_path / "architecture.svg")
     texts = _svg_texts(out)
     for title, module, _what, _colour in architecture.LAYERS:
         assert any(title in t for t in texts) and (not module or module in texts)
     assert texts == _svg_texts(IMAGES / "architecture.svg"), \
         "docs/images/architecture.svg is stale: run python docs/images/architecture.py"
-    sys.modules.pop("architecture", None)
 
 
 def test_gallery_figure_choices_name_notebooks():
-    sys.path.insert(0, str(IMAGES))
-    try:
-        import make_images
-    finally:
-        sys.path.remove(str(IMAGES))
-        sys.modules.pop("make_images", None)
+    make_images = _script("make_images")
     stems = {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
     assert set(make_images.FIGURE) <= stems
