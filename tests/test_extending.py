@@ -87,7 +87,8 @@ def fake_dists(tmp_path, monkeypatch):
 def test_compressor_plugin_everywhere_a_name_is_used(fake_dists):
     fake_dists("tb-halve", "tbplug_halve", GOOD_COMPRESSOR.format(name="halve"),
                "[testbed.compressors]\nhalve = tbplug_halve:Halve\n")
-    assert compressor_names() == COMPRESSORS + ("halve",)
+    names = compressor_names()  # built-ins first, then plug-ins (others may be installed)
+    assert names[:len(COMPRESSORS)] == COMPRESSORS and "halve" in names[len(COMPRESSORS):]
     c = get_compressor("halve", factor=0.25)
     x = np.arange(8, dtype=np.float32)
     assert np.array_equal(decode_any(c.encode(x)), x)
@@ -97,7 +98,7 @@ def test_compressor_plugin_everywhere_a_name_is_used(fake_dists):
     exp = parse_experiment({"topology": {"n_hosts": 2}, "jobs": [job]})
     assert exp.jobs[0].compressor == "halve"
     with pytest.raises(ExperimentError, match=r"jobs\.0\.compressor: unknown compressor "
-                                              r"'halv'; allowed: .*thc, halve"):
+                                              r"'halv'; allowed: .*thc, .*halve"):
         parse_experiment({"topology": {"n_hosts": 2}, "jobs": [{**job, "compressor": "halv"}]})
 
 
@@ -158,7 +159,7 @@ class Nop(Stage):
 def test_stage_plugin_in_program_lists_and_experiments(fake_dists):
     fake_dists("tb-nop", "tbplug_nop", STAGE_SOURCE.format(name="nop"),
                "[testbed.stages]\nnop = tbplug_nop:Nop\n")
-    assert stage_names()[-1] == "nop"
+    assert "nop" in stage_names()
     cls = stage_class("nop")
     assert issubclass(cls, Stage) and cls.name == "nop"
     topo = {"n_hosts": 2, "switch": "programmable", "params": {"programs": {"tbs1": []}}}
