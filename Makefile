@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 TB    := $(VENV)/bin/testbed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint lab cleanup doctor bench
+.PHONY: setup demo test lint lab cleanup doctor bench docs-images
 
 setup:
 	@VENV=$(VENV) bash .ci/setup.sh
@@ -32,3 +32,8 @@ cleanup: setup
 
 bench: setup
 	@$(TB) bench all
+
+# The README's pictures under docs/images/: the architecture diagram, the demo's table and plot,
+# one figure per notebook. Runs the demo and every notebook: root, several minutes.
+docs-images: setup
+	@$(PY) docs/images/make_images.py

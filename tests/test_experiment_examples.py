@@ -58,3 +58,8 @@ def test_example_runs_small(path, tmp_path):
         assert (nic["dp_nic_codec_encoded"] > 0).all() and (nic["dp_nic_codec_decoded"] > 0).all()
     if exp.impairments:
         assert res.df.filter(like="dp_impair_seen").sum().sum() > 0, "impair stage saw nothing"
+    if exp.capture is not None:
+        for iface in exp.capture.interfaces:
+            tag = iface.replace("-", "_")
+            assert (res.df[f"cap_{tag}_testbed"] > 0).all(), f"no testbed packet on {iface}"
+            assert len(list((res.path / "pcap").glob(f"run*-{iface}.pcap"))) == len(res.df)

@@ -10,6 +10,11 @@ Every compressor lives in its own module with module-level ``@njit(cache=True)``
 (callable from other Numba code, e.g. the SmartNIC codec stage) and a numpy twin in
 ``testbed.kernels.reference.compressors``. Error feedback is separate:
 ``testbed.kernels.memory``.
+
+Other distributions add compressors through the entry-point group ``testbed.compressors``
+(``name = "module:Class"``, a :class:`Compressor` subclass whose ``name`` is the entry point's
+name; see docs/extending.md): :func:`get_compressor`, :func:`decode_any` and
+:func:`compressor_names` know them as well as the built-ins in :data:`COMPRESSORS`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import inspect
 
 import numpy as np
+
+from testbed.kernels.plugins import COMPRESSORS_GROUP, PluginError, plugins
 
 from .base import Compressor, decode_payload
 from .bf16 import Bf16Compressor
@@ -41,11 +48,20 @@ _CLASSES = (NoneCompressor, Fp16Compressor, Bf16Compressor, TopkCompressor, Rand
             SignsgdCompressor, EfsignsgdCompressor, SignumCompressor, OnebitCompressor,
             NaturalCompressor, PowersgdCompressor, ThcCompressor)
 _REGISTRY: dict[str, type[Compressor]] = {c.name: c for c in _CLASSES}
-#: Names accepted by :func:`get_compressor`.
+#: The built-in compressors (plug-ins come on top: :func:`compressor_names`).
 COMPRESSORS: tuple[str, ...] = tuple(_REGISTRY)
 
-__all__ = ["COMPRESSORS", "Compressor", "bench_rows", "compressor_params", "decode_any",
-           "get_compressor"]
+__all__ = ["COMPRESSORS", "Compressor", "PluginError", "bench_rows", "compressor_names",
+           "compressor_params", "decode_any", "get_compressor"]
+
+
+def compressor_names() -> tuple[str, ...]:
+    """Names :func:`get_compressor` accepts: the built-ins, then the plug-ins' (sorted).
+
+    Reads the plug-ins' metadata only (nothing is imported); :class:`PluginError` when a
+    plug-in's name is taken twice.
+    """
+    return COMPRESSORS + tuple(sorted(plugins(COMPRESSORS_GROUP, _REGISTRY)))
 
 
 def compressor_params(name: str) -> dict:
@@ -56,9 +72,18 @@ def compressor_params(name: str) -> dict:
 
 
 def _lookup(name) -> type[Compressor]:
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; allowed: {', '.join(COMPRESSORS)}")
-    return _REGISTRY[name]
+    found = plugins(COMPRESSORS_GROUP, _REGISTRY)  # raises on a plug-in that takes a built-in
+    if isinstance(name, str) and name in _REGISTRY:
+        return _REGISTRY[name]
+    if not isinstance(name, str) or name not in found:
+        raise ValueError(f"unknown compressor {name!r}; allowed: "
+                         f"{', '.join(COMPRESSORS + tuple(sorted(found)))}")
+    plugin = found[name]
+    cls = plugin.load(Compressor)
+    if cls.name != name:  # encode() writes cls.name, decode_any() looks it up
+        raise PluginError(f"{plugin.describe()}: the class says name = {cls.name!r}; the entry "
+                          "point's name and the Compressor's name must be the same")
+    return cls
 
 
 def get_compressor(name: str, **params) -> Compressor:

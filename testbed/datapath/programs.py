@@ -2,10 +2,12 @@
 
 A program list names the stages a node's engine runs, in order: ``["forward"]``,
 ``[("aggregate", {...}), ("forward", {})]`` or ``[{"name": "trim", "settings": {...}}]``. A name
-is a key of :data:`STAGES` or a ``"package.module:Class"`` string. Resolving a name to its class
-(:func:`stage_class`) imports the stage's module, and with it Numba; nothing else here does, so
-pipeline composition (``testbed.topologies.pipeline``) and node classes can
-check a program list without loading any kernel.
+is a built-in (a key of :data:`STAGES`), a plug-in's (the entry-point group ``testbed.stages``
+of an installed distribution, see docs/extending.md) or a ``"package.module:Class"`` string.
+Resolving a name to its class (:func:`stage_class`) imports the stage's module, and with it
+Numba; nothing else here does (plug-in names come from their metadata), so pipeline
+composition (``testbed.topologies.pipeline``) and node classes can check a program list
+without loading any kernel.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import importlib
 
 from testbed.datapath.batch import Stage
+from testbed.kernels.plugins import STAGES_GROUP, PluginError, plugins
 
-#: program name -> "module:Class"
+#: built-in program name -> "module:Class"
 STAGES: dict[str, str] = {
     "forward": "testbed.datapath.forward:ForwardStage",
     "wire": "testbed.datapath.forward:WireStage",
@@ -26,18 +29,38 @@ STAGES: dict[str, str] = {
 }
 
 
+def stage_names() -> tuple[str, ...]:
+    """Program names a list may use: the built-ins, then the plug-ins' (sorted).
+
+    Reads the plug-ins' metadata only; :class:`~testbed.kernels.plugins.PluginError` when a
+    plug-in's name is taken twice.
+    """
+    return tuple(STAGES) + tuple(sorted(plugins(STAGES_GROUP, STAGES)))
+
+
 def check_program_name(name: str) -> str:
-    """Return ``name`` if it is a registered program or a ``module:Class`` path, else raise
-    ``ValueError`` listing the known names."""
-    if name in STAGES or ":" in name:
+    """Return ``name`` if it is a built-in or plug-in program or a ``module:Class`` path, else
+    raise ``ValueError`` listing the known names."""
+    if not isinstance(name, str):
+        raise ValueError(f"program name {name!r} must be a string")
+    names = stage_names()  # raises on a plug-in that takes a built-in's name
+    if name in names or ":" in name:
         return name
-    raise ValueError(f"unknown program {name!r}; known: {sorted(STAGES)} "
+    raise ValueError(f"unknown program {name!r}; known: {', '.join(names)} "
                      "(or give 'package.module:Class')")
 
 
 def stage_class(name: str) -> type:
     """Resolve a program name (or ``module:Class``) to its Stage class (imports its module)."""
-    target = STAGES.get(check_program_name(name), name)
+    check_program_name(name)
+    if name not in STAGES and ":" not in name:
+        plugin = plugins(STAGES_GROUP, STAGES)[name]
+        cls = plugin.load(Stage)
+        if cls.name != name:  # counters and the control channel key stages by cls.name
+            raise PluginError(f"{plugin.describe()}: the class says name = {cls.name!r}; the "
+                              "entry point's name and the Stage's name must be the same")
+        return cls
+    target = STAGES.get(name, name)
     mod, _, cls = target.partition(":")
     try:
         obj = getattr(importlib.import_module(mod), cls)

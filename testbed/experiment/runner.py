@@ -522,7 +522,10 @@ def _start_captures(stack, net, point: Experiment, out: Path, run_idx: int) -> l
     for iface in point.capture.interfaces:
         node = _node_of_interface(net, iface)
         path = pdir / f"run{run_idx:04d}-{iface}.pcap"
-        proc = node.popen(["tcpdump", "-i", iface, "-s", str(point.capture.snaplen),
+        # --immediate-mode: without it the last buffered block (often the whole run) is lost
+        # when the capture is stopped
+        proc = node.popen(["tcpdump", "--immediate-mode", "-i", iface, "-s",
+                           str(point.capture.snaplen),
                            "-c", str(point.capture.max_packets), "-U", "-w", str(path)])
         stack.callback(_stop, proc, signal.SIGINT)
         caps.append((iface, path))

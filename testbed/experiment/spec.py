@@ -585,12 +585,32 @@ def _collective_options() -> list[str] | None:
 
 
 def _compressor_names() -> list[str] | None:
-    """The compressor registry's names, or None when the kernels are not importable."""
+    """The compressor registry's names, built-ins and plug-ins (None when the kernels are not
+    importable); a broken plug-in registry raises its ``PluginError`` (a ValueError)."""
     try:
-        from testbed.kernels.compressors import COMPRESSORS
+        from testbed.kernels.compressors import compressor_names
     except Exception:
         return None
-    return sorted(COMPRESSORS)
+    return list(compressor_names())
+
+
+def _program_problems(tspec: TopologySpec) -> list[str]:
+    """Unknown stage names in ``topology.params.programs`` (built-in or plug-in names, or
+    ``module:Class``), found before any network is built."""
+    programs = tspec.params.get("programs")
+    if not isinstance(programs, dict):
+        return []  # the topology layer reports a programs value that is not a dict
+    try:
+        from testbed.datapath.programs import normalize_programs
+    except Exception:
+        return []
+    problems = []
+    for node, progs in programs.items():
+        try:
+            normalize_programs(progs)
+        except ValueError as e:
+            problems.append(f"topology.params.programs.{node}: {e}")
+    return problems
 
 
 # -- combinations that cannot run ----------------------------------------------------------------
@@ -696,6 +716,7 @@ def _checks(topo, tspec: TopologySpec, jobs: list, impairments: list, trimming: 
             codec, cross_traffic: list, capture) -> list[str]:
     problems = [p for i, job in enumerate(jobs) if job is not None
                 for p in [_aggregator_problem(f"jobs.{i}", job, tspec, topo)] if p]
+    problems += _program_problems(tspec)
     if topo is None:  # the topology itself is wrong (reported): only what needs no graph
         return problems
     for i, job in enumerate(jobs):

@@ -1,0 +1,294 @@
+"""Plug-ins: compressors and data-path stages registered by other distributions' entry points.
+
+Two levels. Registry tests put a throw-away distribution (a ``*.dist-info`` folder and a
+module) on ``sys.path``: lookups, experiment validation, and every way a plug-in can be
+broken. The examples' tests install ``examples/mycompressor`` and ``examples/mystage`` into
+this virtualenv with pip, as a user would, run their own tests, and run their experiment files
+with ``testbed run`` on a Mininet star (the compressor in a ring allreduce, the stage on the
+aggregating switch); they uninstall what they installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from testbed.datapath.batch import Stage
+from testbed.datapath.programs import check_program_name, stage_class, stage_names
+from testbed.experiment.spec import ExperimentError, parse_experiment
+from testbed.kernels import plugins
+from testbed.kernels.compressors import (
+    COMPRESSORS,
+    compressor_names,
+    decode_any,
+    get_compressor,
+)
+from testbed.kernels.plugins import PluginError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+PY = sys.executable
+
+GOOD_COMPRESSOR = """
+import numpy as np
+from testbed.kernels.compressors import Compressor
+
+class Halve(Compressor):
+    name = "{name}"
+
+    def __init__(self, factor=0.5):
+        super().__init__(factor=factor)
+
+    def _compress(self, x, step):
+        return (x * np.float32(self.params["factor"]),), {{"n": int(x.size)}}
+
+    def _decompress(self, payload, ctx):
+        return payload[0] / np.float32(self.params["factor"])
+
+    def payload_bytes(self, n):
+        return 4 * n
+"""
+
+
+@pytest.fixture
+def fake_dists(tmp_path, monkeypatch):
+    """``add(dist, module_source, entry_points_txt)``: a distribution on sys.path, seen by the
+    registries (their cached scan is refreshed before and after the test)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    plugins.refresh()
+
+    def add(dist: str, module: str, source: str, entry_points: str) -> None:
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+        info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+        plugins.refresh()
+
+    yield add
+    for mod in [m for m in sys.modules if m.startswith("tbplug_")]:
+        del sys.modules[mod]
+    monkeypatch.undo()
+    plugins.refresh()
+
+
+def test_compressor_plugin_everywhere_a_name_is_used(fake_dists):
+    fake_dists("tb-halve", "tbplug_halve", GOOD_COMPRESSOR.format(name="halve"),
+               "[testbed.compressors]\nhalve = tbplug_halve:Halve\n")
+    names = compressor_names()  # built-ins first, then plug-ins (others may be installed)
+    assert names[:len(COMPRESSORS)] == COMPRESSORS and "halve" in names[len(COMPRESSORS):]
+    c = get_compressor("halve", factor=0.25)
+    x = np.arange(8, dtype=np.float32)
+    assert np.array_equal(decode_any(c.encode(x)), x)
+    with pytest.raises(ValueError, match="has no parameter 'ratio'"):
+        get_compressor("halve", ratio=0.1)
+    job = {"algo": "ring", "nbytes": 4096, "compressor": "halve"}
+    exp = parse_experiment({"topology": {"n_hosts": 2}, "jobs": [job]})
+    assert exp.jobs[0].compressor == "halve"
+    with pytest.raises(ExperimentError, match=r"jobs\.0\.compressor: unknown compressor "
+                                              r"'halv'; allowed: .*thc, .*halve"):
+        parse_experiment({"topology": {"n_hosts": 2}, "jobs": [{**job, "compressor": "halv"}]})
+
+
+@pytest.mark.parametrize("source, entry, match", [
+    ("raise RuntimeError('missing licence key')", "bad = tbplug_bad:Nope",
+     r"entry point 'bad = tbplug_bad:Nope' \(group testbed.compressors\) of distribution "
+     r"'tb-bad 1.0' failed to load: RuntimeError: missing licence key"),
+    ("class Nope:\n    name = 'bad'\n", "bad = tbplug_bad:Nope",
+     r"'bad = tbplug_bad:Nope'.*'tb-bad 1.0' gives <class 'tbplug_bad.Nope'>, which is not a "
+     r"subclass of testbed.kernels.compressors.base.Compressor"),
+    (GOOD_COMPRESSOR.format(name="other"), "bad = tbplug_bad:Halve",
+     r"'tb-bad 1.0': the class says name = 'other'; the entry point's name and the "
+     r"Compressor's name must be the same"),
+    ("", "bad = tbplug_bad:Missing",
+     r"'tb-bad 1.0' failed to load: AttributeError"),
+])
+def test_broken_compressor_plugin_is_named(fake_dists, source, entry, match):
+    fake_dists("tb-bad", "tbplug_bad", source, f"[testbed.compressors]\n{entry}\n")
+    assert "bad" in compressor_names()  # listing reads metadata only
+    with pytest.raises(PluginError, match=match):
+        get_compressor("bad")
+    get_compressor("topk")  # the built-ins still work
+    # an experiment naming it reports the plug-in's error under the job's field
+    with pytest.raises(ExperimentError, match=r"jobs\.0\.compressor.*'tb-bad 1.0'"):
+        parse_experiment({"topology": {"n_hosts": 2},
+                          "jobs": [{"algo": "ring", "nbytes": 4096, "compressor": "bad"}]})
+
+
+def test_plugin_taking_a_builtin_name_or_registered_twice(fake_dists):
+    fake_dists("tb-a", "tbplug_a", GOOD_COMPRESSOR.format(name="dup"),
+               "[testbed.compressors]\ndup = tbplug_a:Halve\n")
+    fake_dists("tb-b", "tbplug_b", GOOD_COMPRESSOR.format(name="dup"),
+               "[testbed.compressors]\ndup = tbplug_b:Halve\n")
+    with pytest.raises(PluginError, match=r"name 'dup' is registered twice: by entry point "
+                                          r"'dup = tbplug_.:Halve'.*and by.*uninstall one"):
+        get_compressor("dup")
+    fake_dists("tb-c", "tbplug_c", "", "[testbed.stages]\nforward = tbplug_c:Fwd\n")
+    with pytest.raises(PluginError, match=r"'forward = tbplug_c:Fwd' \(group testbed.stages\) "
+                                          r"of distribution 'tb-c 1.0' takes the name of a "
+                                          r"built-in"):
+        check_program_name("forward")  # never silently shadowed, never silently ignored
+
+
+STAGE_SOURCE = """
+from testbed.datapath.batch import Stage
+
+class Nop(Stage):
+    name = "{name}"
+
+    def __init__(self, ports):
+        self.ports = ports
+
+    def process(self, batch, now_ns):
+        pass
+"""
+
+
+def test_stage_plugin_in_program_lists_and_experiments(fake_dists):
+    fake_dists("tb-nop", "tbplug_nop", STAGE_SOURCE.format(name="nop"),
+               "[testbed.stages]\nnop = tbplug_nop:Nop\n")
+    assert "nop" in stage_names()
+    cls = stage_class("nop")
+    assert issubclass(cls, Stage) and cls.name == "nop"
+    topo = {"n_hosts": 2, "switch": "programmable", "params": {"programs": {"tbs1": []}}}
+    jobs = [{"algo": "ring", "nbytes": 4096}]
+    topo["params"]["programs"]["tbs1"] = ["nop", "forward"]
+    parse_experiment({"topology": topo, "jobs": jobs})
+    topo["params"]["programs"]["tbs1"] = ["nope", "forward"]
+    with pytest.raises(ExperimentError, match=r"topology\.params\.programs\.tbs1: unknown "
+                                              r"program 'nope'; known: forward, .*, nop"):
+        parse_experiment({"topology": topo, "jobs": jobs})
+
+
+def test_broken_stage_plugin_is_named(fake_dists):
+    fake_dists("tb-st", "tbplug_st", STAGE_SOURCE.format(name="other"),
+               "[testbed.stages]\nst = tbplug_st:Nop\nbad = tbplug_st:Stage2\n")
+    with pytest.raises(PluginError, match=r"'st = tbplug_st:Nop'.*'tb-st 1.0': the class says "
+                                          r"name = 'other'"):
+        stage_class("st")
+    with pytest.raises(PluginError, match=r"'bad = tbplug_st:Stage2'.*failed to load"):
+        stage_class("bad")
+
+
+# -- the examples, installed with pip ----------------------------------------------------------
+
+EXAMPLE_DISTS = {"testbed-example-compressor": EXAMPLES / "mycompressor",
+                 "testbed-example-stage": EXAMPLES / "mystage"}
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def examples_installed():
+    """``pip install -e`` both examples into this interpreter's environment (as a user would;
+    pip fetches setuptools from the package index to build them), uninstall them afterwards
+    unless they were installed before."""
+    if not os.access(Path(sys.prefix) / "lib", os.W_OK):
+        pytest.skip(f"cannot install into {sys.prefix} (not writable); run as its owner")
+    ours = [d for d in EXAMPLE_DISTS if not _installed(d)]
+    if ours:
+        cmd = [PY, "-m", "pip", "install", "-q", "--no-deps"]
+        for d in ours:
+            cmd += ["-e", str(EXAMPLE_DISTS[d])]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"pip install of the examples failed:\n{p.stdout}{p.stderr}"
+    try:
+        yield
+    finally:
+        if ours:
+            subprocess.run([PY, "-m", "pip", "uninstall", "-y", "-q", *ours],
+                           capture_output=True, timeout=300)
+        plugins.refresh()
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this environment (it sees new installs)."""
+    return subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def test_examples_tests_pass_once_installed(examples_installed):
+    p = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(EXAMPLE_DISTS["testbed-example-compressor"] / "tests"),
+                        str(EXAMPLE_DISTS["testbed-example-stage"] / "tests")],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    p = _python("from testbed.kernels.compressors import compressor_names\n"
+                "from testbed.datapath.programs import stage_names\n"
+                "from testbed.experiment import load_experiment\n"
+                "print(compressor_names()[-1], stage_names()[-1])\n"
+                "load_experiment('examples/mycompressor/ring_absmax8.toml')\n"
+                "load_experiment('examples/mystage/msgcount.toml')\n")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["absmax8", "msgcount"]
+
+
+def _testbed_run(toml: Path, out: Path) -> pd.DataFrame:
+    """``testbed run`` in a new process (Ctrl-C on timeout: it tears its network down)."""
+    proc = subprocess.Popen([str(Path(PY).parent / "testbed"), "run", str(toml), "--out",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        log, _ = proc.communicate(timeout=120)
+        pytest.fail(f"testbed run {toml.name} timed out:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    (folder,) = out.iterdir()
+    df = pd.read_csv(folder / "results.csv")
+    df.attrs["folder"] = folder
+    return df
+
+
+@pytest.mark.mininet
+def test_plugin_compressor_in_a_ring_allreduce(examples_installed, tmp_path):
+    df = _testbed_run(EXAMPLES / "mycompressor" / "ring_absmax8.toml", tmp_path)
+    assert list(df["status"]) == ["ok", "ok"] and df["correct"].all()
+    plain, comp = df.iloc[0], df.iloc[1]
+    assert pd.isna(plain["compressor"]) and comp["compressor"] == "absmax8"
+    # correct: every worker's result is the sum of the 3 workers' decoded payloads (replayed
+    # with the plug-in in the test's process); the error against the raw inputs is absmax8's
+    assert plain["max_abs_err"] < 1e-3 < comp["max_abs_err"]
+
+
+@pytest.mark.mininet
+def test_plugin_stage_on_the_aggregating_switch(examples_installed, tmp_path):
+    df = _testbed_run(EXAMPLES / "mystage" / "msgcount.toml", tmp_path)
+    row = df.iloc[0]
+    assert row["status"] == "ok" and row["correct"]
+
+    def col(name: str) -> float:  # counters that did not change have no column
+        return float(np.nan_to_num(row.get(f"dp_{name}", 0.0)))
+
+    # msgcount runs before aggregate in the same engine: every contribution the aggregator
+    # absorbed was counted as a DATA (or RETRANSMIT) frame first
+    contributions = col("aggregate_contributions")
+    assert contributions >= row["n"] and contributions % row["n"] == 0
+    assert col("msgcount_data") + col("msgcount_retransmit") >= contributions
+    assert col("msgcount_result") == 0  # results leave the switch, they are not received
+    # the stage runs first, so it counted every frame the engine received, port by port
+    deltas = json.loads((df.attrs["folder"] / "counters" / "run0000.json").read_text())
+    for port in ("tbs1-eth1", "tbs1-eth2", "tbs1-eth3"):
+        rx = deltas.get(f"datapath.tbs1.ports.{port}.rx_packets", 0)
+        counted = sum(v for k, v in deltas.items()
+                      if k.startswith(f"datapath.tbs1.stages.msgcount.ports.{port}."))
+        assert counted == rx > 0, (port, counted, rx)
