@@ -25,11 +25,13 @@ Where dilation is exact and where not:
 * **not a cure for a busy machine**: other processes' load does not shrink with f. When the
   cores are saturated whatever the factor, :func:`calibrate` says so instead of climbing.
 
-:func:`calibrate` picks the factor for "auto": it runs each given collective, shrunk to a
-calibration size, at factors 1, 2, 4, ... on the running network until no run is close to
-saturation by the measurement of :mod:`testbed.collectives.cpumon` (each signal below
-:data:`HEADROOM` times its threshold: the calibration runs are short, the real ones longer),
-then tries one factor between the last saturated and the first good one.
+:func:`calibrate` picks the factor for "auto": it runs each given collective, at a size that
+takes about :data:`CAL_WALL_S` of wall time, at growing factors on the running network until
+no run is close to saturation by the measurement of :mod:`testbed.collectives.cpumon` (each
+signal below :data:`HEADROOM` times its threshold: the calibration runs are short, the real
+ones longer), then tries factors between the last saturated and the first good one
+(:func:`search`). It costs a few pools per workload (2-4 s each here); pass the workloads
+that load the emulator most, not every one that will run.
 """
 
 from __future__ import annotations
@@ -194,14 +196,20 @@ def calibrate(net, specs: list[CollectiveSpec], *, start: float = 1.0,
     return cal
 
 
+def nice_factor(f: float) -> float:
+    """``f`` rounded to a factor that reads well: to 0.5 below 4, to a whole number above."""
+    return round(f * 2) / 2 if f < 4 else float(round(f))
+
+
 def search(cal: Calibration, f: float, pending: list, max_factor: float, run_at) -> None:
     """The factor search of :func:`calibrate`; sets ``cal.factor`` (and ``saturated``).
 
     ``run_at(factor, workloads) -> (failed workloads, largest pressure, background)`` runs
     the workloads at ``factor``. Up: from ``f``, multiply the factor by the largest pressure
     (how far the runs were from passing; between 2 and 4) until every workload passes. Then
-    down: at most two steps halfway (on a log scale, to 0.5) between the largest factor that
-    failed and the smallest that passed, with only the workloads that failed there.
+    down: at most two steps halfway (on a log scale, :func:`nice_factor`) between the largest
+    factor that failed and the smallest that passed, with only the workloads that failed
+    there.
     Workloads are assumed to need no more CPU at a larger factor.
     """
     lo = None  # the largest factor at which some workload failed
@@ -222,12 +230,12 @@ def search(cal: Calibration, f: float, pending: list, max_factor: float, run_at)
         if cal.saturated:
             cal.factor = best[1]
             return
-        f = min(f * min(max(worst, 2.0), 4.0), max_factor)
+        f = min(nice_factor(f * min(max(worst, 2.0), 4.0)), max_factor)
     hi = f
     for _ in range(2):
         if lo is None or hi / lo <= 1.5:
             break
-        mid = round(math.sqrt(lo * hi) * 2) / 2
+        mid = nice_factor(math.sqrt(lo * hi))
         if not lo < mid < hi:
             break
         failed, _, _ = run_at(mid, pending)

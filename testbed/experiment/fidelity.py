@@ -13,10 +13,14 @@ path on every switch (ECMP by the 5-tuple hash, at the price of one engine proce
 20 on the fat-tree). The model follows whichever forwarding the fabric uses.
 
 Time dilation (``time_dilation``, default ``"auto"``): each network is calibrated once after
-it is built (:func:`testbed.collectives.dilation.calibrate`, with ring and INA, the two that
-load the emulator most: every link busy both ways through the engines; the aggregating
-engine summing every packet), then every run uses that factor; a number runs every network
-at that factor, 1 in real time. Times are reported undilated.
+it is built (:func:`testbed.collectives.dilation.calibrate`) with the ring, then every run
+uses that factor; a number runs every network at that factor, 1 in real time. Times are
+reported undilated. The ring is the workload that needed the largest factor on every network
+of the benchmark (each link busy both ways through the engines, a sender thread per peer):
+calibrated with ring and INA on a shared 2-core machine, the ring needed 3.5-16, INA at most
+as much, and calibrating with one workload halves the calibration's time. ``--quick`` caps
+the factor at :data:`QUICK_MAX_FACTOR` (a run at 16 takes 16 times its undilated time: the
+fat-tree alone would take two minutes); the rows say when that left a run ``cpu_bound``.
 
 One row per run: ``topology, algo, n, bytes, time_s, model_s, fidelity (time_s / model_s),
 cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_demand, cpu_max, cpu_engine, correct,
@@ -34,7 +38,9 @@ from pathlib import Path
 MiB = 1 << 20
 ALGOS = ("ring", "hd", "rs", "ina")
 #: the workloads a network is calibrated with (see the module docstring)
-CALIBRATE_WITH = ("ring", "ina")
+CALIBRATE_WITH = ("ring",)
+#: the largest factor ``--quick`` calibrates to (see the module docstring)
+QUICK_MAX_FACTOR = 8.0
 ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "cpu_bound",
             "cpu_util", "time_dilation", "cpu_wait", "cpu_demand", "cpu_max", "cpu_engine",
             "correct", "switches", "cpu_model")
@@ -76,7 +82,7 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
     ``on_row(row)`` is called as each row is measured. ``time_dilation``: a factor for every
     network, or ``"auto"`` (calibrated per network)."""
     from testbed.collectives import run_collective
-    from testbed.collectives.dilation import calibrate
+    from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
     from testbed.topologies import TestbedNet
     from testbed.topologies.pipeline import check_time_dilation
 
@@ -94,7 +100,8 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
             print(f"# {name}: {n} hosts, up in {time.monotonic() - t0 - lock:.1f} s "
                   f"(lock wait {lock:.1f} s), forwarding {net.forwarding_mode}", file=log)
             if time_dilation == "auto":
-                calibrate(net, [_spec(a, sizes[0], n, reps) for a in CALIBRATE_WITH], log=log)
+                calibrate(net, [_spec(a, sizes[0], n, reps) for a in CALIBRATE_WITH], log=log,
+                          max_factor=QUICK_MAX_FACTOR if quick else MAX_AUTO_FACTOR)
             for size in sizes:
                 for algo in ALGOS:
                     spec = _spec(algo, size, n, reps)
