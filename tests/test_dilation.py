@@ -244,10 +244,36 @@ def test_auto_network_is_calibrated_by_its_first_collective():
         for t in cal.trials:
             assert t["algo"] == "ring" and t["bytes"] % 4096 == 0
             by_factor.setdefault(t["factor"], []).append(t["passed"])
-        # the chosen factor passed (unless nothing could), every smaller one tried failed
+        # the chosen factor passed (most repetitions; unless nothing could), every smaller one
+        # tried failed
         if not cal.saturated:
-            assert all(by_factor[cal.factor])
-        assert all(not all(v) for f, v in by_factor.items() if f < cal.factor)
+            assert sum(by_factor[cal.factor]) * 2 > len(by_factor[cal.factor])
+        assert all(sum(v) * 2 < len(v) for f, v in by_factor.items() if f < cal.factor)
         # a second collective does not calibrate again
         run_collective(net, CollectiveSpec(algo="hd", nbytes=1 << 20))
         assert net.calibration is cal
+
+
+@pytest.mark.mininet
+def test_dilated_incast_trims_like_the_undilated_one_and_reports_undilated_time(tmp_path):
+    """Trimming queues drain at rate / f on a dilated network, so an incast that overloads a
+    30 Mb/s port still trims; the row speaks of the undilated port (30 Mb/s) and time."""
+    from testbed.experiment.checks import assert_all_ok
+    from testbed.experiment.runner import run
+
+    exp = {"name": "dil-incast", "seed": 3, "time_dilation": 2,
+           "topology": {"kind": "incast", "n_senders": 2, "bw_mbps": 100,
+                        "switch": "programmable"},
+           "trimming": [{"node": "tbs1", "mode": "trim", "rate_mbps": 30,
+                         "threshold_bytes": 5000}],
+           "jobs": [{"op": "incast", "nbytes": "64KiB", "options": {"bits": 4}}]}
+    res = run(exp, out_dir=tmp_path / "r", progress=False, doctor=False)
+    assert_all_ok(res)
+    row = res.df.iloc[0]
+    assert row["time_dilation"] == 2 and row["bw_mbps"] == 30
+    assert row["trimmed_frac"] > 0 and row["dp_trim_trimmed"] > 0
+    assert row["busbw"] == pytest.approx(2 * row["algbw"])
+    assert row["algbw"] == pytest.approx(65536 * 8 / row["time_s"] / 1e9)
+    assert row["fidelity"] == pytest.approx(row["time_s"] / row["model_s"])
+    assert res.metadata["time_dilation"] == 2
+    assert res.metadata["networks"][0]["time_dilation"] == 2.0

@@ -179,6 +179,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     for rep, r in enumerate(result["reps"]):
         # cpumon: cores saturated, a rank/engine thread waiting for a CPU, or one never idle
         why = cpumon.cpu_bound_reasons(r["cpu_util"], r["cpu_wait"], r["cpu_demand"])
+        if why and r.get("cpu_why"):
+            why = r["cpu_why"]  # the pool's own reasons name the threads
         row = make_row(spec, n=n, time_s=r["time_s"] / dilation, model_s=model_s,
                        cpu_bound=bool(why), max_abs_err=r["max_abs_err"],
                        correct=r["correct"], rep=rep, topology=topo, bw_mbps=bw_mbps,
