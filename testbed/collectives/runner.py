@@ -188,9 +188,9 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                        cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
                        engine_cpu_s=round(r["engine_cpu_s"], 3),
                        cpu_util=round(r["cpu_util"], 3), setup_s=setup_s,
-                       mem_mb=round(result.get("mem_mb", 0.0), 1))
-        row.update(time_dilation=dilation, cpu_demand=round(r["cpu_demand"], 3),
-                   cpu_why="; ".join(why))
+                       mem_mb=round(result.get("mem_mb", 0.0), 1),
+                       cpu_demand=round(r["cpu_demand"], 3), cpu_why="; ".join(why),
+                       time_dilation=dilation)
         rows.append(row)
     return rows
 
