@@ -29,9 +29,10 @@ Where dilation is exact and where not:
 takes about :data:`CAL_WALL_S` of wall time, at growing factors on the running network until
 no run is close to saturation by the measurement of :mod:`testbed.collectives.cpumon` (in
 the median of :data:`CAL_REPS` repetitions each signal below :data:`HEADROOM` times its
-threshold: the calibration runs are short, the real ones longer), then tries factors between the last saturated and the first good one
-(:func:`search`). It costs a few pools per workload (2-4 s each here); pass the workloads
-that load the emulator most, not every one that will run.
+threshold: the calibration runs are short, the real ones longer), then tries factors
+between the last saturated and the first good one (:func:`search`). It costs a few pools per
+workload (2-4 s each here); pass the workloads that load the emulator most, not every one
+that will run.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ The state is three small records:
 
 Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
 ``srtt + 4 rttvar``, at least SwitchML's 10 ms, doubling per retry up to 320 ms: :func:`expire`;
-floor and cap times the network's time dilation, :func:`new_loop`) or, sooner, once ``FAST_RETX`` packets sent after it were answered (a loss, since rounds of one
+floor and cap times the network's time dilation, :func:`new_loop`) or, sooner, once
+``FAST_RETX`` packets sent after it were answered (a loss, since rounds of one
 worker complete in the order it sent them: :func:`on_results`), like TCP's fast retransmit.
 
 :mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;

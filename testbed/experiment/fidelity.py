@@ -100,8 +100,12 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
             print(f"# {name}: {n} hosts, up in {time.monotonic() - t0 - lock:.1f} s "
                   f"(lock wait {lock:.1f} s), forwarding {net.forwarding_mode}", file=log)
             if time_dilation == "auto":
-                calibrate(net, [_spec(a, sizes[0], n, reps) for a in CALIBRATE_WITH], log=log,
-                          max_factor=QUICK_MAX_FACTOR if quick else MAX_AUTO_FACTOR)
+                cal = calibrate(net, [_spec(a, sizes[0], n, reps) for a in CALIBRATE_WITH],
+                                log=log,
+                                max_factor=QUICK_MAX_FACTOR if quick else MAX_AUTO_FACTOR)
+                if cal.saturated and quick and cal.factor >= QUICK_MAX_FACTOR:
+                    print(f"# --quick stops at factor {QUICK_MAX_FACTOR:g}; without it the "
+                          f"calibration may go up to {MAX_AUTO_FACTOR:g}", file=log)
             for size in sizes:
                 for algo in ALGOS:
                     spec = _spec(algo, size, n, reps)
