@@ -30,6 +30,20 @@ OUT_HELP = ("results root: a folder <name>-<time>/ is created in it (default: $T
             "else results/ of the checkout, else ~/testbed-results)")
 BENCH_OUT_HELP = ("also store the rows (jsonl, csv, parquet), metadata and a plot in "
                   "DIR/bench-<name>-<time>/")
+DILATION_HELP = ("run the network F times slower (links at bw/F, delays and timeouts times F) "
+                 "and report undilated times; 'auto' calibrates the smallest F that keeps the "
+                 "CPU unsaturated")
+
+
+def _dilation(text: str | None) -> float | str | None:
+    """``--time-dilation`` as the experiment takes it: a number, 'auto', or None (not given);
+    a bad value is left for the experiment's validation to explain."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 @app.command()
@@ -71,25 +85,30 @@ def wireshark() -> None:
 
 
 @app.command()
-def demo(out: str = typer.Option(None, help=OUT_HELP)) -> None:
+def demo(out: str = typer.Option(None, help=OUT_HELP),
+         time_dilation: str = typer.Option("1", "--time-dilation", metavar="F|auto",
+                                           help=DILATION_HELP)) -> None:
     """Run the embedded default experiment and print what it measured."""
     from testbed.experiment.demo import main
     from testbed.experiment.plots import use_headless
     from testbed.experiment.results import results_root
 
     use_headless()
-    raise typer.Exit(main(out=results_root() if out is None else out))
+    raise typer.Exit(main(out=results_root() if out is None else out,
+                          time_dilation=_dilation(time_dilation)))
 
 
 @app.command()
 def run(
     file: str = typer.Argument(..., help="experiment file (TOML or YAML)"),
     out: str = typer.Option(None, help=OUT_HELP),
+    time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
+                                      help=DILATION_HELP + " (default: the file's)"),
 ) -> None:
     """Run an experiment file and write its results (exit: 0 ok, 1 failed runs, 2 bad file)."""
     from testbed.experiment.cli import run_file
 
-    raise typer.Exit(run_file(file, out))
+    raise typer.Exit(run_file(file, out, time_dilation=_dilation(time_dilation)))
 
 
 @app.command()
@@ -285,11 +304,15 @@ def bench_tenancy(
 def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
                    quick: bool = typer.Option(False, "--quick", help="one size (4 MiB)"),
                    programmable: bool = typer.Option(False, "--programmable",
-                                                     help="data path on every switch")) -> None:
+                                                     help="data path on every switch"),
+                   time_dilation: str = typer.Option("auto", "--time-dilation",
+                                                     metavar="F|auto", help=DILATION_HELP)
+                   ) -> None:
     """Collectives on star, leaf-spine and fat-tree against the flow-level model."""
     from testbed.experiment.fidelity import main
 
-    raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable))
+    raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable,
+                          time_dilation=_dilation(time_dilation)))
 
 
 @bench_app.command("all")

@@ -198,6 +198,21 @@ def test_time_dilation_leaves_the_undilated_time():
         fm.predict(topo, spec, time_dilation=0.5)
 
 
+@pytest.mark.parametrize("window", [4, 64])
+def test_time_dilation_stretches_ina_timeouts_with_everything_else(window):
+    """INA under loss: every term (bandwidth, round trips, the 10 ms timeout floor) is f times
+    longer on the dilated network, so the undilated time is the same; a floor left unscaled
+    would make the dilated prediction shorter."""
+    topo = Star(4, bw_mbps=100, switch="programmable", loss_pct=1.0)
+    spec = CollectiveSpec(algo="ina", nbytes=1 * MB, window=window, loss=0.01)
+    base = fm.predict(topo, spec, hop_latency_s=HOP)
+    f = 8.0
+    dil = fm.predict(topo, spec, hop_latency_s=HOP * f, time_dilation=f)
+    assert base.ina_extra_s > 0
+    assert dil.time_s == pytest.approx(base.time_s) and dil.ina_extra_s == pytest.approx(
+        base.ina_extra_s)
+
+
 # ------------------------------------------------------------------ hand-worked fabrics
 
 def _ports_for(topo, src, dst, want_mid: str):

@@ -123,3 +123,34 @@ def test_assert_all_ok_reports_errors_and_wrong_results():
     with pytest.raises(AssertionError) as ei:
         assert_all_ok(df)
     assert "rank 2 silent" in str(ei.value) and "not correct" in str(ei.value)
+
+
+FIDELITY = """
+import pandas as pd
+
+def test_fidelity(testbed_baseline):
+    testbed_baseline.assert_fidelity(pd.read_csv("current.csv"), tol=0.2)
+"""
+
+
+def test_fidelity_check_that_could_not_run_fails_and_is_reported(pytester):
+    """All runs cpu_bound: nothing could be judged, which fails the test (not a skip, not a
+    pass); the terminal summary lists every fidelity check with what it judged."""
+    pytester.makepyfile(test_inner=FIDELITY)
+    df = _rows()
+    df["model_s"] = df["time_s"] / df["fidelity"]
+    df["time_dilation"] = 4.0
+    df["cpu_bound"] = True
+    df["cpu_why"] = "cores saturated (97% busy)"
+    r = _run(pytester, df)
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines([
+        "*fidelity not checked: all 8 runs were cpu_bound (cores saturated (97% busy))*",
+        "*testbed fidelity checks*",
+        "*test_fidelity: NOT CHECKED: 0 runs judged within ±20% of the model, 8 left out as "
+        "cpu_bound, time dilation 4*"])
+    df.loc[:5, "cpu_bound"] = False
+    r = _run(pytester, df)
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*test_fidelity: 6 runs judged within ±20% of the model, 2 left "
+                            "out as cpu_bound, time dilation 4*"])

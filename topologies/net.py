@@ -28,6 +28,18 @@ then:
   (impairments, trimming, SmartNIC codec), and configures the aggregator on the chosen
   programmable switch.
 
+**Time dilation** (``time_dilation=f``, time-warped emulation after Gupta et al., NSDI'06):
+every link is shaped to ``bw_mbps / f``, every configured delay and jitter (netem, or the data
+path's ``impair`` stages) is multiplied by f and every ``trim`` queue drains at its rate / f
+(:func:`testbed.topologies.pipeline.dilate`). The network then carries the same packets f
+times slower, so the emulator needs 1/f of the CPU per emulated second; whoever measures time
+on it divides by f (``run_collective`` does). The topology, :meth:`TestbedNet.bottleneck_bps`
+and :meth:`TestbedNet.programs_plan` keep describing the undilated network (what the model and
+the reports speak of); :meth:`TestbedNet.hop_latency_s` is measured, so it is dilated wall
+time. ``time_dilation="auto"`` starts at 1 and leaves the factor to a calibration
+(:func:`testbed.collectives.dilation.calibrate`, which ``run_collective`` runs on first use);
+:meth:`TestbedNet.set_time_dilation` changes the factor of a running network.
+
 Leaving the ``with`` block - normally, by an exception, by KeyboardInterrupt or SIGTERM -
 stops everything and removes every interface named after our nodes.
 """
@@ -69,7 +81,16 @@ from .base import (
     netem_available,
     switch_identity,
 )
-from .pipeline import DatapathOptions, compose
+from .pipeline import (
+    DILATED_RATES,
+    DILATED_TIMES,
+    IMPAIR_STAGES,
+    DatapathOptions,
+    check_time_dilation,
+    compose,
+    dilate,
+    dilate_settings,
+)
 
 
 class TBIntf(TCIntf):
@@ -154,6 +175,13 @@ def _serialize_cmd(node) -> None:
     node.cmd = cmd
 
 
+def _nonzero(v) -> bool:
+    """Whether a stage setting (a number or a dict per port) is anything but zeros."""
+    if isinstance(v, dict):
+        return any(_nonzero(x) for x in v.values())
+    return isinstance(v, int | float) and not isinstance(v, bool) and v != 0
+
+
 def _root_ifaces() -> set[str]:
     return set(os.listdir("/sys/class/net"))
 
@@ -168,13 +196,15 @@ class TestbedNet:
     beyond the topology's own pipelines), ``switch_nodes`` (switch name -> Mininet node
     parameters with ``cls``, replacing the Linux bridge of a switch that runs no data path,
     e.g. ``{"tbs1": {"cls": OVSSwitch, "datapath": "user"}}``; loop-free fabrics only, since
-    looped ones rely on the bridges' static forwarding entries).
+    looped ones rely on the bridges' static forwarding entries), ``time_dilation`` (a factor
+    from 1 to 64, or ``"auto"``; see the module docstring).
     """
 
     def __init__(self, topo: TestbedTopo, *, lock_timeout: float = 600.0,
                  offloads_off: bool = True, static_arp: bool = True, check_ping: bool = False,
                  engine_opts: dict | None = None, datapath: DatapathOptions | None = None,
-                 switch_nodes: dict[str, dict] | None = None):
+                 switch_nodes: dict[str, dict] | None = None,
+                 time_dilation: float | str = 1.0):
         if not isinstance(topo, TestbedTopo):
             raise TopologyError(
                 f"topo must be a testbed topology (Star, LeafSpine, FatTree, Dumbbell, Incast "
@@ -190,6 +220,13 @@ class TestbedNet:
                                 f"{type(datapath).__name__}")
         self.datapath = datapath or DatapathOptions()
         self.switch_nodes = {k: dict(v) for k, v in (switch_nodes or {}).items()}
+        requested = check_time_dilation(time_dilation)
+        #: what was asked for: a factor, or "auto" (calibrated on first use)
+        self.time_dilation_requested = requested
+        #: the factor in effect (1.0 while "auto" waits for its calibration)
+        self.time_dilation = 1.0 if requested == "auto" else requested
+        #: the calibration that chose the factor (set by whoever calibrated), else None
+        self.calibration = None
         self.mininet: Mininet | None = None
         self.timings: dict[str, float] = {}
         self._lock_cm = None
@@ -394,7 +431,7 @@ class TestbedNet:
             info = dict(topo.nodeInfo(name))
             is_nic = topo.switch_roles[name] == "smartnic"
             info["cls"] = SmartNIC if is_nic else ProgrammableSwitch
-            info["programs"] = plan[name]
+            info["programs"] = dilate({name: plan[name]}, self.time_dilation)[name]
             if not is_nic and self._tree is not None:
                 info["flood_ports"] = self._flood_ports(name)
             info.update(self.engine_opts)
@@ -405,6 +442,72 @@ class TestbedNet:
         needed; composed by :func:`testbed.topologies.pipeline.compose`)."""
         return compose(self.topo, self.datapath, self._tables)
 
+    def set_time_dilation(self, factor: float) -> None:
+        """Run the network at dilation ``factor`` from now on (see the module docstring):
+        reshape every link and re-time the ``impair`` and ``trim`` stages of every engine.
+
+        Call it between runs: a link's queue is rebuilt, so packets queued on it are lost.
+        Raises :class:`TopologyError` for a bad factor, or when an engine runs two stages of
+        the same name that would need new settings (the control channel addresses stages by
+        name: build such a network with its factor instead).
+        """
+        f = check_time_dilation(factor, "set_time_dilation(factor)", auto=False)
+        mn = self._require_running()
+        updates = self._dilated_stage_updates(f)
+        by_intf = {}
+        for s in self.topo.link_specs:
+            by_intf[self._intf_name(s.a, s.port_a)] = s
+            by_intf[self._intf_name(s.b, s.port_b)] = s
+        old, self.time_dilation = self.time_dilation, f
+        self._hop_latency = None  # its serialisation part changed with the rates
+        try:
+            errors = []
+            for link in mn.links:
+                for intf in (link.intf1, link.intf2):
+                    spec = by_intf.get(intf.name)
+                    params = self._link_params(spec) if spec is not None else {}
+                    if not params:
+                        continue
+                    if self.offloads_off:
+                        params.update(txo=False, rxo=False)
+                    with _quiet_mininet():
+                        out = intf.config(**params) or {}
+                    errors += [f"{intf.name}: {o.strip()}" for o in out.get("tcoutputs", [])
+                               if "rror" in o]
+            if errors:
+                raise RuntimeError(f"reshaping links for time dilation {f:g} failed: "
+                                   f"{errors[:3]}")
+            for node, stages in updates.items():
+                client = self._clients[node]
+                for stage, settings in stages:
+                    client.configure(stage, **settings)
+        except BaseException:
+            self.time_dilation = old
+            raise
+
+    def _dilated_stage_updates(self, factor: float) -> dict[str, list[tuple[str, dict]]]:
+        """Node -> ``[(stage, settings), ...]`` that re-time its engine for ``factor``: the
+        time and rate settings of its ``impair`` and ``trim`` stages (none when they are all
+        zero). Raises :class:`TopologyError` when such a stage's name is not unique."""
+        out: dict[str, list[tuple[str, dict]]] = {}
+        for node, stages in self.programs_plan().items():
+            names = [p for p, _ in stages]
+            for program, settings in stages:
+                if program not in (*IMPAIR_STAGES, "trim"):
+                    continue
+                new = dilate_settings(program, settings, factor)
+                keys = [k for k in (*DILATED_TIMES, *DILATED_RATES)
+                        if k in settings and _nonzero(settings[k])]
+                if not keys:
+                    continue
+                if names.count(program) > 1:
+                    raise TopologyError(
+                        f"set_time_dilation: {node} runs {names.count(program)} '{program}' "
+                        "stages, which its control channel cannot tell apart; build the "
+                        "network with TestbedNet(..., time_dilation=factor) instead")
+                out.setdefault(node, []).append((program, {k: new[k] for k in keys}))
+        return out
+
     def _flood_ports(self, name: str) -> list[str]:
         """Ports of a programmable switch that floods may use: host-facing + flood-tree."""
         topo = self.topo
@@ -413,17 +516,22 @@ class TestbedNet:
                 if peer not in topo.switch_roles or topo.switch_roles[peer] == "smartnic"
                 or frozenset((name, peer)) in self._tree]
 
+    def _link_params(self, s) -> dict:
+        """Mininet link parameters of link spec ``s`` at the current dilation factor."""
+        params = {}
+        if s.bw_mbps is not None:
+            params["bw"] = s.bw_mbps / self.time_dilation
+        if self.topo.impair_mode() == "netem":
+            if s.delay_ms:
+                params["delay"] = f"{s.delay_ms * self.time_dilation:g}ms"
+            if s.loss_pct:
+                params["loss"] = s.loss_pct
+        return params
+
     def _assign_link_params(self) -> None:
         topo = self.topo
-        use_netem = topo.impair_mode() == "netem"
         for s in topo.link_specs:
-            params = {}
-            if s.bw_mbps is not None:
-                params["bw"] = s.bw_mbps
-            if use_netem and s.delay_ms:
-                params["delay"] = f"{s.delay_ms}ms"
-            if use_netem and s.loss_pct:
-                params["loss"] = s.loss_pct
+            params = self._link_params(s)
             if self.offloads_off:
                 params.update(txo=False, rxo=False)
             info = topo.linkInfo(s.a, s.b)
@@ -617,7 +725,7 @@ class TestbedNet:
         if self._hop_latency is not None:
             return self._hop_latency
         if self.n < 2:
-            self._hop_latency = self.topo.delay_ms * 1e-3 + 20e-6
+            self._hop_latency = self.topo.delay_ms * 1e-3 * self.time_dilation + 20e-6
             return self._hop_latency
         h1 = self.hosts[0]
         out = h1.cmd(f"ping -c 10 -i 0.01 -q {self.host_ips[1]}")
@@ -636,6 +744,8 @@ class TestbedNet:
         d["netem"] = netem_available()
         d["aggregator_addr"] = self.aggregator
         d["host_ips"] = self.host_ips
+        d["time_dilation"] = self.time_dilation
+        d["time_dilation_requested"] = self.time_dilation_requested
         return d
 
     def pingall(self, sample: int | None = None, timeout_s: float = 1.0) -> dict:

@@ -36,6 +36,13 @@ separate ``impair`` stages. When a node is impaired in both directions, its ingr
 ``impair_ingress`` (the engine addresses stages and their counters by name); a lone ingress
 stage keeps the name ``impair``.
 
+**Time dilation.** :func:`compose` describes the emulated network (rates and delays as the
+user gave them). :func:`dilate` turns a plan into what the engines of a network dilated by a
+factor f run: every delay, jitter and reordering timeout of an ``impair`` stage multiplied by
+f, every drain rate of a ``trim`` stage (a link rate) divided by f. Queue thresholds stay in
+bytes and probabilities stay as they are: a dilated network carries the same packets, f times
+slower.
+
 ``DatapathOptions(explicit_programs=True)`` uses the topology's overrides exactly as given
 (no aggregate stage added or removed, no table filled in: a ``forward`` stage then learns):
 for tests and benchmarks that exercise a stage on its own.
@@ -146,6 +153,58 @@ def compose(topo: TestbedTopo, options: DatapathOptions | None = None,
         tables = routing.forwarding_tables(topo)
     return {name: _node_pipeline(topo, options, tables, name)
             for name in sorted(topo.programmable)}
+
+
+#: settings of an impair stage that are times (multiplied by the dilation factor)
+DILATED_TIMES = ("delay_ms", "jitter_ms", "reorder_timeout_ms")
+#: settings of a trim stage that are rates (divided by it)
+DILATED_RATES = ("rate_mbps",)
+#: largest time dilation factor a network accepts
+MAX_TIME_DILATION = 64.0
+
+
+def check_time_dilation(value: Any, what: str = "time_dilation", auto: bool = True
+                        ) -> float | str:
+    """``value`` as a dilation factor (a float >= 1), or ``"auto"`` when ``auto`` allows it;
+    anything else raises :class:`TopologyError` naming ``what``."""
+    if auto and value == "auto":
+        return "auto"
+    ok = (isinstance(value, int | float) and not isinstance(value, bool)
+          and 1.0 <= float(value) <= MAX_TIME_DILATION)
+    if not ok:
+        also = ' or "auto" (calibrated: the smallest factor that keeps the CPU unsaturated)' \
+            if auto else ""
+        raise TopologyError(f"{what}={value!r} must be a factor from 1 (real time) to "
+                            f"{MAX_TIME_DILATION:g}{also}")
+    return float(value)
+
+
+def dilate_settings(program: str, settings: dict, factor: float) -> dict:
+    """The settings an engine runs ``program`` with in a network dilated by ``factor``: the
+    times of an ``impair`` stage multiplied, the rates of a ``trim`` stage divided (a value
+    may be one number or a dict per port). Other programs are unchanged."""
+    if factor == 1.0:
+        return dict(settings)
+    if program in IMPAIR_STAGES:
+        keys, scale = DILATED_TIMES, factor
+    elif program == "trim":
+        keys, scale = DILATED_RATES, 1.0 / factor
+    else:
+        return dict(settings)
+    out = dict(settings)
+    for key in keys:
+        v = out.get(key)
+        if isinstance(v, dict):
+            out[key] = {p: x * scale for p, x in v.items()}
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[key] = v * scale
+    return out
+
+
+def dilate(plan: dict[str, list], factor: float) -> dict[str, list]:
+    """A :func:`compose` plan as the engines of a network dilated by ``factor`` run it."""
+    return {node: [(p, dilate_settings(p, s, factor)) for p, s in stages]
+            for node, stages in plan.items()}
 
 
 def _check_option_nodes(topo: TestbedTopo, options: DatapathOptions) -> None:

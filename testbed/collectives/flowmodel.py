@@ -47,10 +47,14 @@ workers, piece 0 waits for the busier server link. Beyond one switch the two dif
 closed form cannot look: colliding ECMP flows share an uplink, halving-doubling's rounds have
 their own pairs, oversubscribed uplinks carry several flows.
 
-``time_dilation`` (a factor f >= 1, threaded through for dilated runs): the emulation runs
-every link at ``bw / f``, so the model computes the dilated run's wall time with rates divided
-by f and returns it divided by f, the time the undilated network would take. ``hop_latency_s``
-is the latency measured on the (dilated) network, so it is divided by f as well.
+``time_dilation`` (a factor f >= 1, for runs on a dilated network): the emulation runs every
+link at ``bw / f`` and stretches every timer by f, so the model computes the dilated run's
+wall time (rates divided by f, INA's timeout floor times f, ``hop_latency_s`` as measured on
+the dilated network) and returns it divided by f: the time the undilated network would take.
+What dilation does not stretch is the emulator's own fixed cost per packet and per hop, which
+the measured hop latency carries: divided by f, it shrinks. A dilated run is therefore exact in
+its bandwidth terms and in every configured delay and timeout, and slightly optimistic in the
+per-packet software latency, which real switches do not have anyway.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ INA_WIRE = ab.INA_FRAME / ab.INA_PAYLOAD
 #: Per-hop latency without a measurement: the configured link delay plus this forwarding
 #: allowance (the value ``TestbedNet.hop_latency_s`` assumes when it cannot ping).
 DEFAULT_HOP_S = 20e-6
+#: INA's retransmission timeout floor (SwitchML's 10 ms; ``inakernel.T0``, not imported here:
+#: the kernels module loads Numba, and the model must stay cheap to import)
+INA_RTO_FLOOR_S = 0.010
 #: Payload and header bytes of an INA packet: the THC variant keeps the 70 B of headers.
 INA_HDR = ab.INA_FRAME - ab.INA_PAYLOAD
 
@@ -527,14 +534,16 @@ def _run_phase(net: _Network, ph: Phase, hop_s: float) -> PhaseResult:
 # ------------------------------------------------------------------------------ INA window, loss
 
 def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float,
-                frame_s: float, rtt_s: float, rto_s: float | None = None) -> float:
+                frame_s: float, rtt_s: float, rto_s: float | None = None,
+                rto_floor_s: float = INA_RTO_FLOOR_S) -> float:
     """Extra time of an INA allreduce beyond its bandwidth time: its window and, to first
     order in the loss rate, its losses.
 
     ``packets``: data packets per worker (K); ``window``: slots per worker (W); ``p_up`` /
     ``p_down``: probability that a contribution / a RESULT is lost on its way (client-side
     ``spec.loss`` and every impaired link of the path); ``frame_s``: time one frame takes on
-    the worker's bottleneck; ``rtt_s``: unloaded round trip. The formula::
+    the worker's bottleneck; ``rtt_s``: unloaded round trip; ``rto_floor_s``: the timeout's
+    floor (10 ms, times the dilation on a dilated network). The formula::
 
         rho   = 1 - (1 - p_up)**n * (1 - p_down)    # a worker's slot round needs a retry:
                                                     # any of the n contributions or its own
@@ -558,15 +567,17 @@ def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float
     if not (0 <= p_up < 1 and 0 <= p_down < 1):
         raise ValueError(f"loss probabilities must be in [0, 1), got {p_up}, {p_down}")
     rho = 1 - (1 - p_up) ** n * (1 - p_down)
-    rto = rto_s if rto_s is not None else max(0.010, 2 * (rtt_s + window * frame_s))
+    rto = rto_s if rto_s is not None else max(rto_floor_s, 2 * (rtt_s + window * frame_s))
     retx = packets * (p_up + p_down) * frame_s
     chain = max(0.0, packets / window * (rtt_s + rho * rto) - packets * frame_s)
     tail = rto * (1 - (1 - rho) ** window)
     return retx + chain + tail
 
 
-def _ina_extra(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: float) -> float:
-    """:func:`ina_extra_s` for the INA phase ``ph`` (its result ``res``) on ``topo``."""
+def _ina_extra(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: float,
+               dilation: float) -> float:
+    """:func:`ina_extra_s` for the INA phase ``ph`` (its result ``res``) on ``topo``, in the
+    wall time of a network dilated by ``dilation``."""
     loss_link = max((s.loss_pct / 100.0 for s in topo.link_specs), default=0.0)
     up = [(f, r, p) for f, r, p in res.rates if f.reverse_of is None]  # contributions
     if not up:
@@ -579,7 +590,7 @@ def _ina_extra(spec: CollectiveSpec, ph: Phase, res: PhaseResult, topo, hop_s: f
     f, r, _ = min(up, key=lambda x: x[1])  # the slowest worker
     return ina_extra_s(n=len(up), packets=ph.packets, window=spec.window, p_up=p_loss,
                        p_down=p_loss, frame_s=f.nbytes / r / ph.packets,
-                       rtt_s=2 * hops * hop_s)
+                       rtt_s=2 * hops * hop_s, rto_floor_s=INA_RTO_FLOOR_S * dilation)
 
 
 # ------------------------------------------------------------------------------ predict
@@ -632,7 +643,7 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     notes = []
     extra_s = 0.0
     if spec.algo in ("ina", "nic"):
-        extra_s = _ina_extra(spec, phs[0], results[0], topo, hop_s)
+        extra_s = _ina_extra(spec, phs[0], results[0], topo, hop_s, float(time_dilation))
         total += extra_s
     elif any(s.loss_pct for s in topo.link_specs):
         notes.append("links drop packets (loss_pct) and TCP's loss recovery is not modelled: "

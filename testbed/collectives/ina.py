@@ -145,6 +145,8 @@ class InaClient:
             ik.MODE_THC if spec.compressor is not None else ik.MODE_INT32)
         self.W = spec.slots
         self.timeout_s = spec.timeout_s
+        # on a dilated network (runner.py) every timer of the loop runs that much slower
+        self.dilation = float(job.get("time_dilation", 1.0))
         self.loss = float(spec.loss)
         self.rng = np.random.default_rng([spec.seed, 7919, rank])
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -257,7 +259,7 @@ class InaClient:
         """The slot protocol loop (bursts, timers, retransmissions) for one collective."""
         total = p.K + p.boot
         now = time.monotonic()
-        loop = ik.new_loop(now)
+        loop = ik.new_loop(now, self.dilation)
         st = loop[0]
         k = ik.start(self.slots, loop, p, now, self.send_list)
         self._send(k)
@@ -266,8 +268,9 @@ class InaClient:
         poller.register(self.fd, select.POLLIN)
         B = self.rbuf.shape[0]
         no_drop = np.zeros(B, dtype=np.bool_)
-        # at most a quarter of the window's worth of 100 Mb/s packet times (~90 us each)
-        coalesce = min(COALESCE_S, self.W * 90e-6 / 4) if self.W >= 16 else 0.0
+        # at most a quarter of the window's worth of 100 Mb/s packet times (~90 us each),
+        # which a dilated network stretches
+        coalesce = min(COALESCE_S, self.W * 90e-6 / 4) * self.dilation if self.W >= 16 else 0.0
         while done < total:
             got = _libc.recvmmsg(self.fd, self.rhdr_addr, B, MSG_DONTWAIT, None)
             if got <= 0:

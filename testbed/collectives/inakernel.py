@@ -12,16 +12,18 @@ The state is three small records:
 
 * :class:`Slots` - per slot: packet index outstanding (-1: idle), round, send time, send order,
   retransmitted flag, deadline, timeout, packet length and the packet row itself;
-* :data:`LOOP_DTYPE` - one record: RTT estimator (srtt, rttvar, timeout), last progress time,
-  send counter and the highest send order answered (for fast retransmission);
+* :data:`LOOP_DTYPE` - one record: RTT estimator (srtt, rttvar, timeout, and its floor and
+  cap), last progress time, send counter and the highest send order answered (for fast
+  retransmission);
 * :class:`Payload` - what is being reduced: input, outputs, agreed exponents, sizes and the
   codec (``MODE_INT32`` SwitchML fixed point, ``MODE_NIC`` float32 that a SmartNIC quantises,
   ``MODE_THC`` THC int8 lanes).
 
 Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
 ``srtt + 4 rttvar`` and twice the slot's last round trip, at least SwitchML's 10 ms, doubling
-per retry up to 320 ms: :func:`expire`)
-or, sooner, once ``FAST_RETX`` packets sent after it were answered (a loss, since rounds of one
+per retry up to 320 ms: :func:`expire`; floor and cap times the network's time dilation,
+:func:`new_loop`) or, sooner, once ``FAST_RETX`` packets sent after it were answered (a loss,
+since rounds of one
 worker complete in the order it sent them: :func:`on_results`), like TCP's fast retransmit.
 
 :mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;
@@ -66,7 +68,7 @@ THC_EXP_ZERO = -32768
 _OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag ones
 
 LOOP_DTYPE = np.dtype([("srtt", "f8"), ("rttvar", "f8"), ("rto", "f8"), ("progress", "f8"),
-                       ("sends", "i8"), ("acked", "i8")])
+                       ("sends", "i8"), ("acked", "i8"), ("t0", "f8"), ("tmax", "f8")])
 
 
 class Slots(NamedTuple):
@@ -115,10 +117,13 @@ def new_slots(W: int, seq0: int) -> Slots:
                  np.zeros((W, ROW), np.uint8))
 
 
-def new_loop(now: float) -> np.ndarray:
-    """The loop record at the start of a collective."""
+def new_loop(now: float, dilation: float = 1.0) -> np.ndarray:
+    """The loop record at the start of a collective; on a network dilated by ``dilation``
+    the timeout's floor and cap (:data:`T0`, :data:`T_MAX`) are that many times longer."""
     st = np.zeros(1, LOOP_DTYPE)
-    st[0]["rto"] = T0
+    st[0]["t0"] = T0 * dilation
+    st[0]["tmax"] = T_MAX * dilation
+    st[0]["rto"] = T0 * dilation
     st[0]["progress"] = now
     st[0]["acked"] = -1
     return st
@@ -344,7 +349,7 @@ def rtt_sample(st, sample):
     else:
         st.rttvar = 0.75 * st.rttvar + 0.25 * abs(st.srtt - sample)
         st.srtt = 0.875 * st.srtt + 0.125 * sample
-    st.rto = min(max(T0, st.srtt + 4 * st.rttvar), T_MAX)
+    st.rto = min(max(st.t0, st.srtt + 4 * st.rttvar), st.tmax)
 
 
 @njit(cache=True)
@@ -367,7 +372,7 @@ def advance(slots, s, st, now, W, p):
     slots.retx[s] = False
     # the worker's timeout, but never under twice the slot's own last round trip: slots differ
     # in path (host fallback) and a slot keeps its path
-    slots.rto[s] = min(max(st.rto, 2.0 * slots.rtt[s]), T_MAX)
+    slots.rto[s] = min(max(st.rto, 2.0 * slots.rtt[s]), st.tmax)
     if slots.order[s] > st.acked:
         st.acked = slots.order[s]
     slots.seq[s] = (slots.seq[s] + 1) & 0xFFFFFFFF
@@ -441,13 +446,13 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
 
 @njit(cache=True)
 def expire(slots, loop, now, send_list):
-    """Resend every packet whose deadline passed, doubling its timeout up to ``T_MAX``; return
-    how many are listed in ``send_list``."""
+    """Resend every packet whose deadline passed, doubling its timeout up to the loop's cap
+    (``T_MAX`` times the dilation); return how many are listed in ``send_list``."""
     st = loop[0]
     nsend = 0
     for s in range(slots.cur.size):
         if slots.cur[s] >= 0 and slots.deadline[s] <= now:
-            slots.rto[s] = min(slots.rto[s] * 2, T_MAX)
+            slots.rto[s] = min(slots.rto[s] * 2, st.tmax)
             nsend = resend(slots, s, st, now, send_list, nsend)
     return nsend
 

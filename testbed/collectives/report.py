@@ -41,9 +41,11 @@ REPORT_COLUMNS: tuple[str, ...] = (
     # data-path engine thread (fraction of one core), largest fraction of the run one of
     # those threads waited for a CPU, CPU seconds of workers+servers and of engines, busy
     # fraction of the machine's cores, set-up seconds of the processes and connections, their
-    # memory (MB, proportional set size)
+    # memory (MB, proportional set size); the largest busy-or-waiting share of one such thread
+    # and the reasons for cpu_bound (empty when not); the network's time dilation factor
+    # (time_s is the measured time divided by it)
     "cpu_max", "cpu_engine", "cpu_wait", "cpu_s", "engine_cpu_s", "cpu_util", "setup_s",
-    "mem_mb",
+    "mem_mb", "cpu_demand", "cpu_why", "time_dilation",
     # in-network aggregation (None for host algorithms): the aggregating switches (root
     # first), the fraction of rounds aggregated in the network, rounds the host fallback
     # aggregated, aggregator memory the job held over its switches (bytes), how it held it
@@ -176,7 +178,8 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
              bw_mbps: float = 0.0, cpu_max: float = 0.0, cpu_engine: float = 0.0,
              cpu_wait: float = 0.0, cpu_s: float = 0.0, engine_cpu_s: float = 0.0,
              cpu_util: float = 0.0,
-             setup_s: float = 0.0, mem_mb: float = 0.0, ina: dict | None = None) -> dict:
+             setup_s: float = 0.0, mem_mb: float = 0.0, cpu_demand: float = 0.0,
+             cpu_why: str = "", time_dilation: float = 1.0, ina: dict | None = None) -> dict:
     """One report row with every key of :data:`REPORT_COLUMNS` (bandwidths in Gb/s); ``ina``:
     the :data:`INA_COLUMNS` of an in-network job.
 
@@ -194,7 +197,8 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
         "seed": spec.seed, "cpu_max": cpu_max, "cpu_engine": cpu_engine,
         "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
         "cpu_util": cpu_util, "setup_s": setup_s,
-        "mem_mb": mem_mb,
+        "mem_mb": mem_mb, "cpu_demand": cpu_demand, "cpu_why": cpu_why,
+        "time_dilation": time_dilation,
         **{k: (ina or {}).get(k) for k in INA_COLUMNS},
     }
     assert tuple(row) == REPORT_COLUMNS

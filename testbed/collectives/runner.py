@@ -2,9 +2,16 @@
 
 ``net`` is a ``testbed.topologies.TestbedNet`` (or anything with the same handles: ``hosts``
 in rank order, ``topo`` (the topology the model reads), ``bottleneck_bps(hosts)``,
-``hop_latency_s()``, optionally ``aggregator``, ``describe()``). The run happens in a pool
-process (``python -m testbed.collectives.worker``) whose children enter the hosts' network
-namespaces; see worker.py.
+``hop_latency_s()``, optionally ``aggregator``, ``describe()``, ``time_dilation``). The run
+happens in a pool process (``python -m testbed.collectives.worker``) whose children enter the
+hosts' network namespaces; see worker.py.
+
+On a network dilated by a factor f (``net.time_dilation``, see :mod:`testbed.topologies.net`)
+the pool's timeouts (``spec.timeout_s``, INA's retransmission timer) are multiplied by f and
+every row reports undilated time: ``time_s`` is the measured time divided by f, so ``algbw``,
+``busbw`` and ``fidelity`` speak of the network the topology describes, and the row says
+``time_dilation = f``. A network built with ``time_dilation="auto"`` is calibrated with the
+first collective run on it (:func:`testbed.collectives.dilation.calibrate`).
 """
 
 from __future__ import annotations
@@ -107,6 +114,12 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         raise ValueError(f"spec must be a CollectiveSpec, got {type(spec).__name__}")
     hosts = _hosts(net)
     spec.validate(len(hosts))
+    if getattr(net, "time_dilation_requested", None) == "auto" and net.calibration is None:
+        # imported here: dilation runs collectives through this module
+        from testbed.collectives.dilation import calibrate
+
+        calibrate(net, [spec])
+    dilation = float(getattr(net, "time_dilation", 1.0))
     workers, servers, colocated = placement(net, spec)
     n, m = len(workers), len(servers)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
@@ -115,8 +128,11 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     # max-min sharing, the measured hop latency (the closed form is its star special case)
     model_s = flowmodel.predict(net.topo, spec, workers=[h.name for h in workers],
                                 servers=[h.name for h in servers],
-                                hop_latency_s=net.hop_latency_s()).time_s
-    job = {"spec": spec.to_json(), "n": n, "m": m, "ranks": ranks, "bw_bps": bw,
+                                hop_latency_s=net.hop_latency_s(),
+                                time_dilation=dilation).time_s
+    # the pool runs in dilated time: its timeouts stretch with the network
+    job = {"spec": {**spec.to_json(), "timeout_s": spec.timeout_s * dilation}, "n": n, "m": m,
+           "ranks": ranks, "bw_bps": bw, "time_dilation": dilation,
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
     if spec.algo in ("ina", "nic"):
@@ -153,7 +169,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    limit = 60 + (spec.timeout_s + 10) * (spec.repetitions + 2)
+    limit = 60 + (spec.timeout_s * dilation + 10) * (spec.repetitions + 2)
     try:
         _wait_pool(proc, net, spec, limit)
     except BaseException:  # KeyboardInterrupt included: clean up, then re-raise it unchanged
@@ -184,15 +200,20 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     rows = []
     for rep, r in enumerate(result["reps"]):
         # cpumon: cores saturated, a rank/engine thread waiting for a CPU, or one never idle
-        bound = bool(cpumon.cpu_bound_reasons(r["cpu_util"], r["cpu_wait"], r["cpu_demand"]))
-        rows.append(make_row(spec, n=n, time_s=r["time_s"], model_s=model_s, cpu_bound=bound,
-                             max_abs_err=r["max_abs_err"], correct=r["correct"], rep=rep,
-                             topology=topo, bw_mbps=bw_mbps, cpu_max=round(r["cpu_max"], 3),
-                             cpu_engine=round(r["cpu_engine"], 3),
-                             cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
-                             engine_cpu_s=round(r["engine_cpu_s"], 3),
-                             cpu_util=round(r["cpu_util"], 3), setup_s=setup_s,
-                             mem_mb=round(result.get("mem_mb", 0.0), 1), ina=ina_cols))
+        why = cpumon.cpu_bound_reasons(r["cpu_util"], r["cpu_wait"], r["cpu_demand"])
+        if why and r.get("cpu_why"):
+            why = r["cpu_why"]  # the pool's own reasons name the threads
+        row = make_row(spec, n=n, time_s=r["time_s"] / dilation, model_s=model_s,
+                       cpu_bound=bool(why), max_abs_err=r["max_abs_err"],
+                       correct=r["correct"], rep=rep, topology=topo, bw_mbps=bw_mbps,
+                       cpu_max=round(r["cpu_max"], 3), cpu_engine=round(r["cpu_engine"], 3),
+                       cpu_wait=round(r["cpu_wait"], 3), cpu_s=round(r["cpu_s"], 3),
+                       engine_cpu_s=round(r["engine_cpu_s"], 3),
+                       cpu_util=round(r["cpu_util"], 3), setup_s=setup_s,
+                       mem_mb=round(result.get("mem_mb", 0.0), 1),
+                       cpu_demand=round(r["cpu_demand"], 3), cpu_why="; ".join(why),
+                       time_dilation=dilation, ina=ina_cols)
+        rows.append(row)
     return rows
 
 

@@ -43,22 +43,39 @@ def assert_all_ok(results: Any) -> None:
         raise AssertionError("runs failed or incorrect:\n  " + "\n  ".join(problems))
 
 
+def fidelity_runs(results: Any, skip_cpu_bound: bool = True,
+                  where: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """(runs whose fidelity can be judged, runs left out as ``cpu_bound``) among the finished
+    runs of ``results`` that match ``where`` (column -> value)."""
+    df = _frame(results)
+    for col, val in (where or {}).items():
+        df = df[df[col] == val]
+    if skip_cpu_bound and "cpu_bound" in df.columns:
+        bound = df["cpu_bound"].astype(bool)
+        return df[~bound], df[bound]
+    return df, df.iloc[0:0]
+
+
 def assert_fidelity(results: Any, tol: float = 0.2, skip_cpu_bound: bool = True,
                     where: dict[str, Any] | None = None) -> None:
     """Each run's ``fidelity`` (measured/model) lies within ``1 ± tol`` (Mininet test_hifi: 0.2).
 
     ``skip_cpu_bound`` leaves out runs flagged ``cpu_bound`` (the emulator, not the network,
     was the bottleneck, so the model does not apply). ``where`` filters rows by column values.
+    No run left to check fails too: a fidelity check that could not run is not a pass.
     """
     if not (isinstance(tol, (int, float)) and tol > 0):
         raise ValueError(f"tol={tol!r} must be a positive fraction, e.g. 0.2 for ±20 %")
-    df = _frame(results)
-    for col, val in (where or {}).items():
-        df = df[df[col] == val]
-    if skip_cpu_bound and "cpu_bound" in df.columns:
-        df = df[~df["cpu_bound"].astype(bool)]
+    df, bound = fidelity_runs(results, skip_cpu_bound, where)
+    if len(df) == 0 and len(bound):
+        why = [w for w in bound.get("cpu_why", []) if isinstance(w, str) and w][:1]
+        raise AssertionError(
+            f"fidelity not checked: all {len(bound)} runs were cpu_bound"
+            + (f" ({why[0]})" if why else "") + ", so the emulator, not the network, set "
+            "their pace; run them dilated (time_dilation = \"auto\", or a larger factor), "
+            "or on a machine that other work leaves free")
     if len(df) == 0:
-        raise AssertionError("no runs to check fidelity on (all filtered out or cpu_bound)")
+        raise AssertionError("no runs to check fidelity on (all filtered out)")
     bad = []
     for _, r in df.iterrows():
         f = float(r["fidelity"])

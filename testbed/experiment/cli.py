@@ -6,8 +6,11 @@ import sys
 from pathlib import Path
 
 
-def run_file(path: str, out: str | Path | None = None, progress: bool = True) -> int:
+def run_file(path: str, out: str | Path | None = None, progress: bool = True,
+             time_dilation: float | str | None = None) -> int:
     """Run the experiment in ``path``; results under ``out/<name>-<timestamp>/``.
+
+    ``time_dilation`` (a factor or ``"auto"``) replaces the file's ``time_dilation``.
 
     ``out`` defaults to the results root (``$TESTBED_RESULTS``, see
     :func:`testbed.experiment.results.results_root`). Exit codes: 0 all runs ok, 1 some runs
@@ -17,11 +20,13 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True) ->
     from rich.console import Console
 
     from testbed.experiment.results import results_root
-    from testbed.experiment.spec import ExperimentError, load_experiment
+    from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
 
     err = Console(stderr=True, soft_wrap=True)  # whole lines: logs and greps read them
     try:
         exp = load_experiment(path)
+        if time_dilation is not None:
+            exp = with_overrides(exp, {"time_dilation": time_dilation})
     except ExperimentError as e:
         err.print(f"[red]error:[/] invalid experiment {e.source} ({len(e.problems)} "
                   f"problem{'s' if len(e.problems) != 1 else ''}; nothing was run)",

@@ -12,10 +12,20 @@ others are Linux bridges unless ``programmable=True`` (``--programmable``), whic
 path on every switch (ECMP by the 5-tuple hash, at the price of one engine process per switch:
 20 on the fat-tree). The model follows whichever forwarding the fabric uses.
 
+Time dilation (``time_dilation``, default ``"auto"``): each network is calibrated once after
+it is built (:func:`testbed.collectives.dilation.calibrate`) with the ring, then every run
+uses that factor; a number runs every network at that factor, 1 in real time. Times are
+reported undilated. The ring is the workload that needed the largest factor on every network
+of the benchmark (each link busy both ways through the engines, a sender thread per peer):
+calibrated with ring and INA on a shared 2-core machine, the ring needed 3.5-16, INA at most
+as much, and calibrating with one workload halves the calibration's time. ``--quick`` caps
+the factor at :data:`QUICK_MAX_FACTOR` (a run at 16 takes 16 times its undilated time: the
+fat-tree alone would take two minutes); the rows say when that left a run ``cpu_bound``.
+
 One row per run: ``topology, algo, n, bytes, time_s, model_s, fidelity (time_s / model_s),
-cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_max, cpu_engine, correct, switches,
-cpu_model``. ``time_dilation`` is 1: runs are not dilated (yet). Per topology the summary
-compares the algorithms' order by the model with their order as measured.
+cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_demand, cpu_max, cpu_engine, correct,
+switches, cpu_model``. Per topology the summary compares the algorithms' order by the model
+with their order as measured.
 """
 
 from __future__ import annotations
@@ -27,9 +37,13 @@ from pathlib import Path
 
 MiB = 1 << 20
 ALGOS = ("ring", "hd", "rs", "ina")
+#: the workloads a network is calibrated with (see the module docstring)
+CALIBRATE_WITH = ("ring",)
+#: the largest factor ``--quick`` calibrates to (see the module docstring)
+QUICK_MAX_FACTOR = 8.0
 ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "cpu_bound",
-            "cpu_util", "time_dilation", "cpu_wait", "cpu_max", "cpu_engine", "correct",
-            "switches", "cpu_model")
+            "cpu_util", "time_dilation", "cpu_wait", "cpu_demand", "cpu_max", "cpu_engine",
+            "correct", "switches", "cpu_model")
 
 
 def topologies(programmable: bool = False) -> list[tuple[str, object]]:
@@ -62,16 +76,17 @@ def cpu_model() -> str:
 
 
 def run(quick: bool = False, programmable: bool = False, reps: int = 1,
-        time_dilation: float = 1.0, only: list[str] | None = None, log=sys.stderr,
+        time_dilation: float | str = "auto", only: list[str] | None = None, log=sys.stderr,
         on_row=None) -> list[dict]:
     """Run the benchmark; return its rows (``ROW_KEYS``). ``only``: topology names to run;
-    ``on_row(row)`` is called as each row is measured."""
-    from testbed.collectives import CollectiveSpec, run_collective
+    ``on_row(row)`` is called as each row is measured. ``time_dilation``: a factor for every
+    network, or ``"auto"`` (calibrated per network)."""
+    from testbed.collectives import run_collective
+    from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
     from testbed.topologies import TestbedNet
+    from testbed.topologies.pipeline import check_time_dilation
 
-    if time_dilation != 1:
-        raise ValueError(f"time_dilation={time_dilation!r}: the emulated network does not "
-                         "dilate time yet; use 1")
+    time_dilation = check_time_dilation(time_dilation)  # a bad value: ValueError, at once
     sizes = [4 * MiB] if quick else [4 * MiB, 32 * MiB]
     cpu = cpu_model()
     rows: list[dict] = []
@@ -79,15 +94,21 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
         if only and name not in only:
             continue
         t0 = time.monotonic()
-        with TestbedNet(topo) as net:
+        with TestbedNet(topo, time_dilation=time_dilation) as net:
             n = len(topo.host_names)
             lock = net.timings.get("lock_wait_s", 0.0)
             print(f"# {name}: {n} hosts, up in {time.monotonic() - t0 - lock:.1f} s "
                   f"(lock wait {lock:.1f} s), forwarding {net.forwarding_mode}", file=log)
+            if time_dilation == "auto":
+                cal = calibrate(net, [_spec(a, sizes[0], n, reps) for a in CALIBRATE_WITH],
+                                log=log,
+                                max_factor=QUICK_MAX_FACTOR if quick else MAX_AUTO_FACTOR)
+                if cal.saturated and quick and cal.factor >= QUICK_MAX_FACTOR:
+                    print(f"# --quick stops at factor {QUICK_MAX_FACTOR:g}; without it the "
+                          f"calibration may go up to {MAX_AUTO_FACTOR:g}", file=log)
             for size in sizes:
                 for algo in ALGOS:
-                    spec = CollectiveSpec(algo=algo, nbytes=size, servers=n, window=64,
-                                          repetitions=reps, timeout_s=120)
+                    spec = _spec(algo, size, n, reps)
                     try:
                         got = run_collective(net, spec)
                     except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end
@@ -96,10 +117,11 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
                                 "model_s": float("nan"), "fidelity": float("nan"),
                                 "cpu_bound": None, "cpu_util": None, "cpu_wait": None,
                                 "cpu_max": None, "cpu_engine": None, "correct": False,
+                                "time_dilation": net.time_dilation,
                                 "error": f"{type(e).__name__}: {e}"}]
                     for r in got:
                         row = {k: r.get(k) for k in ROW_KEYS}
-                        row.update(topology=name, time_dilation=time_dilation,
+                        row.update(topology=name,
                                    switches="programmable" if programmable else "aggregator",
                                    cpu_model=cpu)
                         if "error" in r:
@@ -111,13 +133,22 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
     return rows
 
 
+def _spec(algo: str, size: int, n: int, reps: int):
+    """The benchmark's collective: every host a worker (and a reduction server)."""
+    from testbed.collectives import CollectiveSpec
+
+    return CollectiveSpec(algo=algo, nbytes=size, servers=n, window=64, repetitions=reps,
+                          timeout_s=120)
+
+
 def _line(r: dict) -> str:
     def f(v, fmt):
         return "-" if v is None or v != v else format(v, fmt)
 
     return (f"{r['topology']:>14} {r['algo']:>4} n={r['n']:<2} {r['bytes'] // MiB:>3} MiB  "
             f"time {f(r['time_s'], '.3f')} s  model {f(r['model_s'], '.3f')} s  "
-            f"fidelity {f(r['fidelity'], '.2f')}  cpu_bound={r['cpu_bound']} "
+            f"fidelity {f(r['fidelity'], '.2f')}  f={f(r['time_dilation'], 'g')}  "
+            f"cpu_bound={r['cpu_bound']} "
             f"(util {f(r['cpu_util'], '.2f')}, wait {f(r['cpu_wait'], '.2f')}, "
             f"engine {f(r['cpu_engine'], '.2f')})  correct={r['correct']}")
 
@@ -155,14 +186,20 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(json_out: bool = False, quick: bool = False, programmable: bool = False) -> int:
+def main(json_out: bool = False, quick: bool = False, programmable: bool = False,
+         time_dilation: float | str = "auto") -> int:
     """Entry point of ``testbed bench fidelity``; 0 when every run completed correctly."""
     def emit(row: dict) -> None:
         if json_out:
             print(json.dumps(row, default=float), flush=True)
 
     t0 = time.monotonic()
-    rows = run(quick=quick, programmable=programmable, on_row=emit)
+    try:
+        rows = run(quick=quick, programmable=programmable, time_dilation=time_dilation,
+                   on_row=emit)
+    except ValueError as e:  # a bad --time-dilation
+        print(f"testbed bench fidelity: {e}", file=sys.stderr)
+        return 2
     out = sys.stderr if json_out else sys.stdout
     for line in summary(rows):
         print(("# " if json_out else "") + line, file=out)

@@ -14,7 +14,12 @@ Fixtures
     compares results (a :class:`Results` or a DataFrame) against the stored baseline
     ``<test file folder>/baselines/<name>.csv``: one row per run key (label, op, algo, n,
     bytes, ... and sweep columns), ``time_s`` within ±50 % by default, ``correct`` equal.
-    ``testbed_baseline.assert_fidelity(results, tol=0.2)`` checks measured/model within ±tol.
+    ``testbed_baseline.assert_fidelity(results, tol=0.2)`` checks measured/model within ±tol
+    for every run that is not ``cpu_bound``. When every run was ``cpu_bound`` nothing could be
+    checked, and the test fails saying so (a fidelity check that did not run is not a pass):
+    run the experiment dilated (``time_dilation = "auto"``). The terminal summary lists every
+    fidelity check of the session: how many runs it judged, how many it left out as
+    ``cpu_bound``, at which time dilation.
 
 Recording and updating baselines::
 
@@ -48,13 +53,30 @@ def pytest_configure(config: pytest.Config) -> None:
                             "testbed: a regression experiment run through the testbed plugin")
 
 
+#: the session's fidelity checks, for the terminal summary: (test id, line)
+_FIDELITY_KEY = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """List the session's fidelity checks (judged runs, runs left out as cpu_bound)."""
+    lines = config.stash.get(_FIDELITY_KEY, [])
+    if not lines:
+        return
+    terminalreporter.section("testbed fidelity checks")
+    for nodeid, line in lines:
+        terminalreporter.write_line(f"{nodeid}: {line}")
+
+
 class Baseline:
     """Compare results with a stored baseline CSV, or record it (``--testbed-update-baselines``)."""
 
-    def __init__(self, folder: Path, update: bool):
+    def __init__(self, folder: Path, update: bool, config: pytest.Config | None = None,
+                 nodeid: str = ""):
         self.folder = folder
         self.update = update
         self.written: list[Path] = []
+        self._config = config
+        self._nodeid = nodeid
 
     def path(self, name: str) -> Path:
         """Where the baseline ``name`` lives."""
@@ -84,12 +106,25 @@ class Baseline:
                         + "\n(if the change is intended: pytest --testbed-update-baselines)",
                         pytrace=False)
 
-    @staticmethod
-    def assert_fidelity(results: Any, tol: float = 0.2, **kw) -> None:
-        """Measured/model within ``1 ± tol`` for every run that is not cpu_bound."""
-        from testbed.experiment.checks import assert_fidelity
+    def assert_fidelity(self, results: Any, tol: float = 0.2, **kw) -> None:
+        """Measured/model within ``1 ± tol`` for every run that is not cpu_bound; fails the
+        test when no run could be judged (all cpu_bound). Recorded for the summary."""
+        from testbed.experiment.checks import assert_fidelity, fidelity_runs
 
-        assert_fidelity(results, tol=tol, **kw)
+        judged, bound = fidelity_runs(results, kw.get("skip_cpu_bound", True),
+                                      kw.get("where"))
+        df = getattr(results, "df", results)
+        dil = sorted({float(v) for v in df.get("time_dilation", [1.0]) if v == v})
+        line = (f"{len(judged)} runs judged within ±{tol:.0%} of the model, {len(bound)} left "
+                f"out as cpu_bound, time dilation {', '.join(f'{d:g}' for d in dil)}")
+        if len(judged) == 0:
+            line = "NOT CHECKED: " + line
+        if self._config is not None:
+            self._config.stash.setdefault(_FIDELITY_KEY, []).append((self._nodeid, line))
+        try:
+            assert_fidelity(results, tol=tol, **kw)
+        except AssertionError as e:
+            pytest.fail(str(e), pytrace=False)
 
     @staticmethod
     def assert_all_ok(results: Any) -> None:
@@ -104,7 +139,8 @@ def testbed_baseline(request: pytest.FixtureRequest) -> Baseline:
     """A :class:`Baseline` bound to this test's baselines folder."""
     opt = request.config.getoption("--testbed-baselines-dir")
     folder = Path(opt) if opt else Path(request.path).parent / "baselines"
-    return Baseline(folder, bool(request.config.getoption("--testbed-update-baselines")))
+    return Baseline(folder, bool(request.config.getoption("--testbed-update-baselines")),
+                    request.config, request.node.nodeid)
 
 
 @pytest.fixture

@@ -9,6 +9,11 @@ The jobs of a ``concurrent`` point run at the same time, each in a thread (tenan
 fabric); each gets its own rows, with ``concurrent_jobs`` (1 for a job run alone).
 The network is torn down on every exit path, Ctrl-C included (``TestbedNet`` does it in its
 ``__exit__``; cross traffic and captures are stopped in ``finally`` blocks here).
+
+A network of an experiment with ``time_dilation = "auto"`` is calibrated once, right after
+it is built, with the collectives its runs will do (:func:`testbed.collectives.dilation.
+calibrate`); the factor and the calibration runs are in the metadata (``networks``), the
+factor in every row (``time_dilation``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
         "seed": exp.seed,
         "experiment": exp.model_dump(mode="json"),
         "sweep_columns": list(exp.sweep),
+        "time_dilation": exp.time_dilation,
         "planned_runs": len(plan),
         "git": git_revision(),
         "packages": package_versions(),
@@ -115,9 +121,12 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
             with contextlib.ExitStack() as stack:
                 try:
                     net, desc = _open_network(stack, point)
+                    cal = _calibrate(net, group)
                     store.metadata["networks"].append({
                         "points": sorted({g[0] for g in group}), "describe": desc,
-                        "timings": dict(getattr(net, "timings", {}))})
+                        "timings": dict(getattr(net, "timings", {})),
+                        "time_dilation": net.time_dilation,
+                        "calibration": cal.to_json() if cal is not None else None})
                     store.write_metadata()
                     xt = _start_cross_traffic(stack, net, point)
                 except (KeyboardInterrupt, SystemExit):
@@ -230,7 +239,21 @@ def topology_for(point: Experiment):
 def network_for(point: Experiment) -> TestbedNet:
     """The (not yet started) network of one experiment point: its topology and the data-path
     programs of its impairments, trimming and codec."""
-    return TestbedNet(topology_for(point), datapath=datapath_options(point))
+    return TestbedNet(topology_for(point), datapath=datapath_options(point),
+                      time_dilation=point.time_dilation)
+
+
+def _calibrate(net, group: list):
+    """Calibrate a network built with ``time_dilation = "auto"`` with the group's collectives
+    (a ring allreduce over every host stands in for incasts); None for a fixed factor."""
+    if net.time_dilation_requested != "auto":
+        return None
+    from testbed.collectives import CollectiveSpec
+    from testbed.collectives.dilation import calibrate
+
+    specs = [_collective_spec(job, size, pt) for (_pi, _params, pt, _ji, job, size) in group
+             if job.op != "incast"]
+    return calibrate(net, specs or [CollectiveSpec(algo="ring", nbytes=4 << 20)])
 
 
 def _open_network(stack: contextlib.ExitStack, point: Experiment):
@@ -400,12 +423,16 @@ def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
     from testbed.experiment.incast import run_incast
 
     seed = point.seed if job.seed is None else job.seed
+    f = float(getattr(net, "time_dilation", 1.0))
     rows = []
     for rep in range(job.repetitions):
+        # on a dilated network the receiver's idle timeout stretches, and the row reports
+        # undilated time (its model already speaks of the undilated rates)
         row = run_incast(net, size, bits=int(job.options.get("bits", 1)), seed=seed + rep,
-                         timeout_s=job.timeout_s,
-                         idle_ms=float(job.options.get("idle_ms", 30.0)))
-        row["rep"] = rep
+                         timeout_s=job.timeout_s * f,
+                         idle_ms=float(job.options.get("idle_ms", 30.0)) * f)
+        row.update(rep=rep, time_s=row["time_s"] / f, algbw=row["algbw"] * f,
+                   busbw=row["busbw"] * f, fidelity=row["fidelity"] / f, time_dilation=f)
         rows.append(row)
     return rows
 

@@ -19,6 +19,11 @@ TOML or YAML file or built in Python::
 
 ``sweep`` maps dotted field paths to lists of values; the runs are the cartesian product.
 Every expanded point is validated again, so a bad sweep value is reported under its path.
+
+``time_dilation`` (a factor f from 1 to 64, or ``"auto"``) runs the network f times slower
+and reports undilated times, so a machine whose CPU cannot keep up with the emulated links
+still measures the network (``testbed.collectives.dilation``); ``"auto"`` calibrates the
+smallest factor that keeps the runs below CPU saturation, once per network.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from pydantic import (
 )
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+#: Largest time dilation factor (``testbed.topologies.pipeline.MAX_TIME_DILATION``, not
+#: imported: the schema loads without the topology layer)
+MAX_TIME_DILATION = 64.0
 ALGOS = ("ring", "hd", "rs", "ina", "nic")
 TOPOLOGY_KINDS = ("star", "leaf_spine", "fat_tree", "dumbbell", "incast")
 
@@ -346,7 +354,24 @@ class Experiment(_Strict):
     concurrent: bool = Field(False, description="run the jobs of a point at the same time "
                                                 "(tenants of one fabric), each on its hosts")
     stop_on_error: bool = Field(False, description="stop at the first failed run")
+    time_dilation: float | Literal["auto"] = Field(
+        1.0, description="run the network this many times slower (links at bw / f, delays "
+                         "and timeouts times f) and report undilated times; 'auto': the "
+                         "smallest factor that keeps the CPU unsaturated")
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @field_validator("time_dilation", mode="before")
+    @classmethod
+    def _dilation(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and \
+            1 <= v <= MAX_TIME_DILATION
+        if not ok:
+            raise ValueError(f"got {v!r}; give a factor from 1 (real time) to "
+                             f"{MAX_TIME_DILATION:g}, or 'auto' (calibrated: the smallest "
+                             "factor that keeps the CPU unsaturated)")
+        return v
 
     @field_validator("sweep")
     @classmethod
@@ -389,7 +414,8 @@ class Experiment(_Strict):
         """Everything that shapes the network; equal keys may share one built network."""
         return json.dumps(self.model_dump(
             mode="json", include={"topology", "impairments", "trimming", "codec",
-                                  "cross_traffic", "capture"}), sort_keys=True)
+                                  "cross_traffic", "capture", "time_dilation"}),
+            sort_keys=True)
 
 
 # -- sweeps -----------------------------------------------------------------------------------

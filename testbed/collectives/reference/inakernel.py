@@ -15,8 +15,6 @@ from testbed.collectives.inakernel import (
     MODE_THC,
     NORM_RES,
     REORDER_SLACK,
-    T0,
-    T_MAX,
     THC_EXP_ZERO,
 )
 from testbed.kernels import wire
@@ -194,9 +192,9 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
             else:
                 st["rttvar"] = 0.75 * st["rttvar"] + 0.25 * abs(st["srtt"] - sample)
                 st["srtt"] = 0.875 * st["srtt"] + 0.125 * sample
-            st["rto"] = min(max(T0, st["srtt"] + 4 * st["rttvar"]), T_MAX)
+            st["rto"] = min(max(st["t0"], st["srtt"] + 4 * st["rttvar"]), st["tmax"])
         slots.retx[s] = False
-        slots.rto[s] = min(max(st["rto"], 2.0 * slots.rtt[s]), T_MAX)
+        slots.rto[s] = min(max(st["rto"], 2.0 * slots.rtt[s]), st["tmax"])
         st["acked"] = max(int(st["acked"]), int(slots.order[s]))
         slots.seq[s] = (int(slots.seq[s]) + 1) % (1 << 32)
         nj = int(slots.cur[s]) + W
@@ -225,7 +223,7 @@ def expire(slots, loop, now, send_list) -> int:
     st = loop[0]
     due = [s for s in range(slots.cur.size) if slots.cur[s] >= 0 and slots.deadline[s] <= now]
     for k, s in enumerate(due):
-        slots.rto[s] = min(slots.rto[s] * 2, T_MAX)
+        slots.rto[s] = min(slots.rto[s] * 2, st["tmax"])
         slots.retx[s] = True
         _send(slots, s, st, now, MsgType.RETRANSMIT)
         send_list[k] = s
