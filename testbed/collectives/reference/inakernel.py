@@ -207,10 +207,13 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
         _send(slots, s, st, now, MsgType.DATA)
         send_list[nsend] = s
         nsend += 1
-    for s in range(W):
-        ref = slots.rtt[s] if slots.rtt[s] > 0.0 else st["srtt"]
-        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st["acked"] and \
-                now - slots.sent_at[s] > REORDER_SLACK * ref:
+    out = [s for s in range(W) if slots.cur[s] >= 0]
+    if not any(slots.retx[s] for s in out):  # one repair in flight at most
+        late = [s for s in out if slots.order[s] + FAST_RETX <= st["acked"] and now
+                - slots.sent_at[s] > REORDER_SLACK * (slots.rtt[s] if slots.rtt[s] > 0.0
+                                                       else st["srtt"])]
+        if late:
+            s = min(late, key=lambda x: slots.order[x])
             slots.retx[s] = True
             _send(slots, s, st, now, MsgType.RETRANSMIT)
             send_list[nsend] = s
