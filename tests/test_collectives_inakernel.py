@@ -199,6 +199,17 @@ def test_fast_retransmission_and_timeouts():
     assert sl[:r[1]].tolist() == [0]  # now it is: resent without waiting for its timer
     assert unpack_header(slots.pkts[0].tobytes())["msg_type"] == MsgType.RETRANSMIT
     assert slots.retx[0] and abs(loop[0]["srtt"] - 0.002) < 1e-12
+    # the answer to the resent packet may be the original's: it proves nothing about the
+    # packets sent before the resend (else each spurious resend makes the whole window look
+    # lost, a cascade that collapsed congested fabrics), so it does not advance "answered"
+    acked, rack = int(loop[0]["acked"]), float(loop[0]["rack_rtt"])
+    m = result(rng, (slots, loop, p), 0)
+    rb[0, :len(m)] = np.frombuffer(m, np.uint8)
+    r = ik.on_results(rb, np.array([len(m)]), 1, np.zeros(8, np.bool_), slots, loop, p,
+                      late + 0.05, sl)
+    assert sl[:r[1]].tolist() == [0]  # slot 0's next packet, and no resend of slots 4..7
+    assert (int(loop[0]["acked"]), float(loop[0]["rack_rtt"])) == (acked, rack)
+    assert not slots.retx[0]
     # timers: every other outstanding packet expires at its deadline, timeout doubling
     before = slots.rto.copy()
     k = ik.expire(slots, loop, 10.0, sl)

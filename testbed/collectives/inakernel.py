@@ -13,8 +13,8 @@ The state is three small records:
 * :class:`Slots` - per slot: packet index outstanding (-1: idle), round, send time, send order,
   retransmitted flag, deadline, timeout, packet length and the packet row itself;
 * :data:`LOOP_DTYPE` - one record: RTT estimator (srtt, rttvar, timeout, and its floor and
-  cap), last progress time, send counter and the highest send order answered (for fast
-  retransmission);
+  cap), last progress time, send counter, the highest send order answered and the round trip
+  of that packet (for fast retransmission);
 * :class:`Payload` - what is being reduced: input, outputs, agreed exponents, sizes and the
   codec (``MODE_INT32`` SwitchML fixed point, ``MODE_NIC`` float32 that a SmartNIC quantises,
   ``MODE_THC`` THC int8 lanes).
@@ -22,9 +22,10 @@ The state is three small records:
 Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
 ``srtt + 4 rttvar`` and twice the slot's last round trip, at least SwitchML's 10 ms, doubling
 per retry up to 320 ms: :func:`expire`; floor and cap times the network's time dilation,
-:func:`new_loop`) or, sooner, once ``FAST_RETX`` packets sent after it were answered (a loss,
-since rounds of one worker complete in the order it sent them: :func:`on_results`), like TCP's
-fast retransmit, one such repair in flight at a time (:func:`fast_retransmit` says why).
+:func:`new_loop`) or, sooner, like TCP's RACK: once ``FAST_RETX`` packets sent after it were
+answered (rounds of one worker complete in the order it sent them) and it has been outstanding
+``REORDER_SLACK`` times the round trip of the latest-sent answered packet, a delay that follows
+the queues of the moment (:func:`fast_retransmit` says why that matters).
 
 :mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;
 tests run both on the same inputs and compare every output.
@@ -52,8 +53,9 @@ T0 = 0.010
 T_MAX = 0.320
 #: Answered packets sent after an unanswered one that make it a loss (TCP's dupack threshold).
 FAST_RETX = 3
-#: a packet overtaken by FAST_RETX later ones is lost once outstanding this many round trips
-REORDER_SLACK = 1.5
+#: a packet overtaken by FAST_RETX later ones is lost once outstanding this many times the round
+#: trip of the latest-sent answered packet (or its slot's own last one, if longer)
+REORDER_SLACK = 1.25
 #: chunk_offset of the exponent bootstrap packets: never a data offset.
 BOOT_OFFSET = 0xFFFFFFFF
 
@@ -68,7 +70,8 @@ THC_EXP_ZERO = -32768
 _OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag ones
 
 LOOP_DTYPE = np.dtype([("srtt", "f8"), ("rttvar", "f8"), ("rto", "f8"), ("progress", "f8"),
-                       ("sends", "i8"), ("acked", "i8"), ("t0", "f8"), ("tmax", "f8")])
+                       ("sends", "i8"), ("acked", "i8"), ("t0", "f8"), ("tmax", "f8"),
+                       ("rack_rtt", "f8")])
 
 
 class Slots(NamedTuple):
@@ -366,15 +369,17 @@ def send(slots, s, st, now, msg_type):
 def advance(slots, s, st, now, W, p):
     """Slot ``s``'s round completed: sample the RTT, move to its next round and build the next
     packet (True) or leave the slot idle (False)."""
-    if not slots.retx[s]:  # Karn: only unambiguous samples
+    clean = not slots.retx[s]
+    if clean:  # Karn: only unambiguous samples
         slots.rtt[s] = now - slots.sent_at[s]
         rtt_sample(st, slots.rtt[s])
     slots.retx[s] = False
     # the worker's timeout, but never under twice the slot's own last round trip: slots differ
     # in path (host fallback) and a slot keeps its path
     slots.rto[s] = min(max(st.rto, 2.0 * slots.rtt[s]), st.tmax)
-    if slots.order[s] > st.acked:
+    if clean and slots.order[s] > st.acked:  # an answer to a resend may be the original's
         st.acked = slots.order[s]
+        st.rack_rtt = slots.rtt[s]
     slots.seq[s] = (slots.seq[s] + 1) & 0xFFFFFFFF
     nj = slots.cur[s] + W
     if nj >= p.K + p.boot:
@@ -398,29 +403,24 @@ def resend(slots, s, st, now, send_list, nsend):
 
 @njit(cache=True)
 def fast_retransmit(slots, st, now, send_list, nsend):
-    """Resend the oldest packet that ``FAST_RETX`` later-sent packets overtook and that is late
-    for its slot (RACK-like: outstanding longer than ``REORDER_SLACK`` times the slot's last
-    round trip, or the mean one before the slot has a sample), unless a resent packet is still
-    unanswered (one repair in flight, like NewReno's recovery). Returns the new ``nsend``.
+    """Resend every packet that ``FAST_RETX`` later-sent packets overtook and that has been
+    outstanding ``REORDER_SLACK`` times the round trip of the latest-sent answered packet (or
+    of its slot's own last round, if longer: slots differ in path, e.g. a shared-pool slot
+    summed by a host fallback); its new send order waits for as many again before another
+    resend. Returns the new ``nsend``.
 
-    Why so restrained: a round completes when the *slowest* member's contribution arrives, so
-    one member's lost packet makes every member's packet of that round look lost, and all but
-    one of their resends are duplicates. On a congested uplink those duplicates cause more
-    drops, which cause more resends: without the limit a leaf-spine at 4:1 collapsed to 6-8x
-    its time. Timeouts still repair every other loss."""
-    best = -1
+    Why the time condition follows the latest answer (TCP RACK) rather than a mean: when an
+    uplink's queue grows, every round trip grows with it; a mean RTT lags, every queued packet
+    then looks lost, and the resends and their answers fill the queue further. That collapsed a
+    4:1 leaf-spine to 6-8x its time. Overtaking alone is no proof of loss either: a round
+    completes when the slowest member's contribution arrives."""
     for s in range(slots.cur.size):
-        if slots.cur[s] < 0:
-            continue
-        if slots.retx[s]:
-            return nsend  # a repair is in flight
-        if slots.order[s] + FAST_RETX <= st.acked:
-            ref = slots.rtt[s] if slots.rtt[s] > 0.0 else st.srtt
-            if now - slots.sent_at[s] > REORDER_SLACK * ref and (
-                    best < 0 or slots.order[s] < slots.order[best]):
-                best = s
-    if best >= 0:
-        nsend = resend(slots, best, st, now, send_list, nsend)
+        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st.acked:
+            ref = max(st.rack_rtt, slots.rtt[s])
+            if ref <= 0.0:
+                ref = st.srtt
+            if now - slots.sent_at[s] > REORDER_SLACK * ref:
+                nsend = resend(slots, s, st, now, send_list, nsend)
     return nsend
 
 

@@ -184,7 +184,8 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
             return done, nsend, ignored, lost, s, code
         done += 1
         st["progress"] = now
-        if not slots.retx[s]:
+        clean = not slots.retx[s]
+        if clean:
             sample = now - slots.sent_at[s]
             slots.rtt[s] = sample
             if st["srtt"] == 0.0:
@@ -195,7 +196,9 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
             st["rto"] = min(max(st["t0"], st["srtt"] + 4 * st["rttvar"]), st["tmax"])
         slots.retx[s] = False
         slots.rto[s] = min(max(st["rto"], 2.0 * slots.rtt[s]), st["tmax"])
-        st["acked"] = max(int(st["acked"]), int(slots.order[s]))
+        if clean and int(slots.order[s]) > int(st["acked"]):
+            st["acked"] = int(slots.order[s])
+            st["rack_rtt"] = slots.rtt[s]
         slots.seq[s] = (int(slots.seq[s]) + 1) % (1 << 32)
         nj = int(slots.cur[s]) + W
         if nj >= p.K + p.boot:
@@ -207,13 +210,11 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
         _send(slots, s, st, now, MsgType.DATA)
         send_list[nsend] = s
         nsend += 1
-    out = [s for s in range(W) if slots.cur[s] >= 0]
-    if not any(slots.retx[s] for s in out):  # one repair in flight at most
-        late = [s for s in out if slots.order[s] + FAST_RETX <= st["acked"] and now
-                - slots.sent_at[s] > REORDER_SLACK * (slots.rtt[s] if slots.rtt[s] > 0.0
-                                                       else st["srtt"])]
-        if late:
-            s = min(late, key=lambda x: slots.order[x])
+    for s in range(W):
+        ref = max(st["rack_rtt"], slots.rtt[s])
+        ref = ref if ref > 0.0 else st["srtt"]
+        if slots.cur[s] >= 0 and slots.order[s] + FAST_RETX <= st["acked"] and \
+                now - slots.sent_at[s] > REORDER_SLACK * ref:
             slots.retx[s] = True
             _send(slots, s, st, now, MsgType.RETRANSMIT)
             send_list[nsend] = s
