@@ -47,6 +47,7 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
+from testbed.datapath.io import RingPort, disable_offloads, open_port, rings_rx, rings_tx
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
 
@@ -104,6 +105,18 @@ def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, t
             drops[n_ports if ip_ < 0 else ip_, reason[i]] += 1
         elif op == -1:  # PORT_UNSET after all stages: nobody wanted it
             drops[n_ports if ip_ < 0 else ip_, DropReason.NO_ROUTE] += 1
+
+
+@njit(cache=True)
+def route_to_rings(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows, tx_count,
+                   rx_pk, rx_by, tx_pk, tx_by, drops, rings, rings32, heads, tx_base, nframes,
+                   buf, tx_done):
+    """:func:`tally_and_route`, then every port's rows into its TX ring
+    (:func:`testbed.datapath.io.rings_tx`): one call per burst. Returns the frames lost."""
+    tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows,
+                    tx_count, rx_pk, rx_by, tx_pk, tx_by, drops)
+    return rings_tx(rings, rings32, heads, tx_base, nframes, buf, tx_rows, tx_count, length,
+                    tx_done)
 
 
 def tally_reference(out_port: np.ndarray, in_port: np.ndarray, length: np.ndarray,
@@ -193,6 +206,7 @@ class Engine:
         self.stage_errors: dict[str, int] = {}
         self.running = False
         self.io = []
+        self._rings = None
         self.control = None
         self._t0 = time.monotonic()
         self._cpu0 = time.process_time()
@@ -210,8 +224,6 @@ class Engine:
 
     def open(self) -> None:
         """Open the ports (and the control socket last: its existence means 'ready')."""
-        from testbed.datapath.io import disable_offloads, open_port
-
         for name in self.ports:
             if self.disable_offloads:
                 disable_offloads(name)
@@ -219,13 +231,47 @@ class Engine:
                                      rx_frames=self.ring_frames["rx_ring_frames"],
                                      tx_frames=self.ring_frames["tx_ring_frames"]))
         self.kernel_drops = np.zeros(len(self.ports), np.int64)
+        self.tx_lost = np.zeros(len(self.ports), np.int64)
+        self._setup_rings()
         if self.control_path:
             from testbed.datapath.control import ControlServer
 
             self.control = ControlServer(self.control_path)
 
+    def _setup_rings(self) -> None:
+        """When every port has an RX and a TX ring, serve them all with one Numba call per
+        burst and direction (:func:`rings_rx`, :func:`route_to_rings`): the ports' ring heads
+        move into one (ports, 2) array those calls update."""
+        self._rings = None
+        if not self.io or not all(isinstance(p, RingPort) and p.rx_frames and p.tx_frames
+                                  for p in self.io):
+            return
+        n = len(self.io)
+        self._heads = np.zeros((n, 2), np.int64)
+        for p, port in enumerate(self.io):
+            self._heads[p] = port.heads
+            port.heads = self._heads[p]
+        self._rings = (tuple(p.ring for p in self.io), tuple(p.ring32 for p in self.io))
+        self._rx_nframes = np.array([p.rx_frames for p in self.io], np.int64)
+        self._tx_nframes = np.array([p.tx_frames for p in self.io], np.int64)
+        self._tx_base = np.array([p.tx_base for p in self.io], np.int64)
+        self._tx_done = np.zeros(n, np.int64)
+        self._rx_start = 0
+        b = self.batch
+        # compile (first time for this number of ports) or load the kernels now
+        rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length, b.in_port,
+                 b.out_port, b.reason, 0, 0)
+        self.tx_count[:] = 0
+        rings_tx(*self._rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
+                 self.tx_rows, self.tx_count, b.length, self._tx_done)
+        route_to_rings(0, b.out_port, b.in_port, b.length, b.reason, n, self.flood_mask,
+                       self.tx_rows, self.tx_count, self.rx_pk, self.rx_by, self.tx_pk,
+                       self.tx_by, self.drops, *self._rings, self._heads, self._tx_base,
+                       self._tx_nframes, b.buf, self._tx_done)
+
     def close(self) -> None:
         """Close ports and the control socket."""
+        self._rings = None  # the ports' mappings can only close once nothing refers to them
         for p in self.io:
             p.close()
         self.io = []
@@ -243,15 +289,21 @@ class Engine:
     def run_burst(self) -> int:
         """Receive one burst from all ports, run the stages, transmit; return frames received."""
         b = self.batch
-        b.reset()
-        for p, port in enumerate(self.io):
-            room = self.rx_burst - b.n
-            if room <= 0:
-                break
-            got = port.recv_burst(b.n, room, b.length)
-            if got:
-                b.in_port[b.n : b.n + got] = p
-                b.n += got
+        rings = self._rings
+        if rings is not None:
+            b.n = rings_rx(*rings, self._heads, self._rx_nframes, self._rx_start, b.buf,
+                           b.length, b.in_port, b.out_port, b.reason, b.n, self.rx_burst)
+            self._rx_start = (self._rx_start + 1) % len(self.io)
+        else:
+            b.reset()
+            for p, port in enumerate(self.io):
+                room = self.rx_burst - b.n
+                if room <= 0:
+                    break
+                got = port.recv_burst(b.n, room, b.length)
+                if got:
+                    b.in_port[b.n : b.n + got] = p
+                    b.n += got
         received = b.n
         now = time.monotonic_ns()
         for s in self.stages:
@@ -263,13 +315,26 @@ class Engine:
         if self.tracer.remaining:
             self.tracer.record(b, now)
         n = b.n
-        self._route(n)
-        for p, port in enumerate(self.io):
-            c = self.tx_count[p]
-            if c:
-                port.send_rows(self.tx_rows[p, :c], b.length)
-            elif port.tx_pending:
-                port.kick()
+        if rings is not None:
+            done = self._tx_done
+            if route_to_rings(n, b.out_port, b.in_port, b.length, b.reason, len(self.ports),
+                              self.flood_mask, self.tx_rows, self.tx_count, self.rx_pk,
+                              self.rx_by, self.tx_pk, self.tx_by, self.drops, *rings,
+                              self._heads, self._tx_base, self._tx_nframes, b.buf, done):
+                self.tx_lost += self.tx_count - done
+            for p, port in enumerate(self.io):
+                if done[p]:
+                    port.kick(int(done[p]))
+                elif port.tx_pending:
+                    port.kick()
+        else:
+            self._route(n)
+            for p, port in enumerate(self.io):
+                c = self.tx_count[p]
+                if c:
+                    port.send_rows(self.tx_rows[p, :c], b.length)
+                elif port.tx_pending:
+                    port.kick()
         if received:
             self.bursts += 1
             if received > self.max_burst:
@@ -399,7 +464,8 @@ class Engine:
             d = {names.get(r, str(r)): int(c) for r, c in enumerate(self.drops[p]) if c}
             ports[name] = {"rx_packets": int(self.rx_pk[p]), "rx_bytes": int(self.rx_by[p]),
                            "tx_packets": int(self.tx_pk[p]), "tx_bytes": int(self.tx_by[p]),
-                           "tx_errors": int(self.io[p].tx_errors) if self.io else 0,
+                           "tx_errors": int(self.io[p].tx_errors + self.tx_lost[p])
+                           if self.io else 0,
                            # frames the kernel had no room for (full RX ring / socket buffer)
                            "rx_kernel_drops": int(self.kernel_drops[p]) if self.io else 0,
                            "io": self.io[p].io if self.io else None,

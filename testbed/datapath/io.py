@@ -35,6 +35,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from testbed.datapath.batch import PORT_UNSET
+
 ETH_P_ALL = 0x0003
 SOL_PACKET = 263
 PACKET_ADD_MEMBERSHIP = 1
@@ -384,6 +386,52 @@ def ring_tx(ring, ring32, base, frame_size, nframes, head, buf, rows, lengths, c
 
 
 @njit(cache=True)
+def rings_rx(rings, rings32, heads, nframes, start, buf, lengths, in_port, out_port, reason,
+             prev_n, max_count):
+    """One burst from every port's RX ring into a batch (``testbed.datapath.batch.Batch``).
+
+    Resets the batch's ``prev_n`` used rows first (``Batch.reset``), then takes up to
+    ``max_count`` frames from the ports in turn, starting with port ``start`` (the engine
+    rotates it, so no port starves the others); ``rings``/``rings32`` are tuples of the ports'
+    mappings, ``heads[p, 0]`` their next RX slots (updated), ``nframes[p]`` their RX ring
+    sizes. Returns the batch's new packet count.
+    """
+    for i in range(prev_n):
+        out_port[i] = PORT_UNSET
+        reason[i] = 0
+        in_port[i] = -1
+    n = 0
+    n_ports = len(rings)
+    for k in range(n_ports):
+        if n >= max_count:
+            break
+        p = (start + k) % n_ports
+        got, heads[p, 0] = ring_rx(rings[p], rings32[p], RING_FRAME, nframes[p], heads[p, 0],
+                                   buf, n, max_count - n, lengths)
+        for i in range(n, n + got):
+            in_port[i] = p
+        n += got
+    return n
+
+
+@njit(cache=True)
+def rings_tx(rings, rings32, heads, tx_base, nframes, buf, tx_rows, tx_count, lengths, tx_done):
+    """Copy each port's rows ``tx_rows[p, :tx_count[p]]`` into its TX ring (``heads[p, 1]``
+    updated); ``tx_done[p]`` = slots filled (to be sent by a ``send()`` on that port).
+    Returns the number of frames that found no slot or did not fit one."""
+    lost = 0
+    for p in range(len(rings)):
+        c = tx_count[p]
+        tx_done[p] = 0
+        if c:
+            done, heads[p, 1], _ = ring_tx(rings[p], rings32[p], tx_base[p], RING_FRAME,
+                                           nframes[p], heads[p, 1], buf, tx_rows[p], lengths, c)
+            tx_done[p] = done
+            lost += c - done
+    return lost
+
+
+@njit(cache=True)
 def ring_tx_pending(ring32, base, frame_size, nframes, head, count):
     """How many of the ``count`` slots before ``head`` still wait for a ``send()``."""
     pending = 0
@@ -482,8 +530,9 @@ class RingPort:
         self.fd = self.sock.fileno()
         self.ring = np.frombuffer(self.mm, dtype=np.uint8)
         self.ring32 = self.ring.view("<u4")
-        self.rx_head = 0
-        self.tx_head = 0
+        #: [next RX slot, next TX slot]; an engine serving several ports in one Numba call
+        #: replaces this by a row of its own (P, 2) array (see :func:`rings_rx`)
+        self.heads = np.zeros(2, np.int64)
         #: filled TX slots still wait for a send() (the send buffer was full at the last kick)
         self.tx_pending = False
         self._tx_errors = 0
@@ -519,8 +568,8 @@ class RingPort:
             return 0
         if first_row < 0 or first_row + max_count > self.buf.shape[0]:
             raise ValueError(f"rows {first_row}..{first_row + max_count} outside the buffer")
-        got, self.rx_head = ring_rx(self.ring, self.ring32, self.frame_size, self.rx_frames,
-                                    self.rx_head, self.buf, first_row, max_count, lengths)
+        got, self.heads[0] = ring_rx(self.ring, self.ring32, self.frame_size, self.rx_frames,
+                                     self.heads[0], self.buf, first_row, max_count, lengths)
         return got
 
     def send_rows(self, rows: np.ndarray, lengths: np.ndarray) -> int:
@@ -534,9 +583,9 @@ class RingPort:
         count = len(rows)
         if count == 0:
             return 0
-        done, self.tx_head, _ = ring_tx(self.ring, self.ring32, self.tx_base, self.frame_size,
-                                        self.tx_frames, self.tx_head, self.buf, rows, lengths,
-                                        count)
+        done, self.heads[1], _ = ring_tx(self.ring, self.ring32, self.tx_base, self.frame_size,
+                                         self.tx_frames, self.heads[1], self.buf, rows, lengths,
+                                         count)
         self._tx_errors += count - done
         if done:
             self.kick(done)
@@ -560,7 +609,7 @@ class RingPort:
                 if err not in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
                     raise OSError(err, f"send on {self.ifname}: {os.strerror(err)}")
             if not filled or not ring_tx_pending(self.ring32, self.tx_base, self.frame_size,
-                                                 self.tx_frames, self.tx_head, filled):
+                                                 self.tx_frames, self.heads[1], filled):
                 return
         self.tx_pending = True  # the engine kicks again on its next round
 
@@ -573,8 +622,8 @@ class RingPort:
         if self._mmsg is not None:
             self.sock.send(frame)
             return
-        done, self.tx_head, _ = ring_tx(self.ring, self.ring32, self.tx_base, self.frame_size,
-                                        self.tx_frames, self.tx_head, self._one, self._row0,
+        done, self.heads[1], _ = ring_tx(self.ring, self.ring32, self.tx_base, self.frame_size,
+                                         self.tx_frames, self.heads[1], self._one, self._row0,
                                         self._one_len, 1)
         if done:
             self.kick(1)
