@@ -202,3 +202,20 @@ def test_ring_ports_move_real_frames_exactly(tx_frames):
             for p in ports:
                 p.close()
             subprocess.run(["ip", "link", "del", "tbio0"], check=False)
+
+
+def test_coalescing_wait_adapts_to_the_engines_cpu_between_its_bounds():
+    """The wait doubles while the engine is busy, up to its ceiling, and halves back to the
+    configured one once it is mostly idle; in between it stays."""
+    from testbed.datapath.engine import COALESCE_MAX_FACTOR, adapt_hold
+
+    base = 50e-6
+    hold = base
+    for _ in range(5):
+        hold = adapt_hold(hold, 0.9, base)
+    assert hold == pytest.approx(base * COALESCE_MAX_FACTOR)
+    assert adapt_hold(hold, 0.4, base) == hold
+    for _ in range(5):
+        hold = adapt_hold(hold, 0.1, base)
+    assert hold == pytest.approx(base)
+    assert adapt_hold(0.0, 0.9, 0.0) == 0.0  # coalescing off stays off

@@ -55,10 +55,26 @@ N_REASONS = 32
 DEFAULT_RX_BURST = 256
 DEFAULT_COALESCE_US = 50.0
 DEFAULT_IO = "ring"
+#: adaptive coalescing (see Engine): longest wait as a multiple of coalesce_us, and the CPU
+#: fractions of a window above which the wait grows and below which it shrinks
+COALESCE_MAX_FACTOR = 4
+COALESCE_BUSY = 0.5
+COALESCE_IDLE = 0.25
 #: ring slots per port (x 2 KiB each): RX absorbs this many frames while the engine waits for
 #: a CPU (4 ms at 500 kpps); TX holds a burst plus what a shaped port's qdisc still queues
 RX_RING_FRAMES = 2048
 TX_RING_FRAMES = 1024
+
+
+def adapt_hold(hold_s: float, cpu_frac: float, base_s: float) -> float:
+    """The coalescing wait for the next CPU window: doubled (up to ``COALESCE_MAX_FACTOR`` x
+    ``base_s``) after a window in which the engine used more than ``COALESCE_BUSY`` of a CPU,
+    halved (down to ``base_s``) after one below ``COALESCE_IDLE``, else unchanged."""
+    if cpu_frac > COALESCE_BUSY:
+        return min(hold_s * 2, base_s * COALESCE_MAX_FACTOR)
+    if cpu_frac < COALESCE_IDLE:
+        return max(hold_s / 2, base_s)
+    return hold_s
 
 
 def make_stage(name: str, settings: dict, ports: list[str]) -> Stage:
@@ -160,10 +176,15 @@ class Engine:
         # Interrupt coalescing (like NAPI): after a burst that was mostly empty, wait this long
         # before the next receive so that the per-burst Python cost is shared by more packets.
         # At tens of kpps it cuts the engine's CPU several-fold for a few tens of microseconds
-        # of added latency; full bursts (saturation) never wait. 0 disables it.
+        # of added latency; full bursts (saturation) never wait. 0 disables it. Adaptive (like
+        # a NIC's adaptive interrupt moderation): while the engine keeps a CPU more than half
+        # busy the wait doubles, up to COALESCE_MAX_FACTOR times this, and it comes back down
+        # once the engine is mostly idle again; so latency is only traded for CPU when CPU is
+        # what the emulation is short of.
         self.coalesce_us = float(config.get("coalesce_us", DEFAULT_COALESCE_US))
         if not 0 <= self.coalesce_us <= 10_000:
             raise ValueError(f"config: coalesce_us must be 0..10000, got {self.coalesce_us}")
+        self.hold_s = self.coalesce_us * 1e-6  # the wait now (adapted every CPU window)
         # Packet I/O: PACKET_MMAP rings ("ring", no system call to receive, one per port and
         # burst to send) or recvmmsg/sendmmsg ("mmsg"); see testbed.datapath.io.
         self.io_kind = str(config.get("io", DEFAULT_IO))
@@ -402,8 +423,8 @@ class Engine:
             busy = got > 0
             if not busy and (self._deadline_due() or any(p.tx_pending for p in self.io)):
                 busy = True  # a held packet is due, or frames wait to be sent: go round
-            elif 0 < got < self.rx_burst // 8 and self.coalesce_us:
-                time.sleep(self.coalesce_us * 1e-6)
+            elif 0 < got < self.rx_burst // 8 and self.hold_s:
+                time.sleep(self.hold_s)
             self._sample_cpu()
 
     def _sample_cpu(self) -> None:
@@ -414,6 +435,7 @@ class Engine:
             frac = (cpu - cpu0) / (now - wall0)
             self._cpu_win = (now, cpu, frac)
             self.cpu_max = max(self.cpu_max, frac)
+            self.hold_s = adapt_hold(self.hold_s, frac, self.coalesce_us * 1e-6)
 
     # --- control -----------------------------------------------------------------------------
     def stage(self, name: str) -> Stage:
@@ -489,6 +511,8 @@ class Engine:
             "cpu": round(self._cpu_win[2], 3),  # CPU fraction over the last ~0.5 s
             "cpu_max": round(self.cpu_max, 3),  # >= 0.9: the engine was CPU-bound
             "cpu_avg": round(cpu_s / wall, 3) if wall > 0 else 0.0,
+            "coalesce_us": round(self.hold_s * 1e6, 1),  # the adaptive wait now
+            "io": self.io_kind,
         }
 
 
