@@ -128,7 +128,11 @@ def route_to_rings(n, out_port, in_port, length, reason, n_ports, flood_mask, tx
                    rx_pk, rx_by, tx_pk, tx_by, drops, rings, rings32, heads, tx_base, nframes,
                    buf, tx_done):
     """:func:`tally_and_route`, then every port's rows into its TX ring
-    (:func:`testbed.datapath.io.rings_tx`): one call per burst. Returns the frames lost."""
+    (:func:`testbed.datapath.io.rings_tx`): one call per burst. Returns the frames lost.
+
+    Numba's on-disk cache of this function is keyed on this file alone: after a change to
+    ``io.rings_tx``/``io.ring_tx`` only, the cached machine code still holds the old ones
+    (delete ``testbed/datapath/__pycache__/engine.*.nb[ic]`` or touch this file)."""
     tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows,
                     tx_count, rx_pk, rx_by, tx_pk, tx_by, drops)
     return rings_tx(rings, rings32, heads, tx_base, nframes, buf, tx_rows, tx_count, length,

@@ -15,6 +15,7 @@ from testbed.datapath.io import (
     TP_STATUS_SEND_REQUEST,
     TP_STATUS_USER,
     TX_DATA_OFFSET,
+    VNET_HDR_LEN,
 )
 
 
@@ -37,9 +38,10 @@ def ring_rx(ring: bytearray, frame_size: int, nframes: int, head: int, max_count
 
 def ring_tx(ring: bytearray, base: int, frame_size: int, nframes: int, head: int,
             frames: list[bytes]) -> tuple[int, int, int]:
-    """Put ``frames`` into free TX slots from ``head`` on, marked for sending; stop at the first
-    slot not free. Returns (frames placed, next head, frames refused: empty or too long)."""
-    room = frame_size - TX_DATA_OFFSET
+    """Put ``frames`` into free TX slots from ``head`` on (each behind a virtio_net_hdr that
+    asks for no offload), marked for sending; stop at the first slot not free. Returns
+    (frames placed, next head, frames refused: empty or too long)."""
+    room = frame_size - TX_DATA_OFFSET - VNET_HDR_LEN
     h = head
     done = refused = 0
     for f in frames:
@@ -49,8 +51,11 @@ def ring_tx(ring: bytearray, base: int, frame_size: int, nframes: int, head: int
         if not 0 < len(f) <= room:
             refused += 1
             continue
-        ring[off + TX_DATA_OFFSET: off + TX_DATA_OFFSET + len(f)] = f
-        struct.pack_into("<II", ring, off, TP_STATUS_SEND_REQUEST, len(f))
+        # virtio_net_hdr: flags, gso_type, hdr_len = the whole frame, gso_size, csum start/off
+        struct.pack_into("<BBHHHH", ring, off + TX_DATA_OFFSET, 0, 0, len(f), 0, 0, 0)
+        data = off + TX_DATA_OFFSET + VNET_HDR_LEN
+        ring[data: data + len(f)] = f
+        struct.pack_into("<II", ring, off, TP_STATUS_SEND_REQUEST, VNET_HDR_LEN + len(f))
         done += 1
         h = (h + 1) % nframes
     return done, h, refused
