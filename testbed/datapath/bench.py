@@ -3,7 +3,8 @@
 * :func:`build_ring` - frames a generator cycles through: UDP frames to the discard port, or
   aggregation contributions of ``N_AGG_WORKERS`` workers in protocol order;
 * :func:`gen` - a batched sender of a pre-built ring of frames (through a PACKET_MMAP TX ring,
-  or ``sendmmsg``), at full speed or paced; :func:`sink` - counts (and optionally saves) the matching frames arriving;
+  or ``sendmmsg``), at full speed or paced; :func:`sink` - counts (and optionally saves) the
+  matching frames arriving;
 * :func:`naive_forwarder` - a per-packet Python AF_PACKET forwarder (the benchmark's floor);
 * :func:`save_frames` / :func:`load_frames` - frame files (npz) to compare what was sent with
   what arrived.
