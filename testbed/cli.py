@@ -315,6 +315,23 @@ def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
                           time_dilation=_dilation(time_dilation)))
 
 
+@bench_app.command("capacity")
+def bench_capacity(json_out: bool = typer.Option(False, "--json"),
+                   workers: str = typer.Option("2,4,8,16", help="host counts of the sweep"),
+                   io: str = typer.Option("ring", help="engine packet I/O: ring or mmsg"),
+                   mib: int = typer.Option(8, help="allreduce size (MiB)"),
+                   bw: float = typer.Option(100.0, help="link rate (Mb/s)")) -> None:
+    """INA and ring on stars: most workers without CPU saturation, CPU per packet."""
+    from testbed.experiment.capacity import main
+
+    try:
+        ns = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError:
+        msg = f"--workers takes comma-separated integers, got {workers!r}"
+        raise typer.BadParameter(msg) from None
+    raise typer.Exit(main(json_out=json_out, workers=ns, io=io, nbytes=mib << 20, bw_mbps=bw))
+
+
 @bench_app.command("all")
 def bench_all(json_out: bool = typer.Option(False, "--json"),
               out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:

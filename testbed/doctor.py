@@ -39,6 +39,11 @@ CHECKS: tuple[tuple[str, bool, str], ...] = (
                         "datapath (datapath_type=netdev), the benchmark's anchor"),
     ("ovs-userspace", False, "no Open vSwitch binaries: the data-path benchmark skips its OVS "
                              "anchor"),
+    ("packet-mmap", False, "no PACKET_MMAP rings: the data-path engine and the load generator "
+                           "fall back to recvmmsg/sendmmsg (more CPU per packet)"),
+    ("af-xdp", False, "no AF_XDP sockets (informational: the engine uses PACKET_MMAP rings)"),
+    ("pktgen", False, "no kernel pktgen (/proc/net/pktgen): the data-path benchmark's load comes "
+                      "from its user-space generator on a PACKET_MMAP TX ring"),
     ("mnexec", True, "Mininet (mnexec + the mininet package) is what builds the networks"),
     ("numba", True, "the data path and the kernels are Numba-compiled"),
     ("scapy", False, "packet tests and crafting are unavailable"),
@@ -51,7 +56,8 @@ CHECKS: tuple[tuple[str, bool, str], ...] = (
 )
 REQUIRED = {name for name, req, _ in CHECKS if req}
 _MEANING = {name: meaning for name, _, meaning in CHECKS}
-ROOT_ONLY = ("netns", "veth", "bridge", "htb", "tbf", "netem", "ifb", "ovs-kmod", "mnexec")
+ROOT_ONLY = ("netns", "veth", "bridge", "htb", "tbf", "netem", "ifb", "ovs-kmod", "mnexec",
+             "packet-mmap", "af-xdp")
 
 NOT_ROOT_HELP = (
     "The testbed needs root: it builds network namespaces, links and qdiscs. Run "
@@ -223,6 +229,23 @@ def _check_ovs_userspace() -> dict:
                   "--system-id=random); use datapath_type=netdev without the kernel module")
 
 
+def _check_packet_io() -> list[dict]:
+    """PACKET_MMAP rings (what the engine uses) and AF_XDP sockets (whether they exist)."""
+    from testbed.datapath.io import probe_af_xdp, probe_rings  # numba: only when probing
+
+    out = []
+    for name, probe in (("packet-mmap", probe_rings), ("af-xdp", probe_af_xdp)):
+        ok, detail = probe()
+        out.append(_check(name, "ok", detail) if ok else _missing(name, detail))
+    return out
+
+
+def _check_pktgen() -> dict:
+    if os.path.exists("/proc/net/pktgen/pgctrl"):
+        return _check("pktgen", "ok", "kernel pktgen present (/proc/net/pktgen/pgctrl)")
+    return _missing("pktgen", "module pktgen not loaded or not built")
+
+
 def _check_memory() -> dict:
     info = {}
     with open("/proc/meminfo") as f:
@@ -256,10 +279,12 @@ def run_checks() -> list[dict]:
     if root:
         results.update({c["name"]: c for c in _probe_kernel()})
         results["mnexec"] = _check_mnexec()
+        results.update({c["name"]: c for c in _check_packet_io()})
     for name in ROOT_ONLY:
         results.setdefault(name, _missing(name, "not probed: no network namespace") if root
                            else _check(name, "skipped", "needs root to probe"))
     results["ovs-userspace"] = _check_ovs_userspace()
+    results["pktgen"] = _check_pktgen()
     results["numba"] = _check_numba()
     results["scapy"] = _check_module("scapy", "scapy")
     for tool, version_args in (("iperf3", ["--version"]), ("ethtool", ["--version"]),

@@ -38,7 +38,7 @@ def test_bench_rows_against_anchors_same_run():
     programs = {r["program"] for r in rows}
     assert programs == {"forward", "aggregate"}
     anchors = {r["anchor"] for r in rows}
-    assert {"linux-bridge", "python-naive"} <= anchors
+    assert {"linux-bridge", "python-naive", "engine-mmsg"} <= anchors
     assert "ovs-userspace" in anchors or "skipped" in str(notes.get("ovs-userspace"))
     for r in rows:
         assert set(r) == {"program", "packet_bytes", "kpps", "gbps", "anchor", "anchor_kpps",
@@ -46,6 +46,15 @@ def test_bench_rows_against_anchors_same_run():
         assert r["packet_bytes"] == HEADER_OFFSET + 28 + 64
         assert r["kpps"] > 0 and r["anchor_kpps"] > 0
         assert r["ratio"] == pytest.approx(r["kpps"] / r["anchor_kpps"], rel=0.01)
+    size = HEADER_OFFSET + 28 + 64
+    for v in ("forward", "engine-mmsg"):  # what the generator offered, what the engine cost
+        n = notes[f"{v}/{size}B"]
+        assert n["offered_kpps"] > 0 and n["engine_us_per_pkt"] > 0 and n["gen_us_per_pkt"] > 0
+    # aggregate: the rate is a trial that lost nothing (every contribution came back)
+    agg = notes[f"aggregate/{size}B"]["trials"]
+    best = max((t for t in agg if t["ok"]), key=lambda t: t["sent_kpps"])
+    assert best["results"] >= best["contributions"] > 0
+    assert next(r["kpps"] for r in rows if r["program"] == "aggregate") == best["sent_kpps"]
 
 
 def test_cli_wiring():

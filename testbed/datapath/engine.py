@@ -28,6 +28,7 @@ keyword arguments, plus ``ports=[names]`` if its ``__init__`` accepts ``ports`` 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -46,12 +47,34 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
+from testbed.datapath.io import RingPort, disable_offloads, open_port, rings_rx, rings_tx
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
 
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
 DEFAULT_COALESCE_US = 50.0
+DEFAULT_IO = "ring"
+#: adaptive coalescing (see Engine): longest wait as a multiple of coalesce_us, and the CPU
+#: fractions of a window above which the wait grows and below which it shrinks
+COALESCE_MAX_FACTOR = 4
+COALESCE_BUSY = 0.5
+COALESCE_IDLE = 0.25
+#: ring slots per port (x 2 KiB each): RX absorbs this many frames while the engine waits for
+#: a CPU (4 ms at 500 kpps); TX holds a burst plus what a shaped port's qdisc still queues
+RX_RING_FRAMES = 2048
+TX_RING_FRAMES = 1024
+
+
+def adapt_hold(hold_s: float, cpu_frac: float, base_s: float) -> float:
+    """The coalescing wait for the next CPU window: doubled (up to ``COALESCE_MAX_FACTOR`` x
+    ``base_s``) after a window in which the engine used more than ``COALESCE_BUSY`` of a CPU,
+    halved (down to ``base_s``) after one below ``COALESCE_IDLE``, else unchanged."""
+    if cpu_frac > COALESCE_BUSY:
+        return min(hold_s * 2, base_s * COALESCE_MAX_FACTOR)
+    if cpu_frac < COALESCE_IDLE:
+        return max(hold_s / 2, base_s)
+    return hold_s
 
 
 def make_stage(name: str, settings: dict, ports: list[str]) -> Stage:
@@ -100,6 +123,22 @@ def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, t
             drops[n_ports if ip_ < 0 else ip_, DropReason.NO_ROUTE] += 1
 
 
+@njit(cache=True)
+def route_to_rings(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows, tx_count,
+                   rx_pk, rx_by, tx_pk, tx_by, drops, rings, rings32, heads, tx_base, nframes,
+                   buf, tx_done):
+    """:func:`tally_and_route`, then every port's rows into its TX ring
+    (:func:`testbed.datapath.io.rings_tx`): one call per burst. Returns the frames lost.
+
+    Numba's on-disk cache of this function is keyed on this file alone: after a change to
+    ``io.rings_tx``/``io.ring_tx`` only, the cached machine code still holds the old ones
+    (delete ``testbed/datapath/__pycache__/engine.*.nb[ic]`` or touch this file)."""
+    tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows,
+                    tx_count, rx_pk, rx_by, tx_pk, tx_by, drops)
+    return rings_tx(rings, rings32, heads, tx_base, nframes, buf, tx_rows, tx_count, length,
+                    tx_done)
+
+
 def tally_reference(out_port: np.ndarray, in_port: np.ndarray, length: np.ndarray,
                     reason: np.ndarray, n_ports: int, flood_mask: np.ndarray) -> dict:
     """Numpy twin of :func:`tally_and_route` (vectorised; returns fresh arrays)."""
@@ -141,10 +180,28 @@ class Engine:
         # Interrupt coalescing (like NAPI): after a burst that was mostly empty, wait this long
         # before the next receive so that the per-burst Python cost is shared by more packets.
         # At tens of kpps it cuts the engine's CPU several-fold for a few tens of microseconds
-        # of added latency; full bursts (saturation) never wait. 0 disables it.
+        # of added latency; full bursts (saturation) never wait. 0 disables it. Adaptive (like
+        # a NIC's adaptive interrupt moderation): while the engine keeps a CPU more than half
+        # busy the wait doubles, up to COALESCE_MAX_FACTOR times this, and it comes back down
+        # once the engine is mostly idle again; so latency is only traded for CPU when CPU is
+        # what the emulation is short of.
         self.coalesce_us = float(config.get("coalesce_us", DEFAULT_COALESCE_US))
         if not 0 <= self.coalesce_us <= 10_000:
             raise ValueError(f"config: coalesce_us must be 0..10000, got {self.coalesce_us}")
+        self.hold_s = self.coalesce_us * 1e-6  # the wait now (adapted every CPU window)
+        # Packet I/O: PACKET_MMAP rings ("ring", no system call to receive, one per port and
+        # burst to send) or recvmmsg/sendmmsg ("mmsg"); see testbed.datapath.io.
+        self.io_kind = str(config.get("io", DEFAULT_IO))
+        if self.io_kind not in ("ring", "mmsg"):
+            raise ValueError(f"config: io must be 'ring' or 'mmsg', got {self.io_kind!r}")
+        self.ring_frames = {}
+        for key, default in (("rx_ring_frames", RX_RING_FRAMES), ("tx_ring_frames",
+                                                                  TX_RING_FRAMES)):
+            v = int(config.get(key, default))
+            if not (32 <= v <= 65536 or (v == 0 and key == "tx_ring_frames")):
+                raise ValueError(f"config: {key} must be 32..65536 (tx_ring_frames: or 0, "
+                                 f"to send with sendmmsg), got {v}")
+            self.ring_frames[key] = v
         flood = config.get("flood_ports")
         self.flood_mask = np.ones(len(self.ports), np.bool_)
         if flood is not None:
@@ -174,6 +231,7 @@ class Engine:
         self.stage_errors: dict[str, int] = {}
         self.running = False
         self.io = []
+        self._rings = None
         self.control = None
         self._t0 = time.monotonic()
         self._cpu0 = time.process_time()
@@ -191,19 +249,54 @@ class Engine:
 
     def open(self) -> None:
         """Open the ports (and the control socket last: its existence means 'ready')."""
-        from testbed.datapath.io import PacketPort, disable_offloads
-
         for name in self.ports:
             if self.disable_offloads:
                 disable_offloads(name)
-            self.io.append(PacketPort(name, self.batch.buf))
+            self.io.append(open_port(name, self.batch.buf, io=self.io_kind,
+                                     rx_frames=self.ring_frames["rx_ring_frames"],
+                                     tx_frames=self.ring_frames["tx_ring_frames"]))
+        self.kernel_drops = np.zeros(len(self.ports), np.int64)
+        self.tx_lost = np.zeros(len(self.ports), np.int64)
+        self._setup_rings()
         if self.control_path:
             from testbed.datapath.control import ControlServer
 
             self.control = ControlServer(self.control_path)
 
+    def _setup_rings(self) -> None:
+        """When every port has an RX and a TX ring, serve them all with one Numba call per
+        burst and direction (:func:`rings_rx`, :func:`route_to_rings`): the ports' ring heads
+        move into one (ports, 2) array those calls update."""
+        self._rings = None
+        if not self.io or not all(isinstance(p, RingPort) and p.rx_frames and p.tx_frames
+                                  for p in self.io):
+            return
+        n = len(self.io)
+        self._heads = np.zeros((n, 2), np.int64)
+        for p, port in enumerate(self.io):
+            self._heads[p] = port.heads
+            port.heads = self._heads[p]
+        self._rings = (tuple(p.ring for p in self.io), tuple(p.ring32 for p in self.io))
+        self._rx_nframes = np.array([p.rx_frames for p in self.io], np.int64)
+        self._tx_nframes = np.array([p.tx_frames for p in self.io], np.int64)
+        self._tx_base = np.array([p.tx_base for p in self.io], np.int64)
+        self._tx_done = np.zeros(n, np.int64)
+        self._rx_start = 0
+        b = self.batch
+        # compile (first time for this number of ports) or load the kernels now
+        rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length, b.in_port,
+                 b.out_port, b.reason, 0, 0)
+        self.tx_count[:] = 0
+        rings_tx(*self._rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
+                 self.tx_rows, self.tx_count, b.length, self._tx_done)
+        route_to_rings(0, b.out_port, b.in_port, b.length, b.reason, n, self.flood_mask,
+                       self.tx_rows, self.tx_count, self.rx_pk, self.rx_by, self.tx_pk,
+                       self.tx_by, self.drops, *self._rings, self._heads, self._tx_base,
+                       self._tx_nframes, b.buf, self._tx_done)
+
     def close(self) -> None:
         """Close ports and the control socket."""
+        self._rings = None  # the ports' mappings can only close once nothing refers to them
         for p in self.io:
             p.close()
         self.io = []
@@ -221,15 +314,21 @@ class Engine:
     def run_burst(self) -> int:
         """Receive one burst from all ports, run the stages, transmit; return frames received."""
         b = self.batch
-        b.reset()
-        for p, port in enumerate(self.io):
-            room = self.rx_burst - b.n
-            if room <= 0:
-                break
-            got = port.recv_burst(b.n, room, b.length)
-            if got:
-                b.in_port[b.n : b.n + got] = p
-                b.n += got
+        rings = self._rings
+        if rings is not None:
+            b.n = rings_rx(*rings, self._heads, self._rx_nframes, self._rx_start, b.buf,
+                           b.length, b.in_port, b.out_port, b.reason, b.n, self.rx_burst)
+            self._rx_start = (self._rx_start + 1) % len(self.io)
+        else:
+            b.reset()
+            for p, port in enumerate(self.io):
+                room = self.rx_burst - b.n
+                if room <= 0:
+                    break
+                got = port.recv_burst(b.n, room, b.length)
+                if got:
+                    b.in_port[b.n : b.n + got] = p
+                    b.n += got
         received = b.n
         now = time.monotonic_ns()
         for s in self.stages:
@@ -241,11 +340,26 @@ class Engine:
         if self.tracer.remaining:
             self.tracer.record(b, now)
         n = b.n
-        self._route(n)
-        for p, port in enumerate(self.io):
-            c = self.tx_count[p]
-            if c:
-                port.send_rows(self.tx_rows[p, :c], b.length)
+        if rings is not None:
+            done = self._tx_done
+            if route_to_rings(n, b.out_port, b.in_port, b.length, b.reason, len(self.ports),
+                              self.flood_mask, self.tx_rows, self.tx_count, self.rx_pk,
+                              self.rx_by, self.tx_pk, self.tx_by, self.drops, *rings,
+                              self._heads, self._tx_base, self._tx_nframes, b.buf, done):
+                self.tx_lost += self.tx_count - done
+            for p, port in enumerate(self.io):
+                if done[p]:
+                    port.kick(int(done[p]))
+                elif port.tx_pending:
+                    port.kick()
+        else:
+            self._route(n)
+            for p, port in enumerate(self.io):
+                c = self.tx_count[p]
+                if c:
+                    port.send_rows(self.tx_rows[p, :c], b.length)
+                elif port.tx_pending:
+                    port.kick()
         if received:
             self.bursts += 1
             if received > self.max_burst:
@@ -311,10 +425,10 @@ class Engine:
                             pass
             got = self.run_burst()
             busy = got > 0
-            if not busy and self._deadline_due():
-                busy = True  # a held packet is due: go round without sleeping
-            elif 0 < got < self.rx_burst // 8 and self.coalesce_us:
-                time.sleep(self.coalesce_us * 1e-6)
+            if not busy and (self._deadline_due() or any(p.tx_pending for p in self.io)):
+                busy = True  # a held packet is due, or frames wait to be sent: go round
+            elif 0 < got < self.rx_burst // 8 and self.hold_s:
+                time.sleep(self.hold_s)
             self._sample_cpu()
 
     def _sample_cpu(self) -> None:
@@ -325,6 +439,7 @@ class Engine:
             frac = (cpu - cpu0) / (now - wall0)
             self._cpu_win = (now, cpu, frac)
             self.cpu_max = max(self.cpu_max, frac)
+            self.hold_s = adapt_hold(self.hold_s, frac, self.coalesce_us * 1e-6)
 
     # --- control -----------------------------------------------------------------------------
     def stage(self, name: str) -> Stage:
@@ -369,11 +484,17 @@ class Engine:
         """Per-port rx/tx, drops by reason, stage counters and CPU figures."""
         names = {int(r): r.name for r in DropReason}
         ports = {}
+        for p, port in enumerate(self.io):  # the kernel's counter resets when read
+            self.kernel_drops[p] += port.stats()["drops"]
         for p, name in enumerate(self.ports):
             d = {names.get(r, str(r)): int(c) for r, c in enumerate(self.drops[p]) if c}
             ports[name] = {"rx_packets": int(self.rx_pk[p]), "rx_bytes": int(self.rx_by[p]),
                            "tx_packets": int(self.tx_pk[p]), "tx_bytes": int(self.tx_by[p]),
-                           "tx_errors": int(self.io[p].tx_errors) if self.io else 0,
+                           "tx_errors": int(self.io[p].tx_errors + self.tx_lost[p])
+                           if self.io else 0,
+                           # frames the kernel had no room for (full RX ring / socket buffer)
+                           "rx_kernel_drops": int(self.kernel_drops[p]) if self.io else 0,
+                           "io": self.io[p].io if self.io else None,
                            "drops": d}
         total = self.drops.sum(axis=0)
         gen = {names.get(r, str(r)): int(c) for r, c in enumerate(self.drops[-1]) if c}
@@ -394,6 +515,8 @@ class Engine:
             "cpu": round(self._cpu_win[2], 3),  # CPU fraction over the last ~0.5 s
             "cpu_max": round(self.cpu_max, 3),  # >= 0.9: the engine was CPU-bound
             "cpu_avg": round(cpu_s / wall, 3) if wall > 0 else 0.0,
+            "coalesce_us": round(self.hold_s * 1e6, 1),  # the adaptive wait now
+            "io": self.io_kind,
         }
 
 
@@ -421,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     eng.warm_up()
+    # Everything allocated so far (modules, Numba's dispatchers and types) is permanent: the
+    # cyclic GC no longer walks it, which otherwise costs a full collection's worth of CPU now
+    # and then in the packet loop.
+    gc.collect()
+    gc.freeze()
     try:
         eng.open()
         eng.serve()

@@ -17,7 +17,8 @@ node is reached through its control channel::
 
 Node options: ``programs`` (list of ``(name, settings)`` / dicts / names), ``agg_ip`` /
 ``agg_mac`` (copied into the ``aggregate`` program's settings), ``rx_burst``, ``flood_ports``,
-``ready_timeout`` (seconds to wait for the engine; the first start compiles kernels).
+``ready_timeout`` (seconds to wait for the engine; the first start compiles kernels), and the
+engine's I/O settings :data:`ENGINE_KEYS` (copied into its config as given).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient, sock
 from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
+#: engine settings a node passes through to its config (see ``testbed.datapath.engine``)
+ENGINE_KEYS = ("io", "rx_ring_frames", "tx_ring_frames", "coalesce_us")
 
 
 class ProgrammableSwitch(Switch):
@@ -57,6 +60,7 @@ class ProgrammableSwitch(Switch):
                 if agg_mac:
                     settings.setdefault("agg_mac", agg_mac)
         self.rx_burst = rx_burst
+        self.engine_settings = {k: params.pop(k) for k in ENGINE_KEYS if k in params}
         self.flood_ports = flood_ports
         self.ready_timeout = ready_timeout
         self.engine: subprocess.Popen | None = None
@@ -85,7 +89,8 @@ class ProgrammableSwitch(Switch):
         return {"node": self.name, "ports": self.port_names(),
                 "programs": [{"name": n, "settings": s} for n, s in self.programs],
                 "flood_ports": self.flood_ports, "rx_burst": self.rx_burst,
-                "control_socket": socket_path(self.name), "disable_offloads": False}
+                "control_socket": socket_path(self.name), "disable_offloads": False,
+                **self.engine_settings}
 
     def start(self, controllers) -> None:
         """Start the engine in this node's namespace and wait until it answers."""

@@ -1,0 +1,161 @@
+"""``testbed bench capacity [--json]``: how many workers one machine emulates faithfully.
+
+On a machine with few cores the emulator, not the emulated network, is the limit: past some
+number of workers every collective is CPU-bound (:mod:`testbed.collectives.cpumon` decides, from
+the kernel's accounting of the ranks' and the data-path engines' threads and of the cores).
+This benchmark finds that number for in-network aggregation and ring allreduce: for each ``n``
+of a sweep it builds a star of ``n`` hosts with ``bw_mbps`` links around one programmable switch
+(the engine forwards the ring's packets and aggregates INA's), runs each algorithm once and
+records
+
+* ``cpu_bound``: the run's verdict;
+* ``cpu_s_per_kpkt_engine``: CPU-seconds the switch's engine spent per thousand packets it
+  received (each one forwarded or answered), from the engine's own counters over the run;
+* ``cpu_s_per_kpkt_worker``: CPU-seconds of the ranks' threads per thousand packets their
+  interfaces sent or received (the hosts' kernel counters);
+* ``max_workers_not_cpu_bound``: per algorithm, the largest ``n`` of the sweep that ran, like
+  every smaller ``n``, without CPU saturation (0 when the smallest already saturated), the same
+  on every row of the algorithm.
+
+One JSON object per line with ``--json`` (keys :data:`ROW_KEYS`), otherwise a table. ``io``
+selects the engine's packet I/O (``ring``: PACKET_MMAP rings, the default; ``mmsg``:
+``recvmmsg``/``sendmmsg``), so the two can be compared on one machine. ``time_dilation`` is the
+hook for dilated runs; only 1 (no dilation) is available.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.report import render_table
+from testbed.experiment.fidelity import cpu_model
+from testbed.topologies import Star, TestbedNet
+
+MiB = 1 << 20
+ALGOS = ("ina", "ring")
+WORKERS = (2, 4, 8, 16)
+ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
+            "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound")
+EXTRA_KEYS = ("time_s", "model_s", "correct", "cpu_util", "cpu_wait", "cpu_engine", "cpu_max",
+              "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "cpu_model")
+HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
+           "time s", "model s", "correct", "cores", "wait", "engine")
+
+
+def iface_packets(host) -> int:
+    """Packets sent plus received by ``host``'s data interfaces (kernel counters)."""
+    total = 0
+    for line in host.cmd("cat /proc/net/dev").splitlines():
+        name, sep, rest = line.partition(":")
+        if not sep or name.strip() == "lo" or not rest.split()[0].isdigit():
+            continue
+        f = rest.split()
+        total += int(f[1]) + int(f[9])
+    return total
+
+
+def engine_totals(counters: dict) -> tuple[int, float]:
+    """(packets received on all ports, CPU-seconds) from an engine's counters."""
+    return (sum(p["rx_packets"] for p in counters["ports"].values()),
+            float(counters["cpu_seconds"]))
+
+
+def measure(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
+    """Run ``algo`` once on ``net`` (a star with its engine on ``tbs1``); one row (no
+    ``max_workers_not_cpu_bound`` yet)."""
+    hosts = net.hosts
+    n = len(hosts)
+    client = net.switch_client("tbs1")
+    pk0, cpu0 = engine_totals(client.counters())
+    if0 = sum(iface_packets(h) for h in hosts)
+    spec = CollectiveSpec(algo=algo, nbytes=nbytes, window=window, timeout_s=timeout_s)
+    r = run_collective(net, spec)[0]
+    pk1, cpu1 = engine_totals(client.counters())
+    worker_pkts = sum(iface_packets(h) for h in hosts) - if0
+    engine_pkts = pk1 - pk0
+    return {
+        "algo": algo, "n": n, "bw_mbps": r["bw_mbps"], "cpu_bound": r["cpu_bound"],
+        "cpu_s_per_kpkt_engine": round((cpu1 - cpu0) / (engine_pkts / 1e3), 5)
+        if engine_pkts else None,
+        "cpu_s_per_kpkt_worker": round(r["cpu_s"] / (worker_pkts / 1e3), 5)
+        if worker_pkts else None,
+        "max_workers_not_cpu_bound": None,
+        "time_s": round(r["time_s"], 4), "model_s": round(r["model_s"], 4),
+        "correct": r["correct"], "cpu_util": r["cpu_util"], "cpu_wait": r["cpu_wait"],
+        "cpu_engine": r["cpu_engine"], "cpu_max": r["cpu_max"],
+        "engine_kpkts": round(engine_pkts / 1e3, 1), "worker_kpkts": round(worker_pkts / 1e3, 1),
+        "bytes": nbytes,
+    }
+
+
+def max_not_bound(rows: list[dict]) -> int:
+    """Largest ``n`` that ran without CPU saturation, like every smaller ``n`` (0: none)."""
+    best = 0
+    for r in sorted(rows, key=lambda r: r["n"]):
+        if r["cpu_bound"] or r["cpu_bound"] is None:
+            break
+        best = r["n"]
+    return best
+
+
+def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
+        io: str = "ring", window: int = 64, timeout_s: float = 120.0,
+        time_dilation: float = 1.0, log=sys.stderr) -> list[dict]:
+    """The sweep (see the module docstring); rows in (algo, n) order."""
+    if time_dilation != 1:
+        raise ValueError(f"time_dilation={time_dilation!r}: the emulated network does not "
+                         "dilate time yet; use 1")
+    bad = [a for a in algos if a not in ALGOS]
+    if bad or not algos:
+        raise ValueError(f"algos must be among {ALGOS}, got {list(algos)}")
+    if not workers or any(int(n) < 2 for n in workers):
+        raise ValueError(f"workers must list host counts >= 2, got {list(workers)}")
+    if io not in ("ring", "mmsg"):
+        raise ValueError(f"io must be 'ring' or 'mmsg', got {io!r}")
+    cpu = cpu_model()
+    rows: list[dict] = []
+    for n in sorted({int(n) for n in workers}):
+        topo = Star(n, bw_mbps=bw_mbps, switch="programmable")
+        with TestbedNet(topo, engine_opts={"io": io}) as net:
+            for algo in algos:
+                try:
+                    row = measure(net, algo, nbytes, window, timeout_s)
+                except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end
+                    row = {"algo": algo, "n": n, "bw_mbps": bw_mbps, "cpu_bound": None,
+                           "cpu_s_per_kpkt_engine": None, "cpu_s_per_kpkt_worker": None,
+                           "max_workers_not_cpu_bound": None, "correct": False,
+                           "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
+                row.update(io=io, time_dilation=time_dilation, cpu_model=cpu)
+                rows.append(row)
+                print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
+                      f"{row['cpu_s_per_kpkt_engine']} s/kpkt, worker "
+                      f"{row['cpu_s_per_kpkt_worker']} s/kpkt, time {row.get('time_s')} s "
+                      f"(model {row.get('model_s')} s), correct={row['correct']}"
+                      + (f" ERROR {row['error']}" if "error" in row else ""), file=log)
+    for algo in algos:
+        mine = [r for r in rows if r["algo"] == algo]
+        best = max_not_bound(mine)
+        for r in mine:
+            r["max_workers_not_cpu_bound"] = best
+    rows.sort(key=lambda r: (algos.index(r["algo"]), r["n"]))
+    return rows
+
+
+def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int = 8 * MiB,
+         bw_mbps: float = 100.0) -> int:
+    """Entry point of ``testbed bench capacity``; 0 when every run completed correctly."""
+    t0 = time.monotonic()
+    rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps)
+    if json_out:
+        for r in rows:
+            print(json.dumps({k: r.get(k) for k in ROW_KEYS + EXTRA_KEYS}
+                             | ({"error": r["error"]} if "error" in r else {})), flush=True)
+    else:
+        render_table(rows, ROW_KEYS + ("time_s", "model_s", "correct", "cpu_util", "cpu_wait",
+                                       "cpu_engine"), headers=HEADERS,
+                     title=f"emulation capacity ({io} I/O, {cpu_model()})",
+                     notes=[f"# {time.monotonic() - t0:.0f} s in all"])
+    return 0 if rows and all(r.get("correct") for r in rows) else 1

@@ -1,0 +1,63 @@
+"""``testbed bench capacity``: the sweep's verdicts, its CPU-per-packet figures, its CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from testbed.experiment.capacity import ROW_KEYS, max_not_bound, run
+
+
+def test_max_workers_is_the_largest_n_before_the_first_saturated_run():
+    """Largest n not CPU-bound with every smaller n also not bound; 0 when the first is."""
+    def rows(*bound):
+        return [{"n": n, "cpu_bound": b} for n, b in zip((8, 2, 4, 16), bound, strict=True)]
+
+    assert max_not_bound(rows(False, False, False, False)) == 16
+    assert max_not_bound(rows(True, False, False, False)) == 4
+    assert max_not_bound(rows(False, False, True, False)) == 2  # 4 bound: 8 does not count
+    assert max_not_bound(rows(False, True, False, False)) == 0
+    assert max_not_bound(rows(False, False, None, False)) == 2  # a failed run counts as bound
+
+
+def test_bad_arguments_fail_before_building_anything():
+    with pytest.raises(ValueError, match="time_dilation"):
+        run(workers=(2,), time_dilation=2.0)
+    with pytest.raises(ValueError, match="algos"):
+        run(workers=(2,), algos=("hd",))
+    with pytest.raises(ValueError, match="workers"):
+        run(workers=(1,))
+    with pytest.raises(ValueError, match="io"):
+        run(workers=(2,), io="xdp")
+
+
+@pytest.mark.mininet
+def test_capacity_rows_measure_real_runs():
+    """A two-worker sweep: one correct row per algorithm with the issue's keys, CPU per
+    packet from packets the engine and the hosts really moved, and the verdict behind
+    ``max_workers_not_cpu_bound``."""
+    size = 256 << 10
+    rows = run(workers=(2,), nbytes=size, timeout_s=60)
+    assert [(r["algo"], r["n"]) for r in rows] == [("ina", 2), ("ring", 2)]
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r), r
+        assert r["correct"] is True and r["bw_mbps"] == pytest.approx(100, rel=0.05)
+        assert r["cpu_s_per_kpkt_engine"] > 0 and r["cpu_s_per_kpkt_worker"] > 0
+        assert r["max_workers_not_cpu_bound"] == (0 if r["cpu_bound"] else 2)
+        assert r["io"] == "ring" and r["time_dilation"] == 1.0
+    ina, ring = rows
+    # INA: each worker's 256 KiB arrives at the switch in 1 KiB chunks (plus the exponent
+    # round), and the results go back: at least 2 x 256 packets each way
+    assert ina["engine_kpkts"] >= 2 * size / 1024 / 1e3
+    assert ina["worker_kpkts"] >= 2 * 2 * size / 1024 / 1e3
+    # ring: each worker sends 2 (n-1)/n of the array in TCP segments of at most one MTU
+    assert ring["engine_kpkts"] >= 2 * size / 1500 / 1e3
+
+
+def test_cli_wiring():
+    """`testbed bench capacity --help` reaches our command (no Mininet or Numba import)."""
+    out = subprocess.run([sys.executable, "-m", "testbed.cli", "bench", "capacity", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--workers" in out.stdout and "--io" in out.stdout
