@@ -85,11 +85,13 @@ def demo(out: str = typer.Option(None, help=OUT_HELP)) -> None:
 def run(
     file: str = typer.Argument(..., help="experiment file (TOML or YAML)"),
     out: str = typer.Option(None, help=OUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help="print the summary rows as JSON lines "
+                                  "on stdout (tables and messages go to stderr)"),
 ) -> None:
     """Run an experiment file and write its results (exit: 0 ok, 1 failed runs, 2 bad file)."""
     from testbed.experiment.cli import run_file
 
-    raise typer.Exit(run_file(file, out))
+    raise typer.Exit(run_file(file, out, json_out=json_out))
 
 
 @app.command()

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from testbed.experiment import results
+from testbed.experiment import results, train
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -57,8 +57,9 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
     out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
     plan = [(pi, params, point, ji, job, size)
             for pi, (params, point) in enumerate(points)
-            for ji, job in enumerate(point.jobs)
-            for size in job.sizes()]
+            for ji, job, size in [(ji, job, size) for ji, job in enumerate(point.jobs)
+                                  for size in job.sizes()]
+            + [(ti, item, None) for ti, item in train.plan_items(point)]]
     meta: dict[str, Any] = {
         "name": exp.name,
         "description": exp.description,
@@ -132,6 +133,13 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     i = j
                     continue
                 for (pi, params, pt, ji, job, size) in group:
+                    if size is None:  # training: one job alone, or a trace of them
+                        _run_training(store, net, out, run_idx, pi, params, pt, ji, job)
+                        if exp.stop_on_error and store.rows[-1].get("status") != "ok":
+                            raise RunAborted(f"run {run_idx} failed: {store.rows[-1]['error']}")
+                        run_idx += 1
+                        advance(_train_text(store.rows[-1], params))
+                        continue
                     try:
                         rows = _run_one(net, pt, job, size, out, run_idx, xt)
                         for r in rows:
@@ -148,6 +156,41 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     run_idx += 1
                     advance(_run_text(store.rows[-1], params))
             i = j
+
+
+def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
+                  point: Experiment, index, item) -> None:
+    """One training run (``train.plan_items``): a summary row per job (errors recorded as
+    rows), the per-iteration rows in the iterations file."""
+    jobs = item if index is None else [item]
+    first = 0 if index is None else index
+    try:
+        results = train.run_item(net, point, index, item)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
+        err = _describe_error(e)
+        for k, job in enumerate(jobs):
+            store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
+        return
+    for k, (job, (summary, its)) in enumerate(zip(jobs, results, strict=True)):
+        row = _ok_row(run_idx, pi, params, point, first + k, job, summary["bytes"], summary)
+        if summary.get("error"):
+            row["status"], row["error"] = "error", summary["error"]
+        store.append(row)
+        train.append_iterations(out, {"run": run_idx, "point": pi, **params}, its)
+
+
+def _train_text(row: dict, params: dict) -> str:
+    sweep = " ".join(f"{k}={v}" for k, v in params.items())
+    if row.get("status") != "ok":
+        return f"{row.get('label')} {sweep}: FAILED {row.get('error')}"
+    tta = row.get("tta_s")
+    return (f"{row.get('label')} {sweep}: accuracy {row.get('final_accuracy'):.3f} after "
+            f"{row.get('iterations')} iterations, {row.get('jct_s'):.3g} s"
+            + (f" (target at {tta:.3g} s)" if tta is not None else ""))
 
 
 def _run_text(row: dict, params: dict) -> str:
@@ -191,7 +234,8 @@ def _ok_row(run_idx, pi, params, point, ji, job, size, report: dict) -> dict:
 
 def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
     row = _base_row(run_idx, pi, params, point, ji, job)
-    row.update({"op": job.op, "algo": job.algo, "bytes": size, "compressor": job.compressor,
+    row.update({"op": getattr(job, "op", "train"), "algo": job.algo, "bytes": size,
+                "compressor": job.compressor,
                 "error_feedback": job.error_feedback, "status": "error", "error": err})
     return row
 
