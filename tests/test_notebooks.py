@@ -19,6 +19,9 @@ CASES = {
                             "RATE_MBPS": 30}, 1),
     "04_compression": ({"NBYTES": 64 << 10, "N_HOSTS": 3, "COMPRESSORS": ["none", "fp16"],
                         "ERROR_FEEDBACK": [False, True]}, 1),
+    "06_training_over_the_fabric": ({"N_HOSTS": 3, "HIDDEN": 32, "ITERATIONS": 6,
+                                     "CONFIGS": ["ring", "ina"], "TRACE_ITERATIONS": 6,
+                                     "TRACE_STARTS": [0.0, 0.3]}, 3),
 }
 
 
