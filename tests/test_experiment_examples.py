@@ -32,7 +32,7 @@ def shrink(exp: Experiment) -> Experiment:
             data["sweep"][path] = values[:2]
     topo = data["topology"]
     for key in ("n_hosts", "n_senders"):
-        if topo.get(key):
+        if topo.get(key) and not data["training"]:  # training jobs name their hosts
             topo[key] = min(topo[key], 3)
     data["settle_s"] = min(data["settle_s"], 0.5)
     return parse_experiment(data, "shrunk example")

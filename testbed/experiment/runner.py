@@ -161,9 +161,11 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
 def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
                   point: Experiment, index, item) -> None:
     """One training run (``train.plan_items``): a summary row per job (errors recorded as
-    rows), the per-iteration rows in the iterations file."""
+    rows), the per-iteration rows in the iterations file. A job run alone also gets the data
+    path's counters (``dp_*``); a trace's jobs share the fabric, so its rows have none."""
     jobs = item if index is None else [item]
     first = 0 if index is None else index
+    before = _counters(net) if index is not None else None
     try:
         results = train.run_item(net, point, index, item)
     except (KeyboardInterrupt, SystemExit):
@@ -175,8 +177,10 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
         for k, job in enumerate(jobs):
             store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
         return
+    dp_cols = _counter_deltas(before, _counters(net), out, run_idx) if before else {}
     for k, (job, (summary, its)) in enumerate(zip(jobs, results, strict=True)):
-        row = _ok_row(run_idx, pi, params, point, first + k, job, summary["bytes"], summary)
+        row = _ok_row(run_idx, pi, params, point, first + k, job, summary["bytes"],
+                      {**summary, **dp_cols})
         if summary.get("error"):
             row["status"], row["error"] = "error", summary["error"]
         store.append(row)

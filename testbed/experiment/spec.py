@@ -299,12 +299,13 @@ class TrainJob(_Strict):
     stop_at_target: bool = Field(False, description="end the job at the target accuracy")
     compute_ms: float = Field(0.0, ge=0, description="emulated compute time per iteration")
     time_dilation: float = Field(1.0, ge=1, description="emulation slow-down factor")
-    algo: Literal["ring", "hd", "ina", "nic"] = "ring"
+    algo: Literal["ring", "hd", "ina", "nic", "trim"] = "ring"
     compressor: str | None = None
     compressor_params: dict[str, Any] = Field(default_factory=dict)
     error_feedback: bool = False
     options: dict[str, Any] = Field(default_factory=dict,
-                                    description="window, loss (INA), chunk_bytes (TCP)")
+                                    description="window, loss (INA), bits, idle_ms (trim), "
+                                                "chunk_bytes (TCP)")
     timeout_s: float = Field(30.0, gt=0)
     workers: int | None = Field(None, ge=2, description="default: every host of hosts / net")
     hosts: list[int] | None = Field(None, description="host indices (0-based) of the workers")
@@ -350,8 +351,8 @@ class TrainJob(_Strict):
                             seed=seed if self.seed is None else self.seed)
 
 
-#: CollectiveSpec settings a training job may set through ``options``.
-TRAIN_OPTIONS = ("window", "loss", "chunk_bytes")
+#: Communication settings a training job may set through ``options``.
+TRAIN_OPTIONS = ("window", "loss", "chunk_bytes", "bits", "idle_ms")
 
 
 class Experiment(_Strict):

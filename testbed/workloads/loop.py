@@ -41,7 +41,8 @@ class RankLog:
     """What one worker measured: per iteration the start ``t0``, end of the compute phase
     ``t1`` (= start of the allreduce), end of the allreduce ``t2``, end of the update ``t3``
     (monotonic seconds), its batch loss and the bytes its host sent during the allreduce;
-    per evaluation ``(iteration, accuracy, seconds)``; the final parameters' digest."""
+    per evaluation ``(iteration, accuracy, seconds)``; the final parameters' digest; its
+    communication's counters (filled in by the caller)."""
 
     t0: list[float] = field(default_factory=list)
     t1: list[float] = field(default_factory=list)
@@ -51,6 +52,8 @@ class RankLog:
     tx_bytes: list[int] = field(default_factory=list)
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     digest: str = ""
+    #: counters of the worker's communication (e.g. the trimmed exchange's packets)
+    comm_stats: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """Plain dict for the pool's control channel."""

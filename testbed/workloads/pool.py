@@ -36,9 +36,10 @@ import time
 
 import numpy as np
 
-from testbed.collectives import compress
+from testbed.collectives import compress, trimmed
 from testbed.collectives.cpumon import CpuMonitor, cpu_bound_reasons
 from testbed.collectives.report import check
+from testbed.collectives.trimmed import TrimmedGather
 from testbed.collectives.worker import (
     ControlLine,
     connect_rank,
@@ -112,10 +113,23 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
     its = check_iterations(spec)
     contribution = np.zeros(sh.p, np.float32) if cspec.compressor and cspec.algo == "ring" \
         else None
+    gather = None
+    if spec.algo == "trim":  # rank 0 writes the trimmed chunks' error bound into the slot
+        contribution = np.zeros(sh.p, np.float32) if rank == 0 else None
     try:
         enter_rank(job, rank)
         grad, out = sh.grad[rank], sh.out[rank]
-        run, close = connect_rank(job, cspec, rank, ctl, grad, out, contribution)
+        if spec.algo == "trim":
+            # incast of trimmable packets to rank 0, then the ring's broadcast of the sum
+            gather = TrimmedGather(job["ranks"], rank, spec.bits, spec.job_id, spec.seed,
+                                   spec.timeout_s, spec.idle_ms / 1000.0)
+            broadcast, close = connect_rank(job, cspec, rank, ctl, out, out)
+
+            def run(step: int) -> None:
+                gather.reduce(grad, out, step, contribution)
+                broadcast(step)
+        else:
+            run, close = connect_rank(job, cspec, rank, ctl, grad, out, contribution)
         probe = tx_counter(job["ranks"][rank].get("intf"))
         ctl.send({"type": "ready"})
         if ctl.recv()["type"] != "go":
@@ -133,6 +147,8 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
 
         log = train_worker(spec, data, rank, n, grad, out, run, tx_bytes=probe,
                            after_allreduce=keep)
+        if gather is not None:
+            log.comm_stats = dict(gather.stats)
         ctl.send({"type": "done", "log": log.to_json()})
         ctl.recv()  # exit: every worker has its last sum, sockets may close
         return 0
@@ -142,6 +158,8 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
     finally:
         if close is not None:
             close()
+        if gather is not None:
+            gather.close()
 
 
 def _collect(ctls: dict, children: dict, kind: str, wait_s: float | None, timeout_s: float,
@@ -208,7 +226,9 @@ def _checks(spec: TrainingSpec, sh: _Shared, n: int) -> list[dict]:
         if not sh.complete(c):
             continue  # the job stopped (target accuracy) before this iteration
         slot = sh.chk[c]
-        if cspec.compressor is not None and cspec.algo == "ina":
+        if spec.algo == "trim":
+            err, ok = _trim_check(slot["x"], slot["out"], slot["dec"][0])
+        elif cspec.compressor is not None and cspec.algo == "ina":
             from testbed.collectives.ina import thc_check  # numba: INA jobs only
 
             err, ok = thc_check(cspec, slot["x"], slot["out"], n, step=it)
@@ -219,6 +239,23 @@ def _checks(spec: TrainingSpec, sh: _Shared, n: int) -> list[dict]:
             err, ok = check(cspec, slot["x"], slot["out"], n)
         out.append({"iteration": it, "max_abs_err": float(err), "correct": bool(ok)})
     return out
+
+
+def _trim_check(inputs: list, outputs: list, trim_bound: np.ndarray) -> tuple[float, bool]:
+    """(max |output - sum|, every output within the trimmed chunks' bound plus float32
+    rounding: the decode and the n-way sum)."""
+    total = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+    mag = np.sum([np.abs(x.astype(np.float64)) for x in inputs], axis=0)
+    eps = float(np.finfo(np.float32).eps)
+    bound = trim_bound.astype(np.float64) * (1 + 4 * eps) + (len(inputs) + 1) * eps * mag
+    worst, ok = 0.0, True
+    for o in outputs:
+        err = np.abs(o.astype(np.float64) - total)
+        if not np.all(np.isfinite(err)):
+            return float("inf"), False
+        worst = max(worst, float(err.max(initial=0.0)))
+        ok = ok and bool(np.all(err <= bound + 1e-30))
+    return worst, ok
 
 
 def run_pool(job: dict) -> dict:
@@ -239,6 +276,8 @@ def run_pool(job: dict) -> dict:
         from testbed.collectives import ina  # numba: only INA jobs pay for it
 
         ina.warm_up()
+    if spec.algo == "trim":
+        trimmed.warm()
     job["_pool_pid"] = os.getpid()
     children: dict[int, int] = {}
     ctls: dict[int, ControlLine] = {}

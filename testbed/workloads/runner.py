@@ -203,6 +203,10 @@ class _Job:
             "end_s": (self.t_end - self.t_start + self.offset_s) / spec.time_dilation,
             "error": res.get("error"),
         })
+        stats = res["logs"][0].get("comm_stats", {}) if res.get("logs") else {}
+        if stats.get("packets"):  # the trimmed exchange, counted at rank 0
+            summary["trimmed_frac"] = stats["trimmed"] / stats["packets"]
+            summary["nacks"] = stats["nacks"]
         rows = [{**head, **r} for r in its]
         return TrainingResult(spec, summary, rows, res.get("error"))
 
@@ -218,7 +222,11 @@ def _context(spec: TrainingSpec, job: _Job) -> dict:
 
 
 def _model_s(net, cspec, hosts: list) -> float | None:
-    """The flow-level model's time of one gradient allreduce alone on the fabric."""
+    """The flow-level model's time of one gradient allreduce alone on the fabric (None for
+    the trimmed exchange: its incast depends on the trim stage's queue, see
+    ``flowmodel.incast_s``; not modelled here yet)."""
+    if cspec.op != "allreduce":
+        return None
     try:
         return flowmodel.predict(net.topo, cspec, workers=[h.name for h in hosts],
                                  hop_latency_s=net.hop_latency_s()).time_s

@@ -19,10 +19,13 @@ from testbed.collectives.spec import CollectiveSpec
 from testbed.workloads.data import DATASETS
 from testbed.workloads.models import ACTIVATIONS, MODELS, OPTIMIZERS, make_model
 
-#: Algorithms a training job can allreduce its gradients with: the reduction server's
-#: processes serve a fixed number of collectives, which a job that stops at a target
-#: accuracy does not know in advance.
-TRAIN_ALGOS = ("ring", "hd", "ina", "nic")
+#: Algorithms a training job can allreduce its gradients with: the collectives' ring, hd, ina
+#: and nic, and "trim": an incast of trimmable packets to rank 0 and a broadcast of the sum
+#: (``testbed.collectives.trimmed``). The reduction server's processes serve a fixed number of
+#: collectives, which a job that stops at a target accuracy does not know in advance.
+TRAIN_ALGOS = ("ring", "hd", "ina", "nic", "trim")
+#: Head bits per element of ``algo="trim"`` packets.
+TRIM_BITS = (1, 2, 4, 8)
 #: Sizes of the digits data set (sklearn's load_digits): features, classes, rows.
 DIGITS_SHAPE = (64, 10, 1797)
 
@@ -41,7 +44,8 @@ class TrainingSpec:
     one iteration (the real gradient computation runs; the iteration's compute phase is
     padded to this much, times ``time_dilation``). Communication: ``algo``
     (:data:`TRAIN_ALGOS`), ``compressor``/``compressor_params``/``error_feedback``,
-    ``window``/``loss`` (INA), ``chunk_bytes`` (TCP), ``timeout_s``. Placement: ``workers``
+    ``window``/``loss`` (INA), ``bits`` (head bits per element) and ``idle_ms`` (silence before
+    a NACK) of ``algo="trim"``, ``chunk_bytes`` (TCP), ``timeout_s``. Placement: ``workers``
     (count, default every host of ``hosts`` or of the net), ``hosts`` (host indices of the net,
     default the first ``workers``), ``start_s`` (seconds after the trace starts), ``job_id``
     (ports, switch partition). ``seed``: data split, initialisation, batches, compressors.
@@ -73,6 +77,8 @@ class TrainingSpec:
     error_feedback: bool = False
     window: int = 64
     loss: float = 0.0
+    bits: int = 1
+    idle_ms: float = 20.0
     chunk_bytes: int = 256 << 10
     timeout_s: float = 30.0
     workers: int | None = None
@@ -107,7 +113,12 @@ class TrainingSpec:
         return list(range(self.workers if self.workers else n_hosts))
 
     def collective(self) -> CollectiveSpec:
-        """The allreduce of one step's gradient."""
+        """The allreduce of one step's gradient; for ``algo="trim"`` the broadcast of the sum
+        that follows the incast."""
+        if self.algo == "trim":
+            return CollectiveSpec(op="broadcast", algo="ring", nbytes=4 * self.n_params(),
+                                  chunk_bytes=self.chunk_bytes, timeout_s=self.timeout_s,
+                                  seed=self.seed, job_id=self.job_id)
         return CollectiveSpec(op="allreduce", algo=self.algo, nbytes=4 * self.n_params(),
                               compressor=self.compressor,
                               compressor_params=dict(self.compressor_params),
@@ -141,6 +152,16 @@ class TrainingSpec:
         _num(self, "compute_ms", 0.0, 3.6e6)
         _num(self, "time_dilation", 1.0, 1e4)
         _num(self, "start_s", 0.0, 86400.0)
+        if self.bits not in TRIM_BITS:
+            raise ValueError(f"TrainingSpec.bits={self.bits!r}: head bits per element must be "
+                             f"one of {TRIM_BITS}")
+        _num(self, "idle_ms", 0.1, 10_000.0)
+        if self.algo == "trim" and self.loss:
+            raise ValueError(f"TrainingSpec.loss={self.loss}: client-side loss is emulated for "
+                             "algo 'ina'/'nic'; impair the switch's ports for 'trim'")
+        if self.algo == "trim" and self.compressor is not None:
+            raise ValueError(f"TrainingSpec.compressor={self.compressor!r}: algo 'trim' encodes "
+                             "the gradient in the trimming layout; remove compressor")
         if self.target_accuracy is not None:
             _num(self, "target_accuracy", 0.0, 1.0, lo_open=True)
         elif self.stop_at_target:
