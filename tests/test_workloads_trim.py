@@ -11,8 +11,6 @@ from testbed.collectives.testing import leftovers
 from testbed.collectives.trimmed import chunk_elements, encode_frames
 from testbed.workloads import TrainingSpec, run_training
 
-pytestmark = pytest.mark.mininet
-
 
 def test_frames_cover_the_gradient_once():
     """Every element is in exactly one packet, the packets carry the iteration in ``seq``."""
@@ -28,6 +26,7 @@ def test_frames_cover_the_gradient_once():
     assert {(int(h["seq"]), int(h["worker_id"]), int(h["job_id"])) for h in heads} == {(7, 2, 5)}
 
 
+@pytest.mark.mininet
 def test_trimmed_training_job():
     from testbed.topologies import Star, TestbedNet
     from testbed.topologies.pipeline import DatapathOptions, Trimming
