@@ -13,7 +13,8 @@ namespace and every byte crosses the emulated links.
 * ``comm = "testbed"``: the same DDP model with :func:`testbed_hook` registered
   (``register_comm_hook``): each bucket's flat float32 buffer goes through the collective of
   ``algo`` (ring or hd over TCP, ina / nic through the aggregating switch, a compressor on the
-  ring or THC on INA), in-process, from inside the host; the hook returns the average, as
+  ring or THC on INA, trim: an incast of trimmable packets to rank 0 and the ring's broadcast
+  of the sum), in-process, from inside the host; the hook returns the average, as
   PyTorch's ``allreduce_hook`` does. DDP still needs a process group (it broadcasts the initial
   parameters over it), so gloo is set up in both modes; in this mode it carries no gradient.
   With ``verify``, the hook also allreduces a copy of each bucket with gloo and records the
@@ -37,17 +38,19 @@ import time
 
 import numpy as np
 
-from testbed.collectives import compress, hd, ring
+from testbed.collectives import compress, hd, ring, trimmed
 from testbed.collectives.ports import tcp_port
 from testbed.collectives.runner import RUN_DIR, offload_job
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, Comm
+from testbed.collectives.trimmed import TrimmedGather
 from testbed.workloads.data import BatchSampler, load_dataset
 from testbed.workloads.loop import digest
 
 #: TCP port of gloo's rendezvous on rank 0 (plus the job id): outside the collectives' range.
 GLOO_PORT = 29500
 COMMS = ("gloo", "testbed")
+ALGOS = ("ring", "hd", "ina", "nic", "trim")
 
 
 @dataclasses.dataclass
@@ -55,7 +58,8 @@ class TorchJob:
     """A DDP training job: a ``hidden``-unit MLP on digits, ``iterations`` SGD steps of
     ``batch_size`` per rank at ``lr``; ``comm`` "gloo" (baseline) or "testbed" (the hook
     with ``algo``, ``compressor``...); ``verify``: compare every hooked bucket with gloo's
-    allreduce; ``bucket_cap_mb``: DDP's bucket size (small values give several buckets)."""
+    allreduce; ``bucket_cap_mb``: DDP's bucket size (small values give several buckets);
+    ``bits``/``idle_ms``: head bits per element and silence before a NACK of ``algo="trim"``."""
 
     comm: str = "testbed"
     algo: str = "ring"
@@ -70,12 +74,18 @@ class TorchJob:
     eval_every: int = 25
     verify: bool = False
     bucket_cap_mb: float = 25.0
+    bits: int = 1
+    idle_ms: float = 20.0
     timeout_s: float = 60.0
     job_id: int = 1
     seed: int = 0
 
     def collective(self, nbytes: int = 4) -> CollectiveSpec:
-        """The testbed allreduce of one bucket of ``nbytes``."""
+        """The testbed allreduce of one bucket of ``nbytes`` (``algo="trim"``: the broadcast
+        of the sum that follows the incast)."""
+        if self.algo == "trim":
+            return CollectiveSpec(op="broadcast", algo="ring", nbytes=nbytes,
+                                  timeout_s=self.timeout_s, seed=self.seed, job_id=self.job_id)
         return CollectiveSpec(op="allreduce", algo=self.algo, nbytes=nbytes,
                               compressor=self.compressor,
                               compressor_params=dict(self.compressor_params),
@@ -86,8 +96,14 @@ class TorchJob:
         """``ValueError`` naming the first bad field."""
         if self.comm not in COMMS:
             raise ValueError(f"TorchJob.comm={self.comm!r} is not one of {COMMS}")
-        if self.algo not in ("ring", "hd", "ina", "nic"):
-            raise ValueError(f"TorchJob.algo={self.algo!r} is not one of ring, hd, ina, nic")
+        if self.algo not in ALGOS:
+            raise ValueError(f"TorchJob.algo={self.algo!r} is not one of {ALGOS}")
+        if self.algo == "trim" and self.compressor is not None:
+            raise ValueError(f"TorchJob.compressor={self.compressor!r}: algo 'trim' encodes the "
+                             "buckets in the trimming layout; remove compressor")
+        if self.algo == "trim" and self.bits not in trimmed.BITS:
+            raise ValueError(f"TorchJob.bits={self.bits!r}: head bits per element must be one "
+                             f"of {trimmed.BITS}")
         for name in ("iterations", "batch_size", "hidden", "eval_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -114,6 +130,8 @@ class TestbedComm:
         self.spec = tj.collective()
         self.comm = None
         self.client = None
+        self.gather = None
+        self.calls = 0
         self.memory: dict[tuple[int, int], tuple] = {}
         self.steps: dict[int, int] = {}
         me = job["ranks"][rank]
@@ -122,10 +140,14 @@ class TestbedComm:
 
             self.client = InaClient(job, self.spec, rank)
             return
+        if tj.algo == "trim":
+            trimmed.warm()
+            self.gather = TrimmedGather(job["ranks"], rank, tj.bits, tj.job_id, tj.seed,
+                                        tj.timeout_s, tj.idle_ms / 1000.0)
         names = [r["host"] for r in job["ranks"]]
         self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id)
         self.comm.listen(me["ip"])
-        peers = ring.ring_peers(rank, self.n) if tj.algo == "ring" else [
+        peers = ring.ring_peers(rank, self.n) if tj.algo in ("ring", "trim") else [
             p for p in range(self.n) if p != rank]
         addrs = {p: (r["ip"], tcp_port(tj.job_id, p, p)) for p, r in enumerate(job["ranks"])}
         self.comm.connect(peers, addrs)
@@ -135,8 +157,12 @@ class TestbedComm:
         and step counter)."""
         step = self.steps.get(index, 0)
         self.steps[index] = step + 1
+        self.calls += 1  # every rank hooks the buckets in the same order
         if self.client is not None:
             self.client.allreduce(x, out)
+        elif self.gather is not None:
+            self.gather.reduce(x, out, self.calls)  # the sum, at rank 0
+            ring.broadcast(self.comm, out, out, self.n, 64 << 10)
         elif self.tj.compressor is not None:
             key = (index, x.size)  # DDP may rebuild its buckets after the first step
             if key not in self.memory:
@@ -153,6 +179,8 @@ class TestbedComm:
             self.comm.close()
         if self.client is not None:
             self.client.close()
+        if self.gather is not None:
+            self.gather.close()
 
 
 @dataclasses.dataclass

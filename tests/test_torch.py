@@ -23,16 +23,20 @@ def star():
 
 def test_hooked_ddp_equals_gloo_ddp(star):
     """The same model and batches, trained by plain gloo DDP and by DDP whose buckets go
-    through the testbed's ring (verified against gloo's allreduce of every bucket) and INA:
+    through the testbed's ring (verified against gloo's allreduce of every bucket), INA and
+    the trimmed exchange:
     every bucket agrees with gloo within float tolerance, and the accuracies agree."""
     base = run_ddp(star, TorchJob(comm="gloo", iterations=40, eval_every=20))
     ring = run_ddp(star, TorchJob(comm="testbed", algo="ring", iterations=40, eval_every=20,
                                   verify=True, job_id=2))
     ina = run_ddp(star, TorchJob(comm="testbed", algo="ina", iterations=40, eval_every=20,
                                  verify=True, job_id=3))
-    for res in (base, ring, ina):
+    # no trim stage on this star: the trimmed exchange delivers every packet whole
+    trim = run_ddp(star, TorchJob(comm="testbed", algo="trim", iterations=40, eval_every=20,
+                                  verify=True, job_id=4))
+    for res in (base, ring, ina, trim):
         assert len({r["digest"] for r in res}) == 1  # DDP keeps the replicas identical
-    for res, rel in ((ring, 1e-6), (ina, 1e-6)):
+    for res, rel in ((ring, 1e-6), (ina, 1e-6), (trim, 1e-6)):
         for r in res:
             assert r["hook_calls"] >= 40 and r["max_rel_diff"] <= rel, r
             assert abs(r["final_accuracy"] - base[0]["final_accuracy"]) <= 0.01
@@ -46,3 +50,5 @@ def test_bad_torch_job_names_the_field(star):
         run_ddp(star, TorchJob(comm="nccl"))
     with pytest.raises(ValueError, match="TorchJob.compressor"):
         run_ddp(star, TorchJob(algo="ina", compressor="topk"))
+    with pytest.raises(ValueError, match="TorchJob.bits"):
+        run_ddp(star, TorchJob(algo="trim", bits=3))
