@@ -28,8 +28,24 @@ import numpy as np
 
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels.rng import stream_key
-from testbed.kernels.trimming import decode, encode, head_bytes_for, max_elements, trim
-from testbed.kernels.wire import HEADER_DTYPE, HEADER_LEN, MAGIC, Codec, Flags, MsgType, new_headers
+from testbed.kernels.trimming import (
+    decode,
+    encode,
+    head_bytes_for,
+    max_elements,
+    total_bytes_for,
+    trim,
+)
+from testbed.kernels.wire import (
+    HEADER_DTYPE,
+    HEADER_LEN,
+    MAGIC,
+    PAYLOAD_OFFSET,
+    Codec,
+    Flags,
+    MsgType,
+    new_headers,
+)
 
 #: UDP port of the testbed header: the data path recognises (and trims) frames sent to it.
 DATA_PORT = 41000
@@ -45,6 +61,14 @@ BITS = (1, 2, 4, 8)
 def chunk_elements(bits: int) -> int:
     """Elements per packet: what fits a 1400-byte payload in the layout, at most 256."""
     return min(max_elements(bits, 1400 - 28), 256)
+
+
+def frame_sizes(count: int, bits: int) -> tuple[int, int, int]:
+    """(packets, bytes of a full frame on the wire, bytes of a trimmed one) of a ``count``
+    element gradient: what the incast model needs."""
+    m = chunk_elements(bits)
+    return (-(-count // m), PAYLOAD_OFFSET + int(total_bytes_for(m, bits)),
+            PAYLOAD_OFFSET + int(head_bytes_for(m, bits)))
 
 
 def encode_frames(x: np.ndarray, rank: int, n: int, bits: int, seed: int, job_id: int,

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from testbed.collectives import flowmodel
+from testbed.collectives import flowmodel, trimmed
 from testbed.collectives.runner import (  # the collective runner's process handling
     RUN_DIR,
     _engine_pids,
@@ -186,7 +186,7 @@ class _Job:
         head = {"job": self.index, "label": spec.label(), "job_id": spec.job_id}
         its = iteration_rows(spec, res["logs"]) if res.get("logs") else []
         summary = {**head, **_context(spec, self), **summary_row(spec, its)}
-        summary["model_comm_s"] = _model_s(self.net, self.cspec, self.hosts)
+        summary["model_comm_s"] = _model_s(self.net, spec, self.cspec, self.hosts)
         cpu = res.get("cpu", {})
         checks = res.get("checks", [])
         summary.update({
@@ -221,17 +221,42 @@ def _context(spec: TrainingSpec, job: _Job) -> dict:
             "time_dilation": spec.time_dilation, "loss": spec.loss, "seed": spec.seed}
 
 
-def _model_s(net, cspec, hosts: list) -> float | None:
-    """The flow-level model's time of one gradient allreduce alone on the fabric (None for
-    the trimmed exchange: its incast depends on the trim stage's queue, see
-    ``flowmodel.incast_s``; not modelled here yet)."""
-    if cspec.op != "allreduce":
-        return None
+def _model_s(net, spec: TrainingSpec, cspec, hosts: list) -> float | None:
+    """The flow-level model's time of one gradient allreduce alone on the fabric; for the
+    trimmed exchange, the incast into rank 0's port (:func:`flowmodel.incast_s`, with that
+    port's trim stage when it has one) plus the broadcast. None where the model does not
+    apply (e.g. unshaped links)."""
     try:
-        return flowmodel.predict(net.topo, cspec, workers=[h.name for h in hosts],
-                                 hop_latency_s=net.hop_latency_s()).time_s
+        t = flowmodel.predict(net.topo, cspec, workers=[h.name for h in hosts],
+                              hop_latency_s=net.hop_latency_s()).time_s
+        if spec.algo != "trim" or t is None:
+            return t
+        inc = _incast_s(net, spec, [h.name for h in hosts])
+        return None if inc is None else inc + t
     except (ValueError, AttributeError, KeyError):
         return None  # the model does not apply (e.g. unshaped links): say so by a null
+
+
+def _incast_s(net, spec: TrainingSpec, hosts: list[str]) -> float | None:
+    """The model's time of the trimmed exchange's incast: every worker but rank 0 pushes its
+    frames into rank 0's switch port, which drains at its trim stage's rate (threshold, mode)
+    or, without one, at the link rate through the kernel's queue."""
+    link = next(s for s in net.topo.link_specs if hosts[0] in (s.a, s.b))
+    if link.bw_mbps is None:
+        return None
+    node, port = (link.b, link.port_b) if link.a == hosts[0] else (link.a, link.port_a)
+    stage = dict(net.programs_plan().get(node, [])).get("trim")
+    rate, threshold, mode = float(link.bw_mbps), 0.0, None
+    if stage is not None:
+        def at_port(v):
+            return v.get(f"{node}-eth{port}") if isinstance(v, dict) else v
+
+        rate = float(at_port(stage["rate_mbps"]) or rate)
+        threshold, mode = float(at_port(stage["threshold_bytes"])), stage["mode"]
+    frames, full, head = trimmed.frame_sizes(spec.n_params(), spec.bits)
+    return flowmodel.incast_s(senders=len(hosts) - 1, frames=frames, frame_bytes=full,
+                              trimmed_bytes=head, access_mbps=float(link.bw_mbps),
+                              port_mbps=rate, threshold_bytes=threshold, mode=mode).time_s
 
 
 def run_trace(net, specs: list[TrainingSpec], progress=None) -> list[TrainingResult]:
