@@ -104,11 +104,14 @@ def run(
     out: str = typer.Option(None, help=OUT_HELP),
     time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
                                       help=DILATION_HELP + " (default: the file's)"),
+    json_out: bool = typer.Option(False, "--json", help="print the summary rows as JSON lines "
+                                  "on stdout (tables and messages go to stderr)"),
 ) -> None:
     """Run an experiment file and write its results (exit: 0 ok, 1 failed runs, 2 bad file)."""
     from testbed.experiment.cli import run_file
 
-    raise typer.Exit(run_file(file, out, time_dilation=_dilation(time_dilation)))
+    raise typer.Exit(run_file(file, out, time_dilation=_dilation(time_dilation),
+                              json_out=json_out))
 
 
 @app.command()

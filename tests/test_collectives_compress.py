@@ -115,3 +115,52 @@ def test_compressed_allreduce_on_star_past_parallel_threshold():
     check_rows(rows, spec, 3, bw_mbps=1000)
     assert rows[0]["max_abs_err"] > 0  # fp16 is lossy against the raw sum
     assert not leftovers()
+
+
+# ------------------------------------------------ summable payloads reduced in their wire type
+
+
+def test_summable_compressors_reduce_scatter_the_others_allgather():
+    from testbed.collectives import compress
+    from testbed.kernels.compressors import COMPRESSORS, get_compressor
+
+    for name in COMPRESSORS:
+        kind = compress.scheme(name)
+        assert kind == ("reduce_scatter" if get_compressor(name).summable else "allgather"), name
+    assert compress.carrier_itemsize("thc", {}, 4) == 1  # 4 * 8 fits int8
+    assert compress.carrier_itemsize("thc", {"granularity": 64}, 8) == 2
+
+
+@pytest.mark.parametrize("name, params, ef, n", [
+    ("bf16", {}, False, 3),
+    ("thc", {}, True, 3),
+    ("thc", {"granularity": 254}, False, 2),  # the levels' sum needs int16 on the ring
+    ("randomk", {"ratio": 0.1}, True, 4),
+    ("none", {}, False, 3),
+])
+def test_summable_ring_allreduce_is_exact_against_its_contributions(tmp_path, name, params,
+                                                                    ef, n):
+    spec = CollectiveSpec(op="allreduce", algo="ring", nbytes=4 * 30_011, compressor=name,
+                          compressor_params=params, error_feedback=ef, timeout_s=30,
+                          repetitions=2, chunk_bytes=8 << 10)
+    r = _pool(tmp_path, spec, n)
+    assert r["error"] is None, r["error"]
+    assert all(rep["correct"] for rep in r["reps"]), r["reps"]
+
+
+def test_check_contributions_catches_a_wrong_sum():
+    import numpy as np
+
+    from testbed.collectives import compress
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    for name in ("fp16", "bf16", "thc", "topk"):
+        spec = CollectiveSpec(compressor=name, nbytes=4000)
+        replicas = [compress.make(spec) for _ in range(3)]
+        decs = compress.contributions(replicas, xs, step=0)
+        total = np.sum(decs, axis=0, dtype=np.float64).astype(np.float32)
+        assert compress.check_contributions(replicas[0][0], decs, xs, [total])[1], name
+        wrong = total.copy()
+        wrong[17] += 0.05 * max(1.0, abs(float(total[17])))
+        assert not compress.check_contributions(replicas[0][0], decs, xs, [wrong])[1], name

@@ -20,6 +20,9 @@ def shrink(exp: Experiment) -> Experiment:
     for job in data["jobs"]:
         job["nbytes"] = SMALL
         job["repetitions"] = 1
+    for job in data["training"]:  # a few iterations of a small model, starts 0.2 s apart
+        job.update(iterations=4, eval_every=2, hidden=min(job["hidden"], 32),
+                   start_s=min(job["start_s"], 0.2 * job["start_s"]))
     for path, values in list(data["sweep"].items()):
         if path.endswith("nbytes"):
             data["sweep"][path] = [SMALL]
@@ -29,7 +32,7 @@ def shrink(exp: Experiment) -> Experiment:
             data["sweep"][path] = values[:2]
     topo = data["topology"]
     for key in ("n_hosts", "n_senders"):
-        if topo.get(key):
+        if topo.get(key) and not data["training"]:  # training jobs name their hosts
             topo[key] = min(topo[key], 3)
     data["settle_s"] = min(data["settle_s"], 0.5)
     return parse_experiment(data, "shrunk example")
@@ -43,7 +46,7 @@ def test_example_runs_small(path, tmp_path):
     res = run(exp, out_dir=tmp_path / "res", progress=False, doctor=False)
     assert_all_ok(res)
     points = len(exp.points())
-    runs = sum(len(j.sizes()) for j in exp.jobs) * points
+    runs = (sum(len(j.sizes()) for j in exp.jobs) + len(exp.training)) * points
     assert len(res.df) == runs
     for col in exp.sweep:
         assert col in res.df.columns

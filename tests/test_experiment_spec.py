@@ -56,7 +56,8 @@ def test_several_problems_reported_together():
 
 
 def test_missing_jobs():
-    assert _problems({"name": "x"}) == ["jobs: required field is missing"]
+    assert _problems({"name": "x"}) == [
+        "(top level): give at least one job ([[jobs]]) or training job ([[training]])"]
 
 
 def test_sizes_with_units():

@@ -25,8 +25,10 @@ TEST_TOOLS = {
 }
 #: Declared lab dependencies: started as programs, never imported by the package.
 LAB_TOOLS = {"jupyterlab": "`testbed lab` runs jupyter-lab", "ipykernel": "notebook kernel"}
-#: Package modules loaded only by the program they plug into (which is then installed).
-PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"}}
+#: Package modules loaded only by the program they plug into (which is then installed), or
+#: that exist for an optional extra (which installs the distribution they import).
+PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
+           "torch": {"testbed/torch.py"}}
 
 
 def _norm(name: str) -> str:
@@ -86,6 +88,12 @@ def test_test_imports_are_declared_and_test_extras_used():
     assert not missing, f"imported by tests/ but declared nowhere: {missing}"
     idle = test - set(used) - set(TEST_TOOLS)
     assert not idle, f"[test] extras neither imported by tests/ nor a listed tool: {idle}"
+
+
+def test_optional_modules_import_what_their_extra_installs():
+    extras = PROJECT["optional-dependencies"]
+    for dist in set(PLUGINS) - {"pytest"}:
+        assert dist in _names(extras.get(dist, [])), f"no [{dist}] extra declares {dist}"
 
 
 def test_lab_extra_holds_the_notebook_stack_not_the_runtime():

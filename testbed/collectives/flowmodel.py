@@ -63,7 +63,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from testbed.collectives import hd
+from testbed.collectives import compress, hd
 from testbed.collectives import model as ab
 from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple
 from testbed.collectives.report import shard_bounds
@@ -311,13 +311,25 @@ class InaTree:
         return cls(plan.root, parent, max(chain(h) for h in workers))
 
 
-def _compressed_bytes(spec: CollectiveSpec) -> int:
-    """Bytes one worker's compressed payload puts on the wire (8 B length prefix + blob)."""
-    # Function-level import: the compressors load Numba, which plain runs do not need.
-    from testbed.kernels.compressors import get_compressor
-
-    comp = get_compressor(spec.compressor, **spec.compressor_params)
-    return int(comp.payload_bytes(spec.count)) + 8
+def _compressed_phases(spec: CollectiveSpec, workers: list[str]) -> list[Phase]:
+    """The compressed ring allreduce as ``compress.allreduce`` runs it (same
+    :func:`compress.wire_plan`): a summable payload reduce-scattered and allgathered in its
+    wire type (THC first agrees on a norm: n-1 steps of one 8-byte scalar), or every
+    worker's blob (8 B length prefix + payload) allgathered."""
+    n = len(workers)
+    kind, elems, itemsize = compress.wire_plan(spec.compressor, spec.compressor_params,
+                                               spec.count, n)
+    if kind == "allgather":
+        rk = _Ranks(workers, spec.job_id, 1)
+        return [Phase(f"ag step {k}", [rk.tcp(r, (r + 1) % n, elems) for r in range(n)])
+                for k in range(n - 1)]
+    out = []
+    if compress.RING_CARRIERS[spec.compressor] == "levels":
+        rk8 = _Ranks(workers, spec.job_id, 8)
+        out += [Phase(f"norm step {k}", [rk8.tcp(r, (r + 1) % n, 1) for r in range(n)])
+                for k in range(n - 1)]
+    return out + _ring_steps(_Ranks(workers, spec.job_id, itemsize), n, _sizes(elems, n),
+                             rs=True, ag=True)
 
 
 def _thc_wire(spec: CollectiveSpec, n: int) -> tuple[int, float, float, float, float]:
@@ -359,10 +371,8 @@ def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None =
             return [_ina_phase(workers, aggregator, spec.job_id, *_thc_wire(spec, n), nic=False)]
         return [_ina_phase(workers, aggregator, spec.job_id, -(-count // ab.INA_ELEMS),
                            spec.nbytes, spec.nbytes, INA_WIRE, INA_WIRE, nic=algo == "nic")]
-    if spec.compressor is not None:  # ring allgather of every worker's compressed payload
-        c = _compressed_bytes(spec) / spec.itemsize
-        return [Phase(f"ag step {k}", [rk.tcp(r, (r + 1) % n, c) for r in range(n)])
-                for k in range(n - 1)]
+    if spec.compressor is not None:  # compress.allreduce: reduce-scatter or allgather
+        return _compressed_phases(spec, workers)
     if algo == "rs":
         m = len(servers)
         if m < 1:

@@ -97,6 +97,21 @@ def rs_link_load(n: int, servers: int, colocated: bool) -> float:
     return max(1.0, n / m)
 
 
+def predict_compressed(scheme: str, n: int, payload_bytes: int, bw_bps: float, alpha_s: float,
+                       agree_rounds: int = 0) -> float:
+    """Predicted seconds of a compressed ring allreduce (``testbed.collectives.compress``):
+    ``scheme`` "reduce_scatter" (a summable payload of ``payload_bytes`` reduced in its wire
+    type: ``2(n-1)a + 2(n-1)/n P/B``, plus ``(n-1)a`` per agreement round of a scalar, THC's
+    norm) or "allgather" (every worker's ``payload_bytes`` blob around the ring:
+    ``(n-1)a + (n-1) P/B``)."""
+    if scheme == "reduce_scatter":
+        return (predict("allreduce", "ring", n, payload_bytes, bw_bps, alpha_s)
+                + agree_rounds * (n - 1) * alpha_s)
+    if scheme == "allgather":
+        return predict("allgather", "ring", n, n * payload_bytes, bw_bps, alpha_s)
+    raise ValueError(f"scheme={scheme!r} is not 'reduce_scatter' or 'allgather'")
+
+
 def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: float,
             servers: int = 1, colocated: bool = True, chunk_bytes: int = DEFAULT_CHUNK) -> float:
     """Predicted seconds of ``op`` with ``algo`` on ``n`` workers moving ``nbytes``.

@@ -21,10 +21,11 @@ def ring_peers(rank: int, n: int) -> list[int]:
 
 
 def _ring(comm: Comm, out: np.ndarray, n: int, chunk: int, tmp: np.ndarray, rs: bool,
-          ag: bool) -> None:
+          ag: bool, add=None) -> None:
     """Pipelined ring over ``out`` in place: reduce-scatter (``rs``: afterwards shard
     ``rank`` holds the sum) then allgather (``ag``: shard ``rank`` valid at entry of the
-    allgather, every shard at exit).
+    allgather, every shard at exit). ``add(acc, piece)`` combines a received piece into the
+    local one in place (default ``acc += piece`` in ``out``'s dtype).
 
     Step s of the reduce-scatter receives shard (rank-s-2) and step s+1 sends that same shard
     on, so each received piece is added and queued for the right neighbour at once: the ring
@@ -47,7 +48,10 @@ def _ring(comm: Comm, out: np.ndarray, n: int, chunk: int, tmp: np.ndarray, rs: 
             if reduce:
                 t = tmp[: z - a]
                 comm.recv(left, t)
-                out[a:z] += t
+                if add is None:
+                    out[a:z] += t
+                else:
+                    add(out[a:z], t)
             else:
                 comm.recv(left, out[a:z])
             if forward:
@@ -60,6 +64,14 @@ def allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) ->
     out[:] = x
     tmp = np.empty(min(chunk, out.size), dtype=out.dtype)
     _ring(comm, out, n, chunk, tmp, rs=True, ag=True)
+
+
+def allreduce_inplace(comm: Comm, buf: np.ndarray, n: int, chunk: int, add=None) -> None:
+    """Ring allreduce of ``buf`` in place in its own dtype (e.g. float16, or uint16 carrying
+    bfloat16 bits with an ``add`` that decodes, adds and re-encodes): every partial sum is
+    rounded to that type at each hop, as a framework's reduced-precision allreduce does."""
+    tmp = np.empty(min(chunk, buf.size), dtype=buf.dtype)
+    _ring(comm, buf, n, chunk, tmp, rs=True, ag=True, add=add)
 
 
 def reduce_scatter(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:

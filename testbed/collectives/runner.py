@@ -444,3 +444,26 @@ def _engine_pids(net) -> list[int]:
     return pids
 
 
+@contextlib.contextmanager
+def offload_job(net, spec: CollectiveSpec, job: dict, workers: list):
+    """The control plane around a job whose ranks run outside :func:`run_collective` (a
+    training job's pool): for ``algo`` ina/nic, register the job's members with the
+    aggregating switch (filling ``job["aggregator"]`` and the ranks' ports and MACs) and set
+    the SmartNICs' offload, and give both back on exit, failures included. Yields the
+    switch's control client (None for host algorithms)."""
+    client = None
+    if spec.algo in ("ina", "nic"):
+        client = register_ina_job(net, spec, job, workers)
+        try:
+            _configure_nics(net, spec, offload=True)
+        except BaseException:
+            with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
+                _release(net, spec, client)
+            raise
+    try:
+        yield client
+    except BaseException:
+        with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
+            _release(net, spec, client)
+        raise
+    _release(net, spec, client)

@@ -47,8 +47,10 @@ class CollectiveSpec:
     the net). ``servers``: reduction-server count for ``algo="rs"``: placed on the hosts after
     the workers when the net has enough of them, otherwise co-located on workers.
     ``window``: outstanding packets per INA worker (slot pool size). ``chunk_bytes``: TCP
-    pipelining unit. ``compressor``: any compressor with ``algo="ring"`` (allgather of the
-    payloads); with ``algo="ina"`` one of :data:`INA_COMPRESSORS` (summed in the switch).
+    pipelining unit. ``compressor``: any compressor with ``algo="ring"`` (summable payloads
+    reduce-scattered and allgathered in their wire type, the others allgathered:
+    ``compress.scheme``); with ``algo="ina"`` one of :data:`INA_COMPRESSORS` (summed in the
+    switch).
     ``loss``: seeded drop probability applied in the INA client on receive
     (client-side impairment when the switch has no impair stage). ``timeout_s``: a peer silent
     that long fails the run with :class:`CollectiveTimeout`. ``hosts``: host ranks of the
@@ -143,7 +145,7 @@ class CollectiveSpec:
                                  "algo='ina' with a compressor; use error_feedback=False")
         elif self.compressor is not None and (self.op != "allreduce" or self.algo != "ring"):
             raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: compression is "
-                             "applied to allreduce with algo='ring' (allgather of the "
+                             "applied to allreduce with algo='ring' (ring of the "
                              "compressed payloads) or algo='ina' (compressor one of "
                              f"{INA_COMPRESSORS})")
         if self.compressor is not None and self.dtype != "float32":

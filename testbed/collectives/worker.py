@@ -142,8 +142,8 @@ def _shared(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
 
 
-class _Line:
-    """Newline-delimited JSON over a socket."""
+class ControlLine:
+    """Newline-delimited JSON over a socket: the pool's control channel to each rank."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -175,48 +175,93 @@ class _Line:
         return json.loads(line)
 
 
-def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> int:
+def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x, out,
+                 contribution=None):
+    """Set up rank ``rank`` of ``job`` for ``spec``, in the network namespace it is already in:
+    report its listening port to the pool, get every rank's address, connect to its peers.
+    Returns ``(run, close)``: ``run(step)`` runs one collective from ``x`` into ``out``
+    (``step``: the repetition, or a training iteration: compressors draw their shared random
+    streams from it), ``close()`` releases the sockets. ``contribution``: with a compressor on
+    the ring, receives this rank's decompressed contribution to each sum (for checks).
+
+    The collective pool calls it once per child and then ``run`` per repetition; a training
+    job's children (``testbed.workloads.pool``) call it once and then ``run`` per iteration.
+    """
     n, m = job["n"], job["m"]
     info = job["ranks"][rank]
     names = [r["host"] for r in job["ranks"]]
+    chunk = max(1, spec.chunk_bytes // spec.itemsize)
+    if spec.algo == "rs":
+        chunk_b = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes)
+        chunk = chunk_b // spec.itemsize
+        window = rs_window_pieces(chunk_b, job.get("bw_bps"))
+    if spec.algo in ("ina", "nic"):
+        from testbed.collectives import ina
+
+        client = ina.InaClient(job, spec, rank)
+        ctl.send({"type": "port", "port": 0})
+        ctl.recv()
+        return (lambda step: client.allreduce(x, out)), client.close
+    comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id)
+    try:
+        port = comm.listen(info["ip"])
+        ctl.send({"type": "port", "port": port})
+        addrs = {int(k): v for k, v in ctl.recv()["addrs"].items()}
+        comm.connect(peers_of(spec, rank, n, m), addrs)
+    except BaseException:
+        comm.close()
+        raise
+    if rank >= n:
+        def run(step):
+            server.serve(comm, spec.count, np.dtype(spec.dtype), n, m, rank - n, chunk)
+    elif spec.compressor is not None:
+        comp, mem = compress.make(spec)
+
+        def run(step):
+            compress.allreduce(comm, x, out, n, comp, mem, step, spec.chunk_bytes,
+                               contribution)
+    elif spec.algo == "rs":
+        def run(step):
+            server.worker_allreduce(comm, x, out, n, m, chunk, window)
+    else:
+        fn = ALGOS[(spec.op, spec.algo)]
+
+        def run(step):
+            fn(comm, x, out, n, chunk)
+    return run, comm.close
+
+
+def enter_rank(job: dict, rank: int) -> None:
+    """First steps of a forked rank: die with the pool, name the process ``tbw-<host>``
+    (servers ``tbr-<host>``: ``testbed cleanup`` and the tests find them by it), move into
+    its host's network namespace and take its share of the cores."""
+    n, m = job["n"], job["m"]
+    info = job["ranks"][rank]
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != job["_pool_pid"]:
-        return 1
+        raise RuntimeError("the pool exited before this rank started")
     _prctl_name(("tbw-" if rank < n else "tbr-") + info["host"])
-    comm = None
-    try:
-        enter_netns(info["pid"])
-        _child_threads(n + m)
-        chunk = max(1, spec.chunk_bytes // spec.itemsize)
-        if spec.algo == "rs":
-            chunk_b = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes)
-            chunk = chunk_b // spec.itemsize
-            window = rs_window_pieces(chunk_b, job.get("bw_bps"))
-        if spec.algo in ("ina", "nic"):
-            from testbed.collectives import ina
+    enter_netns(info["pid"])
+    _child_threads(n + m)
 
-            client = ina.InaClient(job, spec, rank)
-            ctl.send({"type": "port", "port": 0})
-            ctl.recv()
-            run = lambda rep: client.allreduce(x, out)  # noqa: E731
-        else:
-            comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id)
-            port = comm.listen(info["ip"])
-            ctl.send({"type": "port", "port": port})
-            addrs = {int(k): v for k, v in ctl.recv()["addrs"].items()}
-            comm.connect(peers_of(spec, rank, n, m), addrs)
-            if rank >= n:
-                run = lambda rep: server.serve(comm, spec.count, np.dtype(spec.dtype), n,  # noqa
-                                               m, rank - n, chunk)
-            elif spec.compressor is not None:
-                comp, mem = compress.make(spec)
-                run = lambda rep: compress.allreduce(comm, x, out, n, comp, mem, rep)  # noqa
-            elif spec.algo == "rs":
-                run = lambda rep: server.worker_allreduce(comm, x, out, n, m, chunk,  # noqa
-                                                          window)
-            else:
-                fn = ALGOS[(spec.op, spec.algo)]
-                run = lambda rep: fn(comm, x, out, n, chunk)  # noqa: E731
+
+def report_error(ctl: ControlLine, e: BaseException) -> None:
+    """Tell the pool why this rank failed (it fails the run with the message)."""
+    msg = str(e) if str(e) else repr(e)
+    if not isinstance(e, OSError | EOFError) and "Collective" not in type(e).__name__:
+        msg += "\n" + traceback.format_exc(limit=4)
+    try:
+        ctl.send({"type": "error", "error": f"{type(e).__name__}: {msg}",
+                  "timeout": isinstance(e, CollectiveTimeout)})
+    except OSError:
+        pass
+
+
+def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x, out) -> int:
+    close = None
+    try:
+        enter_rank(job, rank)
+        run, close = connect_rank(job, spec, rank, ctl, x, out)
         ctl.send({"type": "ready"})
         while True:
             msg = ctl.recv()
@@ -226,18 +271,11 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: _Line, x, out) -> in
             run(msg["rep"])
             ctl.send({"type": "done", "t_start": t0, "t_end": time.monotonic()})
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
-        msg = str(e) if str(e) else repr(e)
-        if not isinstance(e, OSError | EOFError) and "Collective" not in type(e).__name__:
-            msg += "\n" + traceback.format_exc(limit=4)
-        try:
-            ctl.send({"type": "error", "error": f"{type(e).__name__}: {msg}",
-                      "timeout": isinstance(e, CollectiveTimeout)})
-        except OSError:
-            pass
+        report_error(ctl, e)
         return 1
     finally:
-        if comm is not None:
-            comm.close()
+        if close is not None:
+            close()
 
 
 def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.socket) -> int:
@@ -247,7 +285,7 @@ def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.sock
     if os.getppid() != job["_pool_pid"]:
         return 1
     _prctl_name("tbf-" + fb["host"])
-    ctl = _Line(sock)
+    ctl = ControlLine(sock)
     try:
         enter_netns(fb["pid"])
         from testbed.collectives.fallback import HostAggregator  # numba: shared mode only
@@ -265,9 +303,9 @@ def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.sock
         return 1
 
 
-def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, _Line]]:
+def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, ControlLine]]:
     """Fork the job's host fallback aggregators and wait until each listens."""
-    started: list[tuple[int, _Line]] = []
+    started: list[tuple[int, ControlLine]] = []
     try:
         for fb in job.get("fallbacks") or []:
             a, b = socket.socketpair()
@@ -281,7 +319,7 @@ def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, _Line]]
                     os._exit(code)
             b.close()
             a.settimeout(spec.timeout_s + 30)
-            line = _Line(a)
+            line = ControlLine(a)
             started.append((pid, line))
             try:
                 msg = line.recv()
@@ -295,7 +333,7 @@ def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, _Line]]
     return started
 
 
-def _stop_fallbacks(fallbacks: list[tuple[int, _Line]], result: dict) -> None:
+def _stop_fallbacks(fallbacks: list[tuple[int, ControlLine]], result: dict) -> None:
     """Stop the fallback aggregators; their summed counters go to ``result["fallback"]``."""
     total: dict[str, int] = {}
     for pid, line in fallbacks:
@@ -313,7 +351,7 @@ def _stop_fallbacks(fallbacks: list[tuple[int, _Line]], result: dict) -> None:
         result["fallback"] = total
 
 
-def _pss_mb(pid: int) -> float:
+def pss_mb(pid: int) -> float:
     """Proportional set size of ``pid`` in MB (shared pages split among the sharers, so the
     sum over the pool and its forked children is their real memory cost)."""
     try:
@@ -384,7 +422,7 @@ def run_pool(job: dict) -> dict:
         ina.warm_up()  # load the cached kernels once here; forked children inherit them
     job["_pool_pid"] = os.getpid()
     children: dict[int, int] = {}
-    ctls: dict[int, _Line] = {}
+    ctls: dict[int, ControlLine] = {}
     sys.stdout.flush()
     sys.stderr.flush()
     fallbacks = _start_fallbacks(job, spec)
@@ -399,12 +437,12 @@ def run_pool(job: dict) -> dict:
                     c.sock.close()
                 x = ins[rank] if rank < n else None
                 o = outs[rank] if rank < n else None
-                code = _child(job, spec, rank, _Line(b), x, o)
+                code = _child(job, spec, rank, ControlLine(b), x, o)
             finally:
                 os._exit(code)
         b.close()
         children[rank] = pid
-        ctls[rank] = _Line(a)
+        ctls[rank] = ControlLine(a)
     result: dict = {"reps": [], "error": None, "timeout": False,
                     "pids": {ranks[r]["host"] + ("" if r < n else "/server"): p
                              for r, p in children.items()}}
@@ -469,7 +507,7 @@ def run_pool(job: dict) -> dict:
         gather("ready", spec.timeout_s + 30)
         # from the runner's Popen (interpreter start + imports) when known
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
-        result["mem_mb"] = sum(_pss_mb(p) for p in [os.getpid(), *children.values()])
+        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *children.values()])
         for rep in range(spec.repetitions):
             for o in outs:
                 o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
@@ -523,24 +561,31 @@ def run_pool(job: dict) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the job file and write ``result.json`` next to it."""
-    ap = argparse.ArgumentParser(prog="python -m testbed.collectives.worker")
+def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
+    """Entry point of a pool process: read ``--job FILE``, ``run(job)``, write the result
+    dict as ``result.json`` next to the file (atomically). A crash of ``run`` becomes
+    ``failed`` with its ``error`` set, so the runner always finds a result."""
+    ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--job", required=True, help="job.json written by the runner")
     ap.add_argument("marker", nargs="*", help="testbed-node=<host> tags for cleanup")
     args = ap.parse_args(argv)
     with open(args.job) as f:
         job = json.load(f)
     try:
-        result = run_pool(job)
+        result = run(job)
     except Exception as e:  # noqa: BLE001 - reported to the runner through result.json
-        result = {"reps": [], "error": f"pool: {type(e).__name__}: {e}\n"
+        result = {**failed, "error": f"pool: {type(e).__name__}: {e}\n"
                   + traceback.format_exc(limit=6), "timeout": False}
     tmp = os.path.join(os.path.dirname(args.job), "result.json.tmp")
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, os.path.join(os.path.dirname(args.job), "result.json"))
     return 0 if result.get("error") is None else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the job file and write ``result.json`` next to it."""
+    return job_file_main(argv, "python -m testbed.collectives.worker", run_pool, {"reps": []})
 
 
 if __name__ == "__main__":

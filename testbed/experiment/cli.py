@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import sys
 from pathlib import Path
 
 
 def run_file(path: str, out: str | Path | None = None, progress: bool = True,
-             time_dilation: float | str | None = None) -> int:
+             time_dilation: float | str | None = None, json_out: bool = False) -> int:
     """Run the experiment in ``path``; results under ``out/<name>-<timestamp>/``.
 
     ``time_dilation`` (a factor or ``"auto"``) replaces the file's ``time_dilation``.
+    ``json_out``: print one JSON object per summary row (every run's row; a training job's
+    summary row) on stdout, and the tables and messages on stderr, for scripts.
 
     ``out`` defaults to the results root (``$TESTBED_RESULTS``, see
     :func:`testbed.experiment.results.results_root`). Exit codes: 0 all runs ok, 1 some runs
@@ -50,23 +55,59 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
         err.print(f"finished runs (if any) are in {out_dir}")
         return 1
     failed = len(res.failures)
-    if len(res.ok):
-        res.print_table(title=f"{exp.name} ({len(res.df)} rows)")
-        try:
-            write_plots(res)
-        except Exception as e:  # a plot problem must not hide measured results
-            err.print(f"[yellow]plot skipped:[/] {e}")
-    else:  # nothing measured: the failures are the whole story
-        for f in res.failures:
-            err.print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] {f.get('error')}",
-                      highlight=False)
-    print(f"results: {Path(out_dir)}")
+    if json_out:
+        print_json_rows(res)
+    with contextlib.redirect_stdout(sys.stderr) if json_out else contextlib.nullcontext():
+        if len(res.ok):
+            print_tables(res, exp.name)
+            try:
+                write_plots(res)
+            except Exception as e:  # a plot problem must not hide measured results
+                err.print(f"[yellow]plot skipped:[/] {e}")
+        else:  # nothing measured: the failures are the whole story
+            for f in res.failures:
+                err.print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] "
+                          f"{f.get('error')}", highlight=False)
+        print(f"results: {Path(out_dir)}")
     if failed:
         total = res.metadata.get("planned_runs", len(res.df))
         err.print(f"[red]{failed} of {total} runs failed[/] (see 'failures' in "
                   f"{Path(out_dir) / 'metadata.json'})", highlight=False)
         return 1
     return 0
+
+
+def print_json_rows(res) -> None:
+    """Every row of ``res`` (a run's summary) as one JSON object per line on stdout; NaN and
+    infinities become null (strict JSON, as ``jq`` and other readers want)."""
+    path = Path(res.path) / "rows.jsonl" if res.path is not None else None
+    if path is not None and path.exists():  # as recorded, with the recorded types
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        rows = res.df.to_dict("records")
+    for row in rows:
+        print(json.dumps({k: _strict(v) for k, v in row.items()}, default=str))
+    sys.stdout.flush()
+
+
+def _strict(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_strict(x) for x in v]
+    return v
+
+
+def print_tables(res, name: str) -> None:
+    """The collective runs' table and the training jobs' table, whichever there are."""
+    from testbed.experiment.train import print_training_table, training_rows
+
+    df = res.ok
+    trained = training_rows(df)
+    if len(trained) < len(df):
+        res.print_table(title=f"{name} ({len(df) - len(trained)} runs)")
+    if len(trained):
+        print_training_table(df, title=f"{name}: training ({len(trained)} jobs)")
 
 
 def write_plots(res) -> list[Path]:
@@ -79,9 +120,22 @@ def write_plots(res) -> list[Path]:
     use_headless()
     import matplotlib.pyplot as plt
 
-    df = res.ok
+    from testbed.experiment.train import load_iterations, plot_accuracy, training_rows
+
     path = res.path
     name = res.metadata["name"]
+    written = []
+    if len(training_rows(res.ok)):
+        iters = load_iterations(path)
+        for x in ("time_s", "iteration"):
+            out = path / f"accuracy_vs_{'time' if x == 'time_s' else x}.png"
+            plt.close(plot_accuracy(iters, x=x, out=out, title=name))
+            written.append(out)
+    df = res.ok
+    if "op" in df.columns:
+        df = df[df["op"] != "train"]
+    if not len(df):
+        return written
     plots = []
     if df["bytes"].nunique() > 1:
         plots.append((plot_overview, {"x": "bytes"}, path / "overview_vs_bytes.png"))
@@ -90,4 +144,4 @@ def write_plots(res) -> list[Path]:
     plots.append((plot_bars, {"y": "time_s"}, path / "time_by_label.png"))
     for fn, kw, out in plots:
         plt.close(fn(df, out=out, title=name, **kw))
-    return [out for _, _, out in plots]
+    return written + [out for _, _, out in plots]

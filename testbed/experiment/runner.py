@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from testbed.experiment import results
+from testbed.experiment import results, train
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -65,8 +65,9 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
     out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
     plan = [(pi, params, point, ji, job, size)
             for pi, (params, point) in enumerate(points)
-            for ji, job in enumerate(point.jobs)
-            for size in job.sizes()]
+            for ji, job, size in [(ji, job, size) for ji, job in enumerate(point.jobs)
+                                  for size in job.sizes()]
+            + [(ti, item, None) for ti, item in train.plan_items(point)]]
     meta: dict[str, Any] = {
         "name": exp.name,
         "description": exp.description,
@@ -144,6 +145,14 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     i = j
                     continue
                 for batch in _batches(group):
+                    if batch[0][5] is None:  # training: one job alone, or a trace of them
+                        pi, params, pt, ji, job, _ = batch[0]
+                        _run_training(store, net, out, run_idx, pi, params, pt, ji, job)
+                        if exp.stop_on_error and store.rows[-1].get("status") != "ok":
+                            raise RunAborted(f"run {run_idx} failed: {store.rows[-1]['error']}")
+                        run_idx += 1
+                        advance(_train_text(store.rows[-1], params))
+                        continue
                     pt = batch[0][2]
                     outcomes = _run_batch(net, pt, [(g[4], g[5]) for g in batch], out,
                                           run_idx, xt)
@@ -171,14 +180,55 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
 
 def _batches(group: list) -> list[list]:
     """The runs of a network group in the order they run: one at a time, or all the jobs of a
-    ``concurrent`` point at once."""
+    ``concurrent`` point at once (training items always alone: a trace shares the fabric its own
+    way)."""
     out: list[list] = []
     for g in group:
-        if out and g[2].concurrent and out[-1][0][2].concurrent and out[-1][0][0] == g[0]:
+        if (out and g[5] is not None and out[-1][0][5] is not None and g[2].concurrent
+                and out[-1][0][0] == g[0]):
             out[-1].append(g)
         else:
             out.append([g])
     return out
+
+
+def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
+                  point: Experiment, index, item) -> None:
+    """One training run (``train.plan_items``): a summary row per job (errors recorded as
+    rows), the per-iteration rows in the iterations file. A job run alone also gets the data
+    path's counters (``dp_*``); a trace's jobs share the fabric, so its rows have none."""
+    jobs = item if index is None else [item]
+    first = 0 if index is None else index
+    before = _counters(net) if index is not None else None
+    try:
+        results = train.run_item(net, point, index, item)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
+        err = _describe_error(e)
+        for k, job in enumerate(jobs):
+            store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
+        return
+    dp_cols = _counter_deltas(before, _counters(net), out, run_idx) if before else {}
+    for k, (job, (summary, its)) in enumerate(zip(jobs, results, strict=True)):
+        row = _ok_row(run_idx, pi, params, point, first + k, job, summary["bytes"],
+                      {**summary, **dp_cols})
+        if summary.get("error"):
+            row["status"], row["error"] = "error", summary["error"]
+        store.append(row)
+        train.append_iterations(out, {"run": run_idx, "point": pi, **params}, its)
+
+
+def _train_text(row: dict, params: dict) -> str:
+    sweep = " ".join(f"{k}={v}" for k, v in params.items())
+    if row.get("status") != "ok":
+        return f"{row.get('label')} {sweep}: FAILED {row.get('error')}"
+    tta = row.get("tta_s")
+    return (f"{row.get('label')} {sweep}: accuracy {row.get('final_accuracy'):.3f} after "
+            f"{row.get('iterations')} iterations, {row.get('jct_s'):.3g} s"
+            + (f" (target at {tta:.3g} s)" if tta is not None else ""))
 
 
 def _run_text(row: dict, params: dict) -> str:
@@ -222,7 +272,8 @@ def _ok_row(run_idx, pi, params, point, ji, job, size, report: dict) -> dict:
 
 def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
     row = _base_row(run_idx, pi, params, point, ji, job)
-    row.update({"op": job.op, "algo": job.algo, "bytes": size, "compressor": job.compressor,
+    row.update({"op": getattr(job, "op", "train"), "algo": job.algo, "bytes": size,
+                "compressor": job.compressor,
                 "error_feedback": job.error_feedback, "status": "error", "error": err})
     return row
 

@@ -34,6 +34,7 @@ import json
 import re
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import (
@@ -175,6 +176,16 @@ class Placement(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+def _compressor_name(v: str | None) -> str | None:
+    """A job's compressor: None for none, else a registered name (ValueError otherwise)."""
+    if v in (None, "", "none"):
+        return None
+    names = _compressor_names()
+    if names is not None and v not in names:
+        raise ValueError(f"unknown compressor {v!r}; allowed: {', '.join(names)}")
+    return v
+
+
 class JobSpec(_Strict):
     """One collective: operation, algorithm, size(s), compression and repetitions."""
 
@@ -228,12 +239,7 @@ class JobSpec(_Strict):
     @field_validator("compressor")
     @classmethod
     def _known_compressor(cls, v: str | None) -> str | None:
-        if v in (None, "", "none"):
-            return None
-        names = _compressor_names()
-        if names is not None and v not in names:
-            raise ValueError(f"unknown compressor {v!r}; allowed: {', '.join(names)}")
-        return v
+        return _compressor_name(v)
 
     @model_validator(mode="after")
     def _options_known(self) -> JobSpec:
@@ -337,6 +343,91 @@ class Capture(_Strict):
     max_packets: int = Field(200_000, ge=1)
 
 
+class TrainJob(_Strict):
+    """A training job (``testbed.workloads.TrainingSpec``): a numpy model on a built-in data set
+    whose gradients are allreduced over the emulated network every iteration.
+
+    Runs alone after the collective jobs, one job after the other, or, with the experiment's
+    ``trace = true``, all at once, each from its ``start_s`` on its own ``hosts`` (a trace).
+    Each job gives one summary row (``op = "train"``) and per-iteration rows
+    (``iterations.jsonl`` in the results folder)."""
+
+    name: str | None = Field(None, description="label in tables and plots (default: algo)")
+    model: Literal["logreg", "mlp"] = "mlp"
+    hidden: int = Field(64, ge=1, description="hidden units of the MLP")
+    activation: Literal["relu", "tanh"] = "relu"
+    dataset: Literal["digits", "synthetic"] = "digits"
+    samples: int = Field(10_000, ge=20, description="rows of the synthetic data set")
+    features: int = Field(64, ge=2, description="columns of the synthetic data set")
+    classes: int = Field(10, ge=2, description="classes of the synthetic data set")
+    test_fraction: float = Field(0.2, gt=0, le=0.9)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.05, gt=0, le=10)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    batch_size: int = Field(32, ge=1, description="per worker")
+    iterations: int = Field(200, ge=1, description="at most this many steps")
+    eval_every: int = Field(10, ge=1, description="held-out accuracy every this many steps")
+    target_accuracy: float | None = Field(None, description="defines time-to-accuracy")
+    stop_at_target: bool = Field(False, description="end the job at the target accuracy")
+    compute_ms: float = Field(0.0, ge=0, description="emulated compute time per iteration")
+    time_dilation: float = Field(1.0, ge=1, description="emulation slow-down factor")
+    algo: Literal["ring", "hd", "ina", "nic", "trim"] = "ring"
+    compressor: str | None = None
+    compressor_params: dict[str, Any] = Field(default_factory=dict)
+    error_feedback: bool = False
+    options: dict[str, Any] = Field(default_factory=dict,
+                                    description="window, loss (INA), bits, idle_ms (trim), "
+                                                "chunk_bytes (TCP)")
+    timeout_s: float = Field(30.0, gt=0)
+    workers: int | None = Field(None, ge=2, description="default: every host of hosts / net")
+    hosts: list[int] | None = Field(None, description="host indices (0-based) of the workers")
+    start_s: float = Field(0.0, ge=0, description="start after the trace began (trace)")
+    job_id: int | None = Field(None, ge=0, le=0xFFFF, description="default: 1 + its index")
+    seed: int | None = Field(None, description="default: the experiment's seed")
+
+    @field_validator("target_accuracy")
+    @classmethod
+    def _fraction(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 < v <= 1.0:
+            raise ValueError(f"target accuracy {v} is not a fraction in (0, 1]")
+        return v
+
+    @field_validator("compressor")
+    @classmethod
+    def _known_compressor(cls, v: str | None) -> str | None:
+        return _compressor_name(v)
+
+    @model_validator(mode="after")
+    def _options_known(self) -> TrainJob:
+        unknown = sorted(set(self.options) - set(TRAIN_OPTIONS))
+        if unknown:
+            raise ValueError(f"options {unknown} do not apply to training jobs; allowed "
+                             f"options: {', '.join(TRAIN_OPTIONS)}")
+        return self
+
+    def label(self) -> str:
+        """Name shown in tables and plots."""
+        if self.name:
+            return self.name
+        return (self.algo + (f"+{self.compressor}" if self.compressor else "")
+                + ("+ef" if self.error_feedback else ""))
+
+    def training_spec(self, index: int, seed: int):
+        """The ``testbed.workloads.TrainingSpec`` of this job (``index`` in ``training``,
+        ``seed`` the experiment's)."""
+        from testbed.workloads.spec import TrainingSpec
+
+        data = self.model_dump(exclude={"options", "job_id", "seed"})
+        return TrainingSpec(**data, **self.options,
+                            job_id=1 + index if self.job_id is None else self.job_id,
+                            seed=seed if self.seed is None else self.seed)
+
+
+#: Communication settings a training job may set through ``options``.
+TRAIN_OPTIONS = ("window", "loss", "chunk_bytes", "bits", "idle_ms")
+
+
 class Experiment(_Strict):
     """A whole experiment: network, jobs, conditions, sweep; see the module docstring."""
 
@@ -344,7 +435,10 @@ class Experiment(_Strict):
     description: str = ""
     seed: int = 0
     topology: TopologySpec = Field(default_factory=TopologySpec)
-    jobs: list[JobSpec] = Field(..., min_length=1)
+    jobs: list[JobSpec] = Field(default_factory=list)
+    training: list[TrainJob] = Field(default_factory=list)
+    trace: bool = Field(False, description="run the training jobs at once, each from its "
+                                           "start_s on its own hosts")
     impairments: list[Impairment] = Field(default_factory=list)
     trimming: list[Trimming] = Field(default_factory=list)
     codec: Codec | None = None
@@ -382,6 +476,12 @@ class Experiment(_Strict):
             if not isinstance(values, list) or not values:
                 raise ValueError(f"{path!r}: give a non-empty list of values")
         return v
+
+    @model_validator(mode="after")
+    def _has_work(self) -> Experiment:
+        if not self.jobs and not self.training:
+            raise ValueError("give at least one job ([[jobs]]) or training job ([[training]])")
+        return self
 
     @model_validator(mode="after")
     def _sweep_points_valid(self) -> Experiment:
@@ -690,7 +790,7 @@ def _point_problems(point: Experiment, cache: dict[str, Any]) -> list[str]:
     topo, problems = cache[key]
     return list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
                                     point.trimming, point.codec, point.cross_traffic,
-                                    point.capture)
+                                    point.capture) + training_problems(point, topo)
 
 
 def _partial_problems(data: Any) -> list[str]:
@@ -713,6 +813,10 @@ def _partial_problems(data: Any) -> list[str]:
     if topology is None or isinstance(seed, bool) or not isinstance(seed, int):
         return []
     topo, problems = _build_topology(topology, seed)
+    training = [t for t in parts(TrainJob, "training") if t]
+    trace = data.get("trace", False) is True
+    problems += training_problems(SimpleNamespace(topology=topology, seed=seed,
+                                                  training=training, trace=trace), topo)
     codec = part(Codec, data["codec"]) if data.get("codec") is not None else None
     capture = part(Capture, data["capture"]) if data.get("capture") is not None else None
     return problems + _checks(topo, topology, parts(JobSpec, "jobs"),
@@ -774,7 +878,7 @@ def _checks(topo, tspec: TopologySpec, jobs: list, impairments: list, trimming: 
 def _aggregator_problem(path: str, job: JobSpec, tspec: TopologySpec, topo) -> str | None:
     """INA/NIC offload needs the aggregator on a programmable switch (None: it has one, or
     more than 32 hosts keep it off, which the collectives' own check reports)."""
-    if job.op == "incast" or job.algo not in ("ina", "nic"):
+    if getattr(job, "op", None) == "incast" or job.algo not in ("ina", "nic"):
         return None
     if tspec.switch == "bridge":
         why = "topology.switch is 'bridge'; set topology.switch = 'programmable'"
@@ -843,11 +947,12 @@ def _collective_problems(job: JobSpec, n_hosts: int) -> list[str]:
     return out
 
 
-def _collective_field(path: str, job: JobSpec, msg: str) -> str:
-    """``msg`` of the collectives' validation under the job field it is about."""
-    m = re.search(r"CollectiveSpec\.(\w+)", msg)
+def _collective_field(path: str, job, msg: str) -> str:
+    """``msg`` of the collectives' (or the workloads') validation under the field of ``job``
+    (a JobSpec or TrainJob) it is about."""
+    m = re.search(r"(?:CollectiveSpec|TrainingSpec)\.(\w+)", msg)
     field = m.group(1) if m else ""
-    if field in JobSpec.model_fields:
+    if field in type(job).model_fields:
         where = f"{path}.{field}"
     elif field in job.options:
         where = f"{path}.options.{field}"
@@ -855,7 +960,10 @@ def _collective_field(path: str, job: JobSpec, msg: str) -> str:
         where = f"{path}.algo" if job.algo in ("ina", "nic") else "topology"
     else:
         where = path
-    return f"{where}: {msg.replace('CollectiveSpec.', '')}"
+    msg = re.sub(r"(CollectiveSpec|TrainingSpec)[.]", "", msg)
+    if where.endswith(f".{field}") and msg.startswith(f"{field}: "):  # not "hosts: hosts: .."
+        msg = msg[len(field) + 2:]
+    return f"{where}: {msg}"
 
 
 def _node_problems(path: str, node: str, ports: list | None, topo) -> list[str]:
@@ -874,3 +982,33 @@ def _node_problems(path: str, node: str, ports: list | None, topo) -> list[str]:
         return [f"{path}.ports: {bad} are not ports of {node}; give indices 0..{len(own) - 1} "
                 f"or names {', '.join(names)}"]
     return []
+
+
+def training_problems(point, topo) -> list[str]:
+    """What the training jobs of ``point`` cannot do on ``topo`` (a topology description, or
+    None when the topology itself is wrong): an offload without an aggregator, what the
+    workloads' own validation says (host indices, a batch larger than a worker's shard, the
+    gradient allreduce's settings), and, in a trace, hosts or job ids two jobs share."""
+    problems: list[str] = []
+    specs = []
+    for i, job in enumerate(point.training):
+        problem = _aggregator_problem(f"training.{i}", job, point.topology, topo)
+        if problem:
+            problems.append(problem)
+        try:
+            spec = job.training_spec(i, point.seed)
+            spec.validate(topo.n_hosts if topo is not None else None)
+        except (ValueError, TypeError) as e:
+            problems.append(_collective_field(f"training.{i}", job, str(e)))
+            continue
+        specs.append(spec)
+    if point.trace and topo is not None and len(specs) == len(point.training):
+        from testbed.workloads.runner import check_trace
+
+        try:
+            check_trace(specs, topo.n_hosts)
+        except ValueError as e:
+            m = re.match(r"job (\d+) \([^)]*\): (.*)", str(e))
+            i, msg = (int(m.group(1)), m.group(2)) if m else (0, str(e))
+            problems.append(_collective_field(f"training.{i}", point.training[i], msg))
+    return problems

@@ -1,0 +1,361 @@
+"""The process tree of one training job: ``python -m testbed.workloads.pool --job J``.
+
+The same design as the collective pool (``testbed.collectives.worker``), whose pieces it
+uses: one pool process loads the data set and the kernels once, then ``fork``s one child per
+worker; each child dies with the pool, names itself ``tbw-<host>``, enters its host's network
+namespace (:func:`~testbed.collectives.worker.enter_rank`) and sets up its side of the
+gradient allreduce once (:func:`~testbed.collectives.worker.connect_rank`: TCP connections for
+ring/hd, the INA client and its UDP socket for ina/nic). Then the child runs the whole
+training loop (:func:`testbed.workloads.loop.train_worker`) and calls that allreduce in-process
+between iterations: no process or connection is created per iteration, as in a framework
+whose communicator lives as long as the job.
+
+Control (JSON lines over one socketpair per child, as the collective pool): ``port`` ->
+``addrs`` -> ``ready``; the pool releases every worker at once (``go``) and collects ``done``
+with each worker's log; ``exit`` lets them close their sockets only once every worker is done
+(a peer may still be receiving the last sum).
+
+Checks. Gradients and sums live in shared memory; at :func:`check_iterations` each child
+copies its gradient, the sum it received (and, for a compressed ring, its decompressed
+contribution) into shared check slots, and the pool checks them against numpy afterwards,
+with the collectives' own bounds (``report.check``; ``ina.thc_check`` for INA + THC;
+``compress.check_contributions`` for compressors on the ring). Every worker's final
+parameters must be bit-identical (``replicas_agree``). The pool writes ``result.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+
+from testbed.collectives import compress, trimmed
+from testbed.collectives.cpumon import CpuMonitor, cpu_bound_reasons
+from testbed.collectives.report import check
+from testbed.collectives.trimmed import TrimmedGather
+from testbed.collectives.worker import (
+    ControlLine,
+    connect_rank,
+    enter_rank,
+    fork_safe_numba,
+    job_file_main,
+    pss_mb,
+    report_error,
+)
+from testbed.workloads.data import load_dataset
+from testbed.workloads.loop import build, train_worker
+from testbed.workloads.spec import TrainingSpec
+
+
+def check_iterations(spec: TrainingSpec) -> list[int]:
+    """Iterations whose allreduce the pool checks against numpy: the first one and one in
+    the middle (after updates and, with error feedback, a non-zero residual)."""
+    return sorted({0, spec.iterations // 2})
+
+
+def tx_counter(intf: str | None):
+    """A function returning the bytes interface ``intf`` of the caller's network namespace
+    has sent (``/proc/net/dev`` shows the namespace of the reading thread); 0 without one."""
+    if not intf:
+        return lambda: 0
+    key = intf + ":"
+
+    def read() -> int:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                line = line.strip()
+                if line.startswith(key):
+                    return int(line[len(key):].split()[8])
+        return 0
+
+    return read
+
+
+class _Shared:
+    """Gradient and sum buffers of every rank, and the check slots, in shared memory."""
+
+    def __init__(self, n: int, p: int, checks: int):
+        self.n, self.p = n, p
+        self.mem = mmap.mmap(-1, max(4 * p * n * (2 + 3 * checks), 1),
+                             flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self.flags = mmap.mmap(-1, max(n * checks, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._off = 0
+
+        def arr():
+            a = np.frombuffer(self.mem, np.float32, p, self._off)
+            self._off += 4 * p
+            return a
+
+        self.grad = [arr() for _ in range(n)]
+        self.out = [arr() for _ in range(n)]
+        self.chk = [{"x": [arr() for _ in range(n)], "out": [arr() for _ in range(n)],
+                     "dec": [arr() for _ in range(n)]} for _ in range(checks)]
+
+    def mark(self, c: int, rank: int) -> None:
+        self.flags[c * self.n + rank] = 1
+
+    def complete(self, c: int) -> bool:
+        return all(self.flags[c * self.n + r] for r in range(self.n))
+
+
+def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
+           sh: _Shared) -> int:
+    close = None
+    n = job["n"]
+    cspec = spec.collective()
+    its = check_iterations(spec)
+    contribution = np.zeros(sh.p, np.float32) if cspec.compressor and cspec.algo == "ring" \
+        else None
+    gather = None
+    if spec.algo == "trim":  # rank 0 writes the trimmed chunks' error bound into the slot
+        contribution = np.zeros(sh.p, np.float32) if rank == 0 else None
+    try:
+        enter_rank(job, rank)
+        grad, out = sh.grad[rank], sh.out[rank]
+        if spec.algo == "trim":
+            # incast of trimmable packets to rank 0, then the ring's broadcast of the sum
+            gather = TrimmedGather(job["ranks"], rank, spec.bits, spec.job_id, spec.seed,
+                                   spec.timeout_s, spec.idle_ms / 1000.0)
+            broadcast, close = connect_rank(job, cspec, rank, ctl, out, out)
+
+            def run(step: int) -> None:
+                gather.reduce(grad, out, step, contribution)
+                broadcast(step)
+        else:
+            run, close = connect_rank(job, cspec, rank, ctl, grad, out, contribution)
+        probe = tx_counter(job["ranks"][rank].get("intf"))
+        ctl.send({"type": "ready"})
+        if ctl.recv()["type"] != "go":
+            return 0
+
+        def keep(it: int) -> None:
+            if it in its:
+                c = its.index(it)
+                slot = sh.chk[c]
+                slot["x"][rank][:] = grad
+                slot["out"][rank][:] = out
+                if contribution is not None:
+                    slot["dec"][rank][:] = contribution
+                sh.mark(c, rank)
+
+        log = train_worker(spec, data, rank, n, grad, out, run, tx_bytes=probe,
+                           after_allreduce=keep)
+        if gather is not None:
+            log.comm_stats = dict(gather.stats)
+        ctl.send({"type": "done", "log": log.to_json()})
+        ctl.recv()  # exit: every worker has its last sum, sockets may close
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the job
+        report_error(ctl, e)
+        return 1
+    finally:
+        if close is not None:
+            close()
+        if gather is not None:
+            gather.close()
+
+
+def _collect(ctls: dict, children: dict, kind: str, wait_s: float | None, timeout_s: float,
+             monitor: CpuMonitor | None = None) -> dict[int, dict]:
+    """One ``kind`` message from every child; raises RuntimeError naming the ranks that
+    failed, died or stayed silent (``wait_s``; None: as long as they are alive)."""
+    sel = selectors.DefaultSelector()
+    for r, c in ctls.items():
+        sel.register(c.sock, selectors.EVENT_READ, r)
+    got: dict[int, dict] = {}
+    bad: dict[int, str] = {}
+    timeout = False
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    grace = None  # after a failure, the others get a moment to report theirs
+    try:
+        while len(got) + len(bad) < len(ctls):
+            now = time.monotonic()
+            if (deadline is not None and now > deadline) or (grace is not None and now > grace):
+                break
+            for key, _ in sel.select(timeout=0.2):
+                r = key.data
+                msgs = ctls[r].feed()
+                if msgs is None:
+                    sel.unregister(key.fileobj)
+                    _, status = os.waitpid(children[r], 0)
+                    children[r] = -1
+                    bad.setdefault(r, f"died ({_status(status)})")
+                    grace = grace or time.monotonic() + min(timeout_s + 3, 30)
+                    continue
+                for m in msgs:
+                    if m["type"] == "error":
+                        bad[r] = m["error"]
+                        timeout |= m.get("timeout", False)
+                        grace = grace or time.monotonic() + min(timeout_s + 3, 30)
+                    elif m["type"] == kind:
+                        got[r] = m
+            if monitor is not None:
+                monitor.sample()
+    finally:
+        sel.close()
+    missing = [r for r in ctls if r not in got and r not in bad]
+    if bad or missing:
+        lines = [f"rank {r}: {e}" for r, e in sorted(bad.items())]
+        if missing:
+            timeout = True
+            lines.append(f"ranks {missing} silent while waiting for '{kind}'")
+        err = RuntimeError("; ".join(lines))
+        err.timeout = timeout  # type: ignore[attr-defined]
+        raise err
+    return got
+
+
+def _status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+def _checks(spec: TrainingSpec, sh: _Shared, n: int) -> list[dict]:
+    """Each complete check slot against numpy with the collective's own bound."""
+    cspec = spec.collective()
+    out = []
+    for c, it in enumerate(check_iterations(spec)):
+        if not sh.complete(c):
+            continue  # the job stopped (target accuracy) before this iteration
+        slot = sh.chk[c]
+        if spec.algo == "trim":
+            err, ok = _trim_check(slot["x"], slot["out"], slot["dec"][0])
+        elif cspec.compressor is not None and cspec.algo == "ina":
+            from testbed.collectives.ina import thc_check  # numba: INA jobs only
+
+            err, ok = thc_check(cspec, slot["x"], slot["out"], n, step=it)
+        elif cspec.compressor is not None:
+            comp, _ = compress.make(cspec)
+            err, ok = compress.check_contributions(comp, slot["dec"], slot["x"], slot["out"])
+        else:
+            err, ok = check(cspec, slot["x"], slot["out"], n)
+        out.append({"iteration": it, "max_abs_err": float(err), "correct": bool(ok)})
+    return out
+
+
+def _trim_check(inputs: list, outputs: list, trim_bound: np.ndarray) -> tuple[float, bool]:
+    """(max |output - sum|, every output within the trimmed chunks' bound plus float32
+    rounding: the decode and the n-way sum)."""
+    total = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+    mag = np.sum([np.abs(x.astype(np.float64)) for x in inputs], axis=0)
+    eps = float(np.finfo(np.float32).eps)
+    bound = trim_bound.astype(np.float64) * (1 + 4 * eps) + (len(inputs) + 1) * eps * mag
+    worst, ok = 0.0, True
+    for o in outputs:
+        err = np.abs(o.astype(np.float64) - total)
+        if not np.all(np.isfinite(err)):
+            return float("inf"), False
+        worst = max(worst, float(err.max(initial=0.0)))
+        ok = ok and bool(np.all(err <= bound + 1e-30))
+    return worst, ok
+
+
+def run_pool(job: dict) -> dict:
+    """Run the training job described by ``job`` (see runner.py); return the result dict."""
+    spec = TrainingSpec(**job["train"])
+    cspec = spec.collective()
+    if cspec.compressor is not None or cspec.algo in ("ina", "nic"):
+        fork_safe_numba()  # before anything loads the kernels
+    n = job["n"]
+    t_launch = time.monotonic()
+    data = load_dataset(spec.dataset, seed=spec.seed, test_fraction=spec.test_fraction,
+                        samples=spec.samples, features=spec.features, classes=spec.classes)
+    model, _ = build(spec, data)
+    sh = _Shared(n, model.n_params, len(check_iterations(spec)))
+    if cspec.compressor is not None and cspec.algo == "ring":
+        compress.warm(cspec)
+    if cspec.algo in ("ina", "nic"):
+        from testbed.collectives import ina  # numba: only INA jobs pay for it
+
+        ina.warm_up()
+    if spec.algo == "trim":
+        trimmed.warm()
+    job["_pool_pid"] = os.getpid()
+    children: dict[int, int] = {}
+    ctls: dict[int, ControlLine] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(n):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                a.close()
+                for c in ctls.values():
+                    c.sock.close()
+                code = _child(job, spec, data, rank, ControlLine(b), sh)
+            finally:
+                os._exit(code)
+        b.close()
+        children[rank] = pid
+        ctls[rank] = ControlLine(a)
+    result: dict = {"error": None, "timeout": False, "logs": [], "checks": [],
+                    "pids": {job["ranks"][r]["host"]: p for r, p in children.items()}}
+    try:
+        ports = _collect(ctls, children, "port", spec.timeout_s + 30, spec.timeout_s)
+        addrs = {r: [job["ranks"][r]["ip"], ports[r]["port"]] for r in range(n)}
+        for c in ctls.values():
+            c.send({"type": "addrs", "addrs": addrs})
+        _collect(ctls, children, "ready", spec.timeout_s + 30, spec.timeout_s)
+        result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
+        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *children.values()])
+        monitor = CpuMonitor({"ranks": list(children.values()),
+                              "engines": list(job.get("extra_pids", []))})
+        result["t_go"] = time.monotonic()
+        for c in ctls.values():
+            c.send({"type": "go"})
+        done = _collect(ctls, children, "done", None, spec.timeout_s, monitor)
+        cpu = monitor.stop()
+        result["logs"] = [done[r]["log"] for r in range(n)]
+        result["cpu"] = {"cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait,
+                         "cpu_max": cpu.group_max["ranks"], "cpu_engine": cpu.group_max["engines"],
+                         "cpu_s": cpu.group_cpu_s["ranks"],
+                         "engine_cpu_s": cpu.group_cpu_s["engines"],
+                         "cpu_bound": bool(cpu_bound_reasons(cpu.cpu_util, cpu.cpu_wait,
+                                                             cpu.cpu_demand)),
+                         "cpu_why": cpu.why}
+        result["checks"] = _checks(spec, sh, n)
+        result["replicas_agree"] = len({log["digest"] for log in result["logs"]}) == 1
+    except RuntimeError as e:
+        result["error"] = str(e)
+        result["timeout"] = bool(getattr(e, "timeout", False))
+    finally:
+        for c in ctls.values():
+            with contextlib.suppress(OSError):
+                c.send({"type": "exit"})
+        _reap(children)
+    return result
+
+
+def _reap(children: dict[int, int], wait_s: float = 2.0) -> None:
+    """Wait for every child (they exit after ``exit``); SIGKILL the ones that do not."""
+    deadline = time.monotonic() + wait_s
+    for pid in children.values():
+        if pid <= 0:
+            continue
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the job file and write ``result.json`` next to it."""
+    return job_file_main(argv, "python -m testbed.workloads.pool", run_pool,
+                         {"logs": [], "checks": []})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Run training jobs on an emulated network: one job (:func:`run_training`) or a trace of jobs
+arriving over time on their own hosts and sharing the fabric (:func:`run_trace`).
+
+``net`` is a started ``testbed.topologies.TestbedNet`` (or anything with its handles: ``hosts``,
+``topo``, ``hop_latency_s()``, ``bottleneck_bps()``, and for INA ``aggregator``,
+``ina_members()``, ``switch_client()``). Each job runs in its own pool process
+(``python -m testbed.workloads.pool``, see pool.py) started at the job's ``start_s`` (times
+its ``time_dilation``); an INA job is registered with the aggregating switch for its lifetime
+(``testbed.collectives.runner.offload_job``: the same control plane as a single collective).
+Every job yields a :class:`TrainingResult`: per-iteration rows and a summary row
+(:mod:`testbed.workloads.rows`) with the flow-level model's time of one gradient allreduce
+(``model_comm_s``), the CPU-saturation signal over the job, and the checks of the pool.
+
+A job that fails (a worker died, a timeout, a check failed to run) gets ``error`` set in its
+result and summary; the other jobs of a trace go on. Ctrl-C kills every pool and gives every
+switch partition back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from testbed.collectives import flowmodel, trimmed
+from testbed.collectives.runner import (  # the collective runner's process handling
+    RUN_DIR,
+    _engine_pids,
+    _wait_group_gone,
+    net_bandwidth,
+    offload_job,
+)
+from testbed.collectives.transport import CollectiveError
+from testbed.workloads.rows import iteration_rows, summary_row
+from testbed.workloads.spec import TrainingSpec
+
+_seq = itertools.count()
+#: how often the runner looks at the pools and the data-path engines (s)
+POLL_S = 0.1
+
+
+class TrainingError(CollectiveError):
+    """A training job failed (its message names the job and the cause)."""
+
+
+@dataclass
+class TrainingResult:
+    """One job's outcome: ``summary`` (one row), ``iterations`` (one row per iteration),
+    ``error`` (None when it ran)."""
+
+    spec: TrainingSpec
+    summary: dict
+    iterations: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_training(net, spec: TrainingSpec) -> TrainingResult:
+    """Run one training job on ``net``; raises :class:`TrainingError` when it fails."""
+    res = run_trace(net, [spec])[0]
+    if res.error is not None:
+        raise TrainingError(f"training job {spec.label()!r}: {res.error}")
+    return res
+
+
+def check_trace(specs: list[TrainingSpec], n_hosts: int) -> None:
+    """Validate every job against the net and against each other: jobs of a trace run on
+    disjoint hosts and have distinct ``job_id`` values (switch partitions, ports)."""
+    owner: dict[int, int] = {}
+    ids: dict[int, int] = {}
+    for k, s in enumerate(specs):
+        try:
+            s.validate(n_hosts)
+        except ValueError as e:
+            raise ValueError(f"job {k} ({s.label()}): {e}") from None
+        for h in s.host_indices(n_hosts):
+            if h in owner:
+                raise ValueError(f"job {k} ({s.label()}): TrainingSpec.hosts: host {h} is "
+                                 f"already used by job {owner[h]}; jobs of a trace need "
+                                 "disjoint hosts")
+            owner[h] = k
+        if s.job_id in ids:
+            raise ValueError(f"job {k} ({s.label()}): TrainingSpec.job_id={s.job_id} is "
+                             f"also job {ids[s.job_id]}'s; give every job its own job_id")
+        ids[s.job_id] = k
+
+
+#: One BLAS thread per worker: the workers of a job compute at the same moment, so more
+#: threads only oversubscribe the cores (measured here: a 512-unit MLP step took ~40 ms with
+#: OpenBLAS's default threads on 4 workers and 2 busy cores, against ~1 ms alone).
+BLAS_ENV = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def pool_env() -> dict:
+    """Environment of a training pool: this one with :data:`BLAS_ENV` (set before numpy loads
+    its BLAS, which then keeps its thread count across the fork)."""
+    return {**os.environ, **BLAS_ENV}
+
+
+class _Job:
+    """One launched pool: its spec, hosts, job file, process and control-plane state."""
+
+    def __init__(self, index: int, spec: TrainingSpec, net):
+        dilation = getattr(net, "time_dilation", None)  # a dilated network: its factor
+        if spec.time_dilation == 1.0 and isinstance(dilation, int | float) and dilation > 1:
+            spec = dataclasses.replace(spec, time_dilation=float(dilation))
+        self.index, self.spec, self.net = index, spec, net
+        self.hosts = [net.hosts[i] for i in spec.host_indices(len(net.hosts))]
+        self.cspec = spec.collective()
+        self.stack = contextlib.ExitStack()
+        self.proc: subprocess.Popen | None = None
+        self.jobdir = os.path.join(RUN_DIR, f"train-{os.getpid()}-{next(_seq)}")
+        self.t_start = 0.0
+        self.t_end = 0.0
+        self.limit_s = 600 + spec.iterations * (1.0 + spec.compute_ms / 1000.0) \
+            * spec.time_dilation
+
+    def launch(self, t0: float) -> None:
+        """Register the job's control plane, write the job file and start the pool."""
+        ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(),
+                  "intf": h.defaultIntf().name} for h in self.hosts]
+        try:
+            bw = net_bandwidth(self.net, self.hosts, self.cspec.algo)
+        except ValueError:  # unshaped links: nothing in a training job needs the rate
+            bw = None
+        job = {"train": self.spec.to_json(), "spec": self.cspec.to_json(),
+               "n": len(ranks), "m": 0, "ranks": ranks, "bw_bps": bw,
+               "extra_pids": _engine_pids(self.net)}
+        self.stack.enter_context(offload_job(self.net, self.cspec, job, self.hosts))
+        os.makedirs(self.jobdir, exist_ok=True)
+        path = os.path.join(self.jobdir, "job.json")
+        self.t_start = time.monotonic()
+        job["t_popen"] = self.t_start
+        with open(path, "w") as f:
+            json.dump(job, f)
+        cmd = [sys.executable, "-m", "testbed.workloads.pool", "--job", path] + [
+            f"testbed-node={r['host']}" for r in ranks]
+        with open(os.path.join(self.jobdir, "pool.log"), "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=pool_env())
+        self.offset_s = self.t_start - t0
+
+    def finished(self) -> bool:
+        """Whether the pool exited (its process group is reaped by then)."""
+        return self.proc is not None and self.proc.poll() is not None
+
+    def kill(self) -> None:
+        """Kill the pool's process group and give the control plane back (never raises)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                self.proc.wait()
+        with contextlib.suppress(Exception):
+            self.stack.close()
+        shutil.rmtree(self.jobdir, ignore_errors=True)
+
+    def result(self) -> TrainingResult:
+        """Read the pool's result, give the control plane back, build the rows."""
+        self.t_end = time.monotonic()
+        _wait_group_gone(self.proc.pid)
+        try:
+            self.stack.close()
+            with open(os.path.join(self.jobdir, "result.json")) as f:
+                res = json.load(f)
+        except OSError:
+            with open(os.path.join(self.jobdir, "pool.log"), "rb") as f:
+                out = f.read().decode(errors="replace")[-2000:]
+            res = {"error": f"pool exited {self.proc.returncode} without a result:\n{out}",
+                   "logs": [], "checks": []}
+        except CollectiveError as e:
+            res = {"error": str(e), "logs": [], "checks": []}
+        finally:
+            shutil.rmtree(self.jobdir, ignore_errors=True)
+        return self._rows(res)
+
+    def _rows(self, res: dict) -> TrainingResult:
+        spec = self.spec
+        head = {"job": self.index, "label": spec.label(), "job_id": spec.job_id}
+        its = iteration_rows(spec, res["logs"]) if res.get("logs") else []
+        summary = {**head, **_context(spec, self), **summary_row(spec, its)}
+        summary["model_comm_s"] = _model_s(self.net, spec, self.cspec, self.hosts)
+        cpu = res.get("cpu", {})
+        checks = res.get("checks", [])
+        summary.update({
+            "correct": bool(checks) and all(c["correct"] for c in checks)
+            and bool(res.get("replicas_agree")),
+            "max_abs_err": max((c["max_abs_err"] for c in checks), default=float("nan")),
+            "checked_iterations": [c["iteration"] for c in checks],
+            "replicas_agree": res.get("replicas_agree"),
+            "cpu_bound": cpu.get("cpu_bound"), "cpu_util": cpu.get("cpu_util"),
+            "cpu_max": cpu.get("cpu_max"), "cpu_wait": cpu.get("cpu_wait"),
+            "cpu_engine": cpu.get("cpu_engine"), "setup_s": res.get("setup_s"),
+            "mem_mb": res.get("mem_mb"),
+            "start_s": self.offset_s / spec.time_dilation,
+            "end_s": (self.t_end - self.t_start + self.offset_s) / spec.time_dilation,
+            "error": res.get("error"),
+        })
+        stats = res["logs"][0].get("comm_stats", {}) if res.get("logs") else {}
+        if stats.get("packets"):  # the trimmed exchange, counted at rank 0
+            summary["trimmed_frac"] = stats["trimmed"] / stats["packets"]
+            summary["nacks"] = stats["nacks"]
+        rows = [{**head, **r} for r in its]
+        return TrainingResult(spec, summary, rows, res.get("error"))
+
+
+def _context(spec: TrainingSpec, job: _Job) -> dict:
+    """Columns that say what the job was."""
+    return {"model": spec.model, "dataset": spec.dataset, "algo": spec.algo,
+            "compressor": spec.compressor, "error_feedback": spec.error_feedback,
+            "n": len(job.hosts), "hosts": ",".join(h.name for h in job.hosts),
+            "params": spec.n_params(), "bytes": 4 * spec.n_params(),
+            "batch_size": spec.batch_size, "compute_ms": spec.compute_ms,
+            "time_dilation": spec.time_dilation, "loss": spec.loss, "seed": spec.seed}
+
+
+def _model_s(net, spec: TrainingSpec, cspec, hosts: list) -> float | None:
+    """The flow-level model's time of one gradient allreduce alone on the fabric; for the
+    trimmed exchange, the incast into rank 0's port (:func:`flowmodel.incast_s`, with that
+    port's trim stage when it has one) plus the broadcast. None where the model does not
+    apply (e.g. unshaped links)."""
+    try:
+        t = flowmodel.predict(net.topo, cspec, workers=[h.name for h in hosts],
+                              hop_latency_s=net.hop_latency_s()).time_s
+        if spec.algo != "trim" or t is None:
+            return t
+        inc = _incast_s(net, spec, [h.name for h in hosts])
+        return None if inc is None else inc + t
+    except (ValueError, AttributeError, KeyError):
+        return None  # the model does not apply (e.g. unshaped links): say so by a null
+
+
+def _incast_s(net, spec: TrainingSpec, hosts: list[str]) -> float | None:
+    """The model's time of the trimmed exchange's incast: every worker but rank 0 pushes its
+    frames into rank 0's switch port, which drains at its trim stage's rate (threshold, mode)
+    or, without one, at the link rate through the kernel's queue."""
+    link = next(s for s in net.topo.link_specs if hosts[0] in (s.a, s.b))
+    if link.bw_mbps is None:
+        return None
+    node, port = (link.b, link.port_b) if link.a == hosts[0] else (link.a, link.port_a)
+    stage = dict(net.programs_plan().get(node, [])).get("trim")
+    rate, threshold, mode = float(link.bw_mbps), 0.0, None
+    if stage is not None:
+        def at_port(v):
+            return v.get(f"{node}-eth{port}") if isinstance(v, dict) else v
+
+        rate = float(at_port(stage["rate_mbps"]) or rate)
+        threshold, mode = float(at_port(stage["threshold_bytes"])), stage["mode"]
+    frames, full, head = trimmed.frame_sizes(spec.n_params(), spec.bits)
+    return flowmodel.incast_s(senders=len(hosts) - 1, frames=frames, frame_bytes=full,
+                              trimmed_bytes=head, access_mbps=float(link.bw_mbps),
+                              port_mbps=rate, threshold_bytes=threshold, mode=mode).time_s
+
+
+def run_trace(net, specs: list[TrainingSpec], progress=None) -> list[TrainingResult]:
+    """Run every job of ``specs`` on ``net``, each started ``start_s`` after the trace began
+    on its own hosts; returns their results in the order of ``specs``.
+
+    ``progress(text)``: called when a job starts and ends. Raises ``ValueError`` for bad
+    specs (nothing is started then)."""
+    check_trace(specs, len(net.hosts))
+    say = progress or (lambda text: None)
+    jobs = [_Job(k, s, net) for k, s in enumerate(specs)]
+    waiting = sorted(jobs, key=lambda j: j.spec.start_s * j.spec.time_dilation)
+    running: list[_Job] = []
+    results: dict[int, TrainingResult] = {}
+    t0 = time.monotonic()
+    try:
+        while waiting or running:
+            now = time.monotonic()
+            while waiting and now - t0 >= waiting[0].spec.start_s * waiting[0].spec.time_dilation:
+                job = waiting.pop(0)
+                try:
+                    job.launch(t0)
+                except (CollectiveError, ValueError, RuntimeError, OSError) as e:
+                    job.kill()
+                    results[job.index] = job._rows({"error": f"start failed: {e}"})
+                    say(f"job {job.index} ({job.spec.label()}) failed to start: {e}")
+                    continue
+                running.append(job)
+                say(f"job {job.index} ({job.spec.label()}) started on "
+                    f"{', '.join(h.name for h in job.hosts)}")
+            for job in [j for j in running if j.finished()]:
+                running.remove(job)
+                results[job.index] = res = job.result()
+                say(f"job {job.index} ({job.spec.label()}) "
+                    + (f"failed: {res.error}" if res.error else
+                       f"done: accuracy {res.summary['final_accuracy']}, "
+                       f"{res.summary['jct_s']:.3g} s"))
+            dead = getattr(net, "dead_engines", dict)()
+            if dead:
+                what = ", ".join(f"{node} (exit status {code})"
+                                 for node, code in sorted(dead.items()))
+                raise TrainingError(f"the data-path engine of {what} died during training")
+            for job in running:
+                if time.monotonic() - job.t_start > job.limit_s:
+                    raise TrainingError(f"job {job.index} ({job.spec.label()}) did not "
+                                        f"finish within {job.limit_s:.0f} s")
+            time.sleep(POLL_S)
+    except BaseException:  # Ctrl-C included: no pool and no switch partition survives
+        for job in running:
+            job.kill()
+        raise
+    return [results[k] for k in range(len(jobs))]

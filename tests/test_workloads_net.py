@@ -1,0 +1,58 @@
+"""Training jobs on an emulated network (Mininet, real packets): small jobs per communication
+config and a trace of jobs sharing the fabric (the experiment runner's side is in
+test_workloads_experiment.py: it builds its own network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.collectives.testing import leftovers
+from testbed.workloads import TrainingSpec, run_trace, run_training
+from testbed.workloads.rows import ITERATION_COLUMNS
+
+pytestmark = pytest.mark.mininet
+
+
+@pytest.fixture(scope="module")
+def star():
+    """4 hosts on a programmable switch (the aggregator), 100 Mb/s links."""
+    from testbed.topologies import Star, TestbedNet
+
+    with TestbedNet(Star(4, bw_mbps=100, switch="programmable")) as net:
+        yield net
+
+
+@pytest.mark.parametrize("kw", [
+    {"algo": "ring"},
+    {"algo": "ina"},
+    {"algo": "ina", "compressor": "thc"},
+    {"algo": "ring", "compressor": "fp16"},
+], ids=lambda kw: "+".join(str(v) for v in kw.values()))
+def test_small_job_per_config(star, kw):
+    spec = TrainingSpec(iterations=12, eval_every=6, target_accuracy=0.5, **kw)
+    res = run_training(star, spec)
+    s = res.summary
+    assert s["correct"] and s["replicas_agree"], s
+    assert s["iterations"] == 12 and len(res.iterations) == 12
+    assert all(tuple(r)[-len(ITERATION_COLUMNS):] == ITERATION_COLUMNS for r in res.iterations)
+    assert s["final_accuracy"] > 0.5 and s["jct_s"] > 0 and s["model_comm_s"] > 0
+    # the hosts' interfaces saw at least what the algorithm sends: ring 2(n-1)/n of the
+    # gradient per host, INA all of it once, fp16 half of the ring's, THC a byte per element
+    per_host = {"ring": 1.5, "ina": 1.0, "ina+thc": 0.25, "ring+fp16": 0.75}[spec.label()]
+    assert min(r["bytes_on_wire"] for r in res.iterations) >= 4 * per_host * s["bytes"]
+    assert not leftovers()
+
+
+def test_trace_of_jobs_on_their_own_hosts(star):
+    specs = [TrainingSpec(name="a", algo="ring", hosts=[0, 1], iterations=15, job_id=3),
+             TrainingSpec(name="b", algo="ina", hosts=[2, 3], iterations=10, start_s=0.5,
+                          job_id=4)]
+    a, b = run_trace(star, specs)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert a.summary["hosts"] == "tbh1,tbh2" and b.summary["hosts"] == "tbh3,tbh4"
+    assert b.summary["start_s"] >= 0.5 > a.summary["start_s"]
+    assert a.summary["correct"] and b.summary["correct"]
+    assert {r["job"] for r in a.iterations} == {0} and len(b.iterations) == 10
+    with pytest.raises(ValueError, match=r"job 1 \(b\): .*host 1 is already used by job 0"):
+        run_trace(star, [specs[0], TrainingSpec(name="b", hosts=[1, 2], job_id=4)])
+    assert not leftovers()
