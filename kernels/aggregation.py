@@ -25,6 +25,11 @@ then a contribution (:func:`check_contribution`, :func:`find_member`, the slot c
 :func:`apply_contribution`) or a parent's RESULT (:func:`apply_parent_result`), then emits what
 the outcome asks for: RESULTs to members (:func:`build_result`), the partial sum to the parent
 (:func:`build_upward`), or the contribution forwarded to the host fallback (:func:`to_fallback`).
+
+Why one module this long: the burst step and every helper it calls are ``@njit`` functions
+compiled together, and Numba's on-disk cache keys a function on its own file only, so a helper
+moved to another file could leave a stale compiled caller behind; the sections below (state,
+checks, rounds, emissions, the Python class) keep it navigable.
 """
 
 from __future__ import annotations

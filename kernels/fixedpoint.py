@@ -64,6 +64,10 @@ The njit kernels assume finite input and, for SwitchML quantisation, ``max|x| <=
 ``quantize``, ``aggregate``, ``dequantize``, ``allreduce``, ``error_bound``,
 ``atp_quantize``, ``atp_aggregate``, ``atp_dequantize``) check dtypes, lengths, ``n`` and
 finiteness and raise ``TypeError``/``ValueError`` naming the parameter.
+
+Why one module this long: the block-floating-point kernels call each other inside ``@njit``
+code, and Numba's on-disk cache keys a function on its own file only (a callee in another file
+can leave a stale caller compiled); each kernel keeps its twin in ``kernels/reference``.
 """
 
 from __future__ import annotations

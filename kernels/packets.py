@@ -22,6 +22,10 @@ Per frame: byte readers/writers ``rd_*``/``wr_*``; ``header``/``header_at``; ``p
 ``set_ipv4_checksum``; ``set_payload_bytes``; ``swap_addresses``, ``set_addresses``;
 ``write_eth_ip_udp`` (the one Eth/IPv4/UDP builder) and ``build_frame``. Per batch:
 ``parse_batch`` and ``build_batch``. :func:`parse` and :func:`build` are validating wrappers.
+
+Why one module this long: every accessor and frame builder here is generated from, or written
+against, the one wire table and is called from other ``@njit`` code; keeping them in one file
+keeps Numba's per-file cache coherent and the wire knowledge in one place.
 """
 
 from __future__ import annotations

@@ -42,6 +42,10 @@ time. ``time_dilation="auto"`` starts at 1 and leaves the factor to a calibratio
 
 Leaving the ``with`` block - normally, by an exception, by KeyboardInterrupt or SIGTERM -
 stops everything and removes every interface named after our nodes.
+
+Why one module this long: :class:`TestbedNet` is the one way a network is built (demo, benches,
+tests and experiments alike); its set-up, shaping checks, data-path programs and teardown belong
+to that one owner.
 """
 
 from __future__ import annotations

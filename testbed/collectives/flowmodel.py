@@ -55,6 +55,10 @@ What dilation does not stretch is the emulator's own fixed cost per packet and p
 the measured hop latency carries: divided by f, it shrinks. A dilated run is therefore exact in
 its bandwidth terms and in every configured delay and timeout, and slightly optimistic in the
 per-packet software latency, which real switches do not have anyway.
+
+Why one module this long: each algorithm's phases are built on the same path solver and max-min
+rate allocation; one file keeps the model's single contract (topology description + spec ->
+time) and its algorithms side by side.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The process tree that runs one collective: ``python -m testbed.collectives.worker --job J``.
 
-Design (measured, see the E2 report): one *pool* process starts in the root namespace,
-imports numpy once, generates every rank's input into shared memory, then ``fork``s one child
-per rank (workers, then reduction servers). Each child ``setns``-es into its host's network
-namespace (``/proc/<host shell pid>/ns/net``), names itself ``tbw-<host>`` (servers
-``tbr-<host>``, a shared-mode job's host fallback aggregator ``tbf-<host>``) and dies with the pool (``PR_SET_PDEATHSIG``). A fork costs a few ms and
-shares the parent's pages, where a fresh interpreter per host costs 0.34 s / 31 MB (numpy) to
-1.3 s / 164 MB (numba + kernels) each, measured here. Measured set-up (pool start + fork +
-TCP connections) and memory (PSS of pool + children) for a ring of n workers: n=2 0.28 s /
-35 MB, n=8 0.39 s / 55 MB, n=32 0.61 s / 131 MB; INA (numba kernels loaded once) n=32
-2.3 s / 271 MB.
+Design (measured): one *pool* process starts in the root namespace, imports numpy once,
+generates every rank's input into shared memory, then ``fork``s one child per rank (workers,
+then reduction servers). Each child ``setns``-es into its host's network namespace
+(``/proc/<host shell pid>/ns/net``), names itself ``tbw-<host>`` (servers ``tbr-<host>``, a
+shared-mode job's host fallback aggregator ``tbf-<host>``) and dies with the pool
+(``PR_SET_PDEATHSIG``). A fork costs a few ms and shares the parent's pages, where a fresh
+interpreter per host costs 0.34 s / 31 MB (numpy) to 1.3 s / 164 MB (numba + kernels) each,
+measured here. Measured set-up (pool start + fork + TCP connections) and memory (PSS of pool +
+children) for a ring of n workers: n=2 0.28 s / 35 MB, n=8 0.39 s / 55 MB, n=32 0.61 s / 131 MB;
+INA (numba kernels loaded once) n=32 2.3 s / 271 MB.
 
 Control: one socketpair per child carrying JSON lines. Children report their listening port,
 get everyone's address, connect, report ready; for each repetition the pool takes the time,
@@ -18,6 +18,10 @@ Time of a repetition = last rank's finish - release. Outputs land directly in sh
 where the pool checks them against the numpy sum of the inputs. The pool writes
 ``result.json`` into the job folder; a failed or silent rank fails the run with a message
 naming it, and every child is killed and reaped before the pool exits.
+
+Why one module this long: the pool's whole process life cycle (fork, namespaces, control lines,
+fallback aggregators, CPU sampling, teardown) is here so that every exit path can be read
+together; the per-algorithm code lives in ``ring.py``, ``hd.py``, ``ina.py`` and ``server.py``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ cleanly; final counters go to ``--counters-out``.
 Stages are looked up by name in :data:`testbed.datapath.programs.STAGES` (``"module:Class"``
 strings, imported lazily) or given directly as ``"package.module:Class"``. A stage class is built with its settings as
 keyword arguments, plus ``ports=[names]`` if its ``__init__`` accepts ``ports`` (or ``**kw``).
+
+Why one module this long: it is the engine process (I/O loop, control socket, stage loading and
+the ``@njit`` routing of bursts into the TX rings, which Numba's per-file cache must see
+together with its callers).
 """
 
 from __future__ import annotations

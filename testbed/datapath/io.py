@@ -17,6 +17,10 @@ a 2-D ``uint8`` buffer (``Batch.buf``). Two implementations with one interface
 Sockets are bound to one interface with ``ETH_P_ALL``, put in promiscuous mode, and set to
 ignore their own transmissions (``PACKET_IGNORE_OUTGOING``), so a forwarding loop never sees
 the frames it sent.
+
+Why one module this long: both packet I/O back-ends (``sendmmsg``/``recvmmsg`` and PACKET_MMAP
+rings) with their ``@njit`` copy loops, which the engine calls per burst; their twins are in
+``testbed/datapath/reference/io.py``.
 """
 
 from __future__ import annotations

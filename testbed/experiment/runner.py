@@ -14,6 +14,10 @@ A network of an experiment with ``time_dilation = "auto"`` is calibrated once, r
 it is built, with the collectives its runs will do (:func:`testbed.collectives.dilation.
 calibrate`); the factor and the calibration runs are in the metadata (``networks``), the
 factor in every row (``time_dilation``).
+
+Why one module this long: the experiment life cycle (plan, networks, batches of concurrent jobs,
+training items, rows, teardown on errors and Ctrl-C) whose error paths must be read together;
+measurement helpers live in their own modules.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ Every expanded point is validated again, so a bad sweep value is reported under 
 and reports undilated times, so a machine whose CPU cannot keep up with the emulated links
 still measures the network (``testbed.collectives.dilation``); ``"auto"`` calibrates the
 smallest factor that keeps the runs below CPU saturation, once per network.
+
+Why one module this long: it is the experiment file format, one pydantic schema whose cross-
+field checks (jobs against the topology, sweeps against fields, plug-in names) need every model
+in view.
 """
 
 from __future__ import annotations
