@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 #: Which figure (index among a notebook's PNG outputs) the gallery shows; default 0.
-FIGURE = {"01_allreduce_vs_model": 1}  # its first figure is the model alone
+FIGURE = {"01_allreduce_vs_model": 1,  # its first figure is the model alone
+          "05_multitenant_offload": 1}  # the tenants (the first: trees)
 #: Terminal width the demo's table is rendered at.
 WIDTH = 100
 
