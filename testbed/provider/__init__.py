@@ -1,0 +1,1 @@
+"""The provider side: a fabric manager that plans offloads from tenant hints and telemetry."""

@@ -1,0 +1,120 @@
+"""What the tenant and the provider exchange: hints, plans, and the fabric snapshot.
+
+The tenant says what it knows about its job (:class:`Hints`, every field optional); the
+provider, which alone sees the fabric (:class:`FabricSnapshot`: inventory plus live
+telemetry), answers with an offload :class:`Plan` per job. A :class:`Policy` is the pluggable
+decision: jobs and snapshot in, plans out. These are plain pydantic models so that the HTTP
+service, the typed client, the experiment runner and the tests share one definition and one
+validation (a bad request is a 422 naming the field, before any state changes).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Version of the hints schema; a tenant sending another major version is refused (4xx).
+HINTS_VERSION = 1
+
+Tolerance = Literal["exact", "lossy", "lossy_ef"]
+PlanAlgo = Literal["ring", "hd", "rs", "ina", "nic"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Hints(_Strict):
+    """What a tenant may say about its job. Everything is optional: no hints still runs.
+
+    ``collective_bytes``: bytes allreduced per iteration (sum over the iteration's
+    collectives). ``iteration_s``/``compute_s``: iteration period or compute time between
+    collectives. ``tolerance``: ``"exact"`` (no lossy compression or trimming), ``"lossy"``
+    (within ``error_budget``, relative L2 error of one allreduce), ``"lossy_ef"`` (lossy with
+    error feedback, the tenant keeps the residual). ``priority``: larger first. ``deadline_s``:
+    wanted job completion time from arrival.
+    """
+
+    version: int = HINTS_VERSION
+    collective_bytes: int | None = Field(default=None, gt=0)
+    iterations: int | None = Field(default=None, gt=0)
+    iteration_s: float | None = Field(default=None, gt=0)
+    compute_s: float | None = Field(default=None, ge=0)
+    tolerance: Tolerance | None = None
+    error_budget: float | None = Field(default=None, gt=0, le=1)
+    priority: int = Field(default=0, ge=0, le=7)
+    deadline_s: float | None = Field(default=None, gt=0)
+
+
+class JobRequest(_Strict):
+    """A tenant's job as the provider sees it on admission: its hosts and optional hints."""
+
+    job: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    hosts: list[str] = Field(min_length=2, max_length=32)
+    hints: Hints = Hints()
+    lease_s: float = Field(default=30.0, gt=0, le=3600)
+
+
+class Plan(_Strict):
+    """The provider's offload decision for one job, applied by the workers at an iteration
+    boundary. ``tree``/``slots``/``mode`` map onto ``CollectiveSpec.placement``; ``slots`` is
+    per switch of ``tree``; ``compressor``/``compressor_params`` onto the spec's fields;
+    ``trim_head_bits`` None means no trimming. ``predicted_comm_s``: the model's communication
+    time per iteration. ``reason``: why this plan (logged with every change)."""
+
+    job: str
+    algo: PlanAlgo = "ring"
+    tree: Literal["single", "auto"] | list[str] | None = None
+    mode: Literal["static", "shared"] = "static"
+    slots: int = Field(default=0, ge=0)
+    compressor: str | None = None
+    compressor_params: dict = Field(default_factory=dict)
+    error_feedback: bool = False
+    trim_head_bits: int | None = Field(default=None, ge=1, le=32)
+    predicted_comm_s: float | None = None
+    reason: str = ""
+
+
+class SwitchState(_Strict):
+    """One programmable switch: aggregator memory configured and allocated, per job."""
+
+    name: str
+    memory_bytes: int = Field(ge=0)
+    allocated_bytes: dict[str, int] = Field(default_factory=dict)
+    programmable: bool = True
+
+
+class LinkState(_Strict):
+    """One directed link: its rate, and live telemetry (utilisation 0..1, queue, drops)."""
+
+    src: str
+    dst: str
+    rate_mbps: float = Field(gt=0)
+    utilisation: float = Field(default=0.0, ge=0)
+    queue_bytes: int = Field(default=0, ge=0)
+    drops: int = Field(default=0, ge=0)
+    trims: int = Field(default=0, ge=0)
+
+
+class FabricSnapshot(_Strict):
+    """What the provider sees at one instant: topology name, switches, links, and when."""
+
+    topology: str
+    time_s: float = 0.0
+    switches: list[SwitchState] = Field(default_factory=list)
+    links: list[LinkState] = Field(default_factory=list)
+    hosts: list[str] = Field(default_factory=list)
+
+
+class Policy(Protocol):
+    """A pluggable offload policy: one small class each (``tenant_only``, ``provider_only``,
+    ``cooperative``, ``oracle``). ``plan`` sees every admitted job and the snapshot and returns
+    a plan for each job (re-planning the running ones is allowed: the workers apply a changed
+    plan at their next iteration boundary)."""
+
+    name: str
+
+    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+        """Return one plan per job of ``jobs``."""
+        ...
