@@ -41,6 +41,7 @@ from testbed.collectives.report import Measured, make_row
 DATA_PORT = 41000  # the testbed UDP port: the data path recognises our header on it
 CTL_PORT = 41001
 NACK, DONE = b"NACK", b"DONE"
+BLIND_NACK_S = 1.0  # before the first frame arrives: grace, then re-ask this often
 JOB_ID = 7
 
 
@@ -105,6 +106,11 @@ def _sender(args) -> int:
 
 
 def _receiver(args) -> int:
+    # Bind first: the senders start at ``start_at`` whether or not this process has finished
+    # importing (a cold Numba cache can take longer than the head start under load).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.bind(("0.0.0.0", DATA_PORT))
     from testbed.kernels.trimming import decode
     from testbed.kernels.wire import HEADER_DTYPE, HEADER_LEN, MAGIC, Flags
 
@@ -115,9 +121,6 @@ def _receiver(args) -> int:
     total = np.zeros(args.count, np.float64)
     bound = np.zeros(args.count, np.float64)
     levels = (1 << args.bits) - 1
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    sock.bind(("0.0.0.0", DATA_PORT))
     ctl = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     got = trimmed = dups = nacks = resent = 0
     t_first = t_last = None
@@ -125,12 +128,19 @@ def _receiver(args) -> int:
     idle = args.idle_ms / 1000.0
     sock.settimeout(idle)
     remaining = len(ranks) * n_chunks
+    next_blind_nack = 0.0
     while remaining and time.time() < deadline:
         try:
             buf = sock.recv(4096)
         except TimeoutError:
             if t_first is None:
-                continue  # senders have not started yet (they may start late under load)
+                # Nothing yet: the senders may start late under load, or everything they sent
+                # before this socket existed is gone. After a grace period ask for it all
+                # again, at most every BLIND_NACK_S (a sender resends only what is named).
+                now = time.time()
+                if now < args.start_at + BLIND_NACK_S or now < next_blind_nack:
+                    continue
+                next_blind_nack = now + BLIND_NACK_S
             for r, miss in missing.items():
                 if miss:
                     idx = np.fromiter(sorted(miss), dtype="<u4")
