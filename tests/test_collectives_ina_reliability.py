@@ -21,9 +21,13 @@ def _rows(fn, *args) -> list[dict]:
 def test_matrix_exact_under_loss_duplication_reordering_star():
     """INA, INA + THC and the SmartNIC-offloaded variant: exact (or within THC's bound) and
     never hung, with each impairment alone and all together, at the aggregating switch."""
-    scenarios = [(0, 0, 0), (10, 0, 0), (0, 5, 0), (0, 0, 10), (10, 5, 10)]
-    rows = _rows(rel.matrix, "star4", list(rel.ALGOS), scenarios, MiB // 4)
-    assert len(rows) == len(scenarios) * len(rel.ALGOS)
+    # INA with each impairment alone and all together; its THC and SmartNIC variants (the
+    # same worker protocol) with all together. The full matrix is `testbed bench reliability`.
+    together = (10, 5, 10)
+    scenarios = [(10, 0, 0), (0, 5, 0), (0, 0, 10), together]
+    rows = _rows(rel.matrix, "star4", ["ina"], scenarios, MiB // 4)
+    rows += _rows(rel.matrix, "star4", ["ina+thc", "nic"], [together], MiB // 4)
+    assert [r["algo"] for r in rows] == ["ina"] * 4 + ["ina+thc", "nic"]
     bad = [r for r in rows if r["status"] != "ok"]
     assert not bad, bad
 

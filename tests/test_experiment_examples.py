@@ -34,6 +34,8 @@ def shrink(exp: Experiment) -> Experiment:
     for key in ("n_hosts", "n_senders"):
         if topo.get(key) and not data["training"]:  # training jobs name their hosts
             topo[key] = min(topo[key], 3)
+    if topo.get("kind") == "fat_tree" and not data["training"]:
+        topo["k"] = 2  # 5 switches and 2 hosts: the same tiers, a fifth of the start-up
     data["settle_s"] = min(data["settle_s"], 0.5)
     return parse_experiment(data, "shrunk example")
 

@@ -22,11 +22,11 @@ def star():
 
 
 def test_hooked_ddp_equals_gloo_ddp(star):
-    """The same model and batches, trained by plain gloo DDP and by DDP whose buckets go
-    through the testbed's ring (verified against gloo's allreduce of every bucket), INA and
-    the trimmed exchange:
-    every bucket agrees with gloo within float tolerance, and the accuracies agree."""
-    base = run_ddp(star, TorchJob(comm="gloo", iterations=40, eval_every=20))
+    """DDP whose buckets go through the testbed's ring, INA and the trimmed exchange: every
+    bucket is verified in the run against gloo's allreduce of the same bucket (``verify``),
+    so each run is the plain gloo DDP run step for step; the replicas stay identical and the
+    accuracies agree. (A separate plain-gloo run would only repeat what ``verify`` checks
+    bucket by bucket, at ~15 s of process start-up.)"""
     ring = run_ddp(star, TorchJob(comm="testbed", algo="ring", iterations=40, eval_every=20,
                                   verify=True, job_id=2))
     ina = run_ddp(star, TorchJob(comm="testbed", algo="ina", iterations=40, eval_every=20,
@@ -34,14 +34,13 @@ def test_hooked_ddp_equals_gloo_ddp(star):
     # no trim stage on this star: the trimmed exchange delivers every packet whole
     trim = run_ddp(star, TorchJob(comm="testbed", algo="trim", iterations=40, eval_every=20,
                                   verify=True, job_id=4))
-    for res in (base, ring, ina, trim):
+    for res in (ring, ina, trim):
         assert len({r["digest"] for r in res}) == 1  # DDP keeps the replicas identical
-    for res, rel in ((ring, 1e-6), (ina, 1e-6), (trim, 1e-6)):
         for r in res:
-            assert r["hook_calls"] >= 40 and r["max_rel_diff"] <= rel, r
-            assert abs(r["final_accuracy"] - base[0]["final_accuracy"]) <= 0.01
+            assert r["hook_calls"] >= 40 and r["max_rel_diff"] <= 1e-6, r
+            assert abs(r["final_accuracy"] - ring[0]["final_accuracy"]) <= 0.01
             assert r["comm_s"] > 0
-    assert base[0]["final_accuracy"] >= 0.9
+    assert ring[0]["final_accuracy"] >= 0.9
     assert not leftovers()
 
 
