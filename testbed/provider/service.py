@@ -580,20 +580,40 @@ class Server:
         self.stop()
 
 
-def make_service(topology, memory_bytes: int | dict[str, int], policy: str = "cooperative",
+def engine_memory(net) -> dict[str, int]:
+    """Static aggregator memory per switch of a running ``TestbedNet``, as its engines'
+    ``aggregate`` stages report it (configured minus the shared pool); switches without
+    that stage are left out."""
+    out = {}
+    for name, client in sorted(net.datapath_clients().items()):
+        agg = client.counters().get("stages", {}).get("aggregate")
+        if agg is not None:
+            mem = agg["memory"]
+            out[name] = int(mem["configured_bytes"]) - int(mem["pool_bytes"])
+    return out
+
+
+def make_service(topology, memory_bytes: int | dict[str, int] | None,
+                 policy: str = "cooperative",
                  net=None, telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
                  reap_period_s: float = DEFAULT_REAP_PERIOD_S,
                  clock: Callable[[], float] = time.monotonic) -> ProviderService:
     """A service for ``topology`` (a ``TestbedTopo``, a ``TestbedNet`` or a ``describe()``
     dict) whose programmable switches have ``memory_bytes`` of static aggregator memory each
-    (or per switch), planning with ``policy`` and the flow model. With ``net`` (a running
-    ``TestbedNet``) it collects telemetry from its engines and configures its switches."""
+    (or per switch; None: what the engines of ``net`` report, :func:`engine_memory`),
+    planning with ``policy`` and the flow model. With ``net`` (a running ``TestbedNet``) it
+    collects telemetry from its engines and configures its switches."""
     # Function-level import: the manager and policies load the flow model and its kernels.
     from testbed.provider.manager import inventory_of
     from testbed.provider.policies import PlanModel
 
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+    if memory_bytes is None:
+        if net is None:
+            raise ValueError("memory_bytes: give the switches' aggregator memory, or a running "
+                             "network (net=) whose engines report it")
+        memory_bytes = engine_memory(net)
     topo = getattr(topology, "topo", topology)
     desc = topo if isinstance(topo, dict) else topo.describe()
     inventory = inventory_of(desc, memory_bytes)
