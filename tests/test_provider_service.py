@@ -20,7 +20,7 @@ import pytest
 
 from testbed.provider.client import ProviderClient, ProviderRefused, ProviderUnreachable
 from testbed.provider.schema import FabricSnapshot, Hints, JobRequest, Plan
-from testbed.provider.service import Server, make_service
+from testbed.provider.service import Server, Telemetry, make_service
 from testbed.topologies import Star
 
 MEMORY = 1 << 20  # aggregator bytes per programmable switch: room for several INA jobs
@@ -243,7 +243,7 @@ def test_tenant_in_host_reaches_provider_not_switch(tmp_path):
     switch's memory is back within the lease."""
     from testbed.topologies.net import TestbedNet
 
-    lease = 4.0
+    lease = 8.0
     with TestbedNet(_topo(2)) as net:
         h1, s1 = net.hosts[0], net.mininet.get("tbs1")
         svc = make_service(net, MEMORY, policy="provider_only", net=net,
@@ -269,6 +269,16 @@ def test_tenant_in_host_reaches_provider_not_switch(tmp_path):
                 if alloc.get(str(reg["job_id"])):
                     break
                 assert time.monotonic() < deadline, snap
+            # link telemetry: traffic h1 -> h2 between two collections shows on both hops
+            tel = Telemetry(net.topo.describe(), {"tbs1": MEMORY})
+            tel.collect()
+            h1.cmd("ping -q -c 40 -i 0.01 -s 1400", net.hosts[1].IP())
+            links = {(lk.src, lk.dst): lk for lk in tel.collect().links}
+            tel.close()
+            assert links[("tbh1", "tbs1")].utilisation > 0
+            assert links[("tbs1", "tbh2")].utilisation > 0
+            assert set(links) == {("tbh1", "tbs1"), ("tbs1", "tbh1"), ("tbh2", "tbs1"),
+                                  ("tbs1", "tbh2")}
             # the tenant is gone (it never renews): the job leaves the switch within its lease
             t0 = time.monotonic()
             while str(reg["job_id"]) in s1.client().counters()["stages"]["aggregate"]["jobs"]:

@@ -229,7 +229,8 @@ class SwitchConfigurator:
     :meth:`sync` after every change: a job whose plan is in-network aggregation (``ina`` or
     ``nic`` with a tree) is registered on its tree switches with its members and a static or
     shared slot partition (``testbed.collectives.runner.register_ina_job``, the same control
-    plane the collective runner uses); a job whose INA plan changed is registered again; a
+    plane the collective runner uses); a job whose INA configuration changed is registered
+    again (a new prediction or reason alone leaves it alone); a
     job that left or no longer aggregates in the network is removed from its switches.
     :attr:`registrations` holds, per job, what its workers need to take part (job id, UDP
     port, member ids, aggregator address), served by ``GET /v1/jobs/{job}``. A registration
@@ -255,7 +256,8 @@ class SwitchConfigurator:
         job table, for the hosts)."""
         for job in list(self.handles):
             plan = plans.get(job)
-            if plan is None or not _in_network(plan) or plan != self.handles[job][0]:
+            if plan is None or not _in_network(plan) or \
+                    _switch_config(plan) != _switch_config(self.handles[job][0]):
                 self._remove(job)
         for job, plan in plans.items():
             if _in_network(plan) and job not in self.handles:
@@ -310,6 +312,11 @@ class SwitchConfigurator:
 
 def _in_network(plan: Plan) -> bool:
     return plan.algo in ("ina", "nic") and plan.tree is not None
+
+
+def _switch_config(plan: Plan) -> dict:
+    """What of a plan the switches hold (a new prediction or reason changes nothing there)."""
+    return plan.model_dump(exclude={"reason", "predicted_comm_s"})
 
 
 # ---------------------------------------------------------------------------------------------
