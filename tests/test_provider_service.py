@@ -289,3 +289,52 @@ def test_tenant_in_host_reaches_provider_not_switch(tmp_path):
             with ProviderClient(srv.url) as pc:
                 assert pc.jobs() == {} and pc.memory()["tbs1"]["allocated"] == {}
 
+
+
+def test_cli_serve_and_ask(tmp_path):
+    """``testbed provider serve FILE --no-network`` serves the file's topology until SIGTERM
+    (exit 0, socket gone); ``status``, ``jobs`` and ``plan`` answer from it, in JSON and as
+    tables, and name the address when nothing serves."""
+    import os
+    import signal
+
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    exp = tmp_path / "fabric.toml"
+    exp.write_text('name = "fabric"\n[topology]\nkind = "star"\nn_hosts = 4\nbw_mbps = 100\n'
+                   'switch = "programmable"\naggregator = "tbs1"\n'
+                   '[[jobs]]\nname = "x"\nalgo = "ring"\nnbytes = "1MiB"\n')
+    sock = tmp_path / "p.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "provider", "serve", str(exp),
+                             "--no-network", "--socket", str(sock), "--policy", "provider_only",
+                             "--memory-bytes", str(MEMORY)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        addr = ["--address", f"unix:{sock}"]
+        cli = CliRunner()
+        deadline = time.monotonic() + 60
+        while cli.invoke(app, ["provider", "status", *addr]).exit_code != 0:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the service did not come up"
+            time.sleep(0.2)
+        with ProviderClient(f"unix:{sock}") as pc:
+            pc.admit(_req("j1", ["tbh1", "tbh2"], collective_bytes=1 << 20))
+        r = cli.invoke(app, ["provider", "jobs", "--json", *addr])
+        assert r.exit_code == 0 and json.loads(r.stdout)["j1"]["plan"]["algo"] == "ina"
+        r = cli.invoke(app, ["provider", "plan", "j1", *addr])
+        assert r.exit_code == 0 and "first come" in r.stdout
+        r = cli.invoke(app, ["provider", "plan", "--policy", "tenant_only", "--json", *addr])
+        assert json.loads(r.stdout)["plans"]["j1"]["algo"] == "ring"
+        r = cli.invoke(app, ["provider", "status", *addr])
+        assert r.exit_code == 0 and "provider_only" in r.stdout and "tbs1" in r.stdout
+        r = cli.invoke(app, ["provider", "plan", "nope", *addr])
+        assert r.exit_code == 1 and "404" in r.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert not os.path.exists(sock)
+    r = CliRunner().invoke(app, ["provider", "jobs", "--address", f"unix:{sock}"])
+    assert r.exit_code == 1 and "p.sock" in r.stderr
