@@ -243,7 +243,7 @@ def test_tenant_in_host_reaches_provider_not_switch(tmp_path):
     switch's memory is back within the lease."""
     from testbed.topologies.net import TestbedNet
 
-    lease = 8.0
+    lease = 5.0
     with TestbedNet(_topo(2)) as net:
         h1, s1 = net.hosts[0], net.mininet.get("tbs1")
         svc = make_service(net, MEMORY, policy="provider_only", net=net,
