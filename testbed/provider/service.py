@@ -111,13 +111,11 @@ class Telemetry:
     :attr:`errors` and contributes nothing (its links read as idle).
     """
 
-    def __init__(self, desc: dict, memory_bytes: dict[str, int],
-                 client_factory: Callable[[str], Any] = DatapathClient):
+    def __init__(self, desc: dict, memory_bytes: dict[str, int]):
         self.desc = desc
         self.memory_bytes = dict(memory_bytes)
         self.nodes = sorted(desc.get("programmable", []))
         self.ports = _port_map(desc)
-        self._factory = client_factory
         self._clients: dict[str, Any] = {}
         self._prev: dict[str, tuple[float, dict]] = {}
         self.errors: dict[str, str] = {}
@@ -128,7 +126,7 @@ class Telemetry:
         c = self._clients.get(node)
         try:
             if c is None:
-                c = self._clients[node] = self._factory(node)
+                c = self._clients[node] = DatapathClient(node)
             data = c.counters()
         except (ControlError, OSError) as e:
             self._clients.pop(node, None)
