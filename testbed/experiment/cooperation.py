@@ -60,6 +60,8 @@ from testbed.workloads.spec import TrainingSpec
 #: Aggregator memory of a switch and its shared pool when the topology does not say (the
 #: data path's defaults: 16 MiB, a quarter of it shared).
 DEFAULT_MEMORY = 16 << 20
+#: How long a run waits for another testbed network to finish (a shared machine).
+LOCK_WAIT_S = 3600.0
 
 
 class CoopJob(BaseModel):
@@ -349,7 +351,8 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
             "cpu_model": results.cpu_model(), "python": platform.python_version(),
             "uptime_before": _uptime(), "in_process_manager": True}
     t0 = time.monotonic()
-    with emulation_lock():
+    say("waiting for the emulation lock (one network at a time on this machine) ...")
+    with emulation_lock(timeout=LOCK_WAIT_S):
         meta["lock_wait_s"] = round(time.monotonic() - t0, 2)
         t0 = time.monotonic()
         with build_network(exp) as net:
