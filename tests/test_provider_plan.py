@@ -11,6 +11,7 @@ from testbed.provider.manager import (
     BadRequest,
     Conflict,
     FabricManager,
+    NoFeasiblePlan,
     UnknownJob,
     inventory_of,
 )
@@ -23,7 +24,7 @@ from testbed.provider.policies import (
     make_policy,
     plan_memory,
 )
-from testbed.provider.schema import Hints, JobRequest, LinkState
+from testbed.provider.schema import Hints, JobRequest, LinkState, Plan
 from testbed.topologies import make_topology
 
 KIB = 1024
@@ -216,3 +217,22 @@ def test_drops_count_as_congestion(topo, model):
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="choose one of"):
         make_policy("greedy")
+
+
+class _Greedy:
+    """A policy that puts every job on the spine, memory or not (the manager must refuse)."""
+
+    name = "greedy"
+
+    def plan(self, jobs, snapshot):
+        return {j.job: Plan(job=j.job, algo="ina", tree=["tbsp1"], slots=32) for j in jobs}
+
+
+def test_infeasible_plans_are_refused_with_nothing_changed(topo, model):
+    fm = FabricManager(_inv(topo), _Greedy(), model)
+    fm.admit(SMALL, now=0)
+    before = _state(fm)
+    with pytest.raises(NoFeasiblePlan, match="tbsp1") as e:
+        fm.admit(BIG, now=1)  # 2 x 64 KiB > 96 KiB on the spine
+    assert e.value.status == 503 and _state(fm) == before
+    assert fm.plans()["small"].predicted_comm_s > 0  # the manager filled in the model's time
