@@ -471,7 +471,13 @@ def create_app(service: ProviderService) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201)
     def admit(req: JobRequest) -> Plan:
-        return service.call(lambda m, now: m.admit(req, now))
+        def do(m: FabricManager, now: float) -> Plan:
+            plan = m.admit(req, now)
+            # the lease runs from the answer: planning may take seconds (a policy that
+            # measures compressors compiles their kernels on first use)
+            m.renew(req.job, service.clock())
+            return plan
+        return service.call(do)
 
     @app.get("/v1/jobs/{job}")
     def job(job: JobName) -> dict:
