@@ -338,3 +338,31 @@ def test_cli_serve_and_ask(tmp_path):
     assert not os.path.exists(sock)
     r = CliRunner().invoke(app, ["provider", "jobs", "--address", f"unix:{sock}"])
     assert r.exit_code == 1 and "p.sock" in r.stderr
+
+
+def test_telemetry_reads_each_direction_at_the_right_port():
+    """On a leaf-spine whose switches are all programmable, every direction of every link is
+    measured at its source's egress port; with only the leaves programmable, the
+    leaf -> spine direction at the leaf's egress and spine -> leaf at the leaf's ingress."""
+    from testbed.provider.service import _port_map
+    from testbed.topologies import make_topology
+
+    kw = {"leaves": 2, "spines": 2, "hosts_per_leaf": 2, "bw_mbps": 100}
+    desc = make_topology("leaf_spine", switch="programmable", **kw).describe()
+    ports = _port_map(desc)
+    assert len(ports) == 2 * len(desc["links"])
+    for spec in desc["links"]:
+        for src, dst, port in ((spec["a"], spec["b"], spec["port_a"]),
+                               (spec["b"], spec["a"], spec["port_b"])):
+            if src in desc["programmable"]:
+                assert ports[(src, dst)][:2] == (src, f"{src}-eth{port}")
+    leaves = [s for s, role in desc["switches"].items() if role == "leaf"]
+    desc2 = make_topology("leaf_spine", switch=leaves, **kw).describe()
+    assert sorted(desc2["programmable"]) == sorted(leaves)
+    ports2 = _port_map(desc2)
+    for spec in desc2["links"]:
+        a, b = spec["a"], spec["b"]
+        if {a, b} & set(leaves) and not {a, b} <= set(leaves):
+            leaf = a if a in leaves else b
+            port = spec["port_a"] if leaf == a else spec["port_b"]
+            assert ports2[(a, b)][:2] == ports2[(b, a)][:2] == (leaf, f"{leaf}-eth{port}")
