@@ -28,7 +28,8 @@ CASES = {
                                      "CONFIGS": ["ring", "ina"], "TRACE_ITERATIONS": 6,
                                      "TRACE_STARTS": [0.0, 0.3]}, 3),
     "07_tenant_provider_cooperation": ({"POLICIES": ["tenant_only", "cooperative"],
-                                        "ITERATIONS": 4, "RUN_NO_HELP": False}, 1),
+                                        "ITERATIONS": 4, "REPEATS": 1,
+                                        "RUN_NO_HELP": False}, 1),
 }
 
 

@@ -28,7 +28,10 @@ the model's ideal JCT: iterations x (compute + the fastest candidate plan's comm
 alone on the fabric)), switch memory utilisation over time (``mem_series``: trace time and
 the allocated share of the static memory) and its time-weighted mean, bytes on core links
 (rx + tx at the spine switches' ports: every byte that crossed a leaf-spine link, counted
-once per link), and whether any job was CPU-bound.
+once per link), and whether any job was CPU-bound. With ``repeats`` > 1 the trace runs that
+many times per policy (interleaved, so a change in the machine's load hits every policy),
+every row carries its ``repeat``, and one ``row = "overall"`` per policy gives the median
+(and min, max) of the summary figures over the repeats.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class CooperationExperiment(BaseModel):
     seed: int = Field(0, ge=0)
     time_dilation: float = Field(1.0, ge=1, le=100)
     lease_s: float = Field(3600.0, gt=0, le=3600)
+    repeats: int = Field(1, ge=1, le=20, description="runs of the trace per policy "
+                         "(interleaved: repeat 0 of every policy, then repeat 1, ...)")
     policies: list[str] = Field(default_factory=lambda: list(POLICIES), min_length=1)
     topology: TopologySpec
     jobs: list[CoopJob] = Field(min_length=1)
@@ -304,6 +309,7 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             "slowdown": s["jct_s"] / ideal if ideal and s.get("jct_s") else None,
             **{k: s.get(k) for k in ("iterations", "comm_s", "iter_s", "model_comm_s",
                                      "comm_fraction", "bytes", "correct", "cpu_bound",
+                                     "cpu_util", "cpu_wait", "cpu_max", "cpu_engine",
                                      "start_s", "end_s", "time_dilation", "error")},
             "status": "error" if s.get("error") else "ok",
         })
@@ -374,12 +380,33 @@ def _run_policies(exp: CooperationExperiment, net, meta: dict, rows: list, logs:
     model = PlanModel(net.topo, hop_latency_s=hop)
     inv = inventory_of(net.topo, static_memory(exp.topology))
     meta.update(hop_latency_s=hop, describe=net.describe())
-    for policy in exp.policies:
-        t0 = time.monotonic()
-        jobs, summary, log = run_policy(exp, policy, net, model, inv, say)
-        summary["wall_s"] = round(time.monotonic() - t0, 2)
-        rows += jobs + [summary]
-        logs += log
+    summaries: dict[str, list[dict]] = {p: [] for p in exp.policies}
+    for rep in range(exp.repeats):
+        for policy in exp.policies:
+            t0 = time.monotonic()
+            jobs, summary, log = run_policy(exp, policy, net, model, inv, say)
+            summary["wall_s"] = round(time.monotonic() - t0, 2)
+            for r in jobs + [summary] + log:
+                r["repeat"] = rep
+            rows += jobs + [summary]
+            logs += log
+            summaries[policy].append(summary)
+    if exp.repeats > 1:
+        rows += [overall(p, s) for p, s in summaries.items()]
+
+
+def overall(policy: str, summaries: list[dict]) -> dict:
+    """One row per policy over its repeats: the median (and spread) of each summary figure."""
+    out: dict = {"row": "overall", "policy": policy, "job": None, "repeats": len(summaries)}
+    for k in ("mean_jct_s", "p99_jct_s", "jain_slowdown", "mem_util_mean", "core_bytes"):
+        xs = [s[k] for s in summaries if s.get(k) is not None]
+        out[k] = float(np.median(xs)) if xs else None
+        out[f"{k}_min"] = min(xs) if xs else None
+        out[f"{k}_max"] = max(xs) if xs else None
+    out["all_accurate"] = all(s["all_accurate"] for s in summaries)
+    out["failed"] = sum(s["failed"] for s in summaries)
+    out["cpu_bound_runs"] = sum(bool(s["cpu_bound"]) for s in summaries)
+    return out
 
 
 def _uptime() -> str:
@@ -433,11 +460,15 @@ def run_file(path, out=None, json_out: bool = False,
 
 
 def table(rows: list[dict]) -> str:
-    """Plain-text tables: the jobs, then one line per policy."""
+    """Plain-text tables: the jobs, then one line per policy run (and the medians over the
+    repeats)."""
     def f(v, spec=".3g"):
         return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
-    lines = [f"{'policy':<14}{'job':<14}{'plan':<26}{'jct_s':>8}{'tta_s':>8}{'acc':>7}"
+    def name(r):
+        return r["policy"] + (f" #{r['repeat']}" if r.get("repeat") else "")
+
+    lines = [f"{'policy':<17}{'job':<14}{'plan':<24}{'jct_s':>8}{'tta_s':>8}{'acc':>7}"
              f"{'target':>7}{'cpu':>5}"]
     for r in rows:
         if r["row"] != "job":
@@ -445,17 +476,20 @@ def table(rows: list[dict]) -> str:
         plan = (r["algo"] or "-") + (f"+{r['compressor']}" if r["compressor"] else "") + (
             "+ef" if r["error_feedback"] else "") + (
             f"@{len(r['tree'])}sw" if isinstance(r["tree"], list) else "")
-        lines.append(f"{r['policy']:<14}{r['job']:<14}{plan:<26}{f(r['jct_s']):>8}"
+        lines.append(f"{name(r):<17}{r['job']:<14}{plan:<24}{f(r['jct_s']):>8}"
                      f"{f(r['tta_s']):>8}{f(r['final_accuracy']):>7}"
                      f"{f(r['target_accuracy']):>7}{'yes' if r['cpu_bound'] else 'no':>5}")
     lines.append("")
-    lines.append(f"{'policy':<14}{'mean_jct':>9}{'p99_jct':>9}{'jain':>7}{'mem_util':>9}"
+    lines.append(f"{'policy':<24}{'mean_jct':>9}{'p99_jct':>9}{'jain':>7}{'mem_util':>9}"
                  f"{'core_MB':>9}{'accurate':>9}{'cpu':>5}")
     for r in rows:
-        if r["row"] == "summary":
-            core = None if r["core_bytes"] is None else r["core_bytes"] / 1e6
-            lines.append(f"{r['policy']:<14}{f(r['mean_jct_s']):>9}{f(r['p99_jct_s']):>9}"
-                         f"{f(r['jain_slowdown'], '.3f'):>7}{f(r['mem_util_mean'], '.2f'):>9}"
-                         f"{f(core):>9}{str(r['all_accurate']):>9}"
-                         f"{'yes' if r['cpu_bound'] else 'no':>5}")
+        if r["row"] not in ("summary", "overall"):
+            continue
+        core = None if r["core_bytes"] is None else r["core_bytes"] / 1e6
+        label = f"{r['policy']} (median)" if r["row"] == "overall" else name(r)
+        cpu = (f"{r['cpu_bound_runs']}/{r['repeats']}" if r["row"] == "overall"
+               else "yes" if r["cpu_bound"] else "no")
+        lines.append(f"{label:<24}{f(r['mean_jct_s']):>9}{f(r['p99_jct_s']):>9}"
+                     f"{f(r['jain_slowdown'], '.3f'):>7}{f(r['mem_util_mean'], '.2f'):>9}"
+                     f"{f(core):>9}{str(r['all_accurate']):>9}{cpu:>5}")
     return "\n".join(lines)
