@@ -25,6 +25,11 @@ switch_app = typer.Typer(
          "testbed switch NODE counters|config|jobs|reset-job JOB|trace [--json].",
     no_args_is_help=True)
 app.add_typer(switch_app, name="switch")
+provider_app = typer.Typer(
+    help="The fabric manager: serve it over a network, or ask it about jobs, plans and "
+         "telemetry: testbed provider serve FILE | status | jobs | plan [JOB] [--policy P].",
+    no_args_is_help=True)
+app.add_typer(provider_app, name="provider")
 
 OUT_HELP = ("results root: a folder <name>-<time>/ is created in it (default: $TESTBED_RESULTS, "
             "else results/ of the checkout, else ~/testbed-results)")
@@ -199,6 +204,75 @@ def switch_trace(ctx: typer.Context,
                  json_out: bool = JSON_OPT) -> None:
     """The next frames through the node, decoded, with what the program did to each."""
     _switch_verb(ctx, "trace", json_out, count=count, timeout=timeout)
+
+
+# -- testbed provider serve|status|jobs|plan ------------------------------------------------------
+
+ADDRESS_OPT = typer.Option(None, "--address", help="the service: unix:PATH or http://HOST:PORT "
+                           "(default $TESTBED_PROVIDER, else unix:/run/testbed/provider.sock)")
+
+
+@provider_app.command("serve")
+def provider_serve(
+    file: str = typer.Argument(..., help="experiment file whose topology (and programs) to serve"),
+    point: int = typer.Option(0, help="which sweep point's network (0-based)"),
+    policy: str = typer.Option("cooperative", help="tenant_only, provider_only, cooperative "
+                               "or oracle"),
+    memory_bytes: int = typer.Option(None, help="static aggregator memory per programmable "
+                                     "switch (default: what the switches' engines report; without a "
+                                     "network, the data path's default)"),
+    socket: str = typer.Option(None, help="Unix socket to serve on (default "
+                               "/run/testbed/provider.sock)"),
+    port: int = typer.Option(None, help="serve on TCP 127.0.0.1:PORT instead of a socket"),
+    telemetry_period: float = typer.Option(1.0, help="seconds between telemetry collections"),
+    network: bool = typer.Option(True, "--network/--no-network",
+                                 help="build the network (telemetry, switches) or only plan"),
+) -> None:
+    """Build the file's network and run the fabric manager on it until Ctrl-C."""
+    from testbed.provider import ctl
+    from testbed.provider.service import DEFAULT_SOCKET
+
+    raise typer.Exit(ctl.serve(file, point=point, policy=policy, memory_bytes=memory_bytes,
+                               socket_path=socket or DEFAULT_SOCKET, port=port,
+                               telemetry_period_s=telemetry_period, network=network))
+
+
+def _provider_verb(verb: str, json_out: bool, *args) -> None:
+    from testbed.provider import ctl
+
+    try:
+        data = getattr(ctl, verb)(*args)
+    except ctl.CtlError as e:
+        print(f"testbed provider {verb}: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if json_out:
+        ctl.dump(data)
+    else:
+        getattr(ctl, f"render_{verb}")(data)
+
+
+PJSON_OPT = typer.Option(False, "--json", help="print the service's answer as JSON")
+
+
+@provider_app.command("status")
+def provider_status(address: str = ADDRESS_OPT, json_out: bool = PJSON_OPT) -> None:
+    """Policy, switch memory, busiest links and telemetry errors."""
+    _provider_verb("status", json_out, address)
+
+
+@provider_app.command("jobs")
+def provider_jobs(address: str = ADDRESS_OPT, json_out: bool = PJSON_OPT) -> None:
+    """Admitted jobs: hosts, lease left, plan, predicted communication time."""
+    _provider_verb("jobs", json_out, address)
+
+
+@provider_app.command("plan")
+def provider_plan(job: str = typer.Argument(None, help="the job whose plan to show"),
+                  policy: str = typer.Option(None, help="dry run: the plans this policy would "
+                                             "give every admitted job now"),
+                  address: str = ADDRESS_OPT, json_out: bool = PJSON_OPT) -> None:
+    """A job's current plan, or a dry run of another policy."""
+    _provider_verb("plan", json_out, address, job, policy)
 
 
 # -- benchmarks -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``testbed switch NODE VERB``: talk to a running programmable node (switch or SmartNIC).
 
-The client of the data-path engine's control channel (:class:`DatapathClient`, a Unix socket
-per node under the run directory), for a network started with ``testbed up`` or any other
+The client of the data-path engine's control channel (:class:`DatapathClient`, an abstract
+Unix socket per node in the root network namespace: run it from there, not inside a host), for a network started with ``testbed up`` or any other
 running one. The command-line counterpart of BMv2's ``simple_switch_CLI``:
 
 * ``counters``: per-port packets/bytes/drops, drops by reason, every stage's counters, CPU;
@@ -17,7 +17,6 @@ Each verb prints rich tables, or the engine's JSON answer with ``--json``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient
+from testbed.datapath.control import ControlError, DatapathClient, control_address
 
 VERBS = ("counters", "config", "jobs", "reset-job", "trace")
 
@@ -35,10 +34,21 @@ class SwitchError(RuntimeError):
 
 
 def _running_nodes() -> list[str]:
+    """Nodes whose engine listens on its control address in this network namespace."""
+    prefix = control_address("")[:-len(".sock")]
+    found = set()
     try:
-        return sorted(f[:-5] for f in os.listdir(RUN_DIR) if f.endswith(".sock"))
+        with open("/proc/net/unix") as fh:
+            next(fh, None)
+            for line in fh:
+                fields = line.split()
+                # Flags 00010000: a listening socket; the path column holds '@name' if abstract
+                if len(fields) >= 8 and int(fields[3], 16) & 0x10000 and \
+                        fields[7].startswith(prefix) and fields[7].endswith(".sock"):
+                    found.add(fields[7][len(prefix):-len(".sock")])
     except OSError:
-        return []
+        pass
+    return sorted(found)
 
 
 def client(node: str) -> DatapathClient:

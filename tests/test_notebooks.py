@@ -27,6 +27,9 @@ CASES = {
     "06_training_over_the_fabric": ({"N_HOSTS": 3, "HIDDEN": 32, "ITERATIONS": 6,
                                      "CONFIGS": ["ring", "ina"], "TRACE_ITERATIONS": 6,
                                      "TRACE_STARTS": [0.0, 0.3]}, 3),
+    "07_tenant_provider_cooperation": ({"POLICIES": ["tenant_only", "cooperative"],
+                                        "ITERATIONS": 4, "REPEATS": 1,
+                                        "RUN_NO_HELP": False}, 1),
 }
 
 

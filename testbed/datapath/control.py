@@ -1,8 +1,17 @@
 """Control channel of a data-path engine: JSON lines over a Unix socket.
 
-The engine listens on ``/run/testbed/<node>.sock`` (a path socket, so it is reachable from the
-root namespace although the engine runs inside the node's network namespace). One request per
-line, one response per line::
+A node's engine listens on the *abstract* Unix socket ``@/run/testbed/<node>.sock`` (no file:
+the name lives in a network namespace's own table of abstract sockets). The node creates the
+listening socket in the root network namespace, where the orchestrator and the provider run,
+and hands it to its engine, which runs inside the node's namespace (:func:`listen`). So the
+provider side (collective runners, ``testbed switch``, the fabric manager, tests) reaches
+every switch, while tenant code inside an emulated host, which runs in the host's own network
+namespace, cannot: a path socket under the shared run directory would be reachable from every
+host, since hosts share the file system. A client that is refused from another namespace gets
+an error that says so (:class:`DatapathClient`). An engine started by hand may still listen
+on a path (``control_socket`` with a ``/`` and no leading ``@``).
+
+One request per line, one response per line::
 
     {"cmd": "counters"}                                   -> {"ok": true, "result": {...}}
     {"cmd": "configure", "stage": "aggregate", "settings": {"jobs": {"1": {...}}}}
@@ -18,6 +27,7 @@ data path). :class:`DatapathClient` is the Python client.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -25,11 +35,72 @@ import threading
 import time
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
+#: an address starting with this is an abstract Unix socket name (Linux), not a file
+ABSTRACT = "@"
 
 
 def socket_path(node: str) -> str:
-    """Control socket path of ``node``."""
+    """The name of ``node``'s control socket (under the run directory; see
+    :func:`control_address` for the address engines actually listen on)."""
     return os.path.join(RUN_DIR, f"{node}.sock")
+
+
+def control_address(node: str) -> str:
+    """Control address of ``node``: the abstract socket ``@<socket_path(node)>``."""
+    return ABSTRACT + socket_path(node)
+
+
+def _sockaddr(address: str) -> str:
+    """What ``bind``/``connect`` take for ``address`` (abstract names start with a NUL)."""
+    return "\0" + address[len(ABSTRACT):] if address.startswith(ABSTRACT) else address
+
+
+def netns_id() -> str:
+    """This process's network namespace (``net:[inode]``), or "" where /proc cannot tell."""
+    try:
+        return os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+
+
+def listening_elsewhere(node: str) -> bool:
+    """Whether ``node`` runs (its engine config is in the run directory) with its control
+    socket in another network namespace than this process's: the caller is inside a host."""
+    try:
+        with open(os.path.join(RUN_DIR, f"{node}.json")) as fh:
+            where = json.load(fh).get("control_netns")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(where) and where != netns_id()
+
+
+def listen(address: str, backlog: int = 8) -> socket.socket:
+    """A listening Unix socket on ``address`` (abstract ``@name`` or a path), created in the
+    calling process's network namespace. :class:`RuntimeError` if another engine holds it;
+    a stale path socket of a crashed engine is replaced."""
+    if not address.startswith(ABSTRACT):
+        os.makedirs(os.path.dirname(address) or ".", exist_ok=True)
+        if os.path.exists(address):
+            # a stale socket from a crashed engine of the same node: nothing listens on it
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(address)
+                raise RuntimeError(f"another engine already listens on {address}")
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(address)
+            finally:
+                probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(_sockaddr(address))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise RuntimeError(f"another engine already listens on {address} (stop it, or "
+                               "run 'testbed cleanup' after a crash)") from None
+        raise
+    sock.listen(backlog)
+    return sock
 
 
 class ControlError(RuntimeError):
@@ -37,25 +108,16 @@ class ControlError(RuntimeError):
 
 
 class ControlServer:
-    """Non-blocking JSON-lines server; the engine polls :meth:`fds` and calls :meth:`handle`."""
+    """Non-blocking JSON-lines server; the engine polls :meth:`fds` and calls :meth:`handle`.
 
-    def __init__(self, path: str):
+    ``path``: the address to listen on (abstract ``@name`` or a file path); ``fd``: a socket
+    that already listens on it, inherited from the parent (see :func:`listen`), used instead
+    of binding here.
+    """
+
+    def __init__(self, path: str, fd: int | None = None):
         self.path = path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if os.path.exists(path):
-            # a stale socket from a crashed engine of the same node: nothing listens on it
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-                probe.close()
-                raise RuntimeError(f"another engine already listens on {path}")
-            except (ConnectionRefusedError, FileNotFoundError):
-                os.unlink(path)
-            finally:
-                probe.close()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(8)
+        self.sock = (socket.socket(fileno=fd) if fd is not None else listen(path))
         self.sock.setblocking(False)
         self.clients: dict[int, tuple[socket.socket, bytearray]] = {}
 
@@ -119,19 +181,22 @@ class ControlServer:
         for fd in list(self.clients):
             self._drop(fd)
         self.sock.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if not self.path.startswith(ABSTRACT):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 class DatapathClient:
-    """Client of a running engine: ``DatapathClient("tbs1")`` or a socket path."""
+    """Client of a running engine: ``DatapathClient("tbs1")`` (its abstract control address,
+    reachable from the root network namespace only), an address ``"@name"`` or a socket path.
+    """
 
     def __init__(self, node_or_sock_path: str, timeout: float = 10.0):
         path = node_or_sock_path
         if "/" not in path:
-            path = socket_path(path)
+            path = control_address(path)
         self.path = path
         self.timeout = timeout
         self._sock: socket.socket | None = None
@@ -143,9 +208,16 @@ class DatapathClient:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self.timeout)
             try:
-                s.connect(self.path)
+                s.connect(_sockaddr(self.path))
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()
+                if self.path.startswith(ABSTRACT) and listening_elsewhere(self.node):
+                    raise ControlError(
+                        f"switch control channel {self.path} is not reachable from this "
+                        "network namespace: data-path engines are configured only from the "
+                        "provider's (root) namespace, not by tenant code inside an emulated "
+                        "host; ask the provider service for a plan instead (see "
+                        "docs/provider.md)") from None
                 raise ControlError(f"no engine listening on {self.path}; is the node started?")\
                     from None
             self._sock = s

@@ -11,7 +11,13 @@ Config (JSON)::
      "programs": [{"name": "aggregate", "settings": {"jobs": {"1": {"n_workers": 4,
                                                                    "slots": 64}}}},
                   ["forward", {"learn": true}]],
-     "flood_ports": null, "rx_burst": 256, "control_socket": "/run/testbed/tbs1.sock"}
+     "flood_ports": null, "rx_burst": 256, "control_socket": "@/run/testbed/tbs1.sock",
+     "control_fd": 3}
+
+``control_socket`` is the control channel's address (``testbed.datapath.control``: an
+abstract name ``@...`` or a path); ``control_fd``, when given, is a socket already listening
+on it that the parent created in the root network namespace and passed down, so that the
+channel is reachable from the provider's namespace only.
 
 Loop: poll the ports (timeout bounded by the stages' ``next_deadline_ns``), receive up to
 ``rx_burst`` frames from all ports into one :class:`Batch` with ``recvmmsg``, run the stages in
@@ -221,6 +227,9 @@ class Engine:
         self.config = dict(config)  # reported by the control command `config`
         self.tracer = Tracer(self.ports)  # armed by the control command `trace`
         self.control_path = config.get("control_socket")
+        self.control_fd = config.get("control_fd")
+        if self.control_fd is not None and not self.control_path:
+            raise ValueError("config: control_fd needs control_socket (the address it listens on)")
         self.disable_offloads = bool(config.get("disable_offloads", True))
         n = len(self.ports)
         self.rx_pk = np.zeros(n, np.int64)
@@ -265,7 +274,7 @@ class Engine:
         if self.control_path:
             from testbed.datapath.control import ControlServer
 
-            self.control = ControlServer(self.control_path)
+            self.control = ControlServer(self.control_path, fd=self.control_fd)
 
     def _setup_rings(self) -> None:
         """When every port has an RX and a TX ring, serve them all with one Numba call per

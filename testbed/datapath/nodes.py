@@ -3,7 +3,7 @@
 * :class:`ProgrammableSwitch` - a Tofino-class switch: a Mininet ``Switch`` that lives in its own
   network namespace (like a host) and runs ``python -m testbed.datapath.engine`` there on
   ``start()``; ``stop()`` sends SIGTERM, waits, keeps the final counters in
-  ``final_counters`` and removes its files (config, socket, log on success).
+  ``final_counters`` and removes its files (config, log on success).
 * :class:`SmartNIC` - a BlueField-class bump in the wire: a two-port node between a host and its
   ToR; default program ``wire`` (port 0 <-> port 1), or ``nic_codec``, which converts
   payloads and forwards between the two ports itself.
@@ -11,7 +11,8 @@
 ``testbed.topologies.TestbedNet`` builds every network and picks these classes for the
 programmable nodes of a topology, with the programs ``testbed.topologies.pipeline`` composes;
 ``testbed.testing.programmable_star`` is the small star the data-path tests use. A running
-node is reached through its control channel::
+node is reached through its control channel, from the root network namespace only (the
+provider's side; see ``testbed.datapath.control``)::
 
     sw.client().counters()
 
@@ -32,7 +33,14 @@ import time
 
 from mininet.node import Switch
 
-from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient, socket_path
+from testbed.datapath.control import (
+    RUN_DIR,
+    ControlError,
+    DatapathClient,
+    control_address,
+    listen,
+    netns_id,
+)
 from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
@@ -89,7 +97,7 @@ class ProgrammableSwitch(Switch):
         return {"node": self.name, "ports": self.port_names(),
                 "programs": [{"name": n, "settings": s} for n, s in self.programs],
                 "flood_ports": self.flood_ports, "rx_burst": self.rx_burst,
-                "control_socket": socket_path(self.name), "disable_offloads": False,
+                "control_socket": control_address(self.name), "disable_offloads": False,
                 **self.engine_settings}
 
     def start(self, controllers) -> None:
@@ -99,21 +107,27 @@ class ProgrammableSwitch(Switch):
             if intf.name != "lo":
                 self.cmd("ip link set", intf.name, "up")
         self._disable_offloads()
-        with open(self._files["json"], "w") as fh:
-            json.dump(self.config_dict(), fh, indent=1)
         for k in ("counters.json",):
             if os.path.exists(self._files[k]):
                 os.unlink(self._files[k])
+        # The control socket listens in this (root) network namespace and is inherited by the
+        # engine, which runs in the node's: reachable by the provider side, not from hosts.
+        ctl = listen(control_address(self.name))
+        config = dict(self.config_dict(), control_fd=ctl.fileno(), control_netns=netns_id())
+        with open(self._files["json"], "w") as fh:
+            json.dump(config, fh, indent=1)
         log = open(self._files["log"], "w")  # noqa: SIM115 - handed to the child
         try:
             self.engine = self.popen(
                 [sys.executable, "-m", "testbed.datapath.engine", "--config",
                  self._files["json"], "--counters-out", self._files["counters.json"],
                  f"testbed-node={self.name}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(ctl.fileno(),))
         finally:
             log.close()
-        client = DatapathClient(socket_path(self.name))
+            ctl.close()  # the engine holds it now; when it exits, the address is free again
+        client = DatapathClient(control_address(self.name))
         deadline = time.monotonic() + self.ready_timeout
         try:
             while True:
@@ -147,7 +161,7 @@ class ProgrammableSwitch(Switch):
 
     def client(self) -> DatapathClient:
         """A control-channel client for this node's engine."""
-        return DatapathClient(socket_path(self.name))
+        return DatapathClient(control_address(self.name))
 
     def stop_engine(self, timeout: float = 10.0) -> dict | None:
         """SIGTERM the engine, wait, return (and keep) its final counters."""
@@ -171,10 +185,6 @@ class ProgrammableSwitch(Switch):
                 os.unlink(self._files[k])
             except FileNotFoundError:
                 pass
-        try:  # the engine removes it; a SIGKILLed one cannot
-            os.unlink(socket_path(self.name))
-        except FileNotFoundError:
-            pass
         if rc != 0:
             print(f"{self.name}: engine exited with {rc}; log kept at {self._files['log']}",
                   file=sys.stderr)

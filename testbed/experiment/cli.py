@@ -24,6 +24,12 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     """
     from rich.console import Console
 
+    from testbed.experiment.cooperation import is_cooperation
+
+    if is_cooperation(path):  # a trace run once per offload policy: its own runner
+        from testbed.experiment.cooperation import run_file as run_cooperation_file
+
+        return run_cooperation_file(path, out, json_out=json_out, time_dilation=time_dilation)
     from testbed.experiment.results import results_root
     from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
 

@@ -119,6 +119,7 @@ class _Job:
         self.jobdir = os.path.join(RUN_DIR, f"train-{os.getpid()}-{next(_seq)}")
         self.t_start = 0.0
         self.t_end = 0.0
+        self.offset_s = 0.0
         self.limit_s = 600 + spec.iterations * (1.0 + spec.compute_ms / 1000.0) \
             * spec.time_dilation
 
@@ -259,12 +260,16 @@ def _incast_s(net, spec: TrainingSpec, hosts: list[str]) -> float | None:
                               port_mbps=rate, threshold_bytes=threshold, mode=mode).time_s
 
 
-def run_trace(net, specs: list[TrainingSpec], progress=None) -> list[TrainingResult]:
+def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
+              on_end=None) -> list[TrainingResult]:
     """Run every job of ``specs`` on ``net``, each started ``start_s`` after the trace began
     on its own hosts; returns their results in the order of ``specs``.
 
-    ``progress(text)``: called when a job starts and ends. Raises ``ValueError`` for bad
-    specs (nothing is started then)."""
+    ``progress(text)``: called when a job starts and ends. ``on_start(index, spec)``: called
+    when a job's start time comes; the spec it returns is the one launched (e.g. a provider's
+    plan for the job; an exception fails the job's start). ``on_end(index, result)``: called
+    once a job ended or failed to start. Raises ``ValueError`` for bad specs (nothing is
+    started then)."""
     check_trace(specs, len(net.hosts))
     say = progress or (lambda text: None)
     jobs = [_Job(k, s, net) for k, s in enumerate(specs)]
@@ -278,11 +283,17 @@ def run_trace(net, specs: list[TrainingSpec], progress=None) -> list[TrainingRes
             while waiting and now - t0 >= waiting[0].spec.start_s * waiting[0].spec.time_dilation:
                 job = waiting.pop(0)
                 try:
+                    if on_start is not None:
+                        spec = on_start(job.index, job.spec)
+                        spec.validate(len(net.hosts))
+                        job = _Job(job.index, spec, net)
                     job.launch(t0)
                 except (CollectiveError, ValueError, RuntimeError, OSError) as e:
                     job.kill()
                     results[job.index] = job._rows({"error": f"start failed: {e}"})
                     say(f"job {job.index} ({job.spec.label()}) failed to start: {e}")
+                    if on_end is not None:
+                        on_end(job.index, results[job.index])
                     continue
                 running.append(job)
                 say(f"job {job.index} ({job.spec.label()}) started on "
@@ -290,6 +301,8 @@ def run_trace(net, specs: list[TrainingSpec], progress=None) -> list[TrainingRes
             for job in [j for j in running if j.finished()]:
                 running.remove(job)
                 results[job.index] = res = job.result()
+                if on_end is not None:
+                    on_end(job.index, res)
                 say(f"job {job.index} ({job.spec.label()}) "
                     + (f"failed: {res.error}" if res.error else
                        f"done: accuracy {res.summary['final_accuracy']}, "

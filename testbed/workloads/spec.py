@@ -49,6 +49,8 @@ class TrainingSpec:
     (count, default every host of ``hosts`` or of the net), ``hosts`` (host indices of the net,
     default the first ``workers``), ``start_s`` (seconds after the trace starts), ``job_id``
     (ports, switch partition). ``seed``: data split, initialisation, batches, compressors.
+    ``placement`` (algo ina/nic): the aggregation tree, slots and memory mode of the gradient
+    allreduce (``CollectiveSpec.placement``; a provider's plan sets it).
     """
 
     name: str | None = None
@@ -86,6 +88,7 @@ class TrainingSpec:
     start_s: float = 0.0
     job_id: int = 1
     seed: int = 0
+    placement: dict = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
         """Name in tables and plots: ``name``, else algo[+compressor][+ef]."""
@@ -125,7 +128,8 @@ class TrainingSpec:
                               error_feedback=self.error_feedback, window=self.window,
                               chunk_bytes=self.chunk_bytes, loss=self.loss,
                               timeout_s=self.timeout_s, seed=self.seed, repetitions=1,
-                              job_id=self.job_id, workers=None)
+                              job_id=self.job_id, workers=None,
+                              placement=dict(self.placement))
 
     def validate(self, n_hosts: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad field; ``n_hosts`` = hosts of the net."""

@@ -1,0 +1,495 @@
+"""The co-operation experiment: one trace of training jobs, once per offload policy.
+
+An experiment file with ``kind = "cooperation"`` (``experiments/cloud_cooperation.toml``)
+names a fabric (``[topology]``, as in other experiments, with ``switch_memory`` and
+``shared_pool``), the policies to compare and the jobs of the trace: each job's hosts, start
+time, training settings (``[jobs.train]``: the fields of
+:class:`~testbed.workloads.TrainingSpec`) and the hints its tenant gives (``tolerance``,
+``error_budget``, ``priority``; the byte count per iteration, the iterations and the compute
+time come from the training settings, which the tenant knows).
+
+For each policy the trace runs on the same emulated network (:func:`run_cooperation`): a
+:class:`~testbed.provider.manager.FabricManager` runs in this process (in-process: the
+experiment measures the policies, not the service's transport), costs plans with the flow
+model on the network's measured hop latency, admits each job when it arrives, and the job's
+workers train with the admitted plan (algorithm, compressor, error feedback, tree and slots);
+when a job ends the manager releases it and re-plans the others.
+
+What the emulation does not do yet: a running job keeps the plan it started with. The
+manager's re-plans of running jobs (on arrivals and departures) are logged and counted
+(``plan_changes``) but not applied, because a training pool sets its communicator up once.
+Telemetry is not fed to the manager during the trace either.
+
+Rows (one per policy x job, ``row = "job"``): ``policy, job, jct_s, tta_s, final_accuracy,
+target_accuracy, accuracy_ok, plan_changes`` and the plan (``algo, compressor, tree,
+predicted_comm_s``) plus the training summary (``comm_s``, ``cpu_bound``, ...). One summary
+row per policy (``row = "summary"``): mean and p99 JCT, Jain fairness of slowdowns (JCT over
+the model's ideal JCT: iterations x (compute + the fastest candidate plan's communication
+alone on the fabric)), switch memory utilisation over time (``mem_series``: trace time and
+the allocated share of the static memory) and its time-weighted mean, bytes on core links
+(rx + tx at the spine switches' ports: every byte that crossed a leaf-spine link, counted
+once per link), and whether any job was CPU-bound. With ``repeats`` > 1 the trace runs that
+many times per policy (interleaved, so a change in the machine's load hits every policy),
+every row carries its ``repeat``, and one ``row = "overall"`` per policy gives the median
+(and min, max) of the summary figures over the repeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from testbed.experiment import results
+from testbed.experiment.runner import flatten_counters, port_bytes_by_role
+from testbed.experiment.spec import TopologySpec, format_errors
+from testbed.provider.manager import FabricManager, inventory_of
+from testbed.provider.policies import POLICIES, PlanModel, candidates, make_policy
+from testbed.provider.policies import FabricView as _View
+from testbed.provider.schema import Hints, JobRequest, Plan
+from testbed.workloads.spec import TrainingSpec
+
+#: Aggregator memory of a switch and its shared pool when the topology does not say (the
+#: data path's defaults: 16 MiB, a quarter of it shared).
+DEFAULT_MEMORY = 16 << 20
+#: How long a run waits for another testbed network to finish (a shared machine).
+LOCK_WAIT_S = 3600.0
+
+
+class CoopJob(BaseModel):
+    """One job of the trace: its hosts (indices), start time, hints and training settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    hosts: list[int] = Field(min_length=2)
+    start_s: float = Field(0.0, ge=0)
+    tolerance: Literal["exact", "lossy", "lossy_ef"] | None = None
+    error_budget: float | None = Field(None, gt=0, le=1)
+    priority: int = Field(0, ge=0, le=7)
+    hints: bool = Field(True, description="whether the tenant gives hints at all")
+    train: dict = Field(default_factory=dict, description="TrainingSpec fields")
+
+
+class CooperationExperiment(BaseModel):
+    """A ``kind = "cooperation"`` experiment file (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["cooperation"]
+    name: str
+    description: str = ""
+    seed: int = Field(0, ge=0)
+    time_dilation: float = Field(1.0, ge=1, le=100)
+    lease_s: float = Field(3600.0, gt=0, le=3600)
+    repeats: int = Field(1, ge=1, le=20, description="runs of the trace per policy "
+                         "(interleaved: repeat 0 of every policy, then repeat 1, ...)")
+    policies: list[str] = Field(default_factory=lambda: list(POLICIES), min_length=1)
+    topology: TopologySpec
+    jobs: list[CoopJob] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> CooperationExperiment:
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad:
+            raise ValueError(f"policies {bad} unknown; choose from {sorted(POLICIES)}")
+        names = [j.name for j in self.jobs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"job names {names} repeat; give every job its own name")
+        for j in self.jobs:
+            forbidden = {"hosts", "start_s", "job_id", "name", "algo", "compressor",
+                         "compressor_params", "error_feedback", "placement"} & set(j.train)
+            if forbidden:
+                raise ValueError(f"jobs.{j.name}.train: {sorted(forbidden)} are set by the "
+                                 "trace (hosts, start_s, name) or by the policy's plan; "
+                                 "remove them")
+            try:
+                spec = self.spec(j, 0)
+                spec.validate()
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"jobs.{j.name}.train: {e}") from None
+        return self
+
+    def spec(self, job: CoopJob, index: int) -> TrainingSpec:
+        """The job's training spec before any plan (ring, exact)."""
+        return TrainingSpec(**{"seed": self.seed, **job.train}, name=job.name,
+                            hosts=list(job.hosts), start_s=job.start_s, job_id=index + 1)
+
+
+def load_cooperation(source) -> CooperationExperiment:
+    """The experiment from a TOML/YAML path or a dict; ``ValueError`` listing the problems."""
+    data = source if isinstance(source, dict) else read_file(source)
+    try:
+        return CooperationExperiment.model_validate(data)
+    except ValidationError as e:
+        raise ValueError("; ".join(format_errors(e))) from None
+
+
+def read_file(path) -> dict:
+    """The mapping in a TOML or YAML file."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix.lower() == ".toml":
+        return tomllib.loads(text)
+    import yaml  # only YAML files need it
+
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the file must hold a mapping of experiment fields")
+    return data
+
+
+def is_cooperation(path) -> bool:
+    """Whether the experiment file at ``path`` is a co-operation experiment."""
+    try:
+        return read_file(path).get("kind") == "cooperation"
+    except Exception:  # unreadable: the ordinary loader reports it
+        return False
+
+
+def request(job: CoopJob, spec: TrainingSpec, host_names: list[str],
+            lease_s: float) -> JobRequest:
+    """What the tenant tells the provider on admission: hosts and (optionally) hints."""
+    hints = Hints()
+    if job.hints:
+        hints = Hints(collective_bytes=4 * spec.n_params(), iterations=spec.iterations,
+                      compute_s=spec.compute_ms / 1000.0, tolerance=job.tolerance,
+                      error_budget=job.error_budget, priority=job.priority)
+    return JobRequest(job=job.name, hosts=[host_names[h] for h in job.hosts], hints=hints,
+                      lease_s=lease_s)
+
+
+def apply_plan(spec: TrainingSpec, plan: Plan) -> TrainingSpec:
+    """``spec`` with ``plan``'s communication: algorithm, compressor, error feedback, and for
+    INA the tree, slots (the window) and memory mode."""
+    ina = plan.algo in ("ina", "nic")
+    return dataclasses.replace(
+        spec, algo=plan.algo, compressor=plan.compressor,
+        compressor_params=dict(plan.compressor_params), error_feedback=plan.error_feedback,
+        placement={"tree": plan.tree, "slots": plan.slots, "mode": plan.mode} if ina else {},
+        window=plan.slots if ina else spec.window)
+
+
+def static_memory(topology: TopologySpec) -> int:
+    """Bytes of static partitions per switch: its memory minus the shared pool."""
+    mem = int(topology.switch_memory) if topology.switch_memory is not None else DEFAULT_MEMORY
+    pool = int(topology.shared_pool) if topology.shared_pool is not None else mem // 4
+    return mem - pool
+
+
+def jain(xs: list[float]) -> float | None:
+    """Jain's fairness index of ``xs`` (1: all equal; 1/n: one takes everything)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None
+    return float(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)))
+
+
+def ideal_jct_s(req: JobRequest, spec: TrainingSpec, model: PlanModel, inv) -> float | None:
+    """The model's JCT of a job alone: iterations x (compute + its fastest candidate plan's
+    communication time, switch memory unconstrained)."""
+    times = [model.comm_s(req, c, inv) for c in candidates(req, _View(inv))]
+    times = [t for t in times if t is not None]
+    if not times:
+        return None
+    return spec.iterations * (spec.compute_ms / 1000.0 + min(times))
+
+
+def _p99(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.percentile(xs, 99)) if xs else None
+
+
+class _Trace:
+    """One policy's run of the trace: the manager, its clock, the memory series."""
+
+    def __init__(self, exp: CooperationExperiment, policy: str, net, model: PlanModel, inv,
+                 say):
+        self.exp, self.net, self.say = exp, net, say
+        names = list(net.topo.host_names)
+        self.specs = [exp.spec(j, i) for i, j in enumerate(exp.jobs)]
+        self.reqs = [request(j, s, names, exp.lease_s) for j, s in zip(exp.jobs, self.specs,
+                                                                        strict=True)]
+        kw = {"trace": self.reqs} if policy == "oracle" else {}
+        self.manager = FabricManager(inv, make_policy(policy, model, **kw), model)
+        self.policy = policy
+        self.plans: dict[str, Plan] = {}
+        self.mem: list[tuple[float, float]] = []
+        self.total_mem = sum(s.memory_bytes for s in inv.switches) or 1
+        self.t0 = time.monotonic()
+
+    def now(self) -> float:
+        return (time.monotonic() - self.t0) / self.net.time_dilation
+
+    def _record(self) -> None:
+        used = sum(sum(m["allocated"].values()) for m in self.manager.memory().values())
+        self.mem.append((round(self.now(), 3), used / self.total_mem))
+
+    def on_start(self, i: int, spec: TrainingSpec) -> TrainingSpec:
+        plan = self.manager.admit(self.reqs[i], now=self.now())
+        self.plans[self.reqs[i].job] = plan
+        self._record()
+        self.say(f"[{self.policy}] {self.reqs[i].job}: {plan.algo}"
+                 + (f"+{plan.compressor}" if plan.compressor else "")
+                 + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
+        return apply_plan(spec, plan)
+
+    def on_end(self, i: int, _res) -> None:
+        with contextlib.suppress(ValueError):  # not admitted (its start failed)
+            self.manager.release(self.reqs[i].job, now=self.now())
+        self._record()
+
+
+def _core_roles(net) -> dict[str, str]:
+    """Switch -> ``"core"`` for the switches whose ports carry the core links (spines; on a
+    fabric without spines, none)."""
+    roles = dict(net.topo.switch_roles)
+    return {s: "core" for s, r in roles.items() if r in ("spine", "core")}
+
+
+def _counters(net):
+    try:
+        return net.counters()
+    except Exception:  # an engine that cannot answer: no byte counts, the rows say None
+        return None
+
+
+def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, inv,
+               say=print) -> tuple[list[dict], dict, list[dict]]:
+    """Run the trace once under ``policy`` on ``net``: (job rows, summary row, plan log)."""
+    from testbed.workloads import run_trace
+
+    tr = _Trace(exp, policy, net, model, inv, say)
+    before = _counters(net)
+    tr.t0 = time.monotonic()
+    out = run_trace(net, tr.specs, progress=say, on_start=tr.on_start, on_end=tr.on_end)
+    after = _counters(net)
+    end_s = tr.now()
+    core = None
+    if before is not None and after is not None:
+        b, a = flatten_counters(before), flatten_counters(after)
+        delta = {k: a[k] - b.get(k, 0.0) for k in a}
+        core = port_bytes_by_role(delta, _core_roles(net)).get("port_bytes_core")
+    log = [{"policy": policy, **e.to_json()} for e in tr.manager.log]
+    rows = []
+    for i, (job, res) in enumerate(zip(exp.jobs, out, strict=True)):
+        s, req = res.summary, tr.reqs[i]
+        plan = tr.plans.get(job.name)
+        admitted = [e for e in tr.manager.log if e.job == job.name]
+        changes = sum(1 for e in admitted if e.old is not None and e.new is not None)
+        ideal = ideal_jct_s(req, tr.specs[i], model, inv)
+        target = s.get("target_accuracy")
+        acc = s.get("final_accuracy")
+        rows.append({
+            "row": "job", "policy": policy, "job": job.name, "jct_s": s.get("jct_s"),
+            "tta_s": s.get("tta_s"), "final_accuracy": acc, "target_accuracy": target,
+            "accuracy_ok": None if target is None or acc is None else bool(acc >= target),
+            "plan_changes": changes, "plan_changes_applied": 0,
+            "algo": plan.algo if plan else None,
+            "compressor": plan.compressor if plan else None,
+            "compressor_params": plan.compressor_params if plan else None,
+            "error_feedback": plan.error_feedback if plan else None,
+            "tree": plan.tree if plan else None, "slots": plan.slots if plan else None,
+            "predicted_comm_s": plan.predicted_comm_s if plan else None,
+            "plan_reason": plan.reason if plan else None,
+            "tolerance": job.tolerance, "error_budget": job.error_budget,
+            "priority": job.priority, "hosts": req.hosts, "arrival_s": job.start_s,
+            "ideal_jct_s": ideal,
+            "slowdown": s["jct_s"] / ideal if ideal and s.get("jct_s") else None,
+            **{k: s.get(k) for k in ("iterations", "comm_s", "iter_s", "model_comm_s",
+                                     "comm_fraction", "bytes", "correct", "cpu_bound",
+                                     "cpu_util", "cpu_wait", "cpu_max", "cpu_engine",
+                                     "start_s", "end_s", "time_dilation", "error")},
+            "status": "error" if s.get("error") else "ok",
+        })
+    jcts = [r["jct_s"] for r in rows if r["status"] == "ok"]
+    mem = tr.mem + [(round(end_s, 3), tr.mem[-1][1] if tr.mem else 0.0)]
+    weighted = sum((t1 - t0) * u for (t0, u), (t1, _) in zip(mem, mem[1:], strict=False))
+    span = mem[-1][0] - mem[0][0] if len(mem) > 1 else 0.0
+    summary = {
+        "row": "summary", "policy": policy, "job": None, "jobs": len(rows),
+        "failed": sum(r["status"] != "ok" for r in rows),
+        "mean_jct_s": float(np.mean(jcts)) if jcts else None, "p99_jct_s": _p99(jcts),
+        "makespan_s": end_s,
+        "jain_slowdown": jain([r["slowdown"] for r in rows if r["status"] == "ok"]),
+        "mem_util_mean": weighted / span if span > 0 else None,
+        "mem_util_max": max((u for _t, u in mem), default=None), "mem_series": mem,
+        "core_bytes": core,
+        "all_accurate": all(r["accuracy_ok"] is not False for r in rows),
+        "plan_changes": sum(r["plan_changes"] for r in rows),
+        "cpu_bound": any(bool(r["cpu_bound"]) for r in rows),
+    }
+    return rows, summary, log
+
+
+def build_network(exp: CooperationExperiment):
+    """The (not yet started) network of the experiment's topology and switch memory."""
+    from testbed.topologies import make_topology
+    from testbed.topologies.net import TestbedNet
+    from testbed.topologies.pipeline import DatapathOptions
+
+    topo = make_topology(exp.topology.kind, **exp.topology.kwargs())
+    return TestbedNet(topo, datapath=DatapathOptions(aggregate=exp.topology.aggregate_settings()),
+                      time_dilation=exp.time_dilation)
+
+
+def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = None,
+                    say=print) -> list[dict]:
+    """Run the trace once per policy (one network for all, built here under the emulation
+    lock); returns the rows, summary rows after each policy's job rows. ``out_dir``: where
+    ``rows.jsonl``, ``plan_log.jsonl`` and ``metadata.json`` go (None: nowhere)."""
+    from testbed.netlock import emulation_lock
+
+    rows: list[dict] = []
+    logs: list[dict] = []
+    meta = {"name": exp.name, "kind": "cooperation", "experiment": exp.model_dump(),
+            "cpu_model": results.cpu_model(), "python": platform.python_version(),
+            "uptime_before": _uptime(), "in_process_manager": True}
+    t0 = time.monotonic()
+    say("waiting for the emulation lock (one network at a time on this machine) ...")
+    with emulation_lock(timeout=LOCK_WAIT_S):
+        meta["lock_wait_s"] = round(time.monotonic() - t0, 2)
+        t0 = time.monotonic()
+        with build_network(exp) as net:
+            meta["setup_s"] = round(time.monotonic() - t0, 2)
+            _run_policies(exp, net, meta, rows, logs, say)
+    meta["uptime_after"] = _uptime()
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_jsonl(out / "rows.jsonl", rows)
+        _write_jsonl(out / "plan_log.jsonl", logs)
+        (out / "metadata.json").write_text(json.dumps(meta, indent=1, default=str))
+    return rows
+
+
+def _run_policies(exp: CooperationExperiment, net, meta: dict, rows: list, logs: list,
+                  say) -> None:
+    hop = net.hop_latency_s()
+    model = PlanModel(net.topo, hop_latency_s=hop)
+    inv = inventory_of(net.topo, static_memory(exp.topology))
+    meta.update(hop_latency_s=hop, describe=net.describe())
+    summaries: dict[str, list[dict]] = {p: [] for p in exp.policies}
+    for rep in range(exp.repeats):
+        for policy in exp.policies:
+            t0 = time.monotonic()
+            jobs, summary, log = run_policy(exp, policy, net, model, inv, say)
+            summary["wall_s"] = round(time.monotonic() - t0, 2)
+            for r in jobs + [summary] + log:
+                r["repeat"] = rep
+            rows += jobs + [summary]
+            logs += log
+            summaries[policy].append(summary)
+    if exp.repeats > 1:
+        rows += [overall(p, s) for p, s in summaries.items()]
+
+
+def overall(policy: str, summaries: list[dict]) -> dict:
+    """One row per policy over its repeats: the median (and spread) of each summary figure."""
+    out: dict = {"row": "overall", "policy": policy, "job": None, "repeats": len(summaries)}
+    for k in ("mean_jct_s", "p99_jct_s", "jain_slowdown", "mem_util_mean", "core_bytes"):
+        xs = [s[k] for s in summaries if s.get(k) is not None]
+        out[k] = float(np.median(xs)) if xs else None
+        out[f"{k}_min"] = min(xs) if xs else None
+        out[f"{k}_max"] = max(xs) if xs else None
+    out["all_accurate"] = all(s["all_accurate"] for s in summaries)
+    out["failed"] = sum(s["failed"] for s in summaries)
+    out["cpu_bound_runs"] = sum(bool(s["cpu_bound"]) for s in summaries)
+    return out
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+def _strict(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def run_file(path, out=None, json_out: bool = False,
+             time_dilation: float | str | None = None) -> int:
+    """``testbed run FILE`` for a co-operation experiment: the job and summary rows as JSON
+    lines on stdout (``json_out``) or a table; exit 0 ok, 1 a job failed, 2 invalid file."""
+    try:
+        exp = load_cooperation(path)
+        if time_dilation is not None:
+            if time_dilation == "auto":
+                raise ValueError("time_dilation 'auto' is not supported by cooperation "
+                                 "experiments; give a factor")
+            exp = exp.model_copy(update={"time_dilation": float(time_dilation)})
+    except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
+        print(f"error: invalid experiment {path}: {e}", file=sys.stderr)
+        return 2
+    out_dir = results.unique_folder(results.results_root() if out is None else out, exp.name)
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    rows = run_cooperation(exp, out_dir, say)
+    if json_out:
+        for r in rows:
+            print(json.dumps({k: _strict(v) for k, v in r.items()}, default=str))
+        sys.stdout.flush()
+    stream = sys.stderr if json_out else sys.stdout
+    print(table(rows), file=stream)
+    print(f"results: {out_dir}", file=stream)
+    return 1 if any(r.get("status") == "error" for r in rows) else 0
+
+
+def table(rows: list[dict]) -> str:
+    """Plain-text tables: the jobs, then one line per policy run (and the medians over the
+    repeats)."""
+    def f(v, spec=".3g"):
+        return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+    def name(r):
+        return r["policy"] + (f" #{r['repeat']}" if r.get("repeat") else "")
+
+    lines = [f"{'policy':<17}{'job':<14}{'plan':<24}{'jct_s':>8}{'tta_s':>8}{'acc':>7}"
+             f"{'target':>7}{'cpu':>5}"]
+    for r in rows:
+        if r["row"] != "job":
+            continue
+        plan = (r["algo"] or "-") + (f"+{r['compressor']}" if r["compressor"] else "") + (
+            "+ef" if r["error_feedback"] else "") + (
+            f"@{len(r['tree'])}sw" if isinstance(r["tree"], list) else "")
+        lines.append(f"{name(r):<17}{r['job']:<14}{plan:<24}{f(r['jct_s']):>8}"
+                     f"{f(r['tta_s']):>8}{f(r['final_accuracy']):>7}"
+                     f"{f(r['target_accuracy']):>7}{'yes' if r['cpu_bound'] else 'no':>5}")
+    lines.append("")
+    lines.append(f"{'policy':<24}{'mean_jct':>9}{'p99_jct':>9}{'jain':>7}{'mem_util':>9}"
+                 f"{'core_MB':>9}{'accurate':>9}{'cpu':>5}")
+    for r in rows:
+        if r["row"] not in ("summary", "overall"):
+            continue
+        core = None if r["core_bytes"] is None else r["core_bytes"] / 1e6
+        label = f"{r['policy']} (median)" if r["row"] == "overall" else name(r)
+        cpu = (f"{r['cpu_bound_runs']}/{r['repeats']}" if r["row"] == "overall"
+               else "yes" if r["cpu_bound"] else "no")
+        lines.append(f"{label:<24}{f(r['mean_jct_s']):>9}{f(r['p99_jct_s']):>9}"
+                     f"{f(r['jain_slowdown'], '.3f'):>7}{f(r['mem_util_mean'], '.2f'):>9}"
+                     f"{f(core):>9}{str(r['all_accurate']):>9}{cpu:>5}")
+    return "\n".join(lines)

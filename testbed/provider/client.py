@@ -1,0 +1,149 @@
+"""Typed client of the fabric manager service (``testbed.provider.service``).
+
+Tenant code inside an emulated host talks to the provider through the service's Unix socket
+(default ``/run/testbed/provider.sock``, visible from every host)::
+
+    from testbed.provider.client import ProviderClient
+    from testbed.provider.schema import Hints, JobRequest
+
+    with ProviderClient() as pc:
+        plan = pc.admit(JobRequest(job="resnet", hosts=["tbh1", "tbh2"],
+                                   hints=Hints(collective_bytes=4 << 20, tolerance="lossy_ef")))
+        ...                       # each iteration boundary:
+        plan = pc.plan("resnet")  # a changed plan applies from the next iteration
+        pc.renew("resnet")        # within lease_s, or the provider reclaims the job
+        pc.release("resnet")
+
+Answers come back as the schema's models; a refusal raises :class:`ProviderRefused` with the
+service's HTTP status and its explanation. This module imports only the schema and httpx, so
+that it loads quickly in a tenant's process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from testbed.provider.schema import FabricSnapshot, JobRequest, Plan
+
+#: The service's default address (see ``testbed.provider.service.DEFAULT_SOCKET``).
+DEFAULT_ADDRESS = "unix:" + os.path.join(os.environ.get("TESTBED_RUN_DIR", "/run/testbed"),
+                                         "provider.sock")
+
+
+class ProviderRefused(RuntimeError):
+    """The service answered with an error: ``status`` (HTTP code) and ``detail`` (why)."""
+
+    def __init__(self, status: int, detail: str, body: Any = None):
+        super().__init__(f"provider refused ({status}): {detail}")
+        self.status = status
+        self.detail = detail
+        self.body = body
+
+
+class ProviderUnreachable(RuntimeError):
+    """No service answers at the address (the message says where it looked)."""
+
+
+class ProviderClient:
+    """Client of the service at ``address``: ``unix:PATH`` (default
+    :data:`DEFAULT_ADDRESS`, or ``$TESTBED_PROVIDER``) or ``http://HOST:PORT``."""
+
+    def __init__(self, address: str | None = None, timeout: float = 10.0):
+        address = address or os.environ.get("TESTBED_PROVIDER") or DEFAULT_ADDRESS
+        if address.startswith("unix:"):
+            self.address = address
+            transport = httpx.HTTPTransport(uds=address[len("unix:"):])
+            base = "http://provider"
+        elif address.startswith(("http://", "https://")):
+            self.address, transport, base = address, None, address.rstrip("/")
+        else:
+            raise ValueError(f"provider address {address!r}: use 'unix:/path/to/socket' or "
+                             "'http://host:port'")
+        self._http = httpx.Client(base_url=base, transport=transport, timeout=timeout)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _call(self, method: str, path: str, **kw) -> Any:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise ProviderUnreachable(f"no provider service answers at {self.address} "
+                                      f"({type(e).__name__}: {e}); is 'testbed provider serve' "
+                                      "running?") from None
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+                detail = body.get("detail", body) if isinstance(body, dict) else body
+            except ValueError:
+                body, detail = r.text, r.text
+            raise ProviderRefused(r.status_code, str(detail), body)
+        return r.json()
+
+    # -- the API -----------------------------------------------------------------------------
+    def health(self) -> dict:
+        """Policy, job count, whether telemetry and switch configuration run."""
+        return self._call("GET", "/v1/health")
+
+    def inventory(self) -> FabricSnapshot:
+        """The fabric: hosts, switches and their aggregator memory, links and rates."""
+        return FabricSnapshot.model_validate(self._call("GET", "/v1/inventory"))
+
+    def telemetry(self) -> FabricSnapshot:
+        """The latest telemetry snapshot (use :meth:`telemetry_raw` for per-engine figures)."""
+        return FabricSnapshot.model_validate(self.telemetry_raw()["snapshot"])
+
+    def telemetry_raw(self) -> dict:
+        """Snapshot, per-engine figures, collection period and errors, as JSON."""
+        return self._call("GET", "/v1/telemetry")
+
+    def memory(self) -> dict:
+        """Per switch: configured, allocated per job, free bytes."""
+        return self._call("GET", "/v1/memory")
+
+    def jobs(self) -> dict[str, dict]:
+        """Admitted jobs: hosts, hints, lease, current plan (as JSON)."""
+        return self._call("GET", "/v1/jobs")
+
+    def job(self, job: str) -> dict:
+        """One job: lease, plan and its switch registration."""
+        return self._call("GET", f"/v1/jobs/{job}")
+
+    def admit(self, req: JobRequest) -> Plan:
+        """Ask for admission; the job's first plan."""
+        if not isinstance(req, JobRequest):
+            raise TypeError(f"admit takes a JobRequest, got {type(req).__name__}")
+        return Plan.model_validate(self._call("POST", "/v1/jobs", content=req.model_dump_json(),
+                                              headers={"content-type": "application/json"}))
+
+    def plan(self, job: str) -> Plan:
+        """The job's current plan (poll it at iteration boundaries)."""
+        return Plan.model_validate(self._call("GET", f"/v1/jobs/{job}/plan"))
+
+    def renew(self, job: str) -> float:
+        """Extend the lease; seconds until it expires again."""
+        return float(self._call("POST", f"/v1/jobs/{job}/renew")["expires_in_s"])
+
+    def release(self, job: str) -> None:
+        """Give the job's resources back."""
+        self._call("DELETE", f"/v1/jobs/{job}")
+
+    def log(self, since: int = 0) -> list[dict]:
+        """Plan changes from entry ``since`` on."""
+        return self._call("GET", "/v1/log", params={"since": since})
+
+    def dry_run(self, policy: str) -> dict[str, Plan]:
+        """The plans ``policy`` would give the admitted jobs now (nothing changes)."""
+        out = self._call("GET", "/v1/plan", params={"policy": policy})
+        return {k: Plan.model_validate(v) for k, v in out["plans"].items()}
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> ProviderClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,415 @@
+"""Offload policies: who decides a job's plan, and from what (one small class each).
+
+Every policy answers the same question (:class:`~testbed.provider.schema.Policy`): given the
+admitted jobs, in admission order, and the fabric snapshot, what plan does each job get? They
+differ in what they may look at:
+
+* :class:`TenantOnly`: the provider exposes nothing; each tenant runs a ring allreduce without
+  compression (what NCCL would do on a fabric it cannot see).
+* :class:`ProviderOnly`: the provider sees the fabric but no hints: in-network aggregation
+  first come, first served while switch memory lasts (a static partition on the job's
+  lowest common ancestor switch), no compression (the tolerance is unknown), ring otherwise.
+* :class:`Cooperative`: hints, telemetry and the flow model: for every job the candidate plans
+  its tolerance allows (ring; ring with a summable compressor, with error feedback for
+  ``lossy_ef``; INA on a one-switch or hierarchical tree; INA + THC), each costed by the
+  flow-level model on the fabric's rates minus the load telemetry shows; switch memory goes
+  to the jobs whose total communication time it shortens most (time saved per iteration x
+  iterations x (1 + priority)), the others take their best plan that needs no memory.
+* :class:`Oracle`: the best static plan per job, found offline: it knows every job of the
+  trace in advance and searches every combination of candidate plans that fits the switches'
+  memory for the smallest total predicted communication time; it never re-plans.
+
+A compressor is "within the error budget" when its relative L2 error, measured here on a
+standard normal vector (:func:`compressor_error`), is at most the job's ``error_budget``
+(default :data:`DEFAULT_BUDGET` of its tolerance). Trimming is not planned: the model prices
+the trimmed exchange only through a port with a trim stage, which a plan cannot add.
+
+The topology view (which switch each host hangs off, which switches join them) is read from
+the snapshot's links, so it holds for star and leaf-spine fabrics (a host's edge switch and
+the switches adjacent to all of a job's edge switches); a fabric with deeper trees gets ring
+plans and one-switch trees only.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+
+from testbed.collectives import flowmodel
+from testbed.collectives.spec import CollectiveSpec
+from testbed.provider.schema import FabricSnapshot, Hints, JobRequest, Plan
+
+#: Aggregator slots a policy reserves per tree switch (the job's INA window).
+SLOTS = 32
+#: int32 lanes per slot set of a plain INA job (256 elements per packet).
+INT32_LANES = 256
+#: Error budget (relative L2 error of one allreduce) assumed when a tolerant job gives none:
+#: error feedback keeps the residual, so ``lossy_ef`` tolerates a coarser compressor.
+DEFAULT_BUDGET = {"lossy": 0.05, "lossy_ef": 0.25}
+#: Ring compressors a tolerant job may get (all summable: reduced on the ring in their wire
+#: type), coarsest first; INA compresses with THC only.
+RING_COMPRESSORS = (("thc", {"granularity": 16}), ("thc", {"granularity": 32}),
+                    ("thc", {"granularity": 64}), ("bf16", {}), ("fp16", {}))
+INA_COMPRESSORS = (("thc", {"granularity": 16}), ("thc", {"granularity": 32}),
+                   ("thc", {"granularity": 64}))
+#: A link's residual rate never drops below this share of its rate (telemetry may report a
+#: link as full; the model needs a positive rate).
+MIN_RESIDUAL = 0.05
+
+
+@functools.lru_cache(maxsize=64)
+def compressor_error(name: str, params: tuple = (), elems: int = 4096, seed: int = 0) -> float:
+    """Relative L2 error of compressing then decompressing a standard normal vector of
+    ``elems`` float32 with compressor ``name`` and ``params`` (sorted (key, value) pairs)."""
+    # Function-level import: the compressors load Numba kernels; a policy that never
+    # compresses (and the schema users) should not pay for them.
+    from testbed.kernels.compressors import get_compressor
+
+    comp = get_compressor(name, **dict(params))
+    x = np.random.default_rng(seed).standard_normal(elems).astype(np.float32)
+    payload, ctx = comp.compress(x, 0)
+    y = comp.decompress(payload, ctx)
+    return float(np.linalg.norm(y - x) / np.linalg.norm(x))
+
+
+def budget(hints: Hints) -> float | None:
+    """The relative error a job tolerates, or None when it must be exact (or said nothing)."""
+    if hints.tolerance in (None, "exact"):
+        return None
+    return hints.error_budget if hints.error_budget is not None else DEFAULT_BUDGET[
+        hints.tolerance]
+
+
+def slot_lanes(plan: Plan, n: int) -> int:
+    """Registers per slot set the data path reserves for ``plan`` with ``n`` workers: 256
+    int32 lanes, or THC's int8 lanes per packet."""
+    if plan.compressor is None:
+        return INT32_LANES
+    # Function-level import: the INA client loads Numba kernels.
+    from testbed.collectives.ina import thc_elems
+
+    return thc_elems(n, int(plan.compressor_params.get("granularity", 16)))
+
+
+def plan_memory(plan: Plan, n: int) -> dict[str, int]:
+    """Aggregator bytes ``plan`` reserves on each switch of its tree (static mode:
+    ``slots x 2 sets x lanes x 4`` bytes, as the data path's admission counts them)."""
+    if plan.algo not in ("ina", "nic") or plan.mode != "static" or not isinstance(plan.tree,
+                                                                               list):
+        return {}
+    each = plan.slots * 2 * slot_lanes(plan, n) * 4
+    return dict.fromkeys(plan.tree, each)
+
+
+class FabricView:
+    """The topology as a snapshot shows it: each host's edge switch, switch adjacency, and
+    the candidate aggregation trees of a set of hosts."""
+
+    def __init__(self, snapshot: FabricSnapshot):
+        self.snapshot = snapshot
+        self.switches = {s.name: s for s in snapshot.switches}
+        hosts = set(snapshot.hosts)
+        self.edge: dict[str, str] = {}
+        self.adj: dict[str, set[str]] = {}
+        for link in snapshot.links:
+            if link.src in hosts and link.dst in self.switches:
+                self.edge[link.src] = link.dst
+            elif link.src in self.switches and link.dst in self.switches:
+                self.adj.setdefault(link.src, set()).add(link.dst)
+
+    def trees(self, hosts: list[str]) -> list[list[str]]:
+        """Candidate trees (root last) of ``hosts``: their one edge switch; else for each
+        switch adjacent to all their edge switches, that switch alone and the hierarchical
+        tree (edge switches, then it). Only programmable switches with memory."""
+        if any(h not in self.edge for h in hosts):
+            return []
+        edges = sorted({self.edge[h] for h in hosts})
+        ok = {n for n, s in self.switches.items() if s.programmable and s.memory_bytes > 0}
+        if len(edges) == 1:
+            return [edges] if edges[0] in ok else []
+        roots = sorted(r for r in ok if all(r in self.adj.get(e, ()) for e in edges))
+        out = [[r] for r in roots]
+        if all(e in ok for e in edges):
+            out += [edges + [r] for r in roots]
+        return out
+
+    def free(self, taken: dict[str, int]) -> dict[str, int]:
+        """Static memory left per switch once ``taken`` (switch -> bytes) is reserved."""
+        return {n: s.memory_bytes - taken.get(n, 0) for n, s in self.switches.items()}
+
+
+def _add(taken: dict[str, int], mem: dict[str, int]) -> dict[str, int]:
+    out = dict(taken)
+    for k, v in mem.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def _fits(view: FabricView, taken: dict[str, int], mem: dict[str, int]) -> bool:
+    free = view.free(taken)
+    return all(free.get(k, -1) >= v for k, v in mem.items())
+
+
+class PlanModel:
+    """The flow-level model of a plan on the fabric (:func:`flowmodel.predict`): one
+    iteration's communication time of a job alone, on the link rates minus the utilisation
+    the snapshot's telemetry shows (the busier direction of each link; a utilisation that
+    includes the job's own traffic makes the estimate conservative)."""
+
+    def __init__(self, topology, hop_latency_s: float | None = None):
+        from testbed.topologies import routing
+
+        topo = routing.as_topology(topology)
+        self.describe = topology if isinstance(topology, dict) else topo.describe()
+        self.hop_latency_s = hop_latency_s
+        self._cache: dict = {}
+
+    def _desc(self, snapshot: FabricSnapshot | None) -> tuple[dict, tuple]:
+        util: dict[frozenset, float] = {}
+        for link in (snapshot.links if snapshot is not None else []):
+            if link.utilisation > 0:
+                k = frozenset((link.src, link.dst))
+                util[k] = max(util.get(k, 0.0), min(link.utilisation, 1.0))
+        if not util:
+            return self.describe, ()
+        links = []
+        for s in self.describe["links"]:
+            u = util.get(frozenset((s["a"], s["b"])), 0.0)
+            bw = s["bw_mbps"]
+            links.append({**s, "bw_mbps": bw if bw is None else bw * max(1 - u, MIN_RESIDUAL)})
+        key = tuple(sorted((tuple(sorted(k)), round(v, 3)) for k, v in util.items()))
+        return {**self.describe, "links": links}, key
+
+    def comm_s(self, req: JobRequest, plan: Plan, snapshot: FabricSnapshot | None = None,
+               job_id: int = 1) -> float | None:
+        """Predicted seconds of one iteration's allreduce of ``req`` under ``plan``; None when
+        the job gave no ``collective_bytes`` or the model does not apply."""
+        nbytes = req.hints.collective_bytes
+        if nbytes is None:
+            return None
+        desc, key = self._desc(snapshot)
+        pkey = (tuple(req.hosts), nbytes, plan.algo, str(plan.tree), plan.slots,
+                plan.compressor, tuple(sorted(plan.compressor_params.items())),
+                plan.error_feedback, key)
+        if pkey in self._cache:
+            return self._cache[pkey]
+        place = {}
+        if plan.algo in ("ina", "nic"):
+            place = {"tree": plan.tree if plan.tree is not None else "single",
+                     "slots": max(plan.slots, 1), "mode": plan.mode}
+        try:
+            spec = CollectiveSpec(op="allreduce", algo=plan.algo, nbytes=4 * -(-nbytes // 4),
+                                  compressor=plan.compressor,
+                                  compressor_params=dict(plan.compressor_params),
+                                  error_feedback=plan.error_feedback, placement=place,
+                                  job_id=job_id, window=max(plan.slots, 1) if place else 64)
+            t = flowmodel.predict(desc, spec, workers=list(req.hosts),
+                                  hop_latency_s=self.hop_latency_s).time_s
+        except (ValueError, KeyError):
+            t = None  # the model does not apply to this plan here (e.g. unshaped links)
+        self._cache[pkey] = t
+        return t
+
+
+def _ring(job: str, reason: str) -> Plan:
+    return Plan(job=job, algo="ring", reason=reason)
+
+
+class _Base:
+    """Shared by the policies: the model (optional) and predicted times on plans."""
+
+    name = ""
+
+    def __init__(self, model: PlanModel | None = None):
+        self.model = model
+
+    def predicted(self, req: JobRequest, plan: Plan, snapshot: FabricSnapshot | None) -> Plan:
+        """``plan`` with the model's ``predicted_comm_s`` (None without a model)."""
+        t = self.model.comm_s(req, plan, snapshot) if self.model is not None else None
+        return plan.model_copy(update={"predicted_comm_s": t})
+
+
+class TenantOnly(_Base):
+    """Ring allreduce, no compression, for every job: the tenant sees no fabric."""
+
+    name = "tenant_only"
+
+    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+        """Ring for every job."""
+        return {j.job: self.predicted(j, _ring(j.job, "tenant default: ring, no compression"),
+                                      snapshot) for j in jobs}
+
+
+class ProviderOnly(_Base):
+    """INA first come, first served while switch memory lasts; no compression; else ring."""
+
+    name = "provider_only"
+
+    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+        """In admission order: the first candidate tree (one switch, the lowest common
+        ancestor) that still has memory, else ring."""
+        view = FabricView(snapshot)
+        taken: dict[str, int] = {}
+        out = {}
+        for j in jobs:
+            plan = _ring(j.job, "switch memory full: ring")
+            for tree in view.trees(j.hosts)[:1]:
+                cand = Plan(job=j.job, algo="ina", tree=tree, slots=SLOTS,
+                            reason="first come, first served: INA while memory lasts")
+                mem = plan_memory(cand, len(j.hosts))
+                if _fits(view, taken, mem):
+                    taken, plan = _add(taken, mem), cand
+                    break
+            out[j.job] = self.predicted(j, plan, snapshot)
+        return out
+
+
+def candidates(req: JobRequest, view: FabricView) -> list[Plan]:
+    """Every plan a job's hints allow: ring; ring with each summable compressor within its
+    error budget (error feedback for ``lossy_ef``); INA on each candidate tree; INA + THC
+    within the budget."""
+    job, b = req.job, budget(req.hints)
+    ef = req.hints.tolerance == "lossy_ef"
+    out = [_ring(job, "ring")]
+    for name, params in RING_COMPRESSORS if b is not None else ():
+        err = compressor_error(name, tuple(sorted(params.items())))
+        if err <= b:
+            out.append(Plan(job=job, algo="ring", compressor=name, compressor_params=params,
+                            error_feedback=ef, reason=f"ring + {name} {params} (error "
+                            f"{err:.3g} <= budget {b:g})"))
+    for tree in view.trees(req.hosts):
+        out.append(Plan(job=job, algo="ina", tree=tree, slots=SLOTS, reason=f"INA on {tree}"))
+        for name, params in INA_COMPRESSORS if b is not None else ():
+            err = compressor_error(name, tuple(sorted(params.items())))
+            if err <= b:
+                lanes = slot_lanes(Plan(job=job, compressor=name, compressor_params=params),
+                                   len(req.hosts))
+                slots = max(1, SLOTS * INT32_LANES // lanes)  # the same bytes in flight
+                out.append(Plan(job=job, algo="ina", tree=tree, slots=slots, compressor=name,
+                                compressor_params=params, reason=f"INA + {name} {params} on "
+                                f"{tree} (error {err:.3g} <= budget {b:g})"))
+    return out
+
+
+def _cost(t: float | None) -> float:
+    return math.inf if t is None else t
+
+
+def _key(plan: Plan) -> tuple[float, float]:
+    """Order of preference: predicted time, then (equal times) the smaller compression error."""
+    err = 0.0 if plan.compressor is None else compressor_error(
+        plan.compressor, tuple(sorted(plan.compressor_params.items())))
+    return _cost(plan.predicted_comm_s), err
+
+
+def _weight(req: JobRequest) -> float:
+    """How much a second of a job's iteration is worth: its iterations x (1 + priority)."""
+    return (req.hints.iterations or 1) * (1 + req.hints.priority)
+
+
+class Cooperative(_Base):
+    """Hints + telemetry + the flow model: memory to the jobs it helps most, compression only
+    within a job's error budget (see the module docstring)."""
+
+    name = "cooperative"
+
+    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+        """Best memory-free plan per job; then, by weighted time saved, the best plan that
+        needs memory, where it still fits."""
+        view = FabricView(snapshot)
+        best_free: dict[str, Plan] = {}
+        best_mem: dict[str, Plan] = {}
+        for j in jobs:
+            cands = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
+            free = [c for c in cands if not plan_memory(c, len(j.hosts))]
+            best_free[j.job] = min(free, key=_key)
+            mem = sorted((c for c in cands if plan_memory(c, len(j.hosts))), key=_key)
+            if mem and _cost(mem[0].predicted_comm_s) < _cost(best_free[j.job].predicted_comm_s):
+                best_mem[j.job] = mem  # type: ignore[assignment]
+        by_job = {j.job: j for j in jobs}
+
+        def saving(name: str) -> float:
+            gain = _cost(best_free[name].predicted_comm_s) - _cost(
+                best_mem[name][0].predicted_comm_s)  # type: ignore[index]
+            return (gain if math.isfinite(gain) else 0.0) * _weight(by_job[name])
+
+        taken: dict[str, int] = {}
+        out = dict(best_free)
+        for name in sorted(best_mem, key=saving, reverse=True):
+            for c in best_mem[name]:  # type: ignore[union-attr]
+                if _cost(c.predicted_comm_s) >= _cost(best_free[name].predicted_comm_s):
+                    break
+                mem = plan_memory(c, len(by_job[name].hosts))
+                if _fits(view, taken, mem):
+                    taken, out[name] = _add(taken, mem), c
+                    break
+        for name, p in out.items():
+            if name in best_mem and out[name] is best_free[name]:
+                out[name] = p.model_copy(update={"reason": p.reason + "; no switch memory "
+                                                 "left for its INA plans"})
+        return {j.job: out[j.job] for j in jobs}
+
+
+class Oracle(_Base):
+    """The best static plan per job of a known trace (see the module docstring): computed
+    once, on the first call, over every job of ``trace`` as if they all overlapped."""
+
+    name = "oracle"
+
+    def __init__(self, model: PlanModel | None = None, trace: list[JobRequest] | None = None):
+        super().__init__(model)
+        self.trace = list(trace or [])
+        self._plans: dict[str, Plan] | None = None
+
+    def _search(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+        view = FabricView(snapshot)
+        options = []
+        for j in jobs:
+            cands = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
+            free = min((c for c in cands if not plan_memory(c, len(j.hosts))), key=_key)
+            mem = [c for c in cands if plan_memory(c, len(j.hosts))
+                   and _cost(c.predicted_comm_s) < _cost(free.predicted_comm_s)]
+            options.append([free] + sorted(mem, key=_key)[:4])
+        best, best_cost = None, math.inf
+        for combo in itertools.product(*options):
+            taken: dict[str, int] = {}
+            ok = True
+            for j, c in zip(jobs, combo, strict=True):
+                mem = plan_memory(c, len(j.hosts))
+                if not _fits(view, taken, mem):
+                    ok = False
+                    break
+                taken = _add(taken, mem)
+            if not ok:
+                continue
+            cost = sum(_cost(c.predicted_comm_s) * _weight(j) for j, c in zip(jobs, combo,
+                                                                              strict=True))
+            if cost < best_cost:
+                best, best_cost = combo, cost
+        chosen = best if best is not None else tuple(o[0] for o in options)
+        return {j.job: c.model_copy(update={"reason": "oracle: best static plan of the "
+                                            "trace; " + c.reason})
+                for j, c in zip(jobs, chosen, strict=True)}
+
+    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+        """The precomputed static plans (jobs outside the trace: searched among themselves)."""
+        if self._plans is None:
+            self._plans = self._search(self.trace or list(jobs), snapshot)
+        missing = [j for j in jobs if j.job not in self._plans]
+        if missing:
+            self._plans.update(self._search(missing, snapshot))
+        return {j.job: self._plans[j.job] for j in jobs}
+
+
+#: Policies by name.
+POLICIES = {c.name: c for c in (TenantOnly, ProviderOnly, Cooperative, Oracle)}
+
+
+def make_policy(name: str, model: PlanModel | None = None, **kw):
+    """The policy called ``name`` (:data:`POLICIES`), with the flow model ``model``."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name](model, **kw)

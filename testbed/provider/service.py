@@ -1,0 +1,640 @@
+"""The fabric manager as a long-running service: HTTP/JSON over a Unix socket (or TCP).
+
+:class:`ProviderService` wraps one :class:`~testbed.provider.manager.FabricManager` (plain
+in-process state) for concurrent tenants: one lock serialises every call into it, so a
+request sees and leaves a consistent state, and a request the manager refuses changes
+nothing (its :class:`~testbed.provider.manager.ProviderError` becomes a 4xx answer naming the
+problem; a body the schema rejects is a 422 before the manager is called). Two background
+threads keep it honest while nobody asks:
+
+* the **lease reaper** calls ``manager.expire(now)`` every ``reap_period_s``: a tenant that
+  vanished (no renew within its ``lease_s``) loses its job, its switch memory is reclaimed
+  and its aggregation job is removed from the switches;
+* the **telemetry collector** (:class:`Telemetry`) reads every data-path engine's counters
+  every ``telemetry_period_s`` (port rates, queue depths, drops, trims, aggregator memory and
+  occupancy) into a :class:`~testbed.provider.schema.FabricSnapshot` for ``manager.observe``,
+  which re-plans on sustained congestion.
+
+Only the service configures switches (:class:`SwitchConfigurator`, given the running
+:class:`~testbed.topologies.net.TestbedNet`): after every change of plans it registers the
+INA jobs of the new plans on their tree switches (members, slot partitions) and removes the
+jobs whose INA plan is gone. The engines' control channels are reachable from the root
+network namespace only (``testbed.datapath.control``), where this service runs; tenants in
+the emulated hosts reach the service through its Unix socket (``docs/provider.md``).
+
+API (``/v1``; bodies and answers are the schema's models as JSON):
+
+=========================  ====================================================================
+GET  /v1/health            policy, job count, time
+GET  /v1/inventory         the fabric: hosts, switches with aggregator memory, links with rates
+GET  /v1/telemetry         the latest snapshot (+ per-engine figures and collection errors)
+GET  /v1/memory            per switch: configured, allocated per job, free bytes
+GET  /v1/jobs              admitted jobs with their lease and current plan
+POST /v1/jobs              JobRequest -> Plan (201); 409 name or hosts taken, 422 bad request
+GET  /v1/jobs/{job}        one job: lease, plan, and its switch registration (INA plans)
+GET  /v1/jobs/{job}/plan   the current plan (workers poll it at iteration boundaries)
+POST /v1/jobs/{job}/renew  extend the lease by the job's lease_s
+DELETE /v1/jobs/{job}      release the job (memory back, switches cleared, others re-planned)
+GET  /v1/log               every plan change with its time and reason
+GET  /v1/plan?policy=P     dry run: the plans policy P would give the admitted jobs now
+=========================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient
+from testbed.provider.manager import (
+    FabricManager,
+    NoFeasiblePlan,
+    ProviderError,
+    UnknownJob,
+)
+from testbed.provider.policies import POLICIES, make_policy
+from testbed.provider.schema import FabricSnapshot, JobRequest, LinkState, Plan, SwitchState
+
+#: Where tenants find the service: a Unix socket in the run directory, which every emulated
+#: host sees (hosts share the file system), while the switches' control channels stay in the
+#: root network namespace.
+DEFAULT_SOCKET = os.path.join(RUN_DIR, "provider.sock")
+#: Seconds between two telemetry collections / two lease checks, by default.
+DEFAULT_TELEMETRY_PERIOD_S = 1.0
+DEFAULT_REAP_PERIOD_S = 0.25
+#: Job ids the service gives the INA jobs it registers on switches (16-bit, clear of the ids
+#: tests and experiments pick for their own collectives).
+FIRST_JOB_ID = 1000
+JOB_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+JobName = Annotated[str, Path(pattern=JOB_NAME, description="the job's name")]
+
+
+# ---------------------------------------------------------------------------------------------
+# telemetry
+
+def _port_map(desc: dict) -> dict[tuple[str, str], tuple[str, str, float]]:
+    """``(src, dst) -> (node, port name, rate)`` for every direction of every shaped link
+    with a programmable end: the port whose counters measure that direction (the source's
+    egress port when the source is programmable, else the destination's ingress port)."""
+    prog = set(desc.get("programmable", []))
+    out: dict[tuple[str, str], tuple[str, str, float]] = {}
+    for s in desc.get("links", []):
+        if not s.get("bw_mbps"):
+            continue
+        ends = ((s["a"], s["port_a"], s["b"]), (s["b"], s["port_b"], s["a"]))
+        for node, port, peer in ends:
+            if node in prog:
+                out[(node, peer)] = (node, f"{node}-eth{port}", float(s["bw_mbps"]))
+                out.setdefault((peer, node), (node, f"{node}-eth{port}", float(s["bw_mbps"])))
+    return out
+
+
+class Telemetry:
+    """Reads the data-path engines of a running fabric into a :class:`FabricSnapshot`.
+
+    ``desc``: the topology's ``describe()`` dict (hosts, switches, programmable nodes, links
+    with their ports and rates); ``memory_bytes``: static aggregator memory per switch the
+    inventory declares. Each :meth:`collect` asks every programmable node for its counters;
+    link utilisation is the byte-counter delta since the previous collection over the
+    interval and the link rate; queue depth, trims and queue drops come from a ``trim`` stage
+    on the source's egress port, drops from the port's drop counters; a switch's allocated
+    memory per job from its ``aggregate`` stage. A node that does not answer is reported in
+    :attr:`errors` and contributes nothing (its links read as idle).
+    """
+
+    def __init__(self, desc: dict, memory_bytes: dict[str, int]):
+        self.desc = desc
+        self.memory_bytes = dict(memory_bytes)
+        self.nodes = sorted(desc.get("programmable", []))
+        self.ports = _port_map(desc)
+        self._clients: dict[str, Any] = {}
+        self._prev: dict[str, tuple[float, dict]] = {}
+        self.errors: dict[str, str] = {}
+        self.engines: dict[str, dict] = {}
+        self.collected_s: float | None = None
+
+    def _counters(self, node: str) -> dict | None:
+        c = self._clients.get(node)
+        try:
+            if c is None:
+                c = self._clients[node] = DatapathClient(node)
+            data = c.counters()
+        except (ControlError, OSError) as e:
+            self._clients.pop(node, None)
+            self.errors[node] = str(e)
+            return None
+        self.errors.pop(node, None)
+        return data
+
+    def collect(self, now: float | None = None) -> FabricSnapshot:
+        """One snapshot of the fabric now (``now``: the snapshot's time, default monotonic)."""
+        now = time.monotonic() if now is None else float(now)
+        counters: dict[str, dict] = {}
+        rates: dict[str, dict[str, tuple[float, float]]] = {}
+        for node in self.nodes:
+            data = self._counters(node)
+            if data is None:
+                continue
+            counters[node] = data
+            t1 = time.monotonic()
+            prev = self._prev.get(node)
+            rates[node] = {}
+            if prev is not None and t1 > prev[0]:
+                for port, p in data.get("ports", {}).items():
+                    q = prev[1].get(port)
+                    if q is not None:
+                        rates[node][port] = (
+                            max(p["tx_bytes"] - q["tx_bytes"], 0) * 8 / (t1 - prev[0]),
+                            max(p["rx_bytes"] - q["rx_bytes"], 0) * 8 / (t1 - prev[0]))
+            self._prev[node] = (t1, data.get("ports", {}))
+        links = [self._link(src, dst, rate, counters, rates)
+                 for (src, dst), (_n, _p, rate) in sorted(self.ports.items())]
+        switches = []
+        for name in self.desc.get("switches", {}):
+            agg = counters.get(name, {}).get("stages", {}).get("aggregate", {})
+            alloc = {str(j): int(v.get("memory_bytes", 0))
+                     for j, v in agg.get("jobs", {}).items()}
+            switches.append(SwitchState(name=name, memory_bytes=self.memory_bytes.get(name, 0),
+                                        allocated_bytes=alloc,
+                                        programmable=name in self.nodes))
+        self.engines = {node: _engine_summary(data) for node, data in counters.items()}
+        self.collected_s = now
+        return FabricSnapshot(topology=str(self.desc.get("kind", "")), time_s=now,
+                              switches=switches, links=links,
+                              hosts=list(self.desc.get("hosts", [])))
+
+    def _link(self, src: str, dst: str, rate_mbps: float, counters: dict,
+              rates: dict) -> LinkState:
+        node, port, _ = self.ports[(src, dst)]
+        data = counters.get(node)
+        if data is None:
+            return LinkState(src=src, dst=dst, rate_mbps=rate_mbps)
+        egress = node == src  # the counters are the source's egress port
+        tx_bps, rx_bps = rates.get(node, {}).get(port, (0.0, 0.0))
+        bps = tx_bps if egress else rx_bps
+        queue = drops = trims = 0
+        trim = data.get("stages", {}).get("trim", {}).get("ports", {}).get(port)
+        if egress and trim is not None:
+            queue = int(trim.get("depth_bytes", 0))
+            trims = int(trim.get("trimmed", 0))
+            drops += int(trim.get("dropped", 0))
+        if not egress:  # packets that arrived over this link and were dropped at its end
+            drops += sum(int(v) for v in data.get("ports", {}).get(port, {})
+                         .get("drops", {}).values())
+        return LinkState(src=src, dst=dst, rate_mbps=rate_mbps,
+                         utilisation=round(bps / (rate_mbps * 1e6), 4), queue_bytes=queue,
+                         drops=drops, trims=trims)
+
+    def close(self) -> None:
+        """Close the control connections."""
+        for c in self._clients.values():
+            with contextlib.suppress(Exception):
+                c.close()
+        self._clients.clear()
+
+
+def _engine_summary(data: dict) -> dict:
+    """The figures of one engine the telemetry endpoint shows beside the snapshot."""
+    agg = data.get("stages", {}).get("aggregate")
+    out = {"cpu": data.get("cpu"), "cpu_max": data.get("cpu_max"),
+           "drops": data.get("drops", {}), "uptime_s": data.get("uptime_s")}
+    if agg is not None:
+        out["aggregator"] = {"memory": agg.get("memory", {}), "free_slots": agg.get("free_slots"),
+                             "jobs": {j: {k: v.get(k) for k in ("slots", "n_workers",
+                                                                "memory_bytes", "open_sets")}
+                                      for j, v in agg.get("jobs", {}).items()}}
+    trim = data.get("stages", {}).get("trim")
+    if trim is not None:
+        out["trim"] = trim.get("totals", {})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# switch configuration
+
+class SwitchConfigurator:
+    """Puts the manager's plans on the switches of a running :class:`TestbedNet`.
+
+    :meth:`sync` after every change: a job whose plan is in-network aggregation (``ina`` or
+    ``nic`` with a tree) is registered on its tree switches with its members and a static or
+    shared slot partition (``testbed.collectives.runner.register_ina_job``, the same control
+    plane the collective runner uses); a job whose INA configuration changed is registered
+    again (a new prediction or reason alone leaves it alone); a
+    job that left or no longer aggregates in the network is removed from its switches.
+    :attr:`registrations` holds, per job, what its workers need to take part (job id, UDP
+    port, member ids, aggregator address), served by ``GET /v1/jobs/{job}``. A registration
+    a switch refuses is kept in :attr:`errors` (the job's workers then run their collective
+    on the hosts) and retried at the next change.
+    """
+
+    def __init__(self, net):
+        self.net = net
+        self.handles: dict[str, tuple[Plan, Any, dict]] = {}
+        self.registrations: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        self._ids: dict[str, int] = {}
+
+    def _job_id(self, job: str) -> int:
+        if job not in self._ids:
+            used = set(self._ids.values())
+            self._ids[job] = next(i for i in range(FIRST_JOB_ID, 0xFFFF) if i not in used)
+        return self._ids[job]
+
+    def sync(self, plans: dict[str, Plan], jobs: dict[str, dict]) -> None:
+        """Make the switches hold exactly the INA jobs of ``plans`` (``jobs``: the manager's
+        job table, for the hosts)."""
+        for job in list(self.handles):
+            plan = plans.get(job)
+            if plan is None or not _in_network(plan) or \
+                    _switch_config(plan) != _switch_config(self.handles[job][0]):
+                self._remove(job)
+        for job, plan in plans.items():
+            if _in_network(plan) and job not in self.handles:
+                self._register(job, plan, list(jobs[job]["hosts"]), jobs[job]["hints"])
+        for job in list(self._ids):
+            if job not in plans:
+                del self._ids[job]
+                self.errors.pop(job, None)
+
+    def _register(self, job: str, plan: Plan, hosts: list[str], hints: dict) -> None:
+        # Function-level imports: the collective runner loads the kernels (Numba), which only
+        # a service that configures a running network needs.
+        from testbed.collectives.runner import CollectiveError, register_ina_job
+        from testbed.collectives.spec import CollectiveSpec
+
+        nodes = [self.net.mininet.get(h) for h in hosts]
+        spec = CollectiveSpec(
+            op="allreduce", algo=plan.algo, nbytes=4 * -(-int(hints.get("collective_bytes")
+                                                                 or 1 << 20) // 4),
+            compressor=plan.compressor, compressor_params=dict(plan.compressor_params),
+            error_feedback=plan.error_feedback, job_id=self._job_id(job),
+            placement={"tree": plan.tree if plan.tree is not None else "single",
+                       "slots": max(plan.slots, 1), "mode": plan.mode})
+        entry = {"n": len(nodes), "ranks": [{"host": h.name, "pid": int(h.pid), "ip": h.IP()}
+                                           for h in nodes]}
+        try:
+            handle = register_ina_job(self.net, spec, entry, nodes)
+        except (CollectiveError, ValueError, RuntimeError) as e:
+            self.errors[job] = str(e)
+            return
+        self.errors.pop(job, None)
+        self.handles[job] = (plan, handle, entry)
+        self.registrations[job] = {"job_id": spec.job_id, "tree": entry.get("tree"),
+                                   "seq0": entry.get("seq0"), "ranks": entry["ranks"],
+                                   "fallbacks": entry.get("fallbacks", [])}
+
+    def _remove(self, job: str) -> None:
+        from testbed.collectives.runner import CollectiveError  # see _register
+
+        _plan, handle, _entry = self.handles.pop(job)
+        self.registrations.pop(job, None)
+        try:
+            handle.release()
+        except CollectiveError as e:
+            self.errors[job] = str(e)
+
+    def close(self) -> None:
+        """Remove every job this configurator registered."""
+        for job in list(self.handles):
+            self._remove(job)
+
+
+def _in_network(plan: Plan) -> bool:
+    return plan.algo in ("ina", "nic") and plan.tree is not None
+
+
+def _switch_config(plan: Plan) -> dict:
+    """What of a plan the switches hold (a new prediction or reason changes nothing there)."""
+    return plan.model_dump(exclude={"reason", "predicted_comm_s"})
+
+
+# ---------------------------------------------------------------------------------------------
+# the service
+
+class ProviderService:
+    """One manager, its lock, its background threads, and optionally telemetry and switches.
+
+    ``manager``: the :class:`FabricManager`; ``telemetry``: a :class:`Telemetry` (None: the
+    service sees only its inventory); ``switches``: a :class:`SwitchConfigurator` (None: plans
+    are computed and served but no switch is configured); ``clock``: seconds, monotonic.
+    """
+
+    def __init__(self, manager: FabricManager, telemetry: Telemetry | None = None,
+                 switches: SwitchConfigurator | None = None,
+                 telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
+                 reap_period_s: float = DEFAULT_REAP_PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic):
+        for name, v in (("telemetry_period_s", telemetry_period_s),
+                        ("reap_period_s", reap_period_s)):
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        self.manager = manager
+        self.telemetry = telemetry
+        self.switches = switches
+        self.telemetry_period_s = float(telemetry_period_s)
+        self.reap_period_s = float(reap_period_s)
+        self.clock = clock
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.last_error: str | None = None  # the latest failure of a background loop
+
+    # -- calls into the manager, serialised ---------------------------------------------------
+    def call(self, fn: Callable[[FabricManager, float], Any]) -> Any:
+        """Run ``fn(manager, now)`` under the lock; afterwards bring the switches in line
+        with the plans when they changed."""
+        with self.lock:
+            before = self.manager.plans()
+            result = fn(self.manager, self.clock())
+            if self.switches is not None and self.manager.plans() != before:
+                self.switches.sync(self.manager.plans(), self.manager.jobs())
+            return result
+
+    def reap(self) -> list[str]:
+        """Expire the jobs whose lease ran out now; returns their names."""
+        return self.call(lambda m, now: m.expire(now))
+
+    def observe(self) -> list[str]:
+        """Collect one telemetry snapshot and hand it to the manager (outside the lock: the
+        engines answer at their own pace)."""
+        if self.telemetry is None:
+            return []
+        snap = self.telemetry.collect(self.clock())
+        return self.call(lambda m, now: m.observe(snap, now))
+
+    # -- background ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the lease reaper and (with telemetry) the collector."""
+        if self._threads:
+            return
+        self._stop.clear()
+        loops = [(self.reap, self.reap_period_s)]
+        if self.telemetry is not None:
+            loops.append((self.observe, self.telemetry_period_s))
+        for fn, period in loops:
+            t = threading.Thread(target=self._loop, args=(fn, period), daemon=True,
+                                 name=f"provider-{fn.__name__}")
+            t.start()
+            self._threads.append(t)
+
+    def _loop(self, fn: Callable[[], Any], period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a background failure must not end the loop
+                self.last_error = f"{fn.__name__}: {type(e).__name__}: {e}"
+
+    def stop(self) -> None:
+        """Stop the background threads, remove the service's jobs from the switches."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+        with self.lock:
+            if self.switches is not None:
+                self.switches.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
+
+
+def create_app(service: ProviderService) -> FastAPI:
+    """The HTTP API of ``service`` (see the module docstring)."""
+    app = FastAPI(title="testbed fabric manager", version="1",
+                  description="Tenant hints in, offload plans out (docs/provider.md).")
+
+    @app.exception_handler(ProviderError)
+    async def _refused(_req: Request, exc: ProviderError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status,
+                            content={"error": type(exc).__name__, "detail": str(exc)})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""),
+                     "type": e.get("type", "")} for e in exc.errors()]
+        text = "; ".join(f"{'.'.join(str(x) for x in p['loc'])}: {p['msg']}" for p in problems)
+        return JSONResponse(status_code=422, content={"error": "invalid request",
+                                                      "detail": text, "problems": problems})
+
+    def job_view(m: FabricManager, now: float, name: str, info: dict) -> dict:
+        out = {"job": name, **info, "expires_in_s": round(info["expires_s"] - now, 3),
+               "plan": m.plans().get(name)}
+        sw = service.switches
+        if sw is not None:
+            out["registration"] = sw.registrations.get(name)
+            if name in sw.errors:
+                out["registration_error"] = sw.errors[name]
+        return out
+
+    def one_job(m: FabricManager, now: float, name: str) -> dict:
+        jobs = m.jobs()
+        if name not in jobs:
+            raise UnknownJob(f"no admitted job {name!r} (admitted: {sorted(jobs)})")
+        return job_view(m, now, name, jobs[name])
+
+    @app.get("/v1/health")
+    def health() -> dict:
+        return service.call(lambda m, now: {
+            "ok": True, "policy": m.policy.name, "jobs": len(m.jobs()), "time_s": now,
+            "telemetry": service.telemetry is not None,
+            "configures_switches": service.switches is not None,
+            "background_error": service.last_error})
+
+    @app.get("/v1/inventory")
+    def inventory() -> FabricSnapshot:
+        return service.manager.inventory
+
+    @app.get("/v1/telemetry")
+    def telemetry() -> dict:
+        t = service.telemetry
+        snap = service.call(lambda m, now: m.fabric())
+        return {"snapshot": snap, "period_s": service.telemetry_period_s if t else None,
+                "collected_s": t.collected_s if t else None,
+                "engines": dict(t.engines) if t else {}, "errors": dict(t.errors) if t else {}}
+
+    @app.get("/v1/memory")
+    def memory() -> dict:
+        return service.call(lambda m, now: m.memory())
+
+    @app.get("/v1/jobs")
+    def jobs() -> dict:
+        return service.call(lambda m, now: {n: job_view(m, now, n, i)
+                                            for n, i in m.jobs().items()})
+
+    @app.post("/v1/jobs", status_code=201)
+    def admit(req: JobRequest) -> Plan:
+        def do(m: FabricManager, now: float) -> Plan:
+            plan = m.admit(req, now)
+            # the lease runs from the answer: planning may take seconds (a policy that
+            # measures compressors compiles their kernels on first use)
+            m.renew(req.job, service.clock())
+            return plan
+        return service.call(do)
+
+    @app.get("/v1/jobs/{job}")
+    def job(job: JobName) -> dict:
+        return service.call(lambda m, now: one_job(m, now, job))
+
+    @app.get("/v1/jobs/{job}/plan")
+    def plan(job: JobName) -> Plan:
+        return service.call(lambda m, now: one_job(m, now, job)["plan"])
+
+    @app.post("/v1/jobs/{job}/renew")
+    def renew(job: JobName) -> dict:
+        def do(m: FabricManager, now: float) -> dict:
+            expires = m.renew(job, now)
+            return {"job": job, "expires_s": expires, "expires_in_s": round(expires - now, 3)}
+        return service.call(do)
+
+    @app.delete("/v1/jobs/{job}")
+    def release(job: JobName) -> dict:
+        def do(m: FabricManager, now: float) -> dict:
+            m.release(job, now)
+            return {"job": job, "released": True}
+        return service.call(do)
+
+    @app.get("/v1/log")
+    def log(since: Annotated[int, Query(ge=0, description="first entry to return")] = 0
+            ) -> list[dict]:
+        return service.call(lambda m, now: [c.to_json() for c in m.log[since:]])
+
+    @app.get("/v1/plan")
+    def dry_run(policy: Annotated[str, Query(description=f"one of {sorted(POLICIES)}")]
+                ) -> dict:
+        if policy not in POLICIES:
+            raise ProviderError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+        pol = make_policy(policy, service.manager.model)
+
+        def do(m: FabricManager, now: float) -> dict:
+            reqs = [JobRequest(job=n, hosts=i["hosts"], hints=i["hints"], lease_s=i["lease_s"])
+                    for n, i in m.jobs().items()]
+            try:
+                plans = pol.plan(reqs, m.fabric()) if reqs else {}
+            except (ValueError, KeyError) as e:
+                raise NoFeasiblePlan(f"policy {policy!r} failed: {e}") from None
+            return {"policy": policy, "plans": plans, "current": m.plans()}
+        return service.call(do)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# serving
+
+class Server:
+    """The API of a :class:`ProviderService` served by uvicorn in a thread of this process,
+    on a Unix socket (``socket_path``) or TCP (``host``/``port``; port 0 picks a free one).
+    A context manager: the service's background threads run while it is open."""
+
+    def __init__(self, service: ProviderService, socket_path: str | None = DEFAULT_SOCKET,
+                 host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        self.service = service
+        self.socket_path = socket_path if port is None else None
+        kw: dict = {"uds": self.socket_path} if self.socket_path else {"host": host,
+                                                                        "port": port}
+        self.config = uvicorn.Config(create_app(service), log_level=log_level,
+                                     lifespan="off", **kw)
+        self.server = uvicorn.Server(self.config)
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``unix:PATH`` or ``http://HOST:PORT`` (the client's ``address``)."""
+        if self.socket_path:
+            return f"unix:{self.socket_path}"
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Start serving; return once the socket accepts connections."""
+        if self.socket_path:
+            os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)  # a stale socket of a service that crashed
+        self.thread = threading.Thread(target=self.server.run, daemon=True,
+                                       name="provider-http")
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the provider service did not start on "
+                                   f"{self.socket_path or self.config.port}")
+            time.sleep(0.01)
+        if self.socket_path:
+            os.chmod(self.socket_path, 0o666)  # tenants need not be the provider's user
+        self.service.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and the service's background threads."""
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        self.service.stop()
+        if self.socket_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def engine_memory(net) -> dict[str, int]:
+    """Static aggregator memory per switch of a running ``TestbedNet``, as its engines'
+    ``aggregate`` stages report it (configured minus the shared pool); switches without
+    that stage are left out."""
+    out = {}
+    for name, client in sorted(net.datapath_clients().items()):
+        agg = client.counters().get("stages", {}).get("aggregate")
+        if agg is not None:
+            mem = agg["memory"]
+            out[name] = int(mem["configured_bytes"]) - int(mem["pool_bytes"])
+    return out
+
+
+def make_service(topology, memory_bytes: int | dict[str, int] | None,
+                 policy: str = "cooperative",
+                 net=None, telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
+                 reap_period_s: float = DEFAULT_REAP_PERIOD_S,
+                 clock: Callable[[], float] = time.monotonic) -> ProviderService:
+    """A service for ``topology`` (a ``TestbedTopo``, a ``TestbedNet`` or a ``describe()``
+    dict) whose programmable switches have ``memory_bytes`` of static aggregator memory each
+    (or per switch; None: what the engines of ``net`` report, :func:`engine_memory`),
+    planning with ``policy`` and the flow model. With ``net`` (a running ``TestbedNet``) it
+    collects telemetry from its engines and configures its switches."""
+    # Function-level import: the manager and policies load the flow model and its kernels.
+    from testbed.provider.manager import inventory_of
+    from testbed.provider.policies import PlanModel
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
+    if memory_bytes is None:
+        if net is None:
+            raise ValueError("memory_bytes: give the switches' aggregator memory, or a running "
+                             "network (net=) whose engines report it")
+        memory_bytes = engine_memory(net)
+    topo = getattr(topology, "topo", topology)
+    desc = topo if isinstance(topo, dict) else topo.describe()
+    inventory = inventory_of(desc, memory_bytes)
+    try:
+        model = PlanModel(desc)
+    except (ValueError, KeyError, TypeError):
+        model = None  # e.g. unshaped links: plans without predictions
+    manager = FabricManager(inventory, policy, model)
+    mem = {s.name: s.memory_bytes for s in inventory.switches}
+    telemetry = Telemetry(desc, mem) if net is not None else None
+    switches = SwitchConfigurator(net) if net is not None else None
+    return ProviderService(manager, telemetry, switches, telemetry_period_s, reap_period_s,
+                           clock)

@@ -1,0 +1,99 @@
+"""The co-operation experiment end to end: two jobs admitted by the fabric manager under the
+cooperative policy train on a Mininet fabric with the plans it gave them (real packets, the
+pool's numpy checks of the sums), and leave with their switch memory reclaimed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from testbed.experiment.cooperation import (
+    apply_plan,
+    jain,
+    load_cooperation,
+    run_cooperation,
+    table,
+)
+from testbed.provider.schema import Plan
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+EXPERIMENT = {
+    "kind": "cooperation",
+    "name": "coop-e2e",
+    "seed": 3,
+    "policies": ["cooperative"],
+    "topology": {"kind": "star", "n_hosts": 6, "bw_mbps": 20, "switch": "programmable",
+                 "switch_memory": "128KiB", "shared_pool": "32KiB"},
+    "jobs": [
+        {"name": "exact4", "hosts": [0, 1, 2, 3], "tolerance": "exact",
+         "train": {"hidden": 64, "lr": 0.1, "momentum": 0.0, "iterations": 8,
+                   "eval_every": 4}},
+        {"name": "lossy2", "hosts": [4, 5], "start_s": 0.2, "tolerance": "lossy",
+         "error_budget": 0.25,
+         "train": {"hidden": 64, "lr": 0.1, "momentum": 0.0, "iterations": 8,
+                   "eval_every": 4}},
+    ],
+}
+
+
+@pytest.mark.parametrize("name", ["cloud_cooperation.toml", "cloud_no_help.toml"])
+def test_shipped_traces_load(name):
+    exp = load_cooperation(EXPERIMENTS / name)
+    assert len(exp.jobs) >= 4 and set(exp.policies) == {"tenant_only", "provider_only",
+                                                         "cooperative", "oracle"}
+    assert len({j.start_s for j in exp.jobs}) == len(exp.jobs)  # different arrival times
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"policies": ["greedy"]}, "greedy"),
+    ({"jobs": [{"name": "a", "hosts": [0, 1], "train": {"algo": "ina"}}]}, "policy's plan"),
+    ({"jobs": [{"name": "a", "hosts": [0, 1], "train": {"lr": -1}}]}, "lr"),
+    ({"jobs": [{"name": "a", "hosts": [0, 1]}, {"name": "a", "hosts": [2, 3]}]}, "repeat"),
+])
+def test_bad_experiment_is_a_clear_error(change, words):
+    with pytest.raises(ValueError, match=words):
+        load_cooperation({**EXPERIMENT, **change})
+
+
+def test_plan_becomes_the_jobs_communication():
+    exp = load_cooperation(EXPERIMENT)
+    spec = exp.spec(exp.jobs[0], 0)
+    ina = apply_plan(spec, Plan(job="exact4", algo="ina", tree=["tbs1"], slots=8))
+    assert ina.algo == "ina" and ina.window == 8
+    assert ina.collective().placement == {"tree": ["tbs1"], "slots": 8, "mode": "static"}
+    ring = apply_plan(spec, Plan(job="x", algo="ring", compressor="thc",
+                                 compressor_params={"granularity": 32}, error_feedback=True))
+    c = ring.collective()
+    assert (c.algo, c.compressor, c.compressor_params, c.error_feedback, c.placement) == (
+        "ring", "thc", {"granularity": 32}, True, {})
+    assert jain([1.0, 1.0]) == 1.0 and jain([1.0, 0.0]) == 0.5 and jain([]) is None
+
+
+@pytest.mark.mininet
+def test_two_jobs_under_cooperative_on_mininet(tmp_path):
+    exp = load_cooperation(EXPERIMENT)
+    rows = run_cooperation(exp, tmp_path, say=lambda text: None)
+    jobs = {r["job"]: r for r in rows if r["row"] == "job"}
+    summary = [r for r in rows if r["row"] == "summary"]
+    assert set(jobs) == {"exact4", "lossy2"} and len(summary) == 1
+    for r in jobs.values():
+        assert r["status"] == "ok", r["error"]
+        assert r["correct"] is True  # the pool checked the sums against numpy
+        assert r["iterations"] == 8 and r["jct_s"] > 0 and r["final_accuracy"] > 0.2
+    # the plans the manager gave: INA for the exact 4-worker job (one switch: a tree of one),
+    # a compressor within its budget for the tolerant one, nothing lossy for the exact one
+    assert jobs["exact4"]["algo"] == "ina" and jobs["exact4"]["tree"] == ["tbs1"]
+    assert jobs["exact4"]["compressor"] is None
+    assert jobs["lossy2"]["compressor"] is not None
+    # memory was allocated while the INA job ran and reclaimed when it left
+    series = summary[0]["mem_series"]
+    assert max(u for _t, u in series) > 0 and series[-1][1] == 0
+    log = [json.loads(line) for line in (tmp_path / "plan_log.jsonl").read_text().splitlines()]
+    for name in jobs:
+        mine = [e for e in log if e["job"] == name]
+        assert mine[0]["old"] is None and mine[0]["reason"].startswith("admitted")
+        assert mine[-1]["new"] is None and mine[-1]["reason"] == "released"
+    assert "exact4" in table(rows)

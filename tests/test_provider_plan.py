@@ -1,0 +1,238 @@
+"""The fabric manager and its policies on plain data: a leaf-spine's inventory, hints, and
+hand-made telemetry snapshots (no network is built; the flow model costs the plans)."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.provider.manager import (
+    CONGESTED_UTIL,
+    SUSTAINED_SNAPSHOTS,
+    BadRequest,
+    Conflict,
+    FabricManager,
+    NoFeasiblePlan,
+    UnknownJob,
+    inventory_of,
+)
+from testbed.provider.policies import (
+    POLICIES,
+    FabricView,
+    PlanModel,
+    candidates,
+    compressor_error,
+    make_policy,
+    plan_memory,
+)
+from testbed.provider.schema import Hints, JobRequest, LinkState, Plan
+from testbed.topologies import make_topology
+
+KIB = 1024
+
+
+@pytest.fixture(scope="module")
+def topo():
+    # 2 leaves x 5 hosts, one spine; uplinks 20 Mb/s (5:1 oversubscribed core)
+    return make_topology("leaf_spine", leaves=2, spines=1, hosts_per_leaf=5, bw_mbps=20,
+                         oversubscription=5.0, switch="programmable")
+
+
+@pytest.fixture(scope="module")
+def model(topo):
+    return PlanModel(topo)
+
+
+def _inv(topo, mem=96 * KIB):
+    return inventory_of(topo, mem)
+
+
+SMALL = JobRequest(job="small", hosts=["tbh1", "tbh6"],
+                   hints=Hints(collective_bytes=40_000, iterations=100))
+BIG = JobRequest(job="big", hosts=["tbh2", "tbh3", "tbh7", "tbh8"],
+                 hints=Hints(collective_bytes=400_000, iterations=100, tolerance="exact"))
+TOL = JobRequest(job="tol", hosts=["tbh4", "tbh9"],
+                 hints=Hints(collective_bytes=400_000, iterations=100, tolerance="lossy",
+                             error_budget=0.25))
+SILENT = JobRequest(job="silent", hosts=["tbh5", "tbh10"])
+
+
+def _state(fm):
+    return (fm.plans(), fm.jobs(), fm.memory(), len(fm.log))
+
+
+def test_inventory_and_candidate_trees(topo):
+    inv = _inv(topo)
+    assert sorted(inv.hosts) == sorted(topo.host_names)
+    assert {s.name for s in inv.switches} == {"tbl1", "tbl2", "tbsp1"}
+    view = FabricView(inv)
+    assert view.trees(["tbh1", "tbh2"]) == [["tbl1"]]  # one leaf: a tree of one
+    assert view.trees(["tbh1", "tbh6"]) == [["tbsp1"], ["tbl1", "tbl2", "tbsp1"]]
+    # an exact job is offered no compressor; a tolerant one only those within its budget
+    assert all(c.compressor is None for c in candidates(BIG, view))
+    tol = [c for c in candidates(TOL, view) if c.compressor]
+    assert tol and all(compressor_error(c.compressor, tuple(sorted(
+        c.compressor_params.items()))) <= 0.25 for c in tol)
+    tight = TOL.model_copy(update={"hints": TOL.hints.model_copy(update={"error_budget": 1e-6})})
+    assert all(c.compressor is None for c in candidates(tight, view))
+
+
+def test_policies_plan_from_hints(topo, model):
+    jobs = [SMALL, BIG, TOL, SILENT]
+    snap = _inv(topo)
+    plans = {name: make_policy(name, model, **({"trace": jobs} if name == "oracle" else {}))
+             .plan(jobs, snap) for name in POLICIES}
+    # tenant_only: ring everywhere, nothing compressed
+    assert all(p.algo == "ring" and p.compressor is None for p in plans["tenant_only"].values())
+    # provider_only: first come first served: the first job takes the memory
+    po = plans["provider_only"]
+    assert po["small"].algo == "ina" and po["big"].algo == "ring"
+    assert all(p.compressor is None for p in po.values())
+    # cooperative: memory to the job it helps most, compression only where tolerated
+    co = plans["cooperative"]
+    assert co["big"].algo == "ina" and co["small"].algo == "ring"
+    assert co["tol"].compressor is not None and co["big"].compressor is None
+    assert co["silent"].compressor is None  # no hints: exact
+    for name in ("cooperative", "oracle"):
+        total = {n: sum(plans[n][j.job].predicted_comm_s * j.hints.iterations
+                        for j in jobs[:3]) for n in plans}
+        assert total[name] < total["tenant_only"] and total[name] < total["provider_only"]
+    # every plan fits the memory; predictions come from the model
+    for name, pl in plans.items():
+        used: dict = {}
+        for j in jobs:
+            for sw, b in plan_memory(pl[j.job], len(j.hosts)).items():
+                used[sw] = used.get(sw, 0) + b
+        assert all(b <= 96 * KIB for b in used.values()), (name, used)
+        assert all(pl[j.job].predicted_comm_s > 0 for j in jobs[:3])
+        assert pl["silent"].predicted_comm_s is None  # no collective_bytes: nothing to cost
+
+
+def test_replan_on_arrival_and_departure(topo, model):
+    fm = FabricManager(_inv(topo), "provider_only", model)
+    assert fm.admit(SMALL, now=0).algo == "ina"
+    assert fm.admit(BIG, now=1).algo == "ring"  # memory full
+    assert fm.memory()["tbsp1"]["allocated"] == {"small": 64 * KIB}
+    fm.release("small", now=5)
+    assert fm.plans()["big"].algo == "ina"  # the memory went to the job still running
+    assert fm.memory()["tbsp1"]["allocated"] == {"big": 64 * KIB}
+    log = [(e.time_s, e.job, e.old and e.old.algo, e.new and e.new.algo) for e in fm.log]
+    assert log == [(0, "small", None, "ina"), (1, "big", None, "ring"),
+                   (5, "small", "ina", None), (5, "big", "ring", "ina")]
+    assert "departure of small" in fm.log[-1].reason
+
+
+def test_lease_expiry_reclaims_memory(topo, model):
+    fm = FabricManager(_inv(topo), "cooperative", model)
+    fm.admit(BIG.model_copy(update={"lease_s": 10.0}), now=0)
+    fm.admit(TOL.model_copy(update={"lease_s": 10.0}), now=0)
+    assert fm.memory()["tbsp1"]["allocated"] == {"big": 64 * KIB}
+    assert fm.renew("tol", now=8) == 18
+    assert fm.expire(now=9.9) == []
+    assert fm.expire(now=10) == ["big"]  # the vanished tenant; the renewed one stays
+    assert fm.memory()["tbsp1"]["allocated"] == {} and list(fm.plans()) == ["tol"]
+    assert fm.log[-1].reason == "lease expired" or any(e.reason == "lease expired"
+                                                       for e in fm.log)
+    assert fm.expire(now=18) == ["tol"] and fm.plans() == {}
+
+
+def test_refusals_leave_state_unchanged(topo, model):
+    fm = FabricManager(_inv(topo), "cooperative", model)
+    fm.admit(BIG, now=0)
+    before = _state(fm)
+    bad = [
+        (BIG, Conflict),  # duplicate job
+        (JobRequest(job="x", hosts=["tbh2", "tbh5"]), Conflict),  # tbh2 is BIG's
+        (JobRequest(job="x", hosts=["tbh1", "nope"]), BadRequest),  # unknown host
+        (JobRequest(job="x", hosts=["tbh1", "tbh1"]), BadRequest),  # a host twice
+        (JobRequest(job="x", hosts=["tbh1", "tbh6"], hints=Hints(version=99)), BadRequest),
+    ]
+    for req, err in bad:
+        with pytest.raises(err) as e:
+            fm.admit(req, now=1)
+        assert 400 <= e.value.status < 500
+        assert _state(fm) == before
+    for call in (lambda: fm.release("nope", now=1), lambda: fm.renew("nope", now=1)):
+        with pytest.raises(UnknownJob):
+            call()
+        assert _state(fm) == before
+
+
+def test_sustained_congestion_replans():
+    # an unoversubscribed core: INA on the spine beats the ring until the uplink fills up
+    # (INA sends every worker's stream over it, the ring only its crossing steps)
+    topo = make_topology("leaf_spine", leaves=2, spines=1, hosts_per_leaf=2, bw_mbps=20,
+                         oversubscription=1.0, switch="programmable")
+    model = PlanModel(topo)
+    fm = FabricManager(inventory_of(topo, {"tbsp1": 96 * KIB}), "cooperative", model)
+    req = JobRequest(job="a", hosts=["tbh1", "tbh2", "tbh3", "tbh4"],
+                     hints=Hints(collective_bytes=400_000, iterations=100))
+    first = fm.admit(req, now=0)
+    assert first.algo == "ina" and first.tree == ["tbsp1"]
+
+    def snap(util):
+        links = [lk.model_copy(update={"utilisation": util})
+                 if {lk.src, lk.dst} == {"tbl1", "tbsp1"} else lk for lk in fm.inventory.links]
+        return fm.inventory.model_copy(update={"links": links})
+
+    # congestion below the threshold, or not sustained long enough: no re-plan
+    for k in range(SUSTAINED_SNAPSHOTS + 1):
+        assert fm.observe(snap(CONGESTED_UTIL - 0.05), now=1 + k) == []
+    for k in range(SUSTAINED_SNAPSHOTS - 1):
+        assert fm.observe(snap(0.97), now=10 + k) == []
+    assert fm.observe(snap(0.2), now=20) == []  # quiet: the count restarts
+    for k in range(SUSTAINED_SNAPSHOTS - 1):
+        assert fm.observe(snap(0.97), now=30 + k) == []
+    assert fm.plans()["a"] == first and len(fm.log) == 1
+    assert fm.observe(snap(0.97), now=40) == ["a"]
+    assert fm.log[-1].time_s == 40 and "sustained congestion" in fm.log[-1].reason
+    assert fm.plans()["a"].algo == "ring" and fm.memory()["tbsp1"]["allocated"] == {}
+    # the new plan is cheaper than the old one on the congested fabric
+    hot = snap(0.97)
+    assert model.comm_s(req, fm.plans()["a"], hot) < model.comm_s(req, first, hot)
+    # once per episode: more hot snapshots change nothing
+    assert fm.observe(snap(0.97), now=41) == [] and len(fm.log) == 2
+    # a link off the job's paths never triggers a re-plan
+    fm2 = FabricManager(inventory_of(topo, {"tbsp1": 96 * KIB}), "cooperative", model)
+    fm2.admit(JobRequest(job="b", hosts=["tbh1", "tbh2"],
+                         hints=Hints(collective_bytes=400_000)), now=0)
+    for k in range(SUSTAINED_SNAPSHOTS + 2):
+        assert fm2.observe(snap(0.99), now=k) == []
+    assert len(fm2.log) == 1
+
+
+def test_drops_count_as_congestion(topo, model):
+    fm = FabricManager(_inv(topo), "tenant_only", model)
+    fm.admit(SMALL, now=0)
+    links = list(fm.inventory.links)
+    k = next(i for i, lk in enumerate(links) if (lk.src, lk.dst) == ("tbh1", "tbl1"))
+    for t in range(1, SUSTAINED_SNAPSHOTS + 1):
+        links[k] = LinkState(src="tbh1", dst="tbl1", rate_mbps=20, drops=t * 10)
+        fm.observe(fm.inventory.model_copy(update={"links": list(links)}), now=t)
+    assert fm.congested() == {"tbh1->tbl1": SUSTAINED_SNAPSHOTS}
+    fm.observe(fm.inventory.model_copy(update={"links": list(links)}), now=9)  # no new drops
+    assert fm.congested() == {}
+    assert fm.plans()["small"].algo == "ring"  # tenant_only keeps the ring whatever it sees
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="choose one of"):
+        make_policy("greedy")
+
+
+class _Greedy:
+    """A policy that puts every job on the spine, memory or not (the manager must refuse)."""
+
+    name = "greedy"
+
+    def plan(self, jobs, snapshot):
+        return {j.job: Plan(job=j.job, algo="ina", tree=["tbsp1"], slots=32) for j in jobs}
+
+
+def test_infeasible_plans_are_refused_with_nothing_changed(topo, model):
+    fm = FabricManager(_inv(topo), _Greedy(), model)
+    fm.admit(SMALL, now=0)
+    before = _state(fm)
+    with pytest.raises(NoFeasiblePlan, match="tbsp1") as e:
+        fm.admit(BIG, now=1)  # 2 x 64 KiB > 96 KiB on the spine
+    assert e.value.status == 503 and _state(fm) == before
+    assert fm.plans()["small"].predicted_comm_s > 0  # the manager filled in the model's time
