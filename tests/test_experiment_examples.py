@@ -8,6 +8,7 @@ import pytest
 
 from testbed.experiment import load_experiment, run
 from testbed.experiment.checks import assert_all_ok
+from testbed.experiment.cooperation import is_cooperation  # run by test_provider_cooperation
 from testbed.experiment.spec import Experiment, parse_experiment
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "experiments"
@@ -41,7 +42,8 @@ def shrink(exp: Experiment) -> Experiment:
 
 
 @pytest.mark.mininet
-@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")) + sorted(EXAMPLES.glob("*.yaml")),
+@pytest.mark.parametrize("path", [p for p in sorted(EXAMPLES.glob("*.toml"))
+                                  + sorted(EXAMPLES.glob("*.yaml")) if not is_cooperation(p)],
                          ids=lambda p: p.stem)
 def test_example_runs_small(path, tmp_path):
     exp = shrink(load_experiment(path))

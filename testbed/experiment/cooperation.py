@@ -55,7 +55,7 @@ from testbed.experiment import results
 from testbed.experiment.runner import flatten_counters, port_bytes_by_role
 from testbed.experiment.spec import TopologySpec, format_errors
 from testbed.provider.manager import FabricManager, inventory_of
-from testbed.provider.policies import POLICIES, PlanModel, candidates, make_policy
+from testbed.provider.policies import POLICIES, PlanModel, candidates, make_policy, plan_memory
 from testbed.provider.policies import FabricView as _View
 from testbed.provider.schema import Hints, JobRequest, Plan
 from testbed.workloads.spec import TrainingSpec
@@ -225,6 +225,7 @@ class _Trace:
         self.manager = FabricManager(inv, make_policy(policy, model, **kw), model)
         self.policy = policy
         self.plans: dict[str, Plan] = {}
+        self.running: set[str] = set()
         self.mem: list[tuple[float, float]] = []
         self.total_mem = sum(s.memory_bytes for s in inv.switches) or 1
         self.t0 = time.monotonic()
@@ -233,12 +234,16 @@ class _Trace:
         return (time.monotonic() - self.t0) / self.net.time_dilation
 
     def _record(self) -> None:
-        used = sum(sum(m["allocated"].values()) for m in self.manager.memory().values())
+        """Memory in use by the plans in force: each job's plan from its start to its end
+        (a re-plan of a running job is logged, not applied)."""
+        used = sum(sum(plan_memory(self.plans[j.job], len(j.hosts)).values())
+                   for j in self.reqs if j.job in self.running)
         self.mem.append((round(self.now(), 3), used / self.total_mem))
 
     def on_start(self, i: int, spec: TrainingSpec) -> TrainingSpec:
         plan = self.manager.admit(self.reqs[i], now=self.now())
         self.plans[self.reqs[i].job] = plan
+        self.running.add(self.reqs[i].job)
         self._record()
         self.say(f"[{self.policy}] {self.reqs[i].job}: {plan.algo}"
                  + (f"+{plan.compressor}" if plan.compressor else "")
@@ -248,6 +253,7 @@ class _Trace:
     def on_end(self, i: int, _res) -> None:
         with contextlib.suppress(ValueError):  # not admitted (its start failed)
             self.manager.release(self.reqs[i].job, now=self.now())
+        self.running.discard(self.reqs[i].job)
         self._record()
 
 
