@@ -99,18 +99,9 @@ class ProgrammableSwitch(Switch):
             if intf.name != "lo":
                 self.cmd("ip link set", intf.name, "up")
         self._disable_offloads()
-        with open(self._files["json"], "w") as fh:
-            json.dump(self.config_dict(), fh, indent=1)
-        for k in ("counters.json",):
-            if os.path.exists(self._files[k]):
-                os.unlink(self._files[k])
         log = open(self._files["log"], "w")  # noqa: SIM115 - handed to the child
         try:
-            self.engine = self.popen(
-                [sys.executable, "-m", "testbed.datapath.engine", "--config",
-                 self._files["json"], "--counters-out", self._files["counters.json"],
-                 f"testbed-node={self.name}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.engine = self._launch_engine(log)
         finally:
             log.close()
         client = DatapathClient(socket_path(self.name))
@@ -133,6 +124,46 @@ class ProgrammableSwitch(Switch):
         finally:
             client.close()
 
+    def _launch_engine(self, log) -> subprocess.Popen:
+        """Write the config and start the engine in this node's namespace, output to ``log``
+        (a remote node starts it on its server instead)."""
+        with open(self._files["json"], "w") as fh:
+            json.dump(self.config_dict(), fh, indent=1)
+        if os.path.exists(self._files["counters.json"]):
+            os.unlink(self._files["counters.json"])
+        return self.popen(
+            [sys.executable, "-m", "testbed.datapath.engine", "--config",
+             self._files["json"], "--counters-out", self._files["counters.json"],
+             f"testbed-node={self.name}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def engine_pid(self) -> int | None:
+        """PID of the running engine on this machine (None when it is not running here)."""
+        if self.engine is None or self.engine.poll() is not None:
+            return None
+        return int(self.engine.pid)
+
+    def _signal_engine(self) -> None:
+        self.engine.send_signal(signal.SIGTERM)
+
+    def _read_counters(self) -> dict | None:
+        try:
+            with open(self._files["counters.json"]) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return None
+
+    def _remove_engine_files(self, keep_log: bool) -> None:
+        for k in ("json", "counters.json") + (() if keep_log else ("log",)):
+            try:
+                os.unlink(self._files[k])
+            except FileNotFoundError:
+                pass
+        try:  # the engine removes it; a SIGKILLed one cannot
+            os.unlink(socket_path(self.name))
+        except FileNotFoundError:
+            pass
+
     def _log_tail(self, n: int = 4000) -> str:
         try:
             with open(self._files["log"]) as fh:
@@ -154,27 +185,15 @@ class ProgrammableSwitch(Switch):
         if self.engine is None:
             return self.final_counters
         if self.engine.poll() is None:
-            self.engine.send_signal(signal.SIGTERM)
+            self._signal_engine()
             try:
                 self.engine.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._kill()
         rc = self.engine.returncode
         self.engine = None
-        try:
-            with open(self._files["counters.json"]) as fh:
-                self.final_counters = json.load(fh)
-        except (OSError, ValueError):
-            self.final_counters = None
-        for k in ("json", "counters.json") + (("log",) if rc == 0 else ()):
-            try:
-                os.unlink(self._files[k])
-            except FileNotFoundError:
-                pass
-        try:  # the engine removes it; a SIGKILLed one cannot
-            os.unlink(socket_path(self.name))
-        except FileNotFoundError:
-            pass
+        self.final_counters = self._read_counters()
+        self._remove_engine_files(keep_log=rc != 0)
         if rc != 0:
             print(f"{self.name}: engine exited with {rc}; log kept at {self._files['log']}",
                   file=sys.stderr)
