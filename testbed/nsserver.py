@@ -30,6 +30,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 from testbed.netlock import emulation_lock
@@ -75,7 +76,10 @@ class NetnsServer:
         self.root_if, self.srv_if = f"tbsrv{index}r", f"tbsrv{index}s"
         self.root_ip, self.address = f"10.250.{index}.1", f"10.250.{index}.2"
         self.dir = os.path.join(RUN_DIR, self.netns)
-        self.key = os.path.join(self.dir, "id_ed25519")
+        # the client key lives outside the run folder: ssh clients naming it are this
+        # machine's, not the server's, and a cleanup on the server must not take them for its own
+        self._keydir = tempfile.mkdtemp(prefix="tb-srv-key-")
+        self.key = os.path.join(self._keydir, "id_ed25519")
         self.ready_timeout = ready_timeout
         self.sshd: subprocess.Popen | None = None
         self.server: Server | None = None
@@ -168,6 +172,7 @@ class NetnsServer:
         subprocess.run(["ip", "link", "del", self.root_if], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self._keydir, ignore_errors=True)
         if self._lock is not None:
             lock, self._lock = self._lock, None
             lock.__exit__(None, None, None)

@@ -1,0 +1,82 @@
+"""A network split over two servers: this machine and a netns server reached by real ssh."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from testbed import nsserver
+from testbed.topologies import LeafSpine, TopologyError
+from testbed.topologies.cluster import Server, crossing_links, parse_servers, place
+
+
+def test_default_placement_keeps_leaves_with_their_hosts():
+    topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100)
+    servers = parse_servers(["localhost", Server("10.9.9.9", name="b")])
+    where = place(topo, servers)
+    assert where["tbl1"] == where["tbh1"] == where["tbh2"] == "localhost"
+    assert where["tbl2"] == where["tbh3"] == where["tbh4"] == "b"
+    assert {where["tbsp1"], where["tbsp2"]} == {"localhost", "b"}
+    crossing = crossing_links(topo, where)
+    assert len(crossing) == 2
+    assert all({s.a[:4], s.b[:4]} == {"tbl1", "tbsp"} or {s.a[:4], s.b[:4]} == {"tbl2", "tbsp"}
+               for s in crossing)  # only spine-to-leaf links cross
+    pinned = place(topo, servers, {"tbsp1": "b", "tbsp2": 1})
+    assert pinned["tbsp1"] == pinned["tbsp2"] == "b"
+    with pytest.raises(TopologyError, match="not a server"):
+        place(topo, servers, {"tbsp1": "c"})
+    with pytest.raises(TopologyError, match="first server must be 'localhost'"):
+        parse_servers(["b", "localhost"])
+
+
+@pytest.fixture(scope="module")
+def server():
+    why = nsserver.available()
+    if why:
+        pytest.skip(f"no netns server here: {why}")
+    with nsserver.NetnsServer(2) as srv:
+        yield srv
+
+
+def _remote_leftovers(srv) -> dict:
+    """``testbed.cleanup.leftovers()`` as the server sees it, over ssh."""
+    code = "import json; from testbed.cleanup import leftovers; print(json.dumps(leftovers()))"
+    res = subprocess.run(srv.server.ssh_base() + [srv.server.dest, sys.executable, "-c",
+                                                  json.dumps(code)],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return json.loads(res.stdout)
+
+
+@pytest.mark.mininet
+def test_ring_and_ina_exact_across_two_servers(server):
+    from testbed.collectives import CollectiveSpec, run_collective
+    from testbed.collectives.testing import check_rows
+    from testbed.topologies import TestbedNet
+
+    topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100, switch="programmable")
+    with TestbedNet(topo, servers=["localhost", server.server]) as net:
+        assert net.placement["tbl2"] == net.placement["tbh4"] == server.netns
+        # the remote half really runs on the server: its shells are ssh sessions there
+        assert "ssh" in net.mininet.get("tbh4").shell.args[0]
+        assert net.mininet.get("tbh4").cmd("ip -o link show tbh4-eth0").count("tbh4-eth0") == 1
+        (tunnel,) = net.tunnel_report()
+        assert sorted(tunnel["links"]) == ["tbl1-tbsp2", "tbl2-tbsp1"]
+        assert tunnel["rate_mbps"] > 0 and tunnel["latency_ms"] is not None
+        assert net.describe()["cluster"]["servers"] == ["localhost", server.netns]
+        for algo, extra in (("ring", {}), ("ina", {"window": 16})):
+            spec = CollectiveSpec(algo=algo, nbytes=4 * 20_011, timeout_s=20, seed=3, **extra)
+            rows = run_collective(net, spec)
+            # a cluster network's rows carry its tunnel flag beyond the report columns
+            assert all(r.pop("tunnel_bound") is False and r.pop("tunnel_why") == ""
+                       for r in rows), rows
+            check_rows(rows, spec, 4)
+        counters = net.switch_client("tbsp2").counters()  # through the forwarded socket
+        assert counters
+    left = _remote_leftovers(server)
+    # the server's own veth and (shared /run) namespace name are the fixture's, not the net's
+    left["links"] = [i for i in left["links"] if i != server.srv_if]
+    left["netns"] = [n for n in left["netns"] if n != server.netns]
+    assert not any(left.values()), left
