@@ -47,11 +47,15 @@ def _dilation(text: str | None) -> float | str | None:
 
 
 @app.command()
-def doctor(json_out: bool = typer.Option(False, "--json", help="print the checks as JSON")) -> None:
+def doctor(json_out: bool = typer.Option(False, "--json", help="print the checks as JSON"),
+           servers: str = typer.Option("", "--servers", metavar="A,B",
+                                       help="also check these cluster servers over ssh "
+                                            "(docs/cluster.md)")) -> None:
     """Check what the testbed needs against what this machine offers."""
     from testbed.doctor import main
 
-    raise typer.Exit(main(json_out=json_out))
+    raise typer.Exit(main(json_out=json_out,
+                          servers=[s for s in servers.split(",") if s.strip()]))
 
 
 @app.command()
