@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from testbed import nsserver
 from testbed.topologies import LeafSpine, TopologyError
 from testbed.topologies.cluster import Server, crossing_links, parse_servers, place
+
+_CRASH_LOCK = "/run/testbed/tb-crash-test.lock"
 
 
 def test_default_placement_keeps_leaves_with_their_hosts():
@@ -30,6 +37,64 @@ def test_default_placement_keeps_leaves_with_their_hosts():
         place(topo, servers, {"tbsp1": "c"})
     with pytest.raises(TopologyError, match="first server must be 'localhost'"):
         parse_servers(["b", "localhost"])
+
+
+# A process that builds a cluster network and then dies by SIGKILL, leaving both servers dirty.
+# It takes a lock file of its own: the test holds this machine's lock throughout, so nobody
+# else's cleanup can see (or tidy) the wreck before `cleanup_servers` does.
+_CRASH = """
+import sys
+from testbed.nsserver import NetnsServer
+from testbed.topologies import LeafSpine, TestbedNet
+srv = NetnsServer(3).__enter__()
+topo = LeafSpine(leaves=2, spines=1, hosts_per_leaf=1, bw_mbps=100, switch="programmable")
+net = TestbedNet(topo, servers=["localhost", srv.server]).__enter__()
+print(srv.key, srv.address, net.placement["tbl2"], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.mininet
+def test_cleanup_on_both_servers_after_a_crash_leaves_nothing():
+    why = nsserver.available()
+    if why:
+        pytest.skip(f"no netns server here: {why}")
+    from testbed.cleanup import cleanup_servers, leftovers
+    from testbed.netlock import emulation_lock
+
+    key = None
+    with emulation_lock(timeout=600):
+        proc = subprocess.Popen([sys.executable, "-c", _CRASH], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, "TESTBED_LOCK": _CRASH_LOCK})
+        try:
+            line = proc.stdout.readline().split()
+            assert len(line) == 3 and line[2] == "tb-srv3", line
+            key, address, _ = line
+            os.killpg(proc.pid, signal.SIGKILL)  # the owner and its ssh clients die at once
+            proc.wait(10)
+            srv = Server(address, name="tb-srv3", ssh_options=(
+                "-i", key, "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"))
+            local, remote = cleanup_servers([srv])
+            # the server's own cleanup found its half: the remote leaf's engine and node shells
+            assert "tbl2" in remote["tb-srv3"], remote
+            assert not local["errors"], local
+            assert any("tb-srv3" in x for x in local["netns"]), local  # sshd's namespace too
+            left = leftovers()
+            assert not any(left.values()), left
+            for _ in range(50):  # the server's veth goes with its namespace, asynchronously
+                if not os.path.exists("/sys/class/net/tbsrv3r"):
+                    break
+                time.sleep(0.1)
+            assert not os.path.exists("/sys/class/net/tbsrv3r")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            if key:
+                shutil.rmtree(os.path.dirname(key), ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_CRASH_LOCK)
 
 
 @pytest.fixture(scope="module")

@@ -423,14 +423,19 @@ class RemoteEngineMixin:
         self.remote_pid = None
         return proc
 
-    def engine_pid(self) -> int | None:
-        """The engine's pid on this machine: only when the server shares our kernel."""
+    def server_pid(self) -> int | None:
+        """The running engine's pid on its server."""
         if self.engine is None or self.engine.poll() is not None:
             return None
         if self.remote_pid is None:
             with contextlib.suppress(RuntimeError, ValueError):
                 self.remote_pid = int(self.connection.run(f"cat {self._remote_path('pid')}"))
-        return self.remote_pid if self.connection.same_kernel() else None
+        return self.remote_pid
+
+    def engine_pid(self) -> int | None:
+        """The engine's pid on this machine: only when the server shares our kernel."""
+        pid = self.server_pid()
+        return pid if pid is not None and self.connection.same_kernel() else None
 
     def _signal_engine(self) -> None:
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):

@@ -503,6 +503,31 @@ class TestbedNet:
                         f"{t['carried_mbps']} Mb/s of tunnelled links" for t in bound)
         return {"tunnel_bound": bool(bound), "tunnel_why": why}
 
+    def server_memory(self) -> dict[str, float]:
+        """Server name -> resident memory (MiB) of what this network runs there: node shells
+        and data-path engines, summed from each server's own ``ps`` (the collectives' worker
+        pool runs on this machine and reports its own ``mem_mb``)."""
+        mn = self._require_running()
+        local = self.servers[0].name if self.servers else cluster.LOCAL
+        pids: dict[str, list[int]] = {}
+        for node in mn.hosts + mn.switches:
+            srv = (self.placement or {}).get(node.name, local)
+            found = [node.pid]
+            eng = (node.server_pid() if hasattr(node, "server_pid")
+                   else node.engine_pid() if hasattr(node, "engine_pid") else None)
+            found += [eng] if eng is not None else []
+            pids.setdefault(srv, []).extend(int(p) for p in found if p)
+        out = {}
+        for srv, plist in sorted(pids.items()):
+            cmd = f"ps -o rss= -p {','.join(map(str, sorted(set(plist))))}"
+            if srv in self.connections:
+                text = self.connections[srv].run(cmd, check=False)
+            else:
+                text = subprocess.run(cmd.split(), capture_output=True, text=True,
+                                      check=False).stdout
+            out[srv] = round(sum(int(x) for x in text.split() if x.isdigit()) / 1024, 1)
+        return out
+
     def _stop_cluster(self) -> None:
         """Remove our interfaces left on remote servers, release their locks, disconnect."""
         names = " ".join(sorted(self._our_names()))
