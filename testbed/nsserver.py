@@ -137,7 +137,8 @@ class NetnsServer:
         try:
             self.sshd = subprocess.Popen(
                 ["ip", "netns", "exec", self.netns, SSHD, "-D", "-e", "-f", cfg],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)  # a server outlives its client's process group
         finally:
             log.close()
         self.server = Server(self.address, name=self.netns, user="root",

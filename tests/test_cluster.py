@@ -79,7 +79,8 @@ def test_cleanup_on_both_servers_after_a_crash_leaves_nothing():
             # the server's own cleanup found its half: the remote leaf's engine and node shells
             assert "tbl2" in remote["tb-srv3"], remote
             assert not local["errors"], local
-            assert any("tb-srv3" in x for x in local["netns"]), local  # sshd's namespace too
+            assert any("sshd" in x for x in local["processes"]), local  # the server's sshd too
+            assert not os.path.exists("/run/netns/tb-srv3")
             left = leftovers()
             assert not any(left.values()), left
             for _ in range(50):  # the server's veth goes with its namespace, asynchronously
@@ -130,6 +131,14 @@ def test_ring_and_ina_exact_across_two_servers(server):
         (tunnel,) = net.tunnel_report()
         assert sorted(tunnel["links"]) == ["tbl1-tbsp2", "tbl2-tbsp1"]
         assert tunnel["rate_mbps"] > 0 and tunnel["latency_ms"] is not None
+        # both ends of a tunnel are VXLAN devices, shaped like every other link
+        for node in ("tbl1", "tbsp2"):
+            peer = "tbsp2" if node == "tbl1" else "tbl1"
+            sw = net.mininet.get(node)
+            (intf,) = [i for i in sw.intfList() if i.link and peer in
+                       (i.link.intf1.node.name, i.link.intf2.node.name)]
+            assert "vxlan id" in sw.cmd(f"ip -d link show {intf.name}")
+            assert " htb " in sw.cmd(f"tc qdisc show dev {intf.name}")
         assert net.describe()["cluster"]["servers"] == ["localhost", server.netns]
         for algo, extra in (("ring", {}), ("ina", {"window": 16})):
             spec = CollectiveSpec(algo=algo, nbytes=4 * 20_011, timeout_s=20, seed=3, **extra)
@@ -145,3 +154,22 @@ def test_ring_and_ina_exact_across_two_servers(server):
     left["links"] = [i for i in left["links"] if i != server.srv_if]
     left["netns"] = [n for n in left["netns"] if n != server.netns]
     assert not any(left.values()), left
+
+
+def test_server_lock_is_held_by_the_server_until_released(server):
+    """The remote emulation lock: an flock taken by a session on the server (a lock file of
+    the test's own: the server shares this machine's lock, which the fixture holds)."""
+    from testbed.topologies.cluster import Connection, ServerLock
+
+    path = f"{server.dir}/test.lock"
+    conn = Connection(server.server)
+    try:
+        lock = ServerLock(conn, timeout=5, path=path)
+        busy = subprocess.run(["flock", "-n", path, "true"], check=False)
+        assert busy.returncode != 0  # held on the server
+        with pytest.raises(TopologyError, match="busy"):
+            ServerLock(conn, timeout=0, path=path)
+        lock.release()
+        assert subprocess.run(["flock", "-n", path, "true"], check=False).returncode == 0
+    finally:
+        conn.close()

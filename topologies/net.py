@@ -758,6 +758,15 @@ class TestbedNet:
         htb = set(re.findall(r"qdisc htb \S+ dev (\S+) root", out))
         missing = [n for n, bw in self._shaped_ifaces().items()
                    if bw and n in root and n not in htb]
+        bridges = set(self.topo.switch_roles) - set(self.topo.programmable)
+        for srv, conn in self.connections.items():  # bridges' ports on the other servers
+            there = [n for n, bw in self._shaped_ifaces().items() if bw and
+                     n.rsplit("-eth", 1)[0] in bridges and
+                     self.placement[n.rsplit("-eth", 1)[0]] == srv]
+            if there:
+                htb = set(re.findall(r"qdisc htb \S+ dev (\S+) root",
+                                     conn.run("tc qdisc show", check=False)))
+                missing += [f"{srv}:{n}" for n in there if n not in htb]
         if missing:
             raise RuntimeError(f"HTB shaping missing on {missing[:5]} (tc failed; see "
                                "'tc qdisc show')")
