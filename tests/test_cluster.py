@@ -47,7 +47,7 @@ import sys
 from testbed.nsserver import NetnsServer
 from testbed.topologies import LeafSpine, TestbedNet
 srv = NetnsServer(3).__enter__()
-topo = LeafSpine(leaves=2, spines=1, hosts_per_leaf=1, bw_mbps=100, switch="programmable")
+topo = LeafSpine(leaves=2, spines=1, hosts_per_leaf=1, bw_mbps=100)  # bridges: quick to build
 net = TestbedNet(topo, servers=["localhost", srv.server]).__enter__()
 print(srv.key, srv.address, net.placement["tbl2"], flush=True)
 sys.stdin.read()
@@ -76,7 +76,7 @@ def test_cleanup_on_both_servers_after_a_crash_leaves_nothing():
             srv = Server(address, name="tb-srv3", ssh_options=(
                 "-i", key, "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"))
             local, remote = cleanup_servers([srv])
-            # the server's own cleanup found its half: the remote leaf's engine and node shells
+            # the server's own cleanup found its half: the remote leaf's bridge and host shell
             assert "tbl2" in remote["tb-srv3"], remote
             assert not local["errors"], local
             assert any("sshd" in x for x in local["processes"]), local  # the server's sshd too
