@@ -173,3 +173,14 @@ def test_server_lock_is_held_by_the_server_until_released(server):
         assert subprocess.run(["flock", "-n", path, "true"], check=False).returncode == 0
     finally:
         conn.close()
+
+
+def test_doctor_checks_a_server_over_ssh(server):
+    from testbed.doctor import check_servers
+
+    (check,) = check_servers([server.server])
+    assert check["name"] == f"server {server.netns}"
+    assert check["status"] in ("ok", "degraded"), check  # its own doctor: required all there
+    assert check["underlay"]["rate_mbps"] > 0 and check["underlay"]["latency_ms"] is not None
+    (bad,) = check_servers([Server("10.250.99.2", ssh_options=("-o", "ConnectTimeout=1"))])
+    assert bad["status"] == "missing" and "cannot reach" in bad["detail"]

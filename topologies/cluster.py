@@ -95,9 +95,10 @@ class Server:
         return f"{self.user}@{self.address}"
 
     def ssh_base(self) -> list[str]:
-        """The ssh command (no destination) with our options: never ask for a password."""
-        return ["ssh", "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
-                "-o", "ConnectTimeout=10", *self.ssh_options]
+        """The ssh command (no destination) with our options: never ask for a password (the
+        server's own options come first: ssh keeps the first value of each)."""
+        return ["ssh", *self.ssh_options, "-o", "BatchMode=yes", "-o", "LogLevel=ERROR",
+                "-o", "ConnectTimeout=10"]
 
 
 def parse_servers(servers) -> list[Server]:
