@@ -12,9 +12,11 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 
-# Debian packages: mnexec (mininet), bridges, traffic tools, Open vSwitch (benchmark anchor).
+# Debian packages: mnexec (mininet), bridges, traffic tools, Open vSwitch (benchmark anchor),
+# ssh (cluster networks and their one-machine test server).
 DEB_PKGS=(mininet bridge-utils iperf3 iperf iputils-ping ethtool iproute2 openvswitch-switch
-          tcpdump tshark psmisc procps kmod python3-venv python3-dev gcc make)
+          tcpdump tshark psmisc procps kmod python3-venv python3-dev gcc make
+          openssh-client openssh-server)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -9,7 +9,8 @@ What counts as ours (docs/architecture.md, "Naming"):
   ours: not the one cleanup runs in, holding no interface but ``lo`` and ``tb*`` ones, and
   either holding a ``tb*`` interface, named ``tb-*``, or running a marked process (a Mininet
   host whose veth is gone);
-* interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps);
+* interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps), except one
+  holding an IPv4 address (never one of ours; a netns server's veth, gone with its namespace);
 * named network namespaces ``tb-*``;
 * OVS bridges named ``tb*`` in any reachable OVS database.
 
@@ -26,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -202,13 +204,27 @@ def _our_processes() -> list[_Proc]:
     return found
 
 
+def _addressed() -> set[str]:
+    """Interfaces of this namespace that hold an IPv4 address."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                         check=False).stdout
+    return {line.split()[1] for line in out.splitlines() if len(line.split()) > 1}
+
+
 def _our_links() -> list[str]:
-    """Interfaces named ``tb*`` in this (the root) network namespace."""
+    """Interfaces named ``tb*`` in this (the root) network namespace, but none holding an
+    IPv4 address: the testbed never addresses its root-side interfaces, and such a one is
+    how this machine is reached (a netns server's veth, which its own ssh session uses; it
+    goes with its namespace)."""
     try:
         names = os.listdir("/sys/class/net")
     except OSError:
         return []
-    return sorted(n for n in names if n.startswith(PREFIX))
+    ours = [n for n in names if n.startswith(PREFIX)]
+    if not ours:
+        return []
+    addressed = _addressed()
+    return sorted(n for n in ours if n not in addressed)
 
 
 def _ovs_dbs() -> list[str]:
@@ -367,14 +383,50 @@ def cleanup(force: bool = False, wait: float = 10.0) -> dict[str, list[str]]:
     return {**removed, "errors": errors}
 
 
-def main(force: bool = False) -> int:
-    """CLI entry: clean up, print a table of what was removed; exit 0 when all went."""
+def cleanup_servers(servers, wait: float = 10.0) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Clean the remote servers of a cluster network over ssh, then this machine.
+
+    Each server runs its own ``testbed cleanup`` (same venv path as here), which removes only
+    what is ours there; a "server" on this machine's kernel (a netns server) is cleaned under
+    the lock this call holds for that kernel, so it skips taking it again. Returns this
+    machine's result (as :func:`cleanup`) and server name -> that server's report (its output,
+    or why it could not be cleaned).
+    """
+    # imported here: a plain cleanup never needs Mininet's cluster classes
+    from testbed.topologies import cluster
+
+    remote: dict[str, str] = {}
+    with emulation_lock(timeout=wait):
+        for srv in cluster.parse_servers(["localhost", *servers])[1:]:
+            try:
+                conn = cluster.Connection(srv)
+            except Exception as e:  # noqa: BLE001 - reported per server
+                remote[srv.name] = f"not cleaned: {e}"
+                continue
+            try:
+                force = " --force" if conn.same_kernel() else ""
+                remote[srv.name] = conn.run(f"COLUMNS=200 {sys.executable} -m testbed.cli cleanup{force}",
+                                            check=False, timeout=120).strip()
+            finally:
+                conn.close()
+        local = cleanup(force=False, wait=wait)
+    return local, remote
+
+
+def main(force: bool = False, servers=()) -> int:
+    """CLI entry: clean up, print a table of what was removed; exit 0 when all went.
+    ``servers``: clean these cluster servers over ssh first (:func:`cleanup_servers`)."""
     from rich.console import Console
     from rich.table import Table
 
     console, err = Console(), Console(stderr=True)
     try:
-        result = cleanup(force=force)
+        if servers:
+            result, remote = cleanup_servers(servers)
+            for name, text in remote.items():
+                console.print(f"[bold]{name}:[/bold] {text}")
+        else:
+            result = cleanup(force=force)
     except (PermissionError, EmulationBusy) as exc:
         err.print(f"[red]testbed cleanup:[/red] {exc}")
         return 1 if isinstance(exc, PermissionError) else 2

@@ -52,21 +52,27 @@ def _dilation(text: str | None) -> float | str | None:
 
 
 @app.command()
-def doctor(json_out: bool = typer.Option(False, "--json", help="print the checks as JSON")) -> None:
+def doctor(json_out: bool = typer.Option(False, "--json", help="print the checks as JSON"),
+           servers: str = typer.Option("", "--servers", metavar="A,B",
+                                       help="also check these cluster servers over ssh "
+                                            "(docs/cluster.md)")) -> None:
     """Check what the testbed needs against what this machine offers."""
     from testbed.doctor import main
 
-    raise typer.Exit(main(json_out=json_out))
+    raise typer.Exit(main(json_out=json_out,
+                          servers=[s for s in servers.split(",") if s.strip()]))
 
 
 @app.command()
 def cleanup(
     force: bool = typer.Option(False, "--force", help="do not wait for a running network's lock"),
+    servers: str = typer.Option("", "--servers", metavar="A,B",
+                                help="clean these cluster servers over ssh too (docs/cluster.md)"),
 ) -> None:
     """Remove only what the testbed created (namespaces, links, processes, bridges)."""
     from testbed.cleanup import main
 
-    raise typer.Exit(main(force=force))
+    raise typer.Exit(main(force=force, servers=[s for s in servers.split(",") if s.strip()]))
 
 
 @app.command()
@@ -407,6 +413,19 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
         msg = f"--workers takes comma-separated integers, got {workers!r}"
         raise typer.BadParameter(msg) from None
     raise typer.Exit(main(json_out=json_out, workers=ns, io=io, nbytes=mib << 20, bw_mbps=bw))
+
+
+@bench_app.command("cluster")
+def bench_cluster(json_out: bool = typer.Option(False, "--json"),
+                  leaves: int = typer.Option(2, help="leaves of the leaf-spine (2 spines)"),
+                  hosts_per_leaf: int = typer.Option(2, help="hosts per leaf"),
+                  bw: float = typer.Option(100.0, help="link rate (Mb/s)")) -> None:
+    """A leaf-spine on one machine vs split over it and a netns server: set-up time, memory
+    per server, INA and ring (docs/cluster.md)."""
+    from testbed.experiment.cluster_bench import main
+
+    raise typer.Exit(main(json_out=json_out, leaves=leaves, hosts_per_leaf=hosts_per_leaf,
+                          bw_mbps=bw))
 
 
 @bench_app.command("all")

@@ -300,8 +300,58 @@ def failed_required(checks: list[dict]) -> list[str]:
     return [c["name"] for c in checks if c["required"] and c["status"] != "ok"]
 
 
-def main(json_out: bool = False) -> int:
-    """CLI entry: print the checks (a table, or JSON with --json); 1 if a required one failed."""
+def check_servers(servers) -> list[dict]:
+    """Preflight of a cluster network's remote servers (docs/cluster.md), one check each:
+    reachable by ssh without a password, the same venv path (this interpreter) there, the
+    server's own ``testbed doctor`` (required checks), its clock against ours, and the
+    underlay rate and latency from this machine (what its tunnels will get).
+
+    ``servers``: host names, ``user@host`` strings or ``Server`` records (this machine is
+    implied)."""
+    # imported here: a plain 'testbed doctor' never needs Mininet's cluster classes
+    from testbed.topologies import cluster
+
+    out = []
+    for srv in cluster.parse_servers(["localhost", *servers])[1:]:
+        name = f"server {srv.name}"
+        try:
+            conn = cluster.Connection(srv)
+        except Exception as e:  # noqa: BLE001 - reported as the check's result
+            out.append(_check(name, "missing", str(e)))
+            continue
+        try:
+            res = conn.run(f"{sys.executable} -m testbed.cli doctor --json", check=False,
+                           timeout=300)
+            try:
+                remote = json.loads(res)["checks"]
+            except ValueError:
+                out.append(_check(name, "missing", f"no testbed at {sys.executable} there: "
+                                  "install the same checkout and venv at the same path"))
+                continue
+            bad = failed_required(remote)
+            skew, window = 0.0, float("inf")
+            for _ in range(3):  # the narrowest of three round trips bounds the offset best
+                t0 = time.time()
+                their = float(conn.run("date +%s.%N"))
+                t1 = time.time()
+                if t1 - t0 < window:
+                    skew, window = their - (t0 + t1) / 2, t1 - t0
+            ip = srv.tunnel_ip or cluster.resolve(srv.address)
+            under = cluster.measure_underlay(conn, cluster.local_ip_towards(ip), ip)
+            detail = (f"doctor: {'required not ok: ' + ', '.join(bad) if bad else 'ok'}; "
+                      f"clock {skew * 1e3:+.1f} ms (±{window * 5e2:.0f}); underlay {under['rate_mbps']} Mb/s, "
+                      f"{under['latency_ms']} ms one way")
+            status = "missing" if bad else ("degraded" if abs(skew) - window / 2 > 0.1 else "ok")
+            out.append({**_check(name, status, detail), "underlay": under,
+                        "clock_skew_s": skew})
+        finally:
+            conn.close()
+    return out
+
+
+def main(json_out: bool = False, servers=()) -> int:
+    """CLI entry: print the checks (a table, or JSON with --json); 1 if a required one failed.
+    ``servers``: also check these cluster servers over ssh (:func:`check_servers`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -311,6 +361,10 @@ def main(json_out: bool = False) -> int:
                   f"\n{NOT_ROOT_HELP}")
     checks = run_checks()
     failed = failed_required(checks)
+    if servers:
+        remote = check_servers(servers)
+        checks += remote
+        failed += [c["name"] for c in remote if c["status"] == "missing"]
     if json_out:
         print(json.dumps({"checks": checks}, indent=2))
     else:

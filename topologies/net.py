@@ -72,7 +72,7 @@ from testbed.datapath.control import DatapathClient
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 from testbed.netlock import emulation_lock
 
-from . import aggtree, routing
+from . import aggtree, cluster, routing
 from .base import (
     AGGREGATOR_IP,
     AGGREGATOR_MAC,
@@ -130,7 +130,11 @@ class TBBridge(LinuxBridge):
         self.cmd("ip link del", self, "2>/dev/null")
         self.cmd("ip link add", self, "type bridge")
         ports = [i.name for i in self.intfList() if self.name in i.name]
-        for dev in [self.name, *ports]:
+        remote = getattr(self, "put_file", None)
+        if remote is not None:  # on a cluster server: its own /proc, through its shell
+            self.cmd("sysctl -qw", *[f"net.ipv6.conf.{d}.disable_ipv6=1"
+                                     for d in [self.name, *ports]])
+        for dev in [self.name, *ports] if remote is None else []:
             with contextlib.suppress(OSError):
                 with open(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6", "w") as f:
                     f.write("1")
@@ -140,6 +144,8 @@ class TBBridge(LinuxBridge):
             fd, path = tempfile.mkstemp(prefix="tb-br-", suffix=".batch")
             with os.fdopen(fd, "w") as f:
                 f.write("\n".join(self.port_setup) + "\n")
+            if remote is not None:
+                remote(path, "\n".join(self.port_setup) + "\n")
             try:
                 out = self.cmd("bridge -batch", path)
             finally:
@@ -152,6 +158,15 @@ class TBBridge(LinuxBridge):
         """Delete the bridge (and, by default, its interfaces)."""
         self.cmd("ip link del", self, "2>/dev/null")
         super(LinuxBridge, self).stop(deleteIntfs)
+
+
+class TBTunnelLink(cluster.TunnelMixin, TBLink):
+    """A link between two servers of a cluster network: VXLAN ends, HTB shaping."""
+
+
+RemoteTBBridge = cluster.remote_bridge(TBBridge)
+_REMOTE_CLASSES = {ProgrammableSwitch: cluster.RemoteProgrammableSwitch,
+                   SmartNIC: cluster.RemoteSmartNIC, TBBridge: RemoteTBBridge}
 
 
 @contextlib.contextmanager
@@ -201,14 +216,18 @@ class TestbedNet:
     parameters with ``cls``, replacing the Linux bridge of a switch that runs no data path,
     e.g. ``{"tbs1": {"cls": OVSSwitch, "datapath": "user"}}``; loop-free fabrics only, since
     looped ones rely on the bridges' static forwarding entries), ``time_dilation`` (a factor
-    from 1 to 64, or ``"auto"``; see the module docstring).
+    from 1 to 64, or ``"auto"``; see the module docstring), ``servers`` (a cluster network:
+    ``["localhost", "host2", ...]`` or :class:`~testbed.topologies.cluster.Server` records;
+    nodes are spread over them and links between servers become VXLAN tunnels, see
+    :mod:`testbed.topologies.cluster` and docs/cluster.md), ``placement`` (with ``servers``:
+    node -> server name that overrides the default placement).
     """
 
     def __init__(self, topo: TestbedTopo, *, lock_timeout: float = 600.0,
                  offloads_off: bool = True, static_arp: bool = True, check_ping: bool = False,
                  engine_opts: dict | None = None, datapath: DatapathOptions | None = None,
                  switch_nodes: dict[str, dict] | None = None,
-                 time_dilation: float | str = 1.0):
+                 time_dilation: float | str = 1.0, servers=None, placement=None):
         if not isinstance(topo, TestbedTopo):
             raise TopologyError(
                 f"topo must be a testbed topology (Star, LeafSpine, FatTree, Dumbbell, Incast "
@@ -246,6 +265,21 @@ class TestbedNet:
         self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
         self._check_switch_nodes()
         self.programs_plan()  # bad overrides and options fail here, before anything is built
+        #: cluster networks: the servers, node -> server name, the links that are tunnels
+        self.servers = cluster.parse_servers(servers) if servers is not None else None
+        if placement is not None and servers is None:
+            raise TopologyError("placement needs servers=[...] (a cluster network)")
+        self.placement = (cluster.place(topo, self.servers, placement)
+                          if self.servers is not None else None)
+        if self.servers is not None and self.switch_nodes:
+            raise TopologyError("switch_nodes cannot be combined with servers (replacement "
+                                "switch classes do not run on remote servers)")
+        #: server name -> ssh connection (remote servers of a running cluster network)
+        self.connections: dict[str, cluster.Connection] = {}
+        self._server_locks: list[cluster.ServerLock] = []
+        #: per tunnelled server pair: measured underlay rate/latency, the emulated rate the
+        #: tunnels carry, and whether the underlay is slower (``tunnel_bound``)
+        self.tunnels: list[dict] = []
 
     # ----- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> TestbedNet:
@@ -277,6 +311,10 @@ class TestbedNet:
     def _start(self) -> None:
         topo = self.topo
         t = time.monotonic()
+        if self.servers is not None:
+            self._start_cluster()
+            self.timings["cluster_s"] = time.monotonic() - t
+            t = time.monotonic()
         self._assign_classes()
         self._assign_link_params()
         self._preexisting = _root_ifaces()
@@ -365,6 +403,7 @@ class TestbedNet:
                 except Exception:  # noqa: BLE001 - keep going, the sweep below finishes the job
                     pass
             self._sweep()
+            self._stop_cluster()
             if self._tmpdir:
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = None
@@ -401,6 +440,107 @@ class TestbedNet:
         left = (self._our_names() & _root_ifaces()) - self._preexisting
         for name in sorted(left):
             subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+
+    # ----- cluster networks ------------------------------------------------------------------
+    def _start_cluster(self) -> None:
+        """Connect to every remote server, hold its emulation lock (a server on this
+        machine's own kernel is covered by the lock we hold), measure the underlay of every
+        server pair that carries tunnels."""
+        for srv in self.servers[1:]:
+            conn = cluster.Connection(srv)
+            self.connections[srv.name] = conn
+            if not conn.same_kernel():
+                self._server_locks.append(cluster.ServerLock(conn, self.lock_timeout))
+        local = self.servers[0].name
+        pairs = {tuple(sorted((self.placement[s.a], self.placement[s.b])))
+                 for s in cluster.crossing_links(self.topo, self.placement)}
+        for a, b in sorted(pairs):
+            links = [s for s in cluster.crossing_links(self.topo, self.placement)
+                     if {self.placement[s.a], self.placement[s.b]} == {a, b}]
+            entry = {"servers": [a, b], "links": [f"{s.a}-{s.b}" for s in links],
+                     "carried_mbps": sum(s.bw_mbps or 0 for s in links),
+                     "unshaped": any(s.bw_mbps is None for s in links)}
+            if local in (a, b):
+                other = b if a == local else a
+                ips = self._underlay_ips(local, other)
+                entry.update(cluster.measure_underlay(self.connections[other], ips[local],
+                                                      ips[other]))
+            else:  # measured only from this machine (docs/cluster.md)
+                entry.update(rate_mbps=None, latency_ms=None)
+            self.tunnels.append(entry)
+
+    def _underlay_ips(self, a: str, b: str) -> dict[str, str]:
+        """Server name -> the address its tunnel end uses, for the server pair (a, b)."""
+        by_name = {s.name: s for s in self.servers}
+        remote = {n: by_name[n].tunnel_ip or cluster.resolve(by_name[n].address)
+                  for n in (a, b) if not by_name[n].is_local}
+        out = dict(remote)
+        for n in (a, b):
+            if by_name[n].is_local:
+                out[n] = cluster.local_ip_towards(next(iter(remote.values())))
+        return out
+
+    def tunnel_report(self) -> list[dict]:
+        """Per tunnelled server pair: links, the rate they carry at the current dilation,
+        measured underlay rate and latency, ``tunnel_bound`` (underlay slower than the
+        links it carries: the run measures the tunnel, not the emulated network)."""
+        out = []
+        for t in self.tunnels:
+            carried = t["carried_mbps"] / self.time_dilation
+            rate = t.get("rate_mbps")
+            out.append({**t, "carried_mbps": round(carried, 3),
+                        "tunnel_bound": bool(rate is not None and
+                                             (t["unshaped"] or rate < carried))})
+        return out
+
+    def tunnel_flags(self) -> dict:
+        """Columns a cluster network adds to every report row: ``tunnel_bound`` and
+        ``tunnel_why`` (empty for a network on one machine)."""
+        if self.servers is None:
+            return {}
+        bound = [t for t in self.tunnel_report() if t["tunnel_bound"]]
+        why = "; ".join(f"{'-'.join(t['servers'])}: underlay {t['rate_mbps']} Mb/s < "
+                        f"{t['carried_mbps']} Mb/s of tunnelled links" for t in bound)
+        return {"tunnel_bound": bool(bound), "tunnel_why": why}
+
+    def server_memory(self) -> dict[str, float]:
+        """Server name -> resident memory (MiB) of what this network runs there: node shells
+        and data-path engines, summed from each server's own ``ps`` (the collectives' worker
+        pool runs on this machine and reports its own ``mem_mb``)."""
+        mn = self._require_running()
+        local = self.servers[0].name if self.servers else cluster.LOCAL
+        pids: dict[str, list[int]] = {}
+        for node in mn.hosts + mn.switches:
+            srv = (self.placement or {}).get(node.name, local)
+            found = [node.pid]
+            eng = (node.server_pid() if hasattr(node, "server_pid")
+                   else node.engine_pid() if hasattr(node, "engine_pid") else None)
+            found += [eng] if eng is not None else []
+            pids.setdefault(srv, []).extend(int(p) for p in found if p)
+        out = {}
+        for srv, plist in sorted(pids.items()):
+            cmd = f"ps -o rss= -p {','.join(map(str, sorted(set(plist))))}"
+            if srv in self.connections:
+                text = self.connections[srv].run(cmd, check=False)
+            else:
+                text = subprocess.run(cmd.split(), capture_output=True, text=True,
+                                      check=False).stdout
+            out[srv] = round(sum(int(x) for x in text.split() if x.isdigit()) / 1024, 1)
+        return out
+
+    def _stop_cluster(self) -> None:
+        """Remove our interfaces left on remote servers, release their locks, disconnect."""
+        names = " ".join(sorted(self._our_names()))
+        for conn in self.connections.values():
+            with contextlib.suppress(Exception):
+                conn.run(f"for i in {names}; do [ -e /sys/class/net/$i ] && ip link del $i; "
+                         "done; true", check=False, timeout=30)
+        for lock in self._server_locks:
+            lock.release()
+        self._server_locks = []
+        for conn in self.connections.values():
+            conn.close()
+        self.connections = {}
 
     # ----- building ------------------------------------------------------------------------
     def _check_switch_nodes(self) -> None:
@@ -440,6 +580,28 @@ class TestbedNet:
                 info["flood_ports"] = self._flood_ports(name)
             info.update(self.engine_opts)
             topo.setNodeInfo(name, info)
+        self._assign_servers()
+
+    def _assign_servers(self) -> None:
+        """Remote node classes (with server and connection) for nodes placed on other
+        servers; every other node drops what an earlier cluster network gave it."""
+        topo = self.topo
+        by_name = {s.name: s for s in self.servers or []}
+        for node in [*topo.host_names, *topo.switch_roles]:
+            info = dict(topo.nodeInfo(node))
+            info.pop("server", None)
+            info.pop("connection", None)
+            if node in topo.host_names:
+                info.pop("cls", None)
+            srv = by_name.get((self.placement or {}).get(node))
+            if srv is not None and not srv.is_local:
+                base = info.get("cls")
+                cls = cluster.RemoteHost if node in topo.host_names else _REMOTE_CLASSES.get(base)
+                if cls is None:
+                    raise TopologyError(f"{node}: a {getattr(base, '__name__', base)} node "
+                                        "cannot run on a remote server")
+                info.update(cls=cls, server=srv, connection=self.connections[srv.name])
+            topo.setNodeInfo(node, info)
 
     def programs_plan(self) -> dict[str, list]:
         """Node -> the ``[(program, settings), ...]`` its engine starts with (no network
@@ -534,13 +696,17 @@ class TestbedNet:
 
     def _assign_link_params(self) -> None:
         topo = self.topo
-        for s in topo.link_specs:
+        for i, s in enumerate(topo.link_specs):
             params = self._link_params(s)
             if self.offloads_off:
                 params.update(txo=False, rxo=False)
             info = topo.linkInfo(s.a, s.b)
-            for key in ("bw", "delay", "loss", "txo", "rxo"):
+            for key in ("bw", "delay", "loss", "txo", "rxo", "cls", "tunnel"):
                 info.pop(key, None)
+            if self.placement is not None and self.placement[s.a] != self.placement[s.b]:
+                a, b = self.placement[s.a], self.placement[s.b]
+                params.update(cls=TBTunnelLink, tunnel={
+                    "vni": cluster.VNI_BASE + i, "ips": self._underlay_ips(a, b)})
             info.update(params)
             topo.setlinkInfo(s.a, s.b, info)
 
@@ -558,17 +724,19 @@ class TestbedNet:
                              ">/dev/null 2>&1")
             if self.static_arp:
                 path = os.path.join(self._tmpdir, f"{h.name}.neigh")
+                lines = [f"neigh replace {ip} lladdr {host_mac(r2)} dev {intf} nud permanent"
+                         for r2, ip in enumerate(ips) if r2 != rank]
+                for sw in aggregating_switches(self.topo):  # every aggregator identity
+                    mac, ip = switch_identity(self.topo, sw)
+                    lines.append(f"neigh replace {ip} lladdr {mac} dev {intf} nud permanent")
+                if not self.topo.programmable:  # the well-known address, for bridges too
+                    lines.append(f"neigh replace {AGGREGATOR_IP} lladdr {AGGREGATOR_MAC} "
+                                 f"dev {intf} nud permanent")
+                text = "\n".join(lines) + "\n"
                 with open(path, "w") as f:
-                    for r2, ip in enumerate(ips):
-                        if r2 != rank:
-                            f.write(f"neigh replace {ip} lladdr {host_mac(r2)} dev {intf} "
-                                    "nud permanent\n")
-                    for sw in aggregating_switches(self.topo):  # every aggregator identity
-                        mac, ip = switch_identity(self.topo, sw)
-                        f.write(f"neigh replace {ip} lladdr {mac} dev {intf} nud permanent\n")
-                    if not self.topo.programmable:  # the well-known address, for bridges too
-                        f.write(f"neigh replace {AGGREGATOR_IP} lladdr {AGGREGATOR_MAC} "
-                                f"dev {intf} nud permanent\n")
+                    f.write(text)
+                if hasattr(h, "put_file"):  # a host on another server reads its own copy
+                    h.put_file(path, text)
                 parts.append(f"ip -batch {path}")
             parts.append(f"tc qdisc show dev {intf}")
             out = h.cmd("; ".join(parts))
@@ -590,6 +758,15 @@ class TestbedNet:
         htb = set(re.findall(r"qdisc htb \S+ dev (\S+) root", out))
         missing = [n for n, bw in self._shaped_ifaces().items()
                    if bw and n in root and n not in htb]
+        bridges = set(self.topo.switch_roles) - set(self.topo.programmable)
+        for srv, conn in self.connections.items():  # bridges' ports on the other servers
+            there = [n for n, bw in self._shaped_ifaces().items() if bw and
+                     n.rsplit("-eth", 1)[0] in bridges and
+                     self.placement[n.rsplit("-eth", 1)[0]] == srv]
+            if there:
+                htb = set(re.findall(r"qdisc htb \S+ dev (\S+) root",
+                                     conn.run("tc qdisc show", check=False)))
+                missing += [f"{srv}:{n}" for n in there if n not in htb]
         if missing:
             raise RuntimeError(f"HTB shaping missing on {missing[:5]} (tc failed; see "
                                "'tc qdisc show')")
@@ -688,9 +865,9 @@ class TestbedNet:
         mn = self._require_running()
         pids = []
         for node in mn.switches:
-            eng = getattr(node, "engine", None)
-            if eng is not None and eng.poll() is None:
-                pids.append(int(eng.pid))
+            pid = node.engine_pid() if hasattr(node, "engine_pid") else None
+            if pid is not None:
+                pids.append(pid)
         return pids
 
     def _host_names(self, hosts) -> list[str]:
@@ -750,6 +927,9 @@ class TestbedNet:
         d["host_ips"] = self.host_ips
         d["time_dilation"] = self.time_dilation
         d["time_dilation_requested"] = self.time_dilation_requested
+        if self.servers is not None:
+            d["cluster"] = {"servers": [s.name for s in self.servers],
+                            "placement": dict(self.placement), "tunnels": self.tunnel_report()}
         return d
 
     def pingall(self, sample: int | None = None, timeout_s: float = 1.0) -> dict:

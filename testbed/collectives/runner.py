@@ -213,6 +213,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                        mem_mb=round(result.get("mem_mb", 0.0), 1),
                        cpu_demand=round(r["cpu_demand"], 3), cpu_why="; ".join(why),
                        time_dilation=dilation, ina=ina_cols)
+        # a cluster network: was a tunnel between servers slower than the links it carries?
+        row.update(net.tunnel_flags() if hasattr(net, "tunnel_flags") else {})
         rows.append(row)
     return rows
 

@@ -211,6 +211,12 @@ class DatapathClient:
                 s.connect(_sockaddr(self.path))
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()
+                forwarded = self.path[len(ABSTRACT):] if self.path.startswith(ABSTRACT) else ""
+                if forwarded and os.path.exists(forwarded):
+                    # a node on another server of a cluster network: its engine's socket is
+                    # an ssh forward, which OpenSSH can only put on a path (docs/cluster.md)
+                    self.path = forwarded
+                    return self._connect()
                 if self.path.startswith(ABSTRACT) and listening_elsewhere(self.node):
                     raise ControlError(
                         f"switch control channel {self.path} is not reachable from this "

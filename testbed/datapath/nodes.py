@@ -40,6 +40,7 @@ from testbed.datapath.control import (
     control_address,
     listen,
     netns_id,
+    socket_path,
 )
 from testbed.datapath.programs import normalize_programs
 
@@ -107,27 +108,12 @@ class ProgrammableSwitch(Switch):
             if intf.name != "lo":
                 self.cmd("ip link set", intf.name, "up")
         self._disable_offloads()
-        for k in ("counters.json",):
-            if os.path.exists(self._files[k]):
-                os.unlink(self._files[k])
-        # The control socket listens in this (root) network namespace and is inherited by the
-        # engine, which runs in the node's: reachable by the provider side, not from hosts.
-        ctl = listen(control_address(self.name))
-        config = dict(self.config_dict(), control_fd=ctl.fileno(), control_netns=netns_id())
-        with open(self._files["json"], "w") as fh:
-            json.dump(config, fh, indent=1)
         log = open(self._files["log"], "w")  # noqa: SIM115 - handed to the child
         try:
-            self.engine = self.popen(
-                [sys.executable, "-m", "testbed.datapath.engine", "--config",
-                 self._files["json"], "--counters-out", self._files["counters.json"],
-                 f"testbed-node={self.name}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=(ctl.fileno(),))
+            self.engine = self._launch_engine(log)
         finally:
             log.close()
-            ctl.close()  # the engine holds it now; when it exits, the address is free again
-        client = DatapathClient(control_address(self.name))
+        client = DatapathClient(self._control_address())
         deadline = time.monotonic() + self.ready_timeout
         try:
             while True:
@@ -147,6 +133,58 @@ class ProgrammableSwitch(Switch):
         finally:
             client.close()
 
+    def _launch_engine(self, log) -> subprocess.Popen:
+        """Write the config and start the engine in this node's namespace, output to ``log``
+        (a remote node starts it on its server instead). The control socket listens in this
+        (root) network namespace and is inherited by the engine, which runs in the node's:
+        reachable by the provider side, not from hosts."""
+        if os.path.exists(self._files["counters.json"]):
+            os.unlink(self._files["counters.json"])
+        ctl = listen(control_address(self.name))
+        try:
+            config = dict(self.config_dict(), control_fd=ctl.fileno(), control_netns=netns_id())
+            with open(self._files["json"], "w") as fh:
+                json.dump(config, fh, indent=1)
+            return self.popen(
+                [sys.executable, "-m", "testbed.datapath.engine", "--config",
+                 self._files["json"], "--counters-out", self._files["counters.json"],
+                 f"testbed-node={self.name}"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(ctl.fileno(),))
+        finally:
+            ctl.close()  # the engine holds it now; when it exits, the address is free again
+
+    def _control_address(self) -> str:
+        """Where this node's control clients connect (a remote node: its forwarded path)."""
+        return control_address(self.name)
+
+    def engine_pid(self) -> int | None:
+        """PID of the running engine on this machine (None when it is not running here)."""
+        if self.engine is None or self.engine.poll() is not None:
+            return None
+        return int(self.engine.pid)
+
+    def _signal_engine(self) -> None:
+        self.engine.send_signal(signal.SIGTERM)
+
+    def _read_counters(self) -> dict | None:
+        try:
+            with open(self._files["counters.json"]) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return None
+
+    def _remove_engine_files(self, keep_log: bool) -> None:
+        for k in ("json", "counters.json") + (() if keep_log else ("log",)):
+            try:
+                os.unlink(self._files[k])
+            except FileNotFoundError:
+                pass
+        try:  # the engine removes it; a SIGKILLed one cannot
+            os.unlink(socket_path(self.name))
+        except FileNotFoundError:
+            pass
+
     def _log_tail(self, n: int = 4000) -> str:
         try:
             with open(self._files["log"]) as fh:
@@ -161,30 +199,22 @@ class ProgrammableSwitch(Switch):
 
     def client(self) -> DatapathClient:
         """A control-channel client for this node's engine."""
-        return DatapathClient(control_address(self.name))
+        return DatapathClient(self._control_address())
 
     def stop_engine(self, timeout: float = 10.0) -> dict | None:
         """SIGTERM the engine, wait, return (and keep) its final counters."""
         if self.engine is None:
             return self.final_counters
         if self.engine.poll() is None:
-            self.engine.send_signal(signal.SIGTERM)
+            self._signal_engine()
             try:
                 self.engine.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._kill()
         rc = self.engine.returncode
         self.engine = None
-        try:
-            with open(self._files["counters.json"]) as fh:
-                self.final_counters = json.load(fh)
-        except (OSError, ValueError):
-            self.final_counters = None
-        for k in ("json", "counters.json") + (("log",) if rc == 0 else ()):
-            try:
-                os.unlink(self._files[k])
-            except FileNotFoundError:
-                pass
+        self.final_counters = self._read_counters()
+        self._remove_engine_files(keep_log=rc != 0)
         if rc != 0:
             print(f"{self.name}: engine exited with {rc}; log kept at {self._files['log']}",
                   file=sys.stderr)

@@ -1,0 +1,186 @@
+"""A network split over two servers: this machine and a netns server reached by real ssh."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testbed import nsserver
+from testbed.topologies import LeafSpine, TopologyError
+from testbed.topologies.cluster import Server, crossing_links, parse_servers, place
+
+_CRASH_LOCK = "/run/testbed/tb-crash-test.lock"
+
+
+def test_default_placement_keeps_leaves_with_their_hosts():
+    topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100)
+    servers = parse_servers(["localhost", Server("10.9.9.9", name="b")])
+    where = place(topo, servers)
+    assert where["tbl1"] == where["tbh1"] == where["tbh2"] == "localhost"
+    assert where["tbl2"] == where["tbh3"] == where["tbh4"] == "b"
+    assert {where["tbsp1"], where["tbsp2"]} == {"localhost", "b"}
+    crossing = crossing_links(topo, where)
+    assert len(crossing) == 2
+    assert all({s.a[:4], s.b[:4]} == {"tbl1", "tbsp"} or {s.a[:4], s.b[:4]} == {"tbl2", "tbsp"}
+               for s in crossing)  # only spine-to-leaf links cross
+    pinned = place(topo, servers, {"tbsp1": "b", "tbsp2": 1})
+    assert pinned["tbsp1"] == pinned["tbsp2"] == "b"
+    with pytest.raises(TopologyError, match="not a server"):
+        place(topo, servers, {"tbsp1": "c"})
+    with pytest.raises(TopologyError, match="first server must be 'localhost'"):
+        parse_servers(["b", "localhost"])
+
+
+# A process that builds a cluster network and then dies by SIGKILL, leaving both servers dirty.
+# It takes a lock file of its own: the test holds this machine's lock throughout, so nobody
+# else's cleanup can see (or tidy) the wreck before `cleanup_servers` does.
+_CRASH = """
+import sys
+from testbed.nsserver import NetnsServer
+from testbed.topologies import LeafSpine, TestbedNet
+srv = NetnsServer(3).__enter__()
+topo = LeafSpine(leaves=2, spines=1, hosts_per_leaf=1, bw_mbps=100)  # bridges: quick to build
+net = TestbedNet(topo, servers=["localhost", srv.server]).__enter__()
+print(srv.key, srv.address, net.placement["tbl2"], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.mininet
+def test_cleanup_on_both_servers_after_a_crash_leaves_nothing():
+    why = nsserver.available()
+    if why:
+        pytest.skip(f"no netns server here: {why}")
+    from testbed.cleanup import cleanup_servers, leftovers
+    from testbed.netlock import emulation_lock
+
+    key = None
+    with emulation_lock(timeout=600):
+        proc = subprocess.Popen([sys.executable, "-c", _CRASH], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, "TESTBED_LOCK": _CRASH_LOCK})
+        try:
+            line = proc.stdout.readline().split()
+            assert len(line) == 3 and line[2] == "tb-srv3", line
+            key, address, _ = line
+            os.killpg(proc.pid, signal.SIGKILL)  # the owner and its ssh clients die at once
+            proc.wait(10)
+            srv = Server(address, name="tb-srv3", ssh_options=(
+                "-i", key, "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"))
+            local, remote = cleanup_servers([srv])
+            # the server's own cleanup found its half: the remote leaf's bridge and host shell
+            assert "tbl2" in remote["tb-srv3"], remote
+            assert not local["errors"], local
+            assert any("sshd" in x for x in local["processes"]), local  # the server's sshd too
+            assert not os.path.exists("/run/netns/tb-srv3")
+            left = leftovers()
+            assert not any(left.values()), left
+            for _ in range(50):  # the server's veth goes with its namespace, asynchronously
+                if not os.path.exists("/sys/class/net/tbsrv3r"):
+                    break
+                time.sleep(0.1)
+            assert not os.path.exists("/sys/class/net/tbsrv3r")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            if key:
+                shutil.rmtree(os.path.dirname(key), ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_CRASH_LOCK)
+
+
+@pytest.fixture(scope="module")
+def server():
+    why = nsserver.available()
+    if why:
+        pytest.skip(f"no netns server here: {why}")
+    with nsserver.NetnsServer(2) as srv:
+        yield srv
+
+
+def _remote_leftovers(srv) -> dict:
+    """``testbed.cleanup.leftovers()`` as the server sees it, over ssh."""
+    code = "import json; from testbed.cleanup import leftovers; print(json.dumps(leftovers()))"
+    res = subprocess.run(srv.server.ssh_base() + [srv.server.dest, sys.executable, "-c",
+                                                  json.dumps(code)],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return json.loads(res.stdout)
+
+
+@pytest.mark.mininet
+def test_ring_and_ina_exact_across_two_servers(server):
+    from testbed.collectives import CollectiveSpec, run_collective
+    from testbed.collectives.testing import check_rows
+    from testbed.topologies import TestbedNet
+
+    topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100, switch="programmable")
+    with TestbedNet(topo, servers=["localhost", server.server]) as net:
+        assert net.placement["tbl2"] == net.placement["tbh4"] == server.netns
+        # the remote half really runs on the server: its shells are ssh sessions there
+        assert "ssh" in net.mininet.get("tbh4").shell.args[0]
+        assert net.mininet.get("tbh4").cmd("ip -o link show tbh4-eth0").count("tbh4-eth0") == 1
+        (tunnel,) = net.tunnel_report()
+        assert sorted(tunnel["links"]) == ["tbl1-tbsp2", "tbl2-tbsp1"]
+        assert tunnel["rate_mbps"] > 0 and tunnel["latency_ms"] is not None
+        # both ends of a tunnel are VXLAN devices, shaped like every other link
+        for node in ("tbl1", "tbsp2"):
+            peer = "tbsp2" if node == "tbl1" else "tbl1"
+            sw = net.mininet.get(node)
+            (intf,) = [i for i in sw.intfList() if i.link and peer in
+                       (i.link.intf1.node.name, i.link.intf2.node.name)]
+            assert "vxlan id" in sw.cmd(f"ip -d link show {intf.name}")
+            assert " htb " in sw.cmd(f"tc qdisc show dev {intf.name}")
+        assert net.describe()["cluster"]["servers"] == ["localhost", server.netns]
+        for algo, extra in (("ring", {}), ("ina", {"window": 16})):
+            spec = CollectiveSpec(algo=algo, nbytes=4 * 20_011, timeout_s=20, seed=3, **extra)
+            rows = run_collective(net, spec)
+            # a cluster network's rows carry its tunnel flag beyond the report columns
+            assert all(r.pop("tunnel_bound") is False and r.pop("tunnel_why") == ""
+                       for r in rows), rows
+            check_rows(rows, spec, 4)
+        counters = net.switch_client("tbsp2").counters()  # through the forwarded socket
+        assert counters
+    left = _remote_leftovers(server)
+    # the server's own veth and (shared /run) namespace name are the fixture's, not the net's
+    left["links"] = [i for i in left["links"] if i != server.srv_if]
+    left["netns"] = [n for n in left["netns"] if n != server.netns]
+    assert not any(left.values()), left
+
+
+def test_server_lock_is_held_by_the_server_until_released(server):
+    """The remote emulation lock: an flock taken by a session on the server (a lock file of
+    the test's own: the server shares this machine's lock, which the fixture holds)."""
+    from testbed.topologies.cluster import Connection, ServerLock
+
+    path = f"{server.dir}/test.lock"
+    conn = Connection(server.server)
+    try:
+        lock = ServerLock(conn, timeout=5, path=path)
+        busy = subprocess.run(["flock", "-n", path, "true"], check=False)
+        assert busy.returncode != 0  # held on the server
+        with pytest.raises(TopologyError, match="busy"):
+            ServerLock(conn, timeout=0, path=path)
+        lock.release()
+        assert subprocess.run(["flock", "-n", path, "true"], check=False).returncode == 0
+    finally:
+        conn.close()
+
+
+def test_doctor_checks_a_server_over_ssh(server):
+    from testbed.doctor import check_servers
+
+    (check,) = check_servers([server.server])
+    assert check["name"] == f"server {server.netns}"
+    assert check["status"] in ("ok", "degraded"), check  # its own doctor: required all there
+    assert check["underlay"]["rate_mbps"] > 0 and check["underlay"]["latency_ms"] is not None
+    (bad,) = check_servers([Server("10.250.99.2", ssh_options=("-o", "ConnectTimeout=1"))])
+    assert bad["status"] == "missing" and "cannot reach" in bad["detail"]
