@@ -10,12 +10,16 @@ from pathlib import Path
 
 
 def run_file(path: str, out: str | Path | None = None, progress: bool = True,
-             time_dilation: float | str | None = None, json_out: bool = False) -> int:
+             time_dilation: float | str | None = None, json_out: bool = False,
+             executor: str | None = None, scheduler: str | None = None) -> int:
     """Run the experiment in ``path``; results under ``out/<name>-<timestamp>/``.
 
     ``time_dilation`` (a factor or ``"auto"``) replaces the file's ``time_dilation``.
     ``json_out``: print one JSON object per summary row (every run's row; a training job's
     summary row) on stdout, and the tables and messages on stderr, for scripts.
+    ``executor``: ``"local"`` (here, the default without ``scheduler``) or ``"dask"`` (each
+    sweep point on a worker of the Dask cluster whose scheduler is at ``scheduler``, see
+    :mod:`testbed.experiment.distributed`).
 
     ``out`` defaults to the results root (``$TESTBED_RESULTS``, see
     :func:`testbed.experiment.results.results_root`). Exit codes: 0 all runs ok, 1 some runs
@@ -28,6 +32,10 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
 
     err = Console(stderr=True, soft_wrap=True)  # whole lines: logs and greps read them
+    executor = executor or ("dask" if scheduler else "local")
+    if executor not in ("local", "dask") or (executor == "dask") != bool(scheduler):
+        err.print(f"[red]error:[/] {_executor_problem(executor, scheduler)}", highlight=False)
+        return 2
     try:
         exp = load_experiment(path)
         if time_dilation is not None:
@@ -42,8 +50,15 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     from testbed.experiment.runner import RunAborted, default_out_dir, run
 
     out_dir = default_out_dir(exp, results_root() if out is None else out)
+    show = progress and sys.stderr.isatty()
     try:
-        res = run(exp, out_dir=out_dir, progress=progress and sys.stderr.isatty())
+        if executor == "dask":
+            # imported here: dask.distributed is an optional dependency (the [dask] extra)
+            from testbed.experiment.distributed import run_distributed
+
+            res = run_distributed(exp, scheduler, out_dir=out_dir, progress=show)
+        else:
+            res = run(exp, out_dir=out_dir, progress=show)
     except KeyboardInterrupt:
         err.print(f"[yellow]interrupted[/]; finished runs are in {out_dir}")
         return 130
@@ -75,6 +90,15 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
                   f"{Path(out_dir) / 'metadata.json'})", highlight=False)
         return 1
     return 0
+
+
+def _executor_problem(executor: str, scheduler: str | None) -> str:
+    if executor not in ("local", "dask"):
+        return f"--executor {executor!r}: give 'local' (here) or 'dask' (a Dask cluster)"
+    if executor == "dask":
+        return ("--executor dask needs --scheduler tcp://HOST:8786, the address 'dask "
+                "scheduler' prints")
+    return f"--scheduler {scheduler} is for --executor dask, not local"
 
 
 def print_json_rows(res) -> None:

@@ -87,6 +87,10 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+def _jsonl(row: dict[str, Any]) -> str:
+    return json.dumps(row, default=_json_default) + "\n"
+
+
 class ResultsStore:
     """Writes rows and metadata to a results folder as they arrive."""
 
@@ -109,7 +113,7 @@ class ResultsStore:
         """Persist one finished run before returning (jsonl fsync + table rewrite)."""
         self.rows.append(row)
         with open(self.path / "rows.jsonl", "a") as f:
-            f.write(json.dumps(row, default=_json_default) + "\n")
+            f.write(_jsonl(row))
             f.flush()
             os.fsync(f.fileno())
         if row.get("status") == "error":
@@ -117,6 +121,26 @@ class ResultsStore:
                 {k: row.get(k) for k in ("run", "point", "job", "label", "error")})
             self.write_metadata()
         self._write_tables()
+
+    def sort_rows(self, key: str = "run") -> None:
+        """Put the rows (and the recorded failures) in the order of ``key``, on disk too.
+
+        For rows that arrive out of order, e.g. the sweep points of a distributed run, each
+        from the machine that finished it first; the sort is stable.
+        """
+        def order(r: dict[str, Any]) -> tuple:
+            return (r.get(key) is None, r.get(key) or 0)
+
+        self.rows.sort(key=order)
+        self.metadata["failures"].sort(key=order)
+        tmp = self.path / "rows.jsonl.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(_jsonl(row) for row in self.rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / "rows.jsonl")
+        self._write_tables()
+        self.write_metadata()
 
     def _write_tables(self) -> None:
         df = rows_to_frame(self.rows)

@@ -65,14 +65,51 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
     progress bar. ``doctor``: store ``testbed doctor``'s summary in the metadata.
     """
     exp = load_experiment(experiment)
-    points = expand_sweep(exp)
     out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
-    plan = [(pi, params, point, ji, job, size)
+    plan = plan_runs(expand_sweep(exp))
+    store = ResultsStore(out, run_metadata(exp, plan, doctor))
+    _run_into(exp, plan, store, out, progress)
+    return Results.load(out)
+
+
+def run_point(experiment: Experiment | str | Path | dict, index: int, out_dir: str | Path,
+              progress: bool = False, doctor: bool = False) -> Results:
+    """Run only sweep point ``index`` of ``experiment`` into the results folder ``out_dir``.
+
+    Its rows carry the run numbers, point index and sweep values they have in the whole
+    experiment, and its files (counters, captures) the same run numbers, so points run apart,
+    on other machines (:mod:`testbed.experiment.distributed`), merge into the folder a local
+    run of the whole sweep writes. The metadata says which point (``point``) and from which
+    run on (``first_run``).
+    """
+    exp = load_experiment(experiment)
+    plan = plan_runs(expand_sweep(exp))
+    part = [entry for entry in plan if entry[0] == index]
+    if not part:
+        raise ValueError(f"sweep point {index} does not exist: the experiment has points "
+                         f"0..{plan[-1][0]}")
+    first = plan.index(part[0])
+    meta = run_metadata(exp, part, doctor)
+    meta.update(point=index, first_run=first)
+    store = ResultsStore(out_dir, meta)
+    _run_into(exp, part, store, Path(out_dir), progress, first_run=first)
+    return Results.load(out_dir)
+
+
+def plan_runs(points: list[tuple[dict[str, Any], Experiment]]) -> list[tuple]:
+    """Every run of an expanded sweep, in the order they run and are numbered:
+    ``(point index, sweep values, point, job index, job, size)``; a training item has the
+    item (a job, or a trace's list of jobs) as its job and ``None`` as its size."""
+    return [(pi, params, point, ji, job, size)
             for pi, (params, point) in enumerate(points)
             for ji, job, size in [(ji, job, size) for ji, job in enumerate(point.jobs)
                                   for size in job.sizes()]
             + [(ti, item, None) for ti, item in train.plan_items(point)]]
-    meta: dict[str, Any] = {
+
+
+def run_metadata(exp: Experiment, plan: list[tuple], doctor: bool) -> dict[str, Any]:
+    """The provenance a results folder starts with: the experiment, the code, the machine."""
+    return {
         "name": exp.name,
         "description": exp.description,
         "seed": exp.seed,
@@ -86,11 +123,22 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
         "doctor": doctor_summary() if doctor else {"skipped": True},
         "networks": [],
     }
-    store = ResultsStore(out, meta)
+
+
+def _run_into(exp: Experiment, plan: list[tuple], store: ResultsStore, out: Path,
+              progress: bool, first_run: int = 0) -> None:
+    """Run ``plan`` into ``store``, recording the final status on every exit path."""
+    with final_status(store), progress_reporter(progress, len(plan), exp.name) as advance:
+        _execute(exp, plan, store, out, advance, first_run)
+
+
+@contextlib.contextmanager
+def final_status(store: ResultsStore, before_finish=None):
+    """Record how the block ended in ``store`` (completed, completed_with_errors, failed,
+    interrupted, with the error), whatever ends it; ``before_finish()`` runs just before."""
     status, error = "completed", None
     try:
-        with _progress(progress, len(plan), exp.name) as advance:
-            _execute(exp, plan, store, out, advance)
+        yield
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
@@ -101,16 +149,30 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
         status, error = "failed", f"{type(e).__name__}: {e}"
         raise
     finally:
+        if before_finish is not None:
+            before_finish()
         if status == "completed" and store.metadata["failures"]:
             status = "completed_with_errors"
         store.finish(status, error)
-    return Results.load(out)
 
 
-def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance) -> None:
+def error_rows(entries: list[tuple], first_run: int, err: str) -> list[dict]:
+    """Failed rows for the plan ``entries`` (see :func:`plan_runs`), numbered from
+    ``first_run``: what a run that never ran, or whose result was lost, leaves."""
+    rows = []
+    for k, (pi, params, pt, ji, job, size) in enumerate(entries):
+        jobs = job if isinstance(job, list) else [job]  # a trace: its jobs share one run
+        for m, one in enumerate(jobs):
+            rows.append(_error_row(first_run + k, pi, params, pt, m if ji is None else ji,
+                                   one, size, err))
+    return rows
+
+
+def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance,
+             first_run: int = 0) -> None:
     from testbed.netlock import emulation_lock
 
-    run_idx = 0
+    run_idx = first_run
     t0 = time.monotonic()
     # One lock for the whole experiment: no one else's network can interleave with ours.
     with emulation_lock():
@@ -140,10 +202,12 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     if _interrupted(e):
                         raise KeyboardInterrupt from e
                     err = _describe_error(e)
-                    for (pi, params, pt, ji, job, size) in group:
-                        store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
-                        run_idx += 1
-                        advance(f"{job.label()} {size} B: network failed")
+                    rows = error_rows(group, run_idx, err)
+                    for row in rows:
+                        store.append(row)
+                    for row in {r["run"]: r for r in rows}.values():  # one step per run
+                        advance(f"{row['label']} {row['bytes']} B: network failed")
+                    run_idx += len(group)
                     if exp.stop_on_error:
                         raise RunAborted(f"network set-up failed: {err}") from e
                     i = j
@@ -674,7 +738,7 @@ def _in_notebook() -> bool:
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, total: int, name: str):
+def progress_reporter(enabled: bool, total: int, name: str):
     """Yield ``advance(text)``: a rich bar on a terminal, one printed line per run elsewhere
     (notebooks, logs), nothing when disabled."""
     import sys
