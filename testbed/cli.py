@@ -247,7 +247,7 @@ def _bench_datapath(json_out: bool, out: str | None) -> int:
 
 
 def _bench_collectives(json_out: bool, out: str | None) -> int:
-    from testbed.collectives import bench
+    from testbed.experiment import collectives_bench as bench
 
     if out is None:
         return bench.main(json_out=json_out)
