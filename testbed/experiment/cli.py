@@ -8,6 +8,19 @@ import math
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
+from testbed.experiment.plots import plot_bars, plot_overview, use_headless
+from testbed.experiment.results import results_root
+from testbed.experiment.runner import RunAborted, default_out_dir, run
+from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
+from testbed.experiment.train import (
+    load_iterations,
+    plot_accuracy,
+    print_training_table,
+    training_rows,
+)
+
 
 def run_file(path: str, out: str | Path | None = None, progress: bool = True,
              time_dilation: float | str | None = None, json_out: bool = False,
@@ -26,10 +39,7 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     failed (recorded in the results; how many is printed), 2 the file is invalid (each problem
     printed with its field and what is allowed; nothing is built), 130 interrupted (Ctrl-C).
     """
-    from rich.console import Console
 
-    from testbed.experiment.results import results_root
-    from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
 
     err = Console(stderr=True, soft_wrap=True)  # whole lines: logs and greps read them
     executor = executor or ("dask" if scheduler else "local")
@@ -47,13 +57,12 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
         for p in e.problems:
             err.print(f"  - {p}", highlight=False, markup=False)
         return 2
-    from testbed.experiment.runner import RunAborted, default_out_dir, run
 
     out_dir = default_out_dir(exp, results_root() if out is None else out)
     show = progress and sys.stderr.isatty()
     try:
         if executor == "dask":
-            # imported here: dask.distributed is an optional dependency (the [dask] extra)
+            # imported here: dask.distributed is an optional dependency ([distributed] extra)
             from testbed.experiment.distributed import run_distributed
 
             res = run_distributed(exp, scheduler, out_dir=out_dir, progress=show)
@@ -124,7 +133,6 @@ def _strict(v):
 
 def print_tables(res, name: str) -> None:
     """The collective runs' table and the training jobs' table, whichever there are."""
-    from testbed.experiment.train import print_training_table, training_rows
 
     df = res.ok
     trained = training_rows(df)
@@ -139,12 +147,10 @@ def write_plots(res) -> list[Path]:
 
     Selects the headless backend (outside Jupyter) and closes each figure once written.
     """
-    from testbed.experiment.plots import plot_bars, plot_overview, use_headless
 
     use_headless()
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use_headless(): pyplot fixes the backend on import
 
-    from testbed.experiment.train import load_iterations, plot_accuracy, training_rows
 
     path = res.path
     name = res.metadata["name"]

@@ -27,8 +27,17 @@ import platform
 import subprocess
 import time
 from dataclasses import dataclass, field
+from importlib import metadata as md
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from testbed.collectives import REPORT_COLUMNS
+from testbed.doctor import run_checks
+from testbed.experiment.plots import plot_metric
 
 #: Environment variable that names the results root (see :func:`results_root`).
 RESULTS_ENV = "TESTBED_RESULTS"
@@ -171,13 +180,7 @@ class ResultsStore:
 
 def rows_to_frame(rows: list[dict[str, Any]]):
     """A DataFrame with the run columns first, then report columns, then the rest."""
-    import pandas as pd
-
     df = pd.DataFrame(rows)
-    try:
-        from testbed.collectives import REPORT_COLUMNS
-    except Exception:
-        REPORT_COLUMNS = ()
     order = [c for c in (*RUN_COLUMNS, *REPORT_COLUMNS) if c in df.columns]
     order += [c for c in df.columns if c not in order]
     return df[order] if len(df.columns) else df
@@ -230,8 +233,6 @@ class Results:
 
     def print_table(self, title: str | None = None) -> None:
         """Print the summary as a rich table."""
-        from rich.console import Console
-        from rich.table import Table
 
         df = self.summary()
         console = Console()
@@ -252,7 +253,6 @@ class Results:
 
     def plot(self, x: str = "bytes", y: str = "time_s", out: str | Path | None = None, **kw):
         """Measured ``y`` vs ``x`` per label with the model beside it (see plots.plot_metric)."""
-        from testbed.experiment.plots import plot_metric
 
         if out is None and self.path is not None:
             out = self.path / f"{y}_vs_{x}.png"
@@ -294,7 +294,6 @@ def git_revision(repo: str | Path | None = None) -> dict[str, Any]:
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions of the packages that shape results."""
-    from importlib import metadata as md
 
     out: dict[str, str | None] = {}
     for p in _PACKAGES:
@@ -312,7 +311,6 @@ def environment_freeze() -> list[str]:
     Editable installs say where their source is (``name==version (editable: path)``), so a
     results folder tells exactly which code and libraries produced it.
     """
-    from importlib import metadata as md
 
     out = set()
     for dist in md.distributions():
@@ -360,7 +358,6 @@ def doctor_summary() -> dict[str, Any]:
     """``testbed.doctor.run_checks()`` reduced to name -> status (or why it is unavailable)."""
     t0 = time.monotonic()
     try:
-        from testbed.doctor import run_checks
 
         checks = run_checks()
     except Exception as e:  # the doctor is provenance, never a reason to fail a run

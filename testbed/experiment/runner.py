@@ -25,13 +25,19 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.dilation import calibrate
 from testbed.experiment import results, train
+from testbed.experiment.incast import run_incast
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -41,6 +47,8 @@ from testbed.experiment.results import (
     package_versions,
 )
 from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
+from testbed.kernels.wire import Flags, MsgType
+from testbed.netlock import emulation_lock
 from testbed.topologies import make_topology
 from testbed.topologies.net import TestbedNet
 from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
@@ -170,8 +178,6 @@ def error_rows(entries: list[tuple], first_run: int, err: str) -> list[dict]:
 
 def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance,
              first_run: int = 0) -> None:
-    from testbed.netlock import emulation_lock
-
     run_idx = first_run
     t0 = time.monotonic()
     # One lock for the whole experiment: no one else's network can interleave with ours.
@@ -367,8 +373,6 @@ def _calibrate(net, group: list):
     (a ring allreduce over every host stands in for incasts); None for a fixed factor."""
     if net.time_dilation_requested != "auto":
         return None
-    from testbed.collectives import CollectiveSpec
-    from testbed.collectives.dilation import calibrate
 
     specs = [_collective_spec(job, size, pt) for (_pi, _params, pt, _ji, job, size) in group
              if job.op != "incast"]
@@ -474,8 +478,6 @@ def _stop(proc, sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
 # -- one run ------------------------------------------------------------------------------------
 
 def _collective_spec(job: JobSpec, size: int, point: Experiment):
-    from testbed.collectives import CollectiveSpec
-
     extra: dict[str, Any] = {}
     if job.hosts is not None:
         extra["hosts"] = list(job.hosts)
@@ -492,8 +494,6 @@ def _collective_spec(job: JobSpec, size: int, point: Experiment):
 
 
 def _run_job(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
-    from testbed.collectives import run_collective
-
     if job.op == "incast":
         return _run_incast(net, point, job, size)
     return run_collective(net, _collective_spec(job, size, point))
@@ -539,8 +539,6 @@ def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Pat
 
 
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
-    from testbed.experiment.incast import run_incast
-
     seed = point.seed if job.seed is None else job.seed
     f = float(getattr(net, "time_dilation", 1.0))
     rows = []
@@ -693,17 +691,12 @@ def _summarise_captures(caps: list, out: Path, run_idx: int) -> dict[str, Any]:
 
 def summarize_pcap(path: str | Path) -> dict[str, Any]:
     """Count packets of a pcap with the scapy layer: total, testbed by message type, trimmed."""
+    # here, not at the top: scapy's layers take over a second to import; only captures need them
     from scapy.utils import PcapReader
 
-    from testbed.kernels.wire import Flags, MsgType
+    from testbed.datapath import scapy_layer
 
-    layer = None
-    try:
-        from testbed.datapath import scapy_layer
-
-        layer = getattr(scapy_layer, "TestbedHeader", None)
-    except Exception:
-        layer = None
+    layer = getattr(scapy_layer, "TestbedHeader", None)
     summary: dict[str, Any] = {"packets": 0, "bytes": 0, "testbed_packets": 0,
                                "by_type": {}, "trimmed": 0, "dissector": bool(layer)}
     if not Path(path).exists():
@@ -730,8 +723,6 @@ def summarize_pcap(path: str | Path) -> dict[str, Any]:
 # -- progress -----------------------------------------------------------------------------------
 
 def _in_notebook() -> bool:
-    import sys
-
     shell = sys.modules.get("IPython")
     ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
@@ -741,8 +732,6 @@ def _in_notebook() -> bool:
 def progress_reporter(enabled: bool, total: int, name: str):
     """Yield ``advance(text)``: a rich bar on a terminal, one printed line per run elsewhere
     (notebooks, logs), nothing when disabled."""
-    import sys
-
     if not enabled:
         yield lambda text="": None
         return
@@ -757,7 +746,6 @@ def progress_reporter(enabled: bool, total: int, name: str):
 
         yield line
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
