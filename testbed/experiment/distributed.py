@@ -75,6 +75,9 @@ else:
 #: Seconds to wait for the scheduler to answer, and for a first worker to join it.
 CONNECT_TIMEOUT_S = 20.0
 WORKER_WAIT_S = 60.0
+#: Seconds a point waits for its machine's emulation lock (someone else's network) before it
+#: fails with ``EmulationBusy``.
+LOCK_WAIT_S = 3600.0
 #: Files of a point's folder that the results folder rebuilds itself (not copied back).
 _STORE_FILES = ("rows.jsonl", "results.csv", "results.parquet", "metadata.json")
 #: Files that several points append to (copied back by appending).
@@ -110,7 +113,7 @@ def run_point_here(experiment: dict, index: int, topic: str | None = None,
         if topic:  # the client counts a point's starts from these events
             worker.log_event(topic, {"point": index, **where, "time": time.time()})
     t0 = time.monotonic()
-    with _POINT_LOCK, emulation_lock():
+    with _POINT_LOCK, emulation_lock(timeout=LOCK_WAIT_S):
         where["lock_wait_s"] = round(time.monotonic() - t0, 2)
         stale = _remove_stale()
         tmp = Path(tempfile.mkdtemp(prefix="testbed-point-"))
