@@ -410,4 +410,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Run the importable module's main, not this __main__ copy: Dask sends run_point_here to
+    # the workers by reference to its module, which a __main__ function has not.
+    from testbed.experiment.distributed import main as _main
+
+    raise SystemExit(_main())
