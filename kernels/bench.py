@@ -23,6 +23,9 @@ import traceback
 
 import numpy as np
 from numba import njit
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels import packets as pk
@@ -199,7 +202,7 @@ def _note_row(elements: int, note: str) -> dict:
 
 
 def _compressor_rows(elements: int) -> list[dict]:
-    try:
+    try:  # imported here: a broken compressor plug-in becomes a note row, not a crash
         from testbed.kernels import compressors
     except Exception as e:  # noqa: BLE001 - report any import failure as a note row
         return [_note_row(elements, f"testbed.kernels.compressors failed to import: {e!r}")]
@@ -240,10 +243,6 @@ def rows(elements: int) -> list[dict]:
 
 
 def _print_table(result: list[dict]) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     table = Table(title="testbed kernels vs anchors (GB/s = bytes read + written per second)")
     for col in ("kernel", "elements", "GB/s", "anchor", "anchor GB/s", "ratio"):
         table.add_column(col, justify="left" if col in ("kernel", "anchor") else "right",

@@ -117,12 +117,18 @@ def run(
                                       help=DILATION_HELP + " (default: the file's)"),
     json_out: bool = typer.Option(False, "--json", help="print the summary rows as JSON lines "
                                   "on stdout (tables and messages go to stderr)"),
+    executor: str = typer.Option(None, "--executor", metavar="local|dask",
+                                 help="where the sweep points run: here (local, the default) "
+                                      "or on the workers of a Dask cluster (dask; the default "
+                                      "when --scheduler is given)"),
+    scheduler: str = typer.Option(None, "--scheduler", metavar="tcp://HOST:8786",
+                                  help="the Dask scheduler's address, for --executor dask"),
 ) -> None:
     """Run an experiment file and write its results (exit: 0 ok, 1 failed runs, 2 bad file)."""
     from testbed.experiment.cli import run_file
 
     raise typer.Exit(run_file(file, out, time_dilation=_dilation(time_dilation),
-                              json_out=json_out))
+                              json_out=json_out, executor=executor, scheduler=scheduler))
 
 
 @app.command()
@@ -321,7 +327,7 @@ def _bench_datapath(json_out: bool, out: str | None) -> int:
 
 
 def _bench_collectives(json_out: bool, out: str | None) -> int:
-    from testbed.collectives import bench
+    from testbed.experiment import collectives_bench as bench
 
     if out is None:
         return bench.main(json_out=json_out)

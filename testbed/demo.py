@@ -19,7 +19,12 @@ import os
 import time
 
 from mininet.log import setLogLevel
+from rich.console import Console
+from rich.table import Table
 
+from testbed.cleanup import busy_holder, cleanup
+from testbed.experiment.demo import main as experiment_demo
+from testbed.netlock import EmulationBusy, emulation_lock
 from testbed.topologies import Star
 from testbed.topologies.net import TestbedNet
 
@@ -90,9 +95,6 @@ def passed(result: dict) -> bool:
 
 def render(result: dict) -> None:
     """Print the measurements as a table."""
-    from rich.console import Console
-    from rich.table import Table
-
     def verdict(ok: bool) -> str:
         return "[green]ok[/green]" if ok else "[red]FAIL[/red]"
 
@@ -114,21 +116,15 @@ def render(result: dict) -> None:
 def main() -> int:
     """CLI entry: the embedded default experiment (testbed.experiment.demo); 0 when every run
     finished with a correct result."""
-    from testbed.experiment.demo import main as experiment_demo
-
     return experiment_demo()
 
 
 def smoke_main() -> int:
     """The Mininet smoke check under the emulation lock; 0 when everything passed."""
-    from rich.console import Console
-
     err = Console(stderr=True)
     if os.geteuid() != 0:
         err.print(f"[red]{NOT_ROOT_HELP}[/red]")
         return 1
-    from testbed.cleanup import busy_holder, cleanup
-    from testbed.netlock import EmulationBusy, emulation_lock
 
     holder = busy_holder()
     if holder:

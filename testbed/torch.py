@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -46,11 +47,13 @@ from testbed.collectives.transport import CollectiveError, Comm
 from testbed.collectives.trimmed import TrimmedGather
 from testbed.workloads.data import BatchSampler, load_dataset
 from testbed.workloads.loop import digest
+from testbed.workloads.spec import TRAIN_ALGOS, check_collective, check_communication, check_int
 
 #: TCP port of gloo's rendezvous on rank 0 (plus the job id): outside the collectives' range.
 GLOO_PORT = 29500
 COMMS = ("gloo", "testbed")
-ALGOS = ("ring", "hd", "ina", "nic", "trim")
+#: What the hook can allreduce a bucket with: a training job's algorithms.
+ALGOS = TRAIN_ALGOS
 
 
 @dataclasses.dataclass
@@ -96,23 +99,11 @@ class TorchJob:
         """``ValueError`` naming the first bad field."""
         if self.comm not in COMMS:
             raise ValueError(f"TorchJob.comm={self.comm!r} is not one of {COMMS}")
-        if self.algo not in ALGOS:
-            raise ValueError(f"TorchJob.algo={self.algo!r} is not one of {ALGOS}")
-        if self.algo == "trim" and self.compressor is not None:
-            raise ValueError(f"TorchJob.compressor={self.compressor!r}: algo 'trim' encodes the "
-                             "buckets in the trimming layout; remove compressor")
-        if self.algo == "trim" and self.bits not in trimmed.BITS:
-            raise ValueError(f"TorchJob.bits={self.bits!r}: head bits per element must be one "
-                             f"of {trimmed.BITS}")
+        check_communication(self)
         for name in ("iterations", "batch_size", "hidden", "eval_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"TorchJob.{name}={v!r} must be an integer >= 1")
+            check_int(self, name, 1)
         if self.comm == "testbed":
-            try:
-                self.collective().validate(n)
-            except ValueError as e:
-                raise ValueError(str(e).replace("CollectiveSpec.", "TorchJob.")) from None
+            check_collective(self, n)
 
 
 # ---------------------------------------------------------------------------- inside a rank
@@ -200,6 +191,8 @@ class HookState:
 def testbed_hook(state: HookState, bucket):
     """DDP communication hook: allreduce the bucket with the testbed's collective, return the
     average (a completed future, as a hook that communicates by itself must)."""
+    # torch is the optional [torch] extra: only the ranks import it, so that the job's runner
+    # and its validation work without it
     import torch
     import torch.distributed as dist
 
@@ -225,7 +218,7 @@ def testbed_hook(state: HookState, bucket):
 
 def _rank_main(job: dict, rank: int) -> dict:
     """Train this rank's share of the job; return what it measured."""
-    import torch
+    import torch  # the optional [torch] extra, in the ranks only (see testbed_hook)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -296,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = _rank_main(job, args.rank)
     except Exception as e:  # noqa: BLE001 - reported to the runner through the result file
-        import traceback
 
         res = {"rank": args.rank, "error": f"{type(e).__name__}: {e}\n"
                + traceback.format_exc(limit=6)}

@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testbed.cleanup import main as cleanup
 from testbed.datapath.control import RUN_DIR
+from testbed.experiment.spec import ExperimentError, expand_sweep, load_experiment
 
 #: Where the running network is described for ``down`` and ``switch``.
 STATE_PATH = Path(RUN_DIR) / "up.json"
@@ -83,8 +85,6 @@ def _remove_own_state() -> None:
 
 def _load_point(file: str, point: int):
     """(experiment, point experiment) or raise ValueError with the problems."""
-    from testbed.experiment.spec import ExperimentError, expand_sweep, load_experiment
-
     try:
         exp = load_experiment(file)
     except ExperimentError as e:
@@ -158,6 +158,8 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def _serve(file: str, exp, pt, cli: bool) -> int:
     """Build the network, keep it until told to stop, tear it down."""
+    # here, not at the top: the network layers take about 2 s to import and 'testbed down',
+    # which shares this module, needs none of them
     from testbed.experiment.runner import network_for
 
     try:
@@ -186,7 +188,7 @@ def _serve(file: str, exp, pt, cli: bool) -> int:
             signal.signal(signal.SIGTERM, _on_term)
             _banner(state, cli)
             if cli:
-                from mininet.cli import CLI
+                from mininet.cli import CLI  # only an interactive session needs it
 
                 CLI(net.mininet)
             else:
@@ -234,7 +236,6 @@ def down(timeout: float = 120.0) -> int:
         STATE_PATH.unlink(missing_ok=True)
         _say(f"the 'testbed up' process of {state.get('name')} (pid {pid}) is gone; "
              "removing what it left behind")
-        from testbed.cleanup import main as cleanup
 
         return cleanup()
     os.kill(pid, signal.SIGTERM)

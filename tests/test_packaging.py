@@ -28,7 +28,11 @@ LAB_TOOLS = {"jupyterlab": "`testbed lab` runs jupyter-lab", "ipykernel": "noteb
 #: Package modules loaded only by the program they plug into (which is then installed), or
 #: that exist for an optional extra (which installs the distribution they import).
 PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
-           "torch": {"testbed/torch.py"}}
+           "torch": {"testbed/torch.py"},
+           "distributed": {"testbed/experiment/distributed.py"},
+           "dask": {"testbed/experiment/distributed.py"}}
+#: Distributions of PLUGINS installed by an extra named otherwise (default: the same name).
+EXTRA_OF = {"dask": "distributed"}
 
 
 def _norm(name: str) -> str:
@@ -93,7 +97,8 @@ def test_test_imports_are_declared_and_test_extras_used():
 def test_optional_modules_import_what_their_extra_installs():
     extras = PROJECT["optional-dependencies"]
     for dist in set(PLUGINS) - {"pytest"}:
-        assert dist in _names(extras.get(dist, [])), f"no [{dist}] extra declares {dist}"
+        extra = EXTRA_OF.get(dist, dist)
+        assert dist in _names(extras.get(extra, [])), f"no [{extra}] extra declares {dist}"
 
 
 def test_lab_extra_holds_the_notebook_stack_not_the_runtime():

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from .base import AGGREGATOR_IP, AGGREGATOR_MAC, TestbedTopo, TopologyError, netem_available
 from .dumbbell import Dumbbell, Incast
 from .fattree import FatTree
@@ -40,7 +42,6 @@ def make_topology(kind: str, **params) -> TestbedTopo:
     try:
         return cls(**params)
     except TypeError as exc:  # unknown keyword: say which ones exist
-        import inspect
 
         kind_args = [p for p in inspect.signature(cls.__init__).parameters
                      if p not in ("self", "opts")]

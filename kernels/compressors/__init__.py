@@ -109,6 +109,6 @@ def decode_any(data: bytes) -> np.ndarray:
 
 def bench_rows(elements: int) -> list[dict]:
     """Benchmark rows (``testbed.kernels.benchutil.row``) for the compressor kernels."""
-    from ._bench import bench_rows as _rows
+    from ._bench import bench_rows as _rows  # benchmark code loads only for a benchmark
 
     return _rows(elements)

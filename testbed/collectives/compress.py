@@ -88,6 +88,8 @@ def wire_plan(compressor: str, params: dict, count: int, n: int) -> tuple[str, i
 
 def make(spec) -> tuple:
     """(compressor, memory) for one worker of ``spec``."""
+    # here, not at the top: the pool process (worker.py) imports this module before it makes
+    # Numba fork-safe, and the compressor kernels must load after that
     from testbed.kernels.compressors import get_compressor
     from testbed.kernels.memory import NoMemory, ResidualMemory
 
@@ -153,6 +155,7 @@ def _reduce(comm: Comm, x, out, n: int, comp, mem, step: int, chunk_bytes: int):
 
 def _bf16_add(acc: np.ndarray, piece: np.ndarray) -> None:
     """bfloat16 bits ``acc += piece``: decode both, add in float32, round back once."""
+    # here, not at the top: Numba kernels load after the pool made Numba fork-safe (see make)
     from testbed.kernels.compressors.bf16 import bf16_decode, bf16_encode
 
     a = np.empty(acc.size, dtype=np.float32)

@@ -114,6 +114,7 @@ def expected(spec: CollectiveSpec, inputs: list[np.ndarray], n: int) -> tuple[li
     if spec.dtype == "int32":
         bound = np.zeros(1)
     elif spec.algo == "nic":  # ATP fixed factor applied by the SmartNIC
+        # here, not at the top: Numba kernels load after the pool made Numba fork-safe
         from testbed.kernels.fixedpoint import ATP_FACTOR
 
         bound = n * 0.5 / ATP_FACTOR + 2 * EPS32 * np.abs(total) + 1e-30

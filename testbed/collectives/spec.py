@@ -151,6 +151,8 @@ class CollectiveSpec:
         if self.compressor is not None and self.dtype != "float32":
             raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: compressors take float32")
         if self.compressor is not None:
+            # here, not at the top: the pool process imports this module before it makes
+            # Numba fork-safe; the compressor kernels must load after that
             from testbed.kernels.compressors import get_compressor
 
             try:

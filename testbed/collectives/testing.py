@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from testbed.collectives.ina import InaClient
-from testbed.collectives.report import rank_input
+from testbed.collectives.report import REPORT_COLUMNS, rank_input
 from testbed.collectives.runner import RUN_DIR, register_ina_job
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError
@@ -48,8 +48,6 @@ def leftovers(owner_pid: int | None = None) -> list[str]:
 
 def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> None:
     """Assert the rows of ``run_collective`` are complete and correct (AssertionError)."""
-    from testbed.collectives.report import REPORT_COLUMNS
-
     assert len(rows) == spec.repetitions, rows
     for r in rows:
         assert tuple(r) == REPORT_COLUMNS, sorted(set(r) ^ set(REPORT_COLUMNS))

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from testbed.datapath.aggclient import header_bytes, udp_frame
+from testbed.datapath.io import PacketPort, open_port
 from testbed.kernels.wire import FIELD_OFFSETS, HEADER_OFFSET, MsgType
 
 BENCH_UDP_PORT = 9  # discard; the sink counts only frames to this port (or RESULTs)
@@ -63,8 +65,6 @@ def build_ring(mode: str, src_mac: str, dst_mac: str, src_ip: str, dst_ip: str, 
     ``agg``: contributions of ``N_AGG_WORKERS`` workers for ``2*AGG_SLOTS`` chunks in protocol
     order (all workers' chunk k before chunk k+1), job 1; cycling it repeats the slot/set pattern.
     """
-    from testbed.datapath.aggclient import header_bytes, udp_frame
-
     rng = np.random.default_rng(seed)
     sm, dm, si, di = _mac(src_mac), _mac(dst_mac), _ip(src_ip), _ip(dst_ip)
     frames = []
@@ -113,8 +113,6 @@ def gen(iface: str, frames: list[bytes], duration: float, count: int = 0,
     time while sending, ``refused`` counts frames the kernel had no room for at the moment (they
     are sent again in the next burst, never skipped).
     """
-    from testbed.datapath.io import open_port
-
     if seq_step % 2:
         raise ValueError(f"seq_step must be even (the register set is seq & 1), got {seq_step}")
     ring = len(frames)
@@ -173,8 +171,6 @@ def sink(iface: str, duration: float, count: int = 0, save: str | None = None,
     Stops after ``duration`` s, 1 s after the last frame once frames flowed, or when ``count``
     frames arrived. ``save`` writes the matching frames (see :func:`save_frames`).
     """
-    from testbed.datapath.io import PacketPort
-
     buf = np.zeros((256, 2048), np.uint8)
     lens = np.zeros(256, np.int32)
     port = PacketPort(iface, buf, promisc=False)

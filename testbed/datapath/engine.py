@@ -46,6 +46,7 @@ import select
 import signal
 import sys
 import time
+import traceback
 
 import numpy as np
 from numba import njit
@@ -57,6 +58,7 @@ from testbed.datapath.batch import (
     DropReason,
     Stage,
 )
+from testbed.datapath.control import ControlServer
 from testbed.datapath.io import RingPort, disable_offloads, open_port, rings_rx, rings_tx
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
@@ -272,8 +274,6 @@ class Engine:
         self.tx_lost = np.zeros(len(self.ports), np.int64)
         self._setup_rings()
         if self.control_path:
-            from testbed.datapath.control import ControlServer
-
             self.control = ControlServer(self.control_path, fd=self.control_fd)
 
     def _setup_rings(self) -> None:
@@ -381,8 +381,6 @@ class Engine:
 
     def _stage_failed(self, stage: Stage, b: Batch) -> None:
         """Drop the whole burst (reason OTHER), count the error, log the first tracebacks."""
-        import traceback
-
         self.stage_errors[stage.name] = self.stage_errors.get(stage.name, 0) + 1
         if self.stage_errors[stage.name] <= 5:
             print(f"{self.node}: stage {stage.name!r} failed; burst of {b.n} dropped:\n"

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 #: Columns that identify a run across result sets (those present are used).
 DEFAULT_KEYS = ("label", "op", "algo", "n", "bytes", "compressor", "error_feedback", "loss")
 #: Relative tolerances of the default baseline comparison. Times on a shared 2-core machine
@@ -132,8 +134,6 @@ def compare_to_baseline(results: Any, path: str | Path, keys=None,
     ``exact``: metrics that must be equal (default ``correct``). Runs present on only one side
     are differences too.
     """
-    import pandas as pd
-
     tolerances = DEFAULT_TOLERANCES if tolerances is None else tolerances
     base = pd.read_csv(path)
     key_cols = [k for k in (keys or default_keys(base.columns)) if k in base.columns]

@@ -8,32 +8,51 @@ import math
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
+from testbed.experiment.cooperation import is_cooperation
+from testbed.experiment.cooperation import run_file as run_cooperation_file
+from testbed.experiment.plots import plot_bars, plot_overview, use_headless
+from testbed.experiment.results import results_root
+from testbed.experiment.runner import RunAborted, default_out_dir, run
+from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
+from testbed.experiment.train import (
+    load_iterations,
+    plot_accuracy,
+    print_training_table,
+    training_rows,
+)
+
 
 def run_file(path: str, out: str | Path | None = None, progress: bool = True,
-             time_dilation: float | str | None = None, json_out: bool = False) -> int:
+             time_dilation: float | str | None = None, json_out: bool = False,
+             executor: str | None = None, scheduler: str | None = None) -> int:
     """Run the experiment in ``path``; results under ``out/<name>-<timestamp>/``.
 
     ``time_dilation`` (a factor or ``"auto"``) replaces the file's ``time_dilation``.
     ``json_out``: print one JSON object per summary row (every run's row; a training job's
     summary row) on stdout, and the tables and messages on stderr, for scripts.
+    ``executor``: ``"local"`` (here, the default without ``scheduler``) or ``"dask"`` (each
+    sweep point on a worker of the Dask cluster whose scheduler is at ``scheduler``, see
+    :mod:`testbed.experiment.distributed`).
 
     ``out`` defaults to the results root (``$TESTBED_RESULTS``, see
     :func:`testbed.experiment.results.results_root`). Exit codes: 0 all runs ok, 1 some runs
     failed (recorded in the results; how many is printed), 2 the file is invalid (each problem
     printed with its field and what is allowed; nothing is built), 130 interrupted (Ctrl-C).
     """
-    from rich.console import Console
-
-    from testbed.experiment.cooperation import is_cooperation
-
-    if is_cooperation(path):  # a trace run once per offload policy: its own runner
-        from testbed.experiment.cooperation import run_file as run_cooperation_file
-
-        return run_cooperation_file(path, out, json_out=json_out, time_dilation=time_dilation)
-    from testbed.experiment.results import results_root
-    from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
-
     err = Console(stderr=True, soft_wrap=True)  # whole lines: logs and greps read them
+    executor = executor or ("dask" if scheduler else "local")
+    if executor not in ("local", "dask") or (executor == "dask") != bool(scheduler):
+        err.print(f"[red]error:[/] {_executor_problem(executor, scheduler)}", highlight=False)
+        return 2
+    if is_cooperation(path):  # a trace run once per offload policy: its own runner
+        if executor != "local":
+            err.print("[red]error:[/] a cooperation trace runs its policies one after the "
+                      "other on one fabric; run it without --executor/--scheduler",
+                      highlight=False)
+            return 2
+        return run_cooperation_file(path, out, json_out=json_out, time_dilation=time_dilation)
     try:
         exp = load_experiment(path)
         if time_dilation is not None:
@@ -45,11 +64,17 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
         for p in e.problems:
             err.print(f"  - {p}", highlight=False, markup=False)
         return 2
-    from testbed.experiment.runner import RunAborted, default_out_dir, run
 
     out_dir = default_out_dir(exp, results_root() if out is None else out)
+    show = progress and sys.stderr.isatty()
     try:
-        res = run(exp, out_dir=out_dir, progress=progress and sys.stderr.isatty())
+        if executor == "dask":
+            # imported here: dask.distributed is an optional dependency ([distributed] extra)
+            from testbed.experiment.distributed import run_distributed
+
+            res = run_distributed(exp, scheduler, out_dir=out_dir, progress=show)
+        else:
+            res = run(exp, out_dir=out_dir, progress=show)
     except KeyboardInterrupt:
         err.print(f"[yellow]interrupted[/]; finished runs are in {out_dir}")
         return 130
@@ -83,6 +108,15 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     return 0
 
 
+def _executor_problem(executor: str, scheduler: str | None) -> str:
+    if executor not in ("local", "dask"):
+        return f"--executor {executor!r}: give 'local' (here) or 'dask' (a Dask cluster)"
+    if executor == "dask":
+        return ("--executor dask needs --scheduler tcp://HOST:8786, the address 'dask "
+                "scheduler' prints")
+    return f"--scheduler {scheduler} is for --executor dask, not local"
+
+
 def print_json_rows(res) -> None:
     """Every row of ``res`` (a run's summary) as one JSON object per line on stdout; NaN and
     infinities become null (strict JSON, as ``jq`` and other readers want)."""
@@ -106,7 +140,6 @@ def _strict(v):
 
 def print_tables(res, name: str) -> None:
     """The collective runs' table and the training jobs' table, whichever there are."""
-    from testbed.experiment.train import print_training_table, training_rows
 
     df = res.ok
     trained = training_rows(df)
@@ -121,12 +154,10 @@ def write_plots(res) -> list[Path]:
 
     Selects the headless backend (outside Jupyter) and closes each figure once written.
     """
-    from testbed.experiment.plots import plot_bars, plot_overview, use_headless
 
     use_headless()
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use_headless(): pyplot fixes the backend on import
 
-    from testbed.experiment.train import load_iterations, plot_accuracy, training_rows
 
     path = res.path
     name = res.metadata["name"]

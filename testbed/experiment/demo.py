@@ -18,6 +18,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from testbed.collectives import CollectiveSpec
+from testbed.experiment.plots import plot_bars
+from testbed.experiment.runner import run
+from testbed.netlock import EmulationBusy
+
 NOT_ROOT_HELP = (
     "testbed demo builds an emulated network and needs root: run 'sudo make demo' "
     "(or 'sudo .venv/bin/testbed demo'), or use the lab VM: 'vagrant up && vagrant ssh', "
@@ -30,8 +38,6 @@ _COMPRESSED_CANDIDATES = (("ina", "thc"), ("ina", "fp16"), ("ring", "fp16"))
 
 def compressed_job(n_hosts: int, nbytes: int) -> dict[str, Any]:
     """The demo's third job: the first (algo, compressor) the collectives layer accepts."""
-    from testbed.collectives import CollectiveSpec
-
     for algo, comp in _COMPRESSED_CANDIDATES:
         try:
             CollectiveSpec(op="allreduce", algo=algo, nbytes=nbytes,
@@ -61,9 +67,6 @@ def demo_experiment(nbytes: int = 8_000_000, n_hosts: int = 4, bw_mbps: float = 
 
 def render(res) -> dict[str, Any]:
     """Print the demo's table and verdict; return the figures it is based on."""
-    from rich.console import Console
-    from rich.table import Table
-
     con = Console(width=max(Console().width, 100))
     df = res.ok
     if len(df) == 0:
@@ -123,9 +126,6 @@ def _cpu_verdict(con, df) -> dict[str, Any]:
 def run_demo(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path | None = None,
              repetitions: int = 1, progress: bool = True, time_dilation: float | str = 1.0):
     """Run the demo experiment; returns ``(Results, plot path)``."""
-    from testbed.experiment.plots import plot_bars
-    from testbed.experiment.runner import run
-
     res = run(demo_experiment(nbytes, n_hosts, repetitions=repetitions,
                               time_dilation=time_dilation),
               progress=progress, results_root=out)
@@ -139,13 +139,10 @@ def run_demo(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path | None =
 def main(nbytes: int = 8_000_000, n_hosts: int = 4, out: str | Path | None = None,
          time_dilation: float | str = 1.0) -> int:
     """CLI entry (``testbed demo``): 0 when every run finished with a correct result."""
-    from rich.console import Console
-
     err = Console(stderr=True)
     if os.geteuid() != 0:
         err.print(f"[red]{NOT_ROOT_HELP}[/red]")
         return 1
-    from testbed.netlock import EmulationBusy
 
     try:
         res, png = run_demo(nbytes, n_hosts, out, time_dilation=time_dilation)

@@ -35,6 +35,11 @@ import sys
 import time
 from pathlib import Path
 
+from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
+from testbed.topologies import FatTree, LeafSpine, Star, TestbedNet
+from testbed.topologies.pipeline import check_time_dilation
+
 MiB = 1 << 20
 ALGOS = ("ring", "hd", "rs", "ina")
 #: the workloads a network is calibrated with (see the module docstring)
@@ -48,8 +53,6 @@ ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "
 
 def topologies(programmable: bool = False) -> list[tuple[str, object]]:
     """(name, topology) of every network of the benchmark."""
-    from testbed.topologies import FatTree, LeafSpine, Star
-
     def sw(agg: str):
         return "programmable" if programmable else {agg}
 
@@ -81,11 +84,6 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
     """Run the benchmark; return its rows (``ROW_KEYS``). ``only``: topology names to run;
     ``on_row(row)`` is called as each row is measured. ``time_dilation``: a factor for every
     network, or ``"auto"`` (calibrated per network)."""
-    from testbed.collectives import run_collective
-    from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
-    from testbed.topologies import TestbedNet
-    from testbed.topologies.pipeline import check_time_dilation
-
     time_dilation = check_time_dilation(time_dilation)  # a bad value: ValueError, at once
     sizes = [4 * MiB] if quick else [4 * MiB, 32 * MiB]
     cpu = cpu_model()
@@ -135,8 +133,6 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
 
 def _spec(algo: str, size: int, n: int, reps: int):
     """The benchmark's collective: every host a worker (and a reduction server)."""
-    from testbed.collectives import CollectiveSpec
-
     return CollectiveSpec(algo=algo, nbytes=size, servers=n, window=64, repetitions=reps,
                           timeout_s=120)
 

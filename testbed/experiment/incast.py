@@ -4,7 +4,8 @@ This is the traffic of the trimming experiments (HotNets'24 "JIT gradient compre
 packet trimming"): every sender encodes its float32 gradient in the trimming layout
 (``testbed.kernels.trimming``: a coarse unbiased head at the front of each payload, the exact
 values behind it), puts each chunk in a testbed packet (``Codec.TRIM_LAYOUT``, ``head_bytes``
-set) and sends them all at once to the receiver through one switch port. A switch whose
+set; the frames of the training jobs' trimmed gather, ``testbed.collectives.trimmed``) and
+sends them all at once to the receiver through one switch port. A switch whose
 ``trim`` stage is in ``trim`` mode cuts packets to their heads above its queue threshold; in
 ``drop_tail`` mode it drops them. The receiver decodes every packet (trimmed ones to the coarse
 estimate), sums the senders' gradients and, after ``idle_ms`` without traffic, asks senders
@@ -37,10 +38,21 @@ from typing import Any
 import numpy as np
 
 from testbed.collectives.report import Measured, make_row
+from testbed.collectives.trimmed import (
+    BITS,
+    DATA_PORT,
+    DONE,
+    NACK,
+    NACK_MAX,
+    chunk_elements,
+    encode_frames,
+    frame_sizes,
+)
+from testbed.kernels.trimming import decode
+from testbed.kernels.wire import HEADER_DTYPE, HEADER_LEN, MAGIC, Flags
 
-DATA_PORT = 41000  # the testbed UDP port: the data path recognises our header on it
+#: Senders listen for NACK/DONE here (the training jobs' gather uses its own ports).
 CTL_PORT = 41001
-NACK, DONE = b"NACK", b"DONE"
 BLIND_NACK_S = 1.0  # before the first frame arrives: grace, then re-ask this often
 JOB_ID = 7
 
@@ -50,38 +62,9 @@ def sender_input(seed: int, rank: int, count: int) -> np.ndarray:
     return np.random.default_rng([seed, 1000 + rank]).standard_normal(count, dtype=np.float32)
 
 
-def _chunks(count: int, bits: int) -> tuple[int, int]:
-    from testbed.kernels.trimming import max_elements
-
-    m = min(max_elements(bits, 1400 - 28), 256)
-    return m, (count + m - 1) // m
-
-
-def _frames(x: np.ndarray, rank: int, n: int, bits: int, seed: int) -> list[bytes]:
-    from testbed.kernels.trimming import encode, head_bytes_for
-    from testbed.kernels.wire import Codec, MsgType, new_headers
-
-    m, n_chunks = _chunks(x.shape[0], bits)
-    out = []
-    for k in range(n_chunks):
-        chunk = x[k * m:(k + 1) * m]
-        h = new_headers(1)
-        h["msg_type"] = int(MsgType.DATA)
-        h["job_id"] = JOB_ID
-        h["worker_id"] = rank
-        h["slot"] = k & 0xFFFF
-        h["n_workers"] = n
-        h["codec"] = int(Codec.TRIM_LAYOUT)
-        h["elem_count"] = chunk.shape[0]
-        h["head_bytes"] = int(head_bytes_for(chunk.shape[0], bits))
-        h["chunk_offset"] = k * m
-        out.append(h.tobytes() + encode(chunk, bits, seed + rank, k * m).tobytes())
-    return out
-
-
 def _sender(args) -> int:
     x = sender_input(args.seed, args.rank, args.count)
-    frames = _frames(x, args.rank, args.n, args.bits, args.seed)
+    frames = encode_frames(x, args.rank, args.n, args.bits, args.seed, JOB_ID, step=0)
     ctl = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     ctl.bind(("0.0.0.0", CTL_PORT))
     data = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -106,17 +89,14 @@ def _sender(args) -> int:
 
 
 def _receiver(args) -> int:
-    # Bind first: the senders start at ``start_at`` whether or not this process has finished
-    # importing (a cold Numba cache can take longer than the head start under load).
+    # Bind first: the senders start at ``start_at`` whether or not this process is ready
+    # (a cold Numba cache can take longer than the head start under load).
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind(("0.0.0.0", DATA_PORT))
-    from testbed.kernels.trimming import decode
-    from testbed.kernels.wire import HEADER_DTYPE, HEADER_LEN, MAGIC, Flags
-
     senders = [s.split("=") for s in args.senders.split(",")]  # rank=ip
     ranks = {int(r): ip for r, ip in senders}
-    m, n_chunks = _chunks(args.count, args.bits)
+    m, n_chunks = chunk_elements(args.bits), frame_sizes(args.count, args.bits)[0]
     missing = {r: set(range(n_chunks)) for r in ranks}
     total = np.zeros(args.count, np.float64)
     bound = np.zeros(args.count, np.float64)
@@ -144,8 +124,8 @@ def _receiver(args) -> int:
             for r, miss in missing.items():
                 if miss:
                     idx = np.fromiter(sorted(miss), dtype="<u4")
-                    for i in range(0, len(idx), 300):
-                        ctl.sendto(NACK + idx[i:i + 300].tobytes(), (ranks[r], CTL_PORT))
+                    for i in range(0, len(idx), NACK_MAX):
+                        ctl.sendto(NACK + idx[i:i + NACK_MAX].tobytes(), (ranks[r], CTL_PORT))
                     resent += len(idx)
             nacks += 1
             continue
@@ -202,11 +182,8 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
     senders, the receiver or a data-path engine saturated a CPU or waited for one, by the
     collectives' measurement and thresholds.
     """
-    from testbed.kernels.trimming import total_bytes_for
-    from testbed.kernels.wire import PAYLOAD_OFFSET
-
-    if not isinstance(bits, int) or bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits={bits!r}: head bits per element must be 1, 2, 4 or 8")
+    if not isinstance(bits, int) or bits not in BITS:
+        raise ValueError(f"bits={bits!r}: head bits per element must be one of {BITS}")
     hosts = list(net.hosts)
     if len(hosts) < 2:
         raise ValueError("incast needs at least 2 hosts (one receiver, one sender)")
@@ -257,9 +234,9 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
     if rc != 0 or not res["complete"]:
         raise RuntimeError(f"incast incomplete after {timeout_s} s: received {res['received']}"
                            f" of {res['expected']} chunks")
-    frame = PAYLOAD_OFFSET + int(total_bytes_for(res["chunk_elems"], bits))
+    packets, frame, _ = frame_sizes(count, bits)
     n = len(senders)
-    model_s = n * res["chunks"] * frame * 8 / rate_bps
+    model_s = n * packets * frame * 8 / rate_bps
     row = make_row(Measured(op="incast", algo=f"trim{bits}", nbytes=nbytes, count=count,
                             seed=seed),
                    n=n, time_s=res["time_s"], model_s=model_s, cpu_bound=cpu["bound"],

@@ -35,7 +35,7 @@ def use_headless() -> None:
     """
     if in_ipython():
         return
-    import matplotlib
+    import matplotlib  # here, not at the top: see _pyplot
 
     matplotlib.use("Agg")
 

@@ -87,6 +87,7 @@ class Baseline:
     def check(self, results: Any, name: str, keys=None, tolerances: dict | None = None,
               exact=("correct",), metrics: list[str] | None = None) -> None:
         """Fail the test listing every difference from baseline ``name`` (or record it)."""
+        # on use: loading the plugin (every pytest run) must stay cheap
         from testbed.experiment.checks import compare_to_baseline, write_baseline
 
         path = self.path(name)
@@ -109,6 +110,7 @@ class Baseline:
     def assert_fidelity(self, results: Any, tol: float = 0.2, **kw) -> None:
         """Measured/model within ``1 ± tol`` for every run that is not cpu_bound; fails the
         test when no run could be judged (all cpu_bound). Recorded for the summary."""
+        # on use: loading the plugin (every pytest run) must stay cheap
         from testbed.experiment.checks import assert_fidelity, fidelity_runs
 
         judged, bound = fidelity_runs(results, kw.get("skip_cpu_bound", True),
@@ -129,7 +131,7 @@ class Baseline:
     @staticmethod
     def assert_all_ok(results: Any) -> None:
         """Every run finished and its result is correct."""
-        from testbed.experiment.checks import assert_all_ok
+        from testbed.experiment.checks import assert_all_ok  # on use: the plugin loads cheaply
 
         assert_all_ok(results)
 
@@ -149,6 +151,7 @@ def testbed_experiment(tmp_path: Path):
     count = [0]
 
     def _run(experiment: Any, overrides: dict[str, Any] | None = None, **kw):
+        # on use: loading the plugin (every pytest run) must stay cheap
         from testbed.experiment.runner import run
         from testbed.experiment.spec import load_experiment, with_overrides
 

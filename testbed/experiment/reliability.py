@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from testbed.cleanup import leftovers
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.ports import ina_worker_port
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
@@ -265,8 +266,6 @@ def _ip(s: str) -> bytes:
 def engine_killed(nbytes: int, kind: str, emit) -> None:
     """SIGKILL the aggregator's engine mid-allreduce: the collective must fail fast with an
     error naming the node; nothing may be left behind after the network is torn down."""
-    from testbed.cleanup import leftovers
-
     topo, agg, n = _topology(kind, False)
     spec = _spec("ina", nbytes, n, 400, reps=50)
     row = {"scenario": "engine_killed", "topology": kind, "algo": "ina", "n": n,

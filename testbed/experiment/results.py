@@ -27,8 +27,17 @@ import platform
 import subprocess
 import time
 from dataclasses import dataclass, field
+from importlib import metadata as md
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from testbed.collectives import REPORT_COLUMNS
+from testbed.doctor import run_checks
+from testbed.experiment.plots import plot_metric
 
 #: Environment variable that names the results root (see :func:`results_root`).
 RESULTS_ENV = "TESTBED_RESULTS"
@@ -87,6 +96,10 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+def _jsonl(row: dict[str, Any]) -> str:
+    return json.dumps(row, default=_json_default) + "\n"
+
+
 class ResultsStore:
     """Writes rows and metadata to a results folder as they arrive."""
 
@@ -109,7 +122,7 @@ class ResultsStore:
         """Persist one finished run before returning (jsonl fsync + table rewrite)."""
         self.rows.append(row)
         with open(self.path / "rows.jsonl", "a") as f:
-            f.write(json.dumps(row, default=_json_default) + "\n")
+            f.write(_jsonl(row))
             f.flush()
             os.fsync(f.fileno())
         if row.get("status") == "error":
@@ -117,6 +130,26 @@ class ResultsStore:
                 {k: row.get(k) for k in ("run", "point", "job", "label", "error")})
             self.write_metadata()
         self._write_tables()
+
+    def sort_rows(self, key: str = "run") -> None:
+        """Put the rows (and the recorded failures) in the order of ``key``, on disk too.
+
+        For rows that arrive out of order, e.g. the sweep points of a distributed run, each
+        from the machine that finished it first; the sort is stable.
+        """
+        def order(r: dict[str, Any]) -> tuple:
+            return (r.get(key) is None, r.get(key) or 0)
+
+        self.rows.sort(key=order)
+        self.metadata["failures"].sort(key=order)
+        tmp = self.path / "rows.jsonl.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(_jsonl(row) for row in self.rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path / "rows.jsonl")
+        self._write_tables()
+        self.write_metadata()
 
     def _write_tables(self) -> None:
         df = rows_to_frame(self.rows)
@@ -147,13 +180,7 @@ class ResultsStore:
 
 def rows_to_frame(rows: list[dict[str, Any]]):
     """A DataFrame with the run columns first, then report columns, then the rest."""
-    import pandas as pd
-
     df = pd.DataFrame(rows)
-    try:
-        from testbed.collectives import REPORT_COLUMNS
-    except Exception:
-        REPORT_COLUMNS = ()
     order = [c for c in (*RUN_COLUMNS, *REPORT_COLUMNS) if c in df.columns]
     order += [c for c in df.columns if c not in order]
     return df[order] if len(df.columns) else df
@@ -206,8 +233,6 @@ class Results:
 
     def print_table(self, title: str | None = None) -> None:
         """Print the summary as a rich table."""
-        from rich.console import Console
-        from rich.table import Table
 
         df = self.summary()
         console = Console()
@@ -228,7 +253,6 @@ class Results:
 
     def plot(self, x: str = "bytes", y: str = "time_s", out: str | Path | None = None, **kw):
         """Measured ``y`` vs ``x`` per label with the model beside it (see plots.plot_metric)."""
-        from testbed.experiment.plots import plot_metric
 
         if out is None and self.path is not None:
             out = self.path / f"{y}_vs_{x}.png"
@@ -270,7 +294,6 @@ def git_revision(repo: str | Path | None = None) -> dict[str, Any]:
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions of the packages that shape results."""
-    from importlib import metadata as md
 
     out: dict[str, str | None] = {}
     for p in _PACKAGES:
@@ -288,7 +311,6 @@ def environment_freeze() -> list[str]:
     Editable installs say where their source is (``name==version (editable: path)``), so a
     results folder tells exactly which code and libraries produced it.
     """
-    from importlib import metadata as md
 
     out = set()
     for dist in md.distributions():
@@ -336,7 +358,6 @@ def doctor_summary() -> dict[str, Any]:
     """``testbed.doctor.run_checks()`` reduced to name -> status (or why it is unavailable)."""
     t0 = time.monotonic()
     try:
-        from testbed.doctor import run_checks
 
         checks = run_checks()
     except Exception as e:  # the doctor is provenance, never a reason to fail a run

@@ -25,13 +25,19 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.dilation import calibrate
 from testbed.experiment import results, train
+from testbed.experiment.incast import run_incast
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -41,6 +47,8 @@ from testbed.experiment.results import (
     package_versions,
 )
 from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
+from testbed.kernels.wire import Flags, MsgType
+from testbed.netlock import emulation_lock
 from testbed.topologies import make_topology
 from testbed.topologies.net import TestbedNet
 from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
@@ -65,14 +73,51 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
     progress bar. ``doctor``: store ``testbed doctor``'s summary in the metadata.
     """
     exp = load_experiment(experiment)
-    points = expand_sweep(exp)
     out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
-    plan = [(pi, params, point, ji, job, size)
+    plan = plan_runs(expand_sweep(exp))
+    store = ResultsStore(out, run_metadata(exp, plan, doctor))
+    _run_into(exp, plan, store, out, progress)
+    return Results.load(out)
+
+
+def run_point(experiment: Experiment | str | Path | dict, index: int, out_dir: str | Path,
+              progress: bool = False, doctor: bool = False) -> Results:
+    """Run only sweep point ``index`` of ``experiment`` into the results folder ``out_dir``.
+
+    Its rows carry the run numbers, point index and sweep values they have in the whole
+    experiment, and its files (counters, captures) the same run numbers, so points run apart,
+    on other machines (:mod:`testbed.experiment.distributed`), merge into the folder a local
+    run of the whole sweep writes. The metadata says which point (``point``) and from which
+    run on (``first_run``).
+    """
+    exp = load_experiment(experiment)
+    plan = plan_runs(expand_sweep(exp))
+    part = [entry for entry in plan if entry[0] == index]
+    if not part:
+        raise ValueError(f"sweep point {index} does not exist: the experiment has points "
+                         f"0..{plan[-1][0]}")
+    first = plan.index(part[0])
+    meta = run_metadata(exp, part, doctor)
+    meta.update(point=index, first_run=first)
+    store = ResultsStore(out_dir, meta)
+    _run_into(exp, part, store, Path(out_dir), progress, first_run=first)
+    return Results.load(out_dir)
+
+
+def plan_runs(points: list[tuple[dict[str, Any], Experiment]]) -> list[tuple]:
+    """Every run of an expanded sweep, in the order they run and are numbered:
+    ``(point index, sweep values, point, job index, job, size)``; a training item has the
+    item (a job, or a trace's list of jobs) as its job and ``None`` as its size."""
+    return [(pi, params, point, ji, job, size)
             for pi, (params, point) in enumerate(points)
             for ji, job, size in [(ji, job, size) for ji, job in enumerate(point.jobs)
                                   for size in job.sizes()]
             + [(ti, item, None) for ti, item in train.plan_items(point)]]
-    meta: dict[str, Any] = {
+
+
+def run_metadata(exp: Experiment, plan: list[tuple], doctor: bool) -> dict[str, Any]:
+    """The provenance a results folder starts with: the experiment, the code, the machine."""
+    return {
         "name": exp.name,
         "description": exp.description,
         "seed": exp.seed,
@@ -86,11 +131,22 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
         "doctor": doctor_summary() if doctor else {"skipped": True},
         "networks": [],
     }
-    store = ResultsStore(out, meta)
+
+
+def _run_into(exp: Experiment, plan: list[tuple], store: ResultsStore, out: Path,
+              progress: bool, first_run: int = 0) -> None:
+    """Run ``plan`` into ``store``, recording the final status on every exit path."""
+    with final_status(store), progress_reporter(progress, len(plan), exp.name) as advance:
+        _execute(exp, plan, store, out, advance, first_run)
+
+
+@contextlib.contextmanager
+def final_status(store: ResultsStore, before_finish=None):
+    """Record how the block ended in ``store`` (completed, completed_with_errors, failed,
+    interrupted, with the error), whatever ends it; ``before_finish()`` runs just before."""
     status, error = "completed", None
     try:
-        with _progress(progress, len(plan), exp.name) as advance:
-            _execute(exp, plan, store, out, advance)
+        yield
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
@@ -101,16 +157,28 @@ def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None =
         status, error = "failed", f"{type(e).__name__}: {e}"
         raise
     finally:
+        if before_finish is not None:
+            before_finish()
         if status == "completed" and store.metadata["failures"]:
             status = "completed_with_errors"
         store.finish(status, error)
-    return Results.load(out)
 
 
-def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance) -> None:
-    from testbed.netlock import emulation_lock
+def error_rows(entries: list[tuple], first_run: int, err: str) -> list[dict]:
+    """Failed rows for the plan ``entries`` (see :func:`plan_runs`), numbered from
+    ``first_run``: what a run that never ran, or whose result was lost, leaves."""
+    rows = []
+    for k, (pi, params, pt, ji, job, size) in enumerate(entries):
+        jobs = job if isinstance(job, list) else [job]  # a trace: its jobs share one run
+        for m, one in enumerate(jobs):
+            rows.append(_error_row(first_run + k, pi, params, pt, m if ji is None else ji,
+                                   one, size, err))
+    return rows
 
-    run_idx = 0
+
+def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance,
+             first_run: int = 0) -> None:
+    run_idx = first_run
     t0 = time.monotonic()
     # One lock for the whole experiment: no one else's network can interleave with ours.
     with emulation_lock():
@@ -140,10 +208,12 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     if _interrupted(e):
                         raise KeyboardInterrupt from e
                     err = _describe_error(e)
-                    for (pi, params, pt, ji, job, size) in group:
-                        store.append(_error_row(run_idx, pi, params, pt, ji, job, size, err))
-                        run_idx += 1
-                        advance(f"{job.label()} {size} B: network failed")
+                    rows = error_rows(group, run_idx, err)
+                    for row in rows:
+                        store.append(row)
+                    for row in {r["run"]: r for r in rows}.values():  # one step per run
+                        advance(f"{row['label']} {row['bytes']} B: network failed")
+                    run_idx += len(group)
                     if exp.stop_on_error:
                         raise RunAborted(f"network set-up failed: {err}") from e
                     i = j
@@ -303,8 +373,6 @@ def _calibrate(net, group: list):
     (a ring allreduce over every host stands in for incasts); None for a fixed factor."""
     if net.time_dilation_requested != "auto":
         return None
-    from testbed.collectives import CollectiveSpec
-    from testbed.collectives.dilation import calibrate
 
     specs = [_collective_spec(job, size, pt) for (_pi, _params, pt, _ji, job, size) in group
              if job.op != "incast"]
@@ -410,8 +478,6 @@ def _stop(proc, sig: int = signal.SIGTERM, wait_s: float = 5.0) -> None:
 # -- one run ------------------------------------------------------------------------------------
 
 def _collective_spec(job: JobSpec, size: int, point: Experiment):
-    from testbed.collectives import CollectiveSpec
-
     extra: dict[str, Any] = {}
     if job.hosts is not None:
         extra["hosts"] = list(job.hosts)
@@ -428,8 +494,6 @@ def _collective_spec(job: JobSpec, size: int, point: Experiment):
 
 
 def _run_job(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
-    from testbed.collectives import run_collective
-
     if job.op == "incast":
         return _run_incast(net, point, job, size)
     return run_collective(net, _collective_spec(job, size, point))
@@ -475,8 +539,6 @@ def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Pat
 
 
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
-    from testbed.experiment.incast import run_incast
-
     seed = point.seed if job.seed is None else job.seed
     f = float(getattr(net, "time_dilation", 1.0))
     rows = []
@@ -629,17 +691,12 @@ def _summarise_captures(caps: list, out: Path, run_idx: int) -> dict[str, Any]:
 
 def summarize_pcap(path: str | Path) -> dict[str, Any]:
     """Count packets of a pcap with the scapy layer: total, testbed by message type, trimmed."""
+    # here, not at the top: scapy's layers take over a second to import; only captures need them
     from scapy.utils import PcapReader
 
-    from testbed.kernels.wire import Flags, MsgType
+    from testbed.datapath import scapy_layer
 
-    layer = None
-    try:
-        from testbed.datapath import scapy_layer
-
-        layer = getattr(scapy_layer, "TestbedHeader", None)
-    except Exception:
-        layer = None
+    layer = getattr(scapy_layer, "TestbedHeader", None)
     summary: dict[str, Any] = {"packets": 0, "bytes": 0, "testbed_packets": 0,
                                "by_type": {}, "trimmed": 0, "dissector": bool(layer)}
     if not Path(path).exists():
@@ -666,19 +723,15 @@ def summarize_pcap(path: str | Path) -> dict[str, Any]:
 # -- progress -----------------------------------------------------------------------------------
 
 def _in_notebook() -> bool:
-    import sys
-
     shell = sys.modules.get("IPython")
     ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, total: int, name: str):
+def progress_reporter(enabled: bool, total: int, name: str):
     """Yield ``advance(text)``: a rich bar on a terminal, one printed line per run elsewhere
     (notebooks, logs), nothing when disabled."""
-    import sys
-
     if not enabled:
         yield lambda text="": None
         return
@@ -693,7 +746,6 @@ def _progress(enabled: bool, total: int, name: str):
 
         yield line
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:

@@ -25,6 +25,11 @@ and reports undilated times, so a machine whose CPU cannot keep up with the emul
 still measures the network (``testbed.collectives.dilation``); ``"auto"`` calibrates the
 smallest factor that keeps the runs below CPU saturation, once per network.
 
+The checks that need a lower layer (collective options, compressor and stage names, the
+topology, training traces) import it where they use it: the schema alone loads in about 0.2 s,
+the layers with Numba kernels take over a second more, and readers of experiment files (the
+pytest plugin, notebooks, ``testbed run`` on an invalid file) should not wait for them.
+
 Why one module this long: it is the experiment file format, one pydantic schema whose cross-
 field checks (jobs against the topology, sweeps against fields, plug-in names) need every model
 in view.
@@ -33,6 +38,7 @@ in view.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import re
@@ -41,6 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ByteSize,
@@ -420,7 +427,7 @@ class TrainJob(_Strict):
     def training_spec(self, index: int, seed: int):
         """The ``testbed.workloads.TrainingSpec`` of this job (``index`` in ``training``,
         ``seed`` the experiment's)."""
-        from testbed.workloads.spec import TrainingSpec
+        from testbed.workloads.spec import TrainingSpec  # on use (module docstring)
 
         data = self.model_dump(exclude={"options", "job_id", "seed"})
         return TrainingSpec(**data, **self.options,
@@ -612,8 +619,6 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             raise ExperimentError(str(path), [f"unknown file type {suffix!r}; use .toml, "
@@ -705,9 +710,7 @@ def _model_of(annotation: Any) -> Any:
 def _collective_options() -> list[str] | None:
     """CollectiveSpec fields a job may set through ``options`` (None: layer not importable)."""
     try:
-        import dataclasses
-
-        from testbed.collectives.spec import CollectiveSpec
+        from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
     except Exception:
         return None
     own = set(JobSpec.model_fields) | {"nbytes", "op", "algo"}
@@ -718,7 +721,7 @@ def _compressor_names() -> list[str] | None:
     """The compressor registry's names, built-ins and plug-ins (None when the kernels are not
     importable); a broken plug-in registry raises its ``PluginError`` (a ValueError)."""
     try:
-        from testbed.kernels.compressors import compressor_names
+        from testbed.kernels.compressors import compressor_names  # on use (module docstring)
     except Exception:
         return None
     return list(compressor_names())
@@ -731,7 +734,7 @@ def _program_problems(tspec: TopologySpec) -> list[str]:
     if not isinstance(programs, dict):
         return []  # the topology layer reports a programs value that is not a dict
     try:
-        from testbed.datapath.programs import normalize_programs
+        from testbed.datapath.programs import normalize_programs  # on use (module docstring)
     except Exception:
         return []
     problems = []
@@ -832,7 +835,7 @@ def _partial_problems(data: Any) -> list[str]:
 def _build_topology(spec: TopologySpec, seed: int) -> tuple[Any, list[str]]:
     """(topology description, problems) for ``spec``; (None, []) if the layer is missing."""
     try:
-        from testbed.topologies import TopologyError, make_topology
+        from testbed.topologies import TopologyError, make_topology  # on use (module docstring)
     except Exception:
         return None, []
     kwargs = spec.kwargs()
@@ -933,7 +936,7 @@ def _job_problems(path: str, job: JobSpec, topo, codec) -> list[str]:
 def _collective_problems(job: JobSpec, n_hosts: int) -> list[str]:
     """What the collectives layer's own validation says about each size of ``job``."""
     try:
-        from testbed.collectives.spec import CollectiveSpec
+        from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
     except Exception:
         return []
     out: list[str] = []
@@ -1007,7 +1010,7 @@ def training_problems(point, topo) -> list[str]:
             continue
         specs.append(spec)
     if point.trace and topo is not None and len(specs) == len(point.training):
-        from testbed.workloads.runner import check_trace
+        from testbed.workloads.runner import check_trace  # on use (module docstring)
 
         try:
             check_trace(specs, topo.n_hosts)

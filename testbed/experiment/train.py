@@ -17,6 +17,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
 #: File of the per-iteration rows in a results folder.
 ITERATIONS_FILE = "iterations.jsonl"
 #: Columns of the training table ``testbed run`` prints.
@@ -37,6 +41,8 @@ def plan_items(point) -> list[tuple[int | None, Any]]:
 def run_item(net, point, index: int | None, item, progress=None) -> list[tuple[dict, list]]:
     """Run one training item of ``point`` on ``net``: ``[(summary row, iteration rows), ...]``
     per job (a failed job's summary has ``error`` set)."""
+    # here, not at the top: the training layer takes about 0.6 s to import (its models, data
+    # sets and trimming codec); experiments without training jobs never need it
     from testbed.workloads import run_trace
 
     jobs = item if index is None else [item]
@@ -62,8 +68,6 @@ def append_iterations(out_dir: Path, base: dict, rows: list[dict]) -> None:
 def load_iterations(path: str | Path):
     """The per-iteration rows of a results folder (or a :class:`Results`) as a DataFrame
     (empty when it has no training jobs)."""
-    import pandas as pd
-
     path = Path(getattr(path, "path", path))
     f = path / ITERATIONS_FILE
     if not f.exists():
@@ -81,9 +85,6 @@ def training_rows(df):
 
 def print_training_table(df, title: str | None = None) -> None:
     """Print the training summaries of ``df`` (a results table) as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
     rows = training_rows(df)
     console = Console()
     if not console.is_terminal:

@@ -68,6 +68,8 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     if path.is_file():
         data = np.loadtxt(path, delimiter=",")
         return data[:, :-1], data[:, -1].astype(np.int64)
+    # here, not at the top: scikit-learn takes about 2 s to import; only this data set, and
+    # only before its CSV copy exists, needs it
     from sklearn.datasets import load_digits as sk_load_digits
 
     return sk_load_digits(return_X_y=True)

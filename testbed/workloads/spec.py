@@ -6,6 +6,10 @@ and its parameters, error feedback, INA window and loss, ...), on a set of hosts
 time (traces). Every bad field raises ``ValueError`` naming the field, the value and what is
 allowed, before any process or packet is created; :meth:`TrainingSpec.validate` also runs the
 collectives' own validation of the gradient allreduce (:meth:`TrainingSpec.collective`).
+
+The checks of the communication config (:func:`check_communication`, :func:`check_collective`)
+and of integer fields (:func:`check_int`) serve every kind of training job, this one and the
+PyTorch client's ``testbed.torch.TorchJob``; their messages name the job's class and field.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 import numpy as np
 
 from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.trimmed import BITS as TRIM_BITS
 from testbed.workloads.data import DATASETS
 from testbed.workloads.models import ACTIVATIONS, MODELS, OPTIMIZERS, make_model
 
@@ -24,8 +29,6 @@ from testbed.workloads.models import ACTIVATIONS, MODELS, OPTIMIZERS, make_model
 #: (``testbed.collectives.trimmed``). The reduction server's processes serve a fixed number of
 #: collectives, which a job that stops at a target accuracy does not know in advance.
 TRAIN_ALGOS = ("ring", "hd", "ina", "nic", "trim")
-#: Head bits per element of ``algo="trim"`` packets.
-TRIM_BITS = (1, 2, 4, 8)
 #: Sizes of the digits data set (sklearn's load_digits): features, classes, rows.
 DIGITS_SHAPE = (64, 10, 1797)
 
@@ -137,18 +140,16 @@ class TrainingSpec:
         _choice(self, "activation", ACTIVATIONS)
         _choice(self, "dataset", DATASETS)
         _choice(self, "optimizer", OPTIMIZERS)
-        if self.algo not in TRAIN_ALGOS:
-            raise ValueError(f"TrainingSpec.algo={self.algo!r} is not one of {TRAIN_ALGOS} "
-                             "(the reduction server 'rs' serves a fixed number of collectives)")
-        _int(self, "hidden", 1)
-        _int(self, "batch_size", 1)
-        _int(self, "iterations", 1)
-        _int(self, "eval_every", 1)
-        _int(self, "samples", 20)
-        _int(self, "features", 2)
-        _int(self, "classes", 2)
-        _int(self, "job_id", 0)
-        _int(self, "seed", 0)
+        check_communication(self)
+        check_int(self, "hidden", 1)
+        check_int(self, "batch_size", 1)
+        check_int(self, "iterations", 1)
+        check_int(self, "eval_every", 1)
+        check_int(self, "samples", 20)
+        check_int(self, "features", 2)
+        check_int(self, "classes", 2)
+        check_int(self, "job_id", 0)
+        check_int(self, "seed", 0)
         _num(self, "lr", 0.0, 10.0, lo_open=True)
         _num(self, "momentum", 0.0, 1.0, hi_open=True)
         _num(self, "weight_decay", 0.0, 1.0)
@@ -156,16 +157,10 @@ class TrainingSpec:
         _num(self, "compute_ms", 0.0, 3.6e6)
         _num(self, "time_dilation", 1.0, 1e4)
         _num(self, "start_s", 0.0, 86400.0)
-        if self.bits not in TRIM_BITS:
-            raise ValueError(f"TrainingSpec.bits={self.bits!r}: head bits per element must be "
-                             f"one of {TRIM_BITS}")
         _num(self, "idle_ms", 0.1, 10_000.0)
         if self.algo == "trim" and self.loss:
             raise ValueError(f"TrainingSpec.loss={self.loss}: client-side loss is emulated for "
                              "algo 'ina'/'nic'; impair the switch's ports for 'trim'")
-        if self.algo == "trim" and self.compressor is not None:
-            raise ValueError(f"TrainingSpec.compressor={self.compressor!r}: algo 'trim' encodes "
-                             "the gradient in the trimming layout; remove compressor")
         if self.target_accuracy is not None:
             _num(self, "target_accuracy", 0.0, 1.0, lo_open=True)
         elif self.stop_at_target:
@@ -182,7 +177,7 @@ class TrainingSpec:
             if len(set(self.hosts)) != len(self.hosts):
                 raise ValueError(f"TrainingSpec.hosts={self.hosts!r} names a host twice")
         if self.workers is not None:
-            _int(self, "workers", 2)
+            check_int(self, "workers", 2)
             if self.hosts is not None and self.workers > len(self.hosts):
                 raise ValueError(f"TrainingSpec.workers={self.workers} exceeds the "
                                  f"{len(self.hosts)} hosts listed in hosts")
@@ -202,27 +197,49 @@ class TrainingSpec:
                 raise ValueError(f"TrainingSpec.batch_size={self.batch_size} is larger than a "
                                  f"worker's shard ({shard} training rows with {n} workers); "
                                  "lower batch_size, use fewer workers or more samples")
-        c = self.collective()
-        try:
-            c.validate(len(self.host_indices(n_hosts)) if n_hosts is not None else None)
-        except ValueError as e:  # name the training job's field, not the collective's
-            raise ValueError(str(e).replace("CollectiveSpec.", "TrainingSpec.")) from None
+        check_collective(self, len(self.host_indices(n_hosts)) if n_hosts is not None else None)
 
     def to_json(self) -> dict:
         """Plain dict (JSON-serialisable) of the fields."""
         return dataclasses.asdict(self)
 
 
+def check_communication(job) -> None:
+    """``ValueError`` when ``job``'s gradient exchange is not one a training job can run:
+    ``algo`` not in :data:`TRAIN_ALGOS`, ``bits`` not a trim head width, or a compressor on
+    ``algo="trim"`` (which encodes the gradient in the trimming layout itself)."""
+    cls = type(job).__name__
+    if job.algo not in TRAIN_ALGOS:
+        raise ValueError(f"{cls}.algo={job.algo!r} is not one of {TRAIN_ALGOS} "
+                         "(the reduction server 'rs' serves a fixed number of collectives)")
+    if job.bits not in TRIM_BITS:
+        raise ValueError(f"{cls}.bits={job.bits!r}: head bits per element must be one of "
+                         f"{TRIM_BITS}")
+    if job.algo == "trim" and job.compressor is not None:
+        raise ValueError(f"{cls}.compressor={job.compressor!r}: algo 'trim' encodes the "
+                         "gradient in the trimming layout; remove compressor")
+
+
+def check_collective(job, n: int | None) -> None:
+    """The collectives' own validation of ``job.collective()`` for ``n`` workers, its errors
+    naming ``job``'s field (``TrainingSpec.window``, not ``CollectiveSpec.window``)."""
+    try:
+        job.collective().validate(n)
+    except ValueError as e:
+        raise ValueError(str(e).replace("CollectiveSpec.", f"{type(job).__name__}.")) from None
+
+
+def check_int(job, name: str, lo: int) -> None:
+    """``ValueError`` unless ``job.<name>`` is an integer (not a bool) of at least ``lo``."""
+    v = getattr(job, name)
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
+        raise ValueError(f"{type(job).__name__}.{name}={v!r} must be an integer >= {lo}")
+
+
 def _choice(spec: TrainingSpec, name: str, allowed: tuple[str, ...]) -> None:
     v = getattr(spec, name)
     if v not in allowed:
         raise ValueError(f"TrainingSpec.{name}={v!r} is not one of {allowed}")
-
-
-def _int(spec: TrainingSpec, name: str, lo: int) -> None:
-    v = getattr(spec, name)
-    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
-        raise ValueError(f"TrainingSpec.{name}={v!r} must be an integer >= {lo}")
 
 
 def _num(spec: TrainingSpec, name: str, lo: float, hi: float, lo_open: bool = False,

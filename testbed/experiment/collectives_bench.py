@@ -12,7 +12,7 @@ Anchor: ring allreduce of the same n and size, measured in the same run; every r
 (checked and printed): no n=4 run cpu_bound; ring, rs and INA within 10 % of model_s when
 not cpu_bound; INA/ring ratio within 10 % of the model's ratio.
 
-``python -m testbed.collectives.bench rs [MB,...]``: the reduction server's fidelity for
+``python -m testbed.experiment.collectives_bench rs [MB,...]``: the reduction server's fidelity for
 dedicated (m = 4, 2, 1) and co-located servers, ring as the anchor (:func:`rs_fidelity`).
 """
 
@@ -27,6 +27,7 @@ from testbed.collectives import model
 from testbed.collectives.report import render_table
 from testbed.collectives.runner import run_collective
 from testbed.collectives.spec import CollectiveSpec
+from testbed.topologies import Star, TestbedNet
 
 MB = 1 << 20
 SHOW = ("algo", "n", "bytes", "time_s", "model_s", "fidelity", "fidelity_cal", "vs_ring",
@@ -42,8 +43,6 @@ def grid(quick: bool) -> tuple[list[int], list[int], list[str]]:
 
 def run(quick: bool = False, reps: int = 1, window: int = 64, log=sys.stderr) -> list[dict]:
     """Run the grid; return rows (REPORT_COLUMNS + vs_ring, model_vs_ring, network)."""
-    from testbed.topologies import Star, TestbedNet
-
     ns, sizes, algos = grid(quick)
     rows: list[dict] = []
     host_algos = [a for a in algos if a != "ina"]
@@ -172,8 +171,6 @@ def scale(ns: tuple[int, ...] = (2, 4, 8, 16, 32), nbytes: int = 1 * MB, algo: s
     per n one ``algo`` allreduce of ``nbytes``. Returns rows with n, net_s, setup_s (pool
     process start + fork + connections), mem_mb (PSS of pool + children), time_s, correct.
     """
-    from testbed.topologies import Star, TestbedNet
-
     out = []
     t0 = time.monotonic()
     sw = "programmable" if algo in ("ina", "nic") else "bridge"
@@ -200,8 +197,6 @@ def rs_fidelity(sizes_mb: tuple[int, ...] = (8,), reps: int = 2, bw_mbps: int = 
     """Reduction-server fidelity (time / model) on one 8-host star: ring n=4 (anchor), rs
     n=4 with m = 4, 2, 1 dedicated servers, rs n=8 with m=4 co-located. Prints one line per
     repetition (with ``vs_ring`` and the model's ratio) and returns the rows."""
-    from testbed.topologies import Star, TestbedNet
-
     cases = [("ring", 4, 1), ("rs", 4, 4), ("rs", 4, 2), ("rs", 4, 1), ("rs", 8, 4)]
     rows: list[dict] = []
     with TestbedNet(Star(8, bw_mbps=bw_mbps)) as net:
