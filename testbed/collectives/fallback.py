@@ -1,7 +1,9 @@
 """A job's host fallback aggregator (ATP style): the rounds its switch cannot hold.
 
-In shared mode (``placement.mode = "shared"``) a job's slots claim entries of the switch's
-shared pool; a slot whose entry another job holds sends its rounds here instead: the switch
+In shared mode (``placement.mode = "shared"``) each round of a job's slots claims an entry of
+the switch's shared pool when it starts; a round whose entries other rounds hold is sent here
+instead (so a slot's rounds may alternate between the switch and here, and this aggregator's
+job runs in ``fallback`` mode: a round may skip ahead of the last one it saw): the switch
 readdresses those contributions to this aggregator, from its own identity (the member it
 checked stays in the header's ``worker_id``; the host of a worker would drop a packet carrying
 its own address as source). This aggregator runs the same aggregation kernel as the switch
@@ -57,7 +59,8 @@ class HostAggregator:
         self.table.set_identity(mac=self.mac, ip=self.ip, codec_ok=ok, via_ingress=True)
         members = [Member(int(m["worker"]), _mac(m["mac"]), _ip(m["ip"]), int(m["port"]), 0)
                    for m in fb["members"]]
-        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes)
+        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes,
+                           fallback_host=True)
         self.switch_ip = _ip(fb["switch_ip"])
         self.member_addr = {m.worker: m for m in members}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
