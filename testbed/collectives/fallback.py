@@ -44,6 +44,21 @@ def _ip(s: str) -> int:
     return int.from_bytes(socket.inet_aton(s), "big")
 
 
+def warm_up() -> None:
+    """Load (or compile once) the aggregation kernel with the argument types the fallback uses,
+    so that a process forking the fallbacks loads it once for all of them and no timed
+    collective pays for it (loading it costs a loaded machine around a second)."""
+    table = Aggregation(memory_bytes=4 * 2 * 256, pool_entries=0, pool_lanes=1, max_slots=1,
+                        max_elems=MAX_ELEMS_MTU)
+    table.process(_batch(1), 0)
+
+
+def _batch(cap: int) -> Batch4:
+    return Batch4(np.zeros((cap, FRAME_MAX), np.uint8), np.zeros(cap, np.int32),
+                  np.zeros(cap, np.int16), np.full(cap, PORT_UNSET, np.int16),
+                  np.zeros(cap, np.uint8))
+
+
 class HostAggregator:
     """The fallback aggregator of one job (``job["fallback"]`` of the collectives runner:
     ``ip``, ``mac``, ``port``, ``slots``, ``seq0``, ``lanes``, ``members``, and ``switch_ip``:
@@ -68,11 +83,10 @@ class HostAggregator:
         self.sock.bind((fb["ip"], int(fb.get("port", TESTBED_UDP_PORT))))
         self.sock.setblocking(False)
         cap = BURST * (1 + len(members))
-        self.b = Batch4(np.zeros((cap, FRAME_MAX), np.uint8), np.zeros(cap, np.int32),
-                        np.zeros(cap, np.int16), np.full(cap, PORT_UNSET, np.int16),
-                        np.zeros(cap, np.uint8))
+        self.b = _batch(cap)
         self.dgram = bytearray(FRAME_MAX)
         self.sent = self.foreign = 0
+        self.table.process(self.b, 0)  # load the kernel now, not in the job's first host round
 
     def poll_once(self) -> int:
         """Take the datagrams waiting (up to a burst), aggregate them, send what completes;
