@@ -798,6 +798,28 @@ def test_released_entry_reclaimed_by_another_job_never_mixes_their_sums():
     assert all(unpack_header(f, HEADER_OFFSET)["job_id"] == 2 for _, f in out)
 
 
+def test_host_fallback_takes_the_rounds_its_switch_sent_even_when_they_skip_ahead():
+    """A job in ``fallback`` mode (a host fallback) sees only the rounds its switch could not
+    hold: a later round of a set starts once that set's round is complete, whatever came
+    between; a round still open there cannot be overtaken, and older rounds are STALE."""
+    job = {1: (2, 2, 10)}
+    kj, rj = _jobs(True, job), _jobs(False, job)
+    kj[1]["mode"] = rj[1]["mode"] = "fallback"
+    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj)
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16)
+    _, out = both(stage, ref, [frame(1, w, 0, 10, [w + 1] * 4) for w in (0, 1)], [0, 1])
+    assert all(values_of(f).tolist() == [3] * 4 for _, f in out)
+    # rounds 11..15 were summed in the switch; round 16 (set 0) comes here
+    assert both(stage, ref, [frame(1, 0, 0, 16, [5] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    assert both(stage, ref, [frame(1, 1, 0, 18, [5] * 4)], [1])[0] == [(PORT_DROP, R.BAD_SEQ)]
+    assert both(stage, ref, [frame(1, 1, 0, 12, [5] * 4)], [1])[0] == [(PORT_DROP, R.STALE)]
+    _, out = both(stage, ref, [frame(1, 1, 0, 16, [6] * 4)], [1])
+    assert all(values_of(f).tolist() == [11] * 4 for _, f in out)
+    _, ans = both(stage, ref, [frame(1, 0, 0, 16, [5] * 4, MsgType.RETRANSMIT)], [0])
+    assert ans == [out[0]]  # S1 as on the switch
+    assert stage.counters()["jobs"]["1"]["mode"] == "fallback"
+
+
 def _value(job, w, slot, seq):
     return (job * 1000003 + w * 7919 + slot * 104729 + seq * 31) % 100000
 
