@@ -773,7 +773,7 @@ def test_round_whose_entries_are_held_goes_to_the_host_for_that_round_only(two_f
     assert all(values_of(f).tolist() == [9] * 4 for _, f in out)
     c = stage.counters()
     assert (c["pool_claims"], c["pool_collisions"], c["fallback_forwarded"]) == (2, 3, 7)
-    assert c["jobs"]["1"]["slots_at_host"] == 1  # slot 0: round 11 at the host
+    assert c["jobs"]["1"]["slots_at_host"] == 2  # both slots' round 11 went to the host
 
 
 def test_released_entry_reclaimed_by_another_job_never_mixes_their_sums():
