@@ -10,11 +10,13 @@ State, grouped in small typed records:
 * :class:`Registers` - per slot (a job's slot ``k`` is global slot ``base + k``) and register
   *set*: the round ``seq`` it holds, its state (``OPEN``, ``UP``: complete here and sent to the
   parent switch, ``DONE``, ``HOST``: aggregated by the job's host fallback), the members counted,
-  the contributions still missing, element count, max exponent, chunk offset and codec; the
-  slot's values live in the switch's aggregator **memory** (flat int32 words) at ``val_off``:
-  ``lanes`` words per set, in a static partition of the job or, for a job in shared mode, in a
-  pool entry it claimed (``pool_owner``), ATP style;
-* :class:`Jobs` - per job: its slots, lanes and mode; its members (workers or child switches of
+  the contributions still missing, element count, max exponent, chunk offset and codec; a
+  set's values live in the switch's aggregator **memory** (flat int32 words) at ``val_off``:
+  ``lanes`` words, in a static partition of the job or, for a job in shared mode, in a pool
+  entry the round claimed when it started (``pool_owner``) and gives back once every member has
+  its result: the pool is time-shared between jobs round by round, ATP style;
+* :class:`Jobs` - per job: its slots, lanes and mode (static, shared, or the host fallback of a
+  shared job); its members (workers or child switches of
   an aggregation tree: MAC, IPv4, UDP port and the ingress port the control plane registered);
   its parent switch in the tree (none at the root) and its host fallback aggregator;
 * :class:`Aggregator` - this switch's aggregator identity (MAC/IP), summable codecs, where
@@ -86,8 +88,12 @@ _F_OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag on
 
 #: States of a (slot, set) round.
 OPEN, UP, DONE, HOST = 0, 1, 2, 3
-#: Job modes.
-STATIC, SHARED = 0, 1
+#: Job modes: a static partition, the shared pool, or (on a host) the fallback of a shared job,
+#: whose rounds are the ones its switch forwarded (the others were summed in the switch).
+STATIC, SHARED, FALLBACK_HOST = 0, 1, 2
+#: Pool entries a round may claim: ``POOL_PROBES`` hashes of (job, slot, round), as many
+#: register arrays in successive pipeline stages; the first free one is taken.
+POOL_PROBES = 4
 
 COUNTER_NAMES = (
     "contributions",  # absorbed into a round in this switch's memory
@@ -105,11 +111,13 @@ COUNTER_NAMES = (
     "upward_resent",  # partial sums sent again (a child retransmitted meanwhile)
     "parent_results",  # RESULTs of the parent switch taken and multicast down
     "fallback_forwarded",  # contributions forwarded to the job's host aggregator
-    "pool_claims",  # shared-pool entries a job slot claimed
+    "pool_claims",  # shared-pool entries a round claimed
+    "pool_releases",  # shared-pool entries given back (every member had the round's result)
+    "pool_collisions",  # rounds sent to the host fallback: every entry they hash to was held
 )
 (C_CONTRIB, C_COMPLETED, C_RESULTS, C_ANSWERED, C_DUPLICATES, C_STALE, C_NOT_MEMBER, C_BAD_SEQ,
  C_ARP, C_OVERFLOW, C_DROPPED, C_UP_SENT, C_UP_RESENT, C_PARENT_RESULTS, C_FALLBACK,
- C_POOL_CLAIMS) = range(len(COUNTER_NAMES))
+ C_POOL_CLAIMS, C_POOL_RELEASES, C_POOL_COLLISIONS) = range(len(COUNTER_NAMES))
 
 
 class Registers(NamedTuple):
@@ -124,9 +132,9 @@ class Registers(NamedTuple):
     chunk: np.ndarray  # int64: chunk offset of the round's data
     codec: np.ndarray  # int64
     overflow: np.ndarray  # bool: some partial sum fitted no lane (THC): the round says so
-    val_off: np.ndarray  # int64[slot]: word offset of the slot's set-0 values, -1: none yet
+    val_off: np.ndarray  # int64[slot, set]: word offset of the set's values, -1: none
     values: np.ndarray  # int32[memory words]
-    pool_owner: np.ndarray  # int64[pool entries]: global slot owning a shared entry, -1: free
+    pool_owner: np.ndarray  # int64[pool entries]: 2 x slot + set of the round holding it, -1: free
 
 
 class Jobs(NamedTuple):
@@ -137,7 +145,7 @@ class Jobs(NamedTuple):
     slots: np.ndarray  # int64[J]
     n_workers: np.ndarray  # int64[J]: members (workers or child switches)
     lanes: np.ndarray  # int64[J]: int32 registers per set and slot (elements per packet)
-    mode: np.ndarray  # int64[J]: STATIC or SHARED
+    mode: np.ndarray  # int64[J]: STATIC, SHARED or FALLBACK_HOST
     mac: np.ndarray  # uint8[J, W, 6]: per member
     ip: np.ndarray  # int64[J, W] (host order)
     port: np.ndarray  # int64[J, W]: UDP port
@@ -169,7 +177,7 @@ class Aggregator(NamedTuple):
     max_elems: int  # int32 lanes per packet at most
     thc_max: int  # int8 lanes per THC packet at most
     pool_base: int  # word offset of the shared pool
-    pool_lanes: int  # lanes per set of a pool entry
+    pool_lanes: int  # lanes of a pool entry (one register set)
 
 
 def new_registers(max_slots: int, words: int, pool_entries: int) -> Registers:
@@ -178,7 +186,7 @@ def new_registers(max_slots: int, words: int, pool_entries: int) -> Registers:
     return Registers(np.zeros(z, np.int64), np.full(z, DONE, np.int64), np.zeros(z, np.uint32),
                      np.zeros(z, np.int64), np.zeros(z, np.int64), np.zeros(z, np.int64),
                      np.zeros(z, np.int64), np.zeros(z, np.int64), np.zeros(z, np.bool_),
-                     np.full(max_slots, -1, np.int64), np.zeros(max(words, 1), np.int32),
+                     np.full(z, -1, np.int64), np.zeros(max(words, 1), np.int32),
                      np.full(max(pool_entries, 1), -1, np.int64))
 
 
@@ -243,7 +251,7 @@ def result_lane(codec, values, elems):
 @njit(cache=True, inline="always")
 def set_values(regs, g, s, lanes):
     """The int32 registers of slot ``g``, set ``s`` (a view into the value memory)."""
-    o = regs.val_off[g] + s * lanes
+    o = regs.val_off[g, s]
     return regs.values[o:o + lanes]
 
 
@@ -353,9 +361,13 @@ def find_member(f, in_port, jobs):
 
 
 @njit(cache=True)
-def pool_index(job_id, slot, entries):
-    """The shared-pool entry a job slot hashes to (ATP: a hash of (job, index))."""
-    h = (np.uint64(job_id) << np.uint64(32)) | np.uint64(slot)
+def pool_index(job_id, slot, seq, probe, entries):
+    """The shared-pool entry that probe ``probe`` of round ``seq`` of a job slot hashes to
+    (ATP: a hash of (job, index); the round is part of the key, so a collision lasts one round,
+    not the job's lifetime)."""
+    h = (np.uint64(job_id) << np.uint64(48)) ^ (np.uint64(slot) << np.uint64(32)) ^ \
+        np.uint64(seq & 0xFFFFFFFF)
+    h = h ^ (np.uint64(probe) * np.uint64(0x9E3779B97F4A7C15))
     h = (h ^ (h >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
     h = (h ^ (h >> np.uint64(33))) * np.uint64(0xC4CEB9FE1A85EC53)
     h = h ^ (h >> np.uint64(33))
@@ -363,18 +375,47 @@ def pool_index(job_id, slot, entries):
 
 
 @njit(cache=True)
-def claim(regs, g, job_id, slot, agg):
-    """For a shared-mode job slot: the values of ``g`` are in memory (an entry it owns, or one it
-    claims now while free); False when another job's slot owns its entry (host fallback)."""
-    if regs.val_off[g] >= 0:
-        return True
+def claim(regs, g, s, job_id, slot, seq, agg):
+    """Claim a free pool entry for round ``seq`` of a shared-mode job slot (global slot ``g``,
+    set ``s``): the first free one of its ``POOL_PROBES`` hashes; False when all are held (the
+    round goes to the host fallback)."""
     entries = regs.pool_owner.size
-    p = pool_index(job_id, slot, entries)
-    if regs.pool_owner[p] >= 0 and regs.pool_owner[p] != g:
+    for k in range(POOL_PROBES):
+        e = pool_index(job_id, slot, seq, k, entries)
+        if regs.pool_owner[e] < 0:
+            regs.pool_owner[e] = 2 * g + s
+            regs.val_off[g, s] = agg.pool_base + e * agg.pool_lanes
+            return True
+    return False
+
+
+@njit(cache=True)
+def release(regs, g, s, agg):
+    """Give set ``s`` of slot ``g``'s pool entry back (a shared-mode round every member has the
+    result of); True if it held one."""
+    o = regs.val_off[g, s]
+    if o < 0:
         return False
-    regs.pool_owner[p] = g
-    regs.val_off[g] = agg.pool_base + p * 2 * agg.pool_lanes
+    e = (o - agg.pool_base) // agg.pool_lanes
+    if regs.pool_owner[e] == 2 * g + s:
+        regs.pool_owner[e] = -1
+    regs.val_off[g, s] = -1
     return True
+
+
+@njit(cache=True)
+def release_previous(regs, g, s, agg):
+    """Every member has the result of the round before set ``s``'s: give its entry back if the
+    other set still holds that round; True if an entry was given back."""
+    if serial_diff(regs.seq[g, 1 - s], regs.seq[g, s] - 1) != 0:
+        return False
+    return release(regs, g, 1 - s, agg)
+
+
+@njit(cache=True)
+def all_members(n):
+    """The bitmap of members ``0..n-1``."""
+    return np.uint32((np.uint64(1) << np.uint64(n)) - np.uint64(1))
 
 
 # outcomes of apply_contribution (drop reasons are > 0)
@@ -386,7 +427,21 @@ FALLBACK = -5  # the round is the host fallback's: forward the contribution ther
 
 
 @njit(cache=True)
-def apply_contribution(f, jx, g, bit, regs, jobs, agg):
+def seen(regs, g, s, bit, jx, jobs, agg, counters):
+    """Member ``bit``'s contribution to the round in set ``s`` of shared-mode slot ``g`` passed
+    this switch (counted here or forwarded to the host): it had the previous round's result
+    (W1). Once every member has been seen, that result is needed no more: the other set's pool
+    entry is given back."""
+    full = all_members(jobs.n_workers[jx])
+    if regs.bitmap[g, s] == full:
+        return  # a duplicate: the previous round is released already (or moved on)
+    regs.bitmap[g, s] |= bit
+    if regs.bitmap[g, s] == full and release_previous(regs, g, s, agg):
+        counters[C_POOL_RELEASES] += 1
+
+
+@njit(cache=True)
+def apply_contribution(f, jx, g, bit, regs, jobs, agg, counters):
     """Apply the contribution in ``f`` (member bit ``bit`` of job row ``jx``) to global slot
     ``g``; return an outcome above or a DropReason (see docs/protocol.md)."""
     h = header(f)
@@ -394,19 +449,26 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg):
     s = r & 1
     st = regs.state[g, s]
     d = serial_diff(r, regs.seq[g, s])
+    mode = jobs.mode[jx]
     if d == 0:
         if st == HOST:
+            seen(regs, g, s, bit, jx, jobs, agg, counters)
             return FALLBACK
         if regs.bitmap[g, s] & bit:
-            if st == DONE:
-                return ANSWER
+            if st == DONE:  # answered while its values are kept (every member may need them)
+                return ANSWER if regs.val_off[g, s] >= 0 else DropReason.STALE
             return RESEND_UP if st == UP else DropReason.DUPLICATE
         if st != OPEN:
             return DropReason.STALE  # a finished round this member never took part in
-    elif d == 2:
+    elif d == 2 and mode != FALLBACK_HOST:
         other = regs.state[g, 1 - s]
         if ((st != DONE and st != HOST) or (other != DONE and other != HOST)
                 or serial_diff(r - 1, regs.seq[g, 1 - s]) != 0):
+            return DropReason.BAD_SEQ
+    elif d > 0 and mode == FALLBACK_HOST:
+        # a host fallback sees only the rounds its switch sent it (the switch checked S3 and
+        # summed the rounds between): a later round starts once this set's round completed
+        if st != DONE:
             return DropReason.BAD_SEQ
     elif d < 0:
         return DropReason.STALE
@@ -418,11 +480,20 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg):
         return DropReason.BAD_LENGTH
     ovf = (h.flags & _F_OVERFLOW) != 0 and rd_u16be(f, 38) == 8 + HEADER_LEN  # a child's
     lane = 0 if ovf else payload_lane(f, ne)
-    if d == 2:  # the first contribution of a new round
+    if d != 0:  # the first contribution of a new round
         regs.seq[g, s] = r
-        if jobs.mode[jx] == SHARED and not claim(regs, g, h.job_id, g - jobs.base[jx], agg):
-            regs.state[g, s] = HOST
-            return FALLBACK
+        if mode == SHARED:
+            # round r - 2's entry went back when r - 1 saw every member; should it not have,
+            # r - 1 completed somewhere, so every member had r - 2's result (W1)
+            if release(regs, g, s, agg):
+                counters[C_POOL_RELEASES] += 1
+            if not claim(regs, g, s, h.job_id, g - jobs.base[jx], r, agg):
+                regs.state[g, s] = HOST
+                regs.bitmap[g, s] = 0
+                counters[C_POOL_COLLISIONS] += 1
+                seen(regs, g, s, bit, jx, jobs, agg, counters)
+                return FALLBACK
+            counters[C_POOL_CLAIMS] += 1
         regs.state[g, s] = OPEN
         regs.nelems[g, s] = ne
         regs.exponent[g, s] = h.exponent
@@ -452,6 +523,8 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg):
     if regs.missing[g, s] != 0:
         return ADDED
     regs.state[g, s] = UP if jobs.up_egress[jx] >= 0 else DONE
+    if mode == SHARED and release_previous(regs, g, s, agg):  # every member had r - 1's result
+        counters[C_POOL_RELEASES] += 1
     return COMPLETED
 
 
@@ -687,10 +760,8 @@ def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
     w = np.int64(h.worker_id)
     g = jobs.base[jx] + h.slot
     s = np.int64(h.seq & 1)
-    claimed = regs.val_off[g] >= 0
-    outcome = apply_contribution(f, jx, g, np.uint32(1) << np.uint32(w), regs, jobs, agg)
-    if not claimed and regs.val_off[g] >= 0:
-        counters[C_POOL_CLAIMS] += 1
+    outcome = apply_contribution(f, jx, g, np.uint32(1) << np.uint32(w), regs, jobs, agg,
+                                 counters)
     if outcome == FALLBACK:
         port = to_fallback(f, jx, np.int64(h.slot), jobs, agg)
         if port < 0:
@@ -799,15 +870,15 @@ class Aggregation:
     """The state of one aggregator (a switch's or a host's): identity, memory, shared pool,
     jobs, counters; :meth:`process` applies a burst. Memory is the int32 value words the jobs'
     slots hold: a static job reserves ``slots x 2 x lanes`` words (or is refused saying what is
-    free), the shared pool (``pool_entries`` entries of ``pool_lanes`` lanes per set) serves
-    the jobs in shared mode."""
+    free), the shared pool (``pool_entries`` entries of ``pool_lanes`` lanes: one register set
+    each, claimed per round) serves the jobs in shared mode."""
 
     def __init__(self, memory_bytes: int, pool_entries: int, pool_lanes: int, max_slots: int,
                  max_elems: int):
         self.max_slots, self.max_elems = max_slots, max_elems
         self.memory_words = memory_bytes // 4
         self.pool_entries, self.pool_lanes = pool_entries, pool_lanes
-        self.pool_words = pool_entries * 2 * pool_lanes
+        self.pool_words = pool_entries * pool_lanes
         if self.pool_words > self.memory_words:
             raise ValueError(f"aggregate: the shared pool ({4 * self.pool_words} B) exceeds the "
                              f"memory ({4 * self.memory_words} B)")
@@ -845,10 +916,12 @@ class Aggregation:
 
     def add_job(self, job_id: int, slots: int, members: list[Member], seq0: int = 0, *,
                 lanes: int = 256, shared: bool = False, parent: Peer | None = None,
-                fallback: Peer | list[Peer] | None = None) -> None:
+                fallback: Peer | list[Peer] | None = None, fallback_host: bool = False) -> None:
         """Register ``job_id`` (replacing it if present); ``ValueError`` when it does not fit
         or is malformed (the message says what is free or what is wrong). ``fallback``: the
-        host aggregator, or several (slot ``s`` goes to ``fallback[s % len(fallback)]``)."""
+        host aggregator, or several (slot ``s`` goes to ``fallback[s % len(fallback)]``).
+        ``fallback_host``: this aggregator is such a host fallback of a shared-mode job (it sees
+        only the rounds the switch could not hold, so a slot's rounds may skip ahead)."""
         who = f"aggregate: job {job_id}"
         if not 0 <= job_id < 1 << 16:
             raise ValueError(f"aggregate: job_id must be 0..65535, got {job_id}")
@@ -869,6 +942,8 @@ class Aggregation:
         if len(fallbacks) > MAX_WORKERS:
             raise ValueError(f"{who}: at most {MAX_WORKERS} fallback aggregators, got "
                              f"{len(fallbacks)}")
+        if shared and fallback_host:
+            raise ValueError(f"{who}: a job is shared here or the host fallback of one, not both")
         if shared:
             if not fallbacks:
                 raise ValueError(f"{who}: shared mode needs a 'fallback' host aggregator")
@@ -900,10 +975,12 @@ class Aggregation:
                                  "slots, use shared mode, or fall back to the hosts")
         self.jobs[job_id] = {"index": idx, "base": base, "slots": slots, "n_workers": n,
                              "seq0": seq0, "lanes": lanes, "shared": shared, "vbase": vbase,
-                             "words": words, "tree_child": parent is not None}
+                             "words": words, "tree_child": parent is not None,
+                             "mode": "shared" if shared else "fallback" if fallback_host
+                             else "static"}
         J, R = self.jobs_arr, self.regs
         J.base[idx], J.slots[idx], J.n_workers[idx], J.lanes[idx] = base, slots, n, lanes
-        J.mode[idx] = SHARED if shared else STATIC
+        J.mode[idx] = SHARED if shared else FALLBACK_HOST if fallback_host else STATIC
         J.ingress[idx] = -1
         for m in members:
             J.mac[idx, m.worker] = np.frombuffer(m.mac, np.uint8)
@@ -919,8 +996,10 @@ class Aggregation:
             J.fb_mac[idx, k] = np.frombuffer(fb.mac, np.uint8)
             J.fb_ip[idx, k], J.fb_egress[idx, k] = fb.ip, fb.egress
             J.fb_port[idx, k] = fb.index_or_port
-        R.val_off[base:base + slots] = (-1 if shared else
-                                        vbase + np.arange(slots) * 2 * lanes)
+        R.val_off[base:base + slots] = -1
+        if not shared:
+            R.val_off[base:base + slots, 0] = vbase + np.arange(slots) * 2 * lanes
+            R.val_off[base:base + slots, 1] = vbase + np.arange(slots) * 2 * lanes + lanes
         init_rounds(R, base, base + slots, seq0)
         J.row[job_id] = idx
 
@@ -930,9 +1009,16 @@ class Aggregation:
             raise ValueError(f"aggregate: no job {job_id}; jobs are {sorted(self.jobs)}")
         j = self.jobs.pop(job_id)
         self.jobs_arr.row[job_id] = -1
+        self._free_pool(j)
+        self.regs.val_off[j["base"]:j["base"] + j["slots"]] = -1
+
+    def _free_pool(self, j: dict) -> None:
+        """Give back every pool entry a job's rounds hold."""
+        if not j["shared"]:
+            return
         lo, hi = j["base"], j["base"] + j["slots"]
         owner = self.regs.pool_owner
-        owner[(owner >= lo) & (owner < hi)] = -1
+        owner[(owner >= 2 * lo) & (owner < 2 * hi)] = -1
         self.regs.val_off[lo:hi] = -1
 
     def reset_job(self, job_id: int, seq0: int | None = None) -> None:
@@ -942,6 +1028,7 @@ class Aggregation:
         j = self.jobs[job_id]
         if seq0 is not None:
             j["seq0"] = int(seq0) % SEQ_MOD
+        self._free_pool(j)
         init_rounds(self.regs, j["base"], j["base"] + j["slots"], j["seq0"])
 
     def process(self, b: Batch4, n: int) -> int:
@@ -957,17 +1044,16 @@ class Aggregation:
         for jid, j in self.jobs.items():
             lo, hi = j["base"], j["base"] + j["slots"]
             st = R.state[lo:hi]
-            held = int(np.count_nonzero(R.val_off[lo:hi] >= 0))
+            held = int(np.count_nonzero(R.val_off[lo:hi] >= 0))  # sets with values in memory
             open_sets = int(np.count_nonzero((st == OPEN) | (st == UP)))
             in_use += open_sets * j["lanes"] * 4
             jobs[str(jid)] = {
                 "slots": j["slots"], "n_workers": j["n_workers"], "base": j["base"],
-                "lanes": j["lanes"], "mode": "shared" if j["shared"] else "static",
+                "lanes": j["lanes"], "mode": j["mode"],
                 "tree_child": j["tree_child"],
-                "memory_bytes": 4 * (j["words"] if not j["shared"]
-                                     else held * 2 * self.pool_lanes),
-                "slots_in_memory": held, "slots_at_host": int(np.count_nonzero(
-                    (st == HOST).any(axis=1) & (R.val_off[lo:hi] < 0))),
+                "memory_bytes": 4 * (j["words"] if not j["shared"] else held * self.pool_lanes),
+                "slots_in_memory": int(np.count_nonzero((R.val_off[lo:hi] >= 0).any(axis=1))),
+                "slots_at_host": int(np.count_nonzero((st == HOST).any(axis=1))),
                 "open_sets": open_sets, "up_sets": int(np.count_nonzero(st == UP))}
         out["jobs"] = jobs
         out["free_slots"] = self.free_slots()

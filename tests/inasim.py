@@ -69,7 +69,7 @@ class Switch:
                     named[key] = dict(job[key], egress=self.ports[job[key]["egress"]])
             self.stage = AggregateStage(ports=self.ports, agg_ip=ip, agg_mac=mac,
                                         pool_slots=job["slots"] + 3,
-                                        pool_bytes=pool_entries * 8 * pool_lanes,
+                                        pool_bytes=pool_entries * 4 * pool_lanes,
                                         pool_lanes=pool_lanes)
             self.stage.configure(jobs={job_id: named})
             self.batch = Batch(64)
@@ -150,7 +150,8 @@ class Sim:
                 job.update(mode="shared", fallback={"mac": FB_MAC, "ip": FB_IP,
                                                     "port": FB_PORT, "egress": n})
                 pool_entries = pool
-                fb_job = dict(base, members=[wmember(r, r, 0) for r in range(n)])
+                fb_job = dict(base, members=[wmember(r, r, 0) for r in range(n)],
+                              mode="fallback")
                 self.nodes["fb"] = Switch(kind, -1, 1, self.job_id, fb_job,
                                           identity_=(FB_MAC, FB_IP))
                 self.links[("root", n)] = ("fb", 0)
@@ -186,7 +187,7 @@ class Sim:
                                     dict(base, members=root_members))
 
     def _take_pool(self, entries):
-        """Mark pool entries as held by another job (they stay so: first come, first served)."""
+        """Mark pool entries as held by another job's rounds (they stay so)."""
         root = self.nodes["root"]
         if root.kind == "kernel":
             owner = root.stage.regs.pool_owner

@@ -658,66 +658,231 @@ FB = {"mac": "02:54:42:0f:00:01", "ip": "10.253.0.1", "port": 41000}
 FB2 = {"mac": "02:54:42:0f:00:02", "ip": "10.253.0.2", "port": 41001}
 
 
-def _shared_pair(entries=2, taken=(), two_fallbacks=False):
-    job = {1: (2, 3, 10)}
-    kj, rj = _jobs(True, job), _jobs(False, job)
-    if two_fallbacks:  # slot s overflows to fallback s % 2 (the second behind port 7)
-        kj[1].update(mode="shared", fallback=[dict(FB, egress=PORTS[6]),
-                                              dict(FB2, egress=PORTS[7])])
-        rj[1].update(mode="shared", fallback=[dict(FB, egress=6), dict(FB2, egress=7)])
-    else:
-        kj[1].update(mode="shared", fallback=dict(FB, egress=PORTS[6]))
-        rj[1].update(mode="shared", fallback=dict(FB, egress=6))
+def _shared_pair(entries, jobs=None, two_fallbacks=False):
+    """A switch whose jobs (default: job 1, 2 members, 3 slots) run in shared mode on a pool of
+    ``entries`` entries, the fallback behind port 6 (and a second one behind port 7)."""
+    jobs = jobs or {1: (2, 3, 10)}
+    kj, rj = _jobs(True, jobs), _jobs(False, jobs)
+    for j in jobs:
+        if two_fallbacks:  # slot s overflows to fallback s % 2
+            kj[j].update(mode="shared", fallback=[dict(FB, egress=PORTS[6]),
+                                                  dict(FB2, egress=PORTS[7])])
+            rj[j].update(mode="shared", fallback=[dict(FB, egress=6), dict(FB2, egress=7)])
+        else:
+            kj[j].update(mode="shared", fallback=dict(FB, egress=PORTS[6]))
+            rj[j].update(mode="shared", fallback=dict(FB, egress=6))
     stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj,
-                           pool_bytes=entries * 8 * 256, memory_bytes=64 << 10)
+                           pool_bytes=entries * 4 * 256, memory_bytes=64 << 10)
     ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16,
                              pool_entries=entries, pool_lanes=256)
-    for e in taken:
-        stage.regs.pool_owner[e] = 7  # another job's slot
-        ref.pool[e] = (99, e)
     return stage, ref
 
 
-@pytest.mark.parametrize("two_fallbacks", [False, True])
-def test_shared_pool_claims_entries_and_falls_back_to_the_host(two_fallbacks):
-    """Slots claim pool entries by hash on their first round; a slot whose entry another job
-    holds forwards its rounds (retransmissions included) to the job's host aggregator of that
-    slot (slot % number of fallbacks), readdressed from the switch's identity (the member stays
-    in the header); the other slots aggregate in the switch."""
-    from testbed.kernels.aggregation import pool_index
+def both_fwd(stage, ref, frames, ports):
+    """:func:`both`, and the frames forwarded to a host fallback agree byte for byte; returns
+    (decisions, emitted, the forwarded frames: None where not forwarded)."""
+    b = Batch(len(frames) * 8 + 8)
+    for i, (f, p) in enumerate(zip(frames, ports, strict=True)):
+        b.buf[i, :len(f)] = np.frombuffer(f, np.uint8)
+        b.length[i], b.in_port[i] = len(f), p
+    b.n = len(frames)
+    stage.process(b, 0)
+    dec = [(int(b.out_port[i]), int(b.reason[i])) for i in range(len(frames))]
+    res = [(int(b.out_port[i]), bytes(b.buf[i, :b.length[i]])) for i in range(len(frames), b.n)]
+    exp, fwd = [], []
+    for i, (f, p) in enumerate(zip(frames, ports, strict=True)):
+        d, r, out = ref.process(f, p)
+        exp.append((d, int(r), out))
+        fwd.append(bytes(b.buf[i, :b.length[i]]) if d >= 0 else None)
+        if d >= 0:
+            assert fwd[-1] == ref.last_frame
+    assert dec == [(d, r) for d, r, _ in exp]
+    assert res == [o for _, _, out in exp for o in out]
+    return dec, res, fwd
 
-    owner = {k: pool_index(1, k, 2) for k in range(3)}
-    taken = {owner[0]}  # slot 0's entry is another job's
-    stage, ref = _shared_pair(taken=taken, two_fallbacks=two_fallbacks)
-    host_slots = [k for k in range(3) if owner[k] in taken or
-                  any(owner[j] == owner[k] for j in range(k))]  # or an earlier slot of ours
-    for k in range(3):
-        frames = [frame(1, w, k, 10, [k + w] * 4) for w in (0, 1)]
-        b = Batch(8)
-        for i, f in enumerate(frames):
-            b.buf[i, :len(f)] = np.frombuffer(f, np.uint8)
-            b.length[i], b.in_port[i] = len(f), i
-        b.n = 2
-        stage.process(b, 0)
-        for i, f in enumerate(frames):
-            d, r, out = ref.process(f, i)
-            assert (int(b.out_port[i]), int(b.reason[i])) == (d, int(r))
-            if k in host_slots:
-                x = k % 2 if two_fallbacks else 0
-                assert d == 6 + x and bytes(b.buf[i, :len(f)]) == ref.last_frame
-                fwd = ref.last_frame
-                assert fwd[0:6] == bytes.fromhex(f"0254420f000{x + 1}") and fwd[30:34] == \
-                    bytes([10, 253, 0, 1 + x]) and fwd[26:30] == bytes([10, 0, 0, 254])
-                assert fwd[6:12] == bytes.fromhex(DEFAULT_AGG_MAC.replace(":", ""))
-                assert fwd[34:36] == (41000).to_bytes(2, "big") and fwd[42:] == f[42:]
-                assert fwd[36:38] == (41000 + x).to_bytes(2, "big")
-        if k not in host_slots:
-            assert b.n == 4  # two RESULTs from the switch
+
+def _held(stage) -> int:
+    return stage.counters()["memory"]["pool_entries_held"]
+
+
+def test_pool_entry_is_claimed_per_round_and_given_back_once_every_member_has_the_result():
+    """A round claims a pool entry with its first contribution; after its RESULT the entry keeps
+    the sum for a member that lost it, until every member has contributed to the slot's next
+    round (so had the result, W1); then the entry is free, and a late retransmission of the
+    round is STALE: it is never answered from an entry another round may hold now."""
+    stage, ref = _shared_pair(entries=4)
+    assert both(stage, ref, [frame(1, 0, 0, 10, [1] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    assert _held(stage) == 1
+    _, out = both(stage, ref, [frame(1, 1, 0, 10, [2] * 4)], [1])
+    assert [p for p, _ in out] == [0, 1] and all(values_of(f).tolist() == [3] * 4 for _, f in out)
+    assert _held(stage) == 1  # kept: a member may have lost its result
+    _, ans = both(stage, ref, [frame(1, 1, 0, 10, [2] * 4, MsgType.RETRANSMIT)], [1])
+    assert ans == [out[1]]
+    # round 11 (the other set) claims its own entry; worker 1 still lacks round 10's result
+    assert both(stage, ref, [frame(1, 0, 0, 11, [5] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    assert _held(stage) == 2
+    _, ans = both(stage, ref, [frame(1, 1, 0, 10, [2] * 4, MsgType.RETRANSMIT)], [1])
+    assert ans == [out[1]]
+    _, out11 = both(stage, ref, [frame(1, 1, 0, 11, [6] * 4)], [1])
+    assert all(values_of(f).tolist() == [11] * 4 for _, f in out11)
+    assert _held(stage) == 1  # round 10's entry is free: both members sent round 11
+    assert both(stage, ref, [frame(1, 0, 0, 10, [1] * 4, MsgType.RETRANSMIT)], [0])[0] == \
+        [(PORT_DROP, R.STALE)]
     c = stage.counters()
-    assert c["fallback_forwarded"] == 2 * len(host_slots)
-    assert c["jobs"]["1"]["slots_at_host"] == len(host_slots)
+    assert (c["pool_claims"], c["pool_releases"], c["pool_collisions"]) == (2, 1, 0)
+    assert c["jobs"]["1"]["memory_bytes"] == 1024 and c["jobs"]["1"]["slots_in_memory"] == 1
     stage.configure(remove_jobs=[1])
-    assert int(np.count_nonzero(stage.regs.pool_owner >= 0)) == len(taken)  # ours freed
+    assert _held(stage) == 0
+
+
+@pytest.mark.parametrize("two_fallbacks", [False, True])
+def test_round_whose_entries_are_held_goes_to_the_host_for_that_round_only(two_fallbacks):
+    """A pool of one entry: a round that finds it held sends every contribution of it
+    (retransmissions too) to the slot's host aggregator (slot % number of fallbacks),
+    readdressed from the switch's identity with the member in the header; a duplicate of the
+    round half-aggregated in the switch is not added; once a round saw every member the entry
+    of the round before is free and the slot's next round is summed in the switch again."""
+    stage, ref = _shared_pair(entries=1, two_fallbacks=two_fallbacks)
+    x = 1 if two_fallbacks else 0  # slot 1's fallback
+    assert both(stage, ref, [frame(1, 0, 0, 10, [1] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    for w in (0, 1):  # slot 1, round 10: the only entry is held
+        dec, res, fwd = both_fwd(stage, ref, [frame(1, w, 1, 10, [w + 7] * 4)], [w])
+        assert dec == [(6 + x, 0)] and res == []
+        f = fwd[0]
+        assert f[0:6] == bytes.fromhex(f"0254420f000{x + 1}") and f[30:34] == \
+            bytes([10, 253, 0, 1 + x]) and f[26:30] == bytes([10, 0, 0, 254])
+        assert f[6:12] == AGG_MAC and f[34:36] == (41000).to_bytes(2, "big")
+        assert f[36:38] == (41000 + x).to_bytes(2, "big")
+        assert f[42:] == frame(1, w, 1, 10, [w + 7] * 4)[42:]  # the member stays in the header
+    dec, _, _ = both_fwd(stage, ref, [frame(1, 0, 1, 10, [7] * 4, MsgType.RETRANSMIT)], [0])
+    assert dec == [(6 + x, 0)]  # F2: the host's round stays the host's
+    assert both(stage, ref, [frame(1, 0, 0, 10, [1] * 4, MsgType.RETRANSMIT)], [0])[0] == \
+        [(PORT_DROP, R.DUPLICATE)]
+    _, out = both(stage, ref, [frame(1, 1, 0, 10, [2] * 4)], [1])
+    assert all(values_of(f).tolist() == [3] * 4 for _, f in out)
+    # slot 1's round 11 and slot 0's round 11 find the entry held by slot 0's round 10 ...
+    for w in (0, 1):
+        assert both_fwd(stage, ref, [frame(1, w, 1, 11, [1] * 4)], [w])[0] == [(6 + x, 0)]
+    assert _held(stage) == 1
+    for w in (0, 1):
+        assert both_fwd(stage, ref, [frame(1, w, 0, 11, [1] * 4)], [w])[0] == [(6, 0)]
+    assert _held(stage) == 0  # ... until both members passed in round 11: they had round 10's
+    # the collision lasted one round: slot 1's round 12 is summed in the switch
+    assert both(stage, ref, [frame(1, 0, 1, 12, [4] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    _, out = both(stage, ref, [frame(1, 1, 1, 12, [5] * 4)], [1])
+    assert all(values_of(f).tolist() == [9] * 4 for _, f in out)
+    c = stage.counters()
+    assert (c["pool_claims"], c["pool_collisions"], c["fallback_forwarded"]) == (2, 3, 7)
+    assert c["jobs"]["1"]["slots_at_host"] == 2  # both slots' round 11 went to the host
+
+
+def test_released_entry_reclaimed_by_another_job_never_mixes_their_sums():
+    """Job 1's round 10 leaves its sum in the one entry; job 2's round 21 reclaims the entry
+    once job 1's members all sent round 11; a retransmission of job 1's round 10 is then STALE
+    (never answered with, nor added into, job 2's round), and job 2's sum is exactly its own."""
+    stage, ref = _shared_pair(entries=1, jobs={1: (2, 1, 10), 2: (2, 1, 20)})
+    _, out = both(stage, ref, [frame(1, w, 0, 10, [1000] * 4) for w in (0, 1)], [0, 1])
+    assert len(out) == 2
+    for w in (0, 1):  # job 2's round 20 and job 1's round 11: the entry is held
+        assert both_fwd(stage, ref, [frame(2, w, 0, 20, [7] * 4)], [w])[0] == [(6, 0)]
+    for w in (0, 1):
+        assert both_fwd(stage, ref, [frame(1, w, 0, 11, [7] * 4)], [w])[0] == [(6, 0)]
+    assert both(stage, ref, [frame(2, 0, 0, 21, [100] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    assert stage.regs.pool_owner[0] >= 0 and _held(stage) == 1  # job 2's round holds it
+    assert both(stage, ref, [frame(1, 1, 0, 10, [1000] * 4, MsgType.RETRANSMIT)], [1])[0] == \
+        [(PORT_DROP, R.STALE)]
+    assert both_fwd(stage, ref, [frame(1, 1, 0, 11, [7] * 4, MsgType.RETRANSMIT)], [1])[0] == \
+        [(6, 0)]
+    _, out = both(stage, ref, [frame(2, 1, 0, 21, [200] * 4)], [1])
+    assert len(out) == 2 and all(values_of(f).tolist() == [300] * 4 for _, f in out)
+    assert all(unpack_header(f, HEADER_OFFSET)["job_id"] == 2 for _, f in out)
+
+
+def test_host_fallback_takes_the_rounds_its_switch_sent_even_when_they_skip_ahead():
+    """A job in ``fallback`` mode (a host fallback) sees only the rounds its switch could not
+    hold: a later round of a set starts once that set's round is complete, whatever came
+    between; a round still open there cannot be overtaken, and older rounds are STALE."""
+    job = {1: (2, 2, 10)}
+    kj, rj = _jobs(True, job), _jobs(False, job)
+    kj[1]["mode"] = rj[1]["mode"] = "fallback"
+    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj)
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16)
+    _, out = both(stage, ref, [frame(1, w, 0, 10, [w + 1] * 4) for w in (0, 1)], [0, 1])
+    assert all(values_of(f).tolist() == [3] * 4 for _, f in out)
+    # rounds 11..15 were summed in the switch; round 16 (set 0) comes here
+    assert both(stage, ref, [frame(1, 0, 0, 16, [5] * 4)], [0])[0] == [(PORT_HELD, 0)]
+    assert both(stage, ref, [frame(1, 1, 0, 18, [5] * 4)], [1])[0] == [(PORT_DROP, R.BAD_SEQ)]
+    assert both(stage, ref, [frame(1, 1, 0, 12, [5] * 4)], [1])[0] == [(PORT_DROP, R.STALE)]
+    _, out = both(stage, ref, [frame(1, 1, 0, 16, [6] * 4)], [1])
+    assert all(values_of(f).tolist() == [11] * 4 for _, f in out)
+    _, ans = both(stage, ref, [frame(1, 0, 0, 16, [5] * 4, MsgType.RETRANSMIT)], [0])
+    assert ans == [out[0]]  # S1 as on the switch
+    assert stage.counters()["jobs"]["1"]["mode"] == "fallback"
+
+
+def _value(job, w, slot, seq):
+    return (job * 1000003 + w * 7919 + slot * 104729 + seq * 31) % 100000
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 2]), st.integers(0, 2), st.integers(0, 1),
+                          st.sampled_from(["next"] * 6 + ["retx", "late", "late2"])),
+                min_size=1, max_size=120),
+       st.integers(1, 3), st.integers(1, 6))
+def test_two_jobs_time_sharing_a_pool_agree_with_the_twin_and_never_mix(events, entries,
+                                                                       burst):
+    """Two jobs' honest members (3 and 2) move their slots' rounds on as results come back
+    (from the switch, or from the host once every member's contribution was forwarded there),
+    retransmit, and send late packets, in random order, on a pool of 1-3 entries: kernel and
+    twin take the same decisions and emit the same bytes, every RESULT is its own job's exact
+    sum of that round, and the pool never holds more than it has."""
+    jobs = {1: (3, 2, 10), 2: (2, 2, (1 << 32) - 1)}
+    stage, ref = _shared_pair(entries=entries, jobs=jobs)
+    cur = {(j, w, k): (jobs[j][2], False) for j in jobs for w in range(jobs[j][0])
+           for k in range(2)}  # -> (round, sent)
+    done: set = set()
+    forwarded: dict = {}
+    pending, ports, meta = [], [], []
+
+    def flush():
+        if not pending:
+            return
+        dec, res, _ = both_fwd(stage, ref, pending, ports)
+        for (j, w, k, r), (d, _) in zip(meta, dec, strict=True):
+            if d >= 0:
+                forwarded.setdefault((j, k, r), set()).add(w)
+                if len(forwarded[(j, k, r)]) == jobs[j][0]:
+                    done.add((j, k, r))
+        for _, f in res:
+            h = unpack_header(f, HEADER_OFFSET)
+            j, k, r = int(h["job_id"]), int(h["slot"]), int(h["seq"])
+            want = sum(_value(j, w, k, r) for w in range(jobs[j][0]))
+            assert values_of(f).tolist() == [want] * 4
+            done.add((j, k, r))
+        pending.clear(), ports.clear(), meta.clear()
+        assert _held(stage) <= entries
+
+    for j, w, k, kind in events:
+        w %= jobs[j][0]
+        r, sent = cur[(j, w, k)]
+        mt = MsgType.RETRANSMIT
+        if kind == "next":
+            if sent and (j, k, r) in done:
+                r, sent = (r + 1) & 0xFFFFFFFF, False
+            if sent:
+                continue
+            cur[(j, w, k)] = (r, True)
+            mt = MsgType.DATA
+        elif kind.startswith("late"):
+            r = (r - (2 if kind == "late2" else 1)) & 0xFFFFFFFF
+        elif not sent:
+            continue
+        pending.append(frame(j, w, k, r, [_value(j, w, k, r)] * 4, mt))
+        ports.append(w)
+        meta.append((j, w, k, r))
+        if len(pending) >= burst:
+            flush()
+    flush()
 
 
 @pytest.mark.parametrize("layout", ["tree", "shared"])

@@ -1,7 +1,9 @@
 """A job's host fallback aggregator (ATP style): the rounds its switch cannot hold.
 
-In shared mode (``placement.mode = "shared"``) a job's slots claim entries of the switch's
-shared pool; a slot whose entry another job holds sends its rounds here instead: the switch
+In shared mode (``placement.mode = "shared"``) each round of a job's slots claims an entry of
+the switch's shared pool when it starts; a round whose entries other rounds hold is sent here
+instead (so a slot's rounds may alternate between the switch and here, and this aggregator's
+job runs in ``fallback`` mode: a round may skip ahead of the last one it saw): the switch
 readdresses those contributions to this aggregator, from its own identity (the member it
 checked stays in the header's ``worker_id``; the host of a worker would drop a packet carrying
 its own address as source). This aggregator runs the same aggregation kernel as the switch
@@ -42,6 +44,21 @@ def _ip(s: str) -> int:
     return int.from_bytes(socket.inet_aton(s), "big")
 
 
+def warm_up() -> None:
+    """Load (or compile once) the aggregation kernel with the argument types the fallback uses,
+    so that a process forking the fallbacks loads it once for all of them and no timed
+    collective pays for it (loading it costs a loaded machine around a second)."""
+    table = Aggregation(memory_bytes=4 * 2 * 256, pool_entries=0, pool_lanes=1, max_slots=1,
+                        max_elems=MAX_ELEMS_MTU)
+    table.process(_batch(1), 0)
+
+
+def _batch(cap: int) -> Batch4:
+    return Batch4(np.zeros((cap, FRAME_MAX), np.uint8), np.zeros(cap, np.int32),
+                  np.zeros(cap, np.int16), np.full(cap, PORT_UNSET, np.int16),
+                  np.zeros(cap, np.uint8))
+
+
 class HostAggregator:
     """The fallback aggregator of one job (``job["fallback"]`` of the collectives runner:
     ``ip``, ``mac``, ``port``, ``slots``, ``seq0``, ``lanes``, ``members``, and ``switch_ip``:
@@ -57,7 +74,8 @@ class HostAggregator:
         self.table.set_identity(mac=self.mac, ip=self.ip, codec_ok=ok, via_ingress=True)
         members = [Member(int(m["worker"]), _mac(m["mac"]), _ip(m["ip"]), int(m["port"]), 0)
                    for m in fb["members"]]
-        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes)
+        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes,
+                           fallback_host=True)
         self.switch_ip = _ip(fb["switch_ip"])
         self.member_addr = {m.worker: m for m in members}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -65,11 +83,10 @@ class HostAggregator:
         self.sock.bind((fb["ip"], int(fb.get("port", TESTBED_UDP_PORT))))
         self.sock.setblocking(False)
         cap = BURST * (1 + len(members))
-        self.b = Batch4(np.zeros((cap, FRAME_MAX), np.uint8), np.zeros(cap, np.int32),
-                        np.zeros(cap, np.int16), np.full(cap, PORT_UNSET, np.int16),
-                        np.zeros(cap, np.uint8))
+        self.b = _batch(cap)
         self.dgram = bytearray(FRAME_MAX)
         self.sent = self.foreign = 0
+        self.table.process(self.b, 0)  # load the kernel now, not in the job's first host round
 
     def poll_once(self) -> int:
         """Take the datagrams waiting (up to a burst), aggregate them, send what completes;

@@ -310,6 +310,10 @@ def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.sock
 def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, ControlLine]]:
     """Fork the job's host fallback aggregators and wait until each listens."""
     started: list[tuple[int, ControlLine]] = []
+    if job.get("fallbacks"):
+        from testbed.collectives.fallback import warm_up  # numba: shared mode only
+
+        warm_up()  # once here: the forked fallbacks inherit the loaded kernel
     try:
         for fb in job.get("fallbacks") or []:
             a, b = socket.socketpair()

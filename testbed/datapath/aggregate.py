@@ -115,8 +115,8 @@ class AggregateStage(Stage):
     Settings: ``agg_ip``, ``agg_mac`` (this switch's aggregator identity), ``memory_bytes``
     (aggregator memory, default :data:`DEFAULT_MEMORY_BYTES`), ``pool_bytes`` (the part of it
     that is the shared pool for jobs in shared mode, default a quarter; the rest is for static
-    partitions) and ``pool_lanes`` (lanes per set
-    of a pool entry, default 256), ``pool_slots`` (slots of metadata, default
+    partitions) and ``pool_lanes`` (lanes of a pool entry, one register set: a round's
+    values; default 256), ``pool_slots`` (slots of metadata, default
     :data:`DEFAULT_MAX_SLOTS`), ``max_elems`` (int32 lanes per packet at most), ``codecs``
     (summable payload codecs, default INT32 and THC), ``results_via`` (``"ingress"``: a RESULT
     leaves by the member's registered port; ``"forward"``: a later ``forward`` stage routes it)
@@ -126,10 +126,12 @@ class AggregateStage(Stage):
       one packet, default 256; THC jobs 1024 or 512), ``members`` (``[{"worker", "mac", "ip",
       "port", "ingress"}, ...]``: workers ``0..n-1``, or the child switches of a tree);
     * ``mode``: ``"static"`` (default: a reserved partition of memory, or refused at admission
-      with the free memory in the error) or ``"shared"`` (slots claim pool entries by hash on
-      their first round, first come first served; a slot whose entry another job holds sends its
-      rounds to the job's ``fallback`` aggregator on a host: ``{"mac", "ip", "port", "egress"}``,
-      or a list of them: slot ``s`` goes to the ``s % len``-th, spreading the overflow);
+      with the free memory in the error), ``"shared"`` (each round claims a pool entry by hash
+      when it starts and gives it back once every member has its result; a round whose entries
+      are all held sends its contributions to the job's ``fallback`` aggregator on a host:
+      ``{"mac", "ip", "port", "egress"}``, or a list of them: slot ``s`` goes to the
+      ``s % len``-th, spreading the overflow) or ``"fallback"`` (this aggregator is such a host
+      fallback: it sees only the rounds its switch forwarded);
     * ``parent`` (tree nodes below the root): ``{"mac", "ip", "egress", "index"}`` and
       optionally ``"ingress"``: the parent switch's aggregator identity, the port towards it,
       this switch's member id there, and the port its RESULTs arrive on. A completed round's
@@ -161,7 +163,7 @@ class AggregateStage(Stage):
         if not 1 <= pool_lanes <= THC_MAX_ELEMS:
             raise ValueError(f"aggregate: pool_lanes must be 1..{THC_MAX_ELEMS}, got {pool_lanes}")
         self.ports = [str(p) for p in ports] if ports is not None else []
-        self.table = Aggregation(memory_bytes, pool_bytes // (8 * pool_lanes), pool_lanes,
+        self.table = Aggregation(memory_bytes, pool_bytes // (4 * pool_lanes), pool_lanes,
                                  max_slots, max_elems)
         self._rate = (time.monotonic(), 0)
         self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or list(DEFAULT_CODECS),
@@ -220,16 +222,16 @@ class AggregateStage(Stage):
             raise ValueError(f"aggregate: job {job_id}: unknown keys {sorted(unknown)}; use "
                              f"{sorted(keys)}")
         mode = spec.get("mode", "static")
-        if mode not in ("static", "shared"):
-            raise ValueError(f"aggregate: job {job_id}: mode must be 'static' or 'shared', got "
-                             f"{mode!r}")
+        if mode not in ("static", "shared", "fallback"):
+            raise ValueError(f"aggregate: job {job_id}: mode must be 'static', 'shared' or "
+                             f"'fallback', got {mode!r}")
         parent = spec.get("parent")
         fallback = spec.get("fallback")
         self.table.add_job(
             job_id, int(spec.get("slots", 0)),
             parse_members(job_id, spec.get("members") or [], self.ports),
             int(spec.get("seq0", 0)), lanes=int(spec.get("lanes", DEFAULT_LANES)),
-            shared=mode == "shared",
+            shared=mode == "shared", fallback_host=mode == "fallback",
             parent=None if parent is None else parse_peer(job_id, "parent", parent, self.ports,
                                                           "index"),
             fallback=None if fallback is None else [

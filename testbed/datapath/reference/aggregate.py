@@ -6,7 +6,8 @@ unless dropped), emitted a list of ``(out_port, frame bytes)`` (RESULTs, partial
 tree) in the order the kernel appends them; a contribution forwarded to a host fallback is the
 decision (its port) with the frame rewritten in ``self.last_frame``. ARP is not modelled.
 ``jobs`` is the stage's ``jobs`` setting with port indices for ``ingress``/``egress``; the
-shared pool is ``pool_entries`` entries of ``pool_lanes`` lanes.
+shared pool is ``pool_entries`` entries of ``pool_lanes`` lanes (one register set each),
+claimed by a round when it starts and given back once every member has its result.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET
 from testbed.kernels import wire
-from testbed.kernels.aggregation import MAX_ELEMS_MTU, THC_MAX_ELEMS
+from testbed.kernels.aggregation import MAX_ELEMS_MTU, POOL_PROBES, THC_MAX_ELEMS
 from testbed.kernels.reference.packets import ipv4_checksum, parse_frame, udp_frame
 from testbed.kernels.wire import Codec, DropReason, Flags, MsgType
 
@@ -52,9 +53,10 @@ def result_lanes(codec: int, values: np.ndarray) -> tuple[str | None, int]:
     return None, int(Flags.OVERFLOW)
 
 
-def _pool_index(job_id: int, slot: int, entries: int) -> int:
+def _pool_index(job_id: int, slot: int, seq: int, probe: int, entries: int) -> int:
     m = (1 << 64) - 1
-    h = (job_id << 32) | slot
+    h = ((job_id << 48) ^ (slot << 32) ^ seq) & m
+    h ^= (probe * 0x9E3779B97F4A7C15) & m
     h = ((h ^ (h >> 33)) * 0xFF51AFD7ED558CCD) & m
     h = ((h ^ (h >> 33)) * 0xC4CEB9FE1A85EC53) & m
     return (h ^ (h >> 33)) % entries
@@ -71,10 +73,9 @@ class AggregateReference:
         self.codecs = {int(c) for c in codecs}
         self.via_ingress = via_ingress
         self.pool_entries, self.pool_lanes = pool_entries, pool_lanes
-        self.pool: dict[int, tuple[int, int]] = {}  # entry -> (job, slot)
+        self.pool: dict[int, tuple] = {}  # entry -> (job, slot, set) of the round holding it
         self.jobs: dict[int, dict] = {}
         self.rounds: dict[tuple[int, int, int], dict] = {}  # (job, slot, set) -> round
-        self.in_memory: set[tuple[int, int]] = set()  # (job, slot) whose values are held
         self.last_frame = b""
         for jid, spec in jobs.items():
             self.add_job(int(jid), spec)
@@ -86,19 +87,16 @@ class AggregateReference:
         parent = spec.get("parent")
         fb = spec.get("fallback")
         self.pool = {e: o for e, o in self.pool.items() if o[0] != job_id}
-        self.in_memory = {k for k in self.in_memory if k[0] != job_id}
-        shared = spec.get("mode", "static") == "shared"
+        mode = spec.get("mode", "static")
         self.jobs[job_id] = {
             "slots": int(spec["slots"]), "members": members, "lanes": int(spec.get("lanes", 256)),
-            "shared": shared,
+            "shared": mode == "shared", "follows": mode == "fallback",
             "parent": None if parent is None else (_mac(parent["mac"]), _ip(parent["ip"]),
                                                    int(parent["egress"]), int(parent["index"])),
             "fallback": [(_mac(x["mac"]), _ip(x["ip"]), int(x["port"]), int(x["egress"]))
                          for x in ([] if fb is None else fb if isinstance(fb, list) else [fb])]}
         seq0 = int(spec.get("seq0", 0))
         for k in range(int(spec["slots"])):
-            if not shared:
-                self.in_memory.add((job_id, k))
             for back in (2, 1):
                 r = (seq0 - back) % SEQ
                 self.rounds[(job_id, k, r & 1)] = {"seq": r, "counted": set(), "state": "done"}
@@ -155,28 +153,37 @@ class AggregateReference:
         d = _diff(r, here["seq"])
         if d == 0:
             if here["state"] == "host":
+                self._seen(jid, slot, r & 1, w, job)
                 return self._fallback(f, job, slot)
             if w in here["counted"]:
                 if here["state"] == "done":
+                    if job["shared"] and here.get("entry") is None:  # everyone has the result
+                        return PORT_DROP, R.STALE, []
                     return PORT_HELD, 0, [self._result(jid, slot, here, w)]
                 if here["state"] == "up":
                     return PORT_HELD, 0, [self._upward(jid, slot, here, MsgType.RETRANSMIT)]
                 return PORT_DROP, R.DUPLICATE, []
             if here["state"] != "open":
                 return PORT_DROP, R.STALE, []
-        elif d == 2:
+        elif d == 2 and not job["follows"]:
             if (here["state"] not in ("done", "host") or other["state"] not in ("done", "host")
                     or other["seq"] != (r - 1) % SEQ):
+                return PORT_DROP, R.BAD_SEQ, []
+        elif d > 0 and job["follows"]:  # a host fallback: the switch summed the rounds between
+            if here["state"] != "done":
                 return PORT_DROP, R.BAD_SEQ, []
         else:
             return PORT_DROP, (R.STALE if d < 0 else R.BAD_SEQ), []
         if ne > job["lanes"]:
             return PORT_DROP, R.BAD_LENGTH, []
-        if d == 2:
+        if d != 0:
             here["seq"] = r
-            if job["shared"] and not self._claim(jid, slot):
-                here["state"] = "host"
-                return self._fallback(f, job, slot)
+            if job["shared"]:
+                self._release(jid, slot, r & 1)
+                if not self._claim(jid, slot, r):
+                    here.update(state="host", counted=set())  # members seen passing
+                    self._seen(jid, slot, r & 1, w, job)
+                    return self._fallback(f, job, slot)
             here.update(state="open", counted={w}, values=vals, ne=ne, overflow=vals is None,
                         chunk=int(h["chunk_offset"]), codec=int(h["codec"]),
                         exp=int(h["exponent"]))
@@ -195,21 +202,43 @@ class AggregateReference:
             here["counted"].add(w)
         if len(here["counted"]) < len(job["members"]):
             return PORT_HELD, 0, []
+        if job["shared"]:  # every member had the previous round's result
+            self._release_previous(jid, slot, r)
         if job["parent"] is not None:
             here["state"] = "up"
             return PORT_HELD, 0, [self._upward(jid, slot, here, MsgType.DATA)]
         here["state"] = "done"
         return PORT_HELD, 0, [self._result(jid, slot, here, v) for v in sorted(job["members"])]
 
-    def _claim(self, jid: int, slot: int) -> bool:
-        if (jid, slot) in self.in_memory:
-            return True
-        e = _pool_index(jid, slot, self.pool_entries)
-        if e in self.pool:
-            return False
-        self.pool[e] = (jid, slot)
-        self.in_memory.add((jid, slot))
-        return True
+    def _claim(self, jid: int, slot: int, r: int) -> bool:
+        for k in range(POOL_PROBES):
+            e = _pool_index(jid, slot, r, k, self.pool_entries)
+            if e not in self.pool:
+                self.pool[e] = (jid, slot, r & 1)
+                self.rounds[(jid, slot, r & 1)]["entry"] = e
+                return True
+        return False
+
+    def _release(self, jid: int, slot: int, s: int) -> None:
+        rnd = self.rounds[(jid, slot, s)]
+        e = rnd.get("entry")
+        if e is not None and self.pool.get(e) == (jid, slot, s):
+            del self.pool[e]
+        rnd["entry"] = None
+
+    def _seen(self, jid: int, slot: int, s: int, w: int, job: dict) -> None:
+        """A member's contribution to a host round passed: once all did, the previous round's
+        result is needed no more."""
+        here = self.rounds[(jid, slot, s)]
+        if len(here["counted"]) == len(job["members"]):
+            return  # a duplicate: the previous round was released already (or moved on)
+        here["counted"].add(w)
+        if len(here["counted"]) == len(job["members"]):
+            self._release_previous(jid, slot, here["seq"])
+
+    def _release_previous(self, jid: int, slot: int, r: int) -> None:
+        if self.rounds[(jid, slot, 1 - (r & 1))]["seq"] == (r - 1) % SEQ:
+            self._release(jid, slot, 1 - (r & 1))
 
     def _fallback(self, f: bytes, job: dict, slot: int):
         if not job["fallback"]:
