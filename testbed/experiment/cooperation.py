@@ -386,7 +386,8 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             **{k: s.get(k) for k in ("iterations", "comm_s", "iter_s", "model_comm_s",
                                      "comm_fraction", "bytes", "correct", "cpu_bound",
                                      "cpu_util", "cpu_wait", "cpu_max", "cpu_engine",
-                                     "start_s", "end_s", "time_dilation", "error")},
+                                     "start_s", "end_s", "time_dilation", "error",
+                                     "checks")},
             "status": "error" if s.get("error") else "ok",
         })
     jcts = [r["jct_s"] for r in rows if r["status"] == "ok"]

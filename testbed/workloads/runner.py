@@ -128,6 +128,7 @@ class _Job:
         # plan changes (replan.py): the channel to the pool, the plan offered and not yet
         # switched to, the next one wanted, each plan's control plane (epoch -> its stack)
         self.channel: ControlLine | None = None
+        self.replan = False
         self.epoch = 0
         self.offered: tuple[int, TrainingSpec] | None = None
         self.wanted: TrainingSpec | None = None
@@ -175,6 +176,7 @@ class _Job:
         job["t_popen"] = self.t_start
         ranks = job["ranks"]
         theirs = None
+        self.replan = replan
         if replan:
             ours, theirs = socket.socketpair()
             self.channel = ControlLine(ours)
@@ -305,9 +307,13 @@ class _Job:
             "end_s": (self.t_end - self.t_start + self.offset_s) / spec.time_dilation,
             "error": res.get("error"),
             "plan_changes_applied": len(res.get("plan_switches") or []),
-            "plan_switches": res.get("plan_switches") or [],
-            "plan_errors": list(self.plan_errors),
         })
+        if self.replan:  # the plans in force and the collective each check was held to
+            summary.update(plan_switches=res.get("plan_switches") or [],
+                           plan_errors=list(self.plan_errors),
+                           checks=[{k: c.get(k) for k in ("iteration", "algo", "compressor",
+                                                          "correct", "max_abs_err")}
+                                   for c in checks])
         stats = res["logs"][0].get("comm_stats", {}) if res.get("logs") else {}
         if stats.get("packets"):  # the trimmed exchange, counted at rank 0
             summary["trimmed_frac"] = stats["trimmed"] / stats["packets"]
