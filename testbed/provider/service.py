@@ -273,6 +273,7 @@ class SwitchConfigurator:
     def _register(self, job: str, plan: Plan, hosts: list[str], hints: dict) -> None:
         # Function-level imports: the collective runner loads the kernels (Numba), which only
         # a service that configures a running network needs.
+        from testbed.collectives.ina import ina_lanes
         from testbed.collectives.runner import CollectiveError, register_ina_job
         from testbed.collectives.spec import CollectiveSpec
 
@@ -295,7 +296,9 @@ class SwitchConfigurator:
         self.handles[job] = (plan, handle, entry)
         self.registrations[job] = {"job_id": spec.job_id, "tree": entry.get("tree"),
                                    "seq0": entry.get("seq0"), "ranks": entry["ranks"],
-                                   "fallbacks": entry.get("fallbacks", [])}
+                                   "fallbacks": entry.get("fallbacks", []),
+                                   "slots": spec.slots, "mode": plan.mode,
+                                   "lanes": ina_lanes(spec, len(nodes))}
 
     def _remove(self, job: str) -> None:
         from testbed.collectives.runner import CollectiveError  # see _register
