@@ -36,7 +36,9 @@ the model's ideal JCT: iterations x (compute + the fastest candidate plan's comm
 alone on the fabric)), switch memory utilisation over time (``mem_series``: trace time and
 the allocated share of the static memory) and its time-weighted mean, bytes on core links
 (rx + tx at the spine switches' ports: every byte that crossed a leaf-spine link, counted
-once per link), and whether any job was CPU-bound. With ``repeats`` > 1 the trace runs that
+once per link), whether any job was CPU-bound, the re-plans by reason (``replans``) and
+the telemetry fed to the manager (``telemetry_snapshots``; ``congestion_episodes``: times a
+link became sustained-congested, whether or not the policy then changed a plan). With ``repeats`` > 1 the trace runs that
 many times per policy (interleaved, so a change in the machine's load hits every policy),
 every row carries its ``repeat``, and one ``row = "overall"`` per policy gives the median
 (and min, max) of the summary figures over the repeats.
@@ -62,7 +64,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from testbed.experiment import results
 from testbed.experiment.runner import flatten_counters, port_bytes_by_role
 from testbed.experiment.spec import TopologySpec, format_errors
-from testbed.provider.manager import FabricManager, inventory_of, same_offload
+from testbed.provider.manager import (
+    SUSTAINED_SNAPSHOTS,
+    FabricManager,
+    inventory_of,
+    same_offload,
+)
 from testbed.provider.policies import POLICIES, PlanModel, candidates, make_policy, plan_memory
 from testbed.provider.policies import FabricView as _View
 from testbed.provider.schema import Hints, JobRequest, Plan
@@ -254,6 +261,7 @@ class _Trace:
         self.sent: dict[str, Plan] = {}  # the plan each running job was last told to use
         self.telemetry = None
         self.snapshots = 0
+        self.congestion_episodes = 0
         self.last_obs = 0.0
         if exp.telemetry_period_s > 0:
             # function-level import: the service module loads the HTTP stack, which only
@@ -295,6 +303,10 @@ class _Trace:
             self.last_obs = now
             self.manager.observe(self.telemetry.collect(now), now=now)
             self.snapshots += 1
+            # episodes of sustained congestion (a re-plan was asked for; the policy may
+            # have kept every plan)
+            self.congestion_episodes += sum(
+                k == SUSTAINED_SNAPSHOTS for k in self.manager.congested().values())
         plans = self.manager.plans()
         out = {}
         for i in running:
@@ -408,7 +420,7 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
         "plan_changes_logged": sum(r["plan_changes_logged"] for r in rows),
         "replans": replan_reasons([e for e in tr.manager.log
                                    if e.old is not None and e.new is not None]),
-        "telemetry_snapshots": tr.snapshots,
+        "telemetry_snapshots": tr.snapshots, "congestion_episodes": tr.congestion_episodes,
         "cpu_bound": any(bool(r["cpu_bound"]) for r in rows),
     }
     return rows, summary, log

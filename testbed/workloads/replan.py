@@ -15,7 +15,9 @@ and slots) between two iterations, without stopping. The pieces, top to bottom:
   socket and only then lets rank 0 go on (``switch-ok``). No rank can finish the allreduce of
   iteration ``i`` before rank 0 contributed to it, so every rank has the decision in its
   socket before it reaches iteration ``i + 1``: each rank reads its socket (non-blocking) at
-  the start of every allreduce and switches exactly there (:class:`Switcher`).
+  the start of every allreduce and switches exactly there (:class:`Switcher`). The old
+  communicator is closed only at the next switch or at the end, when no peer can still be
+  reading from it.
 * at ``i + 1`` every rank closes its old communicator and sets up the new one (ports through
   the pool, as at start-up). Once every rank reported its new port, every rank has finished
   iteration ``i`` on the old plan; the pool tells the runner (``switched``), which then
@@ -77,7 +79,8 @@ class Switcher:
                  iterations: int):
         self.rank, self.ctl, self.connect = rank, ctl, connect
         self.iterations = iterations
-        self.run, self.close = connect(job, cspec)
+        self.run, self._close = connect(job, cspec)
+        self.retired: list = []
         self.epoch = 0
         self.offer: dict | None = None
         self.switches: dict[int, dict] = {}
@@ -106,13 +109,25 @@ class Switcher:
             self.switches[it + 1] = m
         m = self.switches.pop(it, None)
         if m is not None:
-            self.close()
-            self.run, self.close = (lambda step: None), (lambda: None)
+            # Close the communicator retired at the previous switch, not the one in use
+            # until now: a peer may still be reading this rank's last data of iteration
+            # it - 1 from it, and closing a TCP socket with unread data resets the
+            # connection (the peer's unread bytes are lost). Every rank has passed the
+            # previous switch's iteration by now (it set its new communicator up with all).
+            for close in self.retired:
+                close()
+            self.retired = [self._close]
             cspec = TrainingSpec(**m["job"]["train"]).collective()
-            self.run, self.close = self.connect(m["job"], cspec)
+            self.run, self._close = self.connect(m["job"], cspec)
             self.epoch = int(m["epoch"])
             self.applied.append((it, self.epoch))
         self.run(it)
+
+    def close(self) -> None:
+        """Close every communicator (at the end: every rank is done by then)."""
+        for close in [*self.retired, self._close]:
+            close()
+        self.retired = []
 
 
 class Coordinator:
