@@ -171,7 +171,8 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
         if gather is not None:
             log.comm_stats = dict(gather.stats)
         ctl.send({"type": "done", "log": log.to_json()})
-        ctl.recv()  # exit: every worker has its last sum, sockets may close
+        while ctl.recv()["type"] != "exit":  # a plan offered too late to apply: ignored
+            pass  # exit: every worker has its last sum, sockets may close
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the job
         report_error(ctl, e)
