@@ -562,7 +562,7 @@ def table(rows: list[dict]) -> str:
         return r["policy"] + (f" #{r['repeat']}" if r.get("repeat") else "")
 
     lines = [f"{'policy':<17}{'job':<14}{'plan':<24}{'jct_s':>8}{'tta_s':>8}{'acc':>7}"
-             f"{'target':>7}{'cpu':>5}"]
+             f"{'target':>7}{'chg':>4}{'cpu':>5}"]
     for r in rows:
         if r["row"] != "job":
             continue
@@ -571,7 +571,8 @@ def table(rows: list[dict]) -> str:
             f"@{len(r['tree'])}sw" if isinstance(r["tree"], list) else "")
         lines.append(f"{name(r):<17}{r['job']:<14}{plan:<24}{f(r['jct_s']):>8}"
                      f"{f(r['tta_s']):>8}{f(r['final_accuracy']):>7}"
-                     f"{f(r['target_accuracy']):>7}{'yes' if r['cpu_bound'] else 'no':>5}")
+                     f"{f(r['target_accuracy']):>7}{r.get('plan_changes', 0):>4}"
+                     f"{'yes' if r['cpu_bound'] else 'no':>5}")
     lines.append("")
     lines.append(f"{'policy':<24}{'mean_jct':>9}{'p99_jct':>9}{'jain':>7}{'mem_util':>9}"
                  f"{'core_MB':>9}{'accurate':>9}{'cpu':>5}")

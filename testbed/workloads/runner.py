@@ -5,8 +5,10 @@ arriving over time on their own hosts and sharing the fabric (:func:`run_trace`)
 ``topo``, ``hop_latency_s()``, ``bottleneck_bps()``, and for INA ``aggregator``,
 ``ina_members()``, ``switch_client()``). Each job runs in its own pool process
 (``python -m testbed.workloads.pool``, see pool.py) started at the job's ``start_s`` (times
-its ``time_dilation``); an INA job is registered with the aggregating switch for its lifetime
-(``testbed.collectives.runner.offload_job``: the same control plane as a single collective).
+its ``time_dilation``); an INA job is registered with the aggregating switch while its plan is
+in force (``testbed.collectives.runner.offload_job``: the same control plane as a single
+collective), and a job given a new plan while it runs (``run_trace(on_tick=...)``) moves to it
+at an iteration boundary (``testbed.workloads.replan``).
 Every job yields a :class:`TrainingResult`: per-iteration rows and a summary row
 (:mod:`testbed.workloads.rows`) with the flow-level model's time of one gradient allreduce
 (``model_comm_s``), the CPU-saturation signal over the job, and the checks of the pool.
