@@ -97,3 +97,42 @@ def test_two_jobs_under_cooperative_on_mininet(tmp_path):
         assert mine[0]["old"] is None and mine[0]["reason"].startswith("admitted")
         assert mine[-1]["new"] is None and mine[-1]["reason"] == "released"
     assert "exact4" in table(rows)
+
+
+REPLAN = {
+    "kind": "cooperation", "name": "replan-e2e", "seed": 3, "policies": ["provider_only"],
+    "telemetry_period_s": 0.2,
+    "topology": {"kind": "star", "n_hosts": 4, "bw_mbps": 20, "switch": "programmable",
+                 "switch_memory": "128KiB", "shared_pool": "32KiB"},
+    "jobs": [
+        {"name": "first", "hosts": [0, 1], "tolerance": "exact",
+         "train": {"hidden": 32, "lr": 0.1, "momentum": 0.0, "iterations": 4,
+                   "eval_every": 4}},
+        {"name": "second", "hosts": [2, 3], "start_s": 0.1, "tolerance": "exact",
+         "train": {"hidden": 64, "lr": 0.1, "momentum": 0.0, "iterations": 30,
+                   "eval_every": 10, "compute_ms": 40}},
+    ],
+}
+
+
+@pytest.mark.mininet
+def test_departure_replan_is_applied_mid_job_on_mininet(tmp_path):
+    """First come, first served: the short first job takes the switch's memory, the second
+    rings; when the first leaves, the manager re-plans the second onto INA and its ranks move
+    there mid-job (the orchestrator registered the new partition); every sum stays exact."""
+    rows = run_cooperation(load_cooperation(REPLAN), tmp_path, say=lambda text: None)
+    jobs = {r["job"]: r for r in rows if r["row"] == "job"}
+    summary = next(r for r in rows if r["row"] == "summary")
+    second = jobs["second"]
+    assert all(r["status"] == "ok" and r["correct"] is True for r in jobs.values()), rows
+    assert (second["algo"], second["plan_changes_logged"], second["replans"]["departure"]) == (
+        "ring", 1, 1)
+    assert second["plan_changes"] == 1 and second["plan_errors"] == [], second
+    switch = second["plan_switches"][0]
+    assert switch["algo"] == "ina" and switch["tree"] == ["tbs1"]
+    assert 0 < switch["at"] < second["iterations"] == 30
+    # the first sum on the switch was checked against numpy with INA's (exact) bound
+    assert {"iteration": switch["at"], "algo": "ina", "compressor": None, "correct": True} \
+        .items() <= next(c for c in second["checks"] if c["iteration"] == switch["at"]).items()
+    assert summary["plan_changes"] == 1 and summary["telemetry_snapshots"] >= 1
+    assert summary["mem_series"][-1][1] == 0  # every partition was given back

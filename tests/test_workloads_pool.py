@@ -4,8 +4,10 @@ the pool checks sampled allreduces against numpy and the replicas against each o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +15,11 @@ import time
 import pytest
 
 from testbed.collectives.testing import loopback_ip
+from testbed.collectives.worker import ControlLine
 from testbed.workloads import TrainingSpec
 from testbed.workloads.data import load_dataset
 from testbed.workloads.loop import train_reference
+from testbed.workloads.replan import epoch_job_id
 from testbed.workloads.rows import iteration_rows, summary_row
 from testbed.workloads.runner import pool_env
 
@@ -88,3 +92,49 @@ def test_bad_job_fails_with_the_ranks_message(tmp_path):
                    capture_output=True, text=True, timeout=120)
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["error"] and "rank 1" in r["error"], r["error"]
+
+
+def test_plan_changes_apply_at_a_boundary_and_are_checked(tmp_path):
+    """The runner's plan channel moves a running job ring -> ring+fp16 -> halving-doubling:
+    every rank switches at the iteration rank 0 chose, the first sum under each plan is
+    checked against numpy with that plan's bound, and the replicas still agree bit for bit."""
+    n = 3
+    spec = TrainingSpec(iterations=30, eval_every=10, seed=2, compute_ms=30.0)
+    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": loopback_ip()}
+             for i in range(n)]
+    ours, theirs = socket.socketpair()
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"train": spec.to_json(), "n": n, "m": 0, "ranks": ranks,
+                               "t_popen": time.monotonic(), "plan_fd": theirs.fileno()}))
+    p = subprocess.Popen([sys.executable, "-m", "testbed.workloads.pool", "--job", str(job)],
+                         env=pool_env(), pass_fds=[theirs.fileno()],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    theirs.close()
+    ch = ControlLine(ours)
+    plans = [dataclasses.replace(spec, compressor="fp16", job_id=epoch_job_id(1, 1)),
+             dataclasses.replace(spec, algo="hd", job_id=epoch_job_id(1, 2))]
+    ch.send({"type": "plan", "epoch": 1, "job": {"train": plans[0].to_json(), "ranks": ranks}})
+    ours.settimeout(120)
+    reports = []
+    while (msgs := ch.feed()) is not None:
+        reports += msgs
+        if {"type": "switched", "epoch": 1} in [{k: m[k] for k in ("type", "epoch")}
+                                                for m in msgs]:
+            ch.send({"type": "plan", "epoch": 2,
+                     "job": {"train": plans[1].to_json(), "ranks": ranks}})
+    out = p.communicate(timeout=120)[0]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["error"] is None, r["error"] + out.decode(errors="replace")[-2000:]
+    assert r["replicas_agree"]
+    sw = r["plan_switches"]
+    assert [(s["epoch"], s["algo"], s["compressor"]) for s in sw] == [
+        (1, "ring", "fp16"), (2, "hd", None)]
+    assert 0 < sw[0]["at"] < sw[1]["at"] < spec.iterations
+    assert [m["type"] for m in reports] == ["switching", "switched"] * 2
+    checked = {(c["iteration"], c["algo"], c["compressor"]) for c in r["checks"]}
+    mid = (("hd", None) if sw[1]["at"] <= 15 else ("ring", "fp16") if sw[0]["at"] <= 15
+           else ("ring", None))  # the plan in force at the middle check iteration
+    assert {(sw[0]["at"], "ring", "fp16"), (sw[1]["at"], "hd", None), (0, "ring", None),
+            (15, *mid)} == checked
+    assert all(c["correct"] for c in r["checks"]), r["checks"]
+    assert all(len(log["t0"]) == spec.iterations for log in r["logs"])

@@ -103,8 +103,14 @@ def _topology_name(net) -> str:
     return str(v).split("\n")[0][:80]
 
 
-def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = None) -> list[dict]:
+def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = None,
+                   registration: dict | None = None) -> list[dict]:
     """Run ``spec`` on ``net``; one row (keys ``REPORT_COLUMNS``) per repetition.
+
+    ``registration``: for ina/nic, the job's switch registration made by the provider
+    (``SwitchConfigurator.registrations[job]``, served as ``GET /v1/jobs/{job}``): the
+    collective runs on it instead of registering (and afterwards removing) its own; see
+    :func:`adopt_registration`.
 
     Raises ``ValueError`` for a bad spec, :class:`CollectiveTimeout` when a rank stayed silent
     longer than ``spec.timeout_s``, :class:`CollectiveError` when a rank failed or died.
@@ -135,7 +141,9 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
            "ranks": ranks, "bw_bps": bw, "time_dilation": dilation,
            "extra_pids": list(extra_pids or []) + _engine_pids(net)}
     agg_client = None
-    if spec.algo in ("ina", "nic"):
+    if registration is not None:
+        adopt_registration(spec, job, workers, registration)
+    elif spec.algo in ("ina", "nic"):
         try:
             agg_client = register_ina_job(net, spec, job, workers)
         except AdmissionRefused as e:
@@ -446,16 +454,56 @@ def _engine_pids(net) -> list[int]:
     return pids
 
 
+def adopt_registration(spec: CollectiveSpec, job: dict, workers: list,
+                       registration: dict) -> None:
+    """Fill ``job`` (the pool's job dict) from an INA registration the provider made
+    (``SwitchConfigurator.registrations[job]``: job id, tree, first round, per rank its UDP
+    port, member id and aggregator, the host fallbacks, the slots and lanes it registered),
+    instead of registering the job here. The provider keeps owning it: nothing here removes
+    it. Raises ``ValueError`` when the registration does not fit ``spec`` or ``workers``."""
+    if spec.algo not in ("ina", "nic"):
+        raise ValueError(f"registration: only an ina/nic collective runs on a switch "
+                         f"registration; algo {spec.algo!r} needs none (pass registration=None)")
+    if registration.get("job_id") != spec.job_id:
+        raise ValueError(f"registration: the provider registered job id "
+                         f"{registration.get('job_id')}, the spec has job_id={spec.job_id}; set "
+                         "CollectiveSpec.job_id to the registration's job_id")
+    hosts = [r["host"] for r in registration.get("ranks", [])]
+    if hosts != [w.name for w in workers]:
+        raise ValueError(f"registration: the provider registered hosts {hosts} (in rank order), "
+                         f"the collective runs on {[w.name for w in workers]}; run it on the "
+                         "registered hosts")
+    slots, lanes = registration.get("slots"), registration.get("lanes")
+    if slots is not None and spec.slots > slots:
+        raise ValueError(f"registration: {slots} slots per switch were registered, the spec "
+                         f"uses {spec.slots}; set placement.slots (or window) to at most {slots}")
+    if lanes is not None and _ina().ina_lanes(spec, len(workers)) != lanes:
+        raise ValueError(f"registration: the switches hold {lanes} lanes per slot, the spec's "
+                         f"packets carry {_ina().ina_lanes(spec, len(workers))}; use the plan's "
+                         "compressor and parameters")
+    job["seq0"] = registration["seq0"]
+    job["tree"] = list(registration["tree"])
+    job["fallbacks"] = list(registration.get("fallbacks", []))
+    for r, reg in enumerate(registration["ranks"]):
+        job["ranks"][r].update(port=reg["port"], member=reg["member"],
+                               aggregator=dict(reg["aggregator"]))
+
+
 @contextlib.contextmanager
-def offload_job(net, spec: CollectiveSpec, job: dict, workers: list):
+def offload_job(net, spec: CollectiveSpec, job: dict, workers: list,
+                registration: dict | None = None):
     """The control plane around a job whose ranks run outside :func:`run_collective` (a
     training job's pool): for ``algo`` ina/nic, register the job's members with the
     aggregating switch (filling ``job["aggregator"]`` and the ranks' ports and MACs) and set
     the SmartNICs' offload, and give both back on exit, failures included. Yields the
-    switch's control client (None for host algorithms)."""
+    switch's control client (None for host algorithms). ``registration``: a registration the
+    provider made (:func:`adopt_registration`): used as it is and left on the switches."""
     client = None
-    if spec.algo in ("ina", "nic"):
+    if registration is not None:
+        adopt_registration(spec, job, workers, registration)
+    elif spec.algo in ("ina", "nic"):
         client = register_ina_job(net, spec, job, workers)
+    if spec.algo in ("ina", "nic"):
         try:
             _configure_nics(net, spec, offload=True)
         except BaseException:

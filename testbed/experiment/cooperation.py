@@ -15,20 +15,30 @@ model on the network's measured hop latency, admits each job when it arrives, an
 workers train with the admitted plan (algorithm, compressor, error feedback, tree and slots);
 when a job ends the manager releases it and re-plans the others.
 
-What the emulation does not do yet: a running job keeps the plan it started with. The
-manager's re-plans of running jobs (on arrivals and departures) are logged and counted
-(``plan_changes``) but not applied, because a training pool sets its communicator up once.
-Telemetry is not fed to the manager during the trace either.
+Re-plans of running jobs are applied. Every ``telemetry_period_s`` (trace time) the data-path
+engines' counters are read (:class:`~testbed.provider.service.Telemetry`) and fed to
+``manager.observe``, which re-plans on sustained congestion of a job's links; arrivals and
+departures re-plan too. When the plan of a running job changes, the orchestrator registers
+the new plan's switch configuration and the job's ranks move to it at an iteration boundary
+rank 0 chooses (``testbed.workloads.replan``); the first sum under every applied plan is
+checked against numpy with that plan's bound, besides the usual check iterations.
 
 Rows (one per policy x job, ``row = "job"``): ``policy, job, jct_s, tta_s, final_accuracy,
-target_accuracy, accuracy_ok, plan_changes`` and the plan (``algo, compressor, tree,
-predicted_comm_s``) plus the training summary (``comm_s``, ``cpu_bound``, ...). One summary
+target_accuracy, accuracy_ok, plan_changes`` (plan changes the job applied while running;
+``plan_changes_logged``: the manager's re-plans of the job while admitted, applied or not;
+``replans``: those by reason, ``arrival``/``departure``/``congestion``; ``plan_switches``:
+iteration and communication of each applied change; ``plan_errors``: changes that could not
+be applied, e.g. a switch that refused the new registration) and the admission plan
+(``algo, compressor, tree, predicted_comm_s``) plus the training summary (``comm_s``,
+``cpu_bound``, ...). One summary
 row per policy (``row = "summary"``): mean and p99 JCT, Jain fairness of slowdowns (JCT over
 the model's ideal JCT: iterations x (compute + the fastest candidate plan's communication
 alone on the fabric)), switch memory utilisation over time (``mem_series``: trace time and
 the allocated share of the static memory) and its time-weighted mean, bytes on core links
 (rx + tx at the spine switches' ports: every byte that crossed a leaf-spine link, counted
-once per link), and whether any job was CPU-bound. With ``repeats`` > 1 the trace runs that
+once per link), whether any job was CPU-bound, the re-plans by reason (``replans``) and
+the telemetry fed to the manager (``telemetry_snapshots``; ``congestion_episodes``: times a
+link became sustained-congested, whether or not the policy then changed a plan). With ``repeats`` > 1 the trace runs that
 many times per policy (interleaved, so a change in the machine's load hits every policy),
 every row carries its ``repeat``, and one ``row = "overall"`` per policy gives the median
 (and min, max) of the summary figures over the repeats.
@@ -54,7 +64,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from testbed.experiment import results
 from testbed.experiment.runner import flatten_counters, port_bytes_by_role
 from testbed.experiment.spec import TopologySpec, format_errors
-from testbed.provider.manager import FabricManager, inventory_of
+from testbed.provider.manager import (
+    SUSTAINED_SNAPSHOTS,
+    FabricManager,
+    inventory_of,
+    same_offload,
+)
 from testbed.provider.policies import POLICIES, PlanModel, candidates, make_policy, plan_memory
 from testbed.provider.policies import FabricView as _View
 from testbed.provider.schema import Hints, JobRequest, Plan
@@ -92,6 +107,9 @@ class CooperationExperiment(BaseModel):
     description: str = ""
     seed: int = Field(0, ge=0)
     time_dilation: float = Field(1.0, ge=1, le=100)
+    telemetry_period_s: float = Field(1.0, ge=0, le=60, description="seconds of trace time "
+                                      "between two telemetry snapshots fed to the manager "
+                                      "(0: none)")
     lease_s: float = Field(3600.0, gt=0, le=3600)
     repeats: int = Field(1, ge=1, le=20, description="runs of the trace per policy "
                          "(interleaved: repeat 0 of every policy, then repeat 1, ...)")
@@ -206,6 +224,18 @@ def ideal_jct_s(req: JobRequest, spec: TrainingSpec, model: PlanModel, inv) -> f
     return spec.iterations * (spec.compute_ms / 1000.0 + min(times))
 
 
+def replan_reasons(changes) -> dict[str, int]:
+    """How many of the plan log's re-plans (``PlanChange`` entries with an old and a new
+    plan) had which cause: ``arrival``, ``departure``, ``congestion`` (else ``other``)."""
+    out = {"arrival": 0, "departure": 0, "congestion": 0, "other": 0}
+    for e in changes:
+        key = ("arrival" if e.reason.startswith("re-plan on arrival") else
+               "departure" if e.reason.startswith("re-plan on departure") else
+               "congestion" if e.reason.startswith("sustained congestion") else "other")
+        out[key] += 1
+    return out
+
+
 def _p99(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return float(np.percentile(xs, 99)) if xs else None
@@ -228,14 +258,27 @@ class _Trace:
         self.running: set[str] = set()
         self.mem: list[tuple[float, float]] = []
         self.total_mem = sum(s.memory_bytes for s in inv.switches) or 1
+        self.sent: dict[str, Plan] = {}  # the plan each running job was last told to use
+        self.telemetry = None
+        self.snapshots = 0
+        self.congestion_episodes = 0
+        self.last_obs = 0.0
+        if exp.telemetry_period_s > 0:
+            # function-level import: the service module loads the HTTP stack, which only
+            # co-operation runs with telemetry need
+            from testbed.provider.service import Telemetry
+
+            self.telemetry = Telemetry(net.topo.describe(),
+                                       {s.name: s.memory_bytes for s in inv.switches},
+                                       float(getattr(net, "time_dilation", 1.0) or 1.0))
         self.t0 = time.monotonic()
 
     def now(self) -> float:
         return (time.monotonic() - self.t0) / self.net.time_dilation
 
     def _record(self) -> None:
-        """Memory in use by the plans in force: each job's plan from its start to its end
-        (a re-plan of a running job is logged, not applied)."""
+        """Memory in use by the running jobs' current plans (a re-plan counts from the moment
+        the manager made it; the job applies it within an iteration or two)."""
         used = sum(sum(plan_memory(self.plans[j.job], len(j.hosts)).values())
                    for j in self.reqs if j.job in self.running)
         self.mem.append((round(self.now(), 3), used / self.total_mem))
@@ -243,12 +286,45 @@ class _Trace:
     def on_start(self, i: int, spec: TrainingSpec) -> TrainingSpec:
         plan = self.manager.admit(self.reqs[i], now=self.now())
         self.plans[self.reqs[i].job] = plan
+        self.sent[self.reqs[i].job] = plan
         self.running.add(self.reqs[i].job)
         self._record()
         self.say(f"[{self.policy}] {self.reqs[i].job}: {plan.algo}"
                  + (f"+{plan.compressor}" if plan.compressor else "")
                  + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
         return apply_plan(spec, plan)
+
+    def on_tick(self, running: list[int]) -> dict[int, TrainingSpec]:
+        """Feed telemetry to the manager when a period has passed; return the new spec of
+        every running job whose plan changed since it was last told (applied at its next
+        iteration boundary by the runner)."""
+        now = self.now()
+        if self.telemetry is not None and now - self.last_obs >= self.exp.telemetry_period_s:
+            self.last_obs = now
+            self.manager.observe(self.telemetry.collect(now), now=now)
+            self.snapshots += 1
+            # episodes of sustained congestion (a re-plan was asked for; the policy may
+            # have kept every plan)
+            self.congestion_episodes += sum(
+                k == SUSTAINED_SNAPSHOTS for k in self.manager.congested().values())
+        plans = self.manager.plans()
+        out = {}
+        for i in running:
+            name = self.reqs[i].job
+            plan = plans.get(name)
+            if plan is not None and not same_offload(plan, self.sent.get(name)):
+                self.sent[name] = plan
+                out[i] = apply_plan(self.specs[i], plan)
+                self.say(f"[{self.policy}] {name}: re-planned to {plan.algo}"
+                         + (f"+{plan.compressor}" if plan.compressor else "")
+                         + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
+        if out:
+            self._record()
+        return out
+
+    def close(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def on_end(self, i: int, _res) -> None:
         with contextlib.suppress(ValueError):  # not admitted (its start failed)
@@ -279,7 +355,11 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
     tr = _Trace(exp, policy, net, model, inv, say)
     before = _counters(net)
     tr.t0 = time.monotonic()
-    out = run_trace(net, tr.specs, progress=say, on_start=tr.on_start, on_end=tr.on_end)
+    try:
+        out = run_trace(net, tr.specs, progress=say, on_start=tr.on_start, on_end=tr.on_end,
+                        on_tick=tr.on_tick)
+    finally:
+        tr.close()
     after = _counters(net)
     end_s = tr.now()
     core = None
@@ -292,8 +372,8 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
     for i, (job, res) in enumerate(zip(exp.jobs, out, strict=True)):
         s, req = res.summary, tr.reqs[i]
         plan = tr.plans.get(job.name)
-        admitted = [e for e in tr.manager.log if e.job == job.name]
-        changes = sum(1 for e in admitted if e.old is not None and e.new is not None)
+        replans = [e for e in tr.manager.log
+                   if e.job == job.name and e.old is not None and e.new is not None]
         ideal = ideal_jct_s(req, tr.specs[i], model, inv)
         target = s.get("target_accuracy")
         acc = s.get("final_accuracy")
@@ -301,7 +381,9 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             "row": "job", "policy": policy, "job": job.name, "jct_s": s.get("jct_s"),
             "tta_s": s.get("tta_s"), "final_accuracy": acc, "target_accuracy": target,
             "accuracy_ok": None if target is None or acc is None else bool(acc >= target),
-            "plan_changes": changes, "plan_changes_applied": 0,
+            "plan_changes": s.get("plan_changes_applied", 0),
+            "plan_changes_logged": len(replans), "replans": replan_reasons(replans),
+            "plan_switches": s.get("plan_switches", []), "plan_errors": s.get("plan_errors", []),
             "algo": plan.algo if plan else None,
             "compressor": plan.compressor if plan else None,
             "compressor_params": plan.compressor_params if plan else None,
@@ -316,7 +398,8 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             **{k: s.get(k) for k in ("iterations", "comm_s", "iter_s", "model_comm_s",
                                      "comm_fraction", "bytes", "correct", "cpu_bound",
                                      "cpu_util", "cpu_wait", "cpu_max", "cpu_engine",
-                                     "start_s", "end_s", "time_dilation", "error")},
+                                     "start_s", "end_s", "time_dilation", "error",
+                                     "checks")},
             "status": "error" if s.get("error") else "ok",
         })
     jcts = [r["jct_s"] for r in rows if r["status"] == "ok"]
@@ -334,6 +417,10 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
         "core_bytes": core,
         "all_accurate": all(r["accuracy_ok"] is not False for r in rows),
         "plan_changes": sum(r["plan_changes"] for r in rows),
+        "plan_changes_logged": sum(r["plan_changes_logged"] for r in rows),
+        "replans": replan_reasons([e for e in tr.manager.log
+                                   if e.old is not None and e.new is not None]),
+        "telemetry_snapshots": tr.snapshots, "congestion_episodes": tr.congestion_episodes,
         "cpu_bound": any(bool(r["cpu_bound"]) for r in rows),
     }
     return rows, summary, log
@@ -475,7 +562,7 @@ def table(rows: list[dict]) -> str:
         return r["policy"] + (f" #{r['repeat']}" if r.get("repeat") else "")
 
     lines = [f"{'policy':<17}{'job':<14}{'plan':<24}{'jct_s':>8}{'tta_s':>8}{'acc':>7}"
-             f"{'target':>7}{'cpu':>5}"]
+             f"{'target':>7}{'chg':>4}{'cpu':>5}"]
     for r in rows:
         if r["row"] != "job":
             continue
@@ -484,7 +571,8 @@ def table(rows: list[dict]) -> str:
             f"@{len(r['tree'])}sw" if isinstance(r["tree"], list) else "")
         lines.append(f"{name(r):<17}{r['job']:<14}{plan:<24}{f(r['jct_s']):>8}"
                      f"{f(r['tta_s']):>8}{f(r['final_accuracy']):>7}"
-                     f"{f(r['target_accuracy']):>7}{'yes' if r['cpu_bound'] else 'no':>5}")
+                     f"{f(r['target_accuracy']):>7}{r.get('plan_changes', 0):>4}"
+                     f"{'yes' if r['cpu_bound'] else 'no':>5}")
     lines.append("")
     lines.append(f"{'policy':<24}{'mean_jct':>9}{'p99_jct':>9}{'jain':>7}{'mem_util':>9}"
                  f"{'core_MB':>9}{'accurate':>9}{'cpu':>5}")

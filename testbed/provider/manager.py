@@ -120,7 +120,7 @@ class _Lease:
     expires_s: float
 
 
-def _same(a: Plan | None, b: Plan | None) -> bool:
+def same_offload(a: Plan | None, b: Plan | None) -> bool:
     """Whether two plans configure the same offload (reason and prediction aside)."""
     if a is None or b is None:
         return a is b
@@ -272,7 +272,7 @@ class FabricManager:
         except NoFeasiblePlan:
             return []  # keep the running plans: they fit, a re-plan that does not is no gain
         self._commit(new, now, {}, reason)
-        return [j for j in self._plans if not _same(before.get(j), self._plans[j])]
+        return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
 
     # ---------------------------------------------------------------- internals
 
@@ -349,6 +349,6 @@ class FabricManager:
             if name in first:
                 self.log.append(PlanChange(now, name, None, plan,
                                            f"{first[name]}: {plan.reason}"))
-            elif not _same(old, plan):
+            elif not same_offload(old, plan):
                 self.log.append(PlanChange(now, name, old, plan, f"{reason}: {plan.reason}"))
             self._plans[name] = plan

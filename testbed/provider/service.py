@@ -103,16 +103,20 @@ class Telemetry:
 
     ``desc``: the topology's ``describe()`` dict (hosts, switches, programmable nodes, links
     with their ports and rates); ``memory_bytes``: static aggregator memory per switch the
-    inventory declares. Each :meth:`collect` asks every programmable node for its counters;
-    link utilisation is the byte-counter delta since the previous collection over the
-    interval and the link rate; queue depth, trims and queue drops come from a ``trim`` stage
+    inventory declares; ``time_dilation``: the network's factor (links run at their rate
+    divided by it, so utilisation is measured against the dilated rate). Each
+    :meth:`collect` asks every programmable node for its counters; link utilisation is the
+    byte-counter delta since the previous collection over the interval and the link rate; queue depth, trims and queue drops come from a ``trim`` stage
     on the source's egress port, drops from the port's drop counters; a switch's allocated
     memory per job from its ``aggregate`` stage. A node that does not answer is reported in
     :attr:`errors` and contributes nothing (its links read as idle).
     """
 
-    def __init__(self, desc: dict, memory_bytes: dict[str, int]):
+    def __init__(self, desc: dict, memory_bytes: dict[str, int], time_dilation: float = 1.0):
+        if not (isinstance(time_dilation, (int, float)) and time_dilation >= 1):
+            raise ValueError(f"time_dilation must be a number >= 1, got {time_dilation!r}")
         self.desc = desc
+        self.time_dilation = float(time_dilation)
         self.memory_bytes = dict(memory_bytes)
         self.nodes = sorted(desc.get("programmable", []))
         self.ports = _port_map(desc)
@@ -191,7 +195,8 @@ class Telemetry:
             drops += sum(int(v) for v in data.get("ports", {}).get(port, {})
                          .get("drops", {}).values())
         return LinkState(src=src, dst=dst, rate_mbps=rate_mbps,
-                         utilisation=round(bps / (rate_mbps * 1e6), 4), queue_bytes=queue,
+                         utilisation=round(bps * self.time_dilation / (rate_mbps * 1e6), 4),
+                         queue_bytes=queue,
                          drops=drops, trims=trims)
 
     def close(self) -> None:
@@ -268,6 +273,7 @@ class SwitchConfigurator:
     def _register(self, job: str, plan: Plan, hosts: list[str], hints: dict) -> None:
         # Function-level imports: the collective runner loads the kernels (Numba), which only
         # a service that configures a running network needs.
+        from testbed.collectives.ina import ina_lanes
         from testbed.collectives.runner import CollectiveError, register_ina_job
         from testbed.collectives.spec import CollectiveSpec
 
@@ -290,7 +296,9 @@ class SwitchConfigurator:
         self.handles[job] = (plan, handle, entry)
         self.registrations[job] = {"job_id": spec.job_id, "tree": entry.get("tree"),
                                    "seq0": entry.get("seq0"), "ranks": entry["ranks"],
-                                   "fallbacks": entry.get("fallbacks", [])}
+                                   "fallbacks": entry.get("fallbacks", []),
+                                   "slots": spec.slots, "mode": plan.mode,
+                                   "lanes": ina_lanes(spec, len(nodes))}
 
     def _remove(self, job: str) -> None:
         from testbed.collectives.runner import CollectiveError  # see _register
@@ -634,7 +642,8 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
         model = None  # e.g. unshaped links: plans without predictions
     manager = FabricManager(inventory, policy, model)
     mem = {s.name: s.memory_bytes for s in inventory.switches}
-    telemetry = Telemetry(desc, mem) if net is not None else None
+    telemetry = Telemetry(desc, mem, float(getattr(net, "time_dilation", 1.0) or 1.0)) \
+        if net is not None else None
     switches = SwitchConfigurator(net) if net is not None else None
     return ProviderService(manager, telemetry, switches, telemetry_period_s, reap_period_s,
                            clock)

@@ -51,6 +51,7 @@ from testbed.collectives.worker import (
 )
 from testbed.workloads.data import load_dataset
 from testbed.workloads.loop import build, train_worker
+from testbed.workloads.replan import MAX_SWITCHES, Coordinator, Switcher
 from testbed.workloads.spec import TrainingSpec
 
 
@@ -58,6 +59,12 @@ def check_iterations(spec: TrainingSpec) -> list[int]:
     """Iterations whose allreduce the pool checks against numpy: the first one and one in
     the middle (after updates and, with error feedback, a non-zero residual)."""
     return sorted({0, spec.iterations // 2})
+
+
+def replannable(job: dict, spec: TrainingSpec) -> bool:
+    """Whether the job takes plan changes: the runner gave it a plan channel, and its
+    collective is an allreduce a plan can replace (not the trimmed exchange)."""
+    return job.get("plan_fd") is not None and spec.algo != "trim"
 
 
 def tx_counter(intf: str | None):
@@ -111,8 +118,10 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
     n = job["n"]
     cspec = spec.collective()
     its = check_iterations(spec)
-    contribution = np.zeros(sh.p, np.float32) if cspec.compressor and cspec.algo == "ring" \
-        else None
+    replan = replannable(job, spec)
+    contribution = np.zeros(sh.p, np.float32) if replan or (
+        cspec.compressor and cspec.algo == "ring") else None
+    switcher = None
     gather = None
     if spec.algo == "trim":  # rank 0 writes the trimmed chunks' error bound into the slot
         contribution = np.zeros(sh.p, np.float32) if rank == 0 else None
@@ -128,6 +137,14 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
             def run(step: int) -> None:
                 gather.reduce(grad, out, step, contribution)
                 broadcast(step)
+        elif replan:
+            switcher = Switcher(rank, ctl, lambda j, c: connect_rank(j, c, rank, ctl, grad, out,
+                                                                     contribution),
+                                job, cspec, spec.iterations)
+            run = switcher
+
+            def close() -> None:
+                switcher.close()
         else:
             run, close = connect_rank(job, cspec, rank, ctl, grad, out, contribution)
         probe = tx_counter(job["ranks"][rank].get("intf"))
@@ -135,22 +152,27 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
         if ctl.recv()["type"] != "go":
             return 0
 
+        def fill(c: int) -> None:
+            slot = sh.chk[c]
+            slot["x"][rank][:] = grad
+            slot["out"][rank][:] = out
+            if contribution is not None:
+                slot["dec"][rank][:] = contribution
+            sh.mark(c, rank)
+
         def keep(it: int) -> None:
             if it in its:
-                c = its.index(it)
-                slot = sh.chk[c]
-                slot["x"][rank][:] = grad
-                slot["out"][rank][:] = out
-                if contribution is not None:
-                    slot["dec"][rank][:] = contribution
-                sh.mark(c, rank)
+                fill(its.index(it))
+            if switcher is not None and switcher.applied and switcher.applied[-1][0] == it:
+                fill(len(its) + switcher.applied[-1][1] - 1)  # the new plan's first sum
 
         log = train_worker(spec, data, rank, n, grad, out, run, tx_bytes=probe,
                            after_allreduce=keep)
         if gather is not None:
             log.comm_stats = dict(gather.stats)
         ctl.send({"type": "done", "log": log.to_json()})
-        ctl.recv()  # exit: every worker has its last sum, sockets may close
+        while ctl.recv()["type"] != "exit":  # a plan offered too late to apply: ignored
+            pass  # exit: every worker has its last sum, sockets may close
         return 0
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the job
         report_error(ctl, e)
@@ -163,12 +185,17 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
 
 
 def _collect(ctls: dict, children: dict, kind: str, wait_s: float | None, timeout_s: float,
-             monitor: CpuMonitor | None = None) -> dict[int, dict]:
+             monitor: CpuMonitor | None = None,
+             coordinator: Coordinator | None = None) -> dict[int, dict]:
     """One ``kind`` message from every child; raises RuntimeError naming the ranks that
-    failed, died or stayed silent (``wait_s``; None: as long as they are alive)."""
+    failed, died or stayed silent (``wait_s``; None: as long as they are alive).
+    ``coordinator``: handles plan changes meanwhile (the runner's plan channel, the ranks'
+    ``switch`` and ``port`` messages)."""
     sel = selectors.DefaultSelector()
     for r, c in ctls.items():
         sel.register(c.sock, selectors.EVENT_READ, r)
+    if coordinator is not None and coordinator.channel is not None:
+        sel.register(coordinator.channel.sock, selectors.EVENT_READ, "channel")
     got: dict[int, dict] = {}
     bad: dict[int, str] = {}
     timeout = False
@@ -181,6 +208,10 @@ def _collect(ctls: dict, children: dict, kind: str, wait_s: float | None, timeou
                 break
             for key, _ in sel.select(timeout=0.2):
                 r = key.data
+                if r == "channel":
+                    if not coordinator.on_channel():
+                        sel.unregister(key.fileobj)
+                    continue
                 msgs = ctls[r].feed()
                 if msgs is None:
                     sel.unregister(key.fileobj)
@@ -196,6 +227,12 @@ def _collect(ctls: dict, children: dict, kind: str, wait_s: float | None, timeou
                         grace = grace or time.monotonic() + min(timeout_s + 3, 30)
                     elif m["type"] == kind:
                         got[r] = m
+                    elif coordinator is not None:
+                        try:
+                            coordinator.on_message(r, m)
+                        except (RuntimeError, KeyError, OSError) as e:
+                            bad[r] = f"plan change: {type(e).__name__}: {e}"
+                            grace = grace or time.monotonic() + min(timeout_s + 3, 30)
             if monitor is not None:
                 monitor.sample()
     finally:
@@ -218,27 +255,36 @@ def _status(status: int) -> str:
     return f"exit {os.WEXITSTATUS(status)}"
 
 
-def _checks(spec: TrainingSpec, sh: _Shared, n: int) -> list[dict]:
-    """Each complete check slot against numpy with the collective's own bound."""
-    cspec = spec.collective()
-    out = []
-    for c, it in enumerate(check_iterations(spec)):
-        if not sh.complete(c):
-            continue  # the job stopped (target accuracy) before this iteration
-        slot = sh.chk[c]
-        if spec.algo == "trim":
-            err, ok = _trim_check(slot["x"], slot["out"], slot["dec"][0])
-        elif cspec.compressor is not None and cspec.algo == "ina":
-            from testbed.collectives.ina import thc_check  # numba: INA jobs only
+def _checks(spec: TrainingSpec, sh: _Shared, n: int,
+            coordinator: Coordinator | None = None) -> list[dict]:
+    """Each complete check slot against numpy with the bound of the collective in force at
+    its iteration: the check iterations, then the first sum under every applied plan."""
+    slots = [(c, it, spec) for c, it in enumerate(check_iterations(spec))]
+    if coordinator is not None:
+        slots = [(c, it, TrainingSpec(**coordinator.spec_at(it))) for c, it, _ in slots]
+        base = len(slots)
+        slots += [(base + epoch - 1, at, TrainingSpec(**t))
+                  for at, epoch, t in coordinator.epochs[1:]]
+    return [r for c, it, s in slots if sh.complete(c)  # else the job stopped before it
+            for r in [_check_slot(s, sh.chk[c], n, it, c)]]
 
-            err, ok = thc_check(cspec, slot["x"], slot["out"], n, step=it)
-        elif cspec.compressor is not None:
-            comp, _ = compress.make(cspec)
-            err, ok = compress.check_contributions(comp, slot["dec"], slot["x"], slot["out"])
-        else:
-            err, ok = check(cspec, slot["x"], slot["out"], n)
-        out.append({"iteration": it, "max_abs_err": float(err), "correct": bool(ok)})
-    return out
+
+def _check_slot(spec: TrainingSpec, slot: dict, n: int, it: int, c: int) -> dict:
+    """One check slot (iteration ``it``) against numpy with ``spec``'s collective's bound."""
+    cspec = spec.collective()
+    if spec.algo == "trim":
+        err, ok = _trim_check(slot["x"], slot["out"], slot["dec"][0])
+    elif cspec.compressor is not None and cspec.algo == "ina":
+        from testbed.collectives.ina import thc_check  # numba: INA jobs only
+
+        err, ok = thc_check(cspec, slot["x"], slot["out"], n, step=it)
+    elif cspec.compressor is not None:
+        comp, _ = compress.make(cspec)
+        err, ok = compress.check_contributions(comp, slot["dec"], slot["x"], slot["out"])
+    else:
+        err, ok = check(cspec, slot["x"], slot["out"], n)
+    return {"iteration": it, "max_abs_err": float(err), "correct": bool(ok), "slot": c,
+            "algo": spec.algo, "compressor": spec.compressor}
 
 
 def _trim_check(inputs: list, outputs: list, trim_bound: np.ndarray) -> tuple[float, bool]:
@@ -262,18 +308,20 @@ def run_pool(job: dict) -> dict:
     """Run the training job described by ``job`` (see runner.py); return the result dict."""
     spec = TrainingSpec(**job["train"])
     cspec = spec.collective()
-    if cspec.compressor is not None or cspec.algo in ("ina", "nic"):
+    replan = replannable(job, spec)  # a later plan may be INA or compressed
+    if cspec.compressor is not None or cspec.algo in ("ina", "nic") or replan:
         fork_safe_numba()  # before anything loads the kernels
     n = job["n"]
     t_launch = time.monotonic()
     data = load_dataset(spec.dataset, seed=spec.seed, test_fraction=spec.test_fraction,
                         samples=spec.samples, features=spec.features, classes=spec.classes)
     model, _ = build(spec, data)
-    sh = _Shared(n, model.n_params, len(check_iterations(spec)))
+    sh = _Shared(n, model.n_params,
+                 len(check_iterations(spec)) + (MAX_SWITCHES if replan else 0))
     if cspec.compressor is not None and cspec.algo == "ring":
         compress.warm(cspec)
-    if cspec.algo in ("ina", "nic"):
-        from testbed.collectives import ina  # numba: only INA jobs pay for it
+    if cspec.algo in ("ina", "nic") or replan:
+        from testbed.collectives import ina  # numba: only INA jobs (and re-plannable) pay
 
         ina.warm_up()
     if spec.algo == "trim":
@@ -281,6 +329,7 @@ def run_pool(job: dict) -> dict:
     job["_pool_pid"] = os.getpid()
     children: dict[int, int] = {}
     ctls: dict[int, ControlLine] = {}
+    channel = ControlLine(socket.socket(fileno=int(job["plan_fd"]))) if replan else None
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in range(n):
@@ -292,6 +341,8 @@ def run_pool(job: dict) -> dict:
                 a.close()
                 for c in ctls.values():
                     c.sock.close()
+                if channel is not None:
+                    channel.sock.close()
                 code = _child(job, spec, data, rank, ControlLine(b), sh)
             finally:
                 os._exit(code)
@@ -313,7 +364,8 @@ def run_pool(job: dict) -> dict:
         result["t_go"] = time.monotonic()
         for c in ctls.values():
             c.send({"type": "go"})
-        done = _collect(ctls, children, "done", None, spec.timeout_s, monitor)
+        coordinator = Coordinator(job, ctls, channel) if replan else None
+        done = _collect(ctls, children, "done", None, spec.timeout_s, monitor, coordinator)
         cpu = monitor.stop()
         result["logs"] = [done[r]["log"] for r in range(n)]
         result["cpu"] = {"cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait,
@@ -323,7 +375,10 @@ def run_pool(job: dict) -> dict:
                          "cpu_bound": bool(cpu_bound_reasons(cpu.cpu_util, cpu.cpu_wait,
                                                              cpu.cpu_demand)),
                          "cpu_why": cpu.why}
-        result["checks"] = _checks(spec, sh, n)
+        result["checks"] = _checks(spec, sh, n, coordinator)
+        if coordinator is not None:
+            ran = min(len(log["t0"]) for log in result["logs"])
+            result["plan_switches"] = coordinator.summary(ran)
         result["replicas_agree"] = len({log["digest"] for log in result["logs"]}) == 1
     except RuntimeError as e:
         result["error"] = str(e)

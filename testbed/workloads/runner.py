@@ -5,8 +5,10 @@ arriving over time on their own hosts and sharing the fabric (:func:`run_trace`)
 ``topo``, ``hop_latency_s()``, ``bottleneck_bps()``, and for INA ``aggregator``,
 ``ina_members()``, ``switch_client()``). Each job runs in its own pool process
 (``python -m testbed.workloads.pool``, see pool.py) started at the job's ``start_s`` (times
-its ``time_dilation``); an INA job is registered with the aggregating switch for its lifetime
-(``testbed.collectives.runner.offload_job``: the same control plane as a single collective).
+its ``time_dilation``); an INA job is registered with the aggregating switch while its plan is
+in force (``testbed.collectives.runner.offload_job``: the same control plane as a single
+collective), and a job given a new plan while it runs (``run_trace(on_tick=...)``) moves to it
+at an iteration boundary (``testbed.workloads.replan``).
 Every job yields a :class:`TrainingResult`: per-iteration rows and a summary row
 (:mod:`testbed.workloads.rows`) with the flow-level model's time of one gradient allreduce
 (``model_comm_s``), the CPU-saturation signal over the job, and the checks of the pool.
@@ -25,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +42,8 @@ from testbed.collectives.runner import (  # the collective runner's process hand
     offload_job,
 )
 from testbed.collectives.transport import CollectiveError
+from testbed.collectives.worker import ControlLine
+from testbed.workloads.replan import MAX_SWITCHES, epoch_job_id, read_ready
 from testbed.workloads.rows import iteration_rows, summary_row
 from testbed.workloads.spec import TrainingSpec
 
@@ -122,31 +127,131 @@ class _Job:
         self.offset_s = 0.0
         self.limit_s = 600 + spec.iterations * (1.0 + spec.compute_ms / 1000.0) \
             * spec.time_dilation
+        # plan changes (replan.py): the channel to the pool, the plan offered and not yet
+        # switched to, the next one wanted, each plan's control plane (epoch -> its stack)
+        self.channel: ControlLine | None = None
+        self.replan = False
+        self.epoch = 0
+        self.offered: tuple[int, TrainingSpec] | None = None
+        self.wanted: TrainingSpec | None = None
+        self.current = spec
+        self.planes: dict[int, contextlib.ExitStack] = {}
+        self.switches: list[dict] = []
+        self.plan_errors: list[str] = []
 
-    def launch(self, t0: float) -> None:
-        """Register the job's control plane, write the job file and start the pool."""
+    def _job_dict(self, spec: TrainingSpec) -> dict:
+        """The pool's view of the job under ``spec``'s plan (before its registration)."""
         ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(),
                   "intf": h.defaultIntf().name} for h in self.hosts]
         try:
-            bw = net_bandwidth(self.net, self.hosts, self.cspec.algo)
+            bw = net_bandwidth(self.net, self.hosts, spec.collective().algo)
         except ValueError:  # unshaped links: nothing in a training job needs the rate
             bw = None
-        job = {"train": self.spec.to_json(), "spec": self.cspec.to_json(),
-               "n": len(ranks), "m": 0, "ranks": ranks, "bw_bps": bw,
-               "extra_pids": _engine_pids(self.net)}
-        self.stack.enter_context(offload_job(self.net, self.cspec, job, self.hosts))
+        return {"train": spec.to_json(), "spec": spec.collective().to_json(),
+                "n": len(ranks), "m": 0, "ranks": ranks, "bw_bps": bw}
+
+    def _plane(self, epoch: int, spec: TrainingSpec, job: dict) -> None:
+        """Register the control plane of ``spec``'s plan (its INA job on the switches) as
+        plan ``epoch``; released by :meth:`_drop_plane` or when the job ends."""
+        plane = contextlib.ExitStack()
+        self.stack.enter_context(plane)
+        plane.enter_context(offload_job(self.net, spec.collective(), job, self.hosts))
+        self.planes[epoch] = plane
+
+    def _drop_plane(self, epoch: int) -> None:
+        plane = self.planes.pop(epoch, None)
+        if plane is not None:
+            try:
+                plane.close()
+            except CollectiveError as e:  # a switch that cannot answer: say so in the row
+                self.plan_errors.append(f"releasing plan {epoch}: {e}")
+
+    def launch(self, t0: float, replan: bool = False) -> None:
+        """Register the job's control plane, write the job file and start the pool;
+        ``replan``: open the plan channel (:meth:`want` moves the running job to a new
+        plan)."""
+        job = {**self._job_dict(self.spec), "extra_pids": _engine_pids(self.net)}
+        self._plane(0, self.spec, job)
         os.makedirs(self.jobdir, exist_ok=True)
         path = os.path.join(self.jobdir, "job.json")
         self.t_start = time.monotonic()
         job["t_popen"] = self.t_start
+        ranks = job["ranks"]
+        theirs = None
+        self.replan = replan
+        if replan:
+            ours, theirs = socket.socketpair()
+            self.channel = ControlLine(ours)
+            job["plan_fd"] = theirs.fileno()
         with open(path, "w") as f:
             json.dump(job, f)
         cmd = [sys.executable, "-m", "testbed.workloads.pool", "--job", path] + [
             f"testbed-node={r['host']}" for r in ranks]
-        with open(os.path.join(self.jobdir, "pool.log"), "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=pool_env())
+        try:
+            with open(os.path.join(self.jobdir, "pool.log"), "wb") as log:
+                self.proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=pool_env(), pass_fds=() if theirs is None else (theirs.fileno(),))
+        finally:
+            if theirs is not None:
+                theirs.close()
         self.offset_s = self.t_start - t0
+
+    def want(self, spec: TrainingSpec) -> None:
+        """Move the running job to ``spec``'s communication (algorithm, compressor, tree,
+        slots) at an iteration boundary its ranks agree on; the latest wish wins. Its
+        control plane is registered here, by the orchestrator, never by the ranks."""
+        self.wanted = spec
+        self.poll()
+
+    def poll(self) -> None:
+        """Read the pool's reports (a switch done: the old plan's control plane goes) and
+        offer the wanted plan once no other offer is outstanding."""
+        if self.channel is None:
+            return
+        try:
+            msgs = read_ready(self.channel)
+        except (EOFError, OSError):
+            msgs = []
+            self.channel = None
+        for m in msgs:
+            if m["type"] == "switched" and self.offered and m["epoch"] == self.offered[0]:
+                old = max(e for e in self.planes if e != m["epoch"]) if len(self.planes) > 1 \
+                    else None
+                self.current = self.offered[1]
+                self.switches.append({"epoch": m["epoch"], "at": m["at"],
+                                      "t_s": time.monotonic() - self.t_start})
+                self.offered = None
+                if old is not None:
+                    self._drop_plane(old)
+        if self.offered is None and self.wanted is not None and self.channel is not None:
+            self._offer()
+
+    def _offer(self) -> None:
+        spec, self.wanted = self.wanted, None
+        spec = dataclasses.replace(spec, job_id=self.current.job_id,
+                                   time_dilation=self.spec.time_dilation)
+        if spec.collective().to_json() == self.current.collective().to_json():
+            return  # the plan in force already
+        if self.epoch >= MAX_SWITCHES:
+            self.plan_errors.append(f"plan change {self.epoch + 1} not applied: at most "
+                                    f"{MAX_SWITCHES} per job")
+            return
+        epoch = self.epoch + 1
+        spec = dataclasses.replace(spec, job_id=epoch_job_id(self.spec.job_id, epoch))
+        try:
+            spec.validate(len(self.net.hosts))
+            job = self._job_dict(spec)
+            self._plane(epoch, spec, job)
+        except (CollectiveError, ValueError, RuntimeError) as e:
+            self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
+                                    f"applied: {e}")
+            return
+        self.epoch = epoch
+        self.channel.send({"type": "plan", "epoch": epoch, "job": {
+            k: job[k] for k in ("train", "spec", "ranks", "bw_bps", "seq0", "tree",
+                                "fallbacks") if k in job}})
+        self.offered = (epoch, spec)
 
     def finished(self) -> bool:
         """Whether the pool exited (its process group is reaped by then)."""
@@ -203,7 +308,14 @@ class _Job:
             "start_s": self.offset_s / spec.time_dilation,
             "end_s": (self.t_end - self.t_start + self.offset_s) / spec.time_dilation,
             "error": res.get("error"),
+            "plan_changes_applied": len(res.get("plan_switches") or []),
         })
+        if self.replan:  # the plans in force and the collective each check was held to
+            summary.update(plan_switches=res.get("plan_switches") or [],
+                           plan_errors=list(self.plan_errors),
+                           checks=[{k: c.get(k) for k in ("iteration", "algo", "compressor",
+                                                          "correct", "max_abs_err")}
+                                   for c in checks])
         stats = res["logs"][0].get("comm_stats", {}) if res.get("logs") else {}
         if stats.get("packets"):  # the trimmed exchange, counted at rank 0
             summary["trimmed_frac"] = stats["trimmed"] / stats["packets"]
@@ -261,15 +373,18 @@ def _incast_s(net, spec: TrainingSpec, hosts: list[str]) -> float | None:
 
 
 def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
-              on_end=None) -> list[TrainingResult]:
+              on_end=None, on_tick=None) -> list[TrainingResult]:
     """Run every job of ``specs`` on ``net``, each started ``start_s`` after the trace began
     on its own hosts; returns their results in the order of ``specs``.
 
     ``progress(text)``: called when a job starts and ends. ``on_start(index, spec)``: called
     when a job's start time comes; the spec it returns is the one launched (e.g. a provider's
     plan for the job; an exception fails the job's start). ``on_end(index, result)``: called
-    once a job ended or failed to start. Raises ``ValueError`` for bad specs (nothing is
-    started then)."""
+    once a job ended or failed to start. ``on_tick(indices)``: called every
+    :data:`POLL_S` with the indices of the running jobs; it returns ``{index: spec}`` for the
+    jobs to move to a new plan (communication fields of ``spec``), which they apply at an
+    iteration boundary (``replan.py``; without ``on_tick`` a job keeps its plan). Raises
+    ``ValueError`` for bad specs (nothing is started then)."""
     check_trace(specs, len(net.hosts))
     say = progress or (lambda text: None)
     jobs = [_Job(k, s, net) for k, s in enumerate(specs)]
@@ -287,7 +402,7 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                         spec = on_start(job.index, job.spec)
                         spec.validate(len(net.hosts))
                         job = _Job(job.index, spec, net)
-                    job.launch(t0)
+                    job.launch(t0, replan=on_tick is not None)
                 except (CollectiveError, ValueError, RuntimeError, OSError) as e:
                     job.kill()
                     results[job.index] = job._rows({"error": f"start failed: {e}"})
@@ -307,6 +422,13 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                     + (f"failed: {res.error}" if res.error else
                        f"done: accuracy {res.summary['final_accuracy']}, "
                        f"{res.summary['jct_s']:.3g} s"))
+            if on_tick is not None and running:
+                wanted = on_tick([j.index for j in running]) or {}
+                for job in running:
+                    if job.index in wanted:
+                        job.want(wanted[job.index])
+                    else:
+                        job.poll()
             dead = getattr(net, "dead_engines", dict)()
             if dead:
                 what = ", ".join(f"{node} (exit status {code})"
