@@ -184,3 +184,18 @@ def test_doctor_checks_a_server_over_ssh(server):
     assert check["underlay"]["rate_mbps"] > 0 and check["underlay"]["latency_ms"] is not None
     (bad,) = check_servers([Server("10.250.99.2", ssh_options=("-o", "ConnectTimeout=1"))])
     assert bad["status"] == "missing" and "cannot reach" in bad["detail"]
+
+
+def test_collectives_refuse_hosts_on_another_kernel():
+    """The worker pool enters host namespaces through this machine's /proc: a net whose
+    hosts sit on another kernel is refused before anything starts, naming the hosts. (No
+    second kernel is available here, so the net answers as a real cross-machine one would.)"""
+    from testbed.collectives.runner import require_local_namespaces
+
+    class CrossMachineNet:
+        def hosts_on_other_kernels(self):
+            return ["tbh3", "tbh4"]
+
+    with pytest.raises(ValueError, match=r"\['tbh3', 'tbh4'\].*another server's kernel"):
+        require_local_namespaces(CrossMachineNet())
+    require_local_namespaces(object())  # a plain net: nothing to refuse

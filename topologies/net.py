@@ -480,6 +480,18 @@ class TestbedNet:
                 out[n] = cluster.local_ip_towards(next(iter(remote.values())))
         return out
 
+    def hosts_on_other_kernels(self) -> list[str]:
+        """Hosts placed on a server that runs another kernel than this machine's: a process
+        here cannot enter their network namespaces (the collectives' worker pools do)."""
+        if not self.placement:
+            return []
+        out = []
+        for h in self.hosts:
+            conn = self.connections.get(self.placement.get(h.name))
+            if conn is not None and not conn.same_kernel():
+                out.append(h.name)
+        return out
+
     def tunnel_report(self) -> list[dict]:
         """Per tunnelled server pair: links, the rate they carry at the current dilation,
         measured underlay rate and latency, ``tunnel_bound`` (underlay slower than the

@@ -44,7 +44,19 @@ def _hosts(net) -> list:
     hosts = list(getattr(net, "hosts", []))
     if not hosts:
         raise ValueError("net has no hosts: pass a started TestbedNet")
+    require_local_namespaces(net)
     return hosts
+
+
+def require_local_namespaces(net) -> None:
+    """Refuse a net whose hosts live on another machine's kernel: the worker pool is one
+    process here that enters each host's namespace through /proc (docs/cluster.md)."""
+    foreign = getattr(net, "hosts_on_other_kernels", list)()
+    if foreign:
+        raise ValueError(f"hosts {foreign} run on another server's kernel: the collectives' "
+                         "worker pool enters host namespaces on this machine only (one pool "
+                         "per server is not built yet, docs/cluster.md); place every host on "
+                         "this machine or on a server sharing its kernel")
 
 
 def placement(net, spec: CollectiveSpec) -> tuple[list, list, bool]:

@@ -40,6 +40,7 @@ from testbed.collectives.runner import (  # the collective runner's process hand
     _wait_group_gone,
     net_bandwidth,
     offload_job,
+    require_local_namespaces,
 )
 from testbed.collectives.transport import CollectiveError
 from testbed.collectives.worker import ControlLine
@@ -117,6 +118,7 @@ class _Job:
         if spec.time_dilation == 1.0 and isinstance(dilation, int | float) and dilation > 1:
             spec = dataclasses.replace(spec, time_dilation=float(dilation))
         self.index, self.spec, self.net = index, spec, net
+        require_local_namespaces(net)
         self.hosts = [net.hosts[i] for i in spec.host_indices(len(net.hosts))]
         self.cspec = spec.collective()
         self.stack = contextlib.ExitStack()
