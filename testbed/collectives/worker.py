@@ -32,6 +32,7 @@ import ctypes
 import json
 import mmap
 import os
+import select
 import selectors
 import signal
 import socket
@@ -162,6 +163,19 @@ class ControlLine:
         if not data:
             return None
         self.buf += data
+        return self._take_lines()
+
+    def ready(self) -> list[dict]:
+        """The complete messages now (what is buffered and what the socket holds), without
+        blocking; ``EOFError`` when the peer closed the channel."""
+        while select.select([self.sock], [], [], 0)[0]:
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError("the pool closed the control channel")
+            self.buf += data
+        return self._take_lines()
+
+    def _take_lines(self) -> list[dict]:
         out = []
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)

@@ -29,9 +29,6 @@ own bound, besides its usual check iterations (``pool.py``).
 
 from __future__ import annotations
 
-import json
-import select
-
 from testbed.collectives.worker import ControlLine
 from testbed.workloads.spec import TrainingSpec
 
@@ -48,21 +45,6 @@ def epoch_job_id(job_id: int, epoch: int) -> int:
     if out > 0xFFFF:
         raise ValueError(f"job_id {job_id} with {epoch} plan changes leaves the 16-bit id "
                          "space; give the job a smaller job_id")
-    return out
-
-
-def read_ready(ctl: ControlLine) -> list[dict]:
-    """The complete messages on ``ctl`` now (what is buffered and what the socket holds),
-    without blocking; ``EOFError`` when the peer closed it."""
-    while select.select([ctl.sock], [], [], 0)[0]:
-        data = ctl.sock.recv(65536)
-        if not data:
-            raise EOFError("the pool closed the control channel")
-        ctl.buf += data
-    out = []
-    while b"\n" in ctl.buf:
-        line, ctl.buf = ctl.buf.split(b"\n", 1)
-        out.append(json.loads(line))
     return out
 
 
@@ -95,7 +77,7 @@ class Switcher:
             raise RuntimeError(f"unexpected control message {m['type']!r} during training")
 
     def __call__(self, it: int) -> None:
-        for m in read_ready(self.ctl):
+        for m in self.ctl.ready():
             self._take(m)
         if self.rank == 0 and self.offer is not None and it + 1 < self.iterations:
             m, self.offer = self.offer, None

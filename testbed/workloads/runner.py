@@ -44,7 +44,7 @@ from testbed.collectives.runner import (  # the collective runner's process hand
 )
 from testbed.collectives.transport import CollectiveError
 from testbed.collectives.worker import ControlLine
-from testbed.workloads.replan import MAX_SWITCHES, epoch_job_id, read_ready
+from testbed.workloads.replan import MAX_SWITCHES, epoch_job_id
 from testbed.workloads.rows import iteration_rows, summary_row
 from testbed.workloads.spec import TrainingSpec
 
@@ -212,7 +212,7 @@ class _Job:
         if self.channel is None:
             return
         try:
-            msgs = read_ready(self.channel)
+            msgs = self.channel.ready()
         except (EOFError, OSError):
             msgs = []
             self.channel = None
