@@ -76,6 +76,15 @@ def cleanup(
 
 
 @app.command()
+def warm(quiet: bool = typer.Option(False, "--quiet", help="print only failures and the total")
+         ) -> None:
+    """Compile every Numba kernel now (1-3 CPU-minutes on a fresh checkout), so no run pays it."""
+    from testbed.warm import main
+
+    raise typer.Exit(main(["--quiet"] if quiet else []))
+
+
+@app.command()
 def lab(
     port: int = typer.Option(8888, help="port JupyterLab listens on"),
     ip: str = typer.Option("0.0.0.0", help="address to listen on (0.0.0.0 for the lab VM)"),

@@ -6,11 +6,19 @@
   lock, that no ``tb`` interface, namespace, OVS bridge or process is left at the end; if
   something is, it is listed in a failure and then removed. Leftovers of a dead earlier run
   found at the start are removed with a warning, so the end check blames this session only.
+* Root-only tests run after the others, and while the others run a background process
+  compiles every Numba kernel (``testbed.warm``) on the CPU they leave idle: on a fresh
+  checkout that is 2-3 CPU-minutes the first emulated networks would otherwise pay. The first
+  root-only test, and every ``quiet_cpu`` test (which needs an otherwise idle machine), waits
+  for it to finish; it is never left running after the session.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 import warnings
 
 import pytest
@@ -18,15 +26,66 @@ import pytest
 IS_ROOT = os.geteuid() == 0
 ROOT_MARKERS = ("root_required", "mininet")
 NOT_ROOT_REASON = "needs root: run the suite as root ('sudo make test') or in the lab VM"
+WARM_WAIT_S = 240  # a cold compile of every kernel takes 1-3 minutes on 2 loaded cores
+_warm: dict = {}  # the background kernel compile: "proc", "log"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "root_required: needs root (skipped otherwise)")
+    config.addinivalue_line("markers", "quiet_cpu: needs an otherwise idle CPU (runs after "
+                            "the background kernel compile)")
+
+
+def _root_only(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) for m in ROOT_MARKERS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order: plain tests, then ``quiet_cpu`` ones, then root-only ones (each group in file
+    order); start the kernel compile when plain tests can run beside it."""
+    if not IS_ROOT:
+        return
+    rank = {id(i): 2 if _root_only(i) else 1 if i.get_closest_marker("quiet_cpu") else 0
+            for i in items}
+    items.sort(key=lambda i: rank[id(i)])  # stable: file order within each group
+    if any(r == 0 for r in rank.values()) and any(r > 0 for r in rank.values()):
+        log = tempfile.NamedTemporaryFile("w+", prefix="tb-warm-", suffix=".log", delete=False)
+        _warm["log"] = log
+        _warm["proc"] = subprocess.Popen([sys.executable, "-m", "testbed.warm", "--quiet"],
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+
+
+def _wait_for_warm(timeout: float, report: bool = True) -> None:
+    proc = _warm.pop("proc", None)
+    if proc is None:
+        return
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = f"killed after {timeout:.0f} s"
+    log = _warm.pop("log")
+    log.seek(0)
+    out = log.read()
+    log.close()
+    os.unlink(log.name)
+    if code != 0 and report:  # the tests compile what they need themselves: slower, not wrong
+        warnings.warn(f"background kernel compile (testbed warm) failed ({code}):\n{out}",
+                      stacklevel=1)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if not IS_ROOT and any(item.get_closest_marker(m) for m in ROOT_MARKERS):
+    if not IS_ROOT and _root_only(item):
         pytest.skip(NOT_ROOT_REASON)
+    if _root_only(item) or item.get_closest_marker("quiet_cpu"):
+        _wait_for_warm(WARM_WAIT_S)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # only when no test waited for it (e.g. -x stopped early): stop it, leave nothing behind
+    _wait_for_warm(0.0, report=False)
 
 
 def _describe(left: dict[str, list[str]]) -> str:

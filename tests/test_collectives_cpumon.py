@@ -82,6 +82,7 @@ def test_busy_processes_pinned_to_every_core_make_the_run_cpu_bound():
     assert set(rep.core_util) == set(cores)
 
 
+@pytest.mark.quiet_cpu
 def test_many_light_threads_are_not_cpu_bound():
     """Three threads at ~35 % of a core each: together more than the 0.9 of a core that the
     old per-process sum flagged, yet no core is saturated and no thread waits."""
