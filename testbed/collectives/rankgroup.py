@@ -25,6 +25,8 @@ import select
 import selectors
 import signal
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -117,6 +119,65 @@ Watch = Callable[[], bool]
 OnMessage = Callable[[int, dict], None]
 
 
+class RemotePool:
+    """The coordinator's handle on a pool process on another server, started over ssh, that
+    forks and runs ``ranks`` of the job there (``python -m testbed.collectives.worker
+    --remote``). The ssh session's stdin/stdout is its control line: the same JSON lines as a
+    rank's, tagged with ``rank``; untagged ones are the pool's own (``pool``: its pid and its
+    ranks' pids; ``mem``: its memory; ``checked``: its ranks' verdict for a repetition;
+    ``error``: it failed)."""
+
+    def __init__(self, server: str, ranks: list[int], argv: list[str], first: dict):
+        self.server, self.ranks = server, list(ranks)
+        a, b = socket.socketpair()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the ssh client's, read on failure
+        self.proc = subprocess.Popen(argv, stdin=b, stdout=b, stderr=self.stderr)
+        b.close()
+        self.line = ControlLine(a)
+        #: why it failed ("" while it did not), and whether a rank of it timed out
+        self.failed = ""
+        self.timeout = False
+        #: its pid and its ranks' pids, on its server
+        self.pid: int | None = None
+        self.pids: dict[int, int] = {}
+        self.mem_mb = 0.0
+        #: repetition -> (max_abs_err, correct) of its ranks' outputs
+        self.checks: dict[int, tuple[float, bool]] = {}
+        self.line.send(first)
+
+    def on_message(self, msg: dict) -> None:
+        """An untagged message: the pool's own report."""
+        if msg["type"] == "pool":
+            self.pid = int(msg["pid"])
+            self.pids = {int(r): int(p) for r, p in msg["pids"].items()}
+        elif msg["type"] == "mem":
+            self.mem_mb = float(msg["mem_mb"])
+        elif msg["type"] == "checked":
+            self.checks[int(msg["rep"])] = (float(msg["max_abs_err"]), bool(msg["correct"]))
+
+    def why_lost(self) -> str:
+        """How its control line ended: the ssh client's exit status and last words."""
+        try:
+            rc = self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            rc = None
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-600:].decode(errors="replace").strip()
+        return f"exited or lost its connection (ssh exit status {rc}" + (
+            f": {tail})" if tail else ")")
+
+    def close(self, wait_s: float) -> None:
+        """Wait ``wait_s`` for the session to end (after ``exit``), then end it here: the
+        pool there sees its line close and stops its ranks."""
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.line.sock.close()
+        self.stderr.close()
+
+
 class RankGroup:
     """The forked ranks of one pool and the control line to each.
 
@@ -135,6 +196,8 @@ class RankGroup:
         self.dead: dict[int, str] = {}
         #: sockets a forked child must close (the pool's other channels)
         self.close_in_child: list[socket.socket] = []
+        #: pools on other servers running the ranks this process does not fork
+        self.remotes: list[RemotePool] = []
 
     def name(self, rank: int) -> str:
         """``rank R (host)``, as messages call a rank."""
@@ -144,80 +207,124 @@ class RankGroup:
         """Fork rank ``rank``: the child runs ``child(its control line)`` and exits with what it
         returns (1 on an exception). Returns the child's pid."""
         pid, line = fork_with_line(child, [c.sock for c in self.lines.values()]
-                                   + self.close_in_child)
+                                   + [p.line.sock for p in self.remotes] + self.close_in_child)
         self.pids[rank] = pid
         self.lines[rank] = line
         return pid
+
+    def start_remote(self, server: str, ranks: list[int], argv: list[str], job: dict) -> None:
+        """Start the pool of ``server`` for ``ranks`` (``argv``: the ssh command that runs
+        ``python -m testbed.collectives.worker --remote`` there) and send it the job."""
+        self.remotes.append(RemotePool(server, ranks, argv, {
+            "type": "job", "job": job, "ranks": list(ranks), "server": server}))
 
     def live_pids(self) -> list[int]:
         """Pids of the children not reaped yet."""
         return [p for p in self.pids.values() if p > 0]
 
     def broadcast(self, msg: dict) -> None:
-        """Send ``msg`` to every live rank."""
+        """Send ``msg`` to every live rank (a remote pool passes it on to its ranks)."""
         for r, c in self.lines.items():
             if r not in self.dead:
                 c.send(msg)
+        for pool in self.remotes:
+            if not pool.failed:
+                pool.line.send(msg)
 
     def gather(self, kind: str, wait_s: float | None, on_message: OnMessage | None = None,
                watch: dict | None = None) -> dict[int, dict]:
         """One message of ``kind`` from every live rank: rank -> message. ``wait_s``: how
         long they may stay silent (None: as long as they live); ``on_message(rank, msg)``
-        handles messages of other kinds (a RuntimeError, KeyError or OSError it raises fails the rank
-        with its text); ``watch``: socket
-        -> handler called when it is readable (False: stop watching it). Raises
-        :class:`RankFailure` naming every rank that failed, died or stayed silent."""
+        handles messages of other kinds (a RuntimeError, KeyError or OSError it raises fails
+        the rank with its text); ``watch``: socket -> handler called when it is readable
+        (False: stop watching it). Ranks of a :class:`RemotePool` answer through its line.
+        Raises :class:`RankFailure` naming every rank that failed, died or stayed silent."""
         got: dict[int, dict] = {}
         errors: dict[int, str] = {}
-        timeout = False
+        state = {"timeout": False, "grace": None}
+
+        def fail() -> None:  # after a failure, the others get a moment to report theirs
+            state["grace"] = state["grace"] or time.monotonic() + min(self.timeout_s + 3, 30)
+
+        def take(r: int, msg: dict) -> None:
+            if msg["type"] == "error":
+                errors[r] = msg["error"]
+                state["timeout"] |= bool(msg.get("timeout", False))
+                fail()
+            elif msg["type"] == kind:
+                got[r] = msg
+            elif on_message is not None:
+                try:
+                    on_message(r, msg)
+                except (RuntimeError, KeyError, OSError) as e:
+                    errors[r] = str(e) or repr(e)
+                    fail()
+
         sel = selectors.DefaultSelector()
         for r, c in self.lines.items():
             if r not in self.dead:
                 sel.register(c.sock, selectors.EVENT_READ, r)
+        for pool in self.remotes:
+            if not pool.failed:
+                sel.register(pool.line.sock, selectors.EVENT_READ, pool)
         for sock, fn in (watch or {}).items():
             sel.register(sock, selectors.EVENT_READ, fn)
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        grace = None  # after a failure, the others get a moment to report theirs
         try:
-            while len(got) + len(errors) + len(self.dead) < len(self.lines):
+            while any(r not in got and r not in errors and r not in self.dead
+                      for r in self.hosts):
                 now = time.monotonic()
-                if (deadline is not None and now > deadline) or (grace is not None
-                                                                  and now > grace):
+                if (deadline is not None and now > deadline) or (
+                        state["grace"] is not None and now > state["grace"]):
                     break
                 for key, _ in sel.select(timeout=0.1):
-                    if callable(key.data):
+                    if isinstance(key.data, RemotePool):
+                        if not self._from_remote(key.data, take):
+                            sel.unregister(key.fileobj)
+                            state["timeout"] |= key.data.timeout
+                            fail()
+                    elif callable(key.data):
                         if not key.data():
                             sel.unregister(key.fileobj)
-                        continue
-                    r = key.data
-                    msgs = self.lines[r].feed()
-                    if msgs is None:
-                        sel.unregister(key.fileobj)
-                        self._died(r, errors)
-                        grace = grace or time.monotonic() + self._grace()
-                        continue
-                    for msg in msgs:
-                        if msg["type"] == "error":
-                            errors[r] = msg["error"]
-                            timeout |= bool(msg.get("timeout", False))
-                            grace = grace or time.monotonic() + self._grace()
-                        elif msg["type"] == kind:
-                            got[r] = msg
-                        elif on_message is not None:
-                            try:
-                                on_message(r, msg)
-                            except (RuntimeError, KeyError, OSError) as e:
-                                errors[r] = str(e) or repr(e)
-                                grace = grace or time.monotonic() + self._grace()
+                    else:
+                        r = key.data
+                        msgs = self.lines[r].feed()
+                        if msgs is None:
+                            sel.unregister(key.fileobj)
+                            self._died(r, errors)
+                            fail()
+                            continue
+                        for msg in msgs:
+                            take(r, msg)
                 if self.monitor is not None:
                     self.monitor.sample()
         finally:
             sel.close()
-        self.raise_failures(kind, wait_s, got, errors, timeout)
+        self.raise_failures(kind, wait_s, got, errors, state["timeout"])
         return got
 
-    def _grace(self) -> float:
-        return min(self.timeout_s + 3, 30)
+    def _from_remote(self, pool: RemotePool, take) -> bool:
+        """Messages of a remote pool: tagged ones are its ranks'; False once it failed (its
+        ranks count as dead from then on)."""
+        try:
+            msgs = pool.line.feed()
+        except OSError:
+            msgs = None
+        for msg in msgs or []:
+            if "rank" in msg:
+                take(int(msg.pop("rank")), msg)
+            elif msg["type"] == "error":
+                pool.failed = pool.failed or msg["error"]
+                pool.timeout = bool(msg.get("timeout", False))
+            else:
+                pool.on_message(msg)
+        if msgs is None and not pool.failed:
+            pool.failed = f"the pool {pool.why_lost()}"
+        if pool.failed:
+            for r in pool.ranks:
+                self.dead.setdefault(r, "")
+            return False
+        return True
 
     def _died(self, rank: int, errors: dict[int, str]) -> None:
         """Rank ``rank`` closed its line: reap it and say how it ended."""
@@ -228,11 +335,14 @@ class RankGroup:
     def raise_failures(self, kind: str, wait_s: float | None, got: dict, errors: dict,
                        timeout: bool) -> None:
         """Raise :class:`RankFailure` when a rank of this gather failed, died or is silent."""
-        missing = [r for r in self.lines if r not in got and r not in errors
+        missing = [r for r in self.hosts if r not in got and r not in errors
                    and r not in self.dead]
         if not (errors or self.dead or missing):
             return
         lines = [d for d in self.dead.values() if d]
+        lines += [f"server {p.server} (ranks {p.ranks}: "
+                  f"{', '.join(self.hosts.get(r, '?') for r in p.ranks)}): {p.failed}"
+                  for p in self.remotes if p.failed]
         lines += [f"{self.name(r)}: {e}" for r, e in sorted(errors.items())]
         if missing:
             timeout = True
@@ -241,9 +351,10 @@ class RankGroup:
         raise RankFailure("; ".join(lines), timeout)
 
     def stop(self, wait_s: float = 2.0) -> None:
-        """Tell every rank to exit, wait for them, SIGKILL the ones still alive after
-        ``wait_s`` and reap all."""
-        for c in self.lines.values():
+        """Tell every rank (and remote pool) to exit, wait for them, SIGKILL the ranks still
+        alive after ``wait_s`` and reap all; a remote pool's session still open a moment
+        later is ended here (that pool then stops its ranks)."""
+        for c in [*self.lines.values(), *(p.line for p in self.remotes)]:
             with contextlib.suppress(OSError):
                 c.send({"type": "exit"})
         deadline = time.monotonic() + wait_s
@@ -258,3 +369,5 @@ class RankGroup:
                     break
                 time.sleep(0.01)
             self.pids[r] = -1
+        for pool in self.remotes:
+            pool.close(wait_s + 3)

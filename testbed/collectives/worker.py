@@ -389,18 +389,16 @@ def _load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
     return replicas
 
 
-def _fork_ranks(job: dict, spec: CollectiveSpec, ranks: list[int], ins: list,
-                outs: list) -> RankGroup:
+def _fork_ranks(group: RankGroup, job: dict, spec: CollectiveSpec, ranks: list[int],
+                ins: list, outs: list) -> None:
     """Fork one child per rank of ``ranks`` (workers first, then reduction servers)."""
     n = job["n"]
-    group = RankGroup({r: job["ranks"][r]["host"] for r in ranks}, spec.timeout_s)
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in ranks:
         x = ins[rank] if rank < n else None
         o = outs[rank] if rank < n else None
         group.fork(rank, lambda ctl, rank=rank, x=x, o=o: _child(job, spec, rank, ctl, x, o))
-    return group
 
 
 def _connect(group: RankGroup, job: dict, spec: CollectiveSpec) -> None:
@@ -413,9 +411,12 @@ def _connect(group: RankGroup, job: dict, spec: CollectiveSpec) -> None:
 
 
 def _check_rep(spec: CollectiveSpec, replicas: list | None, ins: list, outs: list,
-               rep: int) -> tuple[float, bool]:
-    """(max_abs_err, correct) of repetition ``rep``'s outputs against the numpy reference."""
+               rep: int, ranks: list[int] | None = None) -> tuple[float, bool]:
+    """(max_abs_err, correct) of repetition ``rep``'s outputs against the numpy reference
+    (computed from every rank's input): of the worker ranks ``ranks`` (default all)."""
     n = len(ins)
+    if ranks is not None:
+        outs = [outs[r] for r in ranks]
     if replicas is not None and spec.algo == "ina":
         # INA + THC: the switch summed quantized rotations; THC's own error bound
         from testbed.collectives.ina import thc_check
@@ -423,24 +424,38 @@ def _check_rep(spec: CollectiveSpec, replicas: list | None, ins: list, outs: lis
         return thc_check(spec, ins, outs, n, step=rep)
     if replicas is not None:
         return compress.check(replicas, ins, outs, rep)
-    return check(spec, ins, outs, n)
+    return check(spec, ins, outs, n, ranks)
+
+
+def _clear(outs: list, spec: CollectiveSpec) -> None:
+    """Poison the outputs before a repetition (NaN, or int32's minimum): a rank that writes
+    nothing fails the check."""
+    dt = np.dtype(spec.dtype)
+    for o in outs:
+        o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
 
 
 def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, outs: list,
                 replicas: list | None) -> dict:
     """Release every rank at once, gather their ``done``, check the outputs: one rep row
-    (time = last rank's finish - release, and the CPU it took)."""
-    dt = np.dtype(spec.dtype)
-    for o in outs:
-        o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
+    (time = last rank's finish - release, and the CPU it took).
+
+    A rank on another server reports ``elapsed``, its time from receiving ``go`` on its own
+    clock: its finish here is taken as release + elapsed (which leaves out the one-way trip
+    of ``go`` over ssh). Its outputs are checked by its own pool; the verdicts combine."""
+    local = [r for r in group.lines if r < len(ins)]
+    _clear([outs[r] for r in local], spec)
     sampler = group.monitor
     sampler.start()
     t_go = time.monotonic()
     group.broadcast({"type": "go", "rep": rep})
     done = group.gather("done", spec.timeout_s + 5)
-    t_end = max(d["t_end"] for d in done.values())
+    t_end = max(t_go + d["elapsed"] if "elapsed" in d else d["t_end"] for d in done.values())
     cpu = sampler.stop()
-    err, ok = _check_rep(spec, replicas, ins, outs, rep)
+    err, ok = _check_rep(spec, replicas, ins, outs, rep, local if group.remotes else None)
+    for pool in group.remotes:
+        e, good = pool.checks.pop(rep)
+        err, ok = max(err, e), ok and good
     return {"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
             "cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait, "cpu_demand": cpu.cpu_demand,
             "cpu_max": cpu.group_max["ranks"], "cpu_engine": cpu.group_max["engines"],
@@ -449,40 +464,178 @@ def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, out
 
 
 def run_pool(job: dict) -> dict:
-    """Run the collective described by ``job`` (see runner.py); return the result dict."""
+    """Run the collective described by ``job`` (see runner.py); return the result dict.
+
+    ``job["remote"]``: ranks on other servers, one entry per server (``server``, ``ranks``,
+    ``argv``: the ssh command of its pool, see :func:`serve_remote`); this pool forks the
+    other ranks and coordinates them all."""
     spec = CollectiveSpec(**job["spec"])
     # before anything below loads the kernels (only jobs that use them pay the numba import)
     uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
     fork_safe = fork_safe_numba() if uses_numba else True
     n, m = job["n"], job["m"]
     t_launch = time.monotonic()
-    ins, outs = _buffers(spec, n)
-    # a broadcast's reference (and every rank's input buffer) is the root's input
-    ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
-    replicas = _load_kernels(spec, fork_safe, n)
-    job["_pool_pid"] = os.getpid()
-    fallbacks = _start_fallbacks(job, spec)
-    group = _fork_ranks(job, spec, list(range(n + m)), ref_ins, outs)
+    group = RankGroup({r: job["ranks"][r]["host"] for r in range(n + m)}, spec.timeout_s)
+    remote = job.pop("remote", None) or []
+    for pool in remote:  # first: their start (ssh, imports) overlaps the work here
+        group.start_remote(pool["server"], pool["ranks"], pool["argv"], job)
+    elsewhere = {r for pool in remote for r in pool["ranks"]}
+    fallbacks: list = []
+    try:
+        ins, outs = _buffers(spec, n)
+        # a broadcast's reference (and every rank's input buffer) is the root's input
+        ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
+        replicas = _load_kernels(spec, fork_safe, n)
+        job["_pool_pid"] = os.getpid()
+        fallbacks = _start_fallbacks(job, spec)
+        _fork_ranks(group, job, spec, [r for r in range(n + m) if r not in elsewhere],
+                    ref_ins, outs)
+        return _coordinate(group, job, spec, t_launch, ref_ins, outs, replicas, fallbacks)
+    finally:
+        _stop_fallbacks(fallbacks, {})  # stopped (with their counters) already when it ran
+        group.stop()
+
+
+def _coordinate(group: RankGroup, job: dict, spec: CollectiveSpec, t_launch: float,
+                ins: list, outs: list, replicas: list | None, fallbacks: list) -> dict:
+    """Connect the ranks, run the repetitions, stop the fallback aggregators: the result."""
+    n = job["n"]
     result: dict = {"reps": [], "error": None, "timeout": False,
                     "pids": {job["ranks"][r]["host"] + ("" if r < n else "/server"): p
                              for r, p in group.pids.items()}}
-    # CPU saturation per thread and core (cpumon): the ranks and the data-path engines
+    # CPU saturation per thread and core (cpumon): the ranks and the data-path engines here
     group.monitor = CpuMonitor({"ranks": group.live_pids() + [pid for pid, _ in fallbacks],
                                 "engines": list(job.get("extra_pids", []))})
     try:
         _connect(group, job, spec)
         # from the runner's Popen (interpreter start + imports) when known
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
-        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()])
+        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()]) + sum(
+            pool.mem_mb for pool in group.remotes)
         for rep in range(spec.repetitions):
-            result["reps"].append(_repetition(group, spec, rep, ref_ins, outs, replicas))
+            result["reps"].append(_repetition(group, spec, rep, ins, outs, replicas))
     except RuntimeError as e:
         result["error"] = str(e)
         result["timeout"] |= bool(getattr(e, "timeout", False))
     finally:
+        if group.remotes:
+            result["pools"] = {p.server: {"pid": p.pid, "ranks": p.ranks} for p in group.remotes}
+            for pool in group.remotes:
+                result["pids"].update({job["ranks"][r]["host"] + ("" if r < n else "/server"):
+                                       pid for r, pid in pool.pids.items()})
         _stop_fallbacks(fallbacks, result)
-        group.stop()
+        fallbacks.clear()
     return result
+
+
+class _Stdio:
+    """The ssh session's stdin and stdout as the socket of a :class:`ControlLine` (the remote
+    pool's line to its coordinator)."""
+
+    def __init__(self, rfd: int, wfd: int):
+        self.rfd, self.wfd = rfd, wfd
+
+    def fileno(self) -> int:
+        return self.rfd
+
+    def recv(self, size: int) -> bytes:
+        return os.read(self.rfd, size)
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.wfd, view):]
+
+    def close(self) -> None:
+        for fd in {self.rfd, self.wfd}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class _Stopped(Exception):
+    """The coordinator said ``exit`` (or went away) while this pool waited for its ranks."""
+
+
+def _from_coordinator(line: ControlLine, kind: str) -> dict | None:
+    """The coordinator's next message, which must be ``kind``; None when it says ``exit``."""
+    msg = line.recv()
+    if msg["type"] == "exit":
+        return None
+    if msg["type"] != kind:
+        raise RuntimeError(f"the coordinator sent {msg['type']!r} where {kind!r} was due")
+    return msg
+
+
+def _coordinator_watch(line: ControlLine):
+    """While this pool gathers its ranks: stop when the coordinator says ``exit`` or its line
+    closes (it failed, or the ssh session ended)."""
+    def on_readable() -> bool:
+        msgs = line.feed()
+        if msgs is None or any(m["type"] == "exit" for m in msgs):
+            raise _Stopped
+        return True
+
+    return {line.sock: on_readable}
+
+
+def serve_remote(line: ControlLine) -> int:
+    """The pool on another server (``python -m testbed.collectives.worker --remote``, started
+    by the coordinator over ssh, ``line`` its session's stdin/stdout).
+
+    The coordinator's first message is the job and the ranks this server holds. The pool
+    generates every input from the seed, forks its ranks (they enter their hosts' namespaces
+    through this server's /proc), relays the protocol (``port`` and ``ready`` up, tagged by
+    rank; ``addrs``, ``go``, ``exit`` down), and per repetition checks its ranks' outputs
+    against the numpy reference and reports the verdict (``checked``) before their ``done``,
+    each with ``elapsed``, the rank's time from its ``go`` on this server's clock. A failure
+    of its ranks is one ``error`` message naming them; when the coordinator's line closes it
+    stops its ranks and exits."""
+    first = line.recv()
+    job, mine = first["job"], [int(r) for r in first["ranks"]]
+    _prctl_name("tbp-" + str(first.get("server", "")))
+    spec = CollectiveSpec(**job["spec"])
+    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
+    fork_safe = fork_safe_numba() if uses_numba else True
+    n = job["n"]
+    ins, outs = _buffers(spec, n)
+    ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
+    replicas = _load_kernels(spec, fork_safe, n)
+    job["_pool_pid"] = os.getpid()
+    group = RankGroup({r: job["ranks"][r]["host"] for r in mine}, spec.timeout_s)
+    group.close_in_child.append(line.sock)
+    _fork_ranks(group, job, spec, mine, ref_ins, outs)
+    workers = [r for r in mine if r < n]
+    watch = _coordinator_watch(line)
+    try:
+        line.send({"type": "pool", "pid": os.getpid(), "pids": group.pids})
+        for r, msg in group.gather("port", spec.timeout_s + 30, watch=watch).items():
+            line.send({**msg, "rank": r})
+        addrs = _from_coordinator(line, "addrs")
+        if addrs is None:
+            return 0
+        group.broadcast(addrs)
+        ready = group.gather("ready", spec.timeout_s + 30, watch=watch)
+        line.send({"type": "mem", "mem_mb": sum(pss_mb(p) for p in
+                                                [os.getpid(), *group.live_pids()])})
+        for r, msg in ready.items():
+            line.send({**msg, "rank": r})
+        while (go := _from_coordinator(line, "go")) is not None:
+            _clear([outs[r] for r in workers], spec)
+            group.broadcast(go)
+            done = group.gather("done", spec.timeout_s + 5, watch=watch)
+            err, ok = _check_rep(spec, replicas, ref_ins, outs, go["rep"], workers)
+            line.send({"type": "checked", "rep": go["rep"], "max_abs_err": err, "correct": ok})
+            for r, msg in done.items():
+                line.send({"type": "done", "rank": r, "elapsed": msg["t_end"] - msg["t_start"]})
+    except RuntimeError as e:  # RankFailure: the coordinator fails the run with it
+        with contextlib.suppress(OSError):
+            line.send({"type": "error", "error": str(e),
+                       "timeout": bool(getattr(e, "timeout", False))})
+    except (_Stopped, EOFError, OSError):
+        pass  # the coordinator ended the run (or is gone): stop the ranks
+    finally:
+        group.stop()
+    return 0
 
 
 def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
@@ -508,7 +661,14 @@ def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the job file and write ``result.json`` next to it."""
+    """Entry point: run the job file and write ``result.json`` next to it; with ``--remote``
+    (first argument), serve as another server's pool over stdin/stdout (:func:`serve_remote`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--remote"]:
+        # the line gets the session's stdio; stray prints go to stderr, not into the protocol
+        line = ControlLine(_Stdio(os.dup(0), os.dup(1)))
+        os.dup2(2, 1)
+        return serve_remote(line)
     return job_file_main(argv, "python -m testbed.collectives.worker", run_pool, {"reps": []})
 
 
