@@ -215,7 +215,12 @@ def test_ring_and_ina_exact_across_two_servers(server):
         runner.start()
         while runner.is_alive() and pool not in _pool_processes(conn):
             time.sleep(0.02)
-        conn.run(f"kill -KILL {_pool_processes(conn)[pool][0]}")
+        pid = _pool_processes(conn)[pool][0]
+        # the server's own cleanup sweep (testbed cleanup --servers) would find the pool
+        swept = _remote_leftovers(server)["processes"]
+        assert any(p.startswith(f"{pid} ") and "testbed.collectives.worker --remote" in p
+                   for p in swept), swept
+        conn.run(f"kill -KILL {pid}")
         t_kill = time.monotonic()
         runner.join(60)
         assert not runner.is_alive(), "the collective hung after its remote pool died"
