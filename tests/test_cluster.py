@@ -129,32 +129,41 @@ def _pool_processes(conn) -> dict[str, tuple[int, int]]:
 
 
 class _PoolWatch:
-    """Polls a server's process table while a collective runs, keeping every view that shows
-    the server's pool, and that pool's network namespace as the server reads it."""
+    """Watches a server's process table (its own ``ps``, in a loop on the server) while a
+    collective runs, keeping every view that shows the server's pool ``name``, with that
+    pool's network namespace and the server's own."""
 
     def __init__(self, conn, name: str):
-        self.conn, self.name = conn, name
+        loop = (f"while :; do ps -eo pid=,ppid=,stat=,comm=; for p in $(pgrep -x {name}); do "
+                "echo ns $(readlink /proc/$p/ns/net /proc/self/ns/net); done; echo ---; "
+                "sleep 0.01; done")
+        self.name = name
         self.seen: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.proc = subprocess.Popen(conn.argv(loop), stdout=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
 
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            procs = _pool_processes(self.conn)
-            if self.name in procs:
-                pid = procs[self.name][0]
-                ns = self.conn.run(f"readlink /proc/{pid}/ns/net /proc/self/ns/net",
-                                   check=False).split()
-                if len(ns) == 2:  # else the pool exited meanwhile
+    def _read(self) -> None:
+        procs, ns = {}, []
+        for line in self.proc.stdout:
+            if line.startswith("---"):
+                if self.name in procs and len(ns) == 2:  # else the pool exited meanwhile
                     self.seen.append({"procs": procs, "ns": ns})
-            time.sleep(0.02)
+                procs, ns = {}, []
+            elif line.startswith("ns "):
+                ns = line.split()[1:]
+            else:
+                pid, ppid, stat, comm = line.split(None, 3)
+                if comm.startswith(("tbp-", "tbw-")) and not stat.startswith("Z"):
+                    procs[comm.strip()] = (int(pid), int(ppid))
 
     def __enter__(self):
-        self._thread.start()
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
+        self.proc.terminate()
+        self.proc.wait(10)
         self._thread.join(10)
 
 
@@ -184,10 +193,10 @@ def test_ring_and_ina_exact_across_two_servers(server):
             assert " htb " in sw.cmd(f"tc qdisc show dev {intf.name}")
         assert net.describe()["cluster"]["servers"] == ["localhost", server.netns]
         conn = net.connections[server.netns]
-        for algo, extra in (("ring", {}), ("ina", {"window": 16})):
-            # long enough (a few tenths of a second) for the watch to see the ranks
-            spec = CollectiveSpec(algo=algo, nbytes=4 * 200_011, timeout_s=20, seed=3,
-                                  repetitions=3, **extra)
+        # long enough (about half a second each) for the watch to see the server's ranks
+        for algo, extra in (("ring", {"repetitions": 6}), ("ina", {"window": 16,
+                                                                   "repetitions": 3})):
+            spec = CollectiveSpec(algo=algo, nbytes=4 * 200_011, timeout_s=20, seed=3, **extra)
             with _PoolWatch(conn, pool) as watch:
                 rows = run_collective(net, spec)
             # a cluster network's rows carry its tunnel flag beyond the report columns
@@ -218,7 +227,7 @@ def test_ring_and_ina_exact_across_two_servers(server):
         pid = _pool_processes(conn)[pool][0]
         # the server's own cleanup sweep (testbed cleanup --servers) would find the pool
         swept = _remote_leftovers(server)["processes"]
-        assert any(p.startswith(f"{pid} ") and "testbed.collectives.worker --remote" in p
+        assert any(p.startswith(f"{pid} ") and "testbed.collectives.remotepool" in p
                    for p in swept), swept
         conn.run(f"kill -KILL {pid}")
         t_kill = time.monotonic()

@@ -1,4 +1,4 @@
-"""The coordinator and another server's pool (``worker --remote``) on the loopback of this
+"""The coordinator and another server's pool (``testbed.collectives.remotepool``) on the loopback of this
 namespace: the pool is started as a plain process instead of over ssh (``argv``), so the
 protocol, the split checks and the failure paths run here in seconds; tests/test_cluster.py
 runs the same over ssh on a netns server."""
@@ -15,7 +15,7 @@ from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.testing import loopback_ip
 from testbed.collectives.worker import run_pool
 
-REMOTE = [sys.executable, "-m", "testbed.collectives.worker", "--remote"]
+REMOTE = [sys.executable, "-m", "testbed.collectives.remotepool"]
 
 
 def _run(n: int, m: int, elsewhere: list[int], argv=REMOTE, **kw) -> dict:

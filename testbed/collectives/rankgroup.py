@@ -121,8 +121,7 @@ OnMessage = Callable[[int, dict], None]
 
 class RemotePool:
     """The coordinator's handle on a pool process on another server, started over ssh, that
-    forks and runs ``ranks`` of the job there (``python -m testbed.collectives.worker
-    --remote``). The ssh session's stdin/stdout is its control line: the same JSON lines as a
+    forks and runs ``ranks`` of the job there (``python -m testbed.collectives.remotepool``). The ssh session's stdin/stdout is its control line: the same JSON lines as a
     rank's, tagged with ``rank``; untagged ones are the pool's own (``pool``: its pid and its
     ranks' pids; ``mem``: its memory; ``checked``: its ranks' verdict for a repetition;
     ``error``: it failed)."""
@@ -214,7 +213,7 @@ class RankGroup:
 
     def start_remote(self, server: str, ranks: list[int], argv: list[str], job: dict) -> None:
         """Start the pool of ``server`` for ``ranks`` (``argv``: the ssh command that runs
-        ``python -m testbed.collectives.worker --remote`` there) and send it the job."""
+        ``python -m testbed.collectives.remotepool`` there) and send it the job."""
         self.remotes.append(RemotePool(server, ranks, argv, {
             "type": "job", "job": job, "ranks": list(ranks), "server": server}))
 

@@ -65,7 +65,7 @@ def require_local_namespaces(net) -> None:
 
 def remote_pools(net, ranks: list[dict]) -> list[dict]:
     """One pool per other server holding ranks of the job: ``{"server", "ranks", "argv"}``,
-    ``argv`` the local command that starts ``python -m testbed.collectives.worker --remote``
+    ``argv`` the local command that starts ``python -m testbed.collectives.remotepool``
     there over the network's ssh connection to it (the same checkout and venv path on every
     server, docs/cluster.md). Ranks whose hosts are on this machine (every rank, on a net
     without servers) run in the local pool, which coordinates the others."""
@@ -78,7 +78,7 @@ def remote_pools(net, ranks: list[dict]) -> list[dict]:
             by_server.setdefault(srv, []).append(r)
     out = []
     for srv, rs in by_server.items():
-        cmd = [sys.executable, "-m", "testbed.collectives.worker", "--remote"] + [
+        cmd = [sys.executable, "-m", "testbed.collectives.remotepool"] + [
             f"testbed-node={ranks[r]['host']}" for r in rs]
         out.append({"server": srv, "ranks": rs, "argv": conns[srv].argv(shlex.join(cmd))})
     return out

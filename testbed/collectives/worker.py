@@ -19,6 +19,12 @@ where the pool checks them against the numpy sum of the inputs. The pool writes
 ``result.json`` into the job folder; a failed or silent rank fails the run with a message
 naming it, and every child is killed and reaped before the pool exits.
 
+On a cluster network the ranks whose hosts sit on another server run in a pool started
+there over ssh (:mod:`testbed.collectives.remotepool`): it forks them, enters their namespaces
+through its own /proc, relays the control lines over the ssh session (tagged by rank), checks
+its ranks' outputs itself and reports per-rank durations from ``go``; this pool coordinates
+(docs/cluster.md).
+
 Why one module this long: the pool's whole process life cycle (fork, namespaces, control lines,
 fallback aggregators, CPU sampling, teardown) is here so that every exit path can be read
 together; the per-algorithm code lives in ``ring.py``, ``hd.py``, ``ina.py`` and ``server.py``.
@@ -79,7 +85,7 @@ def enter_netns(pid: int) -> None:
         os.close(fd)
 
 
-def _prctl_name(name: str) -> None:
+def set_process_name(name: str) -> None:
     _libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
@@ -211,7 +217,7 @@ def enter_rank(job: dict, rank: int) -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != job["_pool_pid"]:
         raise RuntimeError("the pool exited before this rank started")
-    _prctl_name(("tbw-" if rank < n else "tbr-") + info["host"])
+    set_process_name(("tbw-" if rank < n else "tbr-") + info["host"])
     enter_netns(info["pid"])
     _child_threads(n + m)
 
@@ -255,7 +261,7 @@ def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.sock
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != job["_pool_pid"]:
         return 1
-    _prctl_name("tbf-" + fb["host"])
+    set_process_name("tbf-" + fb["host"])
     ctl = ControlLine(sock)
     try:
         enter_netns(fb["pid"])
@@ -338,7 +344,7 @@ def _par_min() -> int:
     return PAR_MIN
 
 
-def _buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
+def rank_buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
     """(inputs, outputs) of every worker rank, in shared memory: the forked ranks read their
     input and write their output in place, where the pool checks them. Inputs come from the
     spec's seed (:func:`~testbed.collectives.report.rank_input`); for a broadcast only the
@@ -366,7 +372,7 @@ def _buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
     return ins, outs
 
 
-def _load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
+def load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
     """Load the kernels the ranks use once, before the fork (the children inherit them);
     returns every worker's compressor + memory (replayed for the reference), or None."""
     replicas = None
@@ -389,7 +395,7 @@ def _load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
     return replicas
 
 
-def _fork_ranks(group: RankGroup, job: dict, spec: CollectiveSpec, ranks: list[int],
+def fork_ranks(group: RankGroup, job: dict, spec: CollectiveSpec, ranks: list[int],
                 ins: list, outs: list) -> None:
     """Fork one child per rank of ``ranks`` (workers first, then reduction servers)."""
     n = job["n"]
@@ -410,7 +416,7 @@ def _connect(group: RankGroup, job: dict, spec: CollectiveSpec) -> None:
     group.gather("ready", spec.timeout_s + 30)
 
 
-def _check_rep(spec: CollectiveSpec, replicas: list | None, ins: list, outs: list,
+def check_outputs(spec: CollectiveSpec, replicas: list | None, ins: list, outs: list,
                rep: int, ranks: list[int] | None = None) -> tuple[float, bool]:
     """(max_abs_err, correct) of repetition ``rep``'s outputs against the numpy reference
     (computed from every rank's input): of the worker ranks ``ranks`` (default all)."""
@@ -427,7 +433,7 @@ def _check_rep(spec: CollectiveSpec, replicas: list | None, ins: list, outs: lis
     return check(spec, ins, outs, n, ranks)
 
 
-def _clear(outs: list, spec: CollectiveSpec) -> None:
+def clear_outputs(outs: list, spec: CollectiveSpec) -> None:
     """Poison the outputs before a repetition (NaN, or int32's minimum): a rank that writes
     nothing fails the check."""
     dt = np.dtype(spec.dtype)
@@ -444,7 +450,7 @@ def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, out
     clock: its finish here is taken as release + elapsed (which leaves out the one-way trip
     of ``go`` over ssh). Its outputs are checked by its own pool; the verdicts combine."""
     local = [r for r in group.lines if r < len(ins)]
-    _clear([outs[r] for r in local], spec)
+    clear_outputs([outs[r] for r in local], spec)
     sampler = group.monitor
     sampler.start()
     t_go = time.monotonic()
@@ -452,7 +458,7 @@ def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, out
     done = group.gather("done", spec.timeout_s + 5)
     t_end = max(t_go + d["elapsed"] if "elapsed" in d else d["t_end"] for d in done.values())
     cpu = sampler.stop()
-    err, ok = _check_rep(spec, replicas, ins, outs, rep, local if group.remotes else None)
+    err, ok = check_outputs(spec, replicas, ins, outs, rep, local if group.remotes else None)
     for pool in group.remotes:
         e, good = pool.checks.pop(rep)
         err, ok = max(err, e), ok and good
@@ -467,7 +473,7 @@ def run_pool(job: dict) -> dict:
     """Run the collective described by ``job`` (see runner.py); return the result dict.
 
     ``job["remote"]``: ranks on other servers, one entry per server (``server``, ``ranks``,
-    ``argv``: the ssh command of its pool, see :func:`serve_remote`); this pool forks the
+    ``argv``: the ssh command of its pool, :mod:`testbed.collectives.remotepool`); this pool forks the
     other ranks and coordinates them all."""
     spec = CollectiveSpec(**job["spec"])
     # before anything below loads the kernels (only jobs that use them pay the numba import)
@@ -482,13 +488,13 @@ def run_pool(job: dict) -> dict:
     elsewhere = {r for pool in remote for r in pool["ranks"]}
     fallbacks: list = []
     try:
-        ins, outs = _buffers(spec, n)
+        ins, outs = rank_buffers(spec, n)
         # a broadcast's reference (and every rank's input buffer) is the root's input
         ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
-        replicas = _load_kernels(spec, fork_safe, n)
+        replicas = load_kernels(spec, fork_safe, n)
         job["_pool_pid"] = os.getpid()
         fallbacks = _start_fallbacks(job, spec)
-        _fork_ranks(group, job, spec, [r for r in range(n + m) if r not in elsewhere],
+        fork_ranks(group, job, spec, [r for r in range(n + m) if r not in elsewhere],
                     ref_ins, outs)
         return _coordinate(group, job, spec, t_launch, ref_ins, outs, replicas, fallbacks)
     finally:
@@ -528,116 +534,6 @@ def _coordinate(group: RankGroup, job: dict, spec: CollectiveSpec, t_launch: flo
     return result
 
 
-class _Stdio:
-    """The ssh session's stdin and stdout as the socket of a :class:`ControlLine` (the remote
-    pool's line to its coordinator)."""
-
-    def __init__(self, rfd: int, wfd: int):
-        self.rfd, self.wfd = rfd, wfd
-
-    def fileno(self) -> int:
-        return self.rfd
-
-    def recv(self, size: int) -> bytes:
-        return os.read(self.rfd, size)
-
-    def sendall(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.wfd, view):]
-
-    def close(self) -> None:
-        for fd in {self.rfd, self.wfd}:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-class _Stopped(Exception):
-    """The coordinator said ``exit`` (or went away) while this pool waited for its ranks."""
-
-
-def _from_coordinator(line: ControlLine, kind: str) -> dict | None:
-    """The coordinator's next message, which must be ``kind``; None when it says ``exit``."""
-    msg = line.recv()
-    if msg["type"] == "exit":
-        return None
-    if msg["type"] != kind:
-        raise RuntimeError(f"the coordinator sent {msg['type']!r} where {kind!r} was due")
-    return msg
-
-
-def _coordinator_watch(line: ControlLine):
-    """While this pool gathers its ranks: stop when the coordinator says ``exit`` or its line
-    closes (it failed, or the ssh session ended)."""
-    def on_readable() -> bool:
-        msgs = line.feed()
-        if msgs is None or any(m["type"] == "exit" for m in msgs):
-            raise _Stopped
-        return True
-
-    return {line.sock: on_readable}
-
-
-def serve_remote(line: ControlLine) -> int:
-    """The pool on another server (``python -m testbed.collectives.worker --remote``, started
-    by the coordinator over ssh, ``line`` its session's stdin/stdout).
-
-    The coordinator's first message is the job and the ranks this server holds. The pool
-    generates every input from the seed, forks its ranks (they enter their hosts' namespaces
-    through this server's /proc), relays the protocol (``port`` and ``ready`` up, tagged by
-    rank; ``addrs``, ``go``, ``exit`` down), and per repetition checks its ranks' outputs
-    against the numpy reference and reports the verdict (``checked``) before their ``done``,
-    each with ``elapsed``, the rank's time from its ``go`` on this server's clock. A failure
-    of its ranks is one ``error`` message naming them; when the coordinator's line closes it
-    stops its ranks and exits."""
-    first = line.recv()
-    job, mine = first["job"], [int(r) for r in first["ranks"]]
-    _prctl_name("tbp-" + str(first.get("server", "")))
-    spec = CollectiveSpec(**job["spec"])
-    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
-    fork_safe = fork_safe_numba() if uses_numba else True
-    n = job["n"]
-    ins, outs = _buffers(spec, n)
-    ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
-    replicas = _load_kernels(spec, fork_safe, n)
-    job["_pool_pid"] = os.getpid()
-    group = RankGroup({r: job["ranks"][r]["host"] for r in mine}, spec.timeout_s)
-    group.close_in_child.append(line.sock)
-    _fork_ranks(group, job, spec, mine, ref_ins, outs)
-    workers = [r for r in mine if r < n]
-    watch = _coordinator_watch(line)
-    try:
-        line.send({"type": "pool", "pid": os.getpid(), "pids": group.pids})
-        for r, msg in group.gather("port", spec.timeout_s + 30, watch=watch).items():
-            line.send({**msg, "rank": r})
-        addrs = _from_coordinator(line, "addrs")
-        if addrs is None:
-            return 0
-        group.broadcast(addrs)
-        ready = group.gather("ready", spec.timeout_s + 30, watch=watch)
-        line.send({"type": "mem", "mem_mb": sum(pss_mb(p) for p in
-                                                [os.getpid(), *group.live_pids()])})
-        for r, msg in ready.items():
-            line.send({**msg, "rank": r})
-        while (go := _from_coordinator(line, "go")) is not None:
-            _clear([outs[r] for r in workers], spec)
-            group.broadcast(go)
-            done = group.gather("done", spec.timeout_s + 5, watch=watch)
-            err, ok = _check_rep(spec, replicas, ref_ins, outs, go["rep"], workers)
-            line.send({"type": "checked", "rep": go["rep"], "max_abs_err": err, "correct": ok})
-            for r, msg in done.items():
-                line.send({"type": "done", "rank": r, "elapsed": msg["t_end"] - msg["t_start"]})
-    except RuntimeError as e:  # RankFailure: the coordinator fails the run with it
-        with contextlib.suppress(OSError):
-            line.send({"type": "error", "error": str(e),
-                       "timeout": bool(getattr(e, "timeout", False))})
-    except (_Stopped, EOFError, OSError):
-        pass  # the coordinator ended the run (or is gone): stop the ranks
-    finally:
-        group.stop()
-    return 0
-
-
 def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
     """Entry point of a pool process: read ``--job FILE``, ``run(job)``, write the result
     dict as ``result.json`` next to the file (atomically). A crash of ``run`` becomes
@@ -661,14 +557,7 @@ def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the job file and write ``result.json`` next to it; with ``--remote``
-    (first argument), serve as another server's pool over stdin/stdout (:func:`serve_remote`)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--remote"]:
-        # the line gets the session's stdio; stray prints go to stderr, not into the protocol
-        line = ControlLine(_Stdio(os.dup(0), os.dup(1)))
-        os.dup2(2, 1)
-        return serve_remote(line)
+    """Entry point: run the job file and write ``result.json`` next to it."""
     return job_file_main(argv, "python -m testbed.collectives.worker", run_pool, {"reps": []})
 
 
