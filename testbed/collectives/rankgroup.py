@@ -121,10 +121,11 @@ OnMessage = Callable[[int, dict], None]
 
 class RemotePool:
     """The coordinator's handle on a pool process on another server, started over ssh, that
-    forks and runs ``ranks`` of the job there (``python -m testbed.collectives.remotepool``). The ssh session's stdin/stdout is its control line: the same JSON lines as a
-    rank's, tagged with ``rank``; untagged ones are the pool's own (``pool``: its pid and its
-    ranks' pids; ``mem``: its memory; ``checked``: its ranks' verdict for a repetition;
-    ``error``: it failed)."""
+    forks and runs ``ranks`` of the job there (``python -m testbed.collectives.remotepool``).
+    The ssh session's stdin/stdout is its control line: the same JSON lines as a rank's,
+    tagged with ``rank``; untagged ones are the pool's own (``pool``: its pid and its ranks'
+    pids; ``mem``: its memory; ``checked``: its ranks' verdict for a repetition; ``error``:
+    it failed)."""
 
     def __init__(self, server: str, ranks: list[int], argv: list[str], first: dict):
         self.server, self.ranks = server, list(ranks)
@@ -231,7 +232,7 @@ class RankGroup:
                 pool.line.send(msg)
 
     def gather(self, kind: str, wait_s: float | None, on_message: OnMessage | None = None,
-               watch: dict | None = None) -> dict[int, dict]:
+               watch: dict[socket.socket, Watch] | None = None) -> dict[int, dict]:
         """One message of ``kind`` from every live rank: rank -> message. ``wait_s``: how
         long they may stay silent (None: as long as they live); ``on_message(rank, msg)``
         handles messages of other kinds (a RuntimeError, KeyError or OSError it raises fails

@@ -473,8 +473,8 @@ def run_pool(job: dict) -> dict:
     """Run the collective described by ``job`` (see runner.py); return the result dict.
 
     ``job["remote"]``: ranks on other servers, one entry per server (``server``, ``ranks``,
-    ``argv``: the ssh command of its pool, :mod:`testbed.collectives.remotepool`); this pool forks the
-    other ranks and coordinates them all."""
+    ``argv``: the ssh command of its pool, :mod:`testbed.collectives.remotepool`); this pool
+    forks the other ranks and coordinates them all."""
     spec = CollectiveSpec(**job["spec"])
     # before anything below loads the kernels (only jobs that use them pay the numba import)
     uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
