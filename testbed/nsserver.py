@@ -20,8 +20,9 @@ namespace: a file written "remotely" is also visible locally, a remote pid is a 
 the CPU is the same CPU. It holds this machine's emulation lock for its whole life (a
 ``tb-*`` namespace is what ``testbed cleanup`` removes, so it may exist only while its owner
 holds the lock; a ``TestbedNet`` built inside takes the same lock again, re-entrantly). The cluster code never relies on that where it has a remote way (it
-copies files and forwards sockets over ssh), and says where it still does (the collectives'
-worker pool enters every host's namespace from one process, which needs one PID namespace).
+copies files and forwards sockets over ssh, and runs a collective's ranks of this server in a
+pool started here over ssh), and says where it still does (a training job's pool enters every
+host's namespace from one process, which needs one PID namespace).
 """
 
 from __future__ import annotations

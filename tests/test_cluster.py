@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -116,13 +117,64 @@ def _remote_leftovers(srv) -> dict:
     return json.loads(res.stdout)
 
 
+def _pool_processes(conn) -> dict[str, tuple[int, int]]:
+    """The collectives' pool processes as a server sees them (its own ``ps``): name (``tbp-``
+    a server's pool, ``tbw-`` a rank) -> (pid, parent pid)."""
+    out = {}
+    for line in conn.run("ps -eo pid=,ppid=,stat=,comm=", check=False).splitlines():
+        pid, ppid, stat, comm = line.split(None, 3)
+        if comm.startswith(("tbp-", "tbw-")) and not stat.startswith("Z"):  # Z: dead
+            out[comm.strip()] = (int(pid), int(ppid))
+    return out
+
+
+class _PoolWatch:
+    """Watches a server's process table (its own ``ps``, in a loop on the server) while a
+    collective runs, keeping every view that shows the server's pool ``name``, with that
+    pool's network namespace and the server's own."""
+
+    def __init__(self, conn, name: str):
+        loop = (f"while :; do ps -eo pid=,ppid=,stat=,comm=; for p in $(pgrep -x {name}); do "
+                "echo ns $(readlink /proc/$p/ns/net /proc/self/ns/net); done; echo ---; "
+                "sleep 0.01; done")
+        self.name = name
+        self.seen: list[dict] = []
+        self.proc = subprocess.Popen(conn.argv(loop), stdout=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        procs, ns = {}, []
+        for line in self.proc.stdout:
+            if line.startswith("---"):
+                if self.name in procs and len(ns) == 2:  # else the pool exited meanwhile
+                    self.seen.append({"procs": procs, "ns": ns})
+                procs, ns = {}, []
+            elif line.startswith("ns "):
+                ns = line.split()[1:]
+            else:
+                pid, ppid, stat, comm = line.split(None, 3)
+                if comm.startswith(("tbp-", "tbw-")) and not stat.startswith("Z"):
+                    procs[comm.strip()] = (int(pid), int(ppid))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._thread.join(10)
+
+
 @pytest.mark.mininet
 def test_ring_and_ina_exact_across_two_servers(server):
-    from testbed.collectives import CollectiveSpec, run_collective
+    from testbed.collectives import CollectiveError, CollectiveSpec, run_collective
     from testbed.collectives.testing import check_rows
     from testbed.topologies import TestbedNet
 
     topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100, switch="programmable")
+    pool = f"tbp-{server.netns}"
     with TestbedNet(topo, servers=["localhost", server.server]) as net:
         assert net.placement["tbl2"] == net.placement["tbh4"] == server.netns
         # the remote half really runs on the server: its shells are ssh sessions there
@@ -140,20 +192,69 @@ def test_ring_and_ina_exact_across_two_servers(server):
             assert "vxlan id" in sw.cmd(f"ip -d link show {intf.name}")
             assert " htb " in sw.cmd(f"tc qdisc show dev {intf.name}")
         assert net.describe()["cluster"]["servers"] == ["localhost", server.netns]
-        for algo, extra in (("ring", {}), ("ina", {"window": 16})):
-            spec = CollectiveSpec(algo=algo, nbytes=4 * 20_011, timeout_s=20, seed=3, **extra)
-            rows = run_collective(net, spec)
+        conn = net.connections[server.netns]
+        # long enough (about half a second each) for the watch to see the server's ranks
+        for algo, extra in (("ring", {"repetitions": 6}), ("ina", {"window": 16,
+                                                                   "repetitions": 3})):
+            spec = CollectiveSpec(algo=algo, nbytes=4 * 200_011, timeout_s=20, seed=3, **extra)
+            with _PoolWatch(conn, pool) as watch:
+                rows = run_collective(net, spec)
             # a cluster network's rows carry its tunnel flag beyond the report columns
             assert all(r.pop("tunnel_bound") is False and r.pop("tunnel_why") == ""
                        for r in rows), rows
             check_rows(rows, spec, 4)
+            # tbh3 and tbh4 ran in a pool started over ssh on the server: the ranks are that
+            # pool's children, the pool lives in the server's network namespace, and the
+            # ranks of this machine's hosts are not its children
+            views = [v for v in watch.seen if {"tbw-tbh3", "tbw-tbh4"} <= set(v["procs"])]
+            assert views, watch.seen
+            procs, (pool_ns, server_ns) = views[0]["procs"], views[0]["ns"]
+            pid = procs[pool][0]
+            assert procs["tbw-tbh3"][1] == procs["tbw-tbh4"][1] == pid, procs
+            assert pool_ns == server_ns != os.readlink("/proc/self/ns/net"), views[0]
+            assert all(procs[w][1] != pid for w in ("tbw-tbh1", "tbw-tbh2") if w in procs)
         counters = net.switch_client("tbsp2").counters()  # through the forwarded socket
         assert counters
+        # the server's pool dies mid-run: an error naming the server and its ranks, no hang
+        spec = CollectiveSpec(algo="ring", nbytes=4 * 20_011, timeout_s=5, repetitions=2000)
+        box: dict = {}
+        runner = threading.Thread(target=lambda: box.update(err=_run_expecting_error(
+            run_collective, net, spec)), daemon=True)
+        t0 = time.monotonic()
+        runner.start()
+        while runner.is_alive() and pool not in _pool_processes(conn):
+            time.sleep(0.02)
+        pid = _pool_processes(conn)[pool][0]
+        # the server's own cleanup sweep (testbed cleanup --servers) would find the pool
+        swept = _remote_leftovers(server)["processes"]
+        assert any(p.startswith(f"{pid} ") and "testbed.collectives.remotepool" in p
+                   for p in swept), swept
+        conn.run(f"kill -KILL {pid}")
+        t_kill = time.monotonic()
+        runner.join(60)
+        assert not runner.is_alive(), "the collective hung after its remote pool died"
+        print(f"killed pool: error after {time.monotonic() - t_kill:.1f} s "
+              f"(run started {t_kill - t0:.1f} s before)")
+        err = box["err"]
+        assert isinstance(err, CollectiveError), err
+        assert f"server {server.netns} (ranks [2, 3]: tbh3, tbh4)" in str(err), err
+        t1 = time.monotonic()  # the server's ranks die with their pool (a moment later)
+        while _pool_processes(conn) and time.monotonic() - t1 < 5:
+            time.sleep(0.05)
+        assert not _pool_processes(conn), _pool_processes(conn)
     left = _remote_leftovers(server)
     # the server's own veth and (shared /run) namespace name are the fixture's, not the net's
     left["links"] = [i for i in left["links"] if i != server.srv_if]
     left["netns"] = [n for n in left["netns"] if n != server.netns]
     assert not any(left.values()), left
+
+
+def _run_expecting_error(fn, *args) -> BaseException | None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None
 
 
 def test_server_lock_is_held_by_the_server_until_released(server):
@@ -186,8 +287,8 @@ def test_doctor_checks_a_server_over_ssh(server):
     assert bad["status"] == "missing" and "cannot reach" in bad["detail"]
 
 
-def test_collectives_refuse_hosts_on_another_kernel():
-    """The worker pool enters host namespaces through this machine's /proc: a net whose
+def test_training_jobs_refuse_hosts_on_another_kernel():
+    """A training job's pool enters host namespaces through this machine's /proc: a net whose
     hosts sit on another kernel is refused before anything starts, naming the hosts. (No
     second kernel is available here, so the net answers as a real cross-machine one would.)"""
     from testbed.collectives.runner import require_local_namespaces

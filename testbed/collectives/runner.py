@@ -4,7 +4,9 @@
 in rank order, ``topo`` (the topology the model reads), ``bottleneck_bps(hosts)``,
 ``hop_latency_s()``, optionally ``aggregator``, ``describe()``, ``time_dilation``). The run
 happens in a pool process (``python -m testbed.collectives.worker``) whose children enter the
-hosts' network namespaces; see worker.py.
+hosts' network namespaces; see worker.py. On a cluster network the ranks whose hosts sit on
+another server run in a pool started on that server over the network's ssh connection
+(:func:`remote_pools`), which the local pool coordinates.
 
 On a network dilated by a factor f (``net.time_dilation``, see :mod:`testbed.topologies.net`)
 the pool's timeouts (``spec.timeout_s``, INA's retransmission timer) are multiplied by f and
@@ -22,6 +24,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -44,19 +47,53 @@ def _hosts(net) -> list:
     hosts = list(getattr(net, "hosts", []))
     if not hosts:
         raise ValueError("net has no hosts: pass a started TestbedNet")
-    require_local_namespaces(net)
     return hosts
 
 
 def require_local_namespaces(net) -> None:
-    """Refuse a net whose hosts live on another machine's kernel: the worker pool is one
-    process here that enters each host's namespace through /proc (docs/cluster.md)."""
+    """Refuse a net whose hosts live on another machine's kernel, for a training job: its
+    pool is one process here that enters each host's namespace through /proc (collectives
+    run one pool per server, :func:`remote_pools`; docs/cluster.md)."""
     foreign = getattr(net, "hosts_on_other_kernels", list)()
     if foreign:
-        raise ValueError(f"hosts {foreign} run on another server's kernel: the collectives' "
-                         "worker pool enters host namespaces on this machine only (one pool "
-                         "per server is not built yet, docs/cluster.md); place every host on "
-                         "this machine or on a server sharing its kernel")
+        raise ValueError(f"hosts {foreign} run on another server's kernel: a training job's "
+                         "pool enters host namespaces on this machine only (collectives run "
+                         "one pool per server, training jobs do not yet: docs/cluster.md); "
+                         "place the job's hosts on this machine or on a server sharing its "
+                         "kernel")
+
+
+def remote_pools(net, ranks: list[dict]) -> list[dict]:
+    """One pool per other server holding ranks of the job: ``{"server", "ranks", "argv"}``,
+    ``argv`` the local command that starts ``python -m testbed.collectives.remotepool``
+    there over the network's ssh connection to it (the same checkout and venv path on every
+    server, docs/cluster.md). Ranks whose hosts are on this machine (every rank, on a net
+    without servers) run in the local pool, which coordinates the others."""
+    where = getattr(net, "placement", None) or {}
+    conns = getattr(net, "connections", None) or {}
+    by_server: dict[str, list[int]] = {}
+    for r, info in enumerate(ranks):
+        srv = where.get(info["host"])
+        if srv in conns:
+            by_server.setdefault(srv, []).append(r)
+    out = []
+    for srv, rs in by_server.items():
+        cmd = [sys.executable, "-m", "testbed.collectives.remotepool"] + [
+            f"testbed-node={ranks[r]['host']}" for r in rs]
+        out.append({"server": srv, "ranks": rs, "argv": conns[srv].argv(shlex.join(cmd))})
+    return out
+
+
+def _refuse_remote_fallbacks(job: dict) -> None:
+    """Host fallback aggregators (shared-mode INA) run in the local pool only."""
+    elsewhere = {job["ranks"][r]["host"]: p["server"] for p in job.get("remote", [])
+                 for r in p["ranks"]}
+    bad = [f"{fb['host']} (on {elsewhere[fb['host']]})" for fb in job.get("fallbacks") or []
+           if fb["host"] in elsewhere]
+    if bad:
+        raise ValueError(f"placement mode 'shared' needs host fallback aggregators on {bad}, "
+                         "but they run on this machine's pool only: use mode 'static' on a "
+                         "cluster network, or place those hosts on this machine")
 
 
 def placement(net, spec: CollectiveSpec) -> tuple[list, list, bool]:
@@ -151,7 +188,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     # the pool runs in dilated time: its timeouts stretch with the network
     job = {"spec": {**spec.to_json(), "timeout_s": spec.timeout_s * dilation}, "n": n, "m": m,
            "ranks": ranks, "bw_bps": bw, "time_dilation": dilation,
-           "extra_pids": list(extra_pids or []) + _engine_pids(net)}
+           "extra_pids": list(extra_pids or []) + _engine_pids(net),
+           "remote": remote_pools(net, ranks)}
     agg_client = None
     if registration is not None:
         adopt_registration(spec, job, workers, registration)
@@ -171,6 +209,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     ina_cols = None
     if spec.algo in ("ina", "nic"):
         try:
+            _refuse_remote_fallbacks(job)
             _configure_nics(net, spec, offload=True)
         except BaseException:
             with contextlib.suppress(CollectiveError, ValueError, RuntimeError):

@@ -19,6 +19,12 @@ where the pool checks them against the numpy sum of the inputs. The pool writes
 ``result.json`` into the job folder; a failed or silent rank fails the run with a message
 naming it, and every child is killed and reaped before the pool exits.
 
+On a cluster network the ranks whose hosts sit on another server run in a pool started
+there over ssh (:mod:`testbed.collectives.remotepool`): it forks them, enters their namespaces
+through its own /proc, relays the control lines over the ssh session (tagged by rank), checks
+its ranks' outputs itself and reports per-rank durations from ``go``; this pool coordinates
+(docs/cluster.md).
+
 Why one module this long: the pool's whole process life cycle (fork, namespaces, control lines,
 fallback aggregators, CPU sampling, teardown) is here so that every exit path can be read
 together; the per-algorithm code lives in ``ring.py``, ``hd.py``, ``ina.py`` and ``server.py``.
@@ -32,8 +38,6 @@ import ctypes
 import json
 import mmap
 import os
-import select
-import selectors
 import signal
 import socket
 import sys
@@ -45,6 +49,7 @@ import numpy as np
 from testbed.collectives import compress, hd, ring, server
 from testbed.collectives.cpumon import CpuMonitor
 from testbed.collectives.model import rs_chunk_bytes, rs_window_pieces
+from testbed.collectives.rankgroup import ControlLine, RankGroup, fork_with_line
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveTimeout, Comm
@@ -80,7 +85,7 @@ def enter_netns(pid: int) -> None:
         os.close(fd)
 
 
-def _prctl_name(name: str) -> None:
+def set_process_name(name: str) -> None:
     _libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
@@ -145,52 +150,6 @@ def _child_threads(n_procs: int) -> None:
 
 def _shared(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-
-
-class ControlLine:
-    """Newline-delimited JSON over a socket: the pool's control channel to each rank."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.buf = b""
-
-    def send(self, obj: dict) -> None:
-        self.sock.sendall(json.dumps(obj).encode() + b"\n")
-
-    def feed(self) -> list[dict] | None:
-        """Read what is there; parsed messages, or None at EOF."""
-        data = self.sock.recv(65536)
-        if not data:
-            return None
-        self.buf += data
-        return self._take_lines()
-
-    def ready(self) -> list[dict]:
-        """The complete messages now (what is buffered and what the socket holds), without
-        blocking; ``EOFError`` when the peer closed the channel."""
-        while select.select([self.sock], [], [], 0)[0]:
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("the pool closed the control channel")
-            self.buf += data
-        return self._take_lines()
-
-    def _take_lines(self) -> list[dict]:
-        out = []
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            out.append(json.loads(line))
-        return out
-
-    def recv(self) -> dict:
-        """Block for the next message (children only)."""
-        while b"\n" not in self.buf:
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("pool closed the control channel")
-            self.buf += data
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
 
 
 def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x, out,
@@ -258,7 +217,7 @@ def enter_rank(job: dict, rank: int) -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != job["_pool_pid"]:
         raise RuntimeError("the pool exited before this rank started")
-    _prctl_name(("tbw-" if rank < n else "tbr-") + info["host"])
+    set_process_name(("tbw-" if rank < n else "tbr-") + info["host"])
     enter_netns(info["pid"])
     _child_threads(n + m)
 
@@ -302,7 +261,7 @@ def _fallback_child(job: dict, fb: dict, spec: CollectiveSpec, sock: socket.sock
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != job["_pool_pid"]:
         return 1
-    _prctl_name("tbf-" + fb["host"])
+    set_process_name("tbf-" + fb["host"])
     ctl = ControlLine(sock)
     try:
         enter_netns(fb["pid"])
@@ -330,18 +289,9 @@ def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, Control
         warm_up()  # once here: the forked fallbacks inherit the loaded kernel
     try:
         for fb in job.get("fallbacks") or []:
-            a, b = socket.socketpair()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    a.close()
-                    code = _fallback_child(job, fb, spec, b)
-                finally:
-                    os._exit(code)
-            b.close()
-            a.settimeout(spec.timeout_s + 30)
-            line = ControlLine(a)
+            pid, line = fork_with_line(lambda ctl, fb=fb: _fallback_child(job, fb, spec,
+                                                                          ctl.sock))
+            line.sock.settimeout(spec.timeout_s + 30)
             started.append((pid, line))
             try:
                 msg = line.recv()
@@ -394,16 +344,12 @@ def _par_min() -> int:
     return PAR_MIN
 
 
-def run_pool(job: dict) -> dict:
-    """Run the collective described by ``job`` (see runner.py); return the result dict."""
-    spec = CollectiveSpec(**job["spec"])
-    # before anything below loads the kernels (only jobs that use them pay the numba import)
-    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
-    fork_safe = fork_safe_numba() if uses_numba else True
-    n, m = job["n"], job["m"]
-    ranks = job["ranks"]
+def rank_buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
+    """(inputs, outputs) of every worker rank, in shared memory: the forked ranks read their
+    input and write their output in place, where the pool checks them. Inputs come from the
+    spec's seed (:func:`~testbed.collectives.report.rank_input`); for a broadcast only the
+    root's matters, and it is every rank's reference input."""
     count, dt = spec.count, np.dtype(spec.dtype)
-    t_launch = time.monotonic()
     in_counts = [input_count(spec.op, count, n, r) for r in range(n)]
     out_counts = [output_count(spec.op, count, n, r) for r in range(n)]
     shm_in = _shared(sum(in_counts) * dt.itemsize)
@@ -423,13 +369,17 @@ def run_pool(job: dict) -> dict:
         outs.append(np.frombuffer(shm_out, dtype=dt, count=out_counts[r],
                                   offset=off * dt.itemsize))
         off += out_counts[r]
-    if spec.op == "broadcast":  # the reference needs the root's input only, for every rank
-        ins = [ins[0]] * n
+    return ins, outs
+
+
+def load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
+    """Load the kernels the ranks use once, before the fork (the children inherit them);
+    returns every worker's compressor + memory (replayed for the reference), or None."""
     replicas = None
     # PAR_MIN // 2: some compressors pad to the next power of two (THC) before their kernels
-    if not fork_safe and spec.compressor is not None and count >= _par_min() // 2:
+    if not fork_safe and spec.compressor is not None and spec.count >= _par_min() // 2:
         raise ValueError(
-            f"compressor={spec.compressor!r} with {count} elements runs Numba's parallel "
+            f"compressor={spec.compressor!r} with {spec.count} elements runs Numba's parallel "
             "kernels, but this process already runs GNU OpenMP, which cannot be used after "
             "fork: call run_collective (it starts a fresh pool process) or set "
             "NUMBA_THREADING_LAYER=workqueue before importing numba")
@@ -442,144 +392,145 @@ def run_pool(job: dict) -> dict:
         from testbed.collectives import ina  # numba: only INA jobs pay for it
 
         ina.warm_up()  # load the cached kernels once here; forked children inherit them
-    job["_pool_pid"] = os.getpid()
-    children: dict[int, int] = {}
-    ctls: dict[int, ControlLine] = {}
+    return replicas
+
+
+def fork_ranks(group: RankGroup, job: dict, spec: CollectiveSpec, ranks: list[int],
+                ins: list, outs: list) -> None:
+    """Fork one child per rank of ``ranks`` (workers first, then reduction servers)."""
+    n = job["n"]
     sys.stdout.flush()
     sys.stderr.flush()
-    fallbacks = _start_fallbacks(job, spec)
-    for rank in range(n + m):
-        a, b = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                a.close()
-                for c in ctls.values():
-                    c.sock.close()
-                x = ins[rank] if rank < n else None
-                o = outs[rank] if rank < n else None
-                code = _child(job, spec, rank, ControlLine(b), x, o)
-            finally:
-                os._exit(code)
-        b.close()
-        children[rank] = pid
-        ctls[rank] = ControlLine(a)
-    result: dict = {"reps": [], "error": None, "timeout": False,
-                    "pids": {ranks[r]["host"] + ("" if r < n else "/server"): p
-                             for r, p in children.items()}}
-    sel = selectors.DefaultSelector()
-    for r, c in ctls.items():
-        sel.register(c.sock, selectors.EVENT_READ, r)
-    dead: dict[int, str] = {}
-    # CPU saturation per thread and core (cpumon): the ranks and the data-path engines
-    sampler = CpuMonitor({"ranks": list(children.values())
-                          + [pid for pid, _ in fallbacks],
-                          "engines": list(job.get("extra_pids", []))})
+    for rank in ranks:
+        x = ins[rank] if rank < n else None
+        o = outs[rank] if rank < n else None
+        group.fork(rank, lambda ctl, rank=rank, x=x, o=o: _child(job, spec, rank, ctl, x, o))
 
-    def gather(kind: str, wait_s: float) -> dict[int, dict]:
-        """Collect one message of ``kind`` from every live child; errors end it early."""
-        got: dict[int, dict] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + wait_s
-        failing_since = None
-        while len(got) + len(errors) + len(dead) < n + m:
-            now = time.monotonic()
-            if failing_since is not None and now - failing_since > min(spec.timeout_s + 3, 30):
-                break
-            if now > deadline:
-                break
-            for key, _ in sel.select(timeout=0.1):
-                r = key.data
-                msgs = ctls[r].feed()
-                if msgs is None:
-                    sel.unregister(ctls[r].sock)
-                    _, status = os.waitpid(children[r], 0)
-                    why = (f"signal {signal.Signals(os.WTERMSIG(status)).name}"
-                           if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
-                    if r not in errors:
-                        dead[r] = f"rank {r} ({ranks[r]['host']}) died ({why})"
-                    children[r] = -1
-                    failing_since = failing_since or time.monotonic()
-                    continue
-                for msg in msgs:
-                    if msg["type"] == "error":
-                        errors[r] = msg["error"]
-                        result["timeout"] |= msg["timeout"]
-                        failing_since = failing_since or time.monotonic()
-                    elif msg["type"] == kind:
-                        got[r] = msg
-            sampler.sample()
-        missing = [r for r in range(n + m) if r not in got and r not in errors and r not in dead]
-        if errors or dead or missing:
-            lines = list(dead.values()) + [f"rank {r} ({ranks[r]['host']}): {e}"
-                                           for r, e in sorted(errors.items())]
-            if missing:
-                result["timeout"] = True
-                lines.append(f"ranks {missing} silent for {wait_s:.0f} s while waiting for "
-                             f"'{kind}'")
-            raise RuntimeError("; ".join(lines))
-        return got
 
+def _connect(group: RankGroup, job: dict, spec: CollectiveSpec) -> None:
+    """Every rank reports its listening port, gets every rank's address, connects to its
+    peers and reports ready."""
+    ports = group.gather("port", spec.timeout_s + 30)
+    group.broadcast({"type": "addrs", "addrs": {
+        r: [job["ranks"][r]["ip"], ports[r]["port"]] for r in sorted(ports)}})
+    group.gather("ready", spec.timeout_s + 30)
+
+
+def check_outputs(spec: CollectiveSpec, replicas: list | None, ins: list, outs: list,
+               rep: int, ranks: list[int] | None = None) -> tuple[float, bool]:
+    """(max_abs_err, correct) of repetition ``rep``'s outputs against the numpy reference
+    (computed from every rank's input): of the worker ranks ``ranks`` (default all)."""
+    n = len(ins)
+    if ranks is not None:
+        outs = [outs[r] for r in ranks]
+    if replicas is not None and spec.algo == "ina":
+        # INA + THC: the switch summed quantized rotations; THC's own error bound
+        from testbed.collectives.ina import thc_check
+
+        return thc_check(spec, ins, outs, n, step=rep)
+    if replicas is not None:
+        return compress.check(replicas, ins, outs, rep)
+    return check(spec, ins, outs, n, ranks)
+
+
+def clear_outputs(outs: list, spec: CollectiveSpec) -> None:
+    """Poison the outputs before a repetition (NaN, or int32's minimum): a rank that writes
+    nothing fails the check."""
+    dt = np.dtype(spec.dtype)
+    for o in outs:
+        o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
+
+
+def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, outs: list,
+                replicas: list | None) -> dict:
+    """Release every rank at once, gather their ``done``, check the outputs: one rep row
+    (time = last rank's finish - release, and the CPU it took).
+
+    A rank on another server reports ``elapsed``, its time from receiving ``go`` on its own
+    clock: its finish here is taken as release + elapsed (which leaves out the one-way trip
+    of ``go`` over ssh). Its outputs are checked by its own pool; the verdicts combine."""
+    local = [r for r in group.lines if r < len(ins)]
+    clear_outputs([outs[r] for r in local], spec)
+    sampler = group.monitor
+    sampler.start()
+    t_go = time.monotonic()
+    group.broadcast({"type": "go", "rep": rep})
+    done = group.gather("done", spec.timeout_s + 5)
+    t_end = max(t_go + d["elapsed"] if "elapsed" in d else d["t_end"] for d in done.values())
+    cpu = sampler.stop()
+    err, ok = check_outputs(spec, replicas, ins, outs, rep, local if group.remotes else None)
+    for pool in group.remotes:
+        e, good = pool.checks.pop(rep)
+        err, ok = max(err, e), ok and good
+    return {"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
+            "cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait, "cpu_demand": cpu.cpu_demand,
+            "cpu_max": cpu.group_max["ranks"], "cpu_engine": cpu.group_max["engines"],
+            "cpu_s": cpu.group_cpu_s["ranks"], "engine_cpu_s": cpu.group_cpu_s["engines"],
+            "cpu_why": cpu.why}
+
+
+def run_pool(job: dict) -> dict:
+    """Run the collective described by ``job`` (see runner.py); return the result dict.
+
+    ``job["remote"]``: ranks on other servers, one entry per server (``server``, ``ranks``,
+    ``argv``: the ssh command of its pool, :mod:`testbed.collectives.remotepool`); this pool
+    forks the other ranks and coordinates them all."""
+    spec = CollectiveSpec(**job["spec"])
+    # before anything below loads the kernels (only jobs that use them pay the numba import)
+    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
+    fork_safe = fork_safe_numba() if uses_numba else True
+    n, m = job["n"], job["m"]
+    t_launch = time.monotonic()
+    group = RankGroup({r: job["ranks"][r]["host"] for r in range(n + m)}, spec.timeout_s)
+    remote = job.pop("remote", None) or []
+    for pool in remote:  # first: their start (ssh, imports) overlaps the work here
+        group.start_remote(pool["server"], pool["ranks"], pool["argv"], job)
+    elsewhere = {r for pool in remote for r in pool["ranks"]}
+    fallbacks: list = []
     try:
-        ports = gather("port", spec.timeout_s + 30)
-        addrs = {r: [ranks[r]["ip"], ports[r]["port"]] for r in range(n + m)}
-        for c in ctls.values():
-            c.send({"type": "addrs", "addrs": addrs})
-        gather("ready", spec.timeout_s + 30)
+        ins, outs = rank_buffers(spec, n)
+        # a broadcast's reference (and every rank's input buffer) is the root's input
+        ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
+        replicas = load_kernels(spec, fork_safe, n)
+        job["_pool_pid"] = os.getpid()
+        fallbacks = _start_fallbacks(job, spec)
+        fork_ranks(group, job, spec, [r for r in range(n + m) if r not in elsewhere],
+                    ref_ins, outs)
+        return _coordinate(group, job, spec, t_launch, ref_ins, outs, replicas, fallbacks)
+    finally:
+        _stop_fallbacks(fallbacks, {})  # stopped (with their counters) already when it ran
+        group.stop()
+
+
+def _coordinate(group: RankGroup, job: dict, spec: CollectiveSpec, t_launch: float,
+                ins: list, outs: list, replicas: list | None, fallbacks: list) -> dict:
+    """Connect the ranks, run the repetitions, stop the fallback aggregators: the result."""
+    n = job["n"]
+    result: dict = {"reps": [], "error": None, "timeout": False,
+                    "pids": {job["ranks"][r]["host"] + ("" if r < n else "/server"): p
+                             for r, p in group.pids.items()}}
+    # CPU saturation per thread and core (cpumon): the ranks and the data-path engines here
+    group.monitor = CpuMonitor({"ranks": group.live_pids() + [pid for pid, _ in fallbacks],
+                                "engines": list(job.get("extra_pids", []))})
+    try:
+        _connect(group, job, spec)
         # from the runner's Popen (interpreter start + imports) when known
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
-        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *children.values()])
+        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()]) + sum(
+            pool.mem_mb for pool in group.remotes)
         for rep in range(spec.repetitions):
-            for o in outs:
-                o.fill(np.nan if dt.kind == "f" else np.iinfo(dt).min)
-            sampler.start()
-            t_go = time.monotonic()
-            for c in ctls.values():
-                c.send({"type": "go", "rep": rep})
-            done = gather("done", spec.timeout_s + 5)
-            t_end = max(d["t_end"] for d in done.values())
-            cpu = sampler.stop()
-            if replicas is not None and spec.algo == "ina":
-                # INA + THC: the switch summed quantized rotations; THC's own error bound
-                from testbed.collectives.ina import thc_check
-
-                err, ok = thc_check(spec, ins, outs, n, step=rep)
-            elif replicas is not None:
-                err, ok = compress.check(replicas, ins, outs, rep)
-            else:
-                err, ok = check(spec, ins, outs, n)
-            result["reps"].append({"time_s": t_end - t_go, "max_abs_err": err, "correct": ok,
-                                   "cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait,
-                                   "cpu_demand": cpu.cpu_demand,
-                                   "cpu_max": cpu.group_max["ranks"],
-                                   "cpu_engine": cpu.group_max["engines"],
-                                   "cpu_s": cpu.group_cpu_s["ranks"],
-                                   "engine_cpu_s": cpu.group_cpu_s["engines"],
-                                   "cpu_why": cpu.why})
+            result["reps"].append(_repetition(group, spec, rep, ins, outs, replicas))
     except RuntimeError as e:
         result["error"] = str(e)
+        result["timeout"] |= bool(getattr(e, "timeout", False))
     finally:
+        if group.remotes:
+            result["pools"] = {p.server: {"pid": p.pid, "ranks": p.ranks} for p in group.remotes}
+            for pool in group.remotes:
+                result["pids"].update({job["ranks"][r]["host"] + ("" if r < n else "/server"):
+                                       pid for r, pid in pool.pids.items()})
         _stop_fallbacks(fallbacks, result)
-        for c in ctls.values():
-            try:
-                c.send({"type": "exit"})
-            except OSError:
-                pass
-        deadline = time.monotonic() + 2.0
-        for pid in children.values():
-            if pid <= 0:
-                continue
-            while True:
-                done_pid, _ = os.waitpid(pid, os.WNOHANG)
-                if done_pid:
-                    break
-                if time.monotonic() > deadline:
-                    with contextlib.suppress(ProcessLookupError):  # died meanwhile
-                        os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.01)
+        fallbacks.clear()
     return result
 
 

@@ -25,11 +25,8 @@ parameters must be bit-identical (``replicas_agree``). The pool writes ``result.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-import selectors
-import signal
 import socket
 import sys
 import time
@@ -38,10 +35,10 @@ import numpy as np
 
 from testbed.collectives import compress, trimmed
 from testbed.collectives.cpumon import CpuMonitor, cpu_bound_reasons
+from testbed.collectives.rankgroup import ControlLine, RankGroup
 from testbed.collectives.report import check
 from testbed.collectives.trimmed import TrimmedGather
 from testbed.collectives.worker import (
-    ControlLine,
     connect_rank,
     enter_rank,
     fork_safe_numba,
@@ -184,77 +181,6 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
             gather.close()
 
 
-def _collect(ctls: dict, children: dict, kind: str, wait_s: float | None, timeout_s: float,
-             monitor: CpuMonitor | None = None,
-             coordinator: Coordinator | None = None) -> dict[int, dict]:
-    """One ``kind`` message from every child; raises RuntimeError naming the ranks that
-    failed, died or stayed silent (``wait_s``; None: as long as they are alive).
-    ``coordinator``: handles plan changes meanwhile (the runner's plan channel, the ranks'
-    ``switch`` and ``port`` messages)."""
-    sel = selectors.DefaultSelector()
-    for r, c in ctls.items():
-        sel.register(c.sock, selectors.EVENT_READ, r)
-    if coordinator is not None and coordinator.channel is not None:
-        sel.register(coordinator.channel.sock, selectors.EVENT_READ, "channel")
-    got: dict[int, dict] = {}
-    bad: dict[int, str] = {}
-    timeout = False
-    deadline = None if wait_s is None else time.monotonic() + wait_s
-    grace = None  # after a failure, the others get a moment to report theirs
-    try:
-        while len(got) + len(bad) < len(ctls):
-            now = time.monotonic()
-            if (deadline is not None and now > deadline) or (grace is not None and now > grace):
-                break
-            for key, _ in sel.select(timeout=0.2):
-                r = key.data
-                if r == "channel":
-                    if not coordinator.on_channel():
-                        sel.unregister(key.fileobj)
-                    continue
-                msgs = ctls[r].feed()
-                if msgs is None:
-                    sel.unregister(key.fileobj)
-                    _, status = os.waitpid(children[r], 0)
-                    children[r] = -1
-                    bad.setdefault(r, f"died ({_status(status)})")
-                    grace = grace or time.monotonic() + min(timeout_s + 3, 30)
-                    continue
-                for m in msgs:
-                    if m["type"] == "error":
-                        bad[r] = m["error"]
-                        timeout |= m.get("timeout", False)
-                        grace = grace or time.monotonic() + min(timeout_s + 3, 30)
-                    elif m["type"] == kind:
-                        got[r] = m
-                    elif coordinator is not None:
-                        try:
-                            coordinator.on_message(r, m)
-                        except (RuntimeError, KeyError, OSError) as e:
-                            bad[r] = f"plan change: {type(e).__name__}: {e}"
-                            grace = grace or time.monotonic() + min(timeout_s + 3, 30)
-            if monitor is not None:
-                monitor.sample()
-    finally:
-        sel.close()
-    missing = [r for r in ctls if r not in got and r not in bad]
-    if bad or missing:
-        lines = [f"rank {r}: {e}" for r, e in sorted(bad.items())]
-        if missing:
-            timeout = True
-            lines.append(f"ranks {missing} silent while waiting for '{kind}'")
-        err = RuntimeError("; ".join(lines))
-        err.timeout = timeout  # type: ignore[attr-defined]
-        raise err
-    return got
-
-
-def _status(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exit {os.WEXITSTATUS(status)}"
-
-
 def _checks(spec: TrainingSpec, sh: _Shared, n: int,
             coordinator: Coordinator | None = None) -> list[dict]:
     """Each complete check slot against numpy with the bound of the collective in force at
@@ -327,45 +253,29 @@ def run_pool(job: dict) -> dict:
     if spec.algo == "trim":
         trimmed.warm()
     job["_pool_pid"] = os.getpid()
-    children: dict[int, int] = {}
-    ctls: dict[int, ControlLine] = {}
     channel = ControlLine(socket.socket(fileno=int(job["plan_fd"]))) if replan else None
+    group = RankGroup({r: job["ranks"][r]["host"] for r in range(n)}, spec.timeout_s)
+    if channel is not None:
+        group.close_in_child.append(channel.sock)
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in range(n):
-        a, b = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                a.close()
-                for c in ctls.values():
-                    c.sock.close()
-                if channel is not None:
-                    channel.sock.close()
-                code = _child(job, spec, data, rank, ControlLine(b), sh)
-            finally:
-                os._exit(code)
-        b.close()
-        children[rank] = pid
-        ctls[rank] = ControlLine(a)
+        group.fork(rank, lambda ctl, rank=rank: _child(job, spec, data, rank, ctl, sh))
     result: dict = {"error": None, "timeout": False, "logs": [], "checks": [],
-                    "pids": {job["ranks"][r]["host"]: p for r, p in children.items()}}
+                    "pids": {job["ranks"][r]["host"]: p for r, p in group.pids.items()}}
     try:
-        ports = _collect(ctls, children, "port", spec.timeout_s + 30, spec.timeout_s)
-        addrs = {r: [job["ranks"][r]["ip"], ports[r]["port"]] for r in range(n)}
-        for c in ctls.values():
-            c.send({"type": "addrs", "addrs": addrs})
-        _collect(ctls, children, "ready", spec.timeout_s + 30, spec.timeout_s)
+        ports = group.gather("port", spec.timeout_s + 30)
+        group.broadcast({"type": "addrs", "addrs": {
+            r: [job["ranks"][r]["ip"], ports[r]["port"]] for r in range(n)}})
+        group.gather("ready", spec.timeout_s + 30)
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
-        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *children.values()])
-        monitor = CpuMonitor({"ranks": list(children.values()),
-                              "engines": list(job.get("extra_pids", []))})
+        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()])
+        group.monitor = monitor = CpuMonitor({"ranks": group.live_pids(),
+                                              "engines": list(job.get("extra_pids", []))})
         result["t_go"] = time.monotonic()
-        for c in ctls.values():
-            c.send({"type": "go"})
-        coordinator = Coordinator(job, ctls, channel) if replan else None
-        done = _collect(ctls, children, "done", None, spec.timeout_s, monitor, coordinator)
+        group.broadcast({"type": "go"})
+        coordinator = Coordinator(job, group.lines, channel) if replan else None
+        done = _train(group, coordinator)
         cpu = monitor.stop()
         result["logs"] = [done[r]["log"] for r in range(n)]
         result["cpu"] = {"cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait,
@@ -384,26 +294,27 @@ def run_pool(job: dict) -> dict:
         result["error"] = str(e)
         result["timeout"] = bool(getattr(e, "timeout", False))
     finally:
-        for c in ctls.values():
-            with contextlib.suppress(OSError):
-                c.send({"type": "exit"})
-        _reap(children)
+        group.stop()
     return result
 
 
-def _reap(children: dict[int, int], wait_s: float = 2.0) -> None:
-    """Wait for every child (they exit after ``exit``); SIGKILL the ones that do not."""
-    deadline = time.monotonic() + wait_s
-    for pid in children.values():
-        if pid <= 0:
-            continue
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.01)
+def _train(group: RankGroup, coordinator: Coordinator | None) -> dict[int, dict]:
+    """Every worker's ``done`` (with its log), as long as they live; meanwhile plan changes
+    go through ``coordinator`` (the runner's plan channel, the ranks' ``switch`` and ``port``
+    messages; a failing one fails the rank that sent it)."""
+    if coordinator is None:
+        return group.gather("done", None)
+    watch = {}
+    if coordinator.channel is not None:
+        watch[coordinator.channel.sock] = coordinator.on_channel
+
+    def on_message(rank: int, msg: dict) -> None:
+        try:
+            coordinator.on_message(rank, msg)
+        except (RuntimeError, KeyError, OSError) as e:
+            raise RuntimeError(f"plan change: {type(e).__name__}: {e}") from None
+
+    return group.gather("done", None, on_message, watch)
 
 
 def main(argv: list[str] | None = None) -> int:
