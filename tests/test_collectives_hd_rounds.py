@@ -14,7 +14,7 @@ import pytest
 from testbed.collectives import flowmodel as fm
 from testbed.collectives import hd
 from testbed.collectives.spec import CollectiveSpec
-from testbed.collectives.transport import Comm, CollectiveTimeout
+from testbed.collectives.transport import CollectiveTimeout, Comm
 
 
 def _mesh(job: int, n: int, ip: str, timeout_s: float = 5.0) -> list[Comm]:
