@@ -1,5 +1,5 @@
-"""Halving-doubling's rounds on real sockets: a round ends when the partner acknowledged every
-byte (``Comm.drain``), and the per-round trace carries the bytes the flow model charges."""
+"""Halving-doubling's rounds on real sockets: a round ends when its message left the socket
+(``Comm.drain``), and the per-round trace carries the bytes the flow model charges."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_drain_times_out_when_the_peer_never_reads():
         a.send(1, np.zeros(2 << 20, dtype=np.uint8))  # fills the window, never read
         time.sleep(0.1)
         t0 = time.monotonic()
-        with pytest.raises(CollectiveTimeout, match="unacknowledged"):
+        with pytest.raises(CollectiveTimeout, match="unsent"):
             a.drain(1)
         assert time.monotonic() - t0 < 5
     finally:
@@ -132,7 +132,6 @@ def test_traced_rounds_move_the_bytes_the_model_charges(n, tmp_path, monkeypatch
     hosts = [f"h{i}" for i in range(n)]
     spec = CollectiveSpec(algo="hd", nbytes=4 * count)
     rounds = [p for p in fm.phases(spec, hosts) if p.name.startswith(("halving", "doubling"))]
-    assert all(p.trips == fm.HD_ROUND_TRIPS == 2 for p in rounds)
     p2, rem, new, _old = hd.fold(n)
     for r in range(n):
         path = tmp_path / f"hd-rank{r}.jsonl"

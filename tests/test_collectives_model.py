@@ -32,11 +32,10 @@ def test_ring_and_hd_formulas(n):
         (n - 1) * A + (n - 1) / n * t)
     hd = model.predict("allreduce", "hd", n, S, B, A)
     if n & (n - 1) == 0:
-        # each round waits for its data and the ACK of its last byte: 2 A
-        assert hd == pytest.approx(4 * math.log2(n) * A + 2 * (n - 1) / n * t)
+        assert hd == pytest.approx(2 * math.log2(n) * A + 2 * (n - 1) / n * t)
     else:  # folded ranks pay one extra full-array exchange each way
         p = 1 << (n.bit_length() - 1)
-        assert hd == pytest.approx(4 * math.log2(p) * A + 2 * (p - 1) / p * t + 2 * (A + t))
+        assert hd == pytest.approx(2 * math.log2(p) * A + 2 * (p - 1) / p * t + 2 * (A + t))
     lg = math.ceil(math.log2(n))
     assert model.predict("broadcast", "tree", n, S, B, A) == pytest.approx(lg * (A + t))
     assert model.predict("allreduce", "tree", n, S, B, A) == pytest.approx(2 * lg * (A + t))

@@ -27,8 +27,8 @@ How a prediction is made:
    recomputed whenever a flow finishes (a fluid simulation), and the phase ends with its last
    flow. A flow that crosses no shaped link makes the model fail with a clear error.
 4. **Latency.** A phase adds ``hops * hop_latency_s`` for its longest path, times the number
-   of one-way trips the phase waits for (1 for a ring step, 2 for a halving-doubling round:
-   its data and the ACK of its last byte, 2 for a reduction-server round trip, 4 for INA: the exponent bootstrap round trip plus the last packet's round trip; 2 for
+   of one-way trips the phase waits for (1 for a TCP step, 2 for a reduction-server round
+   trip, 4 for INA: the exponent bootstrap round trip plus the last packet's round trip; 2 for
    the SmartNIC variant, which has no bootstrap round).
 5. **Pipelining fill.** The reduction server returns piece 0 once every worker's piece 0
    arrived: + ``piece / r_min`` (the slowest flow's rate); the chain broadcast's last rank gets
@@ -90,10 +90,6 @@ DEFAULT_HOP_S = 20e-6
 #: INA's retransmission timeout floor (SwitchML's 10 ms; ``inakernel.T0``, not imported here:
 #: the kernels module loads Numba, and the model must stay cheap to import)
 INA_RTO_FLOOR_S = 0.010
-#: One-way trips a halving-doubling round waits for: its last byte to the partner and that
-#: byte's ACK back (a round ends when the partner acknowledged everything,
-#: ``transport.Comm.drain``, so the next round's message never shares the link with it).
-HD_ROUND_TRIPS = ab.HD_ROUND_TRIPS
 #: Payload and header bytes of an INA packet: the THC variant keeps the 70 B of headers.
 INA_HDR = ab.INA_FRAME - ab.INA_PAYLOAD
 
@@ -247,7 +243,7 @@ def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
                 keep, give = ((mid, s1), (s0, mid)) if v & d else ((s0, mid), (mid, s1))
                 flows.append(rk.tcp(old(v), old(v ^ d), int(b[give[1]] - b[give[0]])))
                 rng[v] = keep
-            out.append(Phase(f"halving d={d}", flows, trips=HD_ROUND_TRIPS))
+            out.append(Phase(f"halving d={d}", flows))
             d //= 2
     if doubling:
         rng = {v: (v, v + 1) for v in range(p)}
@@ -261,7 +257,7 @@ def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
                 s0, s1 = rng[v]
                 o0, o1 = rng[v ^ d]
                 rng[v] = (min(s0, o0), max(s1, o1))
-            out.append(Phase(f"doubling d={d}", flows, trips=HD_ROUND_TRIPS))
+            out.append(Phase(f"doubling d={d}", flows))
             d *= 2
     return out
 

@@ -6,13 +6,13 @@ power of two, the first 2*(n-p) ranks pair up (p = largest power of two <= n): t
 sends its whole array to its even partner, which joins the power-of-two exchange, and sends
 the sum back at the end.
 
-A round ends when this rank received its partner's half and the partner's TCP acknowledged
-every byte of its own (``Comm.drain``), not when ``sendall`` handed the bytes to a send buffer
-that autotuning grows to megabytes: otherwise a rank whose receive finished first starts the
-next round while its previous message is still on its uplink, the two messages share the link,
-and the previous partner, still waiting for its half, falls behind; every later round inherits
-that skew. Measured on a star of 8 at 100 Mb/s (4 MiB, not CPU-bound): 1.32-2.10 of the model
-without draining, 1.20-1.31 with it.
+A round ends when this rank received its partner's half and its own half left the socket
+(``Comm.drain``), not when ``sendall`` handed the bytes to a send buffer that autotuning grows
+to megabytes: otherwise a rank whose receive finished first starts the next round while its
+previous message still waits in that buffer, the two messages share the uplink, and the
+previous partner, still waiting for its half, falls behind; every later round inherits that
+skew. Measured on a star of 8 at 100 Mb/s (4 MiB, time dilation 16, not CPU-bound, 4 runs
+each): 1.27-1.71 of the model without draining, 1.22-1.44 with it.
 """
 
 from __future__ import annotations

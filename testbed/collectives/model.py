@@ -4,10 +4,7 @@ It is the one-switch special case of the flow-level model (:mod:`testbed.collect
 which gives every run's ``model_s``): one bottleneck rate B for every flow, every link busy in
 both directions. On a star the two agree (tested); across a fabric only the flow model sees
 which flows share a link. The formulas are the nccl-tests / MPICH ones (ring
-``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...), with one
-difference: a halving-doubling round here ends when the partner's TCP acknowledged the last
-byte (:meth:`testbed.collectives.transport.Comm.drain`, the completion of a rendezvous send),
-so each round waits :data:`HD_ROUND_TRIPS` one-way latencies: ``4 log2(n) a + ...``.
+``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...).
 
 ``predict(op, algo, n, nbytes, bw_bps, alpha_s)`` returns seconds. ``bw_bps`` is the
 bottleneck link rate in bit/s as configured on the links; the model converts it to *goodput*
@@ -30,9 +27,6 @@ import math
 from testbed.collectives.spec import ALGOS, INA_ELEMS, OPS
 from testbed.kernels.wire import PAYLOAD_OFFSET
 
-#: One-way latencies a halving-doubling round waits for: its data, then the ACK of the last
-#: byte (the round's completion, see the module docstring).
-HD_ROUND_TRIPS = 2
 ETH_HDR = 14
 TCP_MSS = 1448  # 1500 - 20 (IP) - 20 (TCP) - 12 (timestamp option)
 TCP_FRAME = 1500 + ETH_HDR
@@ -174,9 +168,9 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
         return lg * (a + t)
     p = 1 << int(math.floor(math.log2(n)))
     if op == "allreduce":
-        base = 2 * math.log2(p) * HD_ROUND_TRIPS * a + 2 * (p - 1) / p * t
+        base = 2 * math.log2(p) * a + 2 * (p - 1) / p * t
         if p != n:  # fold: extra ranks send their array to a partner and get the sum back
             base += 2 * (a + t)
         return base
     # reduce_scatter / allgather: power-of-two n only (validated by CollectiveSpec)
-    return math.log2(p) * HD_ROUND_TRIPS * a + (p - 1) / p * t
+    return math.log2(p) * a + (p - 1) / p * t
