@@ -275,6 +275,23 @@ def test_leaf_spine_colliding_and_separate_flows_by_hand():
     assert res.bottleneck == ("tbl1", "tbsp1")
 
 
+def test_acks_take_their_own_path_on_a_bridge_fabric_by_hand():
+    """Leaf-spine 4:1 of Linux bridges (static FDB by destination): rank 4's data to rank 0
+    crosses spine 2, its ACKs come back over spine 1, so the ACK bytes load tbl1 -> tbsp1
+    (not tbl1 -> tbsp2, the data path reversed) and tbsp1 -> tbl3."""
+    ls = LeafSpine(leaves=4, spines=2, hosts_per_leaf=2, oversubscription=4, bw_mbps=100,
+                   switch={"tbsp1"})
+    net = fm._Network(routing.as_topology(ls), 1.0)
+    sp, dp = tcp_tuple(0, 4, 0)
+    f = fm.Flow("tbh5", "tbh1", 1000.0, sp, dp)
+    assert net.flow_path(f) == ["tbh5", "tbl3", "tbsp2", "tbl1", "tbh1"]
+    assert net.ack_path(f) == ["tbh1", "tbl1", "tbsp1", "tbl3", "tbh5"]
+    w = net.weights(f)
+    data = [("tbh5", "tbl3"), ("tbl3", "tbsp2"), ("tbsp2", "tbl1"), ("tbl1", "tbh1")]
+    acks = [("tbh1", "tbl1"), ("tbl1", "tbsp1"), ("tbsp1", "tbl3"), ("tbl3", "tbh5")]
+    assert w == {**dict.fromkeys(data, fm.TCP_WIRE), **dict.fromkeys(acks, fm.TCP_ACK)}
+
+
 def test_fat_tree_collision_on_an_edge_uplink_by_hand():
     """k=4, every link 100 Mb/s: two flows from the same edge switch to another pod collide
     on an edge uplink (half a link each) or not (a whole access link each). INA-style flows

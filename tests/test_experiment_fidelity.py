@@ -39,6 +39,16 @@ def test_topologies_are_the_advertised_ones():
             fidelity.run(time_dilation=bad)
 
 
+def test_quick_lets_only_the_fat_tree_calibrate_past_the_quick_cap():
+    names = [name for name, _t in fidelity.topologies()]
+    assert fidelity.calibration_range("fattree-k4", quick=True) == (4.0, 16.0)
+    for name in names[:-1]:
+        assert fidelity.calibration_range(name, quick=True) == (1.0, fidelity.QUICK_MAX_FACTOR)
+    for name in names:  # the full benchmark calibrates every network from 1 to the maximum
+        assert fidelity.calibration_range(name, quick=False) == (1.0, 16.0)
+    assert set(fidelity.QUICK_FACTORS) <= set(names)
+
+
 @pytest.mark.mininet
 def test_star4_rows_have_every_key_and_are_correct():
     # a fixed factor: "auto" would add a calibration (tests/test_dilation.py covers it)

@@ -16,7 +16,8 @@ How a prediction is made:
    of a looped fabric follow their static FDB; loop-free fabrics have one path. Flows between
    ranks on one host (a co-located reduction server) use no link.
 2. **Wire bytes.** A flow of D payload bytes puts ``D * wire`` bytes on every directed link
-   of its path and, for TCP, ``D * ack`` bytes of ACKs on every link of the reverse path:
+   of its path and, for TCP, ``D * ack`` bytes of ACKs on every link of the ACKs' own path
+   (the reverse 5-tuple as forwarded, not always the data path reversed):
    TCP ``wire = 1514/1448`` (MSS 1448 with timestamps in a 1514 B frame), ``ack = 33/1448``
    (a 66 B delayed ACK per two segments); INA ``wire = 1094/1024`` (256 int32 + 70 B of
    headers), no ACKs. HTB shapes whole frames, so a link of ``bw_mbps`` carries
@@ -498,13 +499,20 @@ class _Network:
             return self.path(s, d, sp, dp, f.proto)[::-1]
         return self.path(f.src, f.dst, f.sport, f.dport, f.proto)
 
+    def ack_path(self, f: Flow) -> list[str]:
+        """The path of ``f``'s ACKs: the reverse 5-tuple as the fabric forwards it, which on
+        a bridge fabric's static FDB or under ECMP need not be the data path reversed."""
+        return self.path(f.dst, f.src, f.dport, f.sport, f.proto)
+
     def weights(self, f: Flow) -> dict:
         p = self.flow_path(f)
         w: dict = {}
         for a, b in zip(p, p[1:], strict=False):
             w[(a, b)] = w.get((a, b), 0.0) + f.wire
-            if f.ack:
-                w[(b, a)] = w.get((b, a), 0.0) + f.ack
+        if f.ack:
+            q = self.ack_path(f)
+            for a, b in zip(q, q[1:], strict=False):
+                w[(a, b)] = w.get((a, b), 0.0) + f.ack
         return w
 
 

@@ -1,0 +1,149 @@
+"""Halving-doubling's rounds on real sockets: a round ends when its message left the socket
+(``Comm.drain``), and the per-round trace carries the bytes the flow model charges."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from testbed.collectives import flowmodel as fm
+from testbed.collectives import hd
+from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.transport import CollectiveTimeout, Comm
+
+
+def _mesh(job: int, n: int, ip: str, timeout_s: float = 5.0) -> list[Comm]:
+    """n ranks on one loopback address, every pair connected."""
+    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job) for r in range(n)]
+    addrs = {r: (ip, comms[r].listen(ip)) for r in range(n)}
+    errors: list[BaseException] = []
+
+    def go(r):
+        try:
+            comms[r].connect([p for p in range(n) if p != r], addrs)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        for c in comms:
+            c.close()
+        raise errors[0]
+    return comms
+
+
+def _small_window(c: Comm, peer: int) -> None:
+    """Shrink the receive buffer of ``c``'s socket to ``peer``: unread data stays unacked."""
+    c.socks[peer].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+
+
+def _big_send_buffer(c: Comm, peer: int) -> None:
+    """Let ``c``'s socket to ``peer`` buffer a whole message (``sendall`` returns at once)."""
+    c.socks[peer].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+
+
+def test_drain_returns_only_after_the_peer_took_the_data():
+    a, b = _mesh(61, 2, "127.0.6.1")
+    try:
+        _small_window(b, 0)
+        _big_send_buffer(a, 1)
+        data = (np.arange(256 << 10) % 251).astype(np.uint8)
+        done = {}
+
+        def sender():
+            a.send(1, data).result()
+            done["buffered"] = time.monotonic()
+            a.drain(1)
+            done["drained"] = time.monotonic()
+
+        t = threading.Thread(target=sender)
+        t.start()
+        time.sleep(0.3)  # the receiver reads nothing yet: the sender's bytes stay unacked
+        assert "drained" not in done
+        t_read = time.monotonic()
+        got = np.empty_like(data)
+        b.recv(0, got)
+        t.join(5)
+        assert done["buffered"] < t_read <= done["drained"]  # sendall alone is not enough
+        assert np.array_equal(got, data)
+        a.drain(1)  # nothing outstanding: returns at once
+    finally:
+        a.close()
+        b.close()
+
+
+def test_drain_times_out_when_the_peer_never_reads():
+    a, b = _mesh(62, 2, "127.0.6.2", timeout_s=0.5)
+    try:
+        _small_window(b, 0)
+        a.send(1, np.zeros(2 << 20, dtype=np.uint8))  # fills the window, never read
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="unsent"):
+            a.drain(1)
+        assert time.monotonic() - t0 < 5
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("n", [4, 6])
+def test_traced_rounds_move_the_bytes_the_model_charges(n, tmp_path, monkeypatch):
+    """hd allreduce among n threads on loopback: the sum is the numpy sum, and every rank's
+    trace line per round sends and receives exactly what the model's phase gives that rank."""
+    monkeypatch.setenv(hd.TRACE_ENV, str(tmp_path))
+    count = 10_000 * n + 3
+    rng = np.random.default_rng(n)
+    xs = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+    outs = [np.empty(count, np.float32) for _ in range(n)]
+    comms = _mesh(63 + n, n, "127.0.6.3")
+    errors: list[BaseException] = []
+
+    def go(r):
+        try:
+            hd.allreduce(comms[r], xs[r], outs[r], n, 4096)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    try:
+        ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+    finally:
+        for c in comms:
+            c.close()
+    if errors:
+        raise errors[0]
+    want = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    for o in outs:
+        np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-4)
+
+    hosts = [f"h{i}" for i in range(n)]
+    spec = CollectiveSpec(algo="hd", nbytes=4 * count)
+    rounds = [p for p in fm.phases(spec, hosts) if p.name.startswith(("halving", "doubling"))]
+    p2, rem, new, _old = hd.fold(n)
+    for r in range(n):
+        path = tmp_path / f"hd-rank{r}.jsonl"
+        if new(r) is None:  # folded away: no power-of-two rounds
+            assert not path.exists()
+            continue
+        trace = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [t["round"] for t in trace] == [p.name for p in rounds]
+        for t, p in zip(trace, rounds, strict=True):
+            out = [f for f in p.flows if f.src == hosts[r]]
+            back = [f for f in p.flows if f.dst == hosts[r]]
+            assert len(out) == len(back) == 1
+            assert hosts[t["partner"]] == out[0].dst == back[0].src
+            assert t["sent"] == out[0].nbytes and t["got"] == back[0].nbytes
+            assert t["t0"] <= t["t_recv"] <= t["t_end"] and t["t_sent"] <= t["t_end"]
