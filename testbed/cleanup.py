@@ -37,7 +37,8 @@ from testbed.netlock import LOCK_PATH, EmulationBusy, emulation_lock
 NETNS_PREFIX = f"{PREFIX}-"
 # Fixed, not derived from an overridable path: a broad folder (/tmp) would match everyone.
 RUN_DIR = "/run/testbed"
-OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker")
+OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker",
+               "testbed.collectives.remotepool")
 NODE_MARKER = "testbed-node="
 KINDS = ("ovs_bridges", "processes", "links", "netns")
 DEFAULT_OVS_DB = "/var/run/openvswitch/db.sock"

@@ -31,6 +31,10 @@ Why not ``MininetCluster`` itself: its placers only know hosts and switches (not
 its hosts"), its pre-check needs ``sudo``, and its cleanup runs ``mn -c`` on every server,
 which would remove other people's networks; the node classes and the placement idea are
 what carries over.
+
+Why one module this long: placement, the ssh connections, the remote node classes and the
+tunnel links are the one piece of ``TestbedNet`` that knows about servers; kept together, every
+remote step (start, forward, read back, stop) can be read next to the connection it rides on.
 """
 
 from __future__ import annotations

@@ -482,7 +482,8 @@ class TestbedNet:
 
     def hosts_on_other_kernels(self) -> list[str]:
         """Hosts placed on a server that runs another kernel than this machine's: a process
-        here cannot enter their network namespaces (the collectives' worker pools do)."""
+        here cannot enter their network namespaces (the collectives start a pool on that
+        server for them; training jobs still refuse them)."""
         if not self.placement:
             return []
         out = []
@@ -518,7 +519,7 @@ class TestbedNet:
     def server_memory(self) -> dict[str, float]:
         """Server name -> resident memory (MiB) of what this network runs there: node shells
         and data-path engines, summed from each server's own ``ps`` (the collectives' worker
-        pool runs on this machine and reports its own ``mem_mb``)."""
+        pools report their own memory in ``mem_mb``, the other servers' pools included)."""
         mn = self._require_running()
         local = self.servers[0].name if self.servers else cluster.LOCAL
         pids: dict[str, list[int]] = {}

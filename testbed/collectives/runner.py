@@ -14,6 +14,11 @@ every row reports undilated time: ``time_s`` is the measured time divided by f, 
 ``busbw`` and ``fidelity`` speak of the network the topology describes, and the row says
 ``time_dilation = f``. A network built with ``time_dilation="auto"`` is calibrated with the
 first collective run on it (:func:`testbed.collectives.dilation.calibrate`).
+
+Why one module this long: it is the one place where a spec meets a network (placement,
+NIC and switch configuration, INA registration with its fallbacks, the pool's launch, wait
+and stop, the report row); each part is short, and every exit path releases what the earlier
+parts configured, which reads best in one file.
 """
 
 from __future__ import annotations

@@ -42,6 +42,10 @@ link became sustained-congested, whether or not the policy then changed a plan).
 many times per policy (interleaved, so a change in the machine's load hits every policy),
 every row carries its ``repeat``, and one ``row = "overall"`` per policy gives the median
 (and min, max) of the summary figures over the repeats.
+
+Why one module this long: the experiment file's schema, the trace orchestration, the re-plan
+loop and the summary rows share the trace's state (jobs, plans, telemetry); split, each part
+would need the others' internals.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ DELETE /v1/jobs/{job}      release the job (memory back, switches cleared, other
 GET  /v1/log               every plan change with its time and reason
 GET  /v1/plan?policy=P     dry run: the plans policy P would give the admitted jobs now
 =========================  ====================================================================
+
+Why one module this long: the HTTP routes, the lease reaper, the telemetry collector and the
+switch configurator all act on the one locked manager; keeping them in one file keeps the
+locking rule (every call into the manager under the one lock) checkable by reading.
 """
 
 from __future__ import annotations
