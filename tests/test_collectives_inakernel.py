@@ -261,3 +261,15 @@ def test_thc_quantiser_unbiased_and_bounded():
         assert np.all(np.abs(q * step - y) < step * (1 + 1e-9))
         acc += q * step
     assert np.abs(acc / reps - y).max() < 0.25 * step  # ~ 0.5 step / sqrt(400) * 5 sigma
+
+
+def test_fair_share_window_of_a_shared_job():
+    from testbed.collectives.ina import fair_share_slots
+
+    assert fair_share_slots(32, 96, 0) == 12  # alone so far: the pool is for two at least
+    assert fair_share_slots(32, 96, 1) == 12
+    assert fair_share_slots(32, 96, 2) == 8
+    assert fair_share_slots(8, 96, 0) == 8  # never more than asked
+    assert fair_share_slots(32, 3, 5) == 1  # never none
+    with pytest.raises(ValueError, match="asked=0"):
+        fair_share_slots(0, 96, 0)

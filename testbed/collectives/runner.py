@@ -310,6 +310,16 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
         raise ValueError(f"CollectiveSpec.placement: {e}") from None
     if place.get("mode") == "shared" and len(plan.tree) > 1:
         raise ValueError(f"{SHARED_TREE_ERROR} (tree 'auto' gave {plan.tree})")
+    if place.get("mode") == "shared":
+        # the provider's pool policy: a window no larger than the job's fair share of the pool
+        agg = net.switch_client(plan.root).counters()["stages"]["aggregate"]
+        if agg["memory"].get("pool_fair_share", True):
+            others = sum(1 for jid, j in agg["jobs"].items()
+                         if j["mode"] == "shared" and jid != str(spec.job_id))
+            slots = _ina().fair_share_slots(spec.slots, agg["memory"]["pool_entries"], others)
+            if slots != spec.slots:
+                spec = dataclasses.replace(spec, placement={**place, "slots": slots})
+                job["spec"] = {**job["spec"], "placement": spec.placement}
     seq0 = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
     lanes = _ina().ina_lanes(spec, len(workers))
     regs = plan.registrations(spec.slots, seq0, lanes)
