@@ -381,8 +381,8 @@ def bench_tenancy(
     quick: bool = typer.Option(False, "--quick", help="4 MiB on the fat-tree, 1 MiB per "
                                "tenant (a few minutes)"),
     json_out: bool = typer.Option(False, "--json"),
-    time_dilation: str = typer.Option("1", "--time-dilation", metavar="F|auto",
-                                      help=DILATION_HELP),
+    time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
+                                      help=DILATION_HELP + " (default: the files', 8)"),
     only: str = typer.Option("hierarchical,multitenant", "--only",
                              help="which experiments: hierarchical, multitenant or both"),
 ) -> None:

@@ -15,7 +15,7 @@ results root):
 
 ``--quick``: 4 MiB on the fat-tree and 1 MiB per tenant (a few minutes). Times are only
 comparable within one run; a ``cpu_bound`` row measured the emulator (the note says so).
-``time_dilation`` (a factor or ``"auto"``, default the experiment files' 1) runs both networks
+``time_dilation`` (a factor or ``"auto"``, default the experiment files' 8) runs both networks
 that many times slower (:mod:`testbed.collectives.dilation`) so that the emulator's CPU is not
 what the times measure; every row records its factor. Each row's ``port_bytes_core`` counts
 every byte on a core link (retransmissions included: they really cross it).
@@ -122,7 +122,7 @@ def main(quick: bool = False, json_out: bool = False, time_dilation: float | str
          only: tuple[str, ...] = ("hierarchical", "multitenant")) -> int:
     """CLI entry: print rows and targets; exit status 1 when a row is wrong."""
     head = {"bench": "tenancy", "quick": quick, "cpu": _cpu(),
-            "time_dilation": time_dilation or 1.0, "load_avg": os.getloadavg()[0]}
+            "time_dilation": time_dilation or "the files'", "load_avg": os.getloadavg()[0]}
     print(json.dumps(head) if json_out else f"# bench tenancy ({'quick' if quick else 'full'}) "
           f"on {head['cpu']}, time dilation {head['time_dilation']}, load average "
           f"{head['load_avg']:.2f}", flush=True)
