@@ -114,10 +114,11 @@ COUNTER_NAMES = (
     "pool_claims",  # shared-pool entries a round claimed
     "pool_releases",  # shared-pool entries given back (every member had the round's result)
     "pool_collisions",  # rounds sent to the host fallback: every entry they hash to was held
+    "upward_coalesced",  # members' requests to resend a partial sum that one resend covered
 )
 (C_CONTRIB, C_COMPLETED, C_RESULTS, C_ANSWERED, C_DUPLICATES, C_STALE, C_NOT_MEMBER, C_BAD_SEQ,
  C_ARP, C_OVERFLOW, C_DROPPED, C_UP_SENT, C_UP_RESENT, C_PARENT_RESULTS, C_FALLBACK,
- C_POOL_CLAIMS, C_POOL_RELEASES, C_POOL_COLLISIONS) = range(len(COUNTER_NAMES))
+ C_POOL_CLAIMS, C_POOL_RELEASES, C_POOL_COLLISIONS, C_UP_COALESCED) = range(len(COUNTER_NAMES))
 
 
 class Registers(NamedTuple):
@@ -126,6 +127,7 @@ class Registers(NamedTuple):
     seq: np.ndarray  # int64: the round the set holds (a 32-bit serial number)
     state: np.ndarray  # int64: OPEN, UP, DONE or HOST
     bitmap: np.ndarray  # uint32: members counted in that round
+    asked: np.ndarray  # uint32: UP rounds: members that asked again since the last send up
     missing: np.ndarray  # int64: contributions the round still needs
     nelems: np.ndarray  # int64
     exponent: np.ndarray  # int64: max of the contributions' exponents
@@ -184,6 +186,7 @@ def new_registers(max_slots: int, words: int, pool_entries: int) -> Registers:
     """Zeroed registers: ``max_slots`` slots of metadata, ``words`` int32 words of memory."""
     z = (max_slots, 2)
     return Registers(np.zeros(z, np.int64), np.full(z, DONE, np.int64), np.zeros(z, np.uint32),
+                     np.zeros(z, np.uint32),
                      np.zeros(z, np.int64), np.zeros(z, np.int64), np.zeros(z, np.int64),
                      np.zeros(z, np.int64), np.zeros(z, np.int64), np.zeros(z, np.bool_),
                      np.full(z, -1, np.int64), np.zeros(max(words, 1), np.int32),
@@ -211,8 +214,8 @@ def init_rounds(regs: Registers, lo: int, hi: int, seq0: int) -> None:
     regs.seq[lo:hi, s0] = (seq0 - 2) % SEQ_MOD
     regs.seq[lo:hi, 1 - s0] = (seq0 - 1) % SEQ_MOD
     regs.state[lo:hi] = DONE
-    for a in (regs.bitmap, regs.missing, regs.nelems, regs.exponent, regs.chunk, regs.codec,
-              regs.overflow):
+    for a in (regs.bitmap, regs.asked, regs.missing, regs.nelems, regs.exponent, regs.chunk,
+              regs.codec, regs.overflow):
         a[lo:hi] = 0
 
 
@@ -424,6 +427,25 @@ COMPLETED = -2  # counted, and it was the last one: multicast (root) or send upw
 ANSWER = -3  # a counted member asked again for a complete round: unicast the result
 RESEND_UP = -4  # a counted member asked again while the parent has not answered: resend up
 FALLBACK = -5  # the round is the host fallback's: forward the contribution there
+COALESCED = -6  # a counted member asked again, and the last resend up already answers it
+
+
+@njit(cache=True)
+def ask_up(regs, g, s, bit):
+    """Member ``bit`` asks again for the round in set ``s`` of slot ``g``, which is ``UP``:
+    RESEND_UP or COALESCED (T2). The partial sum goes up again on the first request after a
+    send up, and on a second request of a member that already asked since then; the other
+    members' requests are covered by that resend. Members time out together when the parent
+    is slow (one timer each, the same round trip), so without this a child of k members sends
+    its partial sum up to k times for one late answer, and every level above multiplies it.
+    Between two requests of any member at least one resend goes up, so a lost partial sum or
+    parent RESULT is still recovered by the members' own retransmissions (W3)."""
+    asked = regs.asked[g, s]
+    if asked == 0 or asked & bit:
+        regs.asked[g, s] = bit
+        return RESEND_UP
+    regs.asked[g, s] = asked | bit
+    return COALESCED
 
 
 @njit(cache=True)
@@ -457,7 +479,7 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg, counters):
         if regs.bitmap[g, s] & bit:
             if st == DONE:  # answered while its values are kept (every member may need them)
                 return ANSWER if regs.val_off[g, s] >= 0 else DropReason.STALE
-            return RESEND_UP if st == UP else DropReason.DUPLICATE
+            return ask_up(regs, g, s, bit) if st == UP else DropReason.DUPLICATE
         if st != OPEN:
             return DropReason.STALE  # a finished round this member never took part in
     elif d == 2 and mode != FALLBACK_HOST:
@@ -523,6 +545,7 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg, counters):
     if regs.missing[g, s] != 0:
         return ADDED
     regs.state[g, s] = UP if jobs.up_egress[jx] >= 0 else DONE
+    regs.asked[g, s] = 0
     if mode == SHARED and release_previous(regs, g, s, agg):  # every member had r - 1's result
         counters[C_POOL_RELEASES] += 1
     return COMPLETED
@@ -772,6 +795,10 @@ def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
         return n_out
     if outcome > 0:
         _drop(b, counters, i, outcome)
+        return n_out
+    if outcome == COALESCED:
+        counters[C_UP_COALESCED] += 1
+        _drop(b, counters, i, DropReason.DUPLICATE)
         return n_out
     b.out_port[i] = PORT_HELD
     if outcome == ANSWER:

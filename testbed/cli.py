@@ -390,12 +390,21 @@ def bench_tenancy(
     quick: bool = typer.Option(False, "--quick", help="4 MiB on the fat-tree, 1 MiB per "
                                "tenant (a few minutes)"),
     json_out: bool = typer.Option(False, "--json"),
+    time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
+                                      help=DILATION_HELP + " (default: the files', 8)"),
+    only: str = typer.Option("hierarchical,multitenant", "--only",
+                             help="which experiments: hierarchical, multitenant or both"),
 ) -> None:
     """Aggregation trees on a fat-tree and two tenants sharing switch memory (static vs
     shared pool), against their targets (every row checked against numpy)."""
     from testbed.experiment.tenancy import main
 
-    raise typer.Exit(main(quick=quick, json_out=json_out))
+    names = tuple(n.strip() for n in only.split(",") if n.strip())
+    bad = set(names) - {"hierarchical", "multitenant"}
+    if bad or not names:
+        raise typer.BadParameter(f"--only takes hierarchical and/or multitenant, got {only!r}")
+    raise typer.Exit(main(quick=quick, json_out=json_out, only=names,
+                          time_dilation=_dilation(time_dilation)))
 
 
 @bench_app.command("fidelity")

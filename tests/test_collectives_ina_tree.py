@@ -125,11 +125,13 @@ def _concurrent(net, specs: list[CollectiveSpec]) -> dict[int, list | Exception]
 @pytest.fixture(scope="module")
 def small_switch():
     """Six hosts on one switch with 80 KiB of aggregator memory: 64 KiB of static partitions
-    (two jobs of 16 slots) and a shared pool of 16 entries (one round of 256 lanes each)."""
+    (two jobs of 16 slots) and a shared pool of 16 entries (one round of 256 lanes each).
+    Shared jobs keep the window they ask for (no fair-share cap), so the pool overflows."""
     from testbed.topologies import Star, TestbedNet
     from testbed.topologies.pipeline import DatapathOptions
 
-    opts = DatapathOptions(aggregate={"memory_bytes": 80 << 10, "pool_bytes": 16 << 10})
+    opts = DatapathOptions(aggregate={"memory_bytes": 80 << 10, "pool_bytes": 16 << 10,
+                                      "pool_fair_share": False})
     with TestbedNet(Star(6, switch="programmable", bw_mbps=100), datapath=opts) as net:
         yield net
     assert not leftovers()
@@ -188,4 +190,37 @@ def test_shared_pool_with_host_fallback_is_exact(small_switch, k):
         assert 0.0 <= r["in_network_fraction"] <= 1.0 and r["tree"] == ["tbs1"]
         fallback += r["host_fallback_chunks"]
     assert fallback > 0
+    assert not _switch_stats(net, "tbs1")["jobs"]
+
+
+def test_shared_jobs_window_is_capped_at_its_fair_share_of_the_pool(small_switch):
+    """With the provider's fair share on, a shared job asking for 16 slots of a 16-entry pool
+    gets 16 / (4 x 2 jobs) = 2; a third shared job counts the two registered ones. The capped
+    jobs are exact, and the cap is what the switch and the workers use."""
+    from testbed.collectives.runner import register_ina_job
+
+    net = small_switch
+    c = net.switch_client("tbs1")
+    c.configure("aggregate", pool_fair_share=True)
+    handles = []
+    try:
+        for j, want in ((0, 2), (1, 2), (2, 1)):
+            spec = _jobs("shared", 3)[j]
+            workers = [net.hosts[h] for h in spec.hosts]
+            job = {"spec": spec.to_json(), "ranks": [{"host": h.name} for h in workers]}
+            handles.append(register_ina_job(net, spec, job, workers))
+            assert handles[-1].spec.slots == want and job["spec"]["placement"]["slots"] == want
+            assert _switch_stats(net, "tbs1")["jobs"][str(spec.job_id)]["slots"] == want
+        for h in handles:
+            h.release()
+        handles = []
+        specs = _jobs("shared", 2)
+        out = _concurrent(net, specs)
+        for spec in specs:
+            assert not isinstance(out[spec.job_id], Exception), out[spec.job_id]
+            check_rows(out[spec.job_id], spec, 2)
+    finally:
+        for h in handles:
+            h.release()
+        c.configure("aggregate", pool_fair_share=False)
     assert not _switch_stats(net, "tbs1")["jobs"]

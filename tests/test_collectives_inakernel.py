@@ -220,6 +220,38 @@ def test_fast_retransmission_and_timeouts():
     assert slots.rto.max() == ik.T_MAX
 
 
+def test_backed_off_timeout_is_kept_until_a_clean_sample():
+    """A slot whose packet was resent by its timer keeps the doubled timeout for its next
+    packet (the answer's round trip is ambiguous); a clean round trip brings it back to the
+    estimator's. Kernel and twin agree at every step."""
+    W = 2
+    (slots, loop, p), (rslots, rloop, rp) = make(ik.MODE_INT32, W, 256 * 12)
+    sl, rsl = np.zeros(W, np.int64), np.zeros(W, np.int64)
+    ik.start(slots, loop, p, 0.0, sl)
+    ref.start(rslots, rloop, rp, 0.0, rsl)
+    rng = np.random.default_rng(1)
+    rb = np.zeros((1, 2048), np.uint8)
+
+    def answer(s, now):
+        m = result(rng, (slots, loop, p), s)
+        rb[0, :len(m)] = np.frombuffer(m, np.uint8)
+        ik.on_results(rb, np.array([len(m)]), 1, np.zeros(1, np.bool_), slots, loop, p, now, sl)
+        ref.on_results(rb.copy(), np.array([len(m)]), 1, np.zeros(1, np.bool_), rslots, rloop,
+                       rp, now, rsl)
+        assert np.array_equal(slots.rto, rslots.rto) and np.array_equal(slots.retx, rslots.retx)
+
+    answer(1, 0.001)  # slot 1: a clean 1 ms round trip: the timeout stays at its floor
+    for t in (0.011, 0.032, 0.075):  # slot 0 times out three times: 10 -> 80 ms
+        ik.expire(slots, loop, t, sl)
+        ref.expire(rslots, rloop, t, rsl)
+    assert slots.rto[0] == 8 * ik.T0
+    answer(0, 0.09)  # answered after resends: ambiguous, the backoff stays
+    assert slots.rto[0] == 8 * ik.T0 and not slots.retx[0]
+    answer(0, 0.095)  # the next packet's clean 5 ms round trip: back to the estimator
+    assert slots.rto[0] == pytest.approx(max(float(loop[0]["rto"]), 2 * 0.005))
+    assert slots.rto[0] < 8 * ik.T0
+
+
 # ----------------------------------------------------------------------------- THC maths
 
 
@@ -261,3 +293,15 @@ def test_thc_quantiser_unbiased_and_bounded():
         assert np.all(np.abs(q * step - y) < step * (1 + 1e-9))
         acc += q * step
     assert np.abs(acc / reps - y).max() < 0.25 * step  # ~ 0.5 step / sqrt(400) * 5 sigma
+
+
+def test_fair_share_window_of_a_shared_job():
+    from testbed.collectives.ina import fair_share_slots
+
+    assert fair_share_slots(32, 96, 0) == 12  # alone so far: the pool is for two at least
+    assert fair_share_slots(32, 96, 1) == 12
+    assert fair_share_slots(32, 96, 2) == 8
+    assert fair_share_slots(8, 96, 0) == 8  # never more than asked
+    assert fair_share_slots(32, 3, 5) == 1  # never none
+    with pytest.raises(ValueError, match="asked=0"):
+        fair_share_slots(0, 96, 0)

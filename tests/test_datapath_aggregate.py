@@ -584,6 +584,31 @@ def test_tree_node_sends_its_partial_sum_up_and_multicasts_the_parents_result():
     assert (c["upward_sent"], c["upward_resent"], c["parent_results"]) == (1, 1, 1)
 
 
+def test_tree_node_sends_one_partial_sum_up_for_members_asking_together():
+    """T2: members whose timers fire together for one late parent RESULT cost one resend up,
+    not one each; a member asking a second time is a new request and gets its resend."""
+    stage, ref = _tree_pair(n=4)
+    both(stage, ref, [frame(1, w, 0, 10, [w + 1] * 4) for w in range(4)], [0, 1, 2, 3])
+
+    def ask(w):
+        dec, out = both(stage, ref, [frame(1, w, 0, 10, [w + 1] * 4, MsgType.RETRANSMIT)], [w])
+        return dec[0] == (PORT_HELD, 0) and [p for p, _ in out] == [UPLINK], dec
+
+    assert ask(0)[0]  # the first request after the send up: resend
+    assert [ask(w)[1] for w in (1, 2)] == [[(PORT_DROP, R.DUPLICATE)]] * 2  # covered by it
+    assert ask(1)[0]  # member 1 asks again: that resend was not enough, resend
+    assert not ask(3)[0] and not ask(0)[0]  # covered by the second resend
+    assert ask(3)[0]
+    c = stage.counters()
+    assert (c["upward_sent"], c["upward_resent"], c["upward_coalesced"]) == (1, 3, 4)
+    # the parent's RESULT comes down to everyone; the next round's requests start afresh
+    _, down = both(stage, ref, [parent_result(10, [10] * 4)], [UPLINK])
+    assert [p for p, _ in down] == [0, 1, 2, 3]
+    both(stage, ref, [frame(1, w, 0, 11, [1] * 4) for w in range(4)], [0, 1, 2, 3])
+    dec, again = both(stage, ref, [frame(1, 2, 0, 11, [1] * 4, MsgType.RETRANSMIT)], [2])
+    assert dec == [(PORT_HELD, 0)] and [p for p, _ in again] == [UPLINK]
+
+
 def test_tree_node_rounds_wait_for_the_parent():
     """A round sent up is not done: the next round of that slot cannot start before the
     parent's RESULT came back (every member needs it first)."""

@@ -23,7 +23,7 @@ CASES = {
                                                   "spines": 1, "hosts_per_leaf": 2,
                                                   "bw_mbps": 20, "switch": "programmable"},
                                 "TREE_NBYTES": 128 << 10, "HOSTS_PER_LEAF": 2,
-                                "TENANT_NBYTES": 128 << 10}, 2),
+                                "TENANT_NBYTES": 128 << 10, "TIME_DILATION": 1}, 2),
     "06_training_over_the_fabric": ({"N_HOSTS": 3, "HIDDEN": 32, "ITERATIONS": 6,
                                      "CONFIGS": ["ring", "ina"], "TRACE_ITERATIONS": 6,
                                      "TRACE_STARTS": [0.0, 0.3]}, 3),

@@ -105,6 +105,31 @@ def ina_lanes(spec: CollectiveSpec, n: int) -> int:
     return ik.ELEMS
 
 
+#: Pool entries per slot of a shared job's window in the fair share: a slot holds up to two
+#: (a round, and the previous one until every member has moved on, P1), and four hash probes
+#: find a free entry for most rounds only while the pool is at most about half full.
+POOL_ENTRIES_PER_SLOT = 4
+#: Jobs the fair share divides the pool among at least: a shared pool is there to be shared,
+#: and jobs that start together register at the same moment, before they can see each other.
+POOL_MIN_SHARERS = 2
+
+
+def fair_share_slots(asked: int, pool_entries: int, shared_jobs: int) -> int:
+    """The window (slots) of a shared-mode job that asked for ``asked`` slots on a switch whose
+    pool has ``pool_entries`` entries and ``shared_jobs`` other shared jobs registered: at most
+    ``pool_entries / (POOL_ENTRIES_PER_SLOT x jobs)`` with this one counted and at least
+    :data:`POOL_MIN_SHARERS` jobs, never below 1 (ATP gives a job a window of aggregators too).
+    A larger window holds more entries than the pool can give every job, and the rounds that
+    find none go to the host fallback: measured on two 4-worker tenants and a 96-entry pool,
+    windows of 32, 24, 16 and 12 summed 69-72 %, 82-85 %, 92 % and 98 % of the rounds in the
+    network."""
+    if asked < 1 or pool_entries < 0 or shared_jobs < 0:
+        raise ValueError(f"fair_share_slots: asked={asked} must be >= 1, pool_entries="
+                         f"{pool_entries} and shared_jobs={shared_jobs} >= 0")
+    jobs = max(POOL_MIN_SHARERS, shared_jobs + 1)
+    return max(1, min(asked, pool_entries // (POOL_ENTRIES_PER_SLOT * jobs)))
+
+
 def rounds(spec: CollectiveSpec, n: int) -> int:
     """Rounds (packets per worker) of one INA allreduce of ``spec``: the exponent bootstrap
     round of ``slots`` packets, then one per chunk."""

@@ -21,8 +21,9 @@ The state is three small records:
 
 Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
 ``srtt + 4 rttvar`` and twice the slot's last round trip, at least SwitchML's 10 ms, doubling
-per retry up to 320 ms: :func:`expire`; floor and cap times the network's time dilation,
-:func:`new_loop`) or, sooner, like TCP's RACK: once ``FAST_RETX`` packets sent after it were
+per retry up to 320 ms: :func:`expire`, and kept doubled for the slot's next packets until a
+round trip without a resend gives a clean sample: :func:`advance`; floor and cap times the
+network's time dilation, :func:`new_loop`) or, sooner, like TCP's RACK: once ``FAST_RETX`` packets sent after it were
 answered (rounds of one worker complete in the order it sent them) and it has been outstanding
 ``REORDER_SLACK`` times the round trip of the latest-sent answered packet, a delay that follows
 the queues of the moment (:func:`fast_retransmit` says why that matters).
@@ -373,10 +374,14 @@ def advance(slots, s, st, now, W, p):
     if clean:  # Karn: only unambiguous samples
         slots.rtt[s] = now - slots.sent_at[s]
         rtt_sample(st, slots.rtt[s])
-    slots.retx[s] = False
     # the worker's timeout, but never under twice the slot's own last round trip: slots differ
-    # in path (host fallback) and a slot keeps its path
-    slots.rto[s] = min(max(st.rto, 2.0 * slots.rtt[s]), st.tmax)
+    # in path (host fallback) and a slot keeps its path; after a resend the round trip was
+    # ambiguous and the slot keeps its backed-off timeout until a clean sample (Karn; RFC 6298
+    # 5.7): else, when queues grow faster than clean samples come in, every round starts again
+    # at the floor and every packet is resent several times, which fills the queues further
+    rto = min(max(st.rto, 2.0 * slots.rtt[s]), st.tmax)
+    slots.rto[s] = rto if clean else max(rto, slots.rto[s])
+    slots.retx[s] = False
     if clean and slots.order[s] > st.acked:  # an answer to a resend may be the original's
         st.acked = slots.order[s]
         st.rack_rtt = slots.rtt[s]

@@ -344,8 +344,11 @@ class InaJob:
 def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> InaJob:
     """Control plane of an INA job: plan its aggregation tree (``spec.placement``), give every
     worker its UDP port, its switch and member id, and register the job (members, parent,
-    memory, a fresh first round) on every tree switch; in shared mode also plan the host
-    fallback aggregators (one per worker host). Returns the :class:`InaJob`."""
+    memory, a fresh first round) on every tree switch; in shared mode cap the job's window at
+    its fair share of the root's pool (unless the switch's ``pool_fair_share`` is off; the
+    returned handle's ``spec`` and the pool's ``job["spec"]`` carry the window the switch holds)
+    and plan the host fallback aggregators (one per worker host). Returns the
+    :class:`InaJob`."""
     port = ports.ina_worker_port(spec.job_id)
     place = spec.placement or {}
     try:
@@ -354,6 +357,17 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
         raise ValueError(f"CollectiveSpec.placement: {e}") from None
     if place.get("mode") == "shared" and len(plan.tree) > 1:
         raise ValueError(f"{SHARED_TREE_ERROR} (tree 'auto' gave {plan.tree})")
+    if place.get("mode") == "shared":
+        # the provider's pool policy: a window no larger than the job's fair share of the pool
+        agg = net.switch_client(plan.root).counters()["stages"]["aggregate"]
+        if agg["memory"].get("pool_fair_share", True):
+            others = sum(1 for jid, j in agg["jobs"].items()
+                         if j["mode"] == "shared" and jid != str(spec.job_id))
+            slots = _ina().fair_share_slots(spec.slots, agg["memory"]["pool_entries"], others)
+            if slots != spec.slots:  # the handle's spec says what the switch holds
+                spec = dataclasses.replace(spec, placement={**place, "slots": slots})
+                if "spec" in job:  # the pool's job file (a provider's entry has none)
+                    job["spec"] = {**job["spec"], "placement": spec.placement}
     seq0 = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
     lanes = _ina().ina_lanes(spec, len(workers))
     regs = plan.registrations(spec.slots, seq0, lanes)

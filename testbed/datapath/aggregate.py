@@ -119,8 +119,11 @@ class AggregateStage(Stage):
     values; default 256), ``pool_slots`` (slots of metadata, default
     :data:`DEFAULT_MAX_SLOTS`), ``max_elems`` (int32 lanes per packet at most), ``codecs``
     (summable payload codecs, default INT32 and THC), ``results_via`` (``"ingress"``: a RESULT
-    leaves by the member's registered port; ``"forward"``: a later ``forward`` stage routes it)
-    and ``jobs`` ``{job_id: {...}}``, each with
+    leaves by the member's registered port; ``"forward"``: a later ``forward`` stage routes it),
+    ``pool_fair_share`` (default True: the control plane caps a shared job's window at its fair
+    share of the pool, :func:`testbed.collectives.ina.fair_share_slots`; False: a shared job
+    keeps the window it asks for, and the overflow goes to its host fallback) and ``jobs``
+    ``{job_id: {...}}``, each with
 
     * ``slots``, ``seq0`` (first round), ``lanes`` (int32 registers per set: the elements of
       one packet, default 256; THC jobs 1024 or 512), ``members`` (``[{"worker", "mac", "ip",
@@ -147,7 +150,7 @@ class AggregateStage(Stage):
                  pool_bytes: int | None = None, pool_lanes: int = DEFAULT_LANES,
                  pool_slots: int = DEFAULT_MAX_SLOTS, max_elems: int = MAX_ELEMS_MTU,
                  jobs: dict | None = None, codecs: list | None = None,
-                 results_via: str = "ingress"):
+                 results_via: str = "ingress", pool_fair_share: bool = True):
         memory_bytes = int(memory_bytes)
         pool_bytes = memory_bytes // POOL_SHARE if pool_bytes is None else int(pool_bytes)
         pool_lanes, max_slots, max_elems = int(pool_lanes), int(pool_slots), int(max_elems)
@@ -166,8 +169,9 @@ class AggregateStage(Stage):
         self.table = Aggregation(memory_bytes, pool_bytes // (4 * pool_lanes), pool_lanes,
                                  max_slots, max_elems)
         self._rate = (time.monotonic(), 0)
+        self.pool_fair_share = True
         self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or list(DEFAULT_CODECS),
-                       jobs=jobs or {}, results_via=results_via)
+                       jobs=jobs or {}, results_via=results_via, pool_fair_share=pool_fair_share)
 
     @property
     def regs(self):
@@ -183,13 +187,18 @@ class AggregateStage(Stage):
     def configure(self, agg_ip: str | None = None, agg_mac: str | None = None,
                   jobs: dict | None = None, remove_jobs: list | None = None,
                   codecs: list | None = None, results_via: str | None = None,
-                  **unknown) -> None:
-        """Change the aggregator identity, summable codecs, or add/remove jobs (a job added
-        again with its id is replaced). A job that does not fit is refused with a
-        ``ValueError`` saying how much memory and how many slots are free."""
+                  pool_fair_share: bool | None = None, **unknown) -> None:
+        """Change the aggregator identity, summable codecs, the pool's window policy, or
+        add/remove jobs (a job added again with its id is replaced). A job that does not fit is
+        refused with a ``ValueError`` saying how much memory and how many slots are free."""
         if unknown:
             raise ValueError(f"aggregate: unknown settings {sorted(unknown)}; use agg_ip, "
-                             "agg_mac, jobs, remove_jobs, codecs, results_via")
+                             "agg_mac, jobs, remove_jobs, codecs, results_via, pool_fair_share")
+        if pool_fair_share is not None:
+            if not isinstance(pool_fair_share, bool):
+                raise ValueError(f"aggregate: pool_fair_share must be true or false, got "
+                                 f"{pool_fair_share!r}")
+            self.pool_fair_share = pool_fair_share
         if results_via is not None and results_via not in ("ingress", "forward"):
             raise ValueError(f"aggregate: results_via must be 'ingress' or 'forward', got "
                              f"{results_via!r}")
@@ -265,6 +274,7 @@ class AggregateStage(Stage):
         """The aggregation's counters (see :meth:`Aggregation.counters`) and completed rounds
         per second since the previous call."""
         out = self.table.counters()
+        out["memory"]["pool_fair_share"] = self.pool_fair_share
         now, done = time.monotonic(), out["completed"]
         t0, done0 = self._rate
         out["aggregations_per_s"] = round((done - done0) / (now - t0), 1) if now > t0 else 0.0

@@ -15,11 +15,16 @@ results root):
 
 ``--quick``: 4 MiB on the fat-tree and 1 MiB per tenant (a few minutes). Times are only
 comparable within one run; a ``cpu_bound`` row measured the emulator (the note says so).
+``time_dilation`` (a factor or ``"auto"``, default the experiment files' 8) runs both networks
+that many times slower (:mod:`testbed.collectives.dilation`) so that the emulator's CPU is not
+what the times measure; every row records its factor. Each row's ``port_bytes_core`` counts
+every byte on a core link (retransmissions included: they really cross it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -29,7 +34,7 @@ from testbed.experiment import run as run_experiment
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 COLUMNS = ("experiment", "label", "modes", "algo", "bytes", "time_s", "model_s", "correct",
-           "cpu_bound", "placement_mode", "tree_depth", "in_network_fraction",
+           "cpu_bound", "time_dilation", "placement_mode", "tree_depth", "in_network_fraction",
            "host_fallback_chunks", "switch_mem_bytes", "port_bytes_core")
 
 
@@ -44,11 +49,13 @@ def _cpu() -> str:
     return platform.processor() or "unknown"
 
 
-def _load(name: str, nbytes: int):
+def _load(name: str, nbytes: int, time_dilation: float | str | None = None):
     exp = load_experiment(EXPERIMENTS / name)
     data = exp.model_dump()
     for job in data["jobs"]:
         job["nbytes"] = nbytes
+    if time_dilation is not None:
+        data["time_dilation"] = time_dilation
     return type(exp).model_validate(data)
 
 
@@ -94,12 +101,16 @@ def targets(rows: list[dict]) -> dict[str, tuple[bool, str]]:
     return out
 
 
-def run(quick: bool = False, emit=None) -> list[dict]:
-    """Run both experiments; return the rows (``emit(row)`` as each experiment finishes)."""
+def run(quick: bool = False, emit=None, time_dilation: float | str | None = None,
+        only: tuple[str, ...] = ("hierarchical", "multitenant")) -> list[dict]:
+    """Run both experiments (or those named in ``only``); return the rows (``emit(row)`` as
+    each experiment finishes). ``time_dilation``: see the module docstring."""
     rows: list[dict] = []
     for name, file, size in (("hierarchical", "hierarchical_ina.toml", (4 if quick else 16) << 20),
                              ("multitenant", "multitenant_ina.toml", (1 if quick else 4) << 20)):
-        res = run_experiment(_load(file, size), progress=False, doctor=False)
+        if name not in only:
+            continue
+        res = run_experiment(_load(file, size, time_dilation), progress=False, doctor=False)
         for r in _rows(name, res):
             rows.append(r)
             if emit:
@@ -107,11 +118,14 @@ def run(quick: bool = False, emit=None) -> list[dict]:
     return rows
 
 
-def main(quick: bool = False, json_out: bool = False) -> int:
+def main(quick: bool = False, json_out: bool = False, time_dilation: float | str | None = None,
+         only: tuple[str, ...] = ("hierarchical", "multitenant")) -> int:
     """CLI entry: print rows and targets; exit status 1 when a row is wrong."""
-    head = {"bench": "tenancy", "quick": quick, "cpu": _cpu()}
+    head = {"bench": "tenancy", "quick": quick, "cpu": _cpu(),
+            "time_dilation": time_dilation or "the files'", "load_avg": os.getloadavg()[0]}
     print(json.dumps(head) if json_out else f"# bench tenancy ({'quick' if quick else 'full'}) "
-          f"on {head['cpu']}", flush=True)
+          f"on {head['cpu']}, time dilation {head['time_dilation']}, load average "
+          f"{head['load_avg']:.2f}", flush=True)
 
     def emit(r):
         if json_out:
@@ -119,7 +133,7 @@ def main(quick: bool = False, json_out: bool = False) -> int:
         else:
             print("  ".join(f"{k}={r[k]}" for k in COLUMNS if r.get(k) is not None), flush=True)
 
-    rows = run(quick, emit)
+    rows = run(quick, emit, time_dilation, only)
     tg = targets(rows)
     for name, (met, detail) in tg.items():
         if json_out:

@@ -301,7 +301,7 @@ class SwitchConfigurator:
         self.registrations[job] = {"job_id": spec.job_id, "tree": entry.get("tree"),
                                    "seq0": entry.get("seq0"), "ranks": entry["ranks"],
                                    "fallbacks": entry.get("fallbacks", []),
-                                   "slots": spec.slots, "mode": plan.mode,
+                                   "slots": handle.spec.slots, "mode": plan.mode,
                                    "lanes": ina_lanes(spec, len(nodes))}
 
     def _remove(self, job: str) -> None:

@@ -195,7 +195,8 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
                 st["srtt"] = 0.875 * st["srtt"] + 0.125 * sample
             st["rto"] = min(max(st["t0"], st["srtt"] + 4 * st["rttvar"]), st["tmax"])
         slots.retx[s] = False
-        slots.rto[s] = min(max(st["rto"], 2.0 * slots.rtt[s]), st["tmax"])
+        rto = min(max(st["rto"], 2.0 * slots.rtt[s]), st["tmax"])
+        slots.rto[s] = rto if clean else max(rto, slots.rto[s])  # Karn: keep the backoff
         if clean and int(slots.order[s]) > int(st["acked"]):
             st["acked"] = int(slots.order[s])
             st["rack_rtt"] = slots.rtt[s]

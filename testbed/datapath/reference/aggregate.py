@@ -160,7 +160,12 @@ class AggregateReference:
                     if job["shared"] and here.get("entry") is None:  # everyone has the result
                         return PORT_DROP, R.STALE, []
                     return PORT_HELD, 0, [self._result(jid, slot, here, w)]
-                if here["state"] == "up":
+                if here["state"] == "up":  # T2: one resend up answers every member asking
+                    asked = here.setdefault("asked", set())
+                    if asked and w not in asked:
+                        asked.add(w)
+                        return PORT_DROP, R.DUPLICATE, []
+                    here["asked"] = {w}
                     return PORT_HELD, 0, [self._upward(jid, slot, here, MsgType.RETRANSMIT)]
                 return PORT_DROP, R.DUPLICATE, []
             if here["state"] != "open":
@@ -205,7 +210,7 @@ class AggregateReference:
         if job["shared"]:  # every member had the previous round's result
             self._release_previous(jid, slot, r)
         if job["parent"] is not None:
-            here["state"] = "up"
+            here.update(state="up", asked=set())
             return PORT_HELD, 0, [self._upward(jid, slot, here, MsgType.DATA)]
         here["state"] = "done"
         return PORT_HELD, 0, [self._result(jid, slot, here, v) for v in sorted(job["members"])]
