@@ -225,17 +225,32 @@ def _numpy_add_anchor(rng: np.random.Generator, elements: int):
     return lambda: np.add(a, b, out=c)
 
 
-def rows(elements: int) -> list[dict]:
-    """All benchmark rows for a float32 gradient of ``elements`` values."""
+#: the row groups, in the order they run (``testbed bench kernels --only``)
+GROUPS = ("elementwise", "trimming", "packets", "compressors")
+
+
+def rows(elements: int, only: tuple[str, ...] | None = None) -> list[dict]:
+    """Benchmark rows for a float32 gradient of ``elements`` values: every group of
+    :data:`GROUPS`, or the groups named in ``only``."""
     if isinstance(elements, bool) or not isinstance(elements, (int, np.integer)) or elements < 1:
         raise ValueError(f"elements: must be a positive int, got {elements!r}")
+    groups = GROUPS if not only else tuple(only)
+    bad = sorted(set(groups) - set(GROUPS))
+    if bad:
+        raise ValueError(f"only: unknown group(s) {', '.join(bad)}; choose from "
+                         f"{', '.join(GROUPS)}")
     elements = int(elements)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(elements, dtype=np.float32)
-    out = _elementwise_rows(x, _numpy_add_anchor(rng, elements))
-    out += _trimming_rows(x)
-    out += _packet_rows(x)
-    out += _compressor_rows(elements)
+    out: list[dict] = []
+    if "elementwise" in groups:
+        out += _elementwise_rows(x, _numpy_add_anchor(rng, elements))
+    if "trimming" in groups:
+        out += _trimming_rows(x)
+    if "packets" in groups:
+        out += _packet_rows(x)
+    if "compressors" in groups:
+        out += _compressor_rows(elements)
     cpu = cpu_description()
     for r in out:
         r["cpu"] = cpu
@@ -262,9 +277,9 @@ def _print_table(result: list[dict]) -> None:
         console.print(f"note: {escape(n)}")
 
 
-def main(json_out: bool, elements: int) -> int:
+def main(json_out: bool, elements: int, only: tuple[str, ...] | None = None) -> int:
     """Run the kernel benchmark; print JSON rows or a table. Returns the exit status."""
-    result = rows(elements)
+    result = rows(elements, only)
     if json_out:
         print(json.dumps(result, indent=1))
     else:

@@ -311,14 +311,16 @@ def _stored(name: str, out: str, json_out: bool, rows: list[dict], notes: dict,
     print(f"results: {folder}", file=sys.stderr if json_out else sys.stdout)
 
 
-def _bench_kernels(json_out: bool, elements: int, out: str | None) -> int:
+def _bench_kernels(json_out: bool, elements: int, out: str | None, only: str) -> int:
+    groups = tuple(g.strip() for g in only.split(",") if g.strip()) or None
     if out is None:
         from testbed.kernels.bench import main
 
-        return main(json_out=json_out, elements=elements)
+        return main(json_out=json_out, elements=elements, only=groups)
     from testbed.kernels.bench import rows
 
-    _stored("kernels", out, json_out, rows(elements), {"elements": elements})
+    notes = {"elements": elements} | ({"only": list(groups)} if groups else {})
+    _stored("kernels", out, json_out, rows(elements, groups), notes)
     return 0
 
 
@@ -353,9 +355,17 @@ def bench_kernels(
     json_out: bool = typer.Option(False, "--json"),
     elements: int = typer.Option(25_000_000, help="gradient length (float32 elements)"),
     out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
+    only: str = typer.Option("", "--only", metavar="G,H",
+                             help="only these row groups: elementwise, trimming, packets, "
+                                  "compressors"),
 ) -> None:
     """Numba kernels against numpy anchors (GB/s)."""
-    raise typer.Exit(_bench_kernels(json_out, elements, out))
+    try:
+        code = _bench_kernels(json_out, elements, out, only)
+    except ValueError as e:  # a bad --only or --elements: say so without a traceback
+        print(f"testbed bench kernels: {e}", file=sys.stderr)
+        code = 2
+    raise typer.Exit(code)
 
 
 @bench_app.command("datapath")

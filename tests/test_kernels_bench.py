@@ -49,3 +49,11 @@ def test_bench_table_output(capsys):
 def test_bench_rejects_bad_elements():
     with pytest.raises(ValueError, match="elements"):
         bench.rows(0)
+
+
+def test_only_runs_the_named_groups_and_rejects_unknown_ones():
+    got = bench.rows(2048, ("packets",))
+    assert {r["kernel"] for r in got} == {"packets.build_batch", "packets.parse_batch",
+                                          "trimming.trim_frame"}
+    with pytest.raises(ValueError, match="unknown group.*nope.*choose from elementwise"):
+        bench.rows(2048, ("nope",))
