@@ -14,31 +14,8 @@ import pytest
 from testbed.collectives import flowmodel as fm
 from testbed.collectives import hd
 from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.testing import connected_mesh
 from testbed.collectives.transport import CollectiveTimeout, Comm
-
-
-def _mesh(job: int, n: int, ip: str, timeout_s: float = 5.0) -> list[Comm]:
-    """n ranks on one loopback address, every pair connected."""
-    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job) for r in range(n)]
-    addrs = {r: (ip, comms[r].listen(ip)) for r in range(n)}
-    errors: list[BaseException] = []
-
-    def go(r):
-        try:
-            comms[r].connect([p for p in range(n) if p != r], addrs)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        for c in comms:
-            c.close()
-        raise errors[0]
-    return comms
 
 
 def _small_window(c: Comm, peer: int) -> None:
@@ -52,7 +29,7 @@ def _big_send_buffer(c: Comm, peer: int) -> None:
 
 
 def test_drain_returns_only_after_the_peer_took_the_data():
-    a, b = _mesh(61, 2, "127.0.6.1")
+    a, b = connected_mesh(61, ["127.0.6.1"] * 2)
     try:
         _small_window(b, 0)
         _big_send_buffer(a, 1)
@@ -82,7 +59,7 @@ def test_drain_returns_only_after_the_peer_took_the_data():
 
 
 def test_drain_times_out_when_the_peer_never_reads():
-    a, b = _mesh(62, 2, "127.0.6.2", timeout_s=0.5)
+    a, b = connected_mesh(62, ["127.0.6.2"] * 2, timeout_s=0.5)
     try:
         _small_window(b, 0)
         a.send(1, np.zeros(2 << 20, dtype=np.uint8))  # fills the window, never read
@@ -105,7 +82,7 @@ def test_traced_rounds_move_the_bytes_the_model_charges(n, tmp_path, monkeypatch
     rng = np.random.default_rng(n)
     xs = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
     outs = [np.empty(count, np.float32) for _ in range(n)]
-    comms = _mesh(63 + n, n, "127.0.6.3")
+    comms = connected_mesh(63 + n, ["127.0.6.3"] * n)
     errors: list[BaseException] = []
 
     def go(r):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import threading
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from testbed.collectives.ports import (
     tcp_port,
     tcp_tuple,
 )
+from testbed.collectives.testing import connected_mesh
 from testbed.collectives.transport import CollectiveError, Comm
 
 
@@ -67,27 +67,6 @@ def _time_wait(ports: set[int]) -> list[str]:
             if any(f":{p} " in ln + " " for p in ports)]
 
 
-def _mesh(job: int, n: int, ips: list[str]) -> list[Comm]:
-    comms = [Comm(r, [f"h{i}" for i in range(n)], 5.0, job_id=job) for r in range(n)]
-    addrs = {r: (ips[r], comms[r].listen(ips[r])) for r in range(n)}
-    errors: list[BaseException] = []
-
-    def go(r):
-        try:
-            comms[r].connect([p for p in range(n) if p != r], addrs)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return comms
-
-
 @pytest.mark.skipif(subprocess.run(["which", "ss"], capture_output=True).returncode != 0,
                     reason="needs ss (iproute2)")
 def test_connections_use_the_mapped_ports_and_leave_no_time_wait():
@@ -97,7 +76,7 @@ def test_connections_use_the_mapped_ports_and_leave_no_time_wait():
     ips = [f"127.0.3.{r + 1}" for r in range(n)]
     ports = {tcp_port(job, s, d) for d in range(n) for s in range(d + 1)}
     for _round in range(2):
-        comms = _mesh(job, n, ips)
+        comms = connected_mesh(job, ips)
         try:
             for r, c in enumerate(comms):
                 for p, s in c.socks.items():

@@ -16,7 +16,7 @@ from testbed.collectives.ina import InaClient
 from testbed.collectives.report import REPORT_COLUMNS, rank_input
 from testbed.collectives.runner import RUN_DIR, register_ina_job
 from testbed.collectives.spec import CollectiveSpec
-from testbed.collectives.transport import CollectiveError
+from testbed.collectives.transport import CollectiveError, Comm
 from testbed.collectives.worker import enter_netns
 
 
@@ -26,6 +26,33 @@ def loopback_ip() -> str:
     sessions running at once on one machine must not share an address."""
     pid = os.getpid()
     return f"127.{1 + (pid >> 16) % 254}.{(pid >> 8) & 255}.{1 + (pid & 255) % 254}"
+
+
+def connected_mesh(job: int, ips: list[str], timeout_s: float = 5.0) -> list[Comm]:
+    """``len(ips)`` ranks of job ``job`` in this process, rank r listening on ``ips[r]``, every
+    pair connected (each rank connects from its own thread, as the pool's children do at
+    once). On a failure every Comm is closed and the first error raised."""
+    n = len(ips)
+    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job) for r in range(n)]
+    addrs = {r: (ips[r], comms[r].listen(ips[r])) for r in range(n)}
+    errors: list[BaseException] = []
+
+    def go(r):
+        try:
+            comms[r].connect([p for p in range(n) if p != r], addrs)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        for c in comms:
+            c.close()
+        raise errors[0]
+    return comms
 
 
 def leftovers(owner_pid: int | None = None) -> list[str]:
