@@ -22,8 +22,8 @@ from testbed.collectives.worker import (
     check_outputs,
     clear_outputs,
     fork_ranks,
-    fork_safe_numba,
     load_kernels,
+    numba_fork_safety,
     pss_mb,
     rank_buffers,
     set_process_name,
@@ -96,16 +96,14 @@ def serve_remote(line: ControlLine) -> int:
     job, mine = first["job"], [int(r) for r in first["ranks"]]
     set_process_name("tbp-" + str(first.get("server", "")))
     spec = CollectiveSpec(**job["spec"])
-    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
-    fork_safe = fork_safe_numba() if uses_numba else True
+    fork_safe = numba_fork_safety(spec)  # before anything below loads the kernels
     n = job["n"]
     ins, outs = rank_buffers(spec, n)
-    ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
     replicas = load_kernels(spec, fork_safe, n)
     job["_pool_pid"] = os.getpid()
     group = RankGroup({r: job["ranks"][r]["host"] for r in mine}, spec.timeout_s)
     group.close_in_child.append(line.sock)
-    fork_ranks(group, job, spec, mine, ref_ins, outs)
+    fork_ranks(group, job, spec, mine, ins, outs)
     workers = [r for r in mine if r < n]
     watch = _coordinator_watch(line)
     try:
@@ -125,7 +123,7 @@ def serve_remote(line: ControlLine) -> int:
             clear_outputs([outs[r] for r in workers], spec)
             group.broadcast(go)
             done = group.gather("done", spec.timeout_s + 5, watch=watch)
-            err, ok = check_outputs(spec, replicas, ref_ins, outs, go["rep"], workers)
+            err, ok = check_outputs(spec, replicas, ins, outs, go["rep"], workers)
             line.send({"type": "checked", "rep": go["rep"], "max_abs_err": err, "correct": ok})
             for r, msg in done.items():
                 line.send({"type": "done", "rank": r, "elapsed": msg["t_end"] - msg["t_start"]})

@@ -348,7 +348,7 @@ def rank_buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
     """(inputs, outputs) of every worker rank, in shared memory: the forked ranks read their
     input and write their output in place, where the pool checks them. Inputs come from the
     spec's seed (:func:`~testbed.collectives.report.rank_input`); for a broadcast only the
-    root's matters, and it is every rank's reference input."""
+    root's matters, and it is every rank's input here (the reference of every output)."""
     count, dt = spec.count, np.dtype(spec.dtype)
     in_counts = [input_count(spec.op, count, n, r) for r in range(n)]
     out_counts = [output_count(spec.op, count, n, r) for r in range(n)]
@@ -369,7 +369,16 @@ def rank_buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
         outs.append(np.frombuffer(shm_out, dtype=dt, count=out_counts[r],
                                   offset=off * dt.itemsize))
         off += out_counts[r]
+    if spec.op == "broadcast":
+        ins = [ins[0]] * n
     return ins, outs
+
+
+def numba_fork_safety(spec: CollectiveSpec) -> bool:
+    """Whether this process may fork ranks that use Numba's parallel kernels; call it before
+    anything loads the kernels (only jobs that use them pay the numba import)."""
+    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
+    return fork_safe_numba() if uses_numba else True
 
 
 def load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
@@ -407,9 +416,9 @@ def fork_ranks(group: RankGroup, job: dict, spec: CollectiveSpec, ranks: list[in
         group.fork(rank, lambda ctl, rank=rank, x=x, o=o: _child(job, spec, rank, ctl, x, o))
 
 
-def _connect(group: RankGroup, job: dict, spec: CollectiveSpec) -> None:
+def connect_ranks(group: RankGroup, job: dict, spec) -> None:
     """Every rank reports its listening port, gets every rank's address, connects to its
-    peers and reports ready."""
+    peers and reports ready (``spec``: a collective's or a training job's; its timeout)."""
     ports = group.gather("port", spec.timeout_s + 30)
     group.broadcast({"type": "addrs", "addrs": {
         r: [job["ranks"][r]["ip"], ports[r]["port"]] for r in sorted(ports)}})
@@ -476,9 +485,7 @@ def run_pool(job: dict) -> dict:
     ``argv``: the ssh command of its pool, :mod:`testbed.collectives.remotepool`); this pool
     forks the other ranks and coordinates them all."""
     spec = CollectiveSpec(**job["spec"])
-    # before anything below loads the kernels (only jobs that use them pay the numba import)
-    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
-    fork_safe = fork_safe_numba() if uses_numba else True
+    fork_safe = numba_fork_safety(spec)  # before anything below loads the kernels
     n, m = job["n"], job["m"]
     t_launch = time.monotonic()
     group = RankGroup({r: job["ranks"][r]["host"] for r in range(n + m)}, spec.timeout_s)
@@ -489,14 +496,12 @@ def run_pool(job: dict) -> dict:
     fallbacks: list = []
     try:
         ins, outs = rank_buffers(spec, n)
-        # a broadcast's reference (and every rank's input buffer) is the root's input
-        ref_ins = [ins[0]] * n if spec.op == "broadcast" else ins
         replicas = load_kernels(spec, fork_safe, n)
         job["_pool_pid"] = os.getpid()
         fallbacks = _start_fallbacks(job, spec)
         fork_ranks(group, job, spec, [r for r in range(n + m) if r not in elsewhere],
-                    ref_ins, outs)
-        return _coordinate(group, job, spec, t_launch, ref_ins, outs, replicas, fallbacks)
+                   ins, outs)
+        return _coordinate(group, job, spec, t_launch, ins, outs, replicas, fallbacks)
     finally:
         _stop_fallbacks(fallbacks, {})  # stopped (with their counters) already when it ran
         group.stop()
@@ -513,7 +518,7 @@ def _coordinate(group: RankGroup, job: dict, spec: CollectiveSpec, t_launch: flo
     group.monitor = CpuMonitor({"ranks": group.live_pids() + [pid for pid, _ in fallbacks],
                                 "engines": list(job.get("extra_pids", []))})
     try:
-        _connect(group, job, spec)
+        connect_ranks(group, job, spec)
         # from the runner's Popen (interpreter start + imports) when known
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
         result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()]) + sum(

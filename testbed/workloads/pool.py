@@ -40,6 +40,7 @@ from testbed.collectives.report import check
 from testbed.collectives.trimmed import TrimmedGather
 from testbed.collectives.worker import (
     connect_rank,
+    connect_ranks,
     enter_rank,
     fork_safe_numba,
     job_file_main,
@@ -264,10 +265,7 @@ def run_pool(job: dict) -> dict:
     result: dict = {"error": None, "timeout": False, "logs": [], "checks": [],
                     "pids": {job["ranks"][r]["host"]: p for r, p in group.pids.items()}}
     try:
-        ports = group.gather("port", spec.timeout_s + 30)
-        group.broadcast({"type": "addrs", "addrs": {
-            r: [job["ranks"][r]["ip"], ports[r]["port"]] for r in range(n)}})
-        group.gather("ready", spec.timeout_s + 30)
+        connect_ranks(group, job, spec)
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
         result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()])
         group.monitor = monitor = CpuMonitor({"ranks": group.live_pids(),
