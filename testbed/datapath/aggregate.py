@@ -169,7 +169,6 @@ class AggregateStage(Stage):
         self.table = Aggregation(memory_bytes, pool_bytes // (4 * pool_lanes), pool_lanes,
                                  max_slots, max_elems)
         self._rate = (time.monotonic(), 0)
-        self.pool_fair_share = True
         self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or list(DEFAULT_CODECS),
                        jobs=jobs or {}, results_via=results_via, pool_fair_share=pool_fair_share)
 

@@ -101,10 +101,20 @@ def targets(rows: list[dict]) -> dict[str, tuple[bool, str]]:
     return out
 
 
+#: the experiments of the bench, in the order they run (``--only`` picks some)
+NAMES = ("hierarchical", "multitenant")
+
+
+def _check_only(only: tuple[str, ...]) -> None:
+    if not only or set(only) - set(NAMES):
+        raise ValueError(f"only: choose from {', '.join(NAMES)}, got {list(only)}")
+
+
 def run(quick: bool = False, emit=None, time_dilation: float | str | None = None,
-        only: tuple[str, ...] = ("hierarchical", "multitenant")) -> list[dict]:
+        only: tuple[str, ...] = NAMES) -> list[dict]:
     """Run both experiments (or those named in ``only``); return the rows (``emit(row)`` as
     each experiment finishes). ``time_dilation``: see the module docstring."""
+    _check_only(only)
     rows: list[dict] = []
     for name, file, size in (("hierarchical", "hierarchical_ina.toml", (4 if quick else 16) << 20),
                              ("multitenant", "multitenant_ina.toml", (1 if quick else 4) << 20)):
@@ -119,8 +129,9 @@ def run(quick: bool = False, emit=None, time_dilation: float | str | None = None
 
 
 def main(quick: bool = False, json_out: bool = False, time_dilation: float | str | None = None,
-         only: tuple[str, ...] = ("hierarchical", "multitenant")) -> int:
+         only: tuple[str, ...] = NAMES) -> int:
     """CLI entry: print rows and targets; exit status 1 when a row is wrong."""
+    _check_only(only)
     head = {"bench": "tenancy", "quick": quick, "cpu": _cpu(),
             "time_dilation": time_dilation or "the files'", "load_avg": os.getloadavg()[0]}
     print(json.dumps(head) if json_out else f"# bench tenancy ({'quick' if quick else 'full'}) "
