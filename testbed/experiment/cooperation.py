@@ -381,8 +381,12 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
         ideal = ideal_jct_s(req, tr.specs[i], model, inv)
         target = s.get("target_accuracy")
         acc = s.get("final_accuracy")
+        # JCT from the job's arrival: with the time it waited for switch memory the
+        # provider had promised but another job had not yet given back
+        jct = None if s.get("jct_s") is None else s["jct_s"] + (s.get("queued_s") or 0.0)
         rows.append({
-            "row": "job", "policy": policy, "job": job.name, "jct_s": s.get("jct_s"),
+            "row": "job", "policy": policy, "job": job.name, "jct_s": jct,
+            "queued_s": s.get("queued_s"),
             "tta_s": s.get("tta_s"), "final_accuracy": acc, "target_accuracy": target,
             "accuracy_ok": None if target is None or acc is None else bool(acc >= target),
             "plan_changes": s.get("plan_changes_applied", 0),
@@ -398,7 +402,7 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             "tolerance": job.tolerance, "error_budget": job.error_budget,
             "priority": job.priority, "hosts": req.hosts, "arrival_s": job.start_s,
             "ideal_jct_s": ideal,
-            "slowdown": s["jct_s"] / ideal if ideal and s.get("jct_s") else None,
+            "slowdown": jct / ideal if ideal and jct else None,
             **{k: s.get(k) for k in ("iterations", "comm_s", "iter_s", "model_comm_s",
                                      "comm_fraction", "bytes", "correct", "cpu_bound",
                                      "cpu_util", "cpu_wait", "cpu_max", "cpu_engine",

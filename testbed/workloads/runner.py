@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from testbed.collectives import flowmodel, trimmed
 from testbed.collectives.runner import (  # the collective runner's process handling
     RUN_DIR,
+    AdmissionRefused,
     _engine_pids,
     _wait_group_gone,
     net_bandwidth,
@@ -51,6 +52,11 @@ from testbed.workloads.spec import TrainingSpec
 _seq = itertools.count()
 #: how often the runner looks at the pools and the data-path engines (s)
 POLL_S = 0.1
+#: How long (s, times the job's time dilation) a job whose INA registration a switch refuses
+#: for lack of memory keeps retrying, at its start or at a plan change: a provider hands out
+#: memory that another job gives back only once it has moved to its own new plan, at its next
+#: iteration boundary. After that the start fails (or the plan change is not applied).
+ADMISSION_WAIT_S = 60.0
 
 
 class TrainingError(CollectiveError):
@@ -140,6 +146,8 @@ class _Job:
         self.planes: dict[int, contextlib.ExitStack] = {}
         self.switches: list[dict] = []
         self.plan_errors: list[str] = []
+        self.queued_s = 0.0  # waiting for switch memory before the start (s, wall clock)
+        self.refused_since: float | None = None  # the wanted plan's first refusal
 
     def _job_dict(self, spec: TrainingSpec) -> dict:
         """The pool's view of the job under ``spec``'s plan (before its registration)."""
@@ -156,8 +164,8 @@ class _Job:
         """Register the control plane of ``spec``'s plan (its INA job on the switches) as
         plan ``epoch``; released by :meth:`_drop_plane` or when the job ends."""
         plane = contextlib.ExitStack()
-        self.stack.enter_context(plane)
         plane.enter_context(offload_job(self.net, spec.collective(), job, self.hosts))
+        self.stack.enter_context(plane)
         self.planes[epoch] = plane
 
     def _drop_plane(self, epoch: int) -> None:
@@ -245,10 +253,22 @@ class _Job:
             spec.validate(len(self.net.hosts))
             job = self._job_dict(spec)
             self._plane(epoch, spec, job)
+        except AdmissionRefused as e:  # memory not given back yet: retry while it may come
+            now = time.monotonic()
+            self.refused_since = self.refused_since or now
+            if now - self.refused_since <= ADMISSION_WAIT_S * self.spec.time_dilation:
+                if self.wanted is None:  # a newer wish wins
+                    self.wanted = spec
+                return
+            self.refused_since = None
+            self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
+                                    f"applied: refused for {ADMISSION_WAIT_S:g} s: {e}")
+            return
         except (CollectiveError, ValueError, RuntimeError) as e:
             self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
                                     f"applied: {e}")
             return
+        self.refused_since = None
         self.epoch = epoch
         self.channel.send({"type": "plan", "epoch": epoch, "job": {
             k: job[k] for k in ("train", "spec", "ranks", "bw_bps", "seq0", "tree",
@@ -308,6 +328,7 @@ class _Job:
             "cpu_engine": cpu.get("cpu_engine"), "setup_s": res.get("setup_s"),
             "mem_mb": res.get("mem_mb"),
             "start_s": self.offset_s / spec.time_dilation,
+            "queued_s": self.queued_s / spec.time_dilation,
             "end_s": (self.t_end - self.t_start + self.offset_s) / spec.time_dilation,
             "error": res.get("error"),
             "plan_changes_applied": len(res.get("plan_switches") or []),
@@ -391,11 +412,48 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
     say = progress or (lambda text: None)
     jobs = [_Job(k, s, net) for k, s in enumerate(specs)]
     waiting = sorted(jobs, key=lambda j: j.spec.start_s * j.spec.time_dilation)
+    queued: list[tuple[_Job, float]] = []  # refused by a switch for memory: (job, arrival)
+    refused: set[int] = set()
     running: list[_Job] = []
     results: dict[int, TrainingResult] = {}
     t0 = time.monotonic()
+
+    def fail(job: _Job, e: Exception) -> None:
+        job.kill()
+        results[job.index] = job._rows({"error": f"start failed: {e}"})
+        say(f"job {job.index} ({job.spec.label()}) failed to start: {e}")
+        if on_end is not None:
+            on_end(job.index, results[job.index])
+
+    def start(job: _Job, arrival: float) -> None:
+        try:
+            job.launch(t0, replan=on_tick is not None)
+        except AdmissionRefused as e:
+            job.kill()
+            if time.monotonic() - arrival > ADMISSION_WAIT_S * job.spec.time_dilation:
+                fail(job, CollectiveError(f"{e} (refused for {ADMISSION_WAIT_S:g} s)"))
+                return
+            if job.index not in refused:
+                refused.add(job.index)
+                say(f"job {job.index} ({job.spec.label()}) waits for switch memory: {e}")
+            # a fresh handle for the next try (job directory, control-plane stack)
+            queued.append((_Job(job.index, job.spec, net), arrival))
+            return
+        except (CollectiveError, ValueError, RuntimeError, OSError) as e:
+            fail(job, e)
+            return
+        running.append(job)
+        if job.index in refused:
+            job.queued_s = job.t_start - arrival
+        say(f"job {job.index} ({job.spec.label()}) started on "
+            f"{', '.join(h.name for h in job.hosts)}"
+            + (f" after waiting {job.queued_s:.2f} s for switch memory" if job.queued_s else ""))
+
     try:
-        while waiting or running:
+        while waiting or running or queued:
+            retry, queued[:] = list(queued), []
+            for job, arrival in retry:
+                start(job, arrival)
             now = time.monotonic()
             while waiting and now - t0 >= waiting[0].spec.start_s * waiting[0].spec.time_dilation:
                 job = waiting.pop(0)
@@ -404,17 +462,10 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                         spec = on_start(job.index, job.spec)
                         spec.validate(len(net.hosts))
                         job = _Job(job.index, spec, net)
-                    job.launch(t0, replan=on_tick is not None)
                 except (CollectiveError, ValueError, RuntimeError, OSError) as e:
-                    job.kill()
-                    results[job.index] = job._rows({"error": f"start failed: {e}"})
-                    say(f"job {job.index} ({job.spec.label()}) failed to start: {e}")
-                    if on_end is not None:
-                        on_end(job.index, results[job.index])
+                    fail(job, e)
                     continue
-                running.append(job)
-                say(f"job {job.index} ({job.spec.label()}) started on "
-                    f"{', '.join(h.name for h in job.hosts)}")
+                start(job, time.monotonic())
             for job in [j for j in running if j.finished()]:
                 running.remove(job)
                 results[job.index] = res = job.result()
@@ -442,7 +493,7 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                                         f"finish within {job.limit_s:.0f} s")
             time.sleep(POLL_S)
     except BaseException:  # Ctrl-C included: no pool and no switch partition survives
-        for job in running:
+        for job in running + [q for q, _ in queued]:
             job.kill()
         raise
     return [results[k] for k in range(len(jobs))]
