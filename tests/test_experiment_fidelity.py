@@ -19,12 +19,22 @@ def test_orderings_compare_model_and_measurement():
             _row("ls", "hd", 3.0, 3.0), _row("star", "ring", 1.0, 1.0),
             _row("star", "ina", 0.5, 0.6)]
     o = fidelity.orderings(rows)
-    assert o[("ls", 4 * MiB)] == {"model": ["ina", "ring", "hd"],
+    assert o[("ls", 4 * MiB)] == {"model": ["ina", "ring", "hd"], "ties": [],
                                   "measured": ["ring", "ina", "hd"], "same": False}
     assert o[("star", 4 * MiB)]["same"]
     lines = fidelity.summary(rows)
     assert "ORDER DIFFERS" in lines[1] and "same order" in lines[2]
     assert lines[0].startswith("5 runs: 0 cpu_bound, 3 within")
+
+
+def test_model_ties_are_not_held_to_an_order():
+    # ring and hd 2 % apart in the model: either measured order agrees; rs is 20 % slower
+    # than both, so measuring it faster than either is a real disagreement
+    base = [_row("t", "ring", 1.00, 1.00), _row("t", "hd", 0.99, 1.02)]
+    o = fidelity.orderings(base + [_row("t", "rs", 1.3, 1.25)])[("t", 4 * MiB)]
+    assert o["ties"] == [("ring", "hd")] and o["same"]
+    assert not fidelity.orderings(base + [_row("t", "rs", 0.95, 1.25)])[("t", 4 * MiB)]["same"]
+    assert "model ties: ring~hd" in fidelity.summary(base)[1]
 
 
 def test_topologies_are_the_advertised_ones():

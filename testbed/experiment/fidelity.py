@@ -28,7 +28,8 @@ never sufficed. The rows say when the cap left a run ``cpu_bound``.
 One row per run: ``topology, algo, n, bytes, time_s, model_s, fidelity (time_s / model_s),
 cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_demand, cpu_max, cpu_engine, correct,
 switches, cpu_model``. Per topology the summary compares the algorithms' order by the model
-with their order as measured.
+with their order as measured; algorithms the model puts within 3 % of each other are a tie
+(:data:`TIE_FRACTION`) and not held to an order.
 """
 
 from __future__ import annotations
@@ -161,9 +162,22 @@ def _line(r: dict) -> str:
             f"engine {f(r['cpu_engine'], '.2f')})  correct={r['correct']}")
 
 
+#: Model times closer than this fraction (of the larger) are a tie: the model does not order
+#: them, so neither does the comparison (the measurement's own run-to-run spread is 2-5 % here).
+TIE_FRACTION = 0.03
+
+
+def model_ties(mod: dict[str, float]) -> list[tuple[str, str]]:
+    """Pairs of algorithms whose model times are within :data:`TIE_FRACTION` of each other."""
+    algos = sorted(mod, key=mod.get)
+    return [(a, b) for i, a in enumerate(algos) for b in algos[i + 1:]
+            if abs(mod[b] - mod[a]) <= TIE_FRACTION * max(mod[a], mod[b])]
+
+
 def orderings(rows: list[dict]) -> dict[tuple[str, int], dict]:
     """Per (topology, bytes): the algorithms ordered by model and by measurement (mean over
-    repetitions), and whether the two orders agree."""
+    repetitions), the model's ties (:func:`model_ties`), and whether the orders agree: every
+    pair the model does not call a tie is ordered the same way by the measurement."""
     out: dict[tuple[str, int], dict] = {}
     groups: dict[tuple[str, int], dict[str, list]] = {}
     for r in rows:
@@ -175,7 +189,11 @@ def orderings(rows: list[dict]) -> dict[tuple[str, int], dict]:
         mod = {a: v[0][1] for a, v in g.items()}
         by_model = sorted(mod, key=mod.get)
         by_meas = sorted(meas, key=meas.get)
-        out[key] = {"model": by_model, "measured": by_meas, "same": by_model == by_meas}
+        ties = model_ties(mod)
+        same = all((mod[a] < mod[b]) == (meas[a] < meas[b])
+                   for i, a in enumerate(by_model) for b in by_model[i + 1:]
+                   if (a, b) not in ties)
+        out[key] = {"model": by_model, "measured": by_meas, "ties": ties, "same": same}
     return out
 
 
@@ -190,7 +208,9 @@ def summary(rows: list[dict]) -> list[str]:
     for (topo, size), o in orderings(rows).items():
         lines.append(f"{topo:>14} {size // MiB:>3} MiB  model: {' < '.join(o['model'])}   "
                      f"measured: {' < '.join(o['measured'])}   "
-                     f"{'same order' if o['same'] else 'ORDER DIFFERS'}")
+                     f"{'same order' if o['same'] else 'ORDER DIFFERS'}"
+                     + (f" (model ties: {', '.join(f'{a}~{b}' for a, b in o['ties'])})"
+                        if o["ties"] else ""))
     return lines
 
 
