@@ -125,6 +125,8 @@ BAD = [
     ("star", {"n_hosts": 2, "bw_mbps": 1e9}, "bw_mbps must be <="),
     ("star", {"n_hosts": 2, "delay_ms": -1}, "delay_ms must be a number >= 0"),
     ("star", {"n_hosts": 2, "loss_pct": 100}, r"loss_pct must be a number in \[0, 100\)"),
+    ("star", {"n_hosts": 2, "queue_ms": 0}, "queue_ms must be > 0"),
+    ("star", {"n_hosts": 2, "queue_ms": "deep"}, "queue_ms must be a finite number"),
     ("leaf_spine", {"oversubscription": 0}, "oversubscription must be a finite number > 0"),
     ("leaf_spine", {"oversubscription": float("inf")}, "oversubscription must be a finite"),
     ("leaf_spine", {"oversubscription": 1e6}, "leaves .* Mb/s per uplink"),
@@ -308,10 +310,14 @@ def _iperf_mbps(client, server, server_ip, seconds=2) -> float:
 def test_shaped_access_link_rate_is_what_was_asked(held_lock):
     from testbed.topologies import TestbedNet
 
-    with TestbedNet(Star(2, bw_mbps=20)) as net:
+    # with a sized shaping queue: 50 ms at 20 Mb/s is a 125 000 B bfifo under the HTB class
+    with TestbedNet(Star(2, bw_mbps=20, queue_ms=50)) as net:
         h1, h2 = net.hosts
         got = _iperf_mbps(h1, h2, net.host_ips[1])
         assert net.bottleneck_bps() == 20e6
+        qdisc = h1.cmd(f"tc qdisc show dev {h1.defaultIntf().name}")
+        assert "bfifo 20: parent 5:1 limit 125000b" in qdisc, qdisc
+        assert net.topo.describe()["params"]["queue_ms"] == 50
     assert 18.0 <= got <= 22.0, got  # +-10 %
 
 

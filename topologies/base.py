@@ -156,6 +156,11 @@ class TestbedTopo(Topo):
       Every programmable switch can be part of a job's aggregation tree
       (:mod:`testbed.topologies.aggtree`) unless this is None.
     * ``seed`` (0): seed of everything random (impairments, ECMP hash salt).
+    * ``queue_ms`` (None): every shaped link's queue, in milliseconds at its rate (a ``bfifo``
+      of ``bw x queue_ms`` bytes under the HTB class; with netem, netem's limit in full-size
+      frames); None keeps the kernel's default, ``txqueuelen`` (1000) packets, which at a few
+      Mb/s holds seconds of data. A queue about one round trip deep is what a datacenter switch
+      port gives a flow; a long one lets a flow's ACKs wait behind other flows' data.
     """
 
     kind = "base"
@@ -163,8 +168,10 @@ class TestbedTopo(Topo):
     default_aggregator: str | None = None
 
     def __init__(self, *, bw_mbps=100.0, delay_ms=0.0, loss_pct=0.0, switch="bridge",
-                 smartnic=False, programs=None, aggregator="auto", seed=0, **kind_params):
+                 smartnic=False, programs=None, aggregator="auto", seed=0, queue_ms=None,
+                 **kind_params):
         check_bw("bw_mbps", bw_mbps)
+        _positive_number("queue_ms", queue_ms, allow_none=True, maximum=10_000)
         if isinstance(delay_ms, bool) or not isinstance(delay_ms, (int, float)) \
                 or not math.isfinite(delay_ms) or delay_ms < 0:
             raise TopologyError(f"delay_ms must be a number >= 0, got {delay_ms!r}")
@@ -180,6 +187,7 @@ class TestbedTopo(Topo):
         self.delay_ms = float(delay_ms)
         self.loss_pct = float(loss_pct)
         self.seed = seed
+        self.queue_ms = None if queue_ms is None else float(queue_ms)
         self.programs = dict(programs or {})
         self.kind_params = dict(kind_params)
         self.validate_kind(**kind_params)  # kind-specific checks, before anything is recorded
@@ -369,6 +377,7 @@ class TestbedTopo(Topo):
                 "smartnic": sorted(self._nic_ranks),
                 "aggregator": self.aggregator_option,
                 "seed": self.seed,
+                "queue_ms": self.queue_ms,
             },
             "hosts": list(self.host_names),
             "switches": dict(self.switch_roles),

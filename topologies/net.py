@@ -96,11 +96,32 @@ from .pipeline import (
     dilate_settings,
 )
 
+#: A full-size Ethernet frame (1500 B MTU + 14 B header): the unit of queue limits counted in
+#: packets, and the smallest byte limit a shaping queue gets.
+FULL_FRAME_BYTES = 1514
+
 
 class TBIntf(TCIntf):
-    """TCIntf whose bandwidth guard allows the testbed's range (Mininet stops at 1 Gb/s)."""
+    """TCIntf whose bandwidth guard allows the testbed's range (Mininet stops at 1 Gb/s) and
+    whose shaping queue can be sized (``queue_bytes``)."""
 
     bwParamMax = MAX_BW_MBPS
+
+    def config(self, queue_bytes=None, **params):
+        """Mininet's configuration, then the shaping queue: ``queue_bytes`` (None: the
+        kernel's default) becomes a ``bfifo`` under the HTB class, or netem's limit in
+        full-size frames where netem shapes delay or loss (netem has no byte limit)."""
+        netem = bool(params.get("delay") or params.get("loss"))
+        if queue_bytes is not None and netem:
+            params["max_queue_size"] = max(1, -(-int(queue_bytes) // FULL_FRAME_BYTES))
+        result = super().config(**params)
+        if queue_bytes is not None and params.get("bw") is not None and not netem:
+            out = self.tc(f"%s qdisc add dev %s parent 5:1 handle 20: bfifo limit "
+                          f"{int(queue_bytes)}")
+            if "rror" in out:
+                raise RuntimeError(f"sizing the shaping queue of {self.name} failed: "
+                                   f"{out.strip()} (queue_ms of the topology)")
+        return result
 
 
 class TBLink(Link):
@@ -700,6 +721,9 @@ class TestbedNet:
         params = {}
         if s.bw_mbps is not None:
             params["bw"] = s.bw_mbps / self.time_dilation
+            if self.topo.queue_ms is not None:  # bytes: the same under dilation
+                params["queue_bytes"] = max(FULL_FRAME_BYTES,
+                                            int(s.bw_mbps * 125 * self.topo.queue_ms))
         if self.topo.impair_mode() == "netem":
             if s.delay_ms:
                 params["delay"] = f"{s.delay_ms * self.time_dilation:g}ms"
@@ -714,7 +738,7 @@ class TestbedNet:
             if self.offloads_off:
                 params.update(txo=False, rxo=False)
             info = topo.linkInfo(s.a, s.b)
-            for key in ("bw", "delay", "loss", "txo", "rxo", "cls", "tunnel"):
+            for key in ("bw", "delay", "loss", "txo", "rxo", "cls", "tunnel", "queue_bytes"):
                 info.pop(key, None)
             if self.placement is not None and self.placement[s.a] != self.placement[s.b]:
                 a, b = self.placement[s.a], self.placement[s.b]

@@ -101,6 +101,9 @@ class TopologySpec(_Strict):
     aggregator: str = Field("auto", description="switch hosting the aggregator, 'auto' or 'none'")
     delay_ms: float | None = Field(None, ge=0, description="per-link delay")
     loss_pct: float | None = Field(None, ge=0, le=100, description="per-link loss")
+    queue_ms: float | None = Field(
+        None, gt=0, le=10_000, description="every shaped link's queue in ms at its rate "
+                                           "(default: the kernel's 1000 packets)")
     # kind-specific sizes (only the ones of the chosen kind may be set)
     n_hosts: int | None = Field(None, ge=1, le=64)
     leaves: int | None = Field(None, ge=1)
