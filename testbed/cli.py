@@ -438,16 +438,30 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
                    workers: str = typer.Option("2,4,8,16", help="host counts of the sweep"),
                    io: str = typer.Option("ring", help="engine packet I/O: ring or mmsg"),
                    mib: int = typer.Option(8, help="allreduce size (MiB)"),
-                   bw: float = typer.Option(100.0, help="link rate (Mb/s)")) -> None:
-    """INA and ring on stars: most workers without CPU saturation, CPU per packet."""
+                   bw: float = typer.Option(100.0, help="link rate (Mb/s)"),
+                   time_dilation: float = typer.Option(
+                       1.0, "--time-dilation", help="run the sweep at this factor (>= 1)"),
+                   dilate: str = typer.Option(
+                       "8,16", help="host counts at which the smallest non-saturating "
+                                    "dilation factor is searched ('' for none)")) -> None:
+    """INA and ring on stars: most workers without CPU saturation, CPU per packet, and the
+    smallest time dilation that keeps 8 and 16 workers below saturation."""
     from testbed.experiment.capacity import main
 
+    def ints(opt: str, text: str) -> list[int]:
+        try:
+            return [int(w) for w in text.split(",") if w.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"{opt} takes comma-separated integers, got "
+                                     f"{text!r}") from None
+
     try:
-        ns = [int(w) for w in workers.split(",") if w.strip()]
-    except ValueError:
-        msg = f"--workers takes comma-separated integers, got {workers!r}"
-        raise typer.BadParameter(msg) from None
-    raise typer.Exit(main(json_out=json_out, workers=ns, io=io, nbytes=mib << 20, bw_mbps=bw))
+        code = main(json_out=json_out, workers=ints("--workers", workers), io=io,
+                    nbytes=mib << 20, bw_mbps=bw, time_dilation=time_dilation,
+                    dilate_workers=ints("--dilate", dilate))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    raise typer.Exit(code)
 
 
 @bench_app.command("cluster")

@@ -23,8 +23,9 @@ def test_max_workers_is_the_largest_n_before_the_first_saturated_run():
 
 
 def test_bad_arguments_fail_before_building_anything():
-    with pytest.raises(ValueError, match="time_dilation"):
-        run(workers=(2,), time_dilation=2.0)
+    for bad in (0.5, "auto", 1000.0):
+        with pytest.raises(ValueError, match="time_dilation"):
+            run(workers=(2,), time_dilation=bad)
     with pytest.raises(ValueError, match="algos"):
         run(workers=(2,), algos=("hd",))
     with pytest.raises(ValueError, match="workers"):
@@ -39,7 +40,7 @@ def test_capacity_rows_measure_real_runs():
     packet from packets the engine and the hosts really moved, and the verdict behind
     ``max_workers_not_cpu_bound``."""
     size = 256 << 10
-    rows = run(workers=(2,), nbytes=size, timeout_s=60)
+    rows = run(workers=(2,), nbytes=size, timeout_s=60, dilate_workers=(2,))
     assert [(r["algo"], r["n"]) for r in rows] == [("ina", 2), ("ring", 2)]
     for r in rows:
         assert set(ROW_KEYS) <= set(r), r
@@ -47,6 +48,8 @@ def test_capacity_rows_measure_real_runs():
         assert r["cpu_s_per_kpkt_engine"] > 0 and r["cpu_s_per_kpkt_worker"] > 0
         assert r["max_workers_not_cpu_bound"] == (0 if r["cpu_bound"] else 2)
         assert r["io"] == "ring" and r["time_dilation"] == 1.0
+        # the calibration found a factor, or says why none kept the run below saturation
+        assert (r["min_time_dilation"] or 0) >= 1.0 or r["dilation_note"], r
     ina, ring = rows
     # INA: each worker's 256 KiB arrives at the switch in 1 KiB chunks (plus the exponent
     # round), and the results go back: at least 2 x 256 packets each way

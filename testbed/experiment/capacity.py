@@ -17,10 +17,16 @@ records
   every smaller ``n``, without CPU saturation (0 when the smallest already saturated), the same
   on every row of the algorithm.
 
+* ``min_time_dilation``: at the sweep's ``n`` in ``dilate_workers`` (default 8 and 16), the
+  smallest time-dilation factor at which the algorithm runs below saturation, found by
+  :func:`testbed.collectives.dilation.calibrate` on the same network (None elsewhere, and
+  where even the largest factor saturated: ``dilation_note`` says so).
+
 One JSON object per line with ``--json`` (keys :data:`ROW_KEYS`), otherwise a table. ``io``
 selects the engine's packet I/O (``ring``: PACKET_MMAP rings, the default; ``mmsg``:
-``recvmmsg``/``sendmmsg``), so the two can be compared on one machine. ``time_dilation`` is the
-hook for dilated runs; only 1 (no dilation) is available.
+``recvmmsg``/``sendmmsg``), so the two can be compared on one machine. ``time_dilation`` runs
+the whole sweep at that factor (links at ``bw_mbps / f``, times reported undilated, the rows'
+CPU per packet then what the dilated run spent).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import sys
 import time
 
 from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
 from testbed.collectives.report import render_table
 from testbed.experiment.fidelity import cpu_model
 from testbed.topologies import Star, TestbedNet
@@ -37,12 +44,15 @@ from testbed.topologies import Star, TestbedNet
 MiB = 1 << 20
 ALGOS = ("ina", "ring")
 WORKERS = (2, 4, 8, 16)
+#: the worker counts at which the smallest non-saturating dilation factor is searched
+DILATE_WORKERS = (8, 16)
 ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
-            "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound")
+            "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("time_s", "model_s", "correct", "cpu_util", "cpu_wait", "cpu_engine", "cpu_max",
-              "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "cpu_model")
+              "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "dilation_note",
+              "cpu_model")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
-           "time s", "model s", "correct", "cores", "wait", "engine")
+           "min f", "time s", "model s", "correct", "cores", "wait", "engine")
 
 
 def iface_packets(host) -> int:
@@ -91,6 +101,20 @@ def measure(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
     }
 
 
+def smallest_dilation(net, algo: str, nbytes: int, window: int, timeout_s: float,
+                      back_to: float, log) -> dict:
+    """``min_time_dilation`` (and ``dilation_note``) of ``algo`` on ``net``: the calibration's
+    factor, None when even the largest saturated; the net runs at ``back_to`` again after."""
+    spec = CollectiveSpec(algo=algo, nbytes=nbytes, window=window, timeout_s=timeout_s)
+    try:
+        cal = calibrate(net, [spec], log=log)
+    finally:
+        net.set_time_dilation(back_to)
+        net.calibration = None
+    return {"min_time_dilation": None if cal.saturated else cal.factor,
+            "dilation_note": cal.note or None}
+
+
 def max_not_bound(rows: list[dict]) -> int:
     """Largest ``n`` that ran without CPU saturation, like every smaller ``n`` (0: none)."""
     best = 0
@@ -103,11 +127,14 @@ def max_not_bound(rows: list[dict]) -> int:
 
 def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
-        time_dilation: float = 1.0, log=sys.stderr) -> list[dict]:
+        time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS,
+        log=sys.stderr) -> list[dict]:
     """The sweep (see the module docstring); rows in (algo, n) order."""
-    if time_dilation != 1:
-        raise ValueError(f"time_dilation={time_dilation!r}: the emulated network does not "
-                         "dilate time yet; use 1")
+    if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
+            or not 1 <= time_dilation <= MAX_AUTO_FACTOR:
+        raise ValueError(f"time_dilation must be a number in 1..{MAX_AUTO_FACTOR:g}, got "
+                         f"{time_dilation!r}")
+    time_dilation = float(time_dilation)
     bad = [a for a in algos if a not in ALGOS]
     if bad or not algos:
         raise ValueError(f"algos must be among {ALGOS}, got {list(algos)}")
@@ -119,15 +146,19 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
     rows: list[dict] = []
     for n in sorted({int(n) for n in workers}):
         topo = Star(n, bw_mbps=bw_mbps, switch="programmable")
-        with TestbedNet(topo, engine_opts={"io": io}) as net:
+        with TestbedNet(topo, engine_opts={"io": io}, time_dilation=time_dilation) as net:
             for algo in algos:
                 try:
                     row = measure(net, algo, nbytes, window, timeout_s)
+                    if n in dilate_workers:
+                        row.update(smallest_dilation(net, algo, nbytes, window, timeout_s,
+                                                     time_dilation, log))
                 except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end
                     row = {"algo": algo, "n": n, "bw_mbps": bw_mbps, "cpu_bound": None,
                            "cpu_s_per_kpkt_engine": None, "cpu_s_per_kpkt_worker": None,
                            "max_workers_not_cpu_bound": None, "correct": False,
                            "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
+                row.setdefault("min_time_dilation", None)
                 row.update(io=io, time_dilation=time_dilation, cpu_model=cpu)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
@@ -145,10 +176,12 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
 
 
 def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int = 8 * MiB,
-         bw_mbps: float = 100.0) -> int:
+         bw_mbps: float = 100.0, time_dilation: float = 1.0,
+         dilate_workers=DILATE_WORKERS) -> int:
     """Entry point of ``testbed bench capacity``; 0 when every run completed correctly."""
     t0 = time.monotonic()
-    rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps)
+    rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps,
+               time_dilation=time_dilation, dilate_workers=dilate_workers)
     if json_out:
         for r in rows:
             print(json.dumps({k: r.get(k) for k in ROW_KEYS + EXTRA_KEYS}
