@@ -406,7 +406,10 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
     once a job ended or failed to start. ``on_tick(indices)``: called every
     :data:`POLL_S` with the indices of the running jobs; it returns ``{index: spec}`` for the
     jobs to move to a new plan (communication fields of ``spec``), which they apply at an
-    iteration boundary (``replan.py``; without ``on_tick`` a job keeps its plan). Raises
+    iteration boundary (``replan.py``; without ``on_tick`` a job keeps its plan). A job whose
+    INA registration a switch refuses for memory waits for it (retried every :data:`POLL_S`,
+    up to :data:`ADMISSION_WAIT_S` times its dilation; ``queued_s`` in its summary) while the
+    others run, and fails to start with the switch's refusal after that. Raises
     ``ValueError`` for bad specs (nothing is started then)."""
     check_trace(specs, len(net.hosts))
     say = progress or (lambda text: None)
