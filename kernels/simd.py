@@ -199,7 +199,7 @@ def mask64(builder, compare8):
 # block intrinsics: one LANES-wide block of an elementwise kernel, ``i`` its first element
 
 
-def _is_c_array(ty, dtype) -> bool:
+def is_c_array(ty, dtype) -> bool:
     """A 1-D array of ``dtype``; layout "A" is accepted because a slice may be typed so while
     contiguous at run time: the kernels check :func:`contiguous` before using a block."""
     return (isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout in ("C", "A")
@@ -223,8 +223,8 @@ def scale_block(typingctx, src, i, out, f_first, f_second, split, stream):
     * float32 -> int32 (quantise): ``out = int32(rint(v))``;
     * int32 -> float32 (dequantise): ``out = float32(v)``.
     """
-    quantise = _is_c_array(src, types.float32) and _is_c_array(out, types.int32)
-    if not (quantise or (_is_c_array(src, types.int32) and _is_c_array(out, types.float32))):
+    quantise = is_c_array(src, types.float32) and is_c_array(out, types.int32)
+    if not (quantise or (is_c_array(src, types.int32) and is_c_array(out, types.float32))):
         return None
 
     def codegen(context, builder, sig, args):
@@ -249,7 +249,7 @@ def atp_quantize_block(typingctx, x, i, out, factor, limit, stream):
     a block whose lanes are all below it (the common case) costs one compare on the inputs,
     a multiply and a rounding conversion. Other blocks take the exact bounds (a product fits
     when ``-2**31 - 0.5 <= p < 2**31 - 0.5``, round half to even) and saturate."""
-    if not (_is_c_array(x, types.float32) and _is_c_array(out, types.int32)):
+    if not (is_c_array(x, types.float32) and is_c_array(out, types.int32)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -298,7 +298,7 @@ def atp_fast_limit(factor):
 def half_block(typingctx, x, i, out, stream):
     """IEEE half precision of one block (round to nearest even): ``out`` gets the uint16 bits
     (LLVM ``fptrunc``: vcvtps2ph on x86 with F16C, fcvt on arm64)."""
-    if not (_is_c_array(x, types.float32) and _is_c_array(out, types.uint16)):
+    if not (is_c_array(x, types.float32) and is_c_array(out, types.uint16)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -317,7 +317,7 @@ def _block_sum(op: str):
 
     @intrinsic
     def block_sum(typingctx, x, lo, nblocks):
-        if not (_is_c_array(x, types.float32) and isinstance(lo, types.Integer)
+        if not (is_c_array(x, types.float32) and isinstance(lo, types.Integer)
                 and isinstance(nblocks, types.Integer)):
             return None
 

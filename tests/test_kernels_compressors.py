@@ -302,6 +302,22 @@ def test_qsgd_kernels_equal_twin(x, levels, step):
     np.testing.assert_array_equal(back, ref.qsgd_dequantize(out, norm, levels))
 
 
+def test_qsgd_streamed_blocks_equal_twin():
+    """Outputs beyond STREAM_MIN_BYTES take the streaming-store blocks (aligned output), a
+    misaligned output slice the plain-store blocks; both equal the twin, serial and parallel."""
+    x = rand((kq.STREAM_MIN_BYTES // 2) + 37, 41, 2.0)
+    norm = float(red.l2norm(x))
+    key = rng.stream_key(4, 5, 6)
+    want = ref.qsgd_quantize(x, 256, norm, key, np.int16)
+    for fn in (kq.qsgd_quantize.serial, kq.qsgd_quantize.parallel):
+        out = np.empty(x.size, np.int16)
+        fn(x, 256, norm, key, out)
+        np.testing.assert_array_equal(out, want)
+        buf = np.empty(x.size + 1, np.int16)
+        fn(x, 256, norm, key, buf[1:])
+        np.testing.assert_array_equal(buf[1:], want)
+
+
 @FAST
 @given(finite_vectors(0, 300), st.integers(0, 99))
 def test_terngrad_natural_kernels_equal_twins(x, step):
