@@ -302,6 +302,22 @@ def test_qsgd_kernels_equal_twin(x, levels, step):
     np.testing.assert_array_equal(back, ref.qsgd_dequantize(out, norm, levels))
 
 
+def test_sign_words_in_parts_equal_twin():
+    """A tensor large enough to be split into parts (each walked as four quarters, with
+    leftover words) packs as the twin, serially and in parallel."""
+    x = rand(64 * 4096 * 5 + 64 * 7 + 5, 42)
+    x[::13] = -0.0
+    want = ref.sign_pack(x)
+    nw = x.size // 64
+    for fn in (ksign._sign_words.serial, ksign._sign_words.parallel):
+        out = np.empty(want.size, np.uint8)
+        fn(x, out)
+        np.testing.assert_array_equal(out[:8 * nw], want[:8 * nw])
+    out = np.empty(want.size, np.uint8)
+    ksign.sign_pack(x, out)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_qsgd_streamed_blocks_equal_twin():
     """Outputs beyond STREAM_MIN_BYTES take the streaming-store blocks (aligned output), a
     misaligned output slice the plain-store blocks; both equal the twin, serial and parallel."""
