@@ -130,16 +130,27 @@ def load_block(context, builder, arr_ty, arr, i):
     return builder.load(ptr, align=1)
 
 
-def store_block(context, builder, arr_ty, arr, i, vec, stream) -> None:
+def store_block(context, builder, arr_ty, arr, i, vec, stream, piece_bytes=None) -> None:
     """Store ``vec`` to ``arr[i:i + LANES]``: a streaming store when ``stream`` (an i1; the
     caller has then aligned the address to the block's bytes, :func:`aligned_head`), a plain
-    unaligned one otherwise."""
+    unaligned one otherwise. With ``piece_bytes`` (16: an SSE register) the streaming store
+    is split into pieces of that size, each aligned to it: for blocks whose start is fixed
+    (a multiple of LANES elements) in an array aligned only to 16 bytes, as numpy's are."""
     ary = context.make_array(arr_ty)(context, builder, arr)
     ptr = builder.bitcast(builder.gep(ary.data, [i]), vec.type.as_pointer())
+    elem_bytes = context.get_abi_sizeof(vec.type.element)
+    piece = min(piece_bytes or LANES * elem_bytes, LANES * elem_bytes) // elem_bytes
+    nt = builder.module.add_metadata([ir.Constant(_I32, 1)])
     with builder.if_else(stream) as (streamed, plain):
         with streamed:
-            st = builder.store(vec, ptr, align=LANES * context.get_abi_sizeof(vec.type.element))
-            st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+            pty = vector_of(vec.type.element, piece)
+            for k in range(0, LANES, piece):
+                part = vec if piece == LANES else builder.shuffle_vector(
+                    vec, vec, ir.Constant(vector_of(_I32, piece), list(range(k, k + piece))))
+                dst = builder.bitcast(builder.gep(ary.data, [builder.add(
+                    i, ir.Constant(i.type, k))]), pty.as_pointer())
+                st = builder.store(part, dst, align=piece * elem_bytes)
+                st.set_metadata("nontemporal", nt)
         with plain:
             builder.store(vec, ptr, align=1)
 

@@ -102,7 +102,8 @@ def qsgd_block(typingctx, x, i, out, s16, top16, key, stream):
         q = builder.ashr(builder.add(a, block_draws16_ir(builder, idx, key)),
                          ir.Constant(i32v, [FRAC] * LANES))
         q = _saturating_trunc(builder, q, context.get_data_type(sig.args[2].dtype))
-        store_block(context, builder, sig.args[2], args[2], args[1], q, args[6])
+        store_block(context, builder, sig.args[2], args[2], args[1], q, args[6],
+                    piece_bytes=16)
         return context.get_dummy_value()
 
     return types.void(x, i, out, types.float32, types.float32, key, types.boolean), codegen
@@ -125,12 +126,19 @@ def qsgd_quantize(x, levels, norm, key, out):
         s16 = np.float32(s64 * 65536.0)
         top16 = np.float32(levels * 65536.0)
         nblk = n // LANES if contiguous(x) and contiguous(out) else 0
-        stream = (n * out.itemsize >= STREAM_MIN_BYTES
-                  and address(out) % (LANES * out.itemsize) == 0)
+        # streamed in 16-byte pieces: numpy aligns large arrays to 16 bytes, not to a block
+        stream = n * out.itemsize >= STREAM_MIN_BYTES and address(out) % 16 == 0
         nb = stream_parts(nblk)
         for p in prange(nb):
+            # four interleaved quarters per part: four read streams (see signsgd._sign_words)
             b0, b1, _, _ = block_range(p, nb, nblk, 1, nblk)
-            for b in range(b0, b1):
+            m = (b1 - b0) // 4
+            for b in range(b0, b0 + m):
+                qsgd_block(x, b * LANES, out, s16, top16, key, stream)
+                qsgd_block(x, (b + m) * LANES, out, s16, top16, key, stream)
+                qsgd_block(x, (b + 2 * m) * LANES, out, s16, top16, key, stream)
+                qsgd_block(x, (b + 3 * m) * LANES, out, s16, top16, key, stream)
+            for b in range(b0 + 4 * m, b1):
                 qsgd_block(x, b * LANES, out, s16, top16, key, stream)
             if stream:
                 store_fence()
