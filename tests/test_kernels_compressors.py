@@ -397,6 +397,18 @@ def test_reductions_match_twins():
     assert red.l2norm(np.zeros(0, np.float32)) == 0.0 and red.absmax(np.zeros(0, np.float32)) == 0
 
 
+def test_chunk_sums_read_four_at_a_time_equal_each_chunk_alone():
+    """Whole chunks summed four at a time (four read streams) give each chunk's own sum,
+    bit for bit, so norms do not depend on how the chunks were grouped."""
+    ch = red.REDUCE_CHUNK
+    x = rand(9 * ch + 17, 12, 2.0)
+    for power in (1, 2):
+        part = red._chunk_sums.serial(x, power)
+        alone = [red._chunk_sums.serial(np.ascontiguousarray(x[c * ch:(c + 1) * ch]), power)[0]
+                 for c in range(part.size)]
+        np.testing.assert_array_equal(part, alone)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1025])
 def test_powersgd_kernels_match_twins(n):
     x = rand(n, n)
