@@ -45,18 +45,19 @@ def _chunk_sums(x, power):
     part = np.zeros(nchunk, dtype=np.float64)
     ngroup = (x.size // REDUCE_CHUNK) // 4 if x.strides[0] == 4 else 0
     nb = REDUCE_CHUNK // LANES
-    for g in prange(ngroup):
-        lo = 4 * g * REDUCE_CHUNK
-        if power == 2:
-            s = sum_squares_blocks4(x, lo, REDUCE_CHUNK, nb)
+    for g in prange(ngroup + nchunk - 4 * ngroup):  # one parallel region for both kinds
+        if g < ngroup:
+            lo = 4 * g * REDUCE_CHUNK
+            if power == 2:
+                s = sum_squares_blocks4(x, lo, REDUCE_CHUNK, nb)
+            else:
+                s = sum_abs_blocks4(x, lo, REDUCE_CHUNK, nb)
+            for k in range(4):
+                part[4 * g + k] = s[k]
         else:
-            s = sum_abs_blocks4(x, lo, REDUCE_CHUNK, nb)
-        for k in range(4):
-            part[4 * g + k] = s[k]
-    for c in prange(4 * ngroup, nchunk):
-        lo = c * REDUCE_CHUNK
-        hi = min(x.size, lo + REDUCE_CHUNK)
-        part[c] = _chunk_sum(x, lo, hi, power)
+            c = 3 * ngroup + g
+            lo = c * REDUCE_CHUNK
+            part[c] = _chunk_sum(x, lo, min(x.size, lo + REDUCE_CHUNK), power)
     return part
 
 
