@@ -11,7 +11,13 @@ import numpy as np
 from numba import njit, prange
 
 from testbed.kernels.parallel import kernel
-from testbed.kernels.simd import LANES, sum_abs_blocks, sum_squares_blocks
+from testbed.kernels.simd import (
+    LANES,
+    sum_abs_blocks,
+    sum_abs_blocks4,
+    sum_squares_blocks,
+    sum_squares_blocks4,
+)
 
 #: Elements per partial sum: fixed (not per thread) so that results do not depend on the
 #: number of threads.
@@ -32,12 +38,26 @@ def _chunk_sum(x, lo, hi, power):
 
 @kernel("x.size")
 def _chunk_sums(x, power):
+    """Per-chunk sums. Whole chunks are summed four at a time, read together (four read
+    streams: a core reads faster than with one), each sum bit-identical to its chunk alone;
+    the rest one by one."""
     nchunk = (x.size + REDUCE_CHUNK - 1) // REDUCE_CHUNK
     part = np.zeros(nchunk, dtype=np.float64)
-    for c in prange(nchunk):
-        lo = c * REDUCE_CHUNK
-        hi = min(x.size, lo + REDUCE_CHUNK)
-        part[c] = _chunk_sum(x, lo, hi, power)
+    ngroup = (x.size // REDUCE_CHUNK) // 4 if x.strides[0] == 4 else 0
+    nb = REDUCE_CHUNK // LANES
+    for g in prange(ngroup + nchunk - 4 * ngroup):  # one parallel region for both kinds
+        if g < ngroup:
+            lo = 4 * g * REDUCE_CHUNK
+            if power == 2:
+                s = sum_squares_blocks4(x, lo, REDUCE_CHUNK, nb)
+            else:
+                s = sum_abs_blocks4(x, lo, REDUCE_CHUNK, nb)
+            for k in range(4):
+                part[4 * g + k] = s[k]
+        else:
+            c = 3 * ngroup + g
+            lo = c * REDUCE_CHUNK
+            part[c] = _chunk_sum(x, lo, min(x.size, lo + REDUCE_CHUNK), power)
     return part
 
 

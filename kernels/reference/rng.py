@@ -35,6 +35,13 @@ def uniform(i, key) -> np.ndarray:
     return uniform32(i, key).astype(np.float64)
 
 
+def draw16(i, key) -> np.ndarray:
+    """Twin of ``rng.draw16`` over an index array: int64 in [0, 2**16)."""
+    i = np.asarray(i).astype(np.int64)
+    h = hash_u32(((i >> 4) << 3) | (i & 7), key).astype(np.int64)
+    return (h >> (((i >> 3) & 1) << 4)) & 0xFFFF
+
+
 def mix64(z: np.ndarray) -> np.ndarray:
     """Twin of ``rng.mix64`` over a uint64 array (wrap-around)."""
     with np.errstate(over="ignore"):
