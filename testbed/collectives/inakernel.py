@@ -28,6 +28,11 @@ answered (rounds of one worker complete in the order it sent them) and it has be
 ``REORDER_SLACK`` times the round trip of the latest-sent answered packet, a delay that follows
 the queues of the moment (:func:`fast_retransmit` says why that matters).
 
+Cost per packet: the per-packet steps that take the records are ``inline="always"`` (a call
+that is not inlined passes every array of ``Slots`` and ``Payload`` field by field and counts a
+reference per array); the client enters through :func:`on_results_flat` and
+:func:`expire_flat`, which take the records as plain tuples and borrow their arrays.
+
 :mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;
 tests run both on the same inputs and compare every output.
 """
@@ -41,7 +46,7 @@ from numba import njit
 
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors.thc import fwht_inplace
-from testbed.kernels.packets import header_at
+from testbed.kernels.packets import borrow_arrays, header_at
 from testbed.kernels.rng import hash_u32, uniform
 from testbed.kernels.wire import HEADER_LEN, MAGIC, VERSION, Codec, Flags, MsgType
 
@@ -136,7 +141,7 @@ def new_loop(now: float, dilation: float = 1.0) -> np.ndarray:
 # ------------------------------------------------------------------------------- packets
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def write_data_header(row, slot, seq, codec, e_next, cnt, off, p):
     """Fill the testbed header of a DATA packet of round ``seq`` in ``row``."""
     h = header_at(row, 0)
@@ -231,7 +236,7 @@ def _thc_quantize(row, lo, cnt, sc, p):
         row[HEADER_LEN + k] = np.uint8(np.int64(lv) & 0xFF)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def build_packet(slots, s, j, p):
     """Write packet ``j`` (bootstrap ``j < boot``, else data chunk ``j - boot``) of slot ``s``'s
     current round into its row; return its length.
@@ -275,7 +280,7 @@ def build_packet(slots, s, j, p):
 # ------------------------------------------------------------------------------- results
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def match_result(rb, ln, slots, p):
     """The slot a received datagram ``rb`` answers, or -1 when it is not a RESULT of this job
     for a slot's current round and chunk (another job, a duplicate, a late answer, junk)."""
@@ -295,7 +300,7 @@ def match_result(rb, ln, slots, p):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def apply_result(rb, ln, s, slots, p):
     """Take the RESULT ``rb`` of slot ``s`` into the outputs; return 0, or 1 when it does not
     fit the packet outstanding there (codec, size: a protocol violation), or 2 when the switch
@@ -356,7 +361,7 @@ def rtt_sample(st, sample):
     st.rto = min(max(st.t0, st.srtt + 4 * st.rttvar), st.tmax)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def send(slots, s, st, now, msg_type):
     """Stamp slot ``s``'s packet as sent now (``msg_type`` DATA or RETRANSMIT)."""
     header_at(slots.pkts[s], 0).msg_type = msg_type
@@ -366,7 +371,7 @@ def send(slots, s, st, now, msg_type):
     slots.deadline[s] = now + slots.rto[s]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def advance(slots, s, st, now, W, p):
     """Slot ``s``'s round completed: sample the RTT, move to its next round and build the next
     packet (True) or leave the slot idle (False)."""
@@ -397,7 +402,7 @@ def advance(slots, s, st, now, W, p):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def resend(slots, s, st, now, send_list, nsend):
     """Stamp slot ``s``'s packet as a RETRANSMIT sent now and list it; return the new count."""
     slots.retx[s] = True
@@ -406,7 +411,7 @@ def resend(slots, s, st, now, send_list, nsend):
     return nsend + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def fast_retransmit(slots, st, now, send_list, nsend):
     """Resend every packet that ``FAST_RETX`` later-sent packets overtook and that has been
     outstanding ``REORDER_SLACK`` times the round trip of the latest-sent answered packet (or
@@ -457,6 +462,24 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
             nsend += 1
     nsend = fast_retransmit(slots, st, now, send_list, nsend)
     return done, nsend, ignored, lost, -1, 0
+
+
+@njit(cache=True)
+def on_results_flat(rbuf, rlen, nrecv, drop, slots_t, loop, p_t, now, send_list):
+    """:func:`on_results` with the records as plain tuples (``tuple(slots)``, ``tuple(p)``):
+    the client's per-burst entry point. Numba types a plain tuple of arrays in C from its
+    fingerprint but a NamedTuple through Python, element by element (about 2 us per record
+    and call, more than the kernel's own work on a small burst); the records are rebuilt here
+    with borrowed arrays (no reference counting inside the kernel; the caller holds them), so
+    every kernel below keeps its named fields."""
+    return on_results(rbuf, rlen, nrecv, drop, Slots(*borrow_arrays(slots_t)), loop,
+                      Payload(*borrow_arrays(p_t)), now, send_list)
+
+
+@njit(cache=True)
+def expire_flat(slots_t, loop, now, send_list):
+    """:func:`expire` with the slots as a plain tuple (see :func:`on_results_flat`)."""
+    return expire(Slots(*borrow_arrays(slots_t)), loop, now, send_list)
 
 
 @njit(cache=True)
