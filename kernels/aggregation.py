@@ -28,11 +28,14 @@ then a contribution (:func:`check_contribution`, :func:`find_member`, the slot c
 the outcome asks for: RESULTs to members (:func:`build_result`), the partial sum to the parent
 (:func:`build_upward`), or the contribution forwarded to the host fallback (:func:`to_fallback`).
 
-Cost per packet: the steps that take the records are ``inline="always"``. A record is a tuple
-of some 40 arrays; a call that is not inlined passes each array's fields as separate arguments
-and counts a reference per array, which made the named steps several times slower per packet
-than one function on loose arrays. :func:`aggregate_flat`, the per-burst entry point, takes the
-records as plain tuples and borrows their arrays (:func:`testbed.kernels.packets.borrow_arrays`).
+Cost per packet: the records hold some 40 arrays, and Numba counts a reference for every array
+of a record wherever one is passed or bound (an atomic increment and decrement per array, or at
+least a call each), which made the named steps several times slower per packet than one function
+on loose arrays. So the steps that take records are ``inline="always"``, and
+:func:`aggregate_flat`, the per-burst entry point, is compiled without Numba's reference-counting
+runtime (``_nrt=False``, inherited by everything it calls): nothing on this path allocates or
+returns an array (an allocation would fail to compile there, loudly), so there is nothing to
+count. ``bench ina-cost`` measures it.
 
 Why one module this long: the burst step and every helper it calls are ``@njit`` functions
 compiled together, and Numba's on-disk cache keys a function on its own file only, so a helper
@@ -866,13 +869,14 @@ def aggregate_kernel(b, n, regs, jobs, agg, counters):
     return n_out
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def aggregate_flat(b_t, n, regs_t, jobs_t, agg_t, counters):
     """:func:`aggregate_kernel` with the records as plain tuples: the per-burst entry point.
     Numba types a plain tuple of arrays in C from its fingerprint but a NamedTuple through
     Python, element by element (about 12 us per call for these four records, several times the
-    kernel's own work on a small burst); the records are rebuilt here with borrowed arrays
-    (no reference counting inside the kernel; the caller holds the arrays)."""
+    kernel's own work on a small burst); the records are rebuilt here with borrowed arrays,
+    and without the reference-counting runtime (see the module docstring) nothing counts
+    references to them: the caller holds the arrays for the call."""
     return aggregate_kernel(Batch4(*borrow_arrays(b_t)), n, Registers(*borrow_arrays(regs_t)),
                             Jobs(*borrow_arrays(jobs_t)), Aggregator(*borrow_arrays(agg_t)),
                             borrow_arrays((counters,))[0])

@@ -29,9 +29,12 @@ answered (rounds of one worker complete in the order it sent them) and it has be
 the queues of the moment (:func:`fast_retransmit` says why that matters).
 
 Cost per packet: the per-packet steps that take the records are ``inline="always"`` (a call
-that is not inlined passes every array of ``Slots`` and ``Payload`` field by field and counts a
-reference per array); the client enters through :func:`on_results_flat` and
-:func:`expire_flat`, which take the records as plain tuples and borrow their arrays.
+that is not inlined passes every array of ``Slots`` and ``Payload`` field by field), and the
+client enters through :func:`on_results_flat` and :func:`expire_flat`, which take the records
+as plain tuples, borrow their arrays and are compiled without Numba's reference-counting runtime
+(``_nrt=False``, inherited by what they call): Numba would otherwise count a reference for each
+array of a record wherever it is passed or bound. Nothing on this path allocates or returns an
+array (payload copies are element loops for that reason; an allocation would fail to compile).
 
 :mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;
 tests run both on the same inputs and compare every output.
@@ -249,7 +252,9 @@ def build_packet(slots, s, j, p):
     if p.mode == MODE_NIC:  # raw float32; the SmartNIC quantises
         lo = j * p.E
         cnt = min(p.E, p.x.size - lo)
-        row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.float32)[:] = p.x[lo:lo + cnt]
+        dst = row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.float32)
+        for k in range(cnt):
+            dst[k] = p.x[lo + k]
         write_data_header(row, s, seq, Codec.FLOAT32, 0, cnt, lo, p)
         return HEADER_LEN + 4 * cnt
     if p.mode == MODE_THC:
@@ -261,7 +266,8 @@ def build_packet(slots, s, j, p):
     codec = Codec.THC if p.mode == MODE_THC else Codec.INT32
     lane = 1 if p.mode == MODE_THC else 4
     if j < p.boot:
-        row[HEADER_LEN:HEADER_LEN + lane] = 0
+        for k in range(lane):
+            row[HEADER_LEN + k] = 0
         write_data_header(row, s, seq, codec, e_next, 1, BOOT_OFFSET, p)
         return HEADER_LEN + lane
     c = j - p.boot
@@ -329,9 +335,13 @@ def apply_result(rb, ln, s, slots, p):
     lo = c * p.E
     o = HEADER_LEN
     if p.mode == MODE_NIC:
-        p.out[lo:lo + ne] = rb[o:o + 4 * ne].view(np.float32)
+        src = rb[o:o + 4 * ne].view(np.float32)
+        for k in range(ne):
+            p.out[lo + k] = src[k]
     elif p.mode == MODE_INT32:
-        p.qsum[lo:lo + ne] = rb[o:o + 4 * ne].view(np.int32)
+        src32 = rb[o:o + 4 * ne].view(np.int32)
+        for k in range(ne):
+            p.qsum[lo + k] = src32[k]
     else:
         for k in range(ne):
             v = np.int64(rb[o])
@@ -464,19 +474,19 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
     return done, nsend, ignored, lost, -1, 0
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def on_results_flat(rbuf, rlen, nrecv, drop, slots_t, loop, p_t, now, send_list):
     """:func:`on_results` with the records as plain tuples (``tuple(slots)``, ``tuple(p)``):
     the client's per-burst entry point. Numba types a plain tuple of arrays in C from its
     fingerprint but a NamedTuple through Python, element by element (about 2 us per record
     and call, more than the kernel's own work on a small burst); the records are rebuilt here
-    with borrowed arrays (no reference counting inside the kernel; the caller holds them), so
-    every kernel below keeps its named fields."""
+    with borrowed arrays and nothing counts references to them (no reference-counting runtime:
+    the caller holds the arrays for the call), so every kernel below keeps its named fields."""
     return on_results(rbuf, rlen, nrecv, drop, Slots(*borrow_arrays(slots_t)), loop,
                       Payload(*borrow_arrays(p_t)), now, send_list)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def expire_flat(slots_t, loop, now, send_list):
     """:func:`expire` with the slots as a plain tuple (see :func:`on_results_flat`)."""
     return expire(Slots(*borrow_arrays(slots_t)), loop, now, send_list)
