@@ -28,6 +28,15 @@ then a contribution (:func:`check_contribution`, :func:`find_member`, the slot c
 the outcome asks for: RESULTs to members (:func:`build_result`), the partial sum to the parent
 (:func:`build_upward`), or the contribution forwarded to the host fallback (:func:`to_fallback`).
 
+Cost per packet: the records hold some 40 arrays, and Numba counts a reference for every array
+of a record wherever one is passed or bound (an atomic increment and decrement per array, or at
+least a call each), which made the named steps several times slower per packet than one function
+on loose arrays. So the steps that take records are ``inline="always"``, and
+:func:`aggregate_flat`, the per-burst entry point, is compiled without Numba's reference-counting
+runtime (``_nrt=False``, inherited by everything it calls): nothing on this path allocates or
+returns an array (an allocation would fail to compile there, loudly), so there is nothing to
+count. ``bench ina-cost`` measures it.
+
 Why one module this long: the burst step and every helper it calls are ``@njit`` functions
 compiled together, and Numba's on-disk cache keys a function on its own file only, so a helper
 moved to another file could leave a stale compiled caller behind; the sections below (state,
@@ -52,6 +61,7 @@ from testbed.kernels.packets import (
     PORT_DROP,
     PORT_HELD,
     PORT_UNSET,
+    borrow_arrays,
     header,
     header_at,
     parse_frame,
@@ -261,13 +271,16 @@ def set_values(regs, g, s, lanes):
 @njit(cache=True)
 def read_lanes(f, o, ne, lane, out, add):
     """``out[:ne]`` = (or ``+=`` with ``add``) ``ne`` signed little-endian lanes of ``lane``
-    bytes at ``f[o:]`` (int32 registers wrap like a switch ALU)."""
+    bytes at ``f[o:]`` (int32 registers wrap like a switch ALU). Element loops: ``out[:ne] +=``
+    would allocate a temporary array per packet."""
     if lane == 4:
         src = f[o:o + 4 * ne].view(np.int32)
         if add:
-            out[:ne] += src
+            for k in range(ne):
+                out[k] += src[k]
         else:
-            out[:ne] = src
+            for k in range(ne):
+                out[k] = src[k]
     elif lane == 2:
         src16 = f[o:o + 2 * ne].view(np.int16)
         for k in range(ne):
@@ -280,7 +293,7 @@ def read_lanes(f, o, ne, lane, out, add):
 # ------------------------------------------------------------------------------- the steps
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def answer_arp(f, ln, port, agg):
     """Turn an ARP request for the aggregator's IP into the reply, in place; True if it was."""
     if ln < 42 or port < 0 or rd_u16be(f, 12) != 0x0806 or rd_u16be(f, 20) != 1:
@@ -299,7 +312,7 @@ def answer_arp(f, ln, port, agg):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def addressed_to_aggregator(f, ln, agg):
     """Whether the frame's destination MAC or IPv4 address is this aggregator's."""
     to_mac = True
@@ -319,7 +332,7 @@ def payload_lane(f, ne):
     return pl // ne if ne > 0 and pl % ne == 0 else 0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def check_contribution(f, ln, agg):
     """DropReason.NONE when ``f`` is a well-formed DATA/RETRANSMIT the aggregator can sum.
     THC contributions carry int8 lanes from workers and int16/int32 lanes from child switches
@@ -343,7 +356,7 @@ def check_contribution(f, ln, agg):
     return DropReason.NONE
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def find_member(f, in_port, jobs):
     """``(job row, reason)``: the job row of a registered member sending ``f``, or -1 and why
     not (unknown job, worker id out of range, or not the registered address/port/ingress)."""
@@ -377,7 +390,7 @@ def pool_index(job_id, slot, seq, probe, entries):
     return np.int64(h % np.uint64(entries))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def claim(regs, g, s, job_id, slot, seq, agg):
     """Claim a free pool entry for round ``seq`` of a shared-mode job slot (global slot ``g``,
     set ``s``): the first free one of its ``POOL_PROBES`` hashes; False when all are held (the
@@ -392,7 +405,7 @@ def claim(regs, g, s, job_id, slot, seq, agg):
     return False
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def release(regs, g, s, agg):
     """Give set ``s`` of slot ``g``'s pool entry back (a shared-mode round every member has the
     result of); True if it held one."""
@@ -406,7 +419,7 @@ def release(regs, g, s, agg):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def release_previous(regs, g, s, agg):
     """Every member has the result of the round before set ``s``'s: give its entry back if the
     other set still holds that round; True if an entry was given back."""
@@ -430,7 +443,7 @@ FALLBACK = -5  # the round is the host fallback's: forward the contribution ther
 COALESCED = -6  # a counted member asked again, and the last resend up already answers it
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def ask_up(regs, g, s, bit):
     """Member ``bit`` asks again for the round in set ``s`` of slot ``g``, which is ``UP``:
     RESEND_UP or COALESCED (T2). The partial sum goes up again on the first request after a
@@ -448,7 +461,7 @@ def ask_up(regs, g, s, bit):
     return COALESCED
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def seen(regs, g, s, bit, jx, jobs, agg, counters):
     """Member ``bit``'s contribution to the round in set ``s`` of shared-mode slot ``g`` passed
     this switch (counted here or forwarded to the host): it had the previous round's result
@@ -462,7 +475,7 @@ def seen(regs, g, s, bit, jx, jobs, agg, counters):
         counters[C_POOL_RELEASES] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def apply_contribution(f, jx, g, bit, regs, jobs, agg, counters):
     """Apply the contribution in ``f`` (member bit ``bit`` of job row ``jx``) to global slot
     ``g``; return an outcome above or a DropReason (see docs/protocol.md)."""
@@ -551,7 +564,7 @@ def apply_contribution(f, jx, g, bit, regs, jobs, agg, counters):
     return COMPLETED
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def from_parent(f, in_port, jx, jobs):
     """Whether ``f`` comes from job row ``jx``'s registered parent switch, by its port."""
     if jobs.up_egress[jx] < 0 or in_port != jobs.up_ingress[jx]:
@@ -569,7 +582,7 @@ def from_parent(f, in_port, jx, jobs):
 TAKEN = -1  # the round is DONE with the parent's sum: multicast it down
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def apply_parent_result(f, jx, g, regs, jobs):
     """Take the parent's RESULT for slot ``g`` into the registers; TAKEN or a DropReason."""
     h = header(f)
@@ -599,7 +612,7 @@ def apply_parent_result(f, jx, g, regs, jobs):
 # ------------------------------------------------------------------------------- emissions
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def write_sum(row, g, s, jx, msg_type, dst_mac, dst_ip, dst_port, worker, job_id, slot, regs,
               jobs, agg):
     """Write slot ``g``, set ``s``'s sum as a testbed packet from this aggregator into ``row``
@@ -631,7 +644,9 @@ def write_sum(row, g, s, jx, msg_type, dst_mac, dst_ip, dst_port, worker, job_id
     h.seq = regs.seq[g, s]
     o = PAYLOAD_OFFSET
     if lane == 4:
-        row[o:o + 4 * ne].view(np.int32)[:] = vals[:ne]
+        out32 = row[o:o + 4 * ne].view(np.int32)
+        for k in range(ne):
+            out32[k] = vals[k]
     elif lane == 2:
         out16 = row[o:o + 2 * ne].view(np.int16)
         for k in range(ne):
@@ -642,21 +657,21 @@ def write_sum(row, g, s, jx, msg_type, dst_mac, dst_ip, dst_port, worker, job_id
     return n
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def build_result(row, g, s, jx, w, job_id, slot, regs, jobs, agg):
     """The RESULT of slot ``g``, set ``s`` for member ``w``; return its length."""
     return write_sum(row, g, s, jx, MsgType.RESULT, jobs.mac[jx, w], jobs.ip[jx, w],
                      jobs.port[jx, w], w, job_id, slot, regs, jobs, agg)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def build_upward(row, g, s, jx, msg_type, job_id, slot, regs, jobs, agg):
     """This switch's partial sum of slot ``g``, set ``s`` to its parent; return its length."""
     return write_sum(row, g, s, jx, msg_type, jobs.up_mac[jx], jobs.up_ip[jx],
                      TESTBED_UDP_PORT, jobs.up_index[jx], job_id, slot, regs, jobs, agg)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def to_fallback(f, jx, slot, jobs, agg):
     """Readdress contribution ``f`` (of job slot ``slot``) to the job's host fallback
     aggregator of that slot (``slot % fb_n``: the overflow is spread over the job's hosts, as
@@ -689,7 +704,7 @@ class Batch4(NamedTuple):
     reason: np.ndarray
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _emit_row(b, n_out, counters):
     """The next free row for an emission, or -1 (counted) when the batch is full."""
     if n_out >= b.buf.shape[0]:
@@ -700,7 +715,7 @@ def _emit_row(b, n_out, counters):
     return n_out
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def emit_result(b, n_out, g, s, jx, w, job_id, slot, regs, jobs, agg, counters):
     """Append member ``w``'s RESULT; return the new batch size."""
     i = _emit_row(b, n_out, counters)
@@ -712,7 +727,7 @@ def emit_result(b, n_out, g, s, jx, w, job_id, slot, regs, jobs, agg, counters):
     return n_out + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def emit_all(b, n_out, g, s, jx, job_id, slot, regs, jobs, agg, counters):
     """Append one RESULT per member; return the new batch size."""
     for v in range(jobs.n_workers[jx]):
@@ -720,7 +735,7 @@ def emit_all(b, n_out, g, s, jx, job_id, slot, regs, jobs, agg, counters):
     return n_out
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def emit_upward(b, n_out, g, s, jx, msg_type, job_id, slot, regs, jobs, agg, counters):
     """Append the partial sum to the parent; return the new batch size."""
     i = _emit_row(b, n_out, counters)
@@ -738,7 +753,7 @@ _R_NOT_MEMBER = int(DropReason.NOT_MEMBER)
 _R_BAD_SEQ = int(DropReason.BAD_SEQ)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _drop(b, counters, i, r):
     b.out_port[i] = PORT_DROP
     b.reason[i] = r
@@ -753,7 +768,7 @@ def _drop(b, counters, i, r):
         counters[C_BAD_SEQ] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _parent_result(b, i, n_out, jx, regs, jobs, agg, counters):
     """A RESULT addressed to this switch: its parent's sum, multicast down; return n_out."""
     h = header(b.buf[i])
@@ -772,7 +787,7 @@ def _parent_result(b, i, n_out, jx, regs, jobs, agg, counters):
                     counters)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
     """A member's DATA/RETRANSMIT: apply it and emit what it completes; return n_out."""
     f = b.buf[i]
@@ -854,6 +869,19 @@ def aggregate_kernel(b, n, regs, jobs, agg, counters):
     return n_out
 
 
+@njit(cache=True, _nrt=False)
+def aggregate_flat(b_t, n, regs_t, jobs_t, agg_t, counters):
+    """:func:`aggregate_kernel` with the records as plain tuples: the per-burst entry point.
+    Numba types a plain tuple of arrays in C from its fingerprint but a NamedTuple through
+    Python, element by element (about 12 us per call for these four records, several times the
+    kernel's own work on a small burst); the records are rebuilt here with borrowed arrays,
+    and without the reference-counting runtime (see the module docstring) nothing counts
+    references to them: the caller holds the arrays for the call."""
+    return aggregate_kernel(Batch4(*borrow_arrays(b_t)), n, Registers(*borrow_arrays(regs_t)),
+                            Jobs(*borrow_arrays(jobs_t)), Aggregator(*borrow_arrays(agg_t)),
+                            borrow_arrays((counters,))[0])
+
+
 # ------------------------------------------------------------------------------- the state
 
 #: Slot metadata (round, state, bitmap, missing, ...) in bytes per slot, both sets.
@@ -918,6 +946,9 @@ class Aggregation:
                      "via_ingress": True, "max_elems": max_elems, "thc_max": THC_MAX_ELEMS,
                      "pool_base": self.static_words, "pool_lanes": pool_lanes}
         self.agg = Aggregator(**self._agg)
+        # plain-tuple copies of the records for the per-burst entry point (aggregate_flat)
+        self._regs_t, self._jobs_t = tuple(self.regs), tuple(self.jobs_arr)
+        self._agg_t = tuple(self.agg)
 
     def set_identity(self, mac: bytes | None = None, ip: int | None = None,
                      codec_ok: np.ndarray | None = None, via_ingress: bool | None = None) -> None:
@@ -932,6 +963,7 @@ class Aggregation:
         if via_ingress is not None:
             a["via_ingress"] = bool(via_ingress)
         self.agg = Aggregator(**a)
+        self._agg_t = tuple(self.agg)
 
     def free_slots(self) -> int:
         """Slots of metadata no job holds."""
@@ -1060,7 +1092,8 @@ class Aggregation:
 
     def process(self, b: Batch4, n: int) -> int:
         """Apply ``n`` frames of a batch; return the new batch size."""
-        return aggregate_kernel(b, n, self.regs, self.jobs_arr, self.agg, self.counters_arr)
+        return aggregate_flat(tuple(b), n, self._regs_t, self._jobs_t, self._agg_t,
+                              self.counters_arr)
 
     def counters(self) -> dict:
         """Protocol counters; per job its slots, memory, mode and where its slots' rounds are

@@ -270,6 +270,34 @@ def _copy_header(typingctx, dst, dst_off, src, src_off):
     return types.none(dst, dst_off, src, src_off), codegen
 
 
+@intrinsic
+def borrow_arrays(typingctx, tup):
+    """The tuple ``tup`` with every array in it *borrowed*: the same data, shape and strides
+    but no reference count (meminfo NULL), so passing it on costs no atomic increment and
+    decrement per array and call.
+
+    A kernel whose state is a record of many arrays (the aggregator's registers and job table,
+    the INA worker's slots) passes those records to each of its named steps; Numba counts a
+    reference for every array of a record at every call boundary, which made such a kernel
+    several times slower per packet than the same steps on loose arrays. Borrowing at the
+    kernel's entry point removes that. Safe only while the caller holds the arrays (a kernel
+    call) and when nothing borrowed is returned to Python."""
+    if not isinstance(tup, types.BaseTuple):
+        return None
+
+    def codegen(context, builder, signature, args):
+        out = args[0]
+        for k, ty in enumerate(signature.args[0]):
+            if isinstance(ty, types.Array):
+                ary = context.make_array(ty)(context, builder, builder.extract_value(out, k))
+                ary.meminfo = cgutils.get_null_value(ary.meminfo.type)
+                ary.parent = cgutils.get_null_value(ary.parent.type)
+                out = builder.insert_value(out, ary._getvalue(), k)
+        return out
+
+    return tup(tup), codegen
+
+
 @njit(cache=True, inline="always")
 def header_at(row, base):
     """The testbed header that starts at byte ``base`` of ``row`` (uint8[:]), as a record:

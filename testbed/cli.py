@@ -464,6 +464,17 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
     raise typer.Exit(code)
 
 
+@bench_app.command("ina-cost")
+def bench_ina_cost(json_out: bool = typer.Option(False, "--json"),
+                   reps: int = typer.Option(5, help="runs per row (median, min, max)")) -> None:
+    """CPU time per packet of the INA worker and switch kernels, without a network."""
+    from testbed.experiment.ina_cost import main
+
+    if reps < 1:
+        raise typer.BadParameter(f"--reps must be at least 1, got {reps}")
+    raise typer.Exit(main(json_out=json_out, reps=reps))
+
+
 @bench_app.command("cluster")
 def bench_cluster(json_out: bool = typer.Option(False, "--json"),
                   leaves: int = typer.Option(2, help="leaves of the leaf-spine (2 spines)"),

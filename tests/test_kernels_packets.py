@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from numba import njit
@@ -320,3 +322,20 @@ def test_frames_from_the_testbed_port_are_testbed_frames():
     buf[0, 34:36] = np.frombuffer((41000).to_bytes(2, "big"), np.uint8)  # ... but from it
     _, status = pk.parse(buf, length)
     assert status[0] == ref.parse_frame(buf[0], int(length[0]))[0] == DropReason.NONE
+
+
+@njit(cache=True)
+def _bump_borrowed(t):
+    a, k, b = pk.borrow_arrays(t)
+    a[0] += k
+    b[1] = 7.5
+    return a.size + b.size
+
+
+def test_borrowed_arrays_write_through_and_leave_reference_counts_alone():
+    a, b = np.zeros(3, np.int64), np.zeros((2, 2))
+    before = sys.getrefcount(a), sys.getrefcount(b)
+    for _ in range(100):
+        assert _bump_borrowed((a, 2, b[0])) == 5
+    assert a[0] == 200 and b[0, 1] == 7.5 and b.sum() == 7.5
+    assert (sys.getrefcount(a), sys.getrefcount(b)) == before

@@ -288,6 +288,8 @@ class InaClient:
         st = loop[0]
         k = ik.start(self.slots, loop, p, now, self.send_list)
         self._send(k)
+        # the per-burst kernels take the records as plain tuples (ik.on_results_flat says why)
+        slots_t, p_t = tuple(self.slots), tuple(p)
         done = 0
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
@@ -307,7 +309,7 @@ class InaClient:
                     if poller.poll(min(first_dl - now, 0.05) * 1000.0):
                         continue
                     now = time.monotonic()
-                k = ik.expire(self.slots, loop, now, self.send_list)
+                k = ik.expire_flat(slots_t, loop, now, self.send_list)
                 self._send(k)
                 if now - float(st["progress"]) > self.timeout_s:
                     pending = [int(s) for s in np.nonzero(self.slots.cur >= 0)[0][:8]]
@@ -326,9 +328,9 @@ class InaClient:
                     self.stats["foreign"] = self.stats.get("foreign", 0) + int(foreign.sum())
                     drop = drop[:got] | foreign
                 self.rhdr[:, 1] = 16  # the kernel wrote the names' lengths
-            d, ns, ign, lost, bad, code = ik.on_results(self.rbuf, rlen, got, drop, self.slots,
-                                                        loop, p, time.monotonic(),
-                                                        self.send_list)
+            d, ns, ign, lost, bad, code = ik.on_results_flat(self.rbuf, rlen, got, drop,
+                                                             slots_t, loop, p_t,
+                                                             time.monotonic(), self.send_list)
             self.stats["ignored"] += ign
             self.stats["lost_rx"] += lost
             if bad >= 0:
@@ -383,9 +385,9 @@ def warm_up() -> None:
         p = ik.Payload(mode, x, x.copy(), q, np.zeros(2, np.int16), 2, W, 256, 300, 2, 1, 0,
                        4.0, 8.0, 8, np.uint64(1), np.uint64(2), np.zeros(1024, np.float32))
         ik.start(slots, loop, p, 0.0, send_list)
-        ik.on_results(rbuf, np.zeros(1, np.int64), 1, np.zeros(1, np.bool_), slots, loop, p,
-                      0.0, send_list)
-        ik.expire(slots, loop, 0.0, send_list)
+        ik.on_results_flat(rbuf, np.zeros(1, np.int64), 1, np.zeros(1, np.bool_),
+                           tuple(slots), loop, tuple(p), 0.0, send_list)
+        ik.expire_flat(tuple(slots), loop, 0.0, send_list)
         slots.cur[:] = -1
     _warm = True
 

@@ -28,6 +28,14 @@ answered (rounds of one worker complete in the order it sent them) and it has be
 ``REORDER_SLACK`` times the round trip of the latest-sent answered packet, a delay that follows
 the queues of the moment (:func:`fast_retransmit` says why that matters).
 
+Cost per packet: the per-packet steps that take the records are ``inline="always"`` (a call
+that is not inlined passes every array of ``Slots`` and ``Payload`` field by field), and the
+client enters through :func:`on_results_flat` and :func:`expire_flat`, which take the records
+as plain tuples, borrow their arrays and are compiled without Numba's reference-counting runtime
+(``_nrt=False``, inherited by what they call): Numba would otherwise count a reference for each
+array of a record wherever it is passed or bound. Nothing on this path allocates or returns an
+array (payload copies are element loops for that reason; an allocation would fail to compile).
+
 :mod:`testbed.collectives.reference.inakernel` is the plain-Python twin of every function here;
 tests run both on the same inputs and compare every output.
 """
@@ -41,7 +49,7 @@ from numba import njit
 
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors.thc import fwht_inplace
-from testbed.kernels.packets import header_at
+from testbed.kernels.packets import borrow_arrays, header_at
 from testbed.kernels.rng import hash_u32, uniform
 from testbed.kernels.wire import HEADER_LEN, MAGIC, VERSION, Codec, Flags, MsgType
 
@@ -136,7 +144,7 @@ def new_loop(now: float, dilation: float = 1.0) -> np.ndarray:
 # ------------------------------------------------------------------------------- packets
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def write_data_header(row, slot, seq, codec, e_next, cnt, off, p):
     """Fill the testbed header of a DATA packet of round ``seq`` in ``row``."""
     h = header_at(row, 0)
@@ -231,7 +239,7 @@ def _thc_quantize(row, lo, cnt, sc, p):
         row[HEADER_LEN + k] = np.uint8(np.int64(lv) & 0xFF)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def build_packet(slots, s, j, p):
     """Write packet ``j`` (bootstrap ``j < boot``, else data chunk ``j - boot``) of slot ``s``'s
     current round into its row; return its length.
@@ -244,7 +252,9 @@ def build_packet(slots, s, j, p):
     if p.mode == MODE_NIC:  # raw float32; the SmartNIC quantises
         lo = j * p.E
         cnt = min(p.E, p.x.size - lo)
-        row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.float32)[:] = p.x[lo:lo + cnt]
+        dst = row[HEADER_LEN:HEADER_LEN + 4 * cnt].view(np.float32)
+        for k in range(cnt):
+            dst[k] = p.x[lo + k]
         write_data_header(row, s, seq, Codec.FLOAT32, 0, cnt, lo, p)
         return HEADER_LEN + 4 * cnt
     if p.mode == MODE_THC:
@@ -256,7 +266,8 @@ def build_packet(slots, s, j, p):
     codec = Codec.THC if p.mode == MODE_THC else Codec.INT32
     lane = 1 if p.mode == MODE_THC else 4
     if j < p.boot:
-        row[HEADER_LEN:HEADER_LEN + lane] = 0
+        for k in range(lane):
+            row[HEADER_LEN + k] = 0
         write_data_header(row, s, seq, codec, e_next, 1, BOOT_OFFSET, p)
         return HEADER_LEN + lane
     c = j - p.boot
@@ -275,7 +286,7 @@ def build_packet(slots, s, j, p):
 # ------------------------------------------------------------------------------- results
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def match_result(rb, ln, slots, p):
     """The slot a received datagram ``rb`` answers, or -1 when it is not a RESULT of this job
     for a slot's current round and chunk (another job, a duplicate, a late answer, junk)."""
@@ -295,7 +306,7 @@ def match_result(rb, ln, slots, p):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def apply_result(rb, ln, s, slots, p):
     """Take the RESULT ``rb`` of slot ``s`` into the outputs; return 0, or 1 when it does not
     fit the packet outstanding there (codec, size: a protocol violation), or 2 when the switch
@@ -324,9 +335,13 @@ def apply_result(rb, ln, s, slots, p):
     lo = c * p.E
     o = HEADER_LEN
     if p.mode == MODE_NIC:
-        p.out[lo:lo + ne] = rb[o:o + 4 * ne].view(np.float32)
+        src = rb[o:o + 4 * ne].view(np.float32)
+        for k in range(ne):
+            p.out[lo + k] = src[k]
     elif p.mode == MODE_INT32:
-        p.qsum[lo:lo + ne] = rb[o:o + 4 * ne].view(np.int32)
+        src32 = rb[o:o + 4 * ne].view(np.int32)
+        for k in range(ne):
+            p.qsum[lo + k] = src32[k]
     else:
         for k in range(ne):
             v = np.int64(rb[o])
@@ -356,7 +371,7 @@ def rtt_sample(st, sample):
     st.rto = min(max(st.t0, st.srtt + 4 * st.rttvar), st.tmax)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def send(slots, s, st, now, msg_type):
     """Stamp slot ``s``'s packet as sent now (``msg_type`` DATA or RETRANSMIT)."""
     header_at(slots.pkts[s], 0).msg_type = msg_type
@@ -366,7 +381,7 @@ def send(slots, s, st, now, msg_type):
     slots.deadline[s] = now + slots.rto[s]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def advance(slots, s, st, now, W, p):
     """Slot ``s``'s round completed: sample the RTT, move to its next round and build the next
     packet (True) or leave the slot idle (False)."""
@@ -397,7 +412,7 @@ def advance(slots, s, st, now, W, p):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def resend(slots, s, st, now, send_list, nsend):
     """Stamp slot ``s``'s packet as a RETRANSMIT sent now and list it; return the new count."""
     slots.retx[s] = True
@@ -406,7 +421,7 @@ def resend(slots, s, st, now, send_list, nsend):
     return nsend + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def fast_retransmit(slots, st, now, send_list, nsend):
     """Resend every packet that ``FAST_RETX`` later-sent packets overtook and that has been
     outstanding ``REORDER_SLACK`` times the round trip of the latest-sent answered packet (or
@@ -457,6 +472,24 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
             nsend += 1
     nsend = fast_retransmit(slots, st, now, send_list, nsend)
     return done, nsend, ignored, lost, -1, 0
+
+
+@njit(cache=True, _nrt=False)
+def on_results_flat(rbuf, rlen, nrecv, drop, slots_t, loop, p_t, now, send_list):
+    """:func:`on_results` with the records as plain tuples (``tuple(slots)``, ``tuple(p)``):
+    the client's per-burst entry point. Numba types a plain tuple of arrays in C from its
+    fingerprint but a NamedTuple through Python, element by element (about 2 us per record
+    and call, more than the kernel's own work on a small burst); the records are rebuilt here
+    with borrowed arrays and nothing counts references to them (no reference-counting runtime:
+    the caller holds the arrays for the call), so every kernel below keeps its named fields."""
+    return on_results(rbuf, rlen, nrecv, drop, Slots(*borrow_arrays(slots_t)), loop,
+                      Payload(*borrow_arrays(p_t)), now, send_list)
+
+
+@njit(cache=True, _nrt=False)
+def expire_flat(slots_t, loop, now, send_list):
+    """:func:`expire` with the slots as a plain tuple (see :func:`on_results_flat`)."""
+    return expire(Slots(*borrow_arrays(slots_t)), loop, now, send_list)
 
 
 @njit(cache=True)
