@@ -427,10 +427,12 @@ def test_delay_without_netem_runs_in_the_datapath_impair_stages(held_lock):
         stages = net.counters()["datapath"]["tbs1"]["stages"]
         assert list(stages) == ["impair_ingress", "aggregate", "forward", "impair"]
         assert net.describe()["impairments"] == "datapath"
-        out = net.hosts[0].cmd(f"ping -c 5 -i 0.05 -q {net.host_ips[1]}")
-        rtt_avg = float(re.search(r"= [\d.]+/([\d.]+)/", out).group(1))
-    # h1 -> s1 -> h2 -> s1 -> h1: four impaired link traversals of 5 ms each
-    assert 20.0 <= rtt_avg <= 20.0 * 1.5, rtt_avg
+        out = net.hosts[0].cmd(f"ping -c 10 -i 0.05 -q {net.host_ips[1]}")
+        rtt_min, rtt_avg = map(float, re.search(r"= ([\d.]+)/([\d.]+)/", out).groups())
+    # h1 -> s1 -> h2 -> s1 -> h1: four impaired link traversals of 5 ms each; the fastest
+    # round trip (a busy machine delays single pings: the average ranged 21-36 ms) holds
+    # the delay and little else
+    assert 20.0 <= rtt_min <= 20.0 * 1.5, (rtt_min, rtt_avg)
 
 
 def test_program_overrides_and_the_aggregate_stage():
