@@ -945,14 +945,14 @@ class Aggregation:
         self._agg = {"mac": np.zeros(6, np.uint8), "ip": 0, "codec_ok": np.zeros(256, np.bool_),
                      "via_ingress": True, "max_elems": max_elems, "thc_max": THC_MAX_ELEMS,
                      "pool_base": self.static_words, "pool_lanes": pool_lanes}
-        self.agg = Aggregator(**self._agg)
         # plain-tuple copies of the records for the per-burst entry point (aggregate_flat)
         self._regs_t, self._jobs_t = tuple(self.regs), tuple(self.jobs_arr)
-        self._agg_t = tuple(self.agg)
+        self.set_identity()  # builds self.agg and its plain tuple
 
     def set_identity(self, mac: bytes | None = None, ip: int | None = None,
                      codec_ok: np.ndarray | None = None, via_ingress: bool | None = None) -> None:
-        """Change the aggregator's address, summable codecs or where results leave."""
+        """Change the aggregator's address, summable codecs or where results leave (nothing
+        given: build the ``agg`` record, and its plain tuple, from the settings as they are)."""
         a = self._agg
         if mac is not None:
             a["mac"] = np.frombuffer(bytes(mac), np.uint8).copy()
