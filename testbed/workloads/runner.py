@@ -255,14 +255,14 @@ class _Job:
             self._plane(epoch, spec, job)
         except AdmissionRefused as e:  # memory not given back yet: retry while it may come
             now = time.monotonic()
-            self.refused_since = self.refused_since or now
-            if now - self.refused_since <= ADMISSION_WAIT_S * self.spec.time_dilation:
+            since = self.refused_since = self.refused_since or now
+            if now - since <= ADMISSION_WAIT_S * self.spec.time_dilation:
                 if self.wanted is None:  # a newer wish wins
                     self.wanted = spec
                 return
             self.refused_since = None
             self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
-                                    f"applied: refused for {ADMISSION_WAIT_S:g} s: {e}")
+                                    f"applied: refused for {now - since:.0f} s: {e}")
             return
         except (CollectiveError, ValueError, RuntimeError) as e:
             self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
@@ -432,15 +432,15 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
         try:
             job.launch(t0, replan=on_tick is not None)
         except AdmissionRefused as e:
-            job.kill()
-            if time.monotonic() - arrival > ADMISSION_WAIT_S * job.spec.time_dilation:
-                fail(job, CollectiveError(f"{e} (refused for {ADMISSION_WAIT_S:g} s)"))
+            job.kill()  # nothing started; the same handle tries again
+            waited = time.monotonic() - arrival
+            if waited > ADMISSION_WAIT_S * job.spec.time_dilation:
+                fail(job, CollectiveError(f"{e} (refused for {waited:.0f} s)"))
                 return
             if job.index not in refused:
                 refused.add(job.index)
                 say(f"job {job.index} ({job.spec.label()}) waits for switch memory: {e}")
-            # a fresh handle for the next try (job directory, control-plane stack)
-            queued.append((_Job(job.index, job.spec, net), arrival))
+            queued.append((job, arrival))
             return
         except (CollectiveError, ValueError, RuntimeError, OSError) as e:
             fail(job, e)
