@@ -51,6 +51,9 @@ CHECKS: tuple[tuple[str, bool, str], ...] = (
     ("ethtool", False, "checksum offload cannot be switched off on veths"),
     ("brctl", False, "Mininet's LinuxBridge switch needs brctl (bridge-utils)"),
     ("ifconfig", False, "Mininet configures interfaces with ifconfig (net-tools)"),
+    ("tcp-cc", False, "the collectives' TCP congestion control (CollectiveSpec.tcp_cc default) "
+                      "is not in this kernel: their runs fail until it is loaded or the spec "
+                      "names one that is (None: the host's default)"),
     ("memory", False, "little memory: keep experiments small"),
     ("cores", False, "few cores: CPU-heavy runs are flagged cpu_bound"),
 )
@@ -261,6 +264,28 @@ def _check_memory() -> dict:
                   detail if avail >= 4 else f"{detail}: {_MEANING['memory']}")
 
 
+def _check_tcp_cc() -> dict:
+    # here, not at the top: the doctor must run (and say what is missing) where the
+    # collectives' own imports (mininet, numba) fail
+    from testbed.collectives.transport import DEFAULT_TCP_CC
+
+    have = _read("/proc/sys/net/ipv4/tcp_available_congestion_control").split()
+    host = _read("/proc/sys/net/ipv4/tcp_congestion_control") or "unknown"
+    detail = (f"collectives run {DEFAULT_TCP_CC} on their connections; this machine's default "
+              f"is {host} (available: {' '.join(have) or 'unknown'})")
+    if DEFAULT_TCP_CC in have:
+        return _check("tcp-cc", "ok", detail)
+    return _check("tcp-cc", "degraded", f"{detail}: {_MEANING['tcp-cc']}")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _check_cores() -> dict:
     n = len(os.sched_getaffinity(0))
     if n >= 4:
@@ -290,6 +315,7 @@ def run_checks() -> list[dict]:
     for tool, version_args in (("iperf3", ["--version"]), ("ethtool", ["--version"]),
                                ("brctl", []), ("ifconfig", [])):
         results[tool] = _check_tool(tool, *version_args)
+    results["tcp-cc"] = _check_tcp_cc()
     results["memory"] = _check_memory()
     results["cores"] = _check_cores()
     return [results[name] for name, _, _ in CHECKS]

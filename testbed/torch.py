@@ -136,7 +136,7 @@ class TestbedComm:
             self.gather = TrimmedGather(job["ranks"], rank, tj.bits, tj.job_id, tj.seed,
                                         tj.timeout_s, tj.idle_ms / 1000.0)
         names = [r["host"] for r in job["ranks"]]
-        self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id)
+        self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id, tcp_cc=self.spec.tcp_cc)
         self.comm.listen(me["ip"])
         peers = ring.ring_peers(rank, self.n) if tj.algo in ("ring", "trim") else [
             p for p in range(self.n) if p != rank]

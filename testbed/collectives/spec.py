@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
+
+from testbed.collectives.transport import DEFAULT_TCP_CC
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 ALGOS = ("ring", "hd", "rs", "ina", "nic")
@@ -59,6 +62,9 @@ class CollectiveSpec:
     aggregated, ``{"tree": None | "single" | "auto" | [switches, root first], "mode": "static"
     | "shared", "slots": N, "refused": "fail" | "ring"}`` (see :data:`PLACEMENT_KEYS`; slots
     default ``window``; ``refused``: what a switch's admission refusal does).
+    ``tcp_cc``: the TCP congestion control of the TCP algorithms' connections (ring, hd, rs
+    and the torch hook; default :data:`~testbed.collectives.transport.DEFAULT_TCP_CC`, None:
+    each host's default, which differs between machines); rows record the one used.
     """
 
     op: str = "allreduce"
@@ -79,6 +85,7 @@ class CollectiveSpec:
     job_id: int = 1
     hosts: list[int] | None = None
     placement: dict = dataclasses.field(default_factory=dict)
+    tcp_cc: str | None = DEFAULT_TCP_CC
 
     @property
     def itemsize(self) -> int:
@@ -129,6 +136,12 @@ class CollectiveSpec:
             raise ValueError(f"CollectiveSpec.loss={self.loss}: client-side loss is only "
                              "emulated for algo 'ina'/'nic' (TCP algorithms need the switch's "
                              "impair stage)")
+        if self.tcp_cc is not None and not (isinstance(self.tcp_cc, str)
+                                            and re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.tcp_cc)):
+            raise ValueError(f"CollectiveSpec.tcp_cc={self.tcp_cc!r} must be the name of a TCP "
+                             "congestion control (e.g. 'cubic', 'bbr', 'reno'; see "
+                             "/proc/sys/net/ipv4/tcp_available_congestion_control) or None for "
+                             "the host's default")
         if not isinstance(self.compressor_params, dict):
             raise ValueError("CollectiveSpec.compressor_params must be a dict")
         if self.compressor is not None and not isinstance(self.compressor, str):

@@ -16,7 +16,7 @@ from testbed.collectives.ina import InaClient
 from testbed.collectives.report import REPORT_COLUMNS, rank_input
 from testbed.collectives.runner import RUN_DIR, register_ina_job
 from testbed.collectives.spec import CollectiveSpec
-from testbed.collectives.transport import CollectiveError, Comm
+from testbed.collectives.transport import DEFAULT_TCP_CC, CollectiveError, Comm, host_tcp_cc
 from testbed.collectives.worker import enter_netns
 
 
@@ -28,13 +28,21 @@ def loopback_ip() -> str:
     return f"127.{1 + (pid >> 16) % 254}.{(pid >> 8) & 255}.{1 + (pid & 255) % 254}"
 
 
-def connected_mesh(job: int, ips: list[str], timeout_s: float = 5.0) -> list[Comm]:
+def connected_mesh(job: int, ips: list[str], timeout_s: float = 5.0,
+                   tcp_cc: str | None = DEFAULT_TCP_CC) -> list[Comm]:
     """``len(ips)`` ranks of job ``job`` in this process, rank r listening on ``ips[r]``, every
     pair connected (each rank connects from its own thread, as the pool's children do at
-    once). On a failure every Comm is closed and the first error raised."""
+    once), with congestion control ``tcp_cc``. On a failure every Comm is closed and the first
+    error raised."""
     n = len(ips)
-    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job) for r in range(n)]
-    addrs = {r: (ips[r], comms[r].listen(ips[r])) for r in range(n)}
+    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job, tcp_cc=tcp_cc)
+             for r in range(n)]
+    try:
+        addrs = {r: (ips[r], comms[r].listen(ips[r])) for r in range(n)}
+    except BaseException:
+        for c in comms:
+            c.close()
+        raise
     errors: list[BaseException] = []
 
     def go(r):
@@ -78,6 +86,8 @@ def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> 
     assert len(rows) == spec.repetitions, rows
     for r in rows:
         assert tuple(r) == REPORT_COLUMNS, sorted(set(r) ^ set(REPORT_COLUMNS))
+        if spec.algo in ("ring", "hd", "rs"):
+            assert r["tcp_cc"] == (spec.tcp_cc or host_tcp_cc() or None), r["tcp_cc"]
         assert r["correct"], r
         assert r["n"] == n and r["bytes"] == spec.nbytes, r
         assert r["time_s"] > 0 and r["model_s"] > 0, r

@@ -11,10 +11,16 @@ run. Sockets close with an RST (``SO_LINGER`` 0): no TIME_WAIT entry is left tha
 the next run of the same job from binding the same ports (Linux refuses ``connect`` from a
 bound port to a peer with a TIME_WAIT entry for that 4-tuple). A Comm closes only after every
 rank finished (the pool's ``exit``) or when the run failed, so no data is in flight then.
+
+Every socket runs the congestion control the Comm is given (``tcp_cc``, the collectives pass
+:data:`DEFAULT_TCP_CC` unless a spec names another), not the host's default: that default is a
+property of the machine (bbr on the development machines of this project, cubic on a stock
+Debian kernel), every network namespace inherits it, and it changes the measured times.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import socket
 import struct
@@ -37,12 +43,58 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 _HELLO = struct.Struct("<I")
 _LINGER_RST = struct.pack("ii", 1, 0)  # l_onoff=1, l_linger=0: close() sends an RST
 _SIOCOUTQNSD = 0x894B  # a TCP socket's bytes not yet sent (linux/sockios.h)
+_PROC_TCP = "/proc/sys/net/ipv4/"
+
+#: The collectives' TCP congestion control (``CollectiveSpec.tcp_cc``'s default): Linux's own
+#: default, so runs on machines whose hosts default to something else measure the same thing.
+#: Ring on a star of 8 at 100 Mb/s (4 MiB, time dilation 16) measured 1.05-1.07 of the flow
+#: model with cubic (3 runs) and 1.06-1.10 with bbr (4 runs); halving-doubling 1.09-1.33 and
+#: 1.17-1.27, its spread larger than the difference.
+DEFAULT_TCP_CC = "cubic"
+
+
+def _proc_tcp(name: str) -> str:
+    try:
+        with open(_PROC_TCP + name) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def host_tcp_cc() -> str:
+    """This network namespace's default TCP congestion control ('' where /proc hides it)."""
+    return _proc_tcp("tcp_congestion_control")
+
+
+def set_tcp_cc(s: socket.socket, cc: str) -> None:
+    """Run socket ``s`` with congestion control ``cc``; a clear ``CollectiveError`` when the
+    kernel has no such algorithm or does not let this process use it."""
+    try:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+    except OSError as e:
+        have = _proc_tcp("tcp_available_congestion_control") or "unknown"
+        if e.errno == errno.ENOENT:
+            why = (f"this kernel has no TCP congestion control {cc!r} (available: {have}); "
+                   f"load it (modprobe tcp_{cc}) or name one of those in "
+                   "CollectiveSpec.tcp_cc (None: the host's default)")
+        elif e.errno == errno.EPERM:
+            allowed = _proc_tcp("tcp_allowed_congestion_control") or "unknown"
+            why = (f"TCP congestion control {cc!r} is not in "
+                   f"net.ipv4.tcp_allowed_congestion_control ({allowed}) and this process "
+                   "lacks CAP_NET_ADMIN; run as root, allow it with sysctl, or name an allowed "
+                   "one in CollectiveSpec.tcp_cc")
+        else:
+            why = f"setting TCP congestion control {cc!r} failed: {e}"
+        raise CollectiveError(why) from None
+
 
 class Comm:
     """Connections of one rank to its peers, plus per-peer sender threads."""
 
-    def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0):
+    def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0,
+                 tcp_cc: str | None = DEFAULT_TCP_CC):
         self.rank = rank
+        self.tcp_cc = tcp_cc  # None: the host's default
         self.names = names  # host name of every rank, for error messages
         self.timeout_s = timeout_s
         self.job_id = job_id
@@ -60,6 +112,8 @@ class Comm:
         self.ip = ip
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._bind(s, tcp_port(self.job_id, self.rank, self.rank))
+        if self.tcp_cc:  # accepted connections start with the listener's algorithm
+            self._set_cc(s)
         s.listen(256)
         s.settimeout(self.timeout_s)
         self.listener = s
@@ -118,9 +172,18 @@ class Comm:
                 "host, or a process of an earlier run is still alive (testbed cleanup); give "
                 "concurrent jobs different job_id values") from None
 
+    def _set_cc(self, s: socket.socket) -> None:
+        try:
+            set_tcp_cc(s, self.tcp_cc)
+        except CollectiveError as e:
+            s.close()
+            raise CollectiveError(f"{self.who(self.rank)}: {e}") from None
+
     def _tune(self, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+        if self.tcp_cc:
+            self._set_cc(s)
         # Buffers stay autotuned: fixed 4 MiB buffers (SO_*BUFFORCE) were tried for the
         # reduction server and changed nothing measurable (its fidelity gap was uneven TCP
         # sharing among a worker's flows, fixed by a credit window: see server.py).

@@ -179,7 +179,7 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         ctl.send({"type": "port", "port": 0})
         ctl.recv()
         return (lambda step: client.allreduce(x, out)), client.close
-    comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id)
+    comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id, tcp_cc=spec.tcp_cc)
     try:
         port = comm.listen(info["ip"])
         ctl.send({"type": "port", "port": port})

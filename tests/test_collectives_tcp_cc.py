@@ -1,0 +1,87 @@
+"""The collectives' TCP connections run the congestion control the spec names (not the host's
+default, which differs between machines), rows record it, and a name the kernel does not have
+is a clear error."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from testbed import doctor
+from testbed.collectives import CollectiveSpec
+from testbed.collectives.report import make_row
+from testbed.collectives.testing import connected_mesh
+from testbed.collectives.transport import (
+    DEFAULT_TCP_CC,
+    CollectiveError,
+    host_tcp_cc,
+    set_tcp_cc,
+)
+
+AVAILABLE = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
+
+
+def _cc(s: socket.socket) -> str:
+    return s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+def _mesh_ccs(tcp_cc, job: int) -> set[str]:
+    comms = connected_mesh(job, ["127.0.7.1"] * 3, tcp_cc=tcp_cc)
+    try:
+        # every connection on both ends: the connecting rank's and the accepted socket
+        return {_cc(s) for c in comms for s in c.socks.values()}
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.skipif(DEFAULT_TCP_CC not in AVAILABLE,
+                    reason=f"this kernel has no {DEFAULT_TCP_CC} congestion control")
+def test_connections_run_the_default_not_the_hosts():
+    assert _mesh_ccs(DEFAULT_TCP_CC, 71) == {DEFAULT_TCP_CC}
+    assert CollectiveSpec().tcp_cc == DEFAULT_TCP_CC
+
+
+def test_a_named_algorithm_on_every_connection_and_none_keeps_the_hosts():
+    other = next((c for c in ("reno", "bbr", "cubic") if c in AVAILABLE and c != host_tcp_cc()),
+                 None)
+    if other is None:
+        pytest.skip(f"no algorithm besides the host's default ({host_tcp_cc()}): {AVAILABLE}")
+    assert _mesh_ccs(other, 72) == {other}
+    assert _mesh_ccs(None, 73) == {host_tcp_cc()}
+
+
+def test_an_algorithm_the_kernel_lacks_is_a_clear_error():
+    with pytest.raises(CollectiveError, match=r"no TCP congestion control 'nosuchcc'.*available"):
+        connected_mesh(74, ["127.0.7.1"] * 2, tcp_cc="nosuchcc")
+    s = socket.socket()
+    try:
+        with pytest.raises(CollectiveError, match="modprobe tcp_nosuchcc"):
+            set_tcp_cc(s, "nosuchcc")
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("bad", ["", "Cubic", "cu bic", 3, "x" * 17])
+def test_spec_rejects_what_is_not_a_name(bad):
+    with pytest.raises(ValueError, match="tcp_cc"):
+        CollectiveSpec(tcp_cc=bad).validate()
+
+
+def test_rows_record_the_congestion_control_of_tcp_runs_only():
+    def row(spec, **ina):
+        return make_row(spec, n=4, time_s=1.0, model_s=1.0, cpu_bound=False, max_abs_err=0.0,
+                        correct=True, rep=0, ina=ina or None)
+
+    assert row(CollectiveSpec(algo="hd", tcp_cc="reno"))["tcp_cc"] == "reno"
+    assert row(CollectiveSpec(algo="ring", tcp_cc=None))["tcp_cc"] == host_tcp_cc()
+    assert row(CollectiveSpec(algo="ina"))["tcp_cc"] is None
+    # an INA job a switch refused runs as ring on the hosts, over TCP
+    assert row(CollectiveSpec(algo="ina"), placement_mode="refused")["tcp_cc"] == DEFAULT_TCP_CC
+
+
+def test_doctor_says_whether_the_default_is_in_this_kernel():
+    c = doctor._check_tcp_cc()
+    assert c["status"] == ("ok" if DEFAULT_TCP_CC in AVAILABLE else "degraded"), c
+    assert host_tcp_cc() in c["detail"] and DEFAULT_TCP_CC in c["detail"]
