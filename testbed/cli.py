@@ -424,13 +424,21 @@ def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
                    programmable: bool = typer.Option(False, "--programmable",
                                                      help="data path on every switch"),
                    time_dilation: str = typer.Option("auto", "--time-dilation",
-                                                     metavar="F|auto", help=DILATION_HELP)
+                                                     metavar="F|auto", help=DILATION_HELP),
+                   tcp_cc: str = typer.Option(
+                       None, "--tcp-cc", metavar="NAME|host",
+                       help="TCP congestion control of ring, hd and rs (default: the "
+                            "collectives' own, reno; 'host': each host's default)"),
+                   only: str = typer.Option(None, help="comma-separated networks (star4, "
+                                                       "star8, leafspine-2:1, leafspine-4:1, "
+                                                       "fattree-k4)"),
                    ) -> None:
     """Collectives on star, leaf-spine and fat-tree against the flow-level model."""
     from testbed.experiment.fidelity import main
 
     raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable,
-                          time_dilation=_dilation(time_dilation)))
+                          time_dilation=_dilation(time_dilation), tcp_cc=tcp_cc,
+                          only=only.split(",") if only else None))
 
 
 @bench_app.command("capacity")

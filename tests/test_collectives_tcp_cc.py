@@ -85,3 +85,13 @@ def test_doctor_says_whether_the_default_is_in_this_kernel():
     c = doctor._check_tcp_cc()
     assert c["status"] == ("ok" if DEFAULT_TCP_CC in AVAILABLE else "degraded"), c
     assert host_tcp_cc() in c["detail"] and DEFAULT_TCP_CC in c["detail"]
+
+
+def test_fidelity_bench_refuses_a_bad_network_or_algorithm_before_building_anything():
+    from testbed.experiment import fidelity
+
+    with pytest.raises(ValueError, match=r"unknown network\(s\) \['star9'\]"):
+        fidelity.run(quick=True, only=["star9"])
+    with pytest.raises(ValueError, match="tcp_cc='Bad'"):
+        fidelity.run(quick=True, tcp_cc="Bad")
+    assert fidelity.main(quick=True, only=["star9"]) == 2

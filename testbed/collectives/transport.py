@@ -15,7 +15,8 @@ rank finished (the pool's ``exit``) or when the run failed, so no data is in fli
 Every socket runs the congestion control the Comm is given (``tcp_cc``, the collectives pass
 :data:`DEFAULT_TCP_CC` unless a spec names another), not the host's default: that default is a
 property of the machine (bbr on the development machines of this project, cubic on a stock
-Debian kernel), every network namespace inherits it, and it changes the measured times.
+Debian kernel), every network namespace inherits it, and it changes the measured times by up
+to 40 % (see :data:`DEFAULT_TCP_CC`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,19 @@ _LINGER_RST = struct.pack("ii", 1, 0)  # l_onoff=1, l_linger=0: close() sends an
 _SIOCOUTQNSD = 0x894B  # a TCP socket's bytes not yet sent (linux/sockios.h)
 _PROC_TCP = "/proc/sys/net/ipv4/"
 
-#: The collectives' TCP congestion control (``CollectiveSpec.tcp_cc``'s default): Linux's own
-#: default, so runs on machines whose hosts default to something else measure the same thing.
-#: Ring on a star of 8 at 100 Mb/s (4 MiB, time dilation 16) measured 1.05-1.07 of the flow
-#: model with cubic (3 runs) and 1.06-1.10 with bbr (4 runs); halving-doubling 1.09-1.33 and
-#: 1.17-1.27, its spread larger than the difference.
-DEFAULT_TCP_CC = "cubic"
+#: The collectives' TCP congestion control (``CollectiveSpec.tcp_cc``'s default): Reno, whose
+#: dynamics are counted in round trips and packets, so time dilation preserves them. Cubic's
+#: HyStart leaves slow start when the RTT grows by 4-16 ms, an absolute threshold dilation does
+#: not stretch: at factor f it fires at 1/f of the queue it would need on the undilated network,
+#: and every step that restarts from idle under-fills its link (bbr's 10 s and 200 ms probing
+#: periods are absolute too). Measured (4 MiB, 100 Mb/s, two runs each, fidelity = time /
+#: flow model): ring on a star of 4 (f=6) 1.02-1.03 with reno, 1.15-1.19 cubic, 1.08-1.11 bbr,
+#: and 1.03 with cubic once HyStart was switched off (a global module parameter, so not an
+#: option for the testbed); star of 8 (f=16) 1.01-1.02 / 1.08-1.16 / 1.08-1.12; leaf-spine
+#: 4:1 (f=6) 1.04-1.07 / 1.05-1.10 / 1.07-1.12. Halving-doubling 1.07-1.10 reno vs 1.39-1.51
+#: cubic on the star of 4; on the others its spread (1.2-1.4) exceeds the differences.
+#: Reno is built into every Linux kernel.
+DEFAULT_TCP_CC = "reno"
 
 
 def _proc_tcp(name: str) -> str:

@@ -31,9 +31,10 @@ rows say when the cap left a run ``cpu_bound``.
 
 One row per run: ``topology, algo, n, bytes, time_s, model_s, fidelity (time_s / model_s),
 cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_demand, cpu_max, cpu_engine, correct,
-switches, cpu_model``. Per topology the summary compares the algorithms' order by the model
-with their order as measured; algorithms the model puts within 3 % of each other are a tie
-(:data:`TIE_FRACTION`) and not held to an order.
+switches, cpu_model, tcp_cc`` (the TCP algorithms' congestion control, ``--tcp-cc``). Per
+topology the summary compares the algorithms' order by the model with their order as
+measured; algorithms the model puts within 3 % of each other are a tie (:data:`TIE_FRACTION`)
+and not held to an order.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ QUICK_MAX_FACTOR = 8.0
 QUICK_FACTORS = {"fattree-k4": (4.0, 16.0), "star8": (4.0, 16.0)}
 ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "cpu_bound",
             "cpu_util", "time_dilation", "cpu_wait", "cpu_demand", "cpu_max", "cpu_engine",
-            "correct", "switches", "cpu_model")
+            "correct", "switches", "cpu_model", "tcp_cc")
 
 
 def topologies(programmable: bool = False) -> list[tuple[str, object]]:
@@ -90,11 +91,19 @@ def cpu_model() -> str:
 
 def run(quick: bool = False, programmable: bool = False, reps: int = 1,
         time_dilation: float | str = "auto", only: list[str] | None = None, log=sys.stderr,
-        on_row=None) -> list[dict]:
+        on_row=None, tcp_cc: str | None = None) -> list[dict]:
     """Run the benchmark; return its rows (``ROW_KEYS``). ``only``: topology names to run;
     ``on_row(row)`` is called as each row is measured. ``time_dilation``: a factor for every
-    network, or ``"auto"`` (calibrated per network)."""
+    network, or ``"auto"`` (calibrated per network). ``tcp_cc``: the TCP algorithms'
+    congestion control (None: ``CollectiveSpec``'s default, ``"host"``: each host's)."""
     time_dilation = check_time_dilation(time_dilation)  # a bad value: ValueError, at once
+    names = [name for name, _ in topologies(programmable)]
+    if only and set(only) - set(names):
+        raise ValueError(f"unknown network(s) {sorted(set(only) - set(names))}; the benchmark "
+                         f"has {names}")
+    cc = {} if tcp_cc is None else {"tcp_cc": None if tcp_cc == "host" else tcp_cc}
+    if cc:
+        _spec("ring", MiB, 2, 1, cc).validate()  # a bad name: ValueError, at once
     sizes = [4 * MiB] if quick else [4 * MiB, 32 * MiB]
     cpu = cpu_model()
     rows: list[dict] = []
@@ -109,14 +118,14 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
                   f"(lock wait {lock:.1f} s), forwarding {net.forwarding_mode}", file=log)
             if time_dilation == "auto":
                 start, cap = calibration_range(name, quick)
-                cal = calibrate(net, [_spec(a, sizes[0], n, reps) for a in CALIBRATE_WITH],
+                cal = calibrate(net, [_spec(a, sizes[0], n, reps, cc) for a in CALIBRATE_WITH],
                                 log=log, start=start, max_factor=cap)
                 if cal.saturated and cap < MAX_AUTO_FACTOR and cal.factor >= cap:
                     print(f"# --quick stops at factor {cap:g}; without it the "
                           f"calibration may go up to {MAX_AUTO_FACTOR:g}", file=log)
             for size in sizes:
                 for algo in ALGOS:
-                    spec = _spec(algo, size, n, reps)
+                    spec = _spec(algo, size, n, reps, cc)
                     try:
                         got = run_collective(net, spec)
                         if time_dilation == "auto":
@@ -169,10 +178,11 @@ def calibration_range(name: str, quick: bool) -> tuple[float, float]:
     return QUICK_FACTORS.get(name, (1.0, QUICK_MAX_FACTOR))
 
 
-def _spec(algo: str, size: int, n: int, reps: int):
-    """The benchmark's collective: every host a worker (and a reduction server)."""
+def _spec(algo: str, size: int, n: int, reps: int, extra: dict | None = None):
+    """The benchmark's collective: every host a worker (and a reduction server); ``extra``:
+    further ``CollectiveSpec`` fields."""
     return CollectiveSpec(algo=algo, nbytes=size, servers=n, window=64, repetitions=reps,
-                          timeout_s=120)
+                          timeout_s=120, **(extra or {}))
 
 
 def _line(r: dict) -> str:
@@ -240,7 +250,8 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def main(json_out: bool = False, quick: bool = False, programmable: bool = False,
-         time_dilation: float | str = "auto") -> int:
+         time_dilation: float | str = "auto", tcp_cc: str | None = None,
+         only: list[str] | None = None) -> int:
     """Entry point of ``testbed bench fidelity``; 0 when every run completed correctly."""
     def emit(row: dict) -> None:
         if json_out:
@@ -249,8 +260,8 @@ def main(json_out: bool = False, quick: bool = False, programmable: bool = False
     t0 = time.monotonic()
     try:
         rows = run(quick=quick, programmable=programmable, time_dilation=time_dilation,
-                   on_row=emit)
-    except ValueError as e:  # a bad --time-dilation
+                   on_row=emit, tcp_cc=tcp_cc, only=only)
+    except ValueError as e:  # a bad --time-dilation, --only or --tcp-cc
         print(f"testbed bench fidelity: {e}", file=sys.stderr)
         return 2
     out = sys.stderr if json_out else sys.stdout
