@@ -18,6 +18,7 @@ from testbed.collectives.transport import (
     host_tcp_cc,
     set_tcp_cc,
 )
+from testbed.experiment import fidelity
 
 AVAILABLE = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
 
@@ -88,8 +89,6 @@ def test_doctor_says_whether_the_default_is_in_this_kernel():
 
 
 def test_fidelity_bench_refuses_a_bad_network_or_algorithm_before_building_anything():
-    from testbed.experiment import fidelity
-
     with pytest.raises(ValueError, match=r"unknown network\(s\) \['star9'\]"):
         fidelity.run(quick=True, only=["star9"])
     with pytest.raises(ValueError, match="tcp_cc='Bad'"):
