@@ -426,9 +426,10 @@ def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
                    time_dilation: str = typer.Option("auto", "--time-dilation",
                                                      metavar="F|auto", help=DILATION_HELP),
                    tcp_cc: str = typer.Option(
-                       None, "--tcp-cc", metavar="NAME|host",
+                       None, "--tcp-cc", metavar="NAME|host[,...]",
                        help="TCP congestion control of ring, hd and rs (default: the "
-                            "collectives' own, reno; 'host': each host's default)"),
+                            "collectives' own, reno; 'host': each host's default); a list "
+                            "runs each TCP algorithm once per entry on the same network"),
                    only: str = typer.Option(None, help="comma-separated networks (star4, "
                                                        "star8, leafspine-2:1, leafspine-4:1, "
                                                        "fattree-k4)"),
@@ -437,7 +438,8 @@ def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
     from testbed.experiment.fidelity import main
 
     raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable,
-                          time_dilation=_dilation(time_dilation), tcp_cc=tcp_cc,
+                          time_dilation=_dilation(time_dilation),
+                          tcp_cc=tcp_cc.split(",") if tcp_cc else None,
                           only=only.split(",") if only else None))
 
 

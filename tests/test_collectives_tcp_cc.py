@@ -94,3 +94,24 @@ def test_fidelity_bench_refuses_a_bad_network_or_algorithm_before_building_anyth
     with pytest.raises(ValueError, match="tcp_cc='Bad'"):
         fidelity.run(quick=True, tcp_cc="Bad")
     assert fidelity.main(quick=True, only=["star9"]) == 2
+
+
+def test_fidelity_bench_runs_tcp_algorithms_once_per_congestion_control():
+    ccs = [{"tcp_cc": "reno"}, {"tcp_cc": "cubic"}]
+    runs = fidelity._runs([4], ccs)
+    assert [(a, cc.get("tcp_cc")) for _s, a, cc in runs] == [
+        ("ring", "reno"), ("ring", "cubic"), ("hd", "reno"), ("hd", "cubic"),
+        ("rs", "reno"), ("rs", "cubic"), ("ina", "reno")]  # INA has no TCP: once
+
+    def row(algo, t, m, cc):
+        return {"topology": "t", "algo": algo, "bytes": 4 << 20, "time_s": t, "model_s": m,
+                "fidelity": t / m, "cpu_bound": False, "correct": True, "tcp_cc": cc}
+
+    # with reno the ring beats INA as the model says; with cubic it does not
+    rows = [row("ring", 1.0, 1.0, "reno"), row("ring", 1.6, 1.0, "cubic"),
+            row("ina", 1.5, 1.5, None)]
+    lines = fidelity.summary(rows)
+    assert len(lines) == 3
+    assert "same order" in lines[1] and lines[1].endswith("[tcp reno]")
+    assert "ORDER DIFFERS" in lines[2] and lines[2].endswith("[tcp cubic]")
+    assert not fidelity.summary(rows[:1] + rows[2:])[1].endswith("]")  # one cc: no tag

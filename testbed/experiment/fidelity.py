@@ -46,11 +46,14 @@ from pathlib import Path
 
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate, nice_factor
+from testbed.collectives.transport import host_tcp_cc
 from testbed.topologies import FatTree, LeafSpine, Star, TestbedNet
 from testbed.topologies.pipeline import check_time_dilation
 
 MiB = 1 << 20
 ALGOS = ("ring", "hd", "rs", "ina")
+#: the algorithms whose connections are TCP (``--tcp-cc`` applies to them)
+TCP_ALGOS = ("ring", "hd", "rs")
 #: the workloads a network is calibrated with (see the module docstring)
 CALIBRATE_WITH = ("ring",)
 #: the largest factor ``--quick`` calibrates to (see the module docstring)
@@ -91,18 +94,21 @@ def cpu_model() -> str:
 
 def run(quick: bool = False, programmable: bool = False, reps: int = 1,
         time_dilation: float | str = "auto", only: list[str] | None = None, log=sys.stderr,
-        on_row=None, tcp_cc: str | None = None) -> list[dict]:
+        on_row=None, tcp_cc: str | list[str] | None = None) -> list[dict]:
     """Run the benchmark; return its rows (``ROW_KEYS``). ``only``: topology names to run;
     ``on_row(row)`` is called as each row is measured. ``time_dilation``: a factor for every
     network, or ``"auto"`` (calibrated per network). ``tcp_cc``: the TCP algorithms'
-    congestion control (None: ``CollectiveSpec``'s default, ``"host"``: each host's)."""
+    congestion control (None: ``CollectiveSpec``'s default, ``"host"``: each host's), or a
+    list of them: each TCP algorithm then runs once per entry on the same network and
+    calibration (the first entry's), INA once."""
     time_dilation = check_time_dilation(time_dilation)  # a bad value: ValueError, at once
     names = [name for name, _ in topologies(programmable)]
     if only and set(only) - set(names):
         raise ValueError(f"unknown network(s) {sorted(set(only) - set(names))}; the benchmark "
                          f"has {names}")
-    cc = {} if tcp_cc is None else {"tcp_cc": None if tcp_cc == "host" else tcp_cc}
-    if cc:
+    ccs = [{} if c is None else {"tcp_cc": None if c == "host" else c}
+           for c in (tcp_cc if isinstance(tcp_cc, list | tuple) else [tcp_cc])]
+    for cc in ccs:
         _spec("ring", MiB, 2, 1, cc).validate()  # a bad name: ValueError, at once
     sizes = [4 * MiB] if quick else [4 * MiB, 32 * MiB]
     cpu = cpu_model()
@@ -118,38 +124,46 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
                   f"(lock wait {lock:.1f} s), forwarding {net.forwarding_mode}", file=log)
             if time_dilation == "auto":
                 start, cap = calibration_range(name, quick)
-                cal = calibrate(net, [_spec(a, sizes[0], n, reps, cc) for a in CALIBRATE_WITH],
+                cal = calibrate(net, [_spec(a, sizes[0], n, reps, ccs[0])
+                                      for a in CALIBRATE_WITH],
                                 log=log, start=start, max_factor=cap)
                 if cal.saturated and cap < MAX_AUTO_FACTOR and cal.factor >= cap:
                     print(f"# --quick stops at factor {cap:g}; without it the "
                           f"calibration may go up to {MAX_AUTO_FACTOR:g}", file=log)
-            for size in sizes:
-                for algo in ALGOS:
-                    spec = _spec(algo, size, n, reps, cc)
-                    try:
-                        got = run_collective(net, spec)
-                        if time_dilation == "auto":
-                            got = _rerun_if_saturated(net, spec, got, cap, log)
-                    except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end
-                        print(f"# {name} {algo} {size // MiB} MiB failed: {e}", file=log)
-                        got = [{"algo": algo, "n": n, "bytes": size, "time_s": float("nan"),
-                                "model_s": float("nan"), "fidelity": float("nan"),
-                                "cpu_bound": None, "cpu_util": None, "cpu_wait": None,
-                                "cpu_max": None, "cpu_engine": None, "correct": False,
-                                "time_dilation": net.time_dilation,
-                                "error": f"{type(e).__name__}: {e}"}]
-                    for r in got:
-                        row = {k: r.get(k) for k in ROW_KEYS}
-                        row.update(topology=name,
-                                   switches="programmable" if programmable else "aggregator",
-                                   cpu_model=cpu)
-                        if "error" in r:
-                            row["error"] = r["error"]
-                        rows.append(row)
-                        print(_line(row), file=log)
-                        if on_row is not None:
-                            on_row(row)
+            for size, algo, cc in _runs(sizes, ccs):
+                spec = _spec(algo, size, n, reps, cc)
+                try:
+                    got = run_collective(net, spec)
+                    if time_dilation == "auto":
+                        got = _rerun_if_saturated(net, spec, got, cap, log)
+                except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end
+                    print(f"# {name} {algo} {size // MiB} MiB failed: {e}", file=log)
+                    got = [{"algo": algo, "n": n, "bytes": size, "time_s": float("nan"),
+                            "model_s": float("nan"), "fidelity": float("nan"),
+                            "cpu_bound": None, "cpu_util": None, "cpu_wait": None,
+                            "cpu_max": None, "cpu_engine": None, "correct": False,
+                            "time_dilation": net.time_dilation,
+                            "tcp_cc": (spec.tcp_cc or host_tcp_cc()) if algo in TCP_ALGOS
+                            else None, "error": f"{type(e).__name__}: {e}"}]
+                for r in got:
+                    row = {k: r.get(k) for k in ROW_KEYS}
+                    row.update(topology=name,
+                               switches="programmable" if programmable else "aggregator",
+                               cpu_model=cpu)
+                    if "error" in r:
+                        row["error"] = r["error"]
+                    rows.append(row)
+                    print(_line(row), file=log)
+                    if on_row is not None:
+                        on_row(row)
     return rows
+
+
+def _runs(sizes: list[int], ccs: list[dict]) -> list[tuple[int, str, dict]]:
+    """(size, algorithm, extra spec fields) of every run on one network, in order: the TCP
+    algorithms once per congestion-control entry, the others once."""
+    return [(size, a, cc) for size in sizes for a in ALGOS
+            for cc in (ccs if a in TCP_ALGOS else ccs[:1])]
 
 
 def _rerun_if_saturated(net, spec, got: list[dict], cap: float, log) -> list[dict]:
@@ -233,13 +247,24 @@ def orderings(rows: list[dict]) -> dict[tuple[str, int], dict]:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """Lines: the fidelity range and the orderings per topology and size."""
+    """Lines: the fidelity range and the orderings per topology and size (per TCP congestion
+    control when the rows have several: each with the rows without TCP)."""
     lines = []
     ok = [r for r in rows if r["fidelity"] == r["fidelity"] and r["fidelity"] is not None]
     bound = [r for r in ok if r["cpu_bound"]]
     within = [r for r in ok if 0.90 <= r["fidelity"] <= 1.15]
     lines.append(f"{len(ok)} runs: {len(bound)} cpu_bound, {len(within)} within 0.90-1.15 of "
                  "the model")
+    ccs = list(dict.fromkeys(r.get("tcp_cc") for r in rows if r.get("tcp_cc")))
+    for cc in ccs or [None]:
+        some = [r for r in rows if r.get("tcp_cc") in (None, cc)]
+        for line in _order_lines(some):
+            lines.append(line + (f" [tcp {cc}]" if len(ccs) > 1 else ""))
+    return lines
+
+
+def _order_lines(rows: list[dict]) -> list[str]:
+    lines = []
     for (topo, size), o in orderings(rows).items():
         lines.append(f"{topo:>14} {size // MiB:>3} MiB  model: {' < '.join(o['model'])}   "
                      f"measured: {' < '.join(o['measured'])}   "
@@ -250,7 +275,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def main(json_out: bool = False, quick: bool = False, programmable: bool = False,
-         time_dilation: float | str = "auto", tcp_cc: str | None = None,
+         time_dilation: float | str = "auto", tcp_cc: str | list[str] | None = None,
          only: list[str] | None = None) -> int:
     """Entry point of ``testbed bench fidelity``; 0 when every run completed correctly."""
     def emit(row: dict) -> None:
