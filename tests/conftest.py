@@ -10,7 +10,9 @@
   compiles every Numba kernel (``testbed.warm``) on the CPU they leave idle: on a fresh
   checkout that is 2-3 CPU-minutes the first emulated networks would otherwise pay. The first
   root-only test, and every ``quiet_cpu`` test (which needs an otherwise idle machine), waits
-  for it to finish; it is never left running after the session.
+  for it to finish; it is never left running after the session. A plain test that shares a
+  module-scoped fixture with root-only tests of its module runs with them, so that fixture is
+  built once.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     rank = {id(i): 2 if _root_only(i) else 1 if i.get_closest_marker("quiet_cpu") else 0
             for i in items}
+    # a plain test sharing a module-scoped fixture with root-only tests of its module runs
+    # with them: split apart, the fixture (a network, a pip install) would be built twice
+    shared = _module_fixtures([i for i in items if rank[id(i)] == 2])
+    for i in items:
+        if rank[id(i)] < 2 and _module_fixtures([i]).get(i.module.__name__, set()) & \
+                shared.get(i.module.__name__, set()):
+            rank[id(i)] = 2
     items.sort(key=lambda i: rank[id(i)])  # stable: file order within each group
     if any(r == 0 for r in rank.values()) and any(r > 0 for r in rank.values()):
         log = tempfile.NamedTemporaryFile("w+", prefix="tb-warm-", suffix=".log", delete=False)
@@ -54,6 +63,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _warm["proc"] = subprocess.Popen([sys.executable, "-m", "testbed.warm", "--quiet"],
                                          stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
+
+
+def _module_fixtures(items: list[pytest.Item]) -> dict[str, set[str]]:
+    """Module name -> the module-scoped fixtures its ``items`` use."""
+    out: dict[str, set[str]] = {}
+    for i in items:
+        info = getattr(i, "_fixtureinfo", None)
+        if info is None or getattr(i, "module", None) is None:
+            continue
+        out.setdefault(i.module.__name__, set()).update(
+            name for name, defs in info.name2fixturedefs.items()
+            if defs and defs[-1].scope == "module")
+    return out
 
 
 def _wait_for_warm(timeout: float, report: bool = True) -> None:

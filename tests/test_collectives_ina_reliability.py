@@ -25,8 +25,8 @@ def test_matrix_exact_under_loss_duplication_reordering_star():
     # same worker protocol) with all together. The full matrix is `testbed bench reliability`.
     together = (10, 5, 10)
     scenarios = [(10, 0, 0), (0, 5, 0), (0, 0, 10), together]
-    rows = _rows(rel.matrix, "star4", ["ina"], scenarios, MiB // 4)
-    rows += _rows(rel.matrix, "star4", ["ina+thc", "nic"], [together], MiB // 4)
+    rows = _rows(rel.matrix, "star4", ["ina"], scenarios, MiB // 8)
+    rows += _rows(rel.matrix, "star4", ["ina+thc", "nic"], [together], MiB // 8)
     assert [r["algo"] for r in rows] == ["ina"] * 4 + ["ina+thc", "nic"]
     bad = [r for r in rows if r["status"] != "ok"]
     assert not bad, bad

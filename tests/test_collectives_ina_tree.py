@@ -93,7 +93,7 @@ def test_fat_tree_hierarchy_cuts_core_bytes():
     with TestbedNet(FatTree(4, switch="programmable", bw_mbps=100)) as net:
         moved = {}
         for tree in ("single", "auto"):
-            spec = _spec(hosts=list(range(8)), placement={"tree": tree}, nbytes=1 << 20,
+            spec = _spec(hosts=list(range(8)), placement={"tree": tree}, nbytes=256 << 10,
                          window=32)
             c0 = core_bytes(net)
             rows = run_collective(net, spec)

@@ -34,7 +34,7 @@ def test_bench_rows_against_anchors_same_run():
     same run, positive rates, and ratio == kpps / anchor_kpps."""
     from testbed.experiment.datapath_bench import run_bench
 
-    rows, notes = run_bench(duration=0.5, elems_list=(16,), reps=1)
+    rows, notes = run_bench(duration=0.25, elems_list=(16,), reps=1)
     programs = {r["program"] for r in rows}
     assert programs == {"forward", "aggregate"}
     anchors = {r["anchor"] for r in rows}
