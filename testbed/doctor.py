@@ -267,23 +267,15 @@ def _check_memory() -> dict:
 def _check_tcp_cc() -> dict:
     # here, not at the top: the doctor must run (and say what is missing) where the
     # collectives' own imports (mininet, numba) fail
-    from testbed.collectives.transport import DEFAULT_TCP_CC
+    from testbed.collectives.transport import DEFAULT_TCP_CC, available_tcp_cc, host_tcp_cc
 
-    have = _read("/proc/sys/net/ipv4/tcp_available_congestion_control").split()
-    host = _read("/proc/sys/net/ipv4/tcp_congestion_control") or "unknown"
+    have = available_tcp_cc()
+    host = host_tcp_cc() or "unknown"
     detail = (f"collectives run {DEFAULT_TCP_CC} on their connections; this machine's default "
               f"is {host} (available: {' '.join(have) or 'unknown'})")
     if DEFAULT_TCP_CC in have:
         return _check("tcp-cc", "ok", detail)
     return _check("tcp-cc", "degraded", f"{detail}: {_MEANING['tcp-cc']}")
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _check_cores() -> dict:

@@ -30,7 +30,7 @@ from typing import TextIO
 import numpy as np
 
 from testbed.collectives import model
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import TCP_ALGOS, CollectiveSpec
 from testbed.collectives.transport import host_tcp_cc
 
 REPORT_COLUMNS: tuple[str, ...] = (
@@ -180,13 +180,13 @@ def busbw_factor(op: str, n: int) -> float:
     return float(n) if op == "incast" else model.busbw_factor(op, n)
 
 
-def _tcp_cc(spec: CollectiveSpec | Measured, ina: dict | None) -> str | None:
+def tcp_cc_of(spec: CollectiveSpec | Measured, ina: dict | None = None) -> str | None:
     """The congestion control a run's TCP connections used: the spec's, else the host's
     default; None for a run without TCP (in-network aggregation, an incast of datagrams),
-    unless a refused INA job ran as ring on the hosts."""
+    unless a refused INA job (``ina``: its INA columns) ran as ring on the hosts."""
     if not isinstance(spec, CollectiveSpec):
         return None
-    if spec.algo in ("ina", "nic") and (ina or {}).get("placement_mode") != "refused":
+    if spec.algo not in TCP_ALGOS and (ina or {}).get("placement_mode") != "refused":
         return None
     return spec.tcp_cc or host_tcp_cc() or None
 
@@ -213,7 +213,8 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
         "cpu_bound": bool(cpu_bound), "max_abs_err": max_abs_err, "correct": bool(correct),
         "topology": topology, "bw_mbps": bw_mbps, "compressor": spec.compressor,
         "error_feedback": spec.error_feedback, "loss": spec.loss, "rep": rep,
-        "seed": spec.seed, "tcp_cc": _tcp_cc(spec, ina), "cpu_max": cpu_max, "cpu_engine": cpu_engine,
+        "seed": spec.seed, "tcp_cc": tcp_cc_of(spec, ina), "cpu_max": cpu_max,
+        "cpu_engine": cpu_engine,
         "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
         "cpu_util": cpu_util, "setup_s": setup_s,
         "mem_mb": mem_mb, "cpu_demand": cpu_demand, "cpu_why": cpu_why,

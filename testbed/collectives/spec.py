@@ -16,6 +16,8 @@ from testbed.collectives.transport import DEFAULT_TCP_CC
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 ALGOS = ("ring", "hd", "rs", "ina", "nic")
+#: the algorithms that connect ranks over TCP (``tcp_cc`` applies to them)
+TCP_ALGOS = ("ring", "hd", "rs")
 DTYPES = ("float32", "int32")
 
 #: Which (op, algo) pairs are implemented. INA/NIC and the reduction server reduce, so

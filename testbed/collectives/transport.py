@@ -74,13 +74,18 @@ def host_tcp_cc() -> str:
     return _proc_tcp("tcp_congestion_control")
 
 
+def available_tcp_cc() -> list[str]:
+    """The congestion controls this kernel has loaded (empty where /proc hides them)."""
+    return _proc_tcp("tcp_available_congestion_control").split()
+
+
 def set_tcp_cc(s: socket.socket, cc: str) -> None:
     """Run socket ``s`` with congestion control ``cc``; a clear ``CollectiveError`` when the
     kernel has no such algorithm or does not let this process use it."""
     try:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
     except OSError as e:
-        have = _proc_tcp("tcp_available_congestion_control") or "unknown"
+        have = " ".join(available_tcp_cc()) or "unknown"
         if e.errno == errno.ENOENT:
             why = (f"this kernel has no TCP congestion control {cc!r} (available: {have}); "
                    f"load it (modprobe tcp_{cc}) or name one of those in "

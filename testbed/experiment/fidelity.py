@@ -46,14 +46,13 @@ from pathlib import Path
 
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate, nice_factor
-from testbed.collectives.transport import host_tcp_cc
+from testbed.collectives.report import tcp_cc_of
+from testbed.collectives.spec import TCP_ALGOS
 from testbed.topologies import FatTree, LeafSpine, Star, TestbedNet
 from testbed.topologies.pipeline import check_time_dilation
 
 MiB = 1 << 20
 ALGOS = ("ring", "hd", "rs", "ina")
-#: the algorithms whose connections are TCP (``--tcp-cc`` applies to them)
-TCP_ALGOS = ("ring", "hd", "rs")
 #: the workloads a network is calibrated with (see the module docstring)
 CALIBRATE_WITH = ("ring",)
 #: the largest factor ``--quick`` calibrates to (see the module docstring)
@@ -143,8 +142,7 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
                             "cpu_bound": None, "cpu_util": None, "cpu_wait": None,
                             "cpu_max": None, "cpu_engine": None, "correct": False,
                             "time_dilation": net.time_dilation,
-                            "tcp_cc": (spec.tcp_cc or host_tcp_cc()) if algo in TCP_ALGOS
-                            else None, "error": f"{type(e).__name__}: {e}"}]
+                            "tcp_cc": tcp_cc_of(spec), "error": f"{type(e).__name__}: {e}"}]
                 for r in got:
                     row = {k: r.get(k) for k in ROW_KEYS}
                     row.update(topology=name,
