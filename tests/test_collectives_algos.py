@@ -31,6 +31,7 @@ CASES = [
     ("allreduce", "hd", 3, 4 * 30_001),
     ("allreduce", "hd", 6, 4 * 20_003),
     ("allreduce", "hd", 8, 4 * 10_007),
+    ("allreduce", "hd", 5, 4 * 70_001),  # rounds of 140 and 70 KB: both meet first
     ("reduce_scatter", "ring", 5, 4 * 10_001),
     ("reduce_scatter", "hd", 4, 4 * 10_001),
     ("allgather", "ring", 3, 4 * 10_001),

@@ -1,5 +1,6 @@
 """Halving-doubling's rounds on real sockets: a round ends when its message left the socket
-(``Comm.drain``), and the per-round trace carries the bytes the flow model charges."""
+(``Comm.drain``), a large round starts with a rendezvous, and the per-round trace carries the
+bytes the flow model charges (the traced sizes mix rounds with and without rendezvous)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 
 from testbed.collectives import flowmodel as fm
 from testbed.collectives import hd
+from testbed.collectives import spec as spec_mod
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.testing import connected_mesh
-from testbed.collectives.transport import CollectiveTimeout, Comm
+from testbed.collectives.transport import CollectiveError, CollectiveTimeout, Comm
 
 
 def _small_window(c: Comm, peer: int) -> None:
@@ -124,3 +126,37 @@ def test_traced_rounds_move_the_bytes_the_model_charges(n, tmp_path, monkeypatch
             assert hosts[t["partner"]] == out[0].dst == back[0].src
             assert t["sent"] == out[0].nbytes and t["got"] == back[0].nbytes
             assert t["t0"] <= t["t_recv"] <= t["t_end"] and t["t_sent"] <= t["t_end"]
+
+
+def test_a_large_round_waits_for_the_partner_to_enter_it():
+    """The rendezvous: rank 0 may not send a large round's data before rank 1 said it entered
+    the round (else that data would share rank 1's downlink with rank 1's previous round)."""
+    a, b = connected_mesh(70, ["127.0.6.10"] * 2)
+    big = spec_mod.HD_RENDEZVOUS_BYTES
+    try:
+        done = {}
+
+        def early():
+            hd._meet(a, 1, big, big - 4)
+            done["a"] = time.monotonic()
+
+        t = threading.Thread(target=early)
+        t.start()
+        time.sleep(0.3)
+        assert "a" not in done  # still waiting for rank 1
+        t_enter = time.monotonic()
+        hd._meet(b, 0, big - 4, big)  # the same pair of sizes seen from the other side
+        t.join(5)
+        assert done["a"] >= t_enter
+        # small rounds send eagerly: no message, so a lone rank does not wait
+        t0 = time.monotonic()
+        hd._meet(a, 1, big - 1, big - 1)
+        assert time.monotonic() - t0 < 0.1
+        # a partner that sends anything but "entered" is a protocol error, not data
+        b.send(0, np.full(1, 7, np.uint8)).result()
+        b.send(0, np.ones(1, np.uint8)).result()
+        with pytest.raises(CollectiveError, match="rendezvous"):
+            hd._meet(a, 1, big, big)
+    finally:
+        a.close()
+        b.close()

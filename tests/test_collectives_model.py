@@ -31,14 +31,28 @@ def test_ring_and_hd_formulas(n):
     assert model.predict("allgather", "ring", n, S, B, A) == pytest.approx(
         (n - 1) * A + (n - 1) / n * t)
     hd = model.predict("allreduce", "hd", n, S, B, A)
+    p = 1 << (n.bit_length() - 1)
+    # rounds whose message (S/2, S/4, ...) reaches 64 KiB wait one more latency (rendezvous)
+    meet = sum(1 for j in range(1, p.bit_length()) if S / 2 ** j >= 64 * 1024)
     if n & (n - 1) == 0:
-        assert hd == pytest.approx(2 * math.log2(n) * A + 2 * (n - 1) / n * t)
+        assert hd == pytest.approx(2 * (math.log2(n) + meet) * A + 2 * (n - 1) / n * t)
     else:  # folded ranks pay one extra full-array exchange each way
-        p = 1 << (n.bit_length() - 1)
-        assert hd == pytest.approx(2 * math.log2(p) * A + 2 * (p - 1) / p * t + 2 * (A + t))
+        assert hd == pytest.approx(2 * (math.log2(p) + meet) * A + 2 * (p - 1) / p * t
+                                   + 2 * (A + t))
     lg = math.ceil(math.log2(n))
     assert model.predict("broadcast", "tree", n, S, B, A) == pytest.approx(lg * (A + t))
     assert model.predict("allreduce", "tree", n, S, B, A) == pytest.approx(2 * lg * (A + t))
+
+
+def test_hd_rendezvous_costs_a_latency_only_in_large_rounds():
+    # 8 ranks: messages S/2, S/4, S/8 per pass; at 1 MiB all three reach 64 KiB, at 256 KiB
+    # two (128 and 64 KiB), at 64 KiB none (32, 16, 8 KiB): each pass is halving + doubling
+    t = lambda s: s / model.goodput_Bps("hd", B)  # noqa: E731
+    for s, meet in ((1 << 20, 3), (256 << 10, 2), (64 << 10, 0)):
+        assert model.predict("allreduce", "hd", 8, s, B, A) == pytest.approx(
+            2 * (3 + meet) * A + 2 * 7 / 8 * t(s))
+        assert model.predict("reduce_scatter", "hd", 8, s, B, A) == pytest.approx(
+            (3 + meet) * A + 7 / 8 * t(s))
 
 
 def test_ina_is_independent_of_n_and_beats_ring():

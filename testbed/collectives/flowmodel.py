@@ -28,9 +28,14 @@ How a prediction is made:
    recomputed whenever a flow finishes (a fluid simulation), and the phase ends with its last
    flow. A flow that crosses no shaped link makes the model fail with a clear error.
 4. **Latency.** A phase adds ``hops * hop_latency_s`` for its longest path, times the number
-   of one-way trips the phase waits for (1 for a TCP step, 2 for a reduction-server round
-   trip, 4 for INA: the exponent bootstrap round trip plus the last packet's round trip; 2 for
-   the SmartNIC variant, which has no bootstrap round).
+   of one-way trips the phase waits for (1 for a TCP step, 2 for a halving-doubling round
+   with a rendezvous, 2 for a reduction-server round trip, 4 for INA: the exponent bootstrap
+   round trip plus the last packet's round trip; 2 for the SmartNIC variant, which has no
+   bootstrap round). Phases follow one another: a flow of phase k+1 starts when phase k
+   ended. For halving-doubling that is what its rendezvous makes true (a pair's round starts
+   when both partners finished the previous one, and on these networks the two give the same
+   time); without it an early rank's message would share its partner's downlink with the
+   partner's previous round (``hd``'s docstring has the measurements).
 5. **Pipelining fill.** The reduction server returns piece 0 once every worker's piece 0
    arrived: + ``piece / r_min`` (the slowest flow's rate); the chain broadcast's last rank gets
    the first chunk after ``n - 2`` relays: + ``(n - 2) * chunk / r_min``.
@@ -72,7 +77,7 @@ from testbed.collectives import compress, hd
 from testbed.collectives import model as ab
 from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple
 from testbed.collectives.report import shard_bounds
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, CollectiveSpec
 from testbed.topologies import aggtree, routing
 from testbed.topologies.base import TopologyError
 
@@ -227,6 +232,12 @@ def _ring_steps(rk: _Ranks, n: int, sizes: list[int], rs: bool, ag: bool) -> lis
     return out
 
 
+def _hd_trips(flows: list[Flow]) -> float:
+    """One-way trips of a halving-doubling round: its data, plus the rendezvous' "entered"
+    message first when the round's messages are large (``hd._meet``)."""
+    return 2.0 if max(f.nbytes for f in flows) >= HD_RENDEZVOUS_BYTES else 1.0
+
+
 def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
                doubling: bool) -> list[Phase]:
     """Recursive halving then doubling among p virtual ranks (``hd._halving`` /
@@ -244,7 +255,7 @@ def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
                 keep, give = ((mid, s1), (s0, mid)) if v & d else ((s0, mid), (mid, s1))
                 flows.append(rk.tcp(old(v), old(v ^ d), int(b[give[1]] - b[give[0]])))
                 rng[v] = keep
-            out.append(Phase(f"halving d={d}", flows))
+            out.append(Phase(f"halving d={d}", flows, trips=_hd_trips(flows)))
             d //= 2
     if doubling:
         rng = {v: (v, v + 1) for v in range(p)}
@@ -258,7 +269,7 @@ def _hd_rounds(rk: _Ranks, count: int, p: int, old, halving: bool,
                 s0, s1 = rng[v]
                 o0, o1 = rng[v ^ d]
                 rng[v] = (min(s0, o0), max(s1, o1))
-            out.append(Phase(f"doubling d={d}", flows))
+            out.append(Phase(f"doubling d={d}", flows, trips=_hd_trips(flows)))
             d *= 2
     return out
 

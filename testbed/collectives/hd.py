@@ -13,6 +13,19 @@ previous message still waits in that buffer, the two messages share the uplink, 
 previous partner, still waiting for its half, falls behind; every later round inherits that
 skew. Measured on a star of 8 at 100 Mb/s (4 MiB, time dilation 16, not CPU-bound, 4 runs
 each): 1.27-1.71 of the model without draining, 1.22-1.44 with it.
+
+A round whose messages are large starts with a **rendezvous** (MPI's ready-to-send): each rank
+sends its partner a one-byte "entered" and waits for the partner's before sending data
+(:data:`~testbed.collectives.spec.HD_RENDEZVOUS_BYTES`; smaller rounds send eagerly). Without
+it a rank that finished round k early sends round k+1 to a partner still receiving its own
+round k: the partner's downlink carries two messages, its round-k sender runs at half rate,
+and that pair's lateness spreads to every later round. The flow model's rounds are the
+rendezvous' rounds (:mod:`testbed.collectives.flowmodel`: a sender-driven fluid simulation
+of the same rounds predicts 7.5-8 % more on the leaf-spines and the fat-tree of ``bench
+fidelity``, and exactly the rendezvous' time with it). Measured (4 MiB, 100 Mb/s, Reno, not
+CPU-bound, 3 runs each, alternating; measured/model): star of 8 at dilation 16 1.37-1.49
+without, 1.08-1.28 with; leaf-spine 4x2x2 at 2:1 at dilation 8 1.08-1.47 (median 1.25)
+without, 1.06-1.15 (median 1.11) with. The price is one one-way latency per large round.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ import time
 import numpy as np
 
 from testbed.collectives.report import shard_bounds
-from testbed.collectives.transport import Comm, chunks, wait_all
+from testbed.collectives.spec import HD_RENDEZVOUS_BYTES
+from testbed.collectives.transport import CollectiveError, Comm, chunks, wait_all
 
 #: Debug hook: when this environment variable names a directory, every rank appends one JSON
 #: line per round (round name, partner, bytes sent and received, start, sent, received and end
@@ -108,6 +122,23 @@ def _sent_at(fut, trace: _Trace) -> list[float]:
     return at
 
 
+_READY = np.ones(1, np.uint8)
+
+
+def _meet(comm: Comm, partner: int, send_bytes: int, recv_bytes: int) -> None:
+    """The round's rendezvous (see the module docstring): when the larger of the two messages
+    has :data:`HD_RENDEZVOUS_BYTES` or more (both ranks compute the same pair of sizes, so both
+    decide alike), say "entered" and wait until the partner said it too."""
+    if max(send_bytes, recv_bytes) < HD_RENDEZVOUS_BYTES:
+        return
+    comm.send(partner, _READY)
+    got = np.zeros(1, np.uint8)
+    comm.recv(partner, got)
+    if got[0] != 1:
+        raise CollectiveError(f"{comm.who(comm.rank)}: rank {partner} broke the "
+                              f"halving-doubling rendezvous (got {got[0]}, not 1)")
+
+
 def _halving(comm: Comm, out: np.ndarray, v: int, p: int, old, chunk: int,
              tmp: np.ndarray, trace: _Trace) -> None:
     """Recursive halving among p virtual ranks; afterwards shard v (of p) holds the sum."""
@@ -122,6 +153,8 @@ def _halving(comm: Comm, out: np.ndarray, v: int, p: int, old, chunk: int,
             keep, give = (mid, s1), (s0, mid)
         else:
             keep, give = (s0, mid), (mid, s1)
+        _meet(comm, partner, int(b[give[1]] - b[give[0]]) * out.itemsize,
+              int(b[keep[1]] - b[keep[0]]) * out.itemsize)
         fut = comm.send(partner, out[b[give[0]]:b[give[1]]])
         sent = _sent_at(fut, trace)
         for a, z in chunks(int(b[keep[0]]), int(b[keep[1]]), chunk):
@@ -150,6 +183,8 @@ def _doubling(comm: Comm, out: np.ndarray, v: int, p: int, old, trace: _Trace) -
             other = (s0 - (s1 - s0), s0)
         else:
             other = (s1, s1 + (s1 - s0))
+        _meet(comm, partner, int(b[s1] - b[s0]) * out.itemsize,
+              int(b[other[1]] - b[other[0]]) * out.itemsize)
         fut = comm.send(partner, out[b[s0]:b[s1]])
         sent = _sent_at(fut, trace)
         comm.recv(partner, out[b[other[0]]:b[other[1]]])

@@ -4,7 +4,8 @@ It is the one-switch special case of the flow-level model (:mod:`testbed.collect
 which gives every run's ``model_s``): one bottleneck rate B for every flow, every link busy in
 both directions. On a star the two agree (tested); across a fabric only the flow model sees
 which flows share a link. The formulas are the nccl-tests / MPICH ones (ring
-``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...).
+``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...), plus, for halving-doubling, one
+latency per round whose message is large enough for its rendezvous (``hd``).
 
 ``predict(op, algo, n, nbytes, bw_bps, alpha_s)`` returns seconds. ``bw_bps`` is the
 bottleneck link rate in bit/s as configured on the links; the model converts it to *goodput*
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from testbed.collectives.spec import ALGOS, INA_ELEMS, OPS
+from testbed.collectives.spec import ALGOS, HD_RENDEZVOUS_BYTES, INA_ELEMS, OPS
 from testbed.kernels.wire import PAYLOAD_OFFSET
 
 ETH_HDR = 14
@@ -167,10 +168,19 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
     if op == "broadcast":  # binomial tree
         return lg * (a + t)
     p = 1 << int(math.floor(math.log2(n)))
+    meet = hd_rendezvous_rounds(nbytes, p) * a  # each large round waits for the partner's "go"
     if op == "allreduce":
-        base = 2 * math.log2(p) * a + 2 * (p - 1) / p * t
+        base = 2 * math.log2(p) * a + 2 * meet + 2 * (p - 1) / p * t
         if p != n:  # fold: extra ranks send their array to a partner and get the sum back
             base += 2 * (a + t)
         return base
     # reduce_scatter / allgather: power-of-two n only (validated by CollectiveSpec)
-    return math.log2(p) * a + (p - 1) / p * t
+    return math.log2(p) * a + meet + (p - 1) / p * t
+
+
+def hd_rendezvous_rounds(nbytes: float, p: int) -> int:
+    """Rounds of one halving (or doubling) pass among ``p`` ranks over ``nbytes`` whose
+    message, ``nbytes / 2**j`` in round j, is large enough for the rendezvous
+    (:data:`~testbed.collectives.spec.HD_RENDEZVOUS_BYTES`); each costs one more latency."""
+    return sum(1 for j in range(1, int(math.log2(p)) + 1)
+               if nbytes / 2 ** j >= HD_RENDEZVOUS_BYTES)

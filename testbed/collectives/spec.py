@@ -31,6 +31,10 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 
 #: Elements per INA packet (SwitchML's client default, see kernels.wire).
 INA_ELEMS = 256
+#: Halving-doubling rounds whose larger message has at least this many bytes start with a
+#: rendezvous (both ranks say they entered the round before either sends; see ``hd``), like
+#: MPI's eager/rendezvous switch; smaller rounds send at once.
+HD_RENDEZVOUS_BYTES = 64 << 10
 #: Compressors ``algo="ina"`` implements: summable ones the switch adds as small integers.
 INA_COMPRESSORS = ("thc",)
 #: Default outstanding packets (slots) per INA worker.
