@@ -125,6 +125,20 @@ def test_bad_config_errors_name_the_parameter():
         eng.dispatch({"cmd": "reset_job", "job_id": 1})
     with pytest.raises(ValueError, match="unknown settings"):
         eng.dispatch({"cmd": "configure", "stage": "forward", "settings": {"bogus": 1}})
+    with pytest.raises(ValueError, match="coalesce_us must be 0..10000"):
+        Engine({"ports": ["a"], "programs": ["forward"], "coalesce_us": -1})
+
+
+def test_coalescing_wait_is_set_over_the_control_channel():
+    eng = Engine({"ports": ["a"], "programs": ["forward"], "coalesce_us": 40})
+    assert eng.hold_s == pytest.approx(40e-6) and eng.config["coalesce_us"] == 40
+    assert eng.dispatch({"cmd": "coalesce", "us": 640}) == 640.0
+    # the adaptive wait restarts from the new base, and `config` reports it
+    assert eng.hold_s == pytest.approx(640e-6)
+    assert eng.dispatch({"cmd": "config"})["coalesce_us"] == 640.0
+    with pytest.raises(ValueError, match="coalesce_us must be 0..10000"):
+        eng.dispatch({"cmd": "coalesce", "us": 20_000})
+    assert eng.hold_s == pytest.approx(640e-6)  # a refused value changes nothing
 
 
 def _engine_procs(node: str) -> list[int]:

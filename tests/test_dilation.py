@@ -15,6 +15,7 @@ from testbed.collectives import CollectiveSpec
 from testbed.collectives import inakernel as ik
 from testbed.collectives.dilation import Calibration, search
 from testbed.collectives.reference import inakernel as ref
+from testbed.datapath.engine import DEFAULT_COALESCE_US
 from testbed.experiment.spec import ExperimentError, parse_experiment
 from testbed.topologies import Star, TopologyError
 from testbed.topologies.pipeline import (
@@ -208,9 +209,12 @@ def test_dilated_network_slows_links_stretches_delays_and_reports_undilated_time
     with TestbedNet(topo, time_dilation=2) as net:
         assert net.bottleneck_bps() == 40e6  # the undilated network the model speaks of
         assert net.describe()["time_dilation"] == 2.0
+        sw = net.switch_client(next(iter(topo.programmable)))
+        assert sw.config()["coalesce_us"] == 2 * DEFAULT_COALESCE_US  # a time like the others
         got2 = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
         hop2 = net.hop_latency_s()
         net.set_time_dilation(4)
+        assert sw.config()["coalesce_us"] == 4 * DEFAULT_COALESCE_US
         got4 = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
         hop4 = net.hop_latency_s()
         spec = CollectiveSpec(algo="ring", nbytes=1 << 20, repetitions=1)

@@ -16,6 +16,10 @@ Where dilation is exact and where not:
   jitter, INA's retransmission timer (its 10 ms floor and 320 ms cap are times f), the pool's
   silent-peer timeouts, and the flow model's prediction (:mod:`testbed.collectives.flowmodel`
   computes the dilated run and divides by f);
+* **stretched with the network**: the engines' interrupt-coalescing wait (times f, so an
+  engine wakes up once per as many packets as undilated; without it a dilated engine would
+  pay its per-wake-up cost per packet: on the fat-tree k=4 at f=16 that alone kept ring and
+  the reduction server CPU-bound);
 * **not stretched**: the emulator's fixed cost per packet (a system call, an engine's batch,
   a context switch) takes the same wall time, so divided by f it shrinks: a dilated run
   reports the per-packet software latency of a faster machine. The CPU cost per packet is

@@ -16,6 +16,7 @@ One request per line, one response per line::
     {"cmd": "counters"}                                   -> {"ok": true, "result": {...}}
     {"cmd": "configure", "stage": "aggregate", "settings": {"jobs": {"1": {...}}}}
     {"cmd": "reset_job", "job_id": 1}
+    {"cmd": "coalesce", "us": 800}
     {"cmd": "config"}                                     -> the engine's config + stage names
     {"cmd": "trace", "count": 50}  then  {"cmd": "trace"} -> arm, then read packet records
     {"cmd": "stop"}
@@ -269,6 +270,10 @@ class DatapathClient:
     def configure(self, stage: str, **settings) -> object:
         """Call ``stage.configure(**settings)`` in the engine (e.g. add a job, L2 entries)."""
         return self.request("configure", stage=stage, settings=settings)
+
+    def set_coalesce(self, us: float) -> float:
+        """Set the engine's interrupt-coalescing wait (µs; see ``Engine.set_coalesce``)."""
+        return self.request("coalesce", us=us)
 
     def reset_job(self, job_id: int) -> object:
         """Free a job's aggregation slots after a worker died (see aggregate.reset_job)."""

@@ -66,6 +66,7 @@ from testbed.datapath.trace import Tracer
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
 DEFAULT_COALESCE_US = 50.0
+MAX_COALESCE_US = 10_000.0
 DEFAULT_IO = "ring"
 #: adaptive coalescing (see Engine): longest wait as a multiple of coalesce_us, and the CPU
 #: fractions of a window above which the wait grows and below which it shrinks
@@ -180,6 +181,7 @@ class Engine:
     """The engine of one node (see the module docstring)."""
 
     def __init__(self, config: dict):
+        self.config = dict(config)  # reported by the control command `config`
         self.node = str(config.get("node") or "tbnode")
         self.ports = list(config.get("ports") or [])
         if not self.ports:
@@ -196,11 +198,8 @@ class Engine:
         # a NIC's adaptive interrupt moderation): while the engine keeps a CPU more than half
         # busy the wait doubles, up to COALESCE_MAX_FACTOR times this, and it comes back down
         # once the engine is mostly idle again; so latency is only traded for CPU when CPU is
-        # what the emulation is short of.
-        self.coalesce_us = float(config.get("coalesce_us", DEFAULT_COALESCE_US))
-        if not 0 <= self.coalesce_us <= 10_000:
-            raise ValueError(f"config: coalesce_us must be 0..10000, got {self.coalesce_us}")
-        self.hold_s = self.coalesce_us * 1e-6  # the wait now (adapted every CPU window)
+        # what the emulation is short of. Stretched by a network's time dilation.
+        self.set_coalesce(config.get("coalesce_us", DEFAULT_COALESCE_US))
         # Packet I/O: PACKET_MMAP rings ("ring", no system call to receive, one per port and
         # burst to send) or recvmmsg/sendmmsg ("mmsg"); see testbed.datapath.io.
         self.io_kind = str(config.get("io", DEFAULT_IO))
@@ -226,7 +225,6 @@ class Engine:
                                     for n, s in normalize_programs(config.get("programs"))]
         expansion = max(int(getattr(s, "max_expansion", 1)) for s in self.stages)
         self.batch = Batch(self.rx_burst * max(2, expansion) + 64)
-        self.config = dict(config)  # reported by the control command `config`
         self.tracer = Tracer(self.ports)  # armed by the control command `trace`
         self.control_path = config.get("control_socket")
         self.control_fd = config.get("control_fd")
@@ -323,6 +321,19 @@ class Engine:
         tally_and_route(n, b.out_port, b.in_port, b.length, b.reason, len(self.ports),
                         self.flood_mask, self.tx_rows, self.tx_count, self.rx_pk, self.rx_by,
                         self.tx_pk, self.tx_by, self.drops)
+
+    def set_coalesce(self, us) -> float:
+        """Set the coalescing wait's base (µs, 0..:data:`MAX_COALESCE_US`; 0 disables it) and
+        restart the adaptation from it. A time-dilated network (``TestbedNet``) stretches it
+        with every other time, so a dilated engine gathers as many packets per wake-up as an
+        undilated one."""
+        us = float(us)
+        if not 0 <= us <= MAX_COALESCE_US:
+            raise ValueError(f"config: coalesce_us must be 0..{MAX_COALESCE_US}, got {us}")
+        self.coalesce_us = us
+        self.config["coalesce_us"] = us
+        self.hold_s = us * 1e-6  # the wait now (adapted every CPU window)
+        return us
 
     def run_burst(self) -> int:
         """Receive one burst from all ports, run the stages, transmit; return frames received."""
@@ -474,6 +485,8 @@ class Engine:
                 raise ValueError("configure: 'settings' must be an object")
             self.stage(str(req.get("stage"))).configure(**settings)
             return self.stage(str(req.get("stage"))).counters()
+        if cmd == "coalesce":
+            return self.set_coalesce(req.get("us"))
         if cmd == "reset_job":
             targets = [s for s in self.stages if hasattr(s, "reset_job")]
             if not targets:
@@ -488,7 +501,8 @@ class Engine:
         if cmd == "stop":
             self.running = False
             return True
-        raise ValueError(f"unknown command {cmd!r}; use counters, config, configure, reset_job, "
+        raise ValueError(f"unknown command {cmd!r}; use counters, config, configure, coalesce, "
+                         "reset_job, "
                          "trace, stop")
 
     def counters(self) -> dict:
