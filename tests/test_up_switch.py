@@ -95,7 +95,7 @@ def test_engine_answers_config_and_trace_commands():
     assert got["programs"] == cfg["programs"] and got["stages"] == ["forward"]
     assert eng.dispatch({"cmd": "trace", "count": 5}) == {"armed": 5}
     assert eng.dispatch({"cmd": "trace"}) == {"remaining": 5, "records": []}
-    with pytest.raises(ValueError, match="config, configure, reset_job, trace"):
+    with pytest.raises(ValueError, match="config, configure, coalesce, reset_job, trace"):
         eng.dispatch({"cmd": "nope"})
 
 
