@@ -125,7 +125,7 @@ def test_bad_config_errors_name_the_parameter():
         eng.dispatch({"cmd": "reset_job", "job_id": 1})
     with pytest.raises(ValueError, match="unknown settings"):
         eng.dispatch({"cmd": "configure", "stage": "forward", "settings": {"bogus": 1}})
-    with pytest.raises(ValueError, match="coalesce_us must be 0..10000"):
+    with pytest.raises(ValueError, match="coalesce_us must be a number 0..10000"):
         Engine({"ports": ["a"], "programs": ["forward"], "coalesce_us": -1})
 
 
@@ -136,8 +136,9 @@ def test_coalescing_wait_is_set_over_the_control_channel():
     # the adaptive wait restarts from the new base, and `config` reports it
     assert eng.hold_s == pytest.approx(640e-6)
     assert eng.dispatch({"cmd": "config"})["coalesce_us"] == 640.0
-    with pytest.raises(ValueError, match="coalesce_us must be 0..10000"):
-        eng.dispatch({"cmd": "coalesce", "us": 20_000})
+    for bad in (20_000, -1, None, "800", True):
+        with pytest.raises(ValueError, match=r"coalesce_us must be a number 0\.\.10000"):
+            eng.dispatch({"cmd": "coalesce", "us": bad})
     assert eng.hold_s == pytest.approx(640e-6)  # a refused value changes nothing
 
 

@@ -4,8 +4,9 @@ It is the one-switch special case of the flow-level model (:mod:`testbed.collect
 which gives every run's ``model_s``): one bottleneck rate B for every flow, every link busy in
 both directions. On a star the two agree (tested); across a fabric only the flow model sees
 which flows share a link. The formulas are the nccl-tests / MPICH ones (ring
-``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...), plus, for halving-doubling, one
-latency per round whose message is large enough for its rendezvous (``hd``).
+``2(n-1)a + 2(n-1)/n S/B``, halving-doubling ``2 log2(n) a + 2(n-1)/n S/B``, ...), plus, for
+halving-doubling, one latency per round whose message is large enough for its rendezvous
+(``hd``).
 
 ``predict(op, algo, n, nbytes, bw_bps, alpha_s)`` returns seconds. ``bw_bps`` is the
 bottleneck link rate in bit/s as configured on the links; the model converts it to *goodput*

@@ -327,9 +327,11 @@ class Engine:
         restart the adaptation from it. A time-dilated network (``TestbedNet``) stretches it
         with every other time, so a dilated engine gathers as many packets per wake-up as an
         undilated one."""
+        if isinstance(us, bool) or not isinstance(us, int | float) \
+                or not 0 <= us <= MAX_COALESCE_US:
+            raise ValueError(f"config: coalesce_us must be a number 0..{MAX_COALESCE_US:g} "
+                             f"(µs), got {us!r}")
         us = float(us)
-        if not 0 <= us <= MAX_COALESCE_US:
-            raise ValueError(f"config: coalesce_us must be 0..{MAX_COALESCE_US}, got {us}")
         self.coalesce_us = us
         self.config["coalesce_us"] = us
         self.hold_s = us * 1e-6  # the wait now (adapted every CPU window)
