@@ -64,3 +64,28 @@ def test_ina_dead_worker_times_out(agg_net):
     assert killed
     assert time.monotonic() - t0 < 30
     assert not _ours_left()
+
+
+@pytest.mark.parametrize("algo, compressor", [("ina", None), ("ina", "thc")])
+def test_client_reuses_its_summed_lanes_buffer(algo, compressor):
+    """The int32 buffer the RESULTs are summed into is touched when the client starts and
+    reused by every later collective (a fresh one would be zeroed page by page inside the
+    timed loop); a larger collective grows it."""
+    import numpy as np
+
+    from testbed.collectives.ina import InaClient
+
+    spec = CollectiveSpec(algo=algo, nbytes=4 * 100_000, compressor=compressor)
+    job = {"n": 2, "ranks": [{"host": f"h{r}", "ip": "127.0.0.1", "port": 47_000 + r,
+                              "aggregator": {"ip": "127.0.0.2"}} for r in range(2)]}
+    c = InaClient(job, spec, 0)
+    try:
+        first = c._payload(np.ones(spec.count, np.float32), np.empty(spec.count, np.float32), 0)
+        assert first.qsum.size >= spec.count
+        again = c._payload(np.ones(spec.count, np.float32), np.empty(spec.count, np.float32), 1)
+        assert np.shares_memory(first.qsum, again.qsum)
+        big = 3 * spec.count
+        grown = c._payload(np.ones(big, np.float32), np.empty(big, np.float32), 2)
+        assert grown.qsum.size >= big and not np.shares_memory(grown.qsum, first.qsum)
+    finally:
+        c.close()
