@@ -102,3 +102,16 @@ def test_bad_compressor_is_a_spec_error():
         CollectiveSpec(compressor="topk", compressor_params={"bogus": 1}).validate(4)
     with pytest.raises(ValueError, match="algo='ring'"):
         CollectiveSpec(compressor="qsgd", algo="hd").validate(4)
+
+
+def test_reduction_server_buffers_are_made_once_and_reused():
+    import numpy as np
+
+    from testbed.collectives.server import shard_buffers
+
+    f32 = np.dtype(np.float32)
+    bufs = shard_buffers(10_001, f32, 3, 2, 1)  # server 1 of 2: elements 5001..10000
+    assert [b.size for b in bufs] == [5000] * 3 and all(b.dtype == f32 for b in bufs)
+    assert shard_buffers(10_001, f32, 3, 2, 1, bufs) is bufs
+    assert shard_buffers(10_001, f32, 4, 2, 1, bufs) is not bufs  # another worker count
+    assert shard_buffers(10_001, np.dtype(np.int32), 3, 2, 1, bufs) is not bufs

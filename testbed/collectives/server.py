@@ -66,14 +66,34 @@ def worker_allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, m: int,
     wait_all(futs)
 
 
-def serve(comm: Comm, count: int, dtype: np.dtype, n: int, m: int, j: int, chunk: int) -> None:
-    """Server ``j``: reduce shard j of every worker's array and return it to every worker."""
+def shard_buffers(count: int, dtype: np.dtype, n: int, m: int, j: int,
+                  reuse: list | None = None) -> list[np.ndarray]:
+    """Server ``j``'s receive buffers, one per worker, each the size of its shard, every page
+    touched; ``reuse`` (an earlier result) is returned as it is when it fits. Allocate them
+    before the timed collective and pass them to :func:`serve` every time: fresh arrays would
+    be zeroed page by page by the kernel as the workers' data first lands in them, inside the
+    timed run (see ``ina.InaClient._qsum``)."""
+    b = shard_bounds(count, m)
+    size = int(b[j + 1] - b[j])
+    if reuse is not None and len(reuse) == n and all(
+            a.size == size and a.dtype == dtype for a in reuse):
+        return reuse
+    bufs = [np.empty(size, dtype=dtype) for _ in range(n)]
+    for a in bufs:
+        a.fill(0)
+    return bufs
+
+
+def serve(comm: Comm, count: int, dtype: np.dtype, n: int, m: int, j: int, chunk: int,
+          bufs: list[np.ndarray] | None = None) -> None:
+    """Server ``j``: reduce shard j of every worker's array and return it to every worker
+    (``bufs``: :func:`shard_buffers`, made here when not given)."""
     b = shard_bounds(count, m)
     lo, hi = int(b[j]), int(b[j + 1])
     pieces = list(chunks(0, hi - lo, chunk))
+    bufs = shard_buffers(count, dtype, n, m, j, bufs)
     # worker 0 lands in acc directly (first contribution overwrites: no zeroing pass)
-    acc = np.empty(hi - lo, dtype=dtype)
-    bufs = [acc] + [np.empty(hi - lo, dtype=dtype) for _ in range(1, n)]
+    acc = bufs[0]
     got = [0] * n  # pieces fully received per worker
     cv = threading.Condition()
     errors: list[BaseException] = []

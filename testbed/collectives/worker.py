@@ -189,8 +189,10 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         comm.close()
         raise
     if rank >= n:
+        bufs = server.shard_buffers(spec.count, np.dtype(spec.dtype), n, m, rank - n)
+
         def run(step):
-            server.serve(comm, spec.count, np.dtype(spec.dtype), n, m, rank - n, chunk)
+            server.serve(comm, spec.count, np.dtype(spec.dtype), n, m, rank - n, chunk, bufs)
     elif spec.compressor is not None:
         comp, mem = compress.make(spec)
 
