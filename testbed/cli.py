@@ -433,14 +433,20 @@ def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
                    only: str = typer.Option(None, help="comma-separated networks (star4, "
                                                        "star8, leafspine-2:1, leafspine-4:1, "
                                                        "fattree-k4)"),
+                   queue_ms: float = typer.Option(
+                       None, "--queue-ms", metavar="MS",
+                       help="every shaped link's queue in ms at its rate (default and 0: "
+                            "the kernel's 1000 packets; 500: a lossless fabric, like the "
+                            "model's)"),
                    ) -> None:
     """Collectives on star, leaf-spine and fat-tree against the flow-level model."""
-    from testbed.experiment.fidelity import main
+    from testbed.experiment.fidelity import QUEUE_MS, main
 
     raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable,
                           time_dilation=_dilation(time_dilation),
                           tcp_cc=tcp_cc.split(",") if tcp_cc else None,
-                          only=only.split(",") if only else None))
+                          only=only.split(",") if only else None,
+                          queue_ms=QUEUE_MS if queue_ms is None else queue_ms or None))
 
 
 @bench_app.command("capacity")

@@ -94,6 +94,7 @@ def test_fidelity_bench_refuses_a_bad_network_or_algorithm_before_building_anyth
     with pytest.raises(ValueError, match="tcp_cc='Bad'"):
         fidelity.run(quick=True, tcp_cc="Bad")
     assert fidelity.main(quick=True, only=["star9"]) == 2
+    assert fidelity.main(quick=True, queue_ms=-5) == 2  # a bad queue: refused the same way
 
 
 def test_fidelity_bench_runs_tcp_algorithms_once_per_congestion_control():

@@ -44,6 +44,9 @@ def test_topologies_are_the_advertised_ones():
     assert topos["leafspine-2:1"].uplink_mbps() == 50.0
     assert topos["fattree-k4"].programmable == {"tbc1"}
     assert all(t.aggregator_switch for t in topos.values())
+    # the kernel's queues unless asked for (--queue-ms: every shaped link's queue)
+    assert {t.queue_ms for t in topos.values()} == {None} and fidelity.QUEUE_MS is None
+    assert {t.queue_ms for _n, t in fidelity.topologies(queue_ms=500)} == {500.0}
     for bad in (0.5, "fast", 100):  # refused before any network is built
         with pytest.raises(ValueError, match="time_dilation"):
             fidelity.run(time_dilation=bad)
