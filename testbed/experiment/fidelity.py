@@ -48,7 +48,7 @@ from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate, nice_factor
 from testbed.collectives.report import tcp_cc_of
 from testbed.collectives.spec import TCP_ALGOS
-from testbed.topologies import FatTree, LeafSpine, Star, TestbedNet, TopologyError
+from testbed.topologies import FatTree, LeafSpine, Star, TestbedNet
 from testbed.topologies.pipeline import check_time_dilation
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
     calibration (the first entry's), INA once. ``queue_ms``: :data:`QUEUE_MS`, or None for
     the kernel's queues."""
     time_dilation = check_time_dilation(time_dilation)  # a bad value: ValueError, at once
-    nets = topologies(programmable, queue_ms)  # a bad queue_ms: TopologyError, at once
+    nets = topologies(programmable, queue_ms)  # a bad queue_ms: TopologyError (a ValueError)
     names = [name for name, _ in nets]
     if only and set(only) - set(names):
         raise ValueError(f"unknown network(s) {sorted(set(only) - set(names))}; the benchmark "
@@ -302,7 +302,7 @@ def main(json_out: bool = False, quick: bool = False, programmable: bool = False
     try:
         rows = run(quick=quick, programmable=programmable, time_dilation=time_dilation,
                    on_row=emit, tcp_cc=tcp_cc, only=only, queue_ms=queue_ms)
-    except (ValueError, TopologyError) as e:  # a bad --time-dilation, --only, --tcp-cc, --queue-ms
+    except ValueError as e:  # a bad --time-dilation, --only, --tcp-cc or --queue-ms
         print(f"testbed bench fidelity: {e}", file=sys.stderr)
         return 2
     out = sys.stderr if json_out else sys.stdout
