@@ -40,6 +40,7 @@ import traceback
 import numpy as np
 
 from testbed.collectives import compress, hd, ring, trimmed
+from testbed.collectives.model import tcp_window_clamp
 from testbed.collectives.ports import tcp_port
 from testbed.collectives.runner import RUN_DIR, offload_job
 from testbed.collectives.spec import CollectiveSpec
@@ -136,7 +137,8 @@ class TestbedComm:
             self.gather = TrimmedGather(job["ranks"], rank, tj.bits, tj.job_id, tj.seed,
                                         tj.timeout_s, tj.idle_ms / 1000.0)
         names = [r["host"] for r in job["ranks"]]
-        self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id, tcp_cc=self.spec.tcp_cc)
+        self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id, tcp_cc=self.spec.tcp_cc,
+                         window_clamp=tcp_window_clamp(tj.algo, job.get("bw_bps")))
         self.comm.listen(me["ip"])
         peers = ring.ring_peers(rank, self.n) if tj.algo in ("ring", "trim") else [
             p for p in range(self.n) if p != rank]

@@ -96,6 +96,20 @@ def test_reduction_server_window_follows_the_link_rate():
     assert model.rs_window_pieces(256 << 10) == 2  # never less than double buffering
 
 
+def test_reduction_server_windows_share_what_a_worker_keeps_in_flight():
+    # up to 4 servers each gets a whole window, as measured on the star of 4
+    assert model.rs_window_bytes(4) == model.rs_window_bytes(1) == model.RS_WINDOW_BYTES
+    # 16 servers share the worker's RS_INFLIGHT_BYTES (15 full windows stood in its uplink)
+    assert model.rs_window_bytes(16) == model.RS_INFLIGHT_BYTES / 16
+    for size in (4 << 20, 32 << 20):
+        c = model.rs_chunk_bytes(size, 16)
+        assert c <= model.rs_window_bytes(16) / 4 or c == 4096  # four pieces per window
+        assert model.rs_window_pieces(c, 100e6, 16) * c * 16 <= model.RS_INFLIGHT_BYTES
+    # a faster link: 40 ms of it in all, 10 ms per server at most
+    assert model.rs_window_bytes(16, 1e9) == pytest.approx(1e9 / 8 * 0.04 / 16)
+    assert model.rs_window_bytes(2, 1e9) == pytest.approx(1e9 / 8 * 0.01)
+
+
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_busbw_factors(n):
     assert model.busbw_factor("allreduce", n) == pytest.approx(2 * (n - 1) / n)

@@ -65,25 +65,63 @@ RS_PIECES = 64
 #: Bytes a worker keeps in flight to one server (the reduction server's credit window) on a
 #: 100 Mb/s link; scaled up with the link rate (``rs_window_pieces``).
 RS_WINDOW_BYTES = 128 << 10
+#: Bytes a worker keeps in flight to all servers together on a 100 Mb/s link (4 servers'
+#: windows, as measured on the star of 4); scaled up with the link rate like the window.
+RS_INFLIGHT_BYTES = 4 * RS_WINDOW_BYTES
+
+
+def flow_window_bytes(bw_bps: float | None = None) -> float:
+    """Bytes one flow keeps in flight where the testbed bounds it: ``RS_WINDOW_BYTES`` at
+    100 Mb/s, or 10 ms of the link rate if that is more (bandwidth x a generous round trip)."""
+    return RS_WINDOW_BYTES if bw_bps is None else max(RS_WINDOW_BYTES, bw_bps / 8 * 0.01)
+
+
+def tcp_window_clamp(algo: str, bw_bps: float | None = None) -> int | None:
+    """``TCP_WINDOW_CLAMP`` of an algorithm's connections (None: the kernel's window).
+
+    Halving-doubling only: each of its rounds starts a flow to a new partner, from slow start,
+    on whichever link ECMP hashes it to, and sends a whole half in one message (its receiver
+    has posted the whole buffer, so a clamp costs it no slack). Two such flows on one uplink
+    of the 2:1 leaf-spine overshot the kernel's 1000-packet queue in slow start (500-1200
+    drops per run) and measured 1.06-1.28 of the lossless model; clamped to
+    :func:`flow_window_bytes`, 1.01-1.02 (2:1) and 1.01 (4:1). The clamp set before the
+    handshake makes both ends choose a small window scale (2 for 128 KiB, against 9), and that
+    bounds the window for good (65535 << 2 = 256 KiB) even where the kernel's autotuning later
+    raises the clamp itself. The ring keeps its window: its receiver reads step by step, and a
+    clamp took the slack between steps (1.03-1.06 -> 1.08 on the 2:1 leaf-spine)."""
+    return int(flow_window_bytes(bw_bps)) if algo == "hd" else None
+
+
+def rs_window_bytes(servers: int, bw_bps: float | None = None) -> float:
+    """A reduction-server worker's credit window per server, in bytes: ``RS_WINDOW_BYTES`` at
+    100 Mb/s or 10 ms of the link rate if that is more, but at most the server's share of
+    ``RS_INFLIGHT_BYTES`` (or 40 ms of the link rate). Without the cap, each of 15 servers on
+    the fat-tree got a full window: 1.9 MB in flight per worker stood in its uplink's queue,
+    so every result came back that much later than its contribution left (1.09-1.15 of the
+    model on the fat-tree, 1.18 on the star of 8 with 500 ms queues)."""
+    per = flow_window_bytes(bw_bps)
+    total = RS_INFLIGHT_BYTES if bw_bps is None else max(RS_INFLIGHT_BYTES, bw_bps / 8 * 0.04)
+    return min(per, total / max(servers, 1))
 
 
 def rs_chunk_bytes(nbytes: int, servers: int, chunk_bytes: int = DEFAULT_CHUNK) -> int:
     """Pipelining unit of the reduction server: at most 1/64 of a server's shard (so results
     flow back while contributions still arrive: with 1/16 the pipeline fill, m pieces per
-    worker link, was a visible share of the run) and at most a quarter of the credit window
-    (``RS_WINDOW_BYTES``, so that 4 pieces are in flight per server), at least 4 KiB."""
-    return max(4096, min(chunk_bytes, RS_WINDOW_BYTES // 4, nbytes // servers // RS_PIECES))
+    worker link, was a visible share of the run) and at most a quarter of the credit window at
+    100 Mb/s (:func:`rs_window_bytes`, so that 4 pieces are in flight per server; faster links
+    get more pieces, not larger ones), at least 4 KiB."""
+    return max(4096, min(chunk_bytes, int(rs_window_bytes(servers)) // 4,
+                         nbytes // servers // RS_PIECES))
 
 
-def rs_window_pieces(chunk_bytes: int, bw_bps: float | None = None) -> int:
-    """Pieces a reduction-server worker keeps in flight per server: ``RS_WINDOW_BYTES`` at
-    100 Mb/s or 10 ms of the link rate if that is more (bandwidth x round trip), >= 2.
+def rs_window_pieces(chunk_bytes: int, bw_bps: float | None = None, servers: int = 1) -> int:
+    """Pieces a reduction-server worker keeps in flight per server (:func:`rs_window_bytes`),
+    >= 2.
 
     Measured on a 100 Mb/s star (n = 4, m = 4, 8 MB): 128 KiB in flight per flow (4 pieces of
     32 KiB) ran at ~1.08x the model; 256 KiB - 2 MiB let TCP share each uplink unevenly
     among the m flows again (1.2-1.4x)."""
-    window = RS_WINDOW_BYTES if bw_bps is None else max(RS_WINDOW_BYTES, bw_bps / 8 * 0.01)
-    return max(2, int(window // max(chunk_bytes, 1)))
+    return max(2, int(rs_window_bytes(servers, bw_bps) // max(chunk_bytes, 1)))
 
 
 def rs_link_load(n: int, servers: int, colocated: bool) -> float:

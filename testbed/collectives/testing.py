@@ -29,14 +29,15 @@ def loopback_ip() -> str:
 
 
 def connected_mesh(job: int, ips: list[str], timeout_s: float = 5.0,
-                   tcp_cc: str | None = DEFAULT_TCP_CC) -> list[Comm]:
+                   tcp_cc: str | None = DEFAULT_TCP_CC,
+                   window_clamp: int | None = None) -> list[Comm]:
     """``len(ips)`` ranks of job ``job`` in this process, rank r listening on ``ips[r]``, every
     pair connected (each rank connects from its own thread, as the pool's children do at
-    once), with congestion control ``tcp_cc``. On a failure every Comm is closed and the first
-    error raised."""
+    once), with congestion control ``tcp_cc`` and ``window_clamp``. On a failure every Comm is
+    closed and the first error raised."""
     n = len(ips)
-    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job, tcp_cc=tcp_cc)
-             for r in range(n)]
+    comms = [Comm(r, [f"h{i}" for i in range(n)], timeout_s, job_id=job, tcp_cc=tcp_cc,
+                  window_clamp=window_clamp) for r in range(n)]
     try:
         addrs = {r: (ips[r], comms[r].listen(ips[r])) for r in range(n)}
     except BaseException:

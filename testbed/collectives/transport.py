@@ -105,9 +105,12 @@ class Comm:
     """Connections of one rank to its peers, plus per-peer sender threads."""
 
     def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0,
-                 tcp_cc: str | None = DEFAULT_TCP_CC):
+                 tcp_cc: str | None = DEFAULT_TCP_CC, window_clamp: int | None = None):
+        """``window_clamp``: the most bytes a connection's receiver offers its sender
+        (``TCP_WINDOW_CLAMP``; None: the kernel's autotuned window)."""
         self.rank = rank
         self.tcp_cc = tcp_cc  # None: the host's default
+        self.window_clamp = window_clamp
         self.names = names  # host name of every rank, for error messages
         self.timeout_s = timeout_s
         self.job_id = job_id
@@ -127,6 +130,7 @@ class Comm:
         self._bind(s, tcp_port(self.job_id, self.rank, self.rank))
         if self.tcp_cc:  # accepted connections start with the listener's algorithm
             self._set_cc(s)
+        self._clamp(s)  # the window a SYN-ACK offers comes from the listener
         s.listen(256)
         s.settimeout(self.timeout_s)
         self.listener = s
@@ -192,8 +196,13 @@ class Comm:
             s.close()
             raise CollectiveError(f"{self.who(self.rank)}: {e}") from None
 
+    def _clamp(self, s: socket.socket) -> None:
+        if self.window_clamp:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, int(self.window_clamp))
+
     def _tune(self, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._clamp(s)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
         if self.tcp_cc:
             self._set_cc(s)

@@ -48,7 +48,7 @@ import numpy as np
 
 from testbed.collectives import compress, hd, ring, server
 from testbed.collectives.cpumon import CpuMonitor
-from testbed.collectives.model import rs_chunk_bytes, rs_window_pieces
+from testbed.collectives.model import rs_chunk_bytes, rs_window_pieces, tcp_window_clamp
 from testbed.collectives.rankgroup import ControlLine, RankGroup, fork_with_line
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
@@ -171,7 +171,7 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
     if spec.algo == "rs":
         chunk_b = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes)
         chunk = chunk_b // spec.itemsize
-        window = rs_window_pieces(chunk_b, job.get("bw_bps"))
+        window = rs_window_pieces(chunk_b, job.get("bw_bps"), m)
     if spec.algo in ("ina", "nic"):
         from testbed.collectives import ina
 
@@ -179,7 +179,8 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         ctl.send({"type": "port", "port": 0})
         ctl.recv()
         return (lambda step: client.allreduce(x, out)), client.close
-    comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id, tcp_cc=spec.tcp_cc)
+    comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id, tcp_cc=spec.tcp_cc,
+                window_clamp=tcp_window_clamp(spec.algo, job.get("bw_bps")))
     try:
         port = comm.listen(info["ip"])
         ctl.send({"type": "port", "port": port})

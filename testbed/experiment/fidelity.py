@@ -10,7 +10,8 @@ reduction server (one server co-located on every worker) and in-network aggregat
 Switches: the aggregator's switch runs the programmable data path (it must, for INA); the
 others are Linux bridges unless ``programmable=True`` (``--programmable``), which puts the data
 path on every switch (ECMP by the 5-tuple hash, at the price of one engine process per switch:
-20 on the fat-tree). The model follows whichever forwarding the fabric uses.
+20 on the fat-tree). The model follows whichever forwarding the fabric uses. Every shaped
+link has the kernel's queue unless ``--queue-ms`` says otherwise (:data:`QUEUE_MS` says why).
 
 Time dilation (``time_dilation``, default ``"auto"``): each network is calibrated once after
 it is built (:func:`testbed.collectives.dilation.calibrate`) with the ring, then every run
@@ -31,7 +32,8 @@ rows say when the cap left a run ``cpu_bound``.
 
 One row per run: ``topology, algo, n, bytes, time_s, model_s, fidelity (time_s / model_s),
 cpu_bound, cpu_util, time_dilation`` plus ``cpu_wait, cpu_demand, cpu_max, cpu_engine, correct,
-switches, cpu_model, tcp_cc`` (the TCP algorithms' congestion control, ``--tcp-cc``). Per
+switches, cpu_model, tcp_cc`` (the TCP algorithms' congestion control, ``--tcp-cc``) and
+``queue_ms`` (every shaped link's queue, ``--queue-ms``; None: the kernel's). Per
 topology the summary compares the algorithms' order by the model with their order as
 measured; algorithms the model puts within 3 % of each other are a tie (:data:`TIE_FRACTION`)
 and not held to an order.
@@ -61,18 +63,19 @@ QUICK_MAX_FACTOR = 8.0
 QUICK_FACTORS = {"fattree-k4": (4.0, 16.0), "star8": (4.0, 16.0)}
 ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "cpu_bound",
             "cpu_util", "time_dilation", "cpu_wait", "cpu_demand", "cpu_max", "cpu_engine",
-            "correct", "switches", "cpu_model", "tcp_cc")
+            "correct", "switches", "cpu_model", "tcp_cc", "queue_ms")
 
 
-#: Every shaped link's queue in the benchmark (``queue_ms`` of the topologies; None: the
-#: kernel's 1000 packets). A deep queue (``--queue-ms 500``) makes the fabric lossless, like the
-#: PFC fabrics AI training runs on and like the flow model, which charges no congestion loss:
-#: halving-doubling on the 2:1 leaf-spine, where ECMP puts two of its flows on one uplink,
-#: overflows the kernel's queue in Reno's slow start (500-1200 drops per run at the leaves'
-#: uplinks) and measures 1.06-1.24 of the model (ten runs, median 1.15); with 500 ms, no drop
-#: and 1.01-1.06 (three runs). But the reduction server's credit window, sized for the link
-#: rate and not for seconds of queueing, then falls short on the fat-tree: 1.13-1.15 against
-#: 1.07-1.09 with the kernel's queue. So the default stays the kernel's.
+#: Every shaped link's queue in the benchmark, ms at the link's rate (``queue_ms`` of the
+#: topologies; None: the kernel's 1000 packets). A deep queue (``--queue-ms 500``) makes the
+#: fabric lossless like the flow model, which charges no congestion loss: halving-doubling on
+#: the 2:1 leaf-spine (ECMP puts two of its flows on one uplink) overflows the kernel's queue in
+#: Reno's slow start (500-1200 drops per run at the leaves' uplinks) and measured 1.06-1.24 of
+#: the model (ten runs, median 1.15); with 500 ms: no drop, 1.01-1.12 (five runs). But a deep
+#: drop-tail FIFO is not fair: without losses, TCP flows sharing a link keep the unequal windows
+#: they grew, where the model shares max-min fairly, and the ring, whose every step waits for
+#: its slowest flow, measured 1.22 on the 4:1 leaf-spine (once in one run; 1.0-1.1 with the
+#: kernel's queue). So the default stays the kernel's.
 QUEUE_MS: float | None = None
 
 
@@ -165,7 +168,7 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
                     row = {k: r.get(k) for k in ROW_KEYS}
                     row.update(topology=name,
                                switches="programmable" if programmable else "aggregator",
-                               cpu_model=cpu)
+                               cpu_model=cpu, queue_ms=net.topo.queue_ms)
                     if "error" in r:
                         row["error"] = r["error"]
                     rows.append(row)
