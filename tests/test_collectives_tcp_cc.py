@@ -72,11 +72,12 @@ def _rcv_wscales(comms) -> list[int]:
     return got
 
 
-def test_halving_doubling_clamps_its_window_on_both_ends_and_still_moves_large_messages():
-    # hd only (its rounds start new flows from slow start); faster links get more
+def test_hd_and_ring_clamp_their_window_on_both_ends_and_still_move_large_messages():
+    # hd, and the ring with twice as much; faster links get more; rs bounds itself
     assert tcp_window_clamp("hd") == tcp_window_clamp("hd", 100e6) == RS_WINDOW_BYTES
     assert tcp_window_clamp("hd", 1e9) == int(1e9 / 8 * 0.01)
-    assert tcp_window_clamp("ring", 100e6) is None and tcp_window_clamp("rs") is None
+    assert tcp_window_clamp("ring", 100e6) == 2 * RS_WINDOW_BYTES
+    assert tcp_window_clamp("rs") is None and tcp_window_clamp("ina") is None
     clamp = tcp_window_clamp("hd")
     comms = connected_mesh(75, ["127.0.7.1"] * 2, window_clamp=clamp)
     try:

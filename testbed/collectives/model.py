@@ -79,17 +79,29 @@ def flow_window_bytes(bw_bps: float | None = None) -> float:
 def tcp_window_clamp(algo: str, bw_bps: float | None = None) -> int | None:
     """``TCP_WINDOW_CLAMP`` of an algorithm's connections (None: the kernel's window).
 
-    Halving-doubling only: each of its rounds starts a flow to a new partner, from slow start,
-    on whichever link ECMP hashes it to, and sends a whole half in one message (its receiver
-    has posted the whole buffer, so a clamp costs it no slack). Two such flows on one uplink
-    of the 2:1 leaf-spine overshot the kernel's 1000-packet queue in slow start (500-1200
-    drops per run) and measured 1.06-1.28 of the lossless model; clamped to
-    :func:`flow_window_bytes`, 1.01-1.02 (2:1) and 1.01 (4:1). The clamp set before the
-    handshake makes both ends choose a small window scale (2 for 128 KiB, against 9), and that
-    bounds the window for good (65535 << 2 = 256 KiB) even where the kernel's autotuning later
-    raises the clamp itself. The ring keeps its window: its receiver reads step by step, and a
-    clamp took the slack between steps (1.03-1.06 -> 1.08 on the 2:1 leaf-spine)."""
-    return int(flow_window_bytes(bw_bps)) if algo == "hd" else None
+    Without a clamp a TCP flow grows its window until the kernel's 1000-packet drop-tail queue
+    at its bottleneck overflows; the model's fabric is lossless and fair. The clamp set before
+    the handshake makes both ends choose a small window scale (2 for 128 KiB, against 9), and
+    that bounds the window for good (65535 << 2 = 256 KiB) even where the kernel's autotuning
+    later raises the clamp itself.
+
+    * Halving-doubling, :func:`flow_window_bytes`: each of its rounds starts a flow to a new
+      partner, from slow start, on whichever link ECMP hashes it to, and sends a whole half in
+      one message (its receiver has posted the whole buffer, so a clamp costs it no slack).
+      Two such flows on one uplink of the 2:1 leaf-spine overshot the queue in slow start
+      (500-1200 drops per run): 1.06-1.28 of the model; clamped, 1.01-1.02 (2:1), 1.01 (4:1).
+    * Ring, twice that: its long flows across the leaf-spines' slower uplinks ran 1.14-1.18 of
+      the model at 32 MiB (the sawtooth of a full queue, which also delays the acks of the
+      flow coming the other way); 256 KiB: 1.07-1.08 (2:1), 1.04 (4:1). Its receiver reads
+      step by step, so a smaller clamp takes the slack between steps: 128 KiB measured 1.08
+      at 4 MiB against 1.02-1.03 without a clamp and 1.05 with 256 KiB.
+    * The reduction server bounds its flows itself (:func:`rs_window_bytes`).
+    """
+    if algo == "hd":
+        return int(flow_window_bytes(bw_bps))
+    if algo == "ring":
+        return int(2 * flow_window_bytes(bw_bps))
+    return None
 
 
 def rs_window_bytes(servers: int, bw_bps: float | None = None) -> float:
