@@ -112,7 +112,7 @@ def rs_window_bytes(servers: int, bw_bps: float | None = None) -> float:
     so every result came back that much later than its contribution left (star of 8, f=8:
     1.15-1.18 of the model against 1.01 with the cap; fat-tree, f=16: 1.07 against 1.04)."""
     per = flow_window_bytes(bw_bps)
-    total = RS_INFLIGHT_BYTES if bw_bps is None else max(RS_INFLIGHT_BYTES, bw_bps / 8 * 0.04)
+    total = per * (RS_INFLIGHT_BYTES / RS_WINDOW_BYTES)  # 4 windows: 512 KiB or 40 ms
     return min(per, total / max(servers, 1))
 
 
