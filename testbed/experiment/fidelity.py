@@ -71,7 +71,9 @@ ROW_KEYS = ("topology", "algo", "n", "bytes", "time_s", "model_s", "fidelity", "
 #: fabric lossless like the flow model, which charges no congestion loss: halving-doubling on
 #: the 2:1 leaf-spine (ECMP puts two of its flows on one uplink) overflows the kernel's queue in
 #: Reno's slow start (500-1200 drops per run at the leaves' uplinks) and measured 1.06-1.24 of
-#: the model (ten runs, median 1.15); with 500 ms: no drop, 1.01-1.12 (five runs). But a deep
+#: the model (ten runs, median 1.15; before hd clamped its TCP window, which now keeps it at
+#: 1.01-1.02 with the kernel's queue: ``model.tcp_window_clamp``); with 500 ms: no drop,
+#: 1.01-1.12 (five runs). But a deep
 #: drop-tail FIFO is not fair: without losses, TCP flows sharing a link keep the unequal windows
 #: they grew, where the model shares max-min fairly, and the ring, whose every step waits for
 #: its slowest flow, measured 1.22 on the 4:1 leaf-spine (once in one run; 1.0-1.1 with the
