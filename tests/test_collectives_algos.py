@@ -115,3 +115,81 @@ def test_reduction_server_buffers_are_made_once_and_reused():
     assert shard_buffers(10_001, f32, 3, 2, 1, bufs) is bufs
     assert shard_buffers(10_001, f32, 4, 2, 1, bufs) is not bufs  # another worker count
     assert shard_buffers(10_001, np.dtype(np.int32), 3, 2, 1, bufs) is not bufs
+
+
+def _rs_lead_trace(lead: int) -> tuple[list[int], bool]:
+    """Two workers and three reduction servers in this process over real loopback TCP; server
+    0 returns each sum 10 ms late. Returns, for every credit a worker spent beyond its first
+    window, how many results it had from that server beyond the slowest unfinished one, and
+    whether both workers got the exact sums."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from testbed.collectives import server
+    from testbed.collectives.testing import connected_mesh
+
+    n, m, chunk, window = 2, 3, 256, 2
+    count = m * 12 * chunk  # 12 pieces per server
+    comms = connected_mesh(41, [loopback_ip()] * (n + m))
+    try:
+        slow = comms[n]
+        real_send = slow.send
+
+        def late_send(peer, arr):
+            time.sleep(0.01)
+            return real_send(peer, arr)
+
+        slow.send = late_send
+        xs = [np.arange(count, dtype=np.int32) * (w + 1) for w in range(n)]
+        outs = [np.zeros(count, dtype=np.int32) for _ in range(n)]
+        gaps: list[int] = []
+        lock = threading.Lock()
+
+        def traced(w):
+            comm = comms[w]
+            done, sent = [0] * m, [0] * m
+            real_recv, real_send_w = comm.recv, comm.send
+            pieces = count // m // chunk
+
+            def recv(peer, arr):
+                real_recv(peer, arr)
+                with lock:
+                    done[peer - n] += 1
+
+            def send(peer, arr):
+                j = peer - n
+                with lock:
+                    if sent[j] >= window:
+                        gaps.append(done[j] - min(d for d in done if d < pieces))
+                    sent[j] += 1
+                return real_send_w(peer, arr)
+
+            comm.recv, comm.send = recv, send
+            server.worker_allreduce(comm, xs[w], outs[w], n, m, chunk, window, lead)
+
+        ts = [threading.Thread(target=traced, args=(w,)) for w in range(n)]
+        ts += [threading.Thread(target=server.serve, args=(comms[n + j], count,
+                                np.dtype(np.int32), n, m, j, chunk)) for j in range(m)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        exact = all(np.array_equal(o, xs[0] + xs[1]) for o in outs)
+        return gaps, exact
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_reduction_server_workers_keep_the_servers_in_lockstep():
+    """A worker spends a credit on a server only while it is at most ``lead`` results ahead of
+    the slowest unfinished server; without the rule (a lead no run reaches) the fast servers
+    run ahead of a slow one, so the check can fail."""
+    from testbed.collectives.server import LEAD_PIECES
+
+    gaps, exact = _rs_lead_trace(LEAD_PIECES)
+    assert exact and gaps and max(gaps) <= LEAD_PIECES, gaps
+    free, exact = _rs_lead_trace(1 << 30)
+    assert exact and max(free) > LEAD_PIECES + 2, free

@@ -200,6 +200,68 @@ def _iperf_mbps(client, server, server_ip, seconds=2) -> float:
     return data["end"]["sum_received"]["bits_per_second"] / 1e6
 
 
+_RTO_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 5297)); s.listen(); s.settimeout(10); c, _ = s.accept(); time.sleep(2)
+"""
+_RTO_CLIENT = """
+import re, socket, subprocess, sys, time
+for _ in range(50):
+    try:
+        s = socket.create_connection((sys.argv[1], 5297), timeout=5); break
+    except OSError:
+        time.sleep(0.1)
+s.sendall(b"x" * 1000); time.sleep(0.3)
+out = subprocess.run(["ss", "-tinH", "dst", sys.argv[1]], capture_output=True, text=True).stdout
+print("RTO", re.search(r"\\brto:([0-9.]+)", out).group(1))
+"""
+
+
+def _tcp_rto_ms(client, server, server_ip, tmp_path) -> float:
+    """The retransmission timeout (ms) of a fresh TCP connection from ``client`` to ``server``
+    after one exchange on an idle network: the minimum RTO plus a few ms."""
+    import sys
+
+    (tmp_path / "rto_server.py").write_text(_RTO_SERVER)
+    (tmp_path / "rto_client.py").write_text(_RTO_CLIENT)
+    srv = server.popen([sys.executable, str(tmp_path / "rto_server.py"), server_ip])
+    try:
+        out = client.cmd(f"{sys.executable} {tmp_path / 'rto_client.py'} {server_ip}")
+    finally:
+        srv.kill()
+        srv.wait()
+    return float(out.split("RTO", 1)[1].split()[0])
+
+
+@pytest.mark.mininet
+def test_dilated_network_stretches_every_hosts_minimum_tcp_rto(tmp_path):
+    """The kernel's 200 ms floor times f on every host, through the per-namespace sysctl, or
+    through the routes' rto_min on kernels without it (forced here on one host): a fresh
+    connection's RTO is the floor plus a few ms."""
+    from testbed.topologies import TestbedNet
+    from testbed.topologies.net import TCP_RTO_MIN_US, tcp_rto_min_cmd
+
+    with TestbedNet(Star(2, bw_mbps=100), time_dilation=2) as net:
+        a, b = net.hosts
+        knob = "cat /proc/sys/net/ipv4/tcp_rto_min_us 2>/dev/null"
+        if a.cmd(knob).strip():
+            assert [int(h.cmd(knob)) for h in net.hosts] == [2 * TCP_RTO_MIN_US] * 2
+        assert 400 <= _tcp_rto_ms(a, b, net.host_ips[1], tmp_path) < 450
+        net.set_time_dilation(4)
+        assert 800 <= _tcp_rto_ms(a, b, net.host_ips[1], tmp_path) < 850
+        if a.cmd(knob).strip():  # the routes' way: the namespace floor back at 200 ms
+            a.cmd(f"echo {TCP_RTO_MIN_US} > /proc/sys/net/ipv4/tcp_rto_min_us")
+            assert 200 <= _tcp_rto_ms(a, b, net.host_ips[1], tmp_path) < 250
+            out = a.cmd(tcp_rto_min_cmd(a.defaultIntf().name, 3, per_netns=False))
+            assert "rror" not in out, out
+            assert "rto_min" in a.cmd(f"ip -4 route show dev {a.defaultIntf().name}")
+            assert 600 <= _tcp_rto_ms(a, b, net.host_ips[1], tmp_path) < 650
+            a.cmd(tcp_rto_min_cmd(a.defaultIntf().name, 1, per_netns=False))
+        net.set_time_dilation(1)
+        assert 200 <= _tcp_rto_ms(a, b, net.host_ips[1], tmp_path) < 250
+
+
 @pytest.mark.mininet
 def test_dilated_network_slows_links_stretches_delays_and_reports_undilated_time():
     from testbed.collectives import run_collective
