@@ -47,9 +47,10 @@ def worker_allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, m: int,
     let one server fall behind for good: its workers' uplinks filled with the other servers'
     pieces, so its own waited behind them (TCP small queues share a FIFO per socket, not by
     need), its results came late, its credits later, and its last pieces ran alone at the
-    end. Star of 8, f=12, 4 MiB: one run in three at 1.13-1.25 of the model, one host's links
-    at 0.6-0.8 of their rate from the first second; with ``lead`` = 1 (or 0), 16 runs at
-    1.00-1.055. The slowest server's own credits are never held, so it cannot deadlock.
+    end. Star of 8, f=12, 4 MiB: about one run in four at 1.13-1.25 of the model (most often
+    a network's first), one host's links at 0.6-0.8 of their rate from the first second; with
+    ``lead`` = 1, 16 runs at 1.00-1.08 (0: 1.00-1.05). The slowest server's own credits are
+    never held, so it cannot deadlock.
     """
     b = shard_bounds(x.size, m)
     pieces = [list(chunks(int(b[j]), int(b[j + 1]), chunk)) for j in range(m)]
