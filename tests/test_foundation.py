@@ -128,15 +128,6 @@ def _cmdlines() -> dict[int, str]:
     return out
 
 
-def _running(pid: int) -> bool:
-    """``pid`` exists and has not exited (a zombie has no command line or namespace left)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _netns_of(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -197,10 +188,11 @@ def test_cleanup_after_sigkilled_star_removes_all_of_it_and_nothing_else(capsys)
             listed = {int(d.split()[0]) for d in cleanup.leftovers()["processes"]}
             cmds = _cmdlines()
             assert os.getpid() not in listed and not listed & {p.pid for p in decoys}
-            # (a process of the dying star that exited since it was listed has neither)
+            # (a process of the dying star that exited since it was listed, gone or a zombie:
+            # no start time, has neither)
             assert all(_netns_of(pid) in host_ns | tkill_ns or "mininet:tb" in cmds.get(pid, "")
                        or "testbed-node=" in cmds.get(pid, "") for pid in listed
-                       if _running(pid)), listed
+                       if cleanup._start_time(pid) is not None), listed
 
             removed = cleanup.cleanup()
             assert removed["errors"] == []
