@@ -128,3 +128,16 @@ def test_decision_reasons():
 def test_an_empty_group_reports_zeros():
     rep = cpumon.CpuMonitor({"ranks": [os.getpid()], "engines": []}).stop()
     assert rep.group_max["engines"] == 0.0 and rep.group_cpu_s["engines"] == 0.0
+
+
+def test_kernel_events_count_what_the_machine_did():
+    """Sleeps are timer wake-ups and context switches; the machine-wide counters grow by
+    at least what this process caused."""
+    before = cpumon.kernel_events()
+    for _ in range(50):
+        time.sleep(0.001)
+    after = cpumon.kernel_events()
+    assert after["ctx_switches"] - before["ctx_switches"] >= 50
+    assert after["net_softirqs"] >= before["net_softirqs"] >= 0
+    if before["timer_irqs"] is not None:  # x86's LOC or arm64's arch_timer line
+        assert after["timer_irqs"] - before["timer_irqs"] >= 50

@@ -50,6 +50,10 @@ def test_capacity_rows_measure_real_runs():
         # at least what the engine process alone used in it (the engine's counters span a
         # little more than the timed run: a generous margin)
         assert r["cpu_s_per_kpkt_machine"] > 0.5 * r["cpu_s_per_kpkt_engine"], r
+        # every packet crossed the switch on shaped links: the kernel ran its network
+        # softirqs and switched contexts while the run lasted (x86 and arm64 name their timer)
+        assert r["net_softirqs_per_pkt"] > 0 and r["ctx_switches_per_pkt"] > 0, r
+        assert r["timer_irqs_per_pkt"] is None or r["timer_irqs_per_pkt"] > 0, r
         assert r["max_workers_not_cpu_bound"] == (0 if r["cpu_bound"] else 2)
         assert r["io"] == "ring" and r["time_dilation"] == 1.0
         # the calibration found a factor, or says why none kept the run below saturation

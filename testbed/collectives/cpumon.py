@@ -100,6 +100,41 @@ def core_times(cpus: set[int] | None = None) -> dict[int, tuple[int, int]]:
     return out
 
 
+#: the timer interrupt's line in ``/proc/interrupts``: x86's local APIC timer, arm64's timer
+TIMER_IRQ_LINES = ("LOC:", "arch_timer")
+
+
+def kernel_events() -> dict[str, int | None]:
+    """Machine-wide counts of the kernel events a packet's emulation costs besides its own
+    processing: ``timer_irqs`` (timer interrupts: the shapers' per-packet departures and the
+    sleepers' wake-ups), ``net_softirqs`` (NET_TX + NET_RX runs) and ``ctx_switches``. A
+    count this kernel does not expose is None."""
+    out: dict[str, int | None] = dict.fromkeys(("timer_irqs", "net_softirqs", "ctx_switches"))
+
+    def total(fields: list[str]) -> int:
+        return sum(int(x) for x in fields if x.isdigit())
+
+    try:
+        with open("/proc/interrupts") as f:
+            for line in f:
+                fields = line.split()
+                if fields and (fields[0] == TIMER_IRQ_LINES[0]
+                               or TIMER_IRQ_LINES[1] in fields[-1:]):
+                    out["timer_irqs"] = (out["timer_irqs"] or 0) + total(fields[1:])
+        with open("/proc/softirqs") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] in ("NET_TX:", "NET_RX:"):
+                    out["net_softirqs"] = (out["net_softirqs"] or 0) + total(fields[1:])
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("ctxt "):
+                    out["ctx_switches"] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
 @dataclass
 class CpuReport:
     """What :meth:`CpuMonitor.stop` measured (fractions of the run's wall time)."""

@@ -22,6 +22,11 @@ records
   Firecracker VMs these benchmarks ran on), a softirq's work is charged to whichever process
   was running, so a shaper's timer that delivers another host's packets while the engine runs
   is counted as the engine's system time;
+* ``timer_irqs_per_pkt``, ``net_softirqs_per_pkt``, ``ctx_switches_per_pkt`` (extra keys): the
+  machine's timer interrupts, NET_TX/NET_RX softirq runs and context switches per packet the
+  engine received, over the whole collective call (:func:`testbed.collectives.cpumon.
+  kernel_events`). Wherever a packet waits for a link's shaper, its departure is a timer:
+  these say how much of the cost is wake-ups rather than the packet's own processing;
 * ``max_workers_not_cpu_bound``: per algorithm, the largest ``n`` of the sweep that ran, like
   every smaller ``n``, without CPU saturation (0 when the smallest already saturated), the same
   on every row of the algorithm.
@@ -46,6 +51,7 @@ import sys
 import time
 
 from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.cpumon import kernel_events
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
 from testbed.collectives.report import render_table
 from testbed.experiment.fidelity import cpu_model
@@ -58,7 +64,8 @@ WORKERS = (2, 4, 8, 16)
 DILATE_WORKERS = (8, 16)
 ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
-EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "time_s", "model_s", "correct", "cpu_util", "cpu_wait", "cpu_engine", "cpu_max",
+EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
+              "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait", "cpu_engine", "cpu_max",
               "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "dilation_note",
               "cpu_model")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
@@ -91,14 +98,19 @@ def measure(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
     client = net.switch_client("tbs1")
     pk0, cpu0 = engine_totals(client.counters())
     if0 = sum(iface_packets(h) for h in hosts)
+    ev0 = kernel_events()
     spec = CollectiveSpec(algo=algo, nbytes=nbytes, window=window, timeout_s=timeout_s)
     r = run_collective(net, spec)[0]
+    ev1 = kernel_events()
     pk1, cpu1 = engine_totals(client.counters())
     worker_pkts = sum(iface_packets(h) for h in hosts) - if0
     engine_pkts = pk1 - pk0
     # the cores' busy time over the timed run: its busy fraction x cores x wall time
     machine_s = r["cpu_util"] * len(os.sched_getaffinity(0)) * r["time_s"] * r["time_dilation"]
-    return {
+    per_pkt = {f"{k}_per_pkt": round((ev1[k] - ev0[k]) / engine_pkts, 3)
+               if engine_pkts and ev0[k] is not None and ev1[k] is not None else None
+               for k in ev0}
+    return per_pkt | {
         "algo": algo, "n": n, "bw_mbps": r["bw_mbps"], "cpu_bound": r["cpu_bound"],
         "cpu_s_per_kpkt_engine": round((cpu1 - cpu0) / (engine_pkts / 1e3), 5)
         if engine_pkts else None,
