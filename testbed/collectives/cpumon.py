@@ -111,21 +111,24 @@ def kernel_events() -> dict[str, int | None]:
     count this kernel does not expose is None."""
     out: dict[str, int | None] = dict.fromkeys(("timer_irqs", "net_softirqs", "ctx_switches"))
 
-    def total(fields: list[str]) -> int:
-        return sum(int(x) for x in fields if x.isdigit())
+    def per_cpu_total(path: str, wanted) -> int | None:
+        """Sum of the per-CPU columns (as many as the header names) of the rows ``wanted``
+        accepts, None when none does."""
+        found = None
+        with open(path) as f:
+            ncpu = len(f.readline().split())
+            for line in f:
+                fields = line.split()
+                if fields and wanted(fields):
+                    found = (found or 0) + sum(int(x) for x in fields[1:1 + ncpu])
+        return found
 
     try:
-        with open("/proc/interrupts") as f:
-            for line in f:
-                fields = line.split()
-                if fields and (fields[0] == TIMER_IRQ_LINES[0]
-                               or TIMER_IRQ_LINES[1] in fields[-1:]):
-                    out["timer_irqs"] = (out["timer_irqs"] or 0) + total(fields[1:])
-        with open("/proc/softirqs") as f:
-            for line in f:
-                fields = line.split()
-                if fields and fields[0] in ("NET_TX:", "NET_RX:"):
-                    out["net_softirqs"] = (out["net_softirqs"] or 0) + total(fields[1:])
+        out["timer_irqs"] = per_cpu_total(
+            "/proc/interrupts",
+            lambda f: f[0] == TIMER_IRQ_LINES[0] or f[-1] == TIMER_IRQ_LINES[1])
+        out["net_softirqs"] = per_cpu_total("/proc/softirqs",
+                                            lambda f: f[0] in ("NET_TX:", "NET_RX:"))
         with open("/proc/stat") as f:
             for line in f:
                 if line.startswith("ctxt "):
