@@ -21,7 +21,8 @@ records
   where the kernel counts CPU time by ticks (``CONFIG_IRQ_TIME_ACCOUNTING`` unset, as on the
   Firecracker VMs these benchmarks ran on), a softirq's work is charged to whichever process
   was running, so a shaper's timer that delivers another host's packets while the engine runs
-  is counted as the engine's system time;
+  is counted as the engine's system time. None for a run shorter than
+  :data:`MACHINE_MIN_WALL_S`, too short for the kernel's ticks;
 * ``timer_irqs_per_pkt``, ``net_softirqs_per_pkt``, ``ctx_switches_per_pkt`` (extra keys): the
   machine's timer interrupts, NET_TX/NET_RX softirq runs and context switches per packet the
   engine received, over the whole collective call (:func:`testbed.collectives.cpumon.
@@ -62,6 +63,9 @@ ALGOS = ("ina", "ring")
 WORKERS = (2, 4, 8, 16)
 #: the worker counts at which the smallest non-saturating dilation factor is searched
 DILATE_WORKERS = (8, 16)
+#: the shortest timed run whose machine-wide CPU is reported: ``/proc/stat`` counts in ticks
+#: of 10 ms, so a 2-core machine's 0.5 s is 100 ticks (a 50 ms run read 0 busy ticks)
+MACHINE_MIN_WALL_S = 0.5
 ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
@@ -105,8 +109,11 @@ def measure(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
     pk1, cpu1 = engine_totals(client.counters())
     worker_pkts = sum(iface_packets(h) for h in hosts) - if0
     engine_pkts = pk1 - pk0
-    # the cores' busy time over the timed run: its busy fraction x cores x wall time
-    machine_s = r["cpu_util"] * len(os.sched_getaffinity(0)) * r["time_s"] * r["time_dilation"]
+    # the cores' busy time over the timed run: its busy fraction x cores x wall time, from
+    # the kernel's ticks, so only for a run long enough for them (None below)
+    wall_s = r["time_s"] * r["time_dilation"]
+    machine_s = r["cpu_util"] * len(os.sched_getaffinity(0)) * wall_s \
+        if wall_s >= MACHINE_MIN_WALL_S else None
     per_pkt = {f"{k}_per_pkt": round((ev1[k] - ev0[k]) / engine_pkts, 3)
                if engine_pkts and ev0[k] is not None and ev1[k] is not None else None
                for k in ev0}
@@ -118,7 +125,7 @@ def measure(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
         if worker_pkts else None,
         "max_workers_not_cpu_bound": None,
         "cpu_s_per_kpkt_machine": round(machine_s / (engine_pkts / 1e3), 5)
-        if engine_pkts else None,
+        if engine_pkts and machine_s is not None else None,
         "time_s": round(r["time_s"], 4), "model_s": round(r["model_s"], 4),
         "correct": r["correct"], "cpu_util": r["cpu_util"], "cpu_wait": r["cpu_wait"],
         "cpu_engine": r["cpu_engine"], "cpu_max": r["cpu_max"],
