@@ -69,8 +69,8 @@ MACHINE_MIN_WALL_S = 0.5
 ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
-              "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait", "cpu_engine", "cpu_max",
-              "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "dilation_note",
+              "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
+              "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "dilation_note",
               "cpu_model")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
            "min f", "time s", "model s", "correct", "cores", "wait", "engine", "machine s/kpkt")
