@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -344,3 +347,27 @@ def test_failing_stage_drops_burst_and_engine_continues():
             if eng is not None:
                 eng.close()
             subprocess.run(["ip", "link", "del", "tbdx0"], check=False)
+
+
+class _HeldUntil:
+    """A stage holding one frame due at ``due_ns`` (only its deadline matters here)."""
+
+    def __init__(self, due_ns):
+        self.due_ns = due_ns
+
+    def next_deadline_ns(self):
+        return self.due_ns
+
+
+def test_idle_engine_sleeps_until_a_sub_millisecond_deadline_instead_of_spinning():
+    """poll() counts whole milliseconds: a frame due in 0.6 ms must be waited for, not polled
+    for with a zero timeout (which returned at once and spun a CPU until it was due)."""
+    engine = SimpleNamespace(stages=[_HeldUntil(None), _HeldUntil(time.monotonic_ns() + 600_000)])
+    engine._deadline_wait_ns = lambda: Engine._deadline_wait_ns(engine)
+    t0 = time.monotonic_ns()
+    assert Engine._idle_wait(engine, select.poll()) == []
+    assert time.monotonic_ns() - t0 >= 500_000  # a sleep never returns early
+    assert Engine._deadline_wait_ns(engine) <= 0  # and it is due now
+    # nothing held: None; a deadline already passed: due (<= 0)
+    assert Engine._deadline_wait_ns(SimpleNamespace(stages=[_HeldUntil(None)])) is None
+    assert Engine._deadline_wait_ns(SimpleNamespace(stages=[_HeldUntil(1)])) < 0

@@ -66,6 +66,8 @@ from testbed.datapath.trace import Tracer
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
 DEFAULT_COALESCE_US = 50.0
+#: the longest an idle engine waits before looking round (telemetry stays fresh)
+IDLE_POLL_MS = 200
 MAX_COALESCE_US = 10_000.0
 DEFAULT_IO = "ring"
 #: adaptive coalescing (see Engine): longest wait as a multiple of coalesce_us, and the CPU
@@ -402,22 +404,35 @@ class Engine:
         b.out_port[: b.n] = PORT_DROP
         b.reason[: b.n] = int(DropReason.OTHER)
 
-    def _poll_timeout_ms(self) -> int:
+    def _deadline_wait_ns(self) -> int | None:
+        """Nanoseconds until the earliest stage deadline (<= 0: due now); None when no stage
+        holds anything."""
         now = time.monotonic_ns()
-        t = 200  # wake regularly to refresh telemetry even when idle
+        wait = None
         for s in self.stages:
             d = s.next_deadline_ns()
-            if d is not None:
-                t = min(t, max(0, (d - now) // 1_000_000))
-        return int(t)
+            if d is not None and (wait is None or d - now < wait):
+                wait = d - now
+        return wait
 
-    def _deadline_due(self) -> bool:
-        now = time.monotonic_ns()
-        for s in self.stages:
-            d = s.next_deadline_ns()
-            if d is not None and d <= now:
-                return True
-        return False
+    def _idle_wait(self, poller) -> list:
+        """Wait for a port, the control channel or the next stage deadline; the ready fds.
+
+        ``poll()`` counts whole milliseconds, so a held frame due in less than one (a link's
+        departure clock, a delay line) is waited for with a sleep. Polling with a zero timeout
+        until it was due spun a CPU whenever a stage held frames. Ring allreduce, star of 4,
+        100 Mb/s, 8 MiB, machine CPU per packet (the engine's in brackets): with 1 ms of
+        emulated delay on every link 13.1 (8.5) us spinning, 10.2 (3.7-3.9) us sleeping; with
+        the switch's egress queued in the ``trim`` stage 24-25 (19.6) against 19-20 (15.1) us.
+        The sleep's timer slack lets a few departures share one wake-up; the stages' clocks
+        are virtual, so a late wake-up sends what was due and keeps the rate."""
+        wait = self._deadline_wait_ns()
+        if wait is not None and 0 < wait < 1_000_000:
+            time.sleep(wait / 1e9)
+            return poller.poll(0)
+        # wake regularly to refresh telemetry even when idle
+        return poller.poll(IDLE_POLL_MS if wait is None else min(IDLE_POLL_MS,
+                                                                 max(0, wait // 1_000_000)))
 
     def serve(self) -> None:
         """Main loop until stopped (signal or control ``stop``)."""
@@ -435,7 +450,7 @@ class Engine:
                 events = poller.poll(0) if self.control is not None and \
                     self.bursts % 64 == 0 else []
             else:
-                events = poller.poll(self._poll_timeout_ms())
+                events = self._idle_wait(poller)
             for fd, _ev in events:
                 if fd in port_fds:
                     continue
@@ -449,7 +464,9 @@ class Engine:
                             pass
             got = self.run_burst()
             busy = got > 0
-            if not busy and (self._deadline_due() or any(p.tx_pending for p in self.io)):
+            wait = None if busy else self._deadline_wait_ns()
+            if not busy and ((wait is not None and wait <= 0)
+                             or any(p.tx_pending for p in self.io)):
                 busy = True  # a held packet is due, or frames wait to be sent: go round
             elif 0 < got < self.rx_burst // 8 and self.hold_s:
                 time.sleep(self.hold_s)
