@@ -362,7 +362,8 @@ class _HeldUntil:
 def test_idle_engine_sleeps_until_a_sub_millisecond_deadline_instead_of_spinning():
     """poll() counts whole milliseconds: a frame due in 0.6 ms must be waited for, not polled
     for with a zero timeout (which returned at once and spun a CPU until it was due)."""
-    engine = SimpleNamespace(stages=[_HeldUntil(None), _HeldUntil(time.monotonic_ns() + 600_000)])
+    engine = SimpleNamespace(stages=[_HeldUntil(None), _HeldUntil(time.monotonic_ns() + 600_000)],
+                             hold_s=0.0)
     engine._deadline_wait_ns = lambda: Engine._deadline_wait_ns(engine)
     t0 = time.monotonic_ns()
     assert Engine._idle_wait(engine, select.poll()) == []
