@@ -424,10 +424,10 @@ class Engine:
         100 Mb/s, 8 MiB, machine CPU per packet (the engine's in brackets): with 1 ms of
         emulated delay on every link 13.1 (8.5) us spinning, 10.2 (3.7-3.9) us sleeping; with
         the switch's egress queued in the ``trim`` stage 24-25 (19.6) against 19-20 (15.1) us,
-        and 16.6-17.9 (12.7-12.9) us with the coalescing wait added. The sleep lasts the coalescing wait longer (``hold_s``, as after a short burst), so
-        the departures due within it share one wake-up: the latency-for-CPU trade of the
-        receive side. The stages' clocks are virtual, so a late wake-up sends what was due
-        and keeps the rate."""
+        and 16.6-17.9 (12.7-12.9) us with the coalescing wait added: the sleep lasts
+        ``hold_s`` longer (as after a short burst), so the departures due within it share one
+        wake-up, the receive side's latency-for-CPU trade. The stages' clocks are virtual, so
+        a late wake-up sends what was due and keeps the rate."""
         wait = self._deadline_wait_ns()
         if wait is not None and 0 < wait < 1_000_000:
             time.sleep(wait / 1e9 + self.hold_s)
