@@ -27,6 +27,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -42,6 +43,15 @@ STREAM_MIN_BYTES = 4 << 20
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
+
+
+def host_cpu_has(feature: str) -> bool:
+    """Whether LLVM reports ``feature`` (e.g. ``"avx512f"``, ``"f16c"``) for this host's CPU,
+    the one Numba compiles for; False where it gives no feature map."""
+    try:
+        return bool(llvm.get_host_cpu_features().get(feature, False))
+    except Exception:  # noqa: BLE001 - no feature map on some hosts
+        return False
 
 
 @intrinsic

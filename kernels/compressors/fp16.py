@@ -12,7 +12,6 @@ from __future__ import annotations
 import platform
 
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
@@ -24,6 +23,7 @@ from testbed.kernels.simd import (
     aligned_head,
     contiguous,
     half_block,
+    host_cpu_has,
     store_fence,
     stream_parts,
 )
@@ -145,10 +145,7 @@ def _host_has_half_conversion() -> bool:
     """True when LLVM lowers float<->half to instructions here (x86 F16C, any arm64)."""
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
-    try:
-        return bool(llvm.get_host_cpu_features().get("f16c", False))
-    except Exception:  # no feature map: take the portable bit-twiddling path
-        return False
+    return host_cpu_has("f16c")  # else the portable bit-twiddling path
 
 
 #: Whether the kernels use the hardware conversion (else the bit-exact software one).

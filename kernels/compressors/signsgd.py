@@ -8,13 +8,12 @@ vote of the signs instead).
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from testbed.kernels.parallel import block_range, kernel
-from testbed.kernels.simd import mask64, store_u64le, stream_parts, vector_of
+from testbed.kernels.simd import host_cpu_has, mask64, store_u64le, stream_parts, vector_of
 
 from .base import Compressor
 
@@ -59,11 +58,7 @@ def _read_streams() -> int:
     ~20 GB/s and four 26-31 GB/s; on AMD Zen 5 (AVX-512) two streams ran at 1.05-1.06 of numpy
     add, four at 0.95-0.96 and eight at 0.99-1.00. Numba's cache is keyed on the host CPU's
     name and features, so a cached kernel always matches this choice."""
-    try:
-        wide = bool(llvm.get_host_cpu_features().get("avx512f", False))
-    except Exception:  # no feature map (some non-x86 hosts): the AVX2 choice
-        wide = False
-    return 2 if wide else 4
+    return 2 if host_cpu_has("avx512f") else 4
 
 
 READ_STREAMS = _read_streams()
