@@ -25,8 +25,8 @@ Where dilation is exact and where not:
   reports the per-packet software latency of a faster machine. The CPU cost per packet is
   the same, but packets per second drop by f, which is the point. The kernel's delayed-ACK
   timer is not dilated either (ACKs come relatively sooner: harmless). Its minimum RTO is
-  (``testbed.topologies.net.TCP_RTO_MIN_US``): undilated, the 200 ms floor fired on a dilated queue's
-  delay alone (spurious timeouts, then a slow start);
+  (``testbed.topologies.net.TCP_RTO_MIN_US``): undilated, the 200 ms floor fired on a
+  dilated queue's delay alone (spurious timeouts, then a slow start);
 * **not a cure for a busy machine**: other processes' load does not shrink with f. When the
   cores are saturated whatever the factor, :func:`calibrate` says so instead of climbing.
 
