@@ -453,6 +453,9 @@ def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
 def bench_capacity(json_out: bool = typer.Option(False, "--json"),
                    workers: str = typer.Option("2,4,8,16", help="host counts of the sweep"),
                    io: str = typer.Option("ring", help="engine packet I/O: ring or mmsg"),
+                   shaping: str = typer.Option(
+                       "engine", help="who shapes the switch's ports: engine (its shape "
+                                      "stage) or qdisc (the kernel's HTB)"),
                    mib: int = typer.Option(8, help="allreduce size (MiB)"),
                    bw: float = typer.Option(100.0, help="link rate (Mb/s)"),
                    time_dilation: float = typer.Option(
@@ -474,7 +477,7 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
     try:
         code = main(json_out=json_out, workers=ints("--workers", workers), io=io,
                     nbytes=mib << 20, bw_mbps=bw, time_dilation=time_dilation,
-                    dilate_workers=ints("--dilate", dilate))
+                    dilate_workers=ints("--dilate", dilate), shaping=shaping)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     raise typer.Exit(code)

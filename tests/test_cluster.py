@@ -183,14 +183,17 @@ def test_ring_and_ina_exact_across_two_servers(server):
         (tunnel,) = net.tunnel_report()
         assert sorted(tunnel["links"]) == ["tbl1-tbsp2", "tbl2-tbsp1"]
         assert tunnel["rate_mbps"] > 0 and tunnel["latency_ms"] is not None
-        # both ends of a tunnel are VXLAN devices, shaped like every other link
+        # both ends of a tunnel are VXLAN devices, shaped like every other port of a
+        # programmable switch: by its engine's shape stage, not a qdisc
         for node in ("tbl1", "tbsp2"):
             peer = "tbsp2" if node == "tbl1" else "tbl1"
             sw = net.mininet.get(node)
             (intf,) = [i for i in sw.intfList() if i.link and peer in
                        (i.link.intf1.node.name, i.link.intf2.node.name)]
             assert "vxlan id" in sw.cmd(f"ip -d link show {intf.name}")
-            assert " htb " in sw.cmd(f"tc qdisc show dev {intf.name}")
+            assert " htb " not in sw.cmd(f"tc qdisc show dev {intf.name}")
+            assert dict(net.programs_plan()[node])["shape"]["rate_mbps"][intf.name] == 100.0
+            assert intf.name in net.counters()["datapath"][node]["stages"]["shape"]["ports"]
         assert net.describe()["cluster"]["servers"] == ["localhost", server.netns]
         conn = net.connections[server.netns]
         # long enough (about half a second each) for the watch to see the server's ranks

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, Batch, DropReason
-from testbed.datapath.trim import TrimStage
+from testbed.datapath.trim import ShapeStage, TrimStage
 from testbed.kernels import packets, trimming, wire
 from testbed.kernels.reference import packets as ref_packets
 from testbed.kernels.reference import trimming as ref_trimming
@@ -151,6 +151,42 @@ def test_drop_tail_mode_drops_instead_of_trimming():
     assert (c["passed"], c["enqueued"], c["trimmed"], c["dropped"]) == (1, 3, 0, 6)
 
 
+def test_shape_stage_is_a_drop_tail_link_on_the_ports_it_names():
+    frames, _ = trim_layout_frames(256, 1010)  # trimmable, yet a shaping queue never trims
+    ln = len(frames[0])
+    stage = ShapeStage(ports=["a", "b"], rate_mbps={"b": 100.0}, burst_bytes=0)
+    b = Batch(2048)
+    load(b, frames[:5], [0] * 5)
+    stage.process(b, T0)
+    assert list(b.out_port[:5]) == [0] * 5  # port a is not shaped: nothing held
+    # port b: one leaves at once, the kernel's default queue (txqueuelen, 1000) holds the next
+    # 1000 and the rest are dropped, never trimmed
+    load(b, frames, [1] * 1010)
+    stage.process(b, T0)
+    assert list(b.out_port[:1010]) == [1] + [PORT_HELD] * 1000 + [PORT_DROP] * 9
+    c = stage.counters()
+    assert c["mode"] == "drop_tail" and c["ports"]["b"]["trimmed"] == 0
+    assert (c["ports"]["b"]["dropped"], c["ports"]["b"]["depth_pkts"]) == (9, 1000)
+    # the queue drains at 100 Mb/s: after 10 frame times, 10 more have left, in order
+    b.reset()
+    stage.process(b, T0 + int(10 * ln * 8 * 1000 / 100.0))
+    assert [f for f, _ in sent(b)] == frames[1:11]
+    # by default a port may run HTB's burst (15 000 B) ahead of its clock: that many bytes
+    # leave at once, and the engine is next due when the clock is that close to the next frame
+    burst = ShapeStage(ports=["a", "b"], rate_mbps={"b": 100.0})
+    load(b, frames[:30], [1] * 30)
+    burst.process(b, T0)
+    first = 15_000 // ln + 1
+    assert list(b.out_port[:30]) == [1] * first + [PORT_HELD] * (30 - first)
+    assert burst.next_deadline_ns() == T0 + int(np.ceil((first * ln - 15_000) * 80.0))
+    stage.configure(rate_mbps={"a": 5.0}, threshold_pkts=3)  # a time-dilated or resized link
+    assert stage.ns_per_byte[0] == pytest.approx(8000 / 5.0)
+    with pytest.raises(ValueError, match="only drops its tail"):
+        stage.configure(mode="trim")
+    with pytest.raises(ValueError, match="threshold_pkts"):
+        ShapeStage(n_ports=1, queue_slots=10, threshold_pkts=20)
+
+
 def test_untrimmable_frames_are_dropped_and_header_queue_full_drops():
     frames, _ = trim_layout_frames(64, 6)
     other = int32_frames(64, 2)
@@ -239,7 +275,9 @@ def ref_valid(f: bytes) -> bool:
 class TrimTwin:
     """Deque-per-port model of ``trim_kernel``."""
 
-    def __init__(self, n_ports, nspb, thr_bytes, thr_pkts, ecn, mode, hdr_prio, qslots, hslots):
+    def __init__(self, n_ports, nspb, thr_bytes, thr_pkts, ecn, mode, hdr_prio, qslots, hslots,
+                 burst=0):
+        self.slack = burst * nspb  # how far ahead of its clock a port may send
         self.nspb, self.thr_bytes, self.thr_pkts, self.ecn = nspb, thr_bytes, thr_pkts, ecn
         self.mode, self.hdr_prio, self.qslots, self.hslots = mode, hdr_prio, qslots, hslots
         self.dq = [deque() for _ in range(n_ports)]
@@ -250,7 +288,7 @@ class TrimTwin:
     def _drain(self, p, now, out, emitted):
         while True:
             use_h = bool(self.hq[p]) and (self.hdr_prio or not self.dq[p])
-            if (not use_h and not self.dq[p]) or self.next_free[p] > now:
+            if (not use_h and not self.dq[p]) or self.next_free[p] > now + self.slack:
                 return
             f = (self.hq[p] if use_h else self.dq[p]).popleft()
             out.append((f, p))
@@ -267,8 +305,8 @@ class TrimTwin:
         for f, p in pkts:
             dqb = sum(len(x) for x in self.dq[p])
             if not self.dq[p] and not self.hq[p] and p not in emitted \
-                    and self.next_free[p] <= now:
-                self.next_free[p] = now + len(f) * self.nspb
+                    and self.next_free[p] <= now + self.slack:
+                self.next_free[p] = max(self.next_free[p], now) + len(f) * self.nspb
                 decisions.append(("pass", f))
                 continue
             full = dqb + len(f) > self.thr_bytes or len(self.dq[p]) >= self.qslots or (
@@ -311,16 +349,20 @@ step = st.tuples(st.integers(0, 3_000_000),
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rate=st.sampled_from([1.0, 10.0, 100.0]), thr_bytes=st.sampled_from([0, 1500, 4000]),
+@given(rate=st.sampled_from([1.0, 10.0, 100.0, None]), thr_bytes=st.sampled_from([0, 1500, 4000]),
        thr_pkts=st.sampled_from([0, 2, 5]), ecn=st.sampled_from([0, 600]),
        mode=st.sampled_from(["trim", "drop_tail"]), hdr_prio=st.booleans(),
-       steps=st.lists(step, min_size=1, max_size=12))
+       burst=st.sampled_from([0, 1500, 15_000]), steps=st.lists(step, min_size=1, max_size=12))
 def test_trim_kernel_matches_plain_python_twin(rate, thr_bytes, thr_pkts, ecn, mode, hdr_prio,
-                                               steps):
-    stage = TrimStage(n_ports=2, rate_mbps=rate, threshold_bytes=thr_bytes,
+                                               burst, steps):
+    stage = TrimStage(n_ports=2, rate_mbps=rate or 1.0, threshold_bytes=thr_bytes,
                       threshold_pkts=thr_pkts, ecn_threshold_bytes=ecn, mode=mode,
-                      header_priority=hdr_prio, queue_slots=6, header_slots=3)
-    twin = TrimTwin(2, 8000.0 / rate, thr_bytes, thr_pkts, ecn, mode, hdr_prio, 6, 3)
+                      header_priority=hdr_prio, queue_slots=6, header_slots=3,
+                      burst_bytes=burst)
+    if rate is None:  # an unshaped port (the shape stage's default): no drain time at all
+        stage.ns_per_byte[:] = 0.0
+    twin = TrimTwin(2, 8000.0 / rate if rate else 0.0, thr_bytes, thr_pkts, ecn, mode, hdr_prio,
+                    6, 3, burst)
     b = Batch(64)
     now = T0
     for dt, pk in steps:

@@ -32,6 +32,8 @@ def test_bad_arguments_fail_before_building_anything():
         run(workers=(1,))
     with pytest.raises(ValueError, match="io"):
         run(workers=(2,), io="xdp")
+    with pytest.raises(ValueError, match="shaping"):
+        run(workers=(2,), shaping="tbf")
 
 
 @pytest.mark.mininet
@@ -54,7 +56,7 @@ def test_capacity_rows_measure_real_runs():
         assert r["net_softirqs_per_pkt"] > 0 and r["ctx_switches_per_pkt"] > 0, r
         assert r["timer_irqs_per_pkt"] is None or r["timer_irqs_per_pkt"] > 0, r
         assert r["max_workers_not_cpu_bound"] == (0 if r["cpu_bound"] else 2)
-        assert r["io"] == "ring" and r["time_dilation"] == 1.0
+        assert r["io"] == "ring" and r["shaping"] == "engine" and r["time_dilation"] == 1.0
         # the calibration found a factor, or says why none kept the run below saturation
         assert (r["min_time_dilation"] or 0) >= 1.0 or r["dilation_note"], r
     ina, ring = rows
@@ -70,10 +72,13 @@ def test_capacity_rows_measure_real_runs():
 def test_capacity_machine_cpu_per_packet():
     """A run long enough for the kernel's CPU ticks: the machine's busy time per packet is
     at least what the engine process used (its counters span a little more than the timed
-    run: a generous margin)."""
-    rows = run(workers=(2,), algos=("ina",), nbytes=8 << 20, timeout_s=60, dilate_workers=())
+    run: a generous margin). With the kernel shaping the switch's ports, the comparison
+    ``--shaping qdisc`` offers."""
+    rows = run(workers=(2,), algos=("ina",), nbytes=8 << 20, timeout_s=60, dilate_workers=(),
+               shaping="qdisc")
     (r,) = rows
     assert r["correct"] is True and r["time_s"] >= MACHINE_MIN_WALL_S, r
+    assert r["shaping"] == "qdisc"
     assert r["cpu_s_per_kpkt_machine"] > 0.5 * r["cpu_s_per_kpkt_engine"] > 0, r
 
 
@@ -82,3 +87,4 @@ def test_cli_wiring():
     out = subprocess.run([sys.executable, "-m", "testbed.cli", "bench", "capacity", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--workers" in out.stdout and "--io" in out.stdout
+    assert "--shaping" in out.stdout

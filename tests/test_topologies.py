@@ -343,14 +343,18 @@ def test_programmable_star_forwards_and_has_the_aggregator(held_lock):
     topo = Star(3, switch="programmable", bw_mbps=20)
     with TestbedNet(topo) as net:
         assert net.forwarding_mode == "datapath"
-        # HTB shaping holds through the engine too (it sends through the port's qdisc)
+        # the engine shapes the switch's ports itself (its 'shape' stage), not the kernel
         got = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
         assert 18.0 <= got <= 22.0, got
+        assert " htb " not in subprocess.run(["tc", "qdisc", "show", "dev", "tbs1-eth2"],
+                                             capture_output=True, text=True).stdout
         assert net.aggregator == {"ip": "10.0.0.254", "mac": "02:54:42:00:00:fe",
                                   "switch": "tbs1"}
         assert net.pingall()["failed"] == []
         c = net.counters()["datapath"]["tbs1"]
-        assert set(c["stages"]) == {"aggregate", "forward"}
+        assert set(c["stages"]) == {"aggregate", "forward", "shape"}
+        assert c["stages"]["shape"]["totals"]["passed"] + \
+            c["stages"]["shape"]["totals"]["enqueued"] > 0
         assert c["stages"]["forward"]["unicast"] > 0
         assert net.switch_client("tbs1").request("ping") == "pong"
         with pytest.raises(KeyError, match="not a programmable node"):
@@ -425,7 +429,7 @@ def test_delay_without_netem_runs_in_the_datapath_impair_stages(held_lock):
     topo = Star(2, switch="programmable", delay_ms=5)
     with TestbedNet(topo) as net:
         stages = net.counters()["datapath"]["tbs1"]["stages"]
-        assert list(stages) == ["impair_ingress", "aggregate", "forward", "impair"]
+        assert list(stages) == ["impair_ingress", "aggregate", "forward", "impair", "shape"]
         assert net.describe()["impairments"] == "datapath"
         out = net.hosts[0].cmd(f"ping -c 10 -i 0.05 -q {net.host_ips[1]}")
         rtt_min, rtt_avg = map(float, re.search(r"= ([\d.]+)/([\d.]+)/", out).groups())
@@ -445,7 +449,8 @@ def test_program_overrides_and_the_aggregate_stage():
     ls = TestbedNet(LeafSpine(2, 2, 1, switch="programmable",
                               programs={"switch": ["aggregate", "forward"]}))
     # every programmable switch aggregates (any can be in a job's tree), each as itself
-    assert names(ls) == {s: ["aggregate", "forward"] for s in ("tbl1", "tbl2", "tbsp1", "tbsp2")}
+    assert names(ls) == {s: ["aggregate", "forward", "shape"]
+                         for s in ("tbl1", "tbl2", "tbsp1", "tbsp2")}
     idents = {n: (dict(p)["aggregate"]["agg_ip"], dict(p)["aggregate"]["agg_mac"])
               for n, p in ls.programs_plan().items()}
     assert idents["tbsp1"] == ("10.0.0.254", "02:54:42:00:00:fe")  # the classic aggregator
@@ -454,8 +459,8 @@ def test_program_overrides_and_the_aggregate_stage():
     assert fwd["learn"] is False and fwd["l2"]["00:00:00:00:00:02"] == ["tbl1-eth2", "tbl1-eth3"]
     star = TestbedNet(Star(2, switch="programmable", smartnic=True,
                            programs={"tbs1": ["forward", ("trim", {})], "smartnic": ["wire"]}))
-    assert names(star) == {"tbs1": ["aggregate", "forward", "trim"], "tbn1": ["wire"],
-                           "tbn2": ["wire"]}
+    assert names(star) == {"tbs1": ["aggregate", "forward", "trim"], "tbn1": ["wire", "shape"],
+                           "tbn2": ["wire", "shape"]}
     with pytest.raises(TopologyError, match=r"programs\['tbs1'\]"):
         TestbedNet(Star(2, switch="programmable", programs={"tbs1": [42]}))
     if not netem_available():

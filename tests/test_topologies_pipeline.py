@@ -28,7 +28,7 @@ def stage(plan: dict, node: str, program: str, k: int = 0) -> dict:
 
 def test_star_aggregator_and_forwarding_table():
     plan = compose(Star(3, switch="programmable"))
-    assert names(plan) == {"tbs1": ["aggregate", "forward"]}
+    assert names(plan) == {"tbs1": ["aggregate", "forward", "shape"]}
     fwd = stage(plan, "tbs1", "forward")
     assert fwd["learn"] is False
     assert fwd["l2"] == {host_mac(r): [f"tbs1-eth{r + 1}"] for r in range(3)}
@@ -36,14 +36,15 @@ def test_star_aggregator_and_forwarding_table():
     assert AGGREGATOR_MAC not in fwd["l2"]
     assert compose(Star(3)) == {}  # Linux bridges run no data path
     assert names(compose(Star(3, switch="programmable", aggregator=None))) == {
-        "tbs1": ["forward"]}
+        "tbs1": ["forward", "shape"]}
 
 
 def test_leaf_spine_generic_override_ecmp_and_mixed_bridges():
     plan = compose(LeafSpine(2, 2, 2, switch="programmable",
                              programs={"switch": ["aggregate", ("forward", {"learn": True})]}))
     # every programmable switch aggregates (any can be in a job's tree)
-    assert names(plan) == {s: ["aggregate", "forward"] for s in ("tbl1", "tbl2", "tbsp1", "tbsp2")}
+    assert names(plan) == {s: ["aggregate", "forward", "shape"]
+                           for s in ("tbl1", "tbl2", "tbsp1", "tbsp2")}
     leaf = stage(plan, "tbl1", "forward")
     assert leaf["learn"] is True  # the override's own setting wins over the default
     # a host on the other leaf: one ECMP member per spine; the aggregator only via tbsp1
@@ -51,7 +52,8 @@ def test_leaf_spine_generic_override_ecmp_and_mixed_bridges():
     assert leaf["l2"][host_mac(0)] == ["tbl1-eth1"]
     assert leaf["l2"][AGGREGATOR_MAC] == ["tbl1-eth3"]
     mixed = compose(LeafSpine(2, 2, 1, switch={"tbsp1", "tbsp2"}))
-    assert names(mixed) == {"tbsp1": ["aggregate", "forward"], "tbsp2": ["aggregate", "forward"]}
+    assert names(mixed) == {"tbsp1": ["aggregate", "forward", "shape"],
+                            "tbsp2": ["aggregate", "forward", "shape"]}
 
 
 def test_fat_tree_every_switch_routes_every_host():
@@ -75,13 +77,13 @@ def test_fat_tree_every_switch_routes_every_host():
 
 def test_smartnic_nodes_and_codec():
     topo = Star(2, switch="programmable", smartnic=True)
-    assert names(compose(topo)) == {"tbs1": ["aggregate", "forward"], "tbn1": ["wire"],
-                                    "tbn2": ["wire"]}
+    assert names(compose(topo)) == {"tbs1": ["aggregate", "forward", "shape"],
+                                    "tbn1": ["wire", "shape"], "tbn2": ["wire", "shape"]}
     plan = compose(topo, DatapathOptions(nic_codec={"codec": "fixed32"}))
-    assert names(plan)["tbn1"] == ["nic_codec"]
+    assert names(plan)["tbn1"] == ["nic_codec", "shape"]
     assert stage(plan, "tbn2", "nic_codec") == {"codec": "fixed32"}
     # a SmartNIC runs the data path on a bridge fabric too
-    assert names(compose(Star(2, smartnic=[1]))) == {"tbn2": ["wire"]}
+    assert names(compose(Star(2, smartnic=[1]))) == {"tbn2": ["wire", "shape"]}
 
 
 def test_codec_overrides_merge_or_fail():
@@ -101,14 +103,14 @@ def test_impairments_directions_ports_and_names():
     topo = Star(3, switch="programmable")
     lone = compose(topo, DatapathOptions(impairments=(
         Impairment("tbs1", loss=0.05, ports=(1, "tbs1-eth3"), seed=7),)))
-    assert names(lone)["tbs1"] == ["impair", "aggregate", "forward"]
+    assert names(lone)["tbs1"] == ["impair", "aggregate", "forward", "shape"]
     imp = stage(lone, "tbs1", "impair")
     assert imp["direction"] == "ingress" and imp["seed"] == 7
     assert imp["loss"] == {"tbs1-eth2": 0.05, "tbs1-eth3": 0.05}
     assert imp["delay_ms"] == {"tbs1-eth2": 0.0, "tbs1-eth3": 0.0}
     both = compose(topo, DatapathOptions(impairments=(
         Impairment("tbs1", loss=0.01), Impairment("tbs1", direction="egress", delay_ms=2.0))))
-    assert names(both)["tbs1"] == ["impair_ingress", "aggregate", "forward", "impair"]
+    assert names(both)["tbs1"] == ["impair_ingress", "aggregate", "forward", "impair", "shape"]
     assert stage(both, "tbs1", "impair")["delay_ms"] == 2.0
     assert stage(both, "tbs1", "impair_ingress")["loss"] == 0.01
     with pytest.raises(TopologyError, match=r"port index 3 is outside 0\.\.2"):
@@ -140,6 +142,36 @@ def test_trimming_is_last_with_link_rates():
                 DatapathOptions(trimming=(Trimming("tbs1"),)))
 
 
+def test_engines_shape_their_shaped_links():
+    from testbed.topologies.pipeline import engine_shaped_ports
+
+    # the leaf-spine's uplinks run at 40 / 4 Mb/s: each port drains at its own link's rate
+    topo = LeafSpine(2, 1, 2, bw_mbps=40, oversubscription=4.0, switch="programmable")
+    plan = compose(topo)
+    shape = stage(plan, "tbl1", "shape")
+    assert shape == {"rate_mbps": {"tbl1-eth1": 40.0, "tbl1-eth2": 40.0, "tbl1-eth3": 20.0}}
+    assert engine_shaped_ports(topo, plan) == {p for n in plan for p in node_ports(topo, n)}
+    # a sized queue: bw x queue_ms bytes per port, in slots enough for 512 B frames
+    deep = stage(compose(Star(2, switch="programmable", bw_mbps=20, queue_ms=50)), "tbs1",
+                 "shape")
+    assert deep["threshold_bytes"] == {"tbs1-eth1": 125_000, "tbs1-eth2": 125_000}
+    assert deep["threshold_pkts"] == 0 and deep["queue_slots"] == 245
+    # nothing shaped, a trimming queue (it drains at the link rates), an own queue stage,
+    # explicit programs, or shaping left to the kernel: no shape stage
+    assert names(compose(Star(2, switch="programmable", bw_mbps=None))) == {
+        "tbs1": ["aggregate", "forward"]}
+    trimmed = compose(Star(2, switch="programmable"), DatapathOptions(
+        trimming=(Trimming("tbs1"),)))
+    assert names(trimmed) == {"tbs1": ["aggregate", "forward", "trim"]}
+    assert engine_shaped_ports(Star(2, switch="programmable"), trimmed) == set()
+    own = Star(2, switch="programmable", programs={"tbs1": ["forward", ("shape", {
+        "rate_mbps": {1: 5.0}})]})
+    assert names(compose(own)) == {"tbs1": ["aggregate", "forward", "shape"]}
+    assert engine_shaped_ports(own, compose(own)) == {"tbs1-eth2"}
+    assert names(compose(Star(2, switch="programmable"), DatapathOptions(
+        shape_in_engine=False))) == {"tbs1": ["aggregate", "forward"]}
+
+
 def test_bad_overrides_name_the_node():
     with pytest.raises(TopologyError, match=r"programs\['tbs1'\]: unknown program 'forwrd'"):
         compose(Star(2, switch="programmable", programs={"tbs1": ["forwrd"]}))
@@ -156,15 +188,15 @@ def test_bad_overrides_name_the_node():
     # module:Class programs pass the name check (the engine resolves them)
     custom = compose(Star(2, switch="programmable",
                           programs={"tbs1": ["testbed.datapath.forward:WireStage"]}))
-    assert names(custom)["tbs1"] == ["aggregate", "testbed.datapath.forward:WireStage"]
+    assert names(custom)["tbs1"] == ["aggregate", "testbed.datapath.forward:WireStage", "shape"]
 
 
 @no_netem
 def test_link_impairments_in_the_data_path():
     plan = compose(Star(2, switch="programmable", loss_pct=10, delay_ms=1, smartnic=[0],
                         seed=4))
-    assert names(plan) == {"tbs1": ["impair_ingress", "aggregate", "forward", "impair"],
-                           "tbn1": ["impair_ingress", "wire", "impair"]}
+    assert names(plan) == {"tbs1": ["impair_ingress", "aggregate", "forward", "impair", "shape"],
+                           "tbn1": ["impair_ingress", "wire", "impair", "shape"]}
     # tbs1-tbn1: both ends programmable, each impairs its egress; tbh2-tbs1: tbs1 both ways
     assert stage(plan, "tbs1", "impair")["loss"] == {"tbs1-eth1": 0.1, "tbs1-eth2": 0.1}
     assert stage(plan, "tbs1", "impair_ingress")["loss"] == {"tbs1-eth1": 0.0, "tbs1-eth2": 0.1}

@@ -140,7 +140,8 @@ class TestbedTopo(Topo):
 
     Common keyword options:
 
-    * ``bw_mbps`` (100): host access link rate, HTB via TCLink ``bw=`` (None: unshaped).
+    * ``bw_mbps`` (100): host access link rate (None: unshaped). Each end shapes its egress:
+      HTB via TCLink ``bw=``, or the engine's ``shape`` stage on a programmable node.
     * ``delay_ms`` (0), ``loss_pct`` (0): per-link impairments of every link. With netem they
       go on the links; without it they go to the data path's ``impair`` stage on the
       programmable node at one end of each link (error if there is none).
@@ -157,8 +158,8 @@ class TestbedTopo(Topo):
       (:mod:`testbed.topologies.aggtree`) unless this is None.
     * ``seed`` (0): seed of everything random (impairments, ECMP hash salt).
     * ``queue_ms`` (None): every shaped link's queue, in milliseconds at its rate (a ``bfifo``
-      of ``bw x queue_ms`` bytes under the HTB class; with netem, netem's limit in full-size
-      frames); None keeps the kernel's default, ``txqueuelen`` (1000) packets, which at a few
+      of ``bw x queue_ms`` bytes under the HTB class, the same limit in a programmable node's
+      ``shape`` stage; with netem, netem's limit in full-size frames); None keeps the kernel's default, ``txqueuelen`` (1000) packets, which at a few
       Mb/s holds seconds of data. A queue about one round trip deep is what a datacenter switch
       port gives a flow; a long one lets a flow's ACKs wait behind other flows' data.
     """

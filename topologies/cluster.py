@@ -19,7 +19,7 @@ this module holds the pieces it uses:
   counters read back over ssh, stopped by its remote pid);
 * :class:`TunnelLink` - a link whose ends are on different servers: a VXLAN device created
   on each server (over the servers' own addresses), moved into the node, shaped like every
-  other link (HTB on both ends).
+  other link (HTB, or the engine's ``shape`` stage at a programmable end).
 
 Why VXLAN and not Mininet's own tunnels: its ``RemoteSSHLink`` carries every frame through
 two userspace ssh processes (encrypted; needs ``PermitTunnel``), and its ``RemoteGRELink``

@@ -91,17 +91,18 @@ from .base import (
 from .pipeline import (
     DILATED_RATES,
     DILATED_TIMES,
+    FULL_FRAME_BYTES,
     IMPAIR_STAGES,
+    QUEUE_STAGES,
     DatapathOptions,
     check_time_dilation,
     compose,
     dilate,
     dilate_settings,
+    engine_shaped_ports,
+    queue_bytes,
 )
 
-#: A full-size Ethernet frame (1500 B MTU + 14 B header): the unit of queue limits counted in
-#: packets, and the smallest byte limit a shaping queue gets.
-FULL_FRAME_BYTES = 1514
 #: The kernel's minimum TCP retransmission timeout (``TCP_RTO_MIN``), which a dilated network
 #: stretches on every host like its other times. Unstretched, it fired on queueing delay: a
 #: dilated queue holds f times more wall time, and on the star of 8 at f=12 the reduction
@@ -310,7 +311,8 @@ class TestbedNet:
         self._tables = routing.forwarding_tables(topo)
         self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
         self._check_switch_nodes()
-        self.programs_plan()  # bad overrides and options fail here, before anything is built
+        # bad overrides and options fail here, before anything is built
+        self._engine_shaped = engine_shaped_ports(topo, self.programs_plan())
         #: cluster networks: the servers, node -> server name, the links that are tunnels
         self.servers = cluster.parse_servers(servers) if servers is not None else None
         if placement is not None and servers is None:
@@ -692,7 +694,7 @@ class TestbedNet:
             for link in mn.links:
                 for intf in (link.intf1, link.intf2):
                     spec = by_intf.get(intf.name)
-                    params = self._link_params(spec) if spec is not None else {}
+                    params = self._link_params(spec, intf.name) if spec is not None else {}
                     if not params:
                         continue
                     if self.offloads_off:
@@ -732,13 +734,13 @@ class TestbedNet:
 
     def _dilated_stage_updates(self, factor: float) -> dict[str, list[tuple[str, dict]]]:
         """Node -> ``[(stage, settings), ...]`` that re-time its engine for ``factor``: the
-        time and rate settings of its ``impair`` and ``trim`` stages (none when they are all
+        time and rate settings of its ``impair``, ``trim`` and ``shape`` stages (none when they are all
         zero). Raises :class:`TopologyError` when such a stage's name is not unique."""
         out: dict[str, list[tuple[str, dict]]] = {}
         for node, stages in self.programs_plan().items():
             names = [p for p, _ in stages]
             for program, settings in stages:
-                if program not in (*IMPAIR_STAGES, "trim"):
+                if program not in (*IMPAIR_STAGES, *QUEUE_STAGES):
                     continue
                 new = dilate_settings(program, settings, factor)
                 keys = [k for k in (*DILATED_TIMES, *DILATED_RATES)
@@ -761,14 +763,14 @@ class TestbedNet:
                 if peer not in topo.switch_roles or topo.switch_roles[peer] == "smartnic"
                 or frozenset((name, peer)) in self._tree]
 
-    def _link_params(self, s) -> dict:
-        """Mininet link parameters of link spec ``s`` at the current dilation factor."""
+    def _link_params(self, s, intf: str) -> dict:
+        """Mininet parameters of interface ``intf`` of link spec ``s`` at the current dilation
+        factor. A port its engine shapes gets no rate (no HTB qdisc)."""
         params = {}
-        if s.bw_mbps is not None:
+        if s.bw_mbps is not None and intf not in self._engine_shaped:
             params["bw"] = s.bw_mbps / self.time_dilation
             if self.topo.queue_ms is not None:  # bytes: the same under dilation
-                params["queue_bytes"] = max(FULL_FRAME_BYTES,
-                                            int(s.bw_mbps * 125 * self.topo.queue_ms))
+                params["queue_bytes"] = queue_bytes(s.bw_mbps, self.topo.queue_ms)
         if self.topo.impair_mode() == "netem":
             if s.delay_ms:
                 params["delay"] = f"{s.delay_ms * self.time_dilation:g}ms"
@@ -779,12 +781,17 @@ class TestbedNet:
     def _assign_link_params(self) -> None:
         topo = self.topo
         for i, s in enumerate(topo.link_specs):
-            params = self._link_params(s)
+            info = topo.linkInfo(s.a, s.b)
+            for key in ("bw", "delay", "loss", "txo", "rxo", "cls", "tunnel", "queue_bytes",
+                        "params1", "params2"):
+                info.pop(key, None)
+            # per end: a port its engine shapes has no rate of its own
+            ends = {s.a: self._intf_name(s.a, s.port_a), s.b: self._intf_name(s.b, s.port_b)}
+            info["params1"] = self._link_params(s, ends[info["node1"]])
+            info["params2"] = self._link_params(s, ends[info["node2"]])
+            params = {}
             if self.offloads_off:
                 params.update(txo=False, rxo=False)
-            info = topo.linkInfo(s.a, s.b)
-            for key in ("bw", "delay", "loss", "txo", "rxo", "cls", "tunnel", "queue_bytes"):
-                info.pop(key, None)
             if self.placement is not None and self.placement[s.a] != self.placement[s.b]:
                 a, b = self.placement[s.a], self.placement[s.b]
                 params.update(cls=TBTunnelLink, tunnel={
@@ -856,11 +863,13 @@ class TestbedNet:
                                "'tc qdisc show')")
 
     def _shaped_ifaces(self) -> dict[str, bool]:
-        """Interface name -> whether its link is shaped."""
+        """Interface name -> whether the kernel shapes it (an HTB qdisc: its link has a rate
+        and no engine shapes that end)."""
         out = {}
         for s in self.topo.link_specs:
-            out[self._intf_name(s.a, s.port_a)] = s.bw_mbps is not None
-            out[self._intf_name(s.b, s.port_b)] = s.bw_mbps is not None
+            for node, port in ((s.a, s.port_a), (s.b, s.port_b)):
+                name = self._intf_name(node, port)
+                out[name] = s.bw_mbps is not None and name not in self._engine_shaped
         return out
 
     def _configure_forwarding(self) -> None:

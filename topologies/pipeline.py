@@ -9,8 +9,8 @@ starts every engine with the result, and the experiment runner hands its options
 
 Order of the stages::
 
-    switch:   [ingress impair] [aggregate] forward          [egress impair] [trim]
-    SmartNIC: [ingress impair]             wire | nic_codec [egress impair] [trim]
+    switch:   [ingress impair] [aggregate] forward          [egress impair] [trim | shape]
+    SmartNIC: [ingress impair]             wire | nic_codec [egress impair] [trim | shape]
 
 How the parts are chosen:
 
@@ -30,6 +30,18 @@ How the parts are chosen:
   per node and direction from the topology's seed.
 * **Options.** Each :class:`Impairment` adds a stage in its direction; each :class:`Trimming`
   adds a ``trim`` stage last (the egress queue must see every packet after the other stages).
+* **Link shaping.** A node's shaped links (``bw_mbps``) are shaped, on its side, by its own
+  engine: a ``shape`` stage last, a drop-tail queue per port drained at the link's rate and as
+  deep as the kernel's queue would be (``queue_ms`` of the topology, else ``txqueuelen``, 1000
+  frames), so the network does not shape those ports again with an HTB qdisc
+  (:func:`engine_shaped_ports`). Like Mininet's HTB class it may send 15 000 B ahead of its
+  clock. A packet then costs the machine no shaper timer of its own (timer interrupts per
+  packet 0.14 instead of 0.68 for a ring of 4) and the workers wait less for a CPU: 8 MiB on
+  a star at 100 Mb/s, ring and INA of 4 no longer CPU-bound (worst wait 0.05-0.12 of the run
+  instead of 0.14-0.19), INA of 8 at 17-19 us of machine CPU per packet instead of 22-23 and a
+  ring of 8 at 14-15 instead of 17-20 (``DatapathOptions(shape_in_engine=False)`` keeps the
+  qdiscs, for such comparisons). A node with a ``trim`` stage (its queue drains at the link
+  rates already) or a ``shape`` stage of its own gets none.
 
 A node runs one stage per name, except that several impairments of the same direction stay
 separate ``impair`` stages. When a node is impaired in both directions, its ingress stage is
@@ -39,12 +51,12 @@ stage keeps the name ``impair``.
 **Time dilation.** :func:`compose` describes the emulated network (rates and delays as the
 user gave them). :func:`dilate` turns a plan into what the engines of a network dilated by a
 factor f run: every delay, jitter and reordering timeout of an ``impair`` stage multiplied by
-f, every drain rate of a ``trim`` stage (a link rate) divided by f. Queue thresholds stay in
+f, every drain rate of a ``trim`` or ``shape`` stage (a link rate) divided by f. Queue thresholds stay in
 bytes and probabilities stay as they are: a dilated network carries the same packets, f times
 slower.
 
 ``DatapathOptions(explicit_programs=True)`` uses the topology's overrides exactly as given
-(no aggregate stage added or removed, no table filled in: a ``forward`` stage then learns):
+(no aggregate or shape stage added, no table filled in: a ``forward`` stage then learns):
 for tests and benchmarks that exercise a stage on its own.
 
 Bad input raises :class:`~testbed.topologies.base.TopologyError` naming the node and the
@@ -67,6 +79,14 @@ from .base import TestbedTopo, TopologyError, aggregating_switches, switch_ident
 IMPAIR_STAGES = ("impair", "impair_ingress")
 #: trim threshold of the ports a trimming entry does not name: only a full queue drops
 NO_TRIM_BYTES = 1 << 40
+#: stages that are egress queues drained at link rates (time dilation divides their rates)
+QUEUE_STAGES = ("trim", "shape")
+#: A full-size Ethernet frame (1500 B MTU + 14 B header): the unit of queue limits counted in
+#: packets, and the smallest byte limit a shaping queue gets.
+FULL_FRAME_BYTES = 1514
+#: frame slots of a ``shape`` queue per byte of its limit: frames down to 512 B fill the limit
+#: before the slots run out (smaller ones meet the slot count first)
+SHAPE_SLOT_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,8 @@ class DatapathOptions:
     ``nic_codec``: settings of a ``nic_codec`` stage every SmartNIC runs (e.g.
     ``{"codec": "fixed32"}``), None for none. ``aggregate``: settings of every switch's
     ``aggregate`` stage (e.g. ``{"memory_bytes": 1 << 20, "pool_bytes": 1 << 19}``).
+    ``shape_in_engine``: programmable nodes shape their links in their engines (a ``shape``
+    stage) rather than with the kernel's HTB; False keeps HTB (for comparing the two).
     """
 
     impairments: tuple[Impairment, ...] = ()
@@ -121,6 +143,7 @@ class DatapathOptions:
     nic_codec: dict[str, Any] | None = None
     explicit_programs: bool = False
     aggregate: dict[str, Any] | None = None
+    shape_in_engine: bool = True
 
     def is_empty(self) -> bool:
         """True when the options add nothing to the topology's pipelines."""
@@ -181,13 +204,13 @@ def check_time_dilation(value: Any, what: str = "time_dilation", auto: bool = Tr
 
 def dilate_settings(program: str, settings: dict, factor: float) -> dict:
     """The settings an engine runs ``program`` with in a network dilated by ``factor``: the
-    times of an ``impair`` stage multiplied, the rates of a ``trim`` stage divided (a value
+    times of an ``impair`` stage multiplied, the rates of a queue stage divided (a value
     may be one number or a dict per port). Other programs are unchanged."""
     if factor == 1.0:
         return dict(settings)
     if program in IMPAIR_STAGES:
         keys, scale = DILATED_TIMES, factor
-    elif program == "trim":
+    elif program in QUEUE_STAGES:
         keys, scale = DILATED_RATES, 1.0 / factor
     else:
         return dict(settings)
@@ -257,6 +280,10 @@ def _node_pipeline(topo: TestbedTopo, options: DatapathOptions, tables, name: st
     if ingress and egress:
         ingress = [("impair_ingress", s) for _, s in ingress]
     tail = [("trim", _trim_settings(topo, t, name, ports)) for t in trims]
+    if not tail and options.shape_in_engine and not options.explicit_programs \
+            and not any(p in QUEUE_STAGES for p in own):
+        shape = _shape_settings(topo, name)
+        tail = [("shape", shape)] if shape else []
     return ingress + core + egress + tail
 
 
@@ -326,6 +353,41 @@ def _link_settings(topo: TestbedTopo, name: str, ports: list[str], impaired: lis
     if direction == "ingress":
         out["direction"] = "ingress"
     out["seed"] = node_seed(topo.seed, name, direction)
+    return out
+
+
+def queue_bytes(bw_mbps: float, queue_ms: float) -> int:
+    """Bytes of a link queue ``queue_ms`` deep at ``bw_mbps`` (at least one full frame)."""
+    return max(FULL_FRAME_BYTES, int(bw_mbps * 125 * queue_ms))
+
+
+def _shape_settings(topo: TestbedTopo, name: str) -> dict[str, Any] | None:
+    """The ``shape`` stage of ``name``: its shaped ports at their link rates, each queue as deep
+    as the kernel's would be. None when none of its links is shaped."""
+    rates = {f"{name}-eth{port}": float(bw)
+             for port, bw in sorted(routing.adjacency(topo)[name].values()) if bw is not None}
+    if not rates:
+        return None
+    if topo.queue_ms is None:
+        return {"rate_mbps": rates}  # the stage's default depth: txqueuelen frames
+    limits = {p: queue_bytes(bw, topo.queue_ms) for p, bw in rates.items()}
+    slots = min(65536, max(64, -(-max(limits.values()) // SHAPE_SLOT_BYTES)))
+    return {"rate_mbps": rates, "threshold_bytes": limits, "threshold_pkts": 0,
+            "queue_slots": slots}
+
+
+def engine_shaped_ports(topo: TestbedTopo, plan: dict[str, list]) -> set[str]:
+    """Interfaces a :func:`compose` plan of ``topo`` shapes in an engine (the ports its
+    ``shape`` stages give a rate): the network gives them no qdisc of its own."""
+    out: set[str] = set()
+    for node, stages in plan.items():
+        ports = node_ports(topo, node)
+        for program, settings in stages:
+            rate = settings.get("rate_mbps") if program == "shape" else None
+            if isinstance(rate, dict):
+                out |= {ports[int(p)] if str(p).isdigit() else p for p in rate}
+            elif isinstance(rate, list | tuple) or rate is not None:
+                out |= set(ports)
     return out
 
 

@@ -23,6 +23,7 @@ STAGES: dict[str, str] = {
     "wire": "testbed.datapath.forward:WireStage",
     "aggregate": "testbed.datapath.aggregate:AggregateStage",
     "trim": "testbed.datapath.trim:TrimStage",
+    "shape": "testbed.datapath.trim:ShapeStage",
     "impair": "testbed.datapath.impair:ImpairStage",
     "impair_ingress": "testbed.datapath.impair:IngressImpairStage",
     "nic_codec": "testbed.datapath.codec:CodecStage",

@@ -24,6 +24,10 @@ This stage is that queue. It runs after forwarding (an *egress* stage: it acts o
 
 The drain clock is virtual (float ns since the stage's first call), so the long-run rate is the
 configured one however late the engine wakes: a late wake-up sends the backlog that was due.
+``burst_bytes`` (per port, default 0) lets a port run that far ahead of its clock, like a token
+bucket of that depth (HTB's ``burst``): a frame leaves once the clock is within
+``burst_bytes`` of link time of it, so an engine woken for a queued frame sends a burst's worth
+rather than one frame per wake-up, at the same long-run rate.
 Packets leave in FIFO order per queue; nothing overtakes a held packet of the same port.
 Broadcast/flood copies are expanded by the engine after all stages, so they bypass the queue.
 
@@ -125,7 +129,7 @@ def append_emitted(batch: Batch, k: int, ports: np.ndarray, column: np.ndarray) 
 
 
 @njit(cache=True)
-def _drain(p, now, hdr_prio, ns_per_byte, next_free, dq_buf, dq_len, dq_head, dq_cnt, dq_bytes,
+def _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head, dq_cnt, dq_bytes,
            hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length, base, room, k, emit_port,
            emitted, counters):
     """Emit port ``p``'s queued frames whose departure time has come (header queue first);
@@ -136,7 +140,7 @@ def _drain(p, now, hdr_prio, ns_per_byte, next_free, dq_buf, dq_len, dq_head, dq
         use_h = hq_cnt[p] > 0 and (hdr_prio or dq_cnt[p] == 0)
         if not use_h and dq_cnt[p] == 0:
             break
-        if next_free[p] > now:
+        if next_free[p] > now + burst_bytes[p] * ns_per_byte[p]:
             break
         row = base + k
         if use_h:
@@ -174,7 +178,7 @@ def _push(qbuf, qlen, head, cnt, qbytes, p, frame, ln):
 
 @njit(cache=True)
 def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_prio, thr_bytes,
-                thr_pkts, ecn_bytes, ns_per_byte, next_free, dq_buf, dq_len, dq_head, dq_cnt,
+                thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head, dq_cnt,
                 dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, counters, emit_port,
                 emitted):
     """One burst of the trim stage: drain what is due, admit/trim/drop the batch's egress
@@ -188,7 +192,7 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
     k = 0
     for p in range(n_ports):
         if dq_cnt[p] > 0 or hq_cnt[p] > 0:
-            k = _drain(p, now, hdr_prio, ns_per_byte, next_free, dq_buf, dq_len, dq_head,
+            k = _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head,
                        dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length,
                        base, room, k, emit_port, emitted, counters)
     for i in range(n):
@@ -201,8 +205,9 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
             reason[i] = _R_BAD_LENGTH
             counters[p, C_DROPPED] += 1
             continue
-        if dq_cnt[p] == 0 and hq_cnt[p] == 0 and not emitted[p] and next_free[p] <= now:
-            next_free[p] = now + ln * ns_per_byte[p]
+        if dq_cnt[p] == 0 and hq_cnt[p] == 0 and not emitted[p] and \
+                next_free[p] <= now + burst_bytes[p] * ns_per_byte[p]:
+            next_free[p] = max(next_free[p], now) + ln * ns_per_byte[p]
             counters[p, C_PASSED] += 1
             continue
         full = dq_bytes[p] + ln > thr_bytes[p] or dq_cnt[p] >= nq
@@ -243,7 +248,7 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
         counters[p, C_DROPPED] += 1
     for p in range(n_ports):
         if dq_cnt[p] > 0 or hq_cnt[p] > 0:
-            k = _drain(p, now, hdr_prio, ns_per_byte, next_free, dq_buf, dq_len, dq_head,
+            k = _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head,
                        dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length,
                        base, room, k, emit_port, emitted, counters)
     return k
@@ -264,6 +269,7 @@ class TrimStage(Stage):
       are trimmed (``mode="trim"``) or dropped (``mode="drop_tail"``);
     * ``threshold_pkts`` (per port, 0 = no packet limit): the same in packets;
     * ``ecn_threshold_bytes`` (per port, 0 = off): mark ``Flags.ECN`` from this depth on;
+    * ``burst_bytes`` (per port, default 0): how far a port may run ahead of its drain clock;
     * ``mode``: ``"trim"`` or ``"drop_tail"``; ``header_priority``: serve trimmed headers first.
 
     Construction only: ``queue_slots`` / ``header_slots`` (frames each queue can hold per port).
@@ -275,7 +281,7 @@ class TrimStage(Stage):
     def __init__(self, ports: list[str] | None = None, n_ports: int | None = None,
                  rate_mbps=100.0, threshold_bytes=None, threshold=None, threshold_pkts=0,
                  ecn_threshold_bytes=0, mode: str = "trim", header_priority: bool = True,
-                 queue_slots: int = 256, header_slots: int = 256):
+                 queue_slots: int = 256, header_slots: int = 256, burst_bytes=0):
         self.ports = resolve_ports(ports, n_ports, "trim")
         n = len(self.ports)
         q = check_number("queue_slots", 1, 65536, integer=True)(queue_slots)
@@ -288,6 +294,7 @@ class TrimStage(Stage):
             setattr(self, a, np.zeros(n, np.int64))
         self.next_free = np.zeros(n, np.float64)  # ns since self._epoch
         self.ns_per_byte = np.full(n, 8000.0 / 100.0, np.float64)  # 100 Mb/s unless given
+        self.burst_bytes = np.zeros(n, np.float64)
         self.thr_bytes = np.full(n, 64 * 1024, np.int64)
         self.thr_pkts = np.zeros(n, np.int64)
         self.ecn_bytes = np.zeros(n, np.int64)
@@ -302,16 +309,16 @@ class TrimStage(Stage):
         self.configure(rate_mbps=rate_mbps,
                        threshold_bytes=threshold_bytes if threshold is None else threshold,
                        threshold_pkts=threshold_pkts, ecn_threshold_bytes=ecn_threshold_bytes,
-                       mode=mode, header_priority=header_priority)
+                       mode=mode, header_priority=header_priority, burst_bytes=burst_bytes)
 
     def configure(self, rate_mbps=None, threshold_bytes=None, threshold=None,
                   threshold_pkts=None, ecn_threshold_bytes=None, mode=None,
-                  header_priority=None, **unknown) -> None:
+                  header_priority=None, burst_bytes=None, **unknown) -> None:
         """Change rates, thresholds, mode or header priority at run time (see the class doc)."""
         if unknown:
             raise ValueError(f"trim: unknown settings {sorted(unknown)}; use rate_mbps, "
                              "threshold_bytes (or threshold), threshold_pkts, "
-                             "ecn_threshold_bytes, mode, header_priority")
+                             "ecn_threshold_bytes, burst_bytes, mode, header_priority")
         if threshold is not None:
             if threshold_bytes is not None:
                 raise ValueError("trim: give threshold_bytes or its alias threshold, not both")
@@ -334,6 +341,10 @@ class TrimStage(Stage):
             updates.append((self.ecn_bytes, per_port(
                 ecn_threshold_bytes, self.ports, "trim: ecn_threshold_bytes",
                 check_number("ecn_threshold_bytes", 0, 2**40, integer=True))))
+        if burst_bytes is not None:
+            updates.append((self.burst_bytes, per_port(
+                burst_bytes, self.ports, "trim: burst_bytes",
+                check_number("burst_bytes", 0, 2**30, integer=True))))
         if mode is not None and mode not in MODES:
             raise ValueError(f"trim: mode must be one of {MODES}, got {mode!r}")
         for arr, vals in updates:
@@ -355,7 +366,7 @@ class TrimStage(Stage):
         k = trim_kernel(batch.buf, batch.length, batch.out_port, batch.reason, batch.n, base,
                         batch.capacity - base, now, self.mode, self.header_priority,
                         self.thr_bytes, self.thr_pkts, self.ecn_bytes, self.ns_per_byte,
-                        self.next_free, self.dq_buf, self.dq_len, self.dq_head, self.dq_cnt,
+                        self.burst_bytes, self.next_free, self.dq_buf, self.dq_len, self.dq_head, self.dq_cnt,
                         self.dq_bytes, self.hq_buf, self.hq_len, self.hq_head, self.hq_cnt,
                         self.hq_bytes, self.counters_arr, self._emit, self._emitted)
         if k:
@@ -366,7 +377,8 @@ class TrimStage(Stage):
         busy = (self.dq_cnt + self.hq_cnt) > 0
         if self._epoch is None or not busy.any():
             return None
-        return self._epoch + int(math.ceil(float(self.next_free[busy].min())))
+        due = self.next_free[busy] - self.burst_bytes[busy] * self.ns_per_byte[busy]
+        return self._epoch + int(math.ceil(float(due.min())))
 
     def queued(self) -> int:
         """Frames held in all queues now."""
@@ -383,3 +395,43 @@ class TrimStage(Stage):
         totals = {k: int(self.counters_arr[:, j].sum()) for j, k in enumerate(COUNTER_NAMES)
                   if "hwm" not in k}
         return {"mode": MODES[self.mode], "ports": ports, "totals": totals}
+
+
+#: a kernel qdisc's default limit (``txqueuelen``), the ``shape`` stage's default queue
+TXQUEUELEN = 1000
+#: the ``shape`` stage's default burst: the one Mininet gives an HTB class (``burst 15k``)
+HTB_BURST_BYTES = 15_000
+
+
+class ShapeStage(TrimStage):
+    """A port's egress link in the engine (``shape``): the ``trim`` stage's queue in
+    ``drop_tail`` mode, drained at the link's rate. A programmable switch shapes its own ports
+    with it instead of the kernel's HTB qdisc (see ``testbed.topologies.pipeline``).
+
+    Settings: ``rate_mbps`` (per port; a port not named is not shaped), ``threshold_bytes``
+    and ``threshold_pkts`` (drop above either; by default the kernel's ``txqueuelen`` of 1000
+    frames), ``burst_bytes`` (by default HTB's 15 000 B as Mininet sets it: an engine woken
+    for a queued frame sends up to that much ahead of the port's clock, not one frame per
+    wake-up), ``ecn_threshold_bytes`` and, at construction only, ``queue_slots``. It never
+    trims: ``mode`` can only be ``"drop_tail"``.
+    """
+
+    name = "shape"
+
+    def __init__(self, ports: list[str] | None = None, n_ports: int | None = None,
+                 rate_mbps=None, threshold_bytes=1 << 40, threshold_pkts=TXQUEUELEN,
+                 queue_slots: int = TXQUEUELEN, burst_bytes=HTB_BURST_BYTES,
+                 mode: str = "drop_tail"):
+        super().__init__(ports, n_ports, threshold_bytes=threshold_bytes,
+                         threshold_pkts=threshold_pkts, mode=mode, queue_slots=queue_slots,
+                         header_slots=1, burst_bytes=burst_bytes)
+        self.ns_per_byte[:] = 0.0  # no drain time: the kernel passes every frame at once
+        if rate_mbps is not None:
+            self.configure(rate_mbps=rate_mbps)
+
+    def configure(self, mode=None, **settings) -> None:
+        """Change rates or thresholds at run time (see the class doc)."""
+        if mode not in (None, "drop_tail"):
+            raise ValueError(f"shape: mode={mode!r}; a shaping queue only drops its tail "
+                             "(a trimming queue is the 'trim' stage)")
+        super().configure(mode=mode, **settings)

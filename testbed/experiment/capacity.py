@@ -39,7 +39,9 @@ records
 
 One JSON object per line with ``--json`` (keys :data:`ROW_KEYS`), otherwise a table. ``io``
 selects the engine's packet I/O (``ring``: PACKET_MMAP rings, the default; ``mmsg``:
-``recvmmsg``/``sendmmsg``), so the two can be compared on one machine. ``time_dilation`` runs
+``recvmmsg``/``sendmmsg``), so the two can be compared on one machine; ``shaping`` likewise
+selects who shapes the switch's ports (``engine``: its ``shape`` stage, the default; ``qdisc``:
+the kernel's HTB, as before the stage existed). ``time_dilation`` runs
 the whole sweep at that factor (links at ``bw_mbps / f``, times reported undilated, the rows'
 CPU per packet then what the dilated run spent).
 """
@@ -57,12 +59,15 @@ from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
 from testbed.collectives.report import render_table
 from testbed.experiment.fidelity import cpu_model
 from testbed.topologies import Star, TestbedNet
+from testbed.topologies.pipeline import DatapathOptions
 
 MiB = 1 << 20
 ALGOS = ("ina", "ring")
 WORKERS = (2, 4, 8, 16)
 #: the worker counts at which the smallest non-saturating dilation factor is searched
 DILATE_WORKERS = (8, 16)
+#: who shapes the switch's ports: its engine (``shape`` stage) or the kernel (HTB)
+SHAPING = ("engine", "qdisc")
 #: the shortest timed run whose machine-wide CPU is reported: ``/proc/stat`` counts in ticks
 #: of 10 ms, so a 2-core machine's 0.5 s is 100 ticks (a 50 ms run read 0 busy ticks)
 MACHINE_MIN_WALL_S = 0.5
@@ -70,8 +75,8 @@ ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
               "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
-              "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "bytes", "time_dilation", "dilation_note",
-              "cpu_model")
+              "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "bytes",
+              "time_dilation", "dilation_note", "cpu_model")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
            "min f", "time s", "model s", "correct", "cores", "wait", "engine", "machine s/kpkt")
 
@@ -160,7 +165,7 @@ def max_not_bound(rows: list[dict]) -> int:
 
 def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
-        time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS,
+        time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS, shaping: str = "engine",
         log=sys.stderr) -> list[dict]:
     """The sweep (see the module docstring); rows in (algo, n) order."""
     if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
@@ -175,11 +180,15 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
         raise ValueError(f"workers must list host counts >= 2, got {list(workers)}")
     if io not in ("ring", "mmsg"):
         raise ValueError(f"io must be 'ring' or 'mmsg', got {io!r}")
+    if shaping not in SHAPING:
+        raise ValueError(f"shaping must be one of {SHAPING}, got {shaping!r}")
+    options = DatapathOptions(shape_in_engine=shaping == "engine")
     cpu = cpu_model()
     rows: list[dict] = []
     for n in sorted({int(n) for n in workers}):
         topo = Star(n, bw_mbps=bw_mbps, switch="programmable")
-        with TestbedNet(topo, engine_opts={"io": io}, time_dilation=time_dilation) as net:
+        with TestbedNet(topo, engine_opts={"io": io}, time_dilation=time_dilation,
+                        datapath=options) as net:
             for algo in algos:
                 try:
                     row = measure(net, algo, nbytes, window, timeout_s)
@@ -192,7 +201,8 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
                            "max_workers_not_cpu_bound": None, "correct": False,
                            "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
                 row.setdefault("min_time_dilation", None)
-                row.update(io=io, time_dilation=time_dilation, cpu_model=cpu)
+                row.update(io=io, shaping=shaping, time_dilation=time_dilation,
+                           cpu_model=cpu)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
                       f"{row['cpu_s_per_kpkt_engine']} s/kpkt, worker "
@@ -211,11 +221,11 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
 
 def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int = 8 * MiB,
          bw_mbps: float = 100.0, time_dilation: float = 1.0,
-         dilate_workers=DILATE_WORKERS) -> int:
+         dilate_workers=DILATE_WORKERS, shaping: str = "engine") -> int:
     """Entry point of ``testbed bench capacity``; 0 when every run completed correctly."""
     t0 = time.monotonic()
     rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps,
-               time_dilation=time_dilation, dilate_workers=dilate_workers)
+               time_dilation=time_dilation, dilate_workers=dilate_workers, shaping=shaping)
     if json_out:
         for r in rows:
             print(json.dumps({k: r.get(k) for k in ROW_KEYS + EXTRA_KEYS}
@@ -223,6 +233,6 @@ def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int 
     else:
         render_table(rows, ROW_KEYS + ("time_s", "model_s", "correct", "cpu_util", "cpu_wait",
                                        "cpu_engine", "cpu_s_per_kpkt_machine"), headers=HEADERS,
-                     title=f"emulation capacity ({io} I/O, {cpu_model()})",
+                     title=f"emulation capacity ({io} I/O, {shaping} shaping, {cpu_model()})",
                      notes=[f"# {time.monotonic() - t0:.0f} s in all"])
     return 0 if rows and all(r.get("correct") for r in rows) else 1
