@@ -130,6 +130,8 @@ def test_bad_config_errors_name_the_parameter():
         eng.dispatch({"cmd": "configure", "stage": "forward", "settings": {"bogus": 1}})
     with pytest.raises(ValueError, match="coalesce_us must be a number 0..10000"):
         Engine({"ports": ["a"], "programs": ["forward"], "coalesce_us": -1})
+    with pytest.raises(ValueError, match="sched must be one of"):
+        Engine({"ports": ["a"], "programs": ["forward"], "sched": "rr"})
 
 
 def test_coalescing_wait_is_set_over_the_control_channel():
@@ -203,7 +205,11 @@ def test_forward_every_frame_intact_control_and_no_leftovers(tmp_path):
         assert len(rx) == n
         assert rx == tx  # every frame, in order, byte for byte
         assert max(len(f) for f in tx) > 1400
+        # the packet loop is a real-time thread (a switch does not wait for the hosts'
+        # CPUs); the engine's other threads stay time-shared
+        assert os.sched_getscheduler(s1.engine_pid()) == os.SCHED_FIFO
         with s1.client() as c:
+            assert c.config()["sched"] == "fifo" and "sched_note" not in c.config()
             live = c.counters()
             p1 = live["ports"]["tbs1-eth1"]
             assert p1["rx_packets"] >= n and live["ports"]["tbs1-eth2"]["tx_packets"] >= n

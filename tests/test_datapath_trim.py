@@ -172,13 +172,18 @@ def test_shape_stage_is_a_drop_tail_link_on_the_ports_it_names():
     stage.process(b, T0 + int(10 * ln * 8 * 1000 / 100.0))
     assert [f for f, _ in sent(b)] == frames[1:11]
     # by default a port may run HTB's burst (15 000 B) ahead of its clock: that many bytes
-    # leave at once, and the engine is next due when the clock is that close to the next frame
+    # leave at once; the stage is next due when the exact clock reaches the head frame, and
+    # then sends the next burst's worth together (one wake-up per burst, not per frame)
     burst = ShapeStage(ports=["a", "b"], rate_mbps={"b": 100.0})
     load(b, frames[:30], [1] * 30)
     burst.process(b, T0)
     first = 15_000 // ln + 1
     assert list(b.out_port[:30]) == [1] * first + [PORT_HELD] * (30 - first)
-    assert burst.next_deadline_ns() == T0 + int(np.ceil((first * ln - 15_000) * 80.0))
+    due = burst.next_deadline_ns()
+    assert due == T0 + int(np.ceil(first * ln * 80.0))
+    b.reset()
+    burst.process(b, due)
+    assert len(sent(b)) == first
     stage.configure(rate_mbps={"a": 5.0}, threshold_pkts=3)  # a time-dilated or resized link
     assert stage.ns_per_byte[0] == pytest.approx(8000 / 5.0)
     with pytest.raises(ValueError, match="only drops its tail"):

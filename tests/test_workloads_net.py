@@ -37,9 +37,15 @@ def test_small_job_per_config(star, kw):
     assert all(tuple(r)[-len(ITERATION_COLUMNS):] == ITERATION_COLUMNS for r in res.iterations)
     assert s["final_accuracy"] > 0.5 and s["jct_s"] > 0 and s["model_comm_s"] > 0
     # the hosts' interfaces saw at least what the algorithm sends: ring 2(n-1)/n of the
-    # gradient per host, INA all of it once, fp16 half of the ring's, THC a byte per element
+    # gradient per host, INA all of it once, fp16 half of the ring's, THC a byte per element;
+    # less up to the frames a host's queue still held when its allreduce returned (the ring's
+    # last segments: a rank returns when it has received, not when its own queue is empty;
+    # they count in the next iteration)
     per_host = {"ring": 1.5, "ina": 1.0, "ina+thc": 0.25, "ring+fp16": 0.75}[spec.label()]
-    assert min(r["bytes_on_wire"] for r in res.iterations) >= 4 * per_host * s["bytes"]
+    queued = 4 * 2 * 1514
+    assert min(r["bytes_on_wire"] for r in res.iterations) >= 4 * per_host * s["bytes"] - queued
+    assert sum(r["bytes_on_wire"] for r in res.iterations) >= \
+        len(res.iterations) * 4 * per_host * s["bytes"] - queued
     assert not leftovers()
 
 

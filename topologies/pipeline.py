@@ -35,13 +35,13 @@ How the parts are chosen:
   deep as the kernel's queue would be (``queue_ms`` of the topology, else ``txqueuelen``, 1000
   frames), so the network does not shape those ports again with an HTB qdisc
   (:func:`engine_shaped_ports`). Like Mininet's HTB class it may send 15 000 B ahead of its
-  clock. A packet then costs the machine no shaper timer of its own (timer interrupts per
-  packet 0.14 instead of 0.68 for a ring of 4) and the workers wait less for a CPU: 8 MiB on
-  a star at 100 Mb/s, ring and INA of 4 no longer CPU-bound (worst wait 0.05-0.12 of the run
-  instead of 0.14-0.19), INA of 8 at 17-19 us of machine CPU per packet instead of 22-23 and a
-  ring of 8 at 14-15 instead of 17-20 (``DatapathOptions(shape_in_engine=False)`` keeps the
-  qdiscs, for such comparisons). A node with a ``trim`` stage (its queue drains at the link
-  rates already) or a ``shape`` stage of its own gets none.
+  clock, and the engine wakes once per such burst. A packet then costs the machine no
+  shaper timer per packet (0.1 timer interrupts per packet instead of 0.7 for a ring of 4):
+  ``testbed bench capacity`` on 2 cores, 8 MiB at 100 Mb/s, machine CPU per packet of a ring
+  of 8 9-11 us instead of 18, of INA of 4 20-22 instead of 30 (``--shaping qdisc`` and
+  ``DatapathOptions(shape_in_engine=False)`` keep the qdiscs, for such comparisons). A node
+  with a ``trim`` stage (its queue drains at the link rates already) or a ``shape`` stage of
+  its own gets none.
 
 A node runs one stage per name, except that several impairments of the same direction stay
 separate ``impair`` stages. When a node is impaired in both directions, its ingress stage is

@@ -46,7 +46,7 @@ from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
 #: engine settings a node passes through to its config (see ``testbed.datapath.engine``)
-ENGINE_KEYS = ("io", "rx_ring_frames", "tx_ring_frames", "coalesce_us")
+ENGINE_KEYS = ("io", "rx_ring_frames", "tx_ring_frames", "coalesce_us", "sched")
 
 
 class ProgrammableSwitch(Switch):

@@ -26,8 +26,9 @@ The drain clock is virtual (float ns since the stage's first call), so the long-
 configured one however late the engine wakes: a late wake-up sends the backlog that was due.
 ``burst_bytes`` (per port, default 0) lets a port run that far ahead of its clock, like a token
 bucket of that depth (HTB's ``burst``): a frame leaves once the clock is within
-``burst_bytes`` of link time of it, so an engine woken for a queued frame sends a burst's worth
-rather than one frame per wake-up, at the same long-run rate.
+``burst_bytes`` of link time of it. The stage asks to be woken when its head frame is due on
+the exact clock (:meth:`TrimStage.next_deadline_ns`) and then sends a burst's worth, so the
+engine wakes once per burst rather than once per frame, at the same long-run rate.
 Packets leave in FIFO order per queue; nothing overtakes a held packet of the same port.
 Broadcast/flood copies are expanded by the engine after all stages, so they bypass the queue.
 
@@ -373,12 +374,14 @@ class TrimStage(Stage):
             append_emitted(batch, k, self._emit, batch.out_port)
 
     def next_deadline_ns(self) -> int | None:
-        """When the earliest non-empty port may send its next queued frame."""
+        """When the earliest non-empty port's next queued frame is due on its exact clock."""
         busy = (self.dq_cnt + self.hq_cnt) > 0
         if self._epoch is None or not busy.any():
             return None
-        due = self.next_free[busy] - self.burst_bytes[busy] * self.ns_per_byte[busy]
-        return self._epoch + int(math.ceil(float(due.min())))
+        # the head frame's time on the exact clock, not the burst's head start: a port woken
+        # then sends a burst's worth at once (never early by more than the burst), so the
+        # engine wakes once per burst rather than once per frame
+        return self._epoch + int(math.ceil(float(self.next_free[busy].min())))
 
     def queued(self) -> int:
         """Frames held in all queues now."""

@@ -14,7 +14,8 @@ the machine). Evaluation time is taken out first (:func:`_shifted`). Then, per i
 * ``comm_s``: the last worker's return from the allreduce minus the last arrival: the
   communication itself;
 * ``bytes_on_wire``: bytes the job's hosts sent during the allreduce (their interfaces'
-  counters, so headers, ACKs and retransmissions count);
+  counters, so headers, ACKs and retransmissions count; a frame still in a host's queue when
+  its allreduce returned, such as a ring's last segment, counts in the next iteration);
 * ``loss``: the workers' mean batch loss; ``accuracy``: held-out accuracy when measured
   after this iteration, else None.
 
