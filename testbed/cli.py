@@ -456,6 +456,9 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
                    shaping: str = typer.Option(
                        "engine", help="who shapes the switch's ports: engine (its shape "
                                       "stage) or qdisc (the kernel's HTB)"),
+                   sched: str = typer.Option(
+                       "fifo", help="the engine's packet loop: fifo (real-time) or other "
+                                    "(time-shared)"),
                    mib: int = typer.Option(8, help="allreduce size (MiB)"),
                    bw: float = typer.Option(100.0, help="link rate (Mb/s)"),
                    time_dilation: float = typer.Option(
@@ -477,7 +480,7 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
     try:
         code = main(json_out=json_out, workers=ints("--workers", workers), io=io,
                     nbytes=mib << 20, bw_mbps=bw, time_dilation=time_dilation,
-                    dilate_workers=ints("--dilate", dilate), shaping=shaping)
+                    dilate_workers=ints("--dilate", dilate), shaping=shaping, sched=sched)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     raise typer.Exit(code)

@@ -34,6 +34,8 @@ def test_bad_arguments_fail_before_building_anything():
         run(workers=(2,), io="xdp")
     with pytest.raises(ValueError, match="shaping"):
         run(workers=(2,), shaping="tbf")
+    with pytest.raises(ValueError, match="sched"):
+        run(workers=(2,), sched="rr")
 
 
 @pytest.mark.mininet
@@ -75,10 +77,10 @@ def test_capacity_machine_cpu_per_packet():
     run: a generous margin). With the kernel shaping the switch's ports, the comparison
     ``--shaping qdisc`` offers."""
     rows = run(workers=(2,), algos=("ina",), nbytes=8 << 20, timeout_s=60, dilate_workers=(),
-               shaping="qdisc")
+               shaping="qdisc", sched="other")
     (r,) = rows
     assert r["correct"] is True and r["time_s"] >= MACHINE_MIN_WALL_S, r
-    assert r["shaping"] == "qdisc"
+    assert r["shaping"] == "qdisc" and r["sched"] == "other"
     assert r["cpu_s_per_kpkt_machine"] > 0.5 * r["cpu_s_per_kpkt_engine"] > 0, r
 
 
@@ -87,4 +89,4 @@ def test_cli_wiring():
     out = subprocess.run([sys.executable, "-m", "testbed.cli", "bench", "capacity", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--workers" in out.stdout and "--io" in out.stdout
-    assert "--shaping" in out.stdout
+    assert "--shaping" in out.stdout and "--sched" in out.stdout

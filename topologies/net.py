@@ -734,8 +734,8 @@ class TestbedNet:
 
     def _dilated_stage_updates(self, factor: float) -> dict[str, list[tuple[str, dict]]]:
         """Node -> ``[(stage, settings), ...]`` that re-time its engine for ``factor``: the
-        time and rate settings of its ``impair``, ``trim`` and ``shape`` stages (none when they are all
-        zero). Raises :class:`TopologyError` when such a stage's name is not unique."""
+        time and rate settings of its ``impair``, ``trim`` and ``shape`` stages (none when
+        they are all zero). Raises :class:`TopologyError` when such a stage's name is not unique."""
         out: dict[str, list[tuple[str, dict]]] = {}
         for node, stages in self.programs_plan().items():
             names = [p for p, _ in stages]

@@ -51,9 +51,9 @@ stage keeps the name ``impair``.
 **Time dilation.** :func:`compose` describes the emulated network (rates and delays as the
 user gave them). :func:`dilate` turns a plan into what the engines of a network dilated by a
 factor f run: every delay, jitter and reordering timeout of an ``impair`` stage multiplied by
-f, every drain rate of a ``trim`` or ``shape`` stage (a link rate) divided by f. Queue thresholds stay in
-bytes and probabilities stay as they are: a dilated network carries the same packets, f times
-slower.
+f, every drain rate of a ``trim`` or ``shape`` stage (a link rate) divided by f. Queue
+thresholds and bursts stay in bytes and probabilities stay as they are: a dilated network
+carries the same packets, f times slower.
 
 ``DatapathOptions(explicit_programs=True)`` uses the topology's overrides exactly as given
 (no aggregate or shape stage added, no table filled in: a ``forward`` stage then learns):

@@ -130,9 +130,9 @@ def append_emitted(batch: Batch, k: int, ports: np.ndarray, column: np.ndarray) 
 
 
 @njit(cache=True)
-def _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head, dq_cnt, dq_bytes,
-           hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length, base, room, k, emit_port,
-           emitted, counters):
+def _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head,
+           dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length, base, room,
+           k, emit_port, emitted, counters):
     """Emit port ``p``'s queued frames whose departure time has come (header queue first);
     return the new number of emitted rows ``k``."""
     nq = dq_len.shape[1]
@@ -179,9 +179,9 @@ def _push(qbuf, qlen, head, cnt, qbytes, p, frame, ln):
 
 @njit(cache=True)
 def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_prio, thr_bytes,
-                thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head, dq_cnt,
-                dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, counters, emit_port,
-                emitted):
+                thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len,
+                dq_head, dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, counters,
+                emit_port, emitted):
     """One burst of the trim stage: drain what is due, admit/trim/drop the batch's egress
     packets, drain again. Emitted frames go to rows ``base..base+k-1`` (at most ``room``) with
     their port in ``emit_port[:k]``; returns ``k``."""
@@ -193,9 +193,9 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
     k = 0
     for p in range(n_ports):
         if dq_cnt[p] > 0 or hq_cnt[p] > 0:
-            k = _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head,
-                       dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length,
-                       base, room, k, emit_port, emitted, counters)
+            k = _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len,
+                       dq_head, dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf,
+                       length, base, room, k, emit_port, emitted, counters)
     for i in range(n):
         p = out_port[i]
         if p < 0 or p >= n_ports:
@@ -249,9 +249,9 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
         counters[p, C_DROPPED] += 1
     for p in range(n_ports):
         if dq_cnt[p] > 0 or hq_cnt[p] > 0:
-            k = _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len, dq_head,
-                       dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf, length,
-                       base, room, k, emit_port, emitted, counters)
+            k = _drain(p, now, hdr_prio, ns_per_byte, burst_bytes, next_free, dq_buf, dq_len,
+                       dq_head, dq_cnt, dq_bytes, hq_buf, hq_len, hq_head, hq_cnt, hq_bytes, buf,
+                       length, base, room, k, emit_port, emitted, counters)
     return k
 
 
@@ -367,9 +367,10 @@ class TrimStage(Stage):
         k = trim_kernel(batch.buf, batch.length, batch.out_port, batch.reason, batch.n, base,
                         batch.capacity - base, now, self.mode, self.header_priority,
                         self.thr_bytes, self.thr_pkts, self.ecn_bytes, self.ns_per_byte,
-                        self.burst_bytes, self.next_free, self.dq_buf, self.dq_len, self.dq_head, self.dq_cnt,
-                        self.dq_bytes, self.hq_buf, self.hq_len, self.hq_head, self.hq_cnt,
-                        self.hq_bytes, self.counters_arr, self._emit, self._emitted)
+                        self.burst_bytes, self.next_free, self.dq_buf, self.dq_len,
+                        self.dq_head, self.dq_cnt, self.dq_bytes, self.hq_buf, self.hq_len,
+                        self.hq_head, self.hq_cnt, self.hq_bytes, self.counters_arr, self._emit,
+                        self._emitted)
         if k:
             append_emitted(batch, k, self._emit, batch.out_port)
 

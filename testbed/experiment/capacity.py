@@ -41,9 +41,10 @@ One JSON object per line with ``--json`` (keys :data:`ROW_KEYS`), otherwise a ta
 selects the engine's packet I/O (``ring``: PACKET_MMAP rings, the default; ``mmsg``:
 ``recvmmsg``/``sendmmsg``), so the two can be compared on one machine; ``shaping`` likewise
 selects who shapes the switch's ports (``engine``: its ``shape`` stage, the default; ``qdisc``:
-the kernel's HTB, as before the stage existed). ``time_dilation`` runs
-the whole sweep at that factor (links at ``bw_mbps / f``, times reported undilated, the rows'
-CPU per packet then what the dilated run spent).
+the kernel's HTB, as before the stage existed) and ``sched`` how the engine's packet loop is
+scheduled (``fifo``: real-time, the default; ``other``: time-shared, as before).
+``time_dilation`` runs the whole sweep at that factor (links at ``bw_mbps / f``, times
+reported undilated, the rows' CPU per packet then what the dilated run spent).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.cpumon import kernel_events
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
 from testbed.collectives.report import render_table
+from testbed.datapath.engine import SCHED_POLICIES
 from testbed.experiment.fidelity import cpu_model
 from testbed.topologies import Star, TestbedNet
 from testbed.topologies.pipeline import DatapathOptions
@@ -75,8 +77,8 @@ ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
               "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
-              "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "bytes",
-              "time_dilation", "dilation_note", "cpu_model")
+              "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "sched",
+              "bytes", "time_dilation", "dilation_note", "cpu_model")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
            "min f", "time s", "model s", "correct", "cores", "wait", "engine", "machine s/kpkt")
 
@@ -166,7 +168,7 @@ def max_not_bound(rows: list[dict]) -> int:
 def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
         time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS, shaping: str = "engine",
-        log=sys.stderr) -> list[dict]:
+        sched: str = "fifo", log=sys.stderr) -> list[dict]:
     """The sweep (see the module docstring); rows in (algo, n) order."""
     if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
             or not 1 <= time_dilation <= MAX_AUTO_FACTOR:
@@ -182,13 +184,15 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
         raise ValueError(f"io must be 'ring' or 'mmsg', got {io!r}")
     if shaping not in SHAPING:
         raise ValueError(f"shaping must be one of {SHAPING}, got {shaping!r}")
+    if sched not in SCHED_POLICIES:
+        raise ValueError(f"sched must be one of {SCHED_POLICIES}, got {sched!r}")
     options = DatapathOptions(shape_in_engine=shaping == "engine")
     cpu = cpu_model()
     rows: list[dict] = []
     for n in sorted({int(n) for n in workers}):
         topo = Star(n, bw_mbps=bw_mbps, switch="programmable")
-        with TestbedNet(topo, engine_opts={"io": io}, time_dilation=time_dilation,
-                        datapath=options) as net:
+        with TestbedNet(topo, engine_opts={"io": io, "sched": sched},
+                        time_dilation=time_dilation, datapath=options) as net:
             for algo in algos:
                 try:
                     row = measure(net, algo, nbytes, window, timeout_s)
@@ -201,7 +205,7 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
                            "max_workers_not_cpu_bound": None, "correct": False,
                            "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
                 row.setdefault("min_time_dilation", None)
-                row.update(io=io, shaping=shaping, time_dilation=time_dilation,
+                row.update(io=io, shaping=shaping, sched=sched, time_dilation=time_dilation,
                            cpu_model=cpu)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
@@ -221,11 +225,12 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
 
 def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int = 8 * MiB,
          bw_mbps: float = 100.0, time_dilation: float = 1.0,
-         dilate_workers=DILATE_WORKERS, shaping: str = "engine") -> int:
+         dilate_workers=DILATE_WORKERS, shaping: str = "engine", sched: str = "fifo") -> int:
     """Entry point of ``testbed bench capacity``; 0 when every run completed correctly."""
     t0 = time.monotonic()
     rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps,
-               time_dilation=time_dilation, dilate_workers=dilate_workers, shaping=shaping)
+               time_dilation=time_dilation, dilate_workers=dilate_workers, shaping=shaping,
+               sched=sched)
     if json_out:
         for r in rows:
             print(json.dumps({k: r.get(k) for k in ROW_KEYS + EXTRA_KEYS}
@@ -233,6 +238,7 @@ def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int 
     else:
         render_table(rows, ROW_KEYS + ("time_s", "model_s", "correct", "cpu_util", "cpu_wait",
                                        "cpu_engine", "cpu_s_per_kpkt_machine"), headers=HEADERS,
-                     title=f"emulation capacity ({io} I/O, {shaping} shaping, {cpu_model()})",
+                     title=f"emulation capacity ({io} I/O, {shaping} shaping, {sched} engine, "
+                           f"{cpu_model()})",
                      notes=[f"# {time.monotonic() - t0:.0f} s in all"])
     return 0 if rows and all(r.get("correct") for r in rows) else 1
