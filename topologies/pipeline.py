@@ -38,7 +38,7 @@ How the parts are chosen:
   clock, and the engine wakes once per such burst. A packet then costs the machine no
   shaper timer per packet (0.1 timer interrupts per packet instead of 0.7 for a ring of 4):
   ``testbed bench capacity`` on 2 cores, 8 MiB at 100 Mb/s, machine CPU per packet of a ring
-  of 8 9-11 us instead of 18, of INA of 4 20-22 instead of 30 (``--shaping qdisc`` and
+  of 8 10-11 us instead of 17-18, of INA of 4 20-22 instead of 25-30 (``--shaping qdisc`` and
   ``DatapathOptions(shape_in_engine=False)`` keep the qdiscs, for such comparisons). A node
   with a ``trim`` stage (its queue drains at the link rates already) or a ``shape`` stage of
   its own gets none.
@@ -384,9 +384,10 @@ def engine_shaped_ports(topo: TestbedTopo, plan: dict[str, list]) -> set[str]:
         ports = node_ports(topo, node)
         for program, settings in stages:
             rate = settings.get("rate_mbps") if program == "shape" else None
-            if isinstance(rate, dict):
-                out |= {ports[int(p)] if str(p).isdigit() else p for p in rate}
-            elif isinstance(rate, list | tuple) or rate is not None:
+            if isinstance(rate, dict):  # by name or index (a bad one: the stage says so)
+                out |= {ports[int(p)] if str(p).isdigit() and int(p) < len(ports) else p
+                        for p in rate}
+            elif rate is not None:
                 out |= set(ports)
     return out
 

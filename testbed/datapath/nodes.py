@@ -19,7 +19,7 @@ provider's side; see ``testbed.datapath.control``)::
 Node options: ``programs`` (list of ``(name, settings)`` / dicts / names), ``agg_ip`` /
 ``agg_mac`` (copied into the ``aggregate`` program's settings), ``rx_burst``, ``flood_ports``,
 ``ready_timeout`` (seconds to wait for the engine; the first start compiles kernels), and the
-engine's I/O settings :data:`ENGINE_KEYS` (copied into its config as given).
+engine's I/O and scheduling settings :data:`ENGINE_KEYS` (copied into its config as given).
 """
 
 from __future__ import annotations
