@@ -361,11 +361,16 @@ def queue_bytes(bw_mbps: float, queue_ms: float) -> int:
     return max(FULL_FRAME_BYTES, int(bw_mbps * 125 * queue_ms))
 
 
+def _link_rates(topo: TestbedTopo, name: str) -> dict[str, float]:
+    """Port name -> link rate (Mb/s) of ``name``'s shaped links, in engine order."""
+    return {f"{name}-eth{port}": float(bw)
+            for port, bw in sorted(routing.adjacency(topo)[name].values()) if bw is not None}
+
+
 def _shape_settings(topo: TestbedTopo, name: str) -> dict[str, Any] | None:
     """The ``shape`` stage of ``name``: its shaped ports at their link rates, each queue as deep
     as the kernel's would be. None when none of its links is shaped."""
-    rates = {f"{name}-eth{port}": float(bw)
-             for port, bw in sorted(routing.adjacency(topo)[name].values()) if bw is not None}
+    rates = _link_rates(topo, name)
     if not rates:
         return None
     if topo.queue_ms is None:
@@ -429,8 +434,7 @@ def _trim_settings(topo: TestbedTopo, tr: Trimming, name: str, ports: list[str]
         return s
     # Every port goes through the stage's queue: the chosen ones drain at rate_mbps with the
     # threshold, the others at their own link rate with no trimming below a full queue.
-    link = {f"{name}-eth{port}": bw for port, bw in routing.adjacency(topo)[name].values()}
-    rates = {p: float(link[p]) for p in ports if link[p]}
+    rates = _link_rates(topo, name)
     thresholds = dict.fromkeys(rates, NO_TRIM_BYTES)
     for ref in tr.ports:
         p = _port_name(ref, name, ports, "trimming")
