@@ -459,6 +459,9 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
                    sched: str = typer.Option(
                        "fifo", help="the engine's packet loop: fifo (real-time) or other "
                                     "(time-shared)"),
+                   worker_send: str = typer.Option(
+                       "gso", "--worker-send", help="how INA workers send: gso (UDP GSO runs) "
+                                                    "or mmsg (a datagram per entry)"),
                    mib: int = typer.Option(8, help="allreduce size (MiB)"),
                    bw: float = typer.Option(100.0, help="link rate (Mb/s)"),
                    time_dilation: float = typer.Option(
@@ -480,7 +483,8 @@ def bench_capacity(json_out: bool = typer.Option(False, "--json"),
     try:
         code = main(json_out=json_out, workers=ints("--workers", workers), io=io,
                     nbytes=mib << 20, bw_mbps=bw, time_dilation=time_dilation,
-                    dilate_workers=ints("--dilate", dilate), shaping=shaping, sched=sched)
+                    dilate_workers=ints("--dilate", dilate), shaping=shaping, sched=sched,
+                    worker_send=worker_send)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     raise typer.Exit(code)

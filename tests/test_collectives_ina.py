@@ -89,3 +89,66 @@ def test_client_reuses_its_summed_lanes_buffer(algo, compressor):
         assert grown.qsum.size >= big and not np.shares_memory(grown.qsum, first.qsum)
     finally:
         c.close()
+
+
+_GSO_SENDER = """
+import json, sys
+import numpy as np
+from testbed.collectives import CollectiveSpec
+from testbed.collectives.ina import InaClient
+ip1, ip2, lens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+ranks = [{"host": "tbh1", "ip": ip1, "port": 47001, "aggregator": {"ip": ip2, "port": 47100}},
+         {"host": "tbh2", "ip": ip2, "port": 47002, "aggregator": {"ip": ip2, "port": 47100}}]
+c = InaClient({"n": 2, "ranks": ranks}, CollectiveSpec(algo="ina", window=64), 0)
+order = np.random.default_rng(3).permutation(len(lens))
+for i, s in enumerate(order):
+    c.slots.pkts[s, :lens[i]] = (i + np.arange(lens[i])) % 251
+    c.slots.lens[s] = lens[i]
+c.send_list[:len(lens)] = order
+c._send(len(lens))
+print(json.dumps({"gso": c.gso, "gso_sends": c.stats["gso_sends"]}))
+"""
+
+_GSO_RECEIVER = """
+import json, socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 47100)); s.settimeout(3)
+print("ready", flush=True)
+got = []
+try:
+    while len(got) < int(sys.argv[2]):
+        got.append(list(s.recv(65535)))
+except OSError:
+    pass
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.parametrize("gso", ["1", "0"])
+def test_batched_sends_arrive_as_the_datagrams_listed(agg_net, gso, monkeypatch):
+    """The INA client's UDP GSO runs leave the host as the single datagrams it listed, in
+    order and byte for byte, through the switch's engine (runs of equal sizes, a shorter one
+    ending a run, a longer one starting the next); with ``TESTBED_INA_GSO=0`` it sends them
+    one by one."""
+    import json
+    import sys
+
+    monkeypatch.setenv("TESTBED_INA_GSO", gso)
+    h1, h2 = agg_net.hosts[0], agg_net.hosts[1]
+    lens = [1000] * 20 + [600] + [1000] * 5 + [300, 1000, 1050, 1050, 40]
+    rx = h2.popen([sys.executable, "-c", _GSO_RECEIVER, h2.IP(), str(len(lens))])
+    try:
+        assert rx.stdout.readline().decode().strip() == "ready"
+        tx = h1.popen([sys.executable, "-c", _GSO_SENDER, h1.IP(), h2.IP(), json.dumps(lens)])
+        out, err = tx.communicate(timeout=60)
+        assert tx.returncode == 0, err.decode()
+        sent = json.loads(out.decode().strip().splitlines()[-1])
+        got = json.loads(rx.communicate(timeout=30)[0].decode().strip().splitlines()[-1])
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+    want = [[(i + b) % 251 for b in range(ln)] for i, ln in enumerate(lens)]
+    assert got == want
+    assert sent["gso"] == (gso == "1")
+    assert (0 < sent["gso_sends"] < len(lens)) if gso == "1" else sent["gso_sends"] == 0

@@ -8,6 +8,8 @@ import copy
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from testbed.collectives import inakernel as ik
 from testbed.collectives.reference import inakernel as ref
@@ -307,3 +309,30 @@ def test_fair_share_window_of_a_shared_job():
     assert fair_share_slots(32, 3, 5) == 1  # never none
     with pytest.raises(ValueError, match="asked=0"):
         fair_share_slots(0, 96, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.sampled_from([1100, 1100, 1100, 1100, 700, 40, 1300]), min_size=1,
+                      max_size=40),
+       max_bytes=st.sampled_from([0, 1500, 15000, 65000]), max_segs=st.integers(1, 64))
+def test_gso_batches_match_twin_and_keep_the_kernels_rule(sizes, max_bytes, max_segs):
+    """Runs of UDP GSO sends: the kernel and its twin write the same headers, and every run is
+    one the kernel's ``UDP_SEGMENT`` cuts back into exactly the packets listed, in order
+    (all but the last as long as the first, within both caps unless alone)."""
+    k = len(sizes)
+    order = np.random.default_rng(k).permutation(k + 3)[:k].astype(np.int64)
+    lens = np.zeros(k + 3, np.int64)
+    lens[order] = sizes
+    got, want = (np.zeros((k, 8), np.uint64), np.zeros((k, 3), np.uint64)), \
+        (np.zeros((k, 8), np.uint64), np.zeros((k, 3), np.uint64))
+    base = np.uint64(1 << 20)
+    g = ik.gso_batches(order, k, lens, base, got[0], got[1], max_bytes, max_segs, 42)
+    assert g == ref.gso_batches(order, k, lens, base, want[0], want[1], max_bytes, max_segs, 42)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    firsts = [(int(got[0][i, 2]) - int(base)) // 16 for i in range(g)]
+    counts = [int(got[0][i, 3]) for i in range(g)]
+    assert firsts == list(np.cumsum([0] + counts[:-1])) and sum(counts) == k
+    for a, c, seg in zip(firsts, counts, got[1][:g, 2], strict=True):
+        run = sizes[a:a + c]
+        assert seg == run[0] and all(s == run[0] for s in run[:-1]) and run[-1] <= run[0]
+        assert c == 1 or (c <= max_segs and c * (run[0] + 42) <= max_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,6 +37,8 @@ def test_bad_arguments_fail_before_building_anything():
         run(workers=(2,), shaping="tbf")
     with pytest.raises(ValueError, match="sched"):
         run(workers=(2,), sched="rr")
+    with pytest.raises(ValueError, match="worker_send"):
+        run(workers=(2,), worker_send="xdp")
 
 
 @pytest.mark.mininet
@@ -59,6 +62,7 @@ def test_capacity_rows_measure_real_runs():
         assert r["timer_irqs_per_pkt"] is None or r["timer_irqs_per_pkt"] > 0, r
         assert r["max_workers_not_cpu_bound"] == (0 if r["cpu_bound"] else 2)
         assert r["io"] == "ring" and r["shaping"] == "engine" and r["time_dilation"] == 1.0
+        assert r["worker_send"] == "gso"
         # the calibration found a factor, or says why none kept the run below saturation
         assert (r["min_time_dilation"] or 0) >= 1.0 or r["dilation_note"], r
     ina, ring = rows
@@ -75,12 +79,15 @@ def test_capacity_machine_cpu_per_packet():
     """A run long enough for the kernel's CPU ticks: the machine's busy time per packet is
     at least what the engine process used (its counters span a little more than the timed
     run: a generous margin). With the kernel shaping the switch's ports, the comparison
-    ``--shaping qdisc`` offers."""
+    ``--shaping qdisc`` offers, and INA workers sending a datagram per entry
+    (``--worker-send mmsg``)."""
+    before = os.environ.get("TESTBED_INA_GSO")
     rows = run(workers=(2,), algos=("ina",), nbytes=8 << 20, timeout_s=60, dilate_workers=(),
-               shaping="qdisc", sched="other")
+               shaping="qdisc", sched="other", worker_send="mmsg")
     (r,) = rows
     assert r["correct"] is True and r["time_s"] >= MACHINE_MIN_WALL_S, r
-    assert r["shaping"] == "qdisc" and r["sched"] == "other"
+    assert r["shaping"] == "qdisc" and r["sched"] == "other" and r["worker_send"] == "mmsg"
+    assert os.environ.get("TESTBED_INA_GSO") == before  # the sweep's setting did not leak
     assert r["cpu_s_per_kpkt_machine"] > 0.5 * r["cpu_s_per_kpkt_engine"] > 0, r
 
 
@@ -90,3 +97,4 @@ def test_cli_wiring():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--workers" in out.stdout and "--io" in out.stdout
     assert "--shaping" in out.stdout and "--sched" in out.stdout
+    assert "--worker-send" in out.stdout

@@ -52,9 +52,12 @@ a result arrives every ~90 us, and waking per packet costs more CPU than the pac
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 import select
 import socket
 import struct
+import subprocess
 import time
 
 import numpy as np
@@ -81,6 +84,17 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.recvmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
                            ctypes.c_void_p]
 _libc.sendmmsg.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
+#: UDP generic segmentation offload (``UDP_SEGMENT``, Linux >= 4.18): one ``sendmmsg`` entry
+#: carries a run of equal-length packets as one buffer, the kernel cuts it into datagrams
+#: after the host's qdisc, so the socket, IP and shaper work is paid once per run, not per
+#: packet. A run is at most :data:`GSO_BURST_BYTES` on the wire: the depth of the host link's
+#: HTB token bucket (Mininet's ``burst 15k``), so a batch leaves the host no burstier than its
+#: shaper already lets single packets leave. ``TESTBED_INA_GSO=0`` turns it off (comparisons).
+GSO_BURST_BYTES = 15000
+UDP_MAX_SEGMENTS = 64
+#: Ethernet + IPv4 + UDP header bytes of a frame (what the shaper counts besides the payload)
+FRAME_OVERHEAD = 42
+_SOL_UDP, _UDP_SEGMENT = 17, 103
 #: per-worker stochastic-rounding stream of THC ("THCR")
 SALT_QUANT_RANK = 0x54484352
 
@@ -141,6 +155,26 @@ def rounds(spec: CollectiveSpec, n: int) -> int:
     return K if spec.algo == "nic" else K + spec.slots
 
 
+def udp_gso_usable(dst_ip: str) -> bool:
+    """Whether UDP GSO sends towards ``dst_ip`` leave this namespace as ordinary datagrams:
+    the route's device must not take segmentation offload (``tx-udp-segmentation: off``, as on
+    the testbed's hosts, whose offloads are off), else the kernel would hand it one large frame
+    that a userspace switch on the other end cannot parse. False when unsure (no ``ip`` or
+    ``ethtool``, odd output) or when ``TESTBED_INA_GSO=0``."""
+    if os.environ.get("TESTBED_INA_GSO", "1") == "0":
+        return False
+    try:
+        route = subprocess.run(["ip", "route", "get", dst_ip], capture_output=True, text=True,
+                               timeout=10, check=True).stdout
+        dev = route.split(" dev ", 1)[1].split()[0]
+        feats = subprocess.run(["ethtool", "-k", dev], capture_output=True, text=True,
+                               timeout=10, check=True).stdout
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return False
+    return any(line.split(":", 1)[1].split()[:1] == ["off"]
+               for line in feats.splitlines() if line.startswith("tx-udp-segmentation:"))
+
+
 def _mmsg(count: int) -> tuple[np.ndarray, np.ndarray]:
     """(iovecs uint64[count, 2] = base, len; struct mmsghdr uint64[count, 8]) for LP64 Linux:
     msghdr = name, namelen, iov, iovlen, control, controllen, flags (56 B) + msg_len."""
@@ -193,6 +227,18 @@ class InaClient:
         self.send_list = np.zeros(self.W, dtype=np.int64)
         self.siov, self.shdr = _mmsg(self.W)
         self.shdr_addr = self.shdr.ctypes.data
+        # GSO sends: one mmsghdr per run of packets, each with its UDP_SEGMENT cmsg
+        # (cmsg_len = CMSG_LEN(2), level, type, the uint16 segment length; CMSG_SPACE(2) = 24)
+        self.gso = udp_gso_usable(self.agg[0])
+        self.gctl = np.zeros((self.W, 3), dtype=np.uint64)
+        self.gctl[:, 0] = 18
+        self.gctl[:, 1] = _SOL_UDP | (_UDP_SEGMENT << 32)
+        self.ghdr = np.zeros((self.W, 8), dtype=np.uint64)
+        self.ghdr[:, 4] = np.uint64(self.gctl.ctypes.data) + \
+            np.arange(self.W, dtype=np.uint64) * np.uint64(24)
+        self.ghdr[:, 5] = 24
+        self.ghdr_addr = self.ghdr.ctypes.data
+        self.siov_addr = np.uint64(self.siov.ctypes.data)
         self.rbuf = np.zeros((RX_BURST, RB), dtype=np.uint8)
         self.riov, self.rhdr = _mmsg(RX_BURST)
         self.sources = None
@@ -205,8 +251,8 @@ class InaClient:
             self.sources = np.array([_ip_u32(self.agg[0])] + [_ip_u32(f) for f in fallbacks],
                                     np.uint32)
             self.dst = _sockaddr_in(*self.agg)
-            self.shdr[:, 0] = np.uint64(self.dst.ctypes.data)
-            self.shdr[:, 1] = 16
+            self.shdr[:, 0] = self.ghdr[:, 0] = np.uint64(self.dst.ctypes.data)
+            self.shdr[:, 1] = self.ghdr[:, 1] = 16
             self.names = np.zeros((RX_BURST, 16), np.uint8)
             self.rhdr[:, 0] = np.uint64(self.names.ctypes.data) + \
                 np.arange(RX_BURST, dtype=np.uint64) * np.uint64(16)
@@ -215,7 +261,7 @@ class InaClient:
         self.riov[:, 1] = RB
         self.rhdr_addr = self.rhdr.ctypes.data
         self.stats = {"sent": 0, "retransmitted": 0, "results": 0, "ignored": 0,
-                      "lost_tx": 0, "lost_rx": 0}
+                      "lost_tx": 0, "lost_rx": 0, "gso_sends": 0}
         self.thc = None
         if spec.compressor is not None:
             if spec.compressor not in INA_COMPRESSORS or self.mode == ik.MODE_NIC:
@@ -280,8 +326,8 @@ class InaClient:
                           scratch)
 
     def _send(self, k: int) -> None:
-        """Send the packet rows listed in ``send_list[:k]`` in one ``sendmmsg`` (seeded loss
-        first)."""
+        """Send the packet rows listed in ``send_list[:k]`` (seeded loss first): in UDP GSO
+        runs where the route allows (:func:`udp_gso_usable`), else one ``sendmmsg`` entry each."""
         slots = self.send_list[:k]
         if self.loss:
             keep = self.rng.random(k) >= self.loss
@@ -292,7 +338,27 @@ class InaClient:
             return
         self.siov[:k, 0] = self.pkts_addr + slots.astype(np.uint64) * np.uint64(ik.ROW)
         self.siov[:k, 1] = self.slots.lens[slots].astype(np.uint64)
-        sent = 0
+        first = 0
+        if self.gso:
+            g = ik.gso_batches(slots, k, self.slots.lens, self.siov_addr, self.ghdr, self.gctl,
+                               GSO_BURST_BYTES, UDP_MAX_SEGMENTS, FRAME_OVERHEAD)
+            sent = 0
+            while sent < g:
+                r = _libc.sendmmsg(self.fd, self.ghdr_addr + sent * 64, g - sent, 0)
+                if r > 0:
+                    sent += r
+                    continue
+                if ctypes.get_errno() in (errno.EIO, errno.EINVAL, errno.ENOPROTOOPT,
+                                          errno.EOPNOTSUPP):
+                    # a kernel or route without UDP GSO: one datagram per entry from now on
+                    self.gso = False
+                    first = int(self.ghdr[sent, 2] - self.siov_addr) // 16
+                    break
+                return  # socket buffer full (EAGAIN): the retransmission timer resends
+            else:
+                self.stats["gso_sends"] += g
+                return
+        sent = first
         while sent < k:
             r = _libc.sendmmsg(self.fd, self.shdr_addr + sent * 64, k - sent, 0)
             if r <= 0:
@@ -408,6 +474,9 @@ def warm_up() -> None:
                            tuple(slots), loop, tuple(p), 0.0, send_list)
         ik.expire_flat(tuple(slots), loop, 0.0, send_list)
         slots.cur[:] = -1
+    ik.gso_batches(send_list, W, slots.lens, np.uint64(0), np.zeros((W, 8), np.uint64),
+                   np.zeros((W, 3), np.uint64), GSO_BURST_BYTES, UDP_MAX_SEGMENTS,
+                   FRAME_OVERHEAD)
     _warm = True
 
 

@@ -533,3 +533,34 @@ def thc_descale(qsum, agreed, E, clip, half, ysum):
         s = thc_scale(np.int64(agreed[c]), hi - lo, clip) / half
         for k in range(lo, hi):
             ysum[k] = np.float32(qsum[k] * s)
+
+
+
+@njit(cache=True, _nrt=False)
+def gso_batches(send_list, k, lens, iov_addr, hdr, ctrl, max_bytes, max_segs, overhead):
+    """Group the packet rows ``send_list[:k]`` into UDP GSO sends (``UDP_SEGMENT``). The
+    caller lists the rows' ``struct iovec`` (16 B each) in list order at ``iov_addr``; each
+    ``struct mmsghdr`` row ``g`` of ``hdr`` (uint64[., 8]) gets a run of consecutive ones,
+    every row but the last exactly as long as the first (the kernel cuts the concatenated
+    payload at that length), at most ``max_segs`` rows and ``max_bytes`` on the wire
+    (``overhead``: the Ethernet, IP and UDP header bytes of a frame), and ``ctrl[g, 2]``, the
+    data word of its ``cmsghdr``, the segment length. Returns the number of groups."""
+    g = 0
+    i = 0
+    while i < k:
+        ln = lens[send_list[i]]
+        cap = max(1, min(max_segs, max_bytes // (ln + overhead)))
+        j = i + 1
+        while j < k and j - i < cap:
+            lj = lens[send_list[j]]
+            if lj > ln:
+                break
+            j += 1
+            if lj < ln:  # a shorter row can only be a group's last
+                break
+        hdr[g, 2] = iov_addr + np.uint64(i * 16)
+        hdr[g, 3] = j - i
+        ctrl[g, 2] = ln
+        g += 1
+        i = j
+    return g

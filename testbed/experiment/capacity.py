@@ -42,7 +42,10 @@ selects the engine's packet I/O (``ring``: PACKET_MMAP rings, the default; ``mms
 ``recvmmsg``/``sendmmsg``), so the two can be compared on one machine; ``shaping`` likewise
 selects who shapes the switch's ports (``engine``: its ``shape`` stage, the default; ``qdisc``:
 the kernel's HTB, as before the stage existed) and ``sched`` how the engine's packet loop is
-scheduled (``fifo``: real-time, the default; ``other``: time-shared, as before).
+scheduled (``fifo``: real-time, the default; ``other``: time-shared, as before);
+``worker_send`` how the INA workers send (``gso``: runs of packets as one UDP GSO send where
+the host's route allows it, the default; ``mmsg``: one ``sendmmsg`` entry per packet, as
+before; the ring's TCP is unaffected).
 ``time_dilation`` runs the whole sweep at that factor (links at ``bw_mbps / f``, times
 reported undilated, the rows' CPU per packet then what the dilated run spent).
 """
@@ -70,6 +73,8 @@ WORKERS = (2, 4, 8, 16)
 DILATE_WORKERS = (8, 16)
 #: who shapes the switch's ports: its engine (``shape`` stage) or the kernel (HTB)
 SHAPING = ("engine", "qdisc")
+#: how INA workers send: UDP GSO runs or one datagram per sendmmsg entry (``TESTBED_INA_GSO``)
+WORKER_SEND = ("gso", "mmsg")
 #: the shortest timed run whose machine-wide CPU is reported: ``/proc/stat`` counts in ticks
 #: of 10 ms, so a 2-core machine's 0.5 s is 100 ticks (a 50 ms run read 0 busy ticks)
 MACHINE_MIN_WALL_S = 0.5
@@ -78,7 +83,7 @@ ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
               "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
               "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "sched",
-              "bytes", "time_dilation", "dilation_note", "cpu_model")
+              "worker_send", "bytes", "time_dilation", "dilation_note", "cpu_model")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
            "min f", "time s", "model s", "correct", "cores", "wait", "engine", "machine s/kpkt")
 
@@ -168,7 +173,7 @@ def max_not_bound(rows: list[dict]) -> int:
 def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
         time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS, shaping: str = "engine",
-        sched: str = "fifo", log=sys.stderr) -> list[dict]:
+        sched: str = "fifo", worker_send: str = "gso", log=sys.stderr) -> list[dict]:
     """The sweep (see the module docstring); rows in (algo, n) order."""
     if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
             or not 1 <= time_dilation <= MAX_AUTO_FACTOR:
@@ -186,6 +191,23 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
         raise ValueError(f"shaping must be one of {SHAPING}, got {shaping!r}")
     if sched not in SCHED_POLICIES:
         raise ValueError(f"sched must be one of {SCHED_POLICIES}, got {sched!r}")
+    if worker_send not in WORKER_SEND:
+        raise ValueError(f"worker_send must be one of {WORKER_SEND}, got {worker_send!r}")
+    # the workers inherit the environment (testbed.collectives.ina.udp_gso_usable reads it)
+    saved = os.environ.get("TESTBED_INA_GSO")
+    os.environ["TESTBED_INA_GSO"] = "1" if worker_send == "gso" else "0"
+    try:
+        return _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation,
+                      dilate_workers, shaping, sched, worker_send, log)
+    finally:
+        if saved is None:
+            os.environ.pop("TESTBED_INA_GSO", None)
+        else:
+            os.environ["TESTBED_INA_GSO"] = saved
+
+
+def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation,
+           dilate_workers, shaping, sched, worker_send, log) -> list[dict]:
     options = DatapathOptions(shape_in_engine=shaping == "engine")
     cpu = cpu_model()
     rows: list[dict] = []
@@ -205,7 +227,8 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
                            "max_workers_not_cpu_bound": None, "correct": False,
                            "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
                 row.setdefault("min_time_dilation", None)
-                row.update(io=io, shaping=shaping, sched=sched, time_dilation=time_dilation,
+                row.update(io=io, shaping=shaping, sched=sched, worker_send=worker_send,
+                           time_dilation=time_dilation,
                            cpu_model=cpu)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
@@ -225,12 +248,13 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
 
 def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int = 8 * MiB,
          bw_mbps: float = 100.0, time_dilation: float = 1.0,
-         dilate_workers=DILATE_WORKERS, shaping: str = "engine", sched: str = "fifo") -> int:
+         dilate_workers=DILATE_WORKERS, shaping: str = "engine", sched: str = "fifo",
+         worker_send: str = "gso") -> int:
     """Entry point of ``testbed bench capacity``; 0 when every run completed correctly."""
     t0 = time.monotonic()
     rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps,
                time_dilation=time_dilation, dilate_workers=dilate_workers, shaping=shaping,
-               sched=sched)
+               sched=sched, worker_send=worker_send)
     if json_out:
         for r in rows:
             print(json.dumps({k: r.get(k) for k in ROW_KEYS + EXTRA_KEYS}
@@ -239,6 +263,7 @@ def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int 
         render_table(rows, ROW_KEYS + ("time_s", "model_s", "correct", "cpu_util", "cpu_wait",
                                        "cpu_engine", "cpu_s_per_kpkt_machine"), headers=HEADERS,
                      title=f"emulation capacity ({io} I/O, {shaping} shaping, {sched} engine, "
+                           f"INA workers send {worker_send}, "
                            f"{cpu_model()})",
                      notes=[f"# {time.monotonic() - t0:.0f} s in all"])
     return 0 if rows and all(r.get("correct") for r in rows) else 1

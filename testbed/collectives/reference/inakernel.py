@@ -247,3 +247,24 @@ def start(slots, loop, p, now, send_list) -> int:
         _send(slots, s, st, now, MsgType.DATA)
         send_list[s] = s
     return k
+
+
+def gso_batches(send_list, k, lens, iov_addr, hdr, ctrl, max_bytes, max_segs, overhead) -> int:
+    """Split ``send_list[:k]`` into runs: a run ends before a longer packet, after a shorter
+    one, or when it holds the most packets the caps allow for its first packet's length."""
+    sizes = [int(lens[s]) for s in send_list[:k]]
+    runs: list[tuple[int, int]] = []  # (first index, count)
+    for i, ln in enumerate(sizes):
+        if runs:
+            a, c = runs[-1]
+            first, last = sizes[a], sizes[a + c - 1]
+            cap = max(1, min(max_segs, max_bytes // (first + overhead)))
+            if c < cap and last == first and ln <= first:
+                runs[-1] = (a, c + 1)
+                continue
+        runs.append((i, 1))
+    for g, (a, c) in enumerate(runs):
+        hdr[g, 2] = int(iov_addr) + 16 * a
+        hdr[g, 3] = c
+        ctrl[g, 2] = sizes[a]
+    return len(runs)
