@@ -43,8 +43,8 @@ back in int8/int16 lanes; the worker de-scales and applies the inverse transform
 the MTU). Error: see :func:`thc_check`.
 
 Hot loop: ``recvmmsg`` a burst of RESULTs straight into a numpy buffer, one ``@njit`` call
-applies them and builds the next packets in place, one ``sendmmsg`` sends them; Python only
-loops over bursts and timers. After a partial burst the worker sleeps up to 1.5 ms (interrupt
+applies them and builds the next packets in place, one ``sendmmsg`` sends them (in UDP GSO
+runs, see :data:`GSO_BURST_BYTES`); Python only loops over bursts and timers. After a partial burst the worker sleeps up to 1.5 ms (interrupt
 coalescing; capped at a quarter of the window) so bursts are several packets long: at 100 Mb/s
 a result arrives every ~90 us, and waking per packet costs more CPU than the packet.
 """

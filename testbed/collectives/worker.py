@@ -239,12 +239,13 @@ def report_error(ctl: ControlLine, e: BaseException) -> None:
         pass
 
 
-def prefault(a: np.ndarray, write: bool) -> None:
+def prefault(a: np.ndarray | None, write: bool) -> None:
     """Map every page of ``a`` into this process now (for writing when ``write``). A forked
     rank shares its input and output with the pool but has no page-table entries for them
     yet: left alone, it would take one fault per 4 KiB page inside the timed collective
-    (8 MiB in and out: 4096 faults, a tenth of an INA worker's CPU at 8 workers)."""
-    if a.nbytes == 0:
+    (8 MiB in and out: 4096 faults, a tenth of an INA worker's CPU at 8 workers). ``None``
+    (a reduction server has no input or output) is left alone."""
+    if a is None or a.nbytes == 0:
         return
     page = mmap.PAGESIZE
     start = a.ctypes.data & ~(page - 1)
