@@ -44,9 +44,10 @@ the MTU). Error: see :func:`thc_check`.
 
 Hot loop: ``recvmmsg`` a burst of RESULTs straight into a numpy buffer, one ``@njit`` call
 applies them and builds the next packets in place, one ``sendmmsg`` sends them (in UDP GSO
-runs, see :data:`GSO_BURST_BYTES`); Python only loops over bursts and timers. After a partial burst the worker sleeps up to 1.5 ms (interrupt
-coalescing; capped at a quarter of the window) so bursts are several packets long: at 100 Mb/s
-a result arrives every ~90 us, and waking per packet costs more CPU than the packet.
+runs, see :data:`GSO_BURST_BYTES`); Python only loops over bursts and timers. After a partial
+burst the worker sleeps up to 1.5 ms (interrupt coalescing; capped at a quarter of the window)
+so bursts are several packets long: at 100 Mb/s a result arrives every ~90 us, and waking per
+packet costs more CPU than the packet.
 """
 
 from __future__ import annotations
