@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import select
 import socket
 import struct
-import subprocess
 import time
 
 import numpy as np
@@ -96,6 +96,7 @@ UDP_MAX_SEGMENTS = 64
 #: Ethernet + IPv4 + UDP header bytes of a frame (what the shaper counts besides the payload)
 FRAME_OVERHEAD = 42
 _SOL_UDP, _UDP_SEGMENT = 17, 103
+_SIOCETHTOOL, _ETHTOOL_GTXCSUM = 0x8946, 0x16
 #: per-worker stochastic-rounding stream of THC ("THCR")
 SALT_QUANT_RANK = 0x54484352
 
@@ -156,24 +157,30 @@ def rounds(spec: CollectiveSpec, n: int) -> int:
     return K if spec.algo == "nic" else K + spec.slots
 
 
-def udp_gso_usable(dst_ip: str) -> bool:
-    """Whether UDP GSO sends towards ``dst_ip`` leave this namespace as ordinary datagrams:
-    the route's device must not take segmentation offload (``tx-udp-segmentation: off``, as on
-    the testbed's hosts, whose offloads are off), else the kernel would hand it one large frame
-    that a userspace switch on the other end cannot parse. False when unsure (no ``ip`` or
-    ``ethtool``, odd output) or when ``TESTBED_INA_GSO=0``."""
+def udp_gso_usable(fd: int) -> bool:
+    """Whether UDP GSO sends from this network namespace leave it as ordinary datagrams: every
+    interface but ``lo`` must have transmit checksum offload off (as the testbed's hosts do),
+    for the kernel only lets a device segment UDP itself with checksum offload on; then the
+    kernel segments before the device, else a userspace switch on the other end could get one
+    large frame it cannot parse. Asked with ``SIOCETHTOOL`` on the socket ``fd`` (a rank must
+    not fork helpers: their names would be the rank's). False when unsure or when
+    ``TESTBED_INA_GSO=0``."""
     if os.environ.get("TESTBED_INA_GSO", "1") == "0":
         return False
     try:
-        route = subprocess.run(["ip", "route", "get", dst_ip], capture_output=True, text=True,
-                               timeout=10, check=True).stdout
-        dev = route.split(" dev ", 1)[1].split()[0]
-        feats = subprocess.run(["ethtool", "-k", dev], capture_output=True, text=True,
-                               timeout=10, check=True).stdout
-    except (OSError, IndexError, subprocess.SubprocessError):
+        names = [name for _, name in socket.if_nameindex() if name != "lo"]
+    except OSError:
         return False
-    return any(line.split(":", 1)[1].split()[:1] == ["off"]
-               for line in feats.splitlines() if line.startswith("tx-udp-segmentation:"))
+    for name in names:
+        value = ctypes.create_string_buffer(struct.pack("II", _ETHTOOL_GTXCSUM, 0), 8)
+        ifreq = struct.pack("16sP", name.encode()[:15], ctypes.addressof(value)).ljust(40, b"\0")
+        try:
+            fcntl.ioctl(fd, _SIOCETHTOOL, ifreq)
+        except OSError:
+            return False
+        if struct.unpack("II", value.raw)[1]:
+            return False
+    return bool(names)
 
 
 def _mmsg(count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -230,7 +237,7 @@ class InaClient:
         self.shdr_addr = self.shdr.ctypes.data
         # GSO sends: one mmsghdr per run of packets, each with its UDP_SEGMENT cmsg
         # (cmsg_len = CMSG_LEN(2), level, type, the uint16 segment length; CMSG_SPACE(2) = 24)
-        self.gso = udp_gso_usable(self.agg[0])
+        self.gso = udp_gso_usable(self.sock.fileno())
         self.gctl = np.zeros((self.W, 3), dtype=np.uint64)
         self.gctl[:, 0] = 18
         self.gctl[:, 1] = _SOL_UDP | (_UDP_SEGMENT << 32)
