@@ -63,6 +63,7 @@ def test_capacity_rows_measure_real_runs():
         assert r["max_workers_not_cpu_bound"] == (0 if r["cpu_bound"] else 2)
         assert r["io"] == "ring" and r["shaping"] == "engine" and r["time_dilation"] == 1.0
         assert r["worker_send"] == "gso"
+        assert 0 < r["speed_probe_s"] < 60 and 0 < r["speed_probe_end_s"] < 60, r
         # the calibration found a factor, or says why none kept the run below saturation
         assert (r["min_time_dilation"] or 0) >= 1.0 or r["dilation_note"], r
     ina, ring = rows

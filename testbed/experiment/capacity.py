@@ -37,6 +37,10 @@ records
   :func:`testbed.collectives.dilation.calibrate` on the same network (None elsewhere, and
   where even the largest factor saturated: ``dilation_note`` says so).
 
+``speed_probe_s`` / ``speed_probe_end_s``: :func:`speed_probe_s` before and after the
+sweep. The machine's speed, which the CPU-bound verdicts depend on, drifts on a shared VM;
+compare runs only at similar probes.
+
 One JSON object per line with ``--json`` (keys :data:`ROW_KEYS`), otherwise a table. ``io``
 selects the engine's packet I/O (``ring``: PACKET_MMAP rings, the default; ``mmsg``:
 ``recvmmsg``/``sendmmsg``), so the two can be compared on one machine; ``shaping`` likewise
@@ -83,7 +87,8 @@ ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
               "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
               "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "sched",
-              "worker_send", "bytes", "time_dilation", "dilation_note", "cpu_model")
+              "worker_send", "bytes", "time_dilation", "dilation_note", "cpu_model",
+              "speed_probe_s", "speed_probe_end_s")
 HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "max n",
            "min f", "time s", "model s", "correct", "cores", "wait", "engine", "machine s/kpkt")
 
@@ -170,6 +175,20 @@ def max_not_bound(rows: list[dict]) -> int:
     return best
 
 
+def speed_probe_s(reps: int = 5) -> float:
+    """Seconds a fixed pure-Python loop (3 million additions) takes here, best of ``reps``:
+    the machine's speed at the time. A shared VM's speed drifts (1.7x within one session
+    here) and the CPU-bound verdicts drift with it; the CPU model alone cannot tell."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        s = 0
+        for i in range(3_000_000):
+            s += i
+        best = min(best, time.perf_counter() - t)
+    return round(best, 4)
+
+
 def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
         time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS, shaping: str = "engine",
@@ -210,6 +229,7 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
            dilate_workers, shaping, sched, worker_send, log) -> list[dict]:
     options = DatapathOptions(shape_in_engine=shaping == "engine")
     cpu = cpu_model()
+    probe = speed_probe_s()
     rows: list[dict] = []
     for n in sorted({int(n) for n in workers}):
         topo = Star(n, bw_mbps=bw_mbps, switch="programmable")
@@ -229,7 +249,7 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
                 row.setdefault("min_time_dilation", None)
                 row.update(io=io, shaping=shaping, sched=sched, worker_send=worker_send,
                            time_dilation=time_dilation,
-                           cpu_model=cpu)
+                           cpu_model=cpu, speed_probe_s=probe)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
                       f"{row['cpu_s_per_kpkt_engine']} s/kpkt, worker "
@@ -237,11 +257,12 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
                       f"{row.get('cpu_s_per_kpkt_machine')} s/kpkt, time {row.get('time_s')} s "
                       f"(model {row.get('model_s')} s), correct={row['correct']}"
                       + (f" ERROR {row['error']}" if "error" in row else ""), file=log)
+    probe_end = speed_probe_s()
     for algo in algos:
         mine = [r for r in rows if r["algo"] == algo]
         best = max_not_bound(mine)
         for r in mine:
-            r["max_workers_not_cpu_bound"] = best
+            r.update(max_workers_not_cpu_bound=best, speed_probe_end_s=probe_end)
     rows.sort(key=lambda r: (algos.index(r["algo"]), r["n"]))
     return rows
 
@@ -265,5 +286,8 @@ def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int 
                      title=f"emulation capacity ({io} I/O, {shaping} shaping, {sched} engine, "
                            f"INA workers send {worker_send}, "
                            f"{cpu_model()})",
-                     notes=[f"# {time.monotonic() - t0:.0f} s in all"])
+                     notes=[f"# {time.monotonic() - t0:.0f} s in all; speed probe "
+                            f"{rows[0]['speed_probe_s'] if rows else None} s before, "
+                            f"{rows[0]['speed_probe_end_s'] if rows else None} s after "
+                            "(a pure-Python loop of 3 M additions: larger = a slower machine)"])
     return 0 if rows and all(r.get("correct") for r in rows) else 1
