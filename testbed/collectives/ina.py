@@ -335,7 +335,8 @@ class InaClient:
 
     def _send(self, k: int) -> None:
         """Send the packet rows listed in ``send_list[:k]`` (seeded loss first): in UDP GSO
-        runs where the route allows (:func:`udp_gso_usable`), else one ``sendmmsg`` entry each."""
+        runs where this namespace allows them (:func:`udp_gso_usable`), else one ``sendmmsg``
+        entry each."""
         slots = self.send_list[:k]
         if self.loss:
             keep = self.rng.random(k) >= self.loss

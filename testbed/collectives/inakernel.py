@@ -535,7 +535,6 @@ def thc_descale(qsum, agreed, E, clip, half, ysum):
             ysum[k] = np.float32(qsum[k] * s)
 
 
-
 @njit(cache=True, _nrt=False)
 def gso_batches(send_list, k, lens, iov_addr, hdr, ctrl, max_bytes, max_segs, overhead):
     """Group the packet rows ``send_list[:k]`` into UDP GSO sends (``UDP_SEGMENT``). The

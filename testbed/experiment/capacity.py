@@ -48,7 +48,7 @@ selects who shapes the switch's ports (``engine``: its ``shape`` stage, the defa
 the kernel's HTB, as before the stage existed) and ``sched`` how the engine's packet loop is
 scheduled (``fifo``: real-time, the default; ``other``: time-shared, as before);
 ``worker_send`` how the INA workers send (``gso``: runs of packets as one UDP GSO send where
-the host's route allows it, the default; ``mmsg``: one ``sendmmsg`` entry per packet, as
+the host allows it, :func:`testbed.collectives.ina.udp_gso_usable`, the default; ``mmsg``: one ``sendmmsg`` entry per packet, as
 before; the ring's TCP is unaffected).
 ``time_dilation`` runs the whole sweep at that factor (links at ``bw_mbps / f``, times
 reported undilated, the rows' CPU per packet then what the dilated run spent).
