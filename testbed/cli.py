@@ -311,7 +311,12 @@ def _stored(name: str, out: str, json_out: bool, rows: list[dict], notes: dict,
     print(f"results: {folder}", file=sys.stderr if json_out else sys.stdout)
 
 
-def _bench_kernels(json_out: bool, elements: int, out: str | None, only: str) -> int:
+#: ``bench kernels --quick``: a gradient small enough for seconds, not minutes
+QUICK_ELEMENTS = 1_000_000
+QUICK_HELP = "small sizes and short trials: seconds to a minute, for a check that it runs"
+
+
+def _bench_kernels(json_out: bool, elements: int, out: str | None, only: str = "") -> int:
     groups = tuple(g.strip() for g in only.split(",") if g.strip()) or None
     if out is None:
         from testbed.kernels.bench import main
@@ -324,25 +329,25 @@ def _bench_kernels(json_out: bool, elements: int, out: str | None, only: str) ->
     return 0
 
 
-def _bench_datapath(json_out: bool, out: str | None) -> int:
+def _bench_datapath(json_out: bool, out: str | None, quick: bool = False) -> int:
     from testbed.experiment import datapath_bench as bench
 
     if out is None:
-        return bench.main(json_out=json_out)
+        return bench.main(json_out=json_out, quick=quick)
     if os.geteuid() != 0:
         print("testbed bench datapath needs root (it builds Mininet networks)", file=sys.stderr)
         return 2
-    rows, notes = bench.run_bench()
-    _stored("datapath", out, json_out, rows, notes)
+    rows, notes = bench.run_bench(**(bench.QUICK if quick else {}))
+    _stored("datapath", out, json_out, rows, notes | {"quick": quick})
     return 0
 
 
-def _bench_collectives(json_out: bool, out: str | None) -> int:
+def _bench_collectives(json_out: bool, out: str | None, quick: bool = False) -> int:
     from testbed.experiment import collectives_bench as bench
 
+    quick = quick or os.environ.get("TESTBED_BENCH_QUICK", "") not in ("", "0")
     if out is None:
-        return bench.main(json_out=json_out)
-    quick = os.environ.get("TESTBED_BENCH_QUICK", "") not in ("", "0")
+        return bench.main(json_out=json_out, quick=quick)
     rows = bench.run(quick=quick, reps=int(os.environ.get("TESTBED_BENCH_REPS", "1")))
     targets = {k: {"met": m, "detail": d} for k, (m, d) in bench.targets(rows).items()}
     _stored("collectives", out, json_out, rows, {"quick": quick, "targets": targets},
@@ -358,10 +363,11 @@ def bench_kernels(
     only: str = typer.Option("", "--only", metavar="G,H",
                              help="only these row groups: elementwise, trimming, packets, "
                                   "compressors"),
+    quick: bool = typer.Option(False, "--quick", help=f"{QUICK_ELEMENTS:,} elements"),
 ) -> None:
     """Numba kernels against numpy anchors (GB/s)."""
     try:
-        code = _bench_kernels(json_out, elements, out, only)
+        code = _bench_kernels(json_out, QUICK_ELEMENTS if quick else elements, out, only)
     except ValueError as e:  # a bad --only or --elements: say so without a traceback
         print(f"testbed bench kernels: {e}", file=sys.stderr)
         code = 2
@@ -370,16 +376,19 @@ def bench_kernels(
 
 @bench_app.command("datapath")
 def bench_datapath(json_out: bool = typer.Option(False, "--json"),
-                   out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
+                   out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
+                   quick: bool = typer.Option(False, "--quick", help=QUICK_HELP)) -> None:
     """Data path programs against Linux bridge, OVS userspace and a Python forwarder (kpps)."""
-    raise typer.Exit(_bench_datapath(json_out, out))
+    raise typer.Exit(_bench_datapath(json_out, out, quick))
 
 
 @bench_app.command("collectives")
 def bench_collectives(json_out: bool = typer.Option(False, "--json"),
-                      out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
+                      out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
+                      quick: bool = typer.Option(False, "--quick", help="4 workers, 1 MiB")
+                      ) -> None:
     """Allreduce algorithms on a star against the alpha-beta model."""
-    raise typer.Exit(_bench_collectives(json_out, out))
+    raise typer.Exit(_bench_collectives(json_out, out, quick))
 
 
 @bench_app.command("reliability")
@@ -516,10 +525,12 @@ def bench_cluster(json_out: bool = typer.Option(False, "--json"),
 
 @bench_app.command("all")
 def bench_all(json_out: bool = typer.Option(False, "--json"),
-              out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
-    """Every benchmark in turn (kernels, data path, collectives); exit status of the worst."""
-    codes = [_bench_kernels(json_out, 25_000_000, out), _bench_datapath(json_out, out),
-             _bench_collectives(json_out, out)]
+              out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
+              quick: bool = typer.Option(False, "--quick", help="each one's quick form")
+              ) -> None:
+    """Kernels, data path and collectives in turn; exit status of the worst."""
+    codes = [_bench_kernels(json_out, QUICK_ELEMENTS if quick else 25_000_000, out),
+             _bench_datapath(json_out, out, quick), _bench_collectives(json_out, out, quick)]
     raise typer.Exit(max(codes))
 
 

@@ -28,13 +28,10 @@ def test_rings_and_frame_files(tmp_path):
                    16, 1)
 
 
-@pytest.mark.mininet
-def test_bench_rows_against_anchors_same_run():
-    """A short run of the real benchmark: every program row has every anchor measured in the
-    same run, positive rates, and ratio == kpps / anchor_kpps."""
-    from testbed.experiment.datapath_bench import run_bench
-
-    rows, notes = run_bench(duration=0.25, elems_list=(16,), reps=1)
+def check_bench_rows(rows: list[dict], notes: dict) -> None:
+    """A quick run of the real benchmark (``datapath_bench.QUICK``; run by ``testbed bench all
+    --quick`` in test_readme_commands): every program row has every anchor measured in the same
+    run, positive rates, and ratio == kpps / anchor_kpps."""
     programs = {r["program"] for r in rows}
     assert programs == {"forward", "aggregate"}
     anchors = {r["anchor"] for r in rows}

@@ -418,12 +418,16 @@ def run_bench(duration: float = DURATION_S, elems_list=ELEMS, reps: int = REPS
     return rows, notes
 
 
-def main(json_out: bool = False) -> int:
+#: ``--quick``: one frame size, one short trial per rate (the anchors still in the same run)
+QUICK = {"duration": 0.25, "elems_list": (16,), "reps": 1}
+
+
+def main(json_out: bool = False, quick: bool = False) -> int:
     """Run the benchmark and print its rows (JSON lines with ``json_out``, else a table)."""
     if os.geteuid() != 0:
         print("testbed bench datapath needs root (it builds Mininet networks)", file=sys.stderr)
         return 2
-    rows, notes = run_bench()
+    rows, notes = run_bench(**(QUICK if quick else {}))
     if json_out:
         for r in rows:
             print(json.dumps(r))
