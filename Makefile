@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 TB    := $(VENV)/bin/testbed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint lab cleanup doctor bench docs-images
+.PHONY: setup demo test lint lab cleanup doctor warm bench docs-images
 
 setup:
 	@VENV=$(VENV) bash .ci/setup.sh
@@ -29,6 +29,9 @@ doctor: setup
 
 cleanup: setup
 	@$(TB) cleanup
+
+warm: setup
+	@$(TB) warm
 
 bench: setup
 	@$(TB) bench all

@@ -58,3 +58,9 @@ if [ -n "$newest" ]; then
     stale=$(find kernels testbed topologies -path '*__pycache__*' \( -name '*.nbi' -o -name '*.nbc' \) ! -newer "$newest" -print -delete 2>/dev/null | wc -l)
     [ "$stale" -eq 0 ] || echo "setup: dropped $stale stale Numba cache files"
 fi
+
+# Say once what the first network run would pay: compiling the kernels its programs need.
+if ! "$VENV/bin/python" -c "import sys; from testbed import warm; sys.exit(bool(warm.cold_families(f for f, _ in warm.families())))" 2>/dev/null; then
+    echo "setup: the Numba kernels are not compiled yet: the first network compiles those it needs"
+    echo "       (once; 1-3 CPU-minutes for all of them). 'make warm' compiles every one now."
+fi

@@ -3,7 +3,7 @@
 What counts as ours (docs/architecture.md, "Naming"):
 
 * processes: Mininet shells (``bash ... mininet:tb*``), ``python -m testbed.datapath.engine``,
-  ``python -m testbed.collectives.worker``, anything whose argv carries ``testbed-node=``,
+  ``python -m testbed.collectives.worker`` (and the other pools), anything whose argv carries ``testbed-node=``,
   daemons that keep their files under the testbed run folder (``/run/testbed/``, e.g. the OVS
   anchor of the data-path benchmark), and every process living in a network namespace that is
   ours: not the one cleanup runs in, holding no interface but ``lo`` and ``tb*`` ones, and
@@ -12,7 +12,11 @@ What counts as ours (docs/architecture.md, "Naming"):
 * interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps), except one
   holding an IPv4 address (never one of ours; a netns server's veth, gone with its namespace);
 * named network namespaces ``tb-*``;
-* OVS bridges named ``tb*`` in any reachable OVS database.
+* OVS bridges named ``tb*`` in any reachable OVS database;
+* files and folders: everything in the run folder ``/run/testbed/`` but the emulation lock
+  and a socket a live process listens on (engines' configs and logs, jobs' folders, a netns
+  server's keys, ``testbed up``'s state), and the system temporary folder's entries made by
+  :func:`temp_dir` (named ``tb-<kind>-*``, kinds :data:`TEMP_KINDS`).
 
 Nothing is matched by a broad pattern: every rule above needs the ``tb`` prefix or one of our
 markers. The caller holds the emulation lock while cleaning, so whatever is still there then
@@ -26,21 +30,26 @@ import glob
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 from testbed import PREFIX
+from testbed.lifeline import start_ticks
 from testbed.netlock import LOCK_PATH, EmulationBusy, emulation_lock
 
 NETNS_PREFIX = f"{PREFIX}-"
 # Fixed, not derived from an overridable path: a broad folder (/tmp) would match everyone.
 RUN_DIR = "/run/testbed"
 OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker",
-               "testbed.collectives.remotepool")
+               "testbed.collectives.remotepool", "testbed.workloads.pool")
 NODE_MARKER = "testbed-node="
-KINDS = ("ovs_bridges", "processes", "links", "netns")
+KINDS = ("ovs_bridges", "processes", "links", "netns", "files")
+#: what the testbed keeps in the system temporary folder, one kind per user (temp_dir(kind))
+TEMP_KINDS = ("net", "ssh", "srv-key")
 DEFAULT_OVS_DB = "/var/run/openvswitch/db.sock"
 
 
@@ -70,17 +79,6 @@ def _netns_inode(pid: int | str) -> int | None:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
     except OSError:
         return None
-
-
-def _start_time(pid: int) -> str | None:
-    raw = _read(f"/proc/{pid}/stat")
-    if raw is None:
-        return None
-    # Fields after the parenthesised command name; starttime is field 22 (index 19 here).
-    fields = raw.rsplit(b")", 1)[-1].split()
-    if fields and fields[0] == b"Z":
-        return None  # a zombie is already dead; its parent only has to reap it
-    return fields[19].decode() if len(fields) > 19 else None
 
 
 def _protected_pids() -> set[int]:
@@ -199,7 +197,7 @@ def _our_processes() -> list[_Proc]:
         reason = why or ours_ns.get(ns)  # type: ignore[arg-type]
         if reason is None or pid in protected or pid <= 1:
             continue
-        start = _start_time(pid)
+        start = start_ticks(pid)
         if start is not None:
             found.append(_Proc(pid, argv, start, ns, reason))
     return found
@@ -250,6 +248,66 @@ def _our_ovs_bridges() -> list[tuple[str, str]]:
     return found
 
 
+def temp_dir(kind: str) -> str:
+    """A new folder in the system temporary folder that ``testbed cleanup`` knows as ours;
+    whoever makes it removes it when done (cleanup only catches what a dead run left)."""
+    if kind not in TEMP_KINDS:
+        raise ValueError(f"temp_dir kind must be one of {TEMP_KINDS}, got {kind!r}")
+    return tempfile.mkdtemp(prefix=f"{PREFIX}-{kind}-")
+
+
+def _listening_sockets() -> set[str]:
+    """Paths of the Unix sockets bound by a live process (from /proc/net/unix)."""
+    raw = _read("/proc/net/unix") or b""
+    return {line.split()[-1].decode(errors="replace") for line in raw.splitlines()[1:]
+            if len(line.split()) > 7}
+
+
+def _our_files() -> list[str]:
+    """Files and folders of ours (see the module docstring), as paths."""
+    found = []
+    try:
+        names = sorted(os.listdir(RUN_DIR))
+    except OSError:
+        names = []
+    keep = {os.path.abspath(LOCK_PATH)}
+    bound = None
+    for name in names:
+        path = os.path.join(RUN_DIR, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if path in keep:
+            continue
+        if stat.S_ISSOCK(mode):
+            bound = _listening_sockets() if bound is None else bound
+            if path in bound:
+                continue  # a service not tied to a network (a planning-only provider)
+        found.append(path)
+    tmp = tempfile.gettempdir()
+    prefixes = tuple(f"{PREFIX}-{k}-" for k in TEMP_KINDS)
+    try:
+        found += sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith(prefixes))
+    except OSError:
+        pass
+    return found
+
+
+def _remove_path(path: str) -> str | None:
+    """Remove a file or a folder tree; its error text, or None when it is gone."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    return None
+
+
 def leftovers() -> dict[str, list[str]]:
     """What the testbed created that exists right now, by kind (each a list of descriptions).
 
@@ -261,11 +319,12 @@ def leftovers() -> dict[str, list[str]]:
         "processes": [p.describe() for p in _our_processes()],
         "links": _our_links(),
         "netns": _named_netns(),
+        "files": _our_files(),
     }
 
 
 def _alive(p: _Proc) -> bool:
-    return _start_time(p.pid) == p.start
+    return start_ticks(p.pid) == p.start
 
 
 def _signal(p: _Proc, sig: int) -> None:
@@ -297,7 +356,7 @@ def _run(cmd: list[str]) -> str | None:
     return None if res.returncode == 0 else (res.stderr.strip() or f"exit {res.returncode}")
 
 
-def _remove_all(errors: list[str]) -> dict[str, list[str]]:
+def _remove_all(errors: list[str], files: bool = True) -> dict[str, list[str]]:
     removed: dict[str, list[str]] = {k: [] for k in KINDS}
     # OVS first, while a daemon of ours is still there to remove its own taps.
     for db, br in _our_ovs_bridges():
@@ -326,6 +385,12 @@ def _remove_all(errors: list[str]) -> dict[str, list[str]]:
             removed["links"].append(name)
         else:
             errors.append(f"ip link delete {name}: {err}")
+    for path in _our_files() if files else ():  # last: killed processes write no more
+        err = _remove_path(path)
+        if err is None:
+            removed["files"].append(path)
+        else:
+            errors.append(f"remove {err}")
     return removed
 
 
@@ -348,21 +413,29 @@ def busy_holder(path: str = LOCK_PATH) -> str | None:
         os.close(fd)
 
 
-def lock_holder(path: str = LOCK_PATH) -> str:
-    """Who holds the emulation lock, as 'pid N (command)' from the pid its holder wrote."""
+def lock_file_pid(path: str = LOCK_PATH) -> int | None:
+    """The pid the last holder of the emulation lock wrote into it (it may be dead)."""
     raw = _read(path)
     pid = raw.decode().strip() if raw else ""
-    if not pid.isdigit():
+    return int(pid) if pid.isdigit() else None
+
+
+def lock_holder(path: str = LOCK_PATH) -> str:
+    """Who holds the emulation lock, as 'pid N (command)' from the pid its holder wrote."""
+    pid = lock_file_pid(path)
+    if pid is None:
         return "an unknown process"
     cmd = (_read(f"/proc/{pid}/cmdline") or b"").replace(b"\0", b" ").decode(errors="replace")
     return f"pid {pid} ({cmd.strip()[:120] or 'exited'})"
 
 
-def cleanup(force: bool = False, wait: float = 10.0) -> dict[str, list[str]]:
+def cleanup(force: bool = False, wait: float = 10.0, files: bool = True
+            ) -> dict[str, list[str]]:
     """Remove every testbed leftover; return what was removed by kind, plus ``errors``.
 
     Holds the emulation lock (waiting up to ``wait`` seconds) so a live network is never torn
-    down; ``force=True`` skips the lock. Raises ``EmulationBusy`` naming the holder when the
+    down; ``force=True`` skips the lock (for a caller that holds it). ``files=False`` leaves
+    the run folder's and temporary folder's files (a new network's own are there). Raises ``EmulationBusy`` naming the holder when the
     lock stays busy, ``PermissionError`` when not root.
     """
     if os.geteuid() != 0:
@@ -371,11 +444,11 @@ def cleanup(force: bool = False, wait: float = 10.0) -> dict[str, list[str]]:
                               "cleanup'")
     errors: list[str] = []
     if force:
-        removed = _remove_all(errors)
+        removed = _remove_all(errors, files)
     else:
         try:
-            with emulation_lock(timeout=wait):
-                removed = _remove_all(errors)
+            with emulation_lock(timeout=wait, guard=False):
+                removed = _remove_all(errors, files)
         except EmulationBusy:
             raise EmulationBusy(
                 f"a testbed network is running: the emulation lock is held by {lock_holder()} "
@@ -397,7 +470,7 @@ def cleanup_servers(servers, wait: float = 10.0) -> tuple[dict[str, list[str]], 
     from testbed.topologies import cluster
 
     remote: dict[str, str] = {}
-    with emulation_lock(timeout=wait):
+    with emulation_lock(timeout=wait, guard=False):
         for srv in cluster.parse_servers(["localhost", *servers])[1:]:
             try:
                 conn = cluster.Connection(srv)

@@ -4,6 +4,9 @@ Mininet names interfaces after nodes in the root namespace, so two networks buil
 would collide (and a cleanup would tear down the other's links). Everything that builds an
 emulated network or cleans up holds this lock. It is an ``flock``: the kernel releases it
 when the holder dies, even by SIGKILL, so a crashed run never leaves it stuck.
+
+The holder owns the network it builds: taking the lock starts its guardian and marks what it
+starts with its identity (:mod:`testbed.lifeline`), so nothing of it outlives the holder.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import time
 from collections.abc import Iterator
 
+from testbed import lifeline
+
 LOCK_PATH = os.environ.get("TESTBED_LOCK", "/run/testbed/emulation.lock")
 
 
@@ -22,10 +27,13 @@ class EmulationBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def emulation_lock(timeout: float = 600.0, path: str = LOCK_PATH) -> Iterator[None]:
+def emulation_lock(timeout: float = 600.0, path: str = LOCK_PATH,
+                   guard: bool = True) -> Iterator[None]:
     """Hold the machine-wide emulation lock; wait up to ``timeout`` seconds for it.
 
-    Re-entrant within one process (a nested ``with`` is a no-op).
+    Re-entrant within one process (a nested ``with`` is a no-op). ``guard``: make this
+    process the owner of what it builds (:func:`testbed.lifeline.become_owner`); off for
+    holders that build nothing (``testbed cleanup``, the guardian itself).
     """
     if _held.get(path):
         _held[path] += 1
@@ -52,9 +60,13 @@ def emulation_lock(timeout: float = 600.0, path: str = LOCK_PATH) -> Iterator[No
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         _held[path] = 1
+        if guard:
+            lifeline.become_owner(path)
         try:
             yield
         finally:
+            if guard:
+                lifeline.release_ownership()
             _held.pop(path, None)
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
@@ -62,3 +74,8 @@ def emulation_lock(timeout: float = 600.0, path: str = LOCK_PATH) -> Iterator[No
 
 
 _held: dict[str, int] = {}
+
+
+def is_held(path: str = LOCK_PATH) -> bool:
+    """Whether this process holds the lock already (a nested network or a netns server's)."""
+    return bool(_held.get(path))

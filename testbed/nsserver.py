@@ -31,9 +31,9 @@ import contextlib
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 
+from testbed.cleanup import temp_dir
 from testbed.netlock import emulation_lock
 from testbed.topologies.cluster import Server
 
@@ -79,7 +79,7 @@ class NetnsServer:
         self.dir = os.path.join(RUN_DIR, self.netns)
         # the client key lives outside the run folder: ssh clients naming it are this
         # machine's, not the server's, and a cleanup on the server must not take them for its own
-        self._keydir = tempfile.mkdtemp(prefix="tb-srv-key-")
+        self._keydir = temp_dir("srv-key")
         self.key = os.path.join(self._keydir, "id_ed25519")
         self.ready_timeout = ready_timeout
         self.sshd: subprocess.Popen | None = None

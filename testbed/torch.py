@@ -46,6 +46,7 @@ from testbed.collectives.runner import RUN_DIR, offload_job
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, Comm
 from testbed.collectives.trimmed import TrimmedGather
+from testbed.lifeline import follow_owner
 from testbed.workloads.data import BatchSampler, load_dataset
 from testbed.workloads.loop import digest
 from testbed.workloads.spec import TRAIN_ALGOS, check_collective, check_communication, check_int
@@ -286,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("marker", nargs="*", help="testbed-node=<host> tag for cleanup")
     args = ap.parse_args(argv)
+    follow_owner()
     with open(args.job) as f:
         job = json.load(f)
     try:

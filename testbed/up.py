@@ -28,6 +28,7 @@ from typing import Any
 from testbed.cleanup import main as cleanup
 from testbed.datapath.control import RUN_DIR
 from testbed.experiment.spec import ExperimentError, expand_sweep, load_experiment
+from testbed.lifeline import start_ticks
 
 #: Where the running network is described for ``down`` and ``switch``.
 STATE_PATH = Path(RUN_DIR) / "up.json"
@@ -50,15 +51,6 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _start_ticks(pid: int) -> str | None:
-    """Start time of ``pid`` in clock ticks (tells a reused pid apart), None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def read_state() -> dict[str, Any] | None:
     """The running ``up``'s state, or None when no network is up (a stale file is reported
     with ``alive: False``)."""
@@ -66,7 +58,7 @@ def read_state() -> dict[str, Any] | None:
         state = json.loads(STATE_PATH.read_text())
     except (OSError, ValueError):
         return None
-    state["alive"] = _start_ticks(int(state.get("pid", 0))) == state.get("start_ticks")
+    state["alive"] = start_ticks(int(state.get("pid", 0))) == state.get("start_ticks")
     return state
 
 
@@ -167,7 +159,7 @@ def _serve(file: str, exp, pt, cli: bool) -> int:
     except Exception as e:  # bad combination the topology layer found
         _err(f"testbed up: {type(e).__name__}: {e}")
         return 2
-    state = {"pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()), "ready": False,
+    state = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "ready": False,
              "file": str(Path(file).resolve()), "name": exp.name,
              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _write_state(state)
@@ -240,11 +232,12 @@ def down(timeout: float = 120.0) -> int:
         return cleanup()
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _start_ticks(pid) == state["start_ticks"]:
+    while start_ticks(pid) == state["start_ticks"]:
         if time.monotonic() > deadline:
             _err(f"testbed down: pid {pid} still tearing down after {timeout:.0f} s; if it is "
                  "stuck, 'testbed cleanup' waits for the lock and removes what is left")
             return 1
         time.sleep(0.1)
+    LOG_PATH.unlink(missing_ok=True)  # a detached network's messages: the network is gone
     _say(f"down: {state.get('name')} (pid {pid}) torn down")
     return 0

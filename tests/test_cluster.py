@@ -40,17 +40,20 @@ def test_default_placement_keeps_leaves_with_their_hosts():
         parse_servers(["b", "localhost"])
 
 
-# A process that builds a cluster network and then dies by SIGKILL, leaving both servers dirty.
-# It takes a lock file of its own: the test holds this machine's lock throughout, so nobody
-# else's cleanup can see (or tidy) the wreck before `cleanup_servers` does.
+# A process that builds a cluster network and then dies by SIGKILL together with its guardian
+# (as a whole cgroup would), leaving both servers dirty. It takes a lock file of its own: the
+# test holds this machine's lock throughout, so nobody else's cleanup can see (or tidy) the
+# wreck before `cleanup_servers` does.
 _CRASH = """
 import sys
+from testbed import lifeline
 from testbed.nsserver import NetnsServer
 from testbed.topologies import LeafSpine, TestbedNet
 srv = NetnsServer(3).__enter__()
 topo = LeafSpine(leaves=2, spines=1, hosts_per_leaf=1, bw_mbps=100)  # bridges: quick to build
 net = TestbedNet(topo, servers=["localhost", srv.server]).__enter__()
-print(srv.key, srv.address, net.placement["tbl2"], flush=True)
+print(srv.key, srv.address, net.placement["tbl2"], lifeline._owned["guardian"].proc.pid,
+      flush=True)
 sys.stdin.read()
 """
 
@@ -70,8 +73,9 @@ def test_cleanup_on_both_servers_after_a_crash_leaves_nothing():
                                 env={**os.environ, "TESTBED_LOCK": _CRASH_LOCK})
         try:
             line = proc.stdout.readline().split()
-            assert len(line) == 3 and line[2] == "tb-srv3", line
-            key, address, _ = line
+            assert len(line) == 4 and line[2] == "tb-srv3", line
+            key, address, _, guardian = line
+            os.kill(int(guardian), signal.SIGKILL)  # first: it would tidy this machine's half
             os.killpg(proc.pid, signal.SIGKILL)  # the owner and its ssh clients die at once
             proc.wait(10)
             srv = Server(address, name="tb-srv3", ssh_options=(
@@ -249,6 +253,8 @@ def test_ring_and_ina_exact_across_two_servers(server):
     # the server's own veth and (shared /run) namespace name are the fixture's, not the net's
     left["links"] = [i for i in left["links"] if i != server.srv_if]
     left["netns"] = [n for n in left["netns"] if n != server.netns]
+    # (and the files of its sshd and its client key: shared /run and /tmp)
+    left["files"] = [f for f in left["files"] if f not in (server.dir, server._keydir)]
     assert not any(left.values()), left
 
 

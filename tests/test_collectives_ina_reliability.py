@@ -4,8 +4,11 @@ on the fabric and a switch that dies: the suite-sized version of ``testbed bench
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from testbed.datapath.control import RUN_DIR
 from testbed.experiment import reliability as rel
 
 pytestmark = pytest.mark.mininet
@@ -42,8 +45,13 @@ def test_stranger_flood_is_counted_and_harmless():
 
 
 def test_killed_switch_engine_fails_fast_naming_the_node():
-    (row,) = _rows(rel.engine_killed, MiB // 2, "star4")
-    assert row["status"] == "error", row
-    assert row["seconds_to_error"] is not None and row["seconds_to_error"] < 5, row
-    assert "tbs1" in row["error"] and "exit status -9" in row["error"], row
-    assert "BrokenPipe" not in row["error"] and row["leftovers"] == 0, row
+    log = Path(RUN_DIR) / "tbs1.log"
+    try:
+        (row,) = _rows(rel.engine_killed, MiB // 2, "star4")
+        assert row["status"] == "error", row
+        assert row["seconds_to_error"] is not None and row["seconds_to_error"] < 5, row
+        assert "tbs1" in row["error"] and "exit status -9" in row["error"], row
+        assert "BrokenPipe" not in row["error"] and row["leftovers"] == 0, row
+        assert log.exists()  # the dead engine's log is kept for whoever reads the error
+    finally:
+        log.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from testbed import PREFIX, cleanup, doctor
+from testbed.lifeline import start_ticks
 from testbed.netlock import EmulationBusy, emulation_lock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,7 +193,7 @@ def test_cleanup_after_sigkilled_star_removes_all_of_it_and_nothing_else(capsys)
             # no start time, has neither)
             assert all(_netns_of(pid) in host_ns | tkill_ns or "mininet:tb" in cmds.get(pid, "")
                        or "testbed-node=" in cmds.get(pid, "") for pid in listed
-                       if cleanup._start_time(pid) is not None), listed
+                       if start_ticks(pid) is not None), listed
 
             removed = cleanup.cleanup()
             assert removed["errors"] == []

@@ -152,7 +152,8 @@ def _in_host(pid: int, *cmd: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.mininet
 def test_up_switch_down(network_up, tmp_path):
-    from testbed.up import _start_ticks, read_state
+    from testbed.lifeline import start_ticks
+    from testbed.up import read_state
 
     state = network_up
     assert state["programmable"] == ["tbs1"] and state["hosts"] == ["tbh1", "tbh2"]
@@ -206,7 +207,7 @@ def test_up_switch_down(network_up, tmp_path):
     pid, ticks = state["pid"], state["start_ticks"]
     down = _tb("down", timeout=300)
     assert down.returncode == 0 and "torn down" in down.stdout, down.stdout + down.stderr
-    assert _start_ticks(pid) != ticks and read_state() is None
+    assert start_ticks(pid) != ticks and read_state() is None
     state["alive"] = False  # the fixture has nothing left to do
     from testbed.cleanup import leftovers
     from testbed.netlock import emulation_lock
@@ -215,4 +216,4 @@ def test_up_switch_down(network_up, tmp_path):
         left = leftovers()
     assert not any(left.values()), left
     assert _tb("down").stdout.strip() == "no network is up"
-    assert not Path(f"/proc/{pid}").exists() or _start_ticks(pid) != ticks
+    assert not Path(f"/proc/{pid}").exists() or start_ticks(pid) != ticks

@@ -48,13 +48,13 @@ import shlex
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from subprocess import Popen
 
 from mininet.examples.cluster import RemoteMixin
 from mininet.node import Host
 
+from testbed.cleanup import temp_dir
 from testbed.datapath.control import RUN_DIR, socket_path
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 
@@ -219,7 +219,7 @@ class Connection:
 
     def __init__(self, server: Server, ready_timeout: float = 20.0):
         self.server = server
-        self._dir = tempfile.mkdtemp(prefix="tb-ssh-")
+        self._dir = temp_dir("ssh")
         self.ctl = os.path.join(self._dir, "ctl")
         self.forwards: list[tuple[str, str]] = []
         self.master = Popen(server.ssh_base() + [
@@ -464,11 +464,16 @@ class RemoteEngineMixin:
         except (RuntimeError, ValueError, subprocess.TimeoutExpired):
             return None
 
-    def _remove_engine_files(self, keep_log: bool) -> None:  # noqa: ARG002 - log is local
+    def _remove_engine_files(self, keep_log: bool) -> None:
         self.connection.cancel(socket_path(self.name))
         paths = " ".join(self._remote_path(k) for k in ("json", "counters.json", "pid", "sock"))
+        folder = os.path.dirname(self._remote_path("json"))
         with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-            self.connection.run(f"rm -f {paths}", check=False, timeout=10)
+            self.connection.run(f"rm -f {paths}; rmdir {folder} 2>/dev/null", check=False,
+                                timeout=10)
+        if not keep_log:  # the log is written here, by the ssh session's output
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._files["log"])
 
 
 class RemoteProgrammableSwitch(RemoteEngineMixin, RemoteNodeMixin, ProgrammableSwitch):

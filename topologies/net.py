@@ -60,6 +60,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -70,10 +71,12 @@ from mininet.log import lg
 from mininet.net import Mininet
 from mininet.nodelib import LinuxBridge
 
+from testbed import warm
+from testbed.cleanup import cleanup, leftovers, temp_dir
 from testbed.datapath.control import DatapathClient
 from testbed.datapath.engine import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
-from testbed.netlock import emulation_lock
+from testbed.netlock import emulation_lock, is_held
 
 from . import aggtree, cluster, routing
 from .base import (
@@ -248,6 +251,24 @@ def tcp_rto_min_cmd(intf: str, factor: float, per_netns: bool | None = None) -> 
     return sysctl if per_netns else routes
 
 
+def _clear_leftovers() -> None:
+    """Remove what a dead earlier network left (its owner and guardian both died), saying so.
+
+    Called holding the emulation lock: whatever of ours exists then belongs to no live run.
+    Files are left to ``testbed cleanup``: they do not get in a new network's way, and an
+    engine's kept log is what its user reads next."""
+    left = {k: v for k, v in leftovers().items() if v and k != "files"}
+    if not left:
+        return
+    what = ", ".join(f"{len(v)} {k}" for k, v in left.items())
+    print(f"testbed: a previous run left {what} behind (its process died without tearing "
+          "its network down); removing them", file=sys.stderr, flush=True)
+    result = cleanup(force=True, files=False)
+    if result["errors"]:
+        raise TopologyError(f"could not remove a previous run's leftovers: {result['errors']}; "
+                            "run 'testbed cleanup' and check what it reports")
+
+
 def _root_ifaces() -> set[str]:
     return set(os.listdir("/sys/class/net"))
 
@@ -332,11 +353,14 @@ class TestbedNet:
     # ----- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> TestbedNet:
         t0 = time.monotonic()
+        nested = is_held()  # this process's own nodes already run (a netns server's, ...)
         self._lock_cm = emulation_lock(timeout=self.lock_timeout)
         self._lock_cm.__enter__()
         self.timings["lock_wait_s"] = time.monotonic() - t0
         try:
             self._install_sigterm()
+            if not nested:
+                _clear_leftovers()
             self._start()
         except BaseException:
             self._teardown()
@@ -381,7 +405,7 @@ class TestbedNet:
             self._start_switches()
         self.timings["start_s"] = time.monotonic() - t
         t = time.monotonic()
-        self._tmpdir = tempfile.mkdtemp(prefix="tb-net-")
+        self._tmpdir = temp_dir("net")
         self._configure_hosts()
         self._configure_root_ifaces()
         self._configure_forwarding()
@@ -408,6 +432,10 @@ class TestbedNet:
             if hasattr(cls, "batchStartup"):
                 cls.batchStartup([sw for sw in others if type(sw) is cls])
         if prog:
+            # compiled once here, not by every engine at once (on 2 cores, 20 engines that
+            # compile the same kernels each take 10x longer than one, past their timeout)
+            warm.ensure_stages(sorted({name for sw in prog
+                                      for name, _ in getattr(sw, "programs", ())}))
             # Node start-up touches neighbours' shells too (offloads on the peer end): make
             # every node's cmd() exclusive while the threads run.
             for node in mn.hosts + mn.switches:

@@ -53,6 +53,7 @@ from testbed.collectives.rankgroup import ControlLine, RankGroup, fork_with_line
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveTimeout, Comm
+from testbed.lifeline import follow_owner
 
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
@@ -574,6 +575,7 @@ def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
     ap.add_argument("--job", required=True, help="job.json written by the runner")
     ap.add_argument("marker", nargs="*", help="testbed-node=<host> tags for cleanup")
     args = ap.parse_args(argv)
+    follow_owner()  # the ranks go with the pool: they hold PR_SET_PDEATHSIG
     with open(args.job) as f:
         job = json.load(f)
     try:

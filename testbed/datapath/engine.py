@@ -62,6 +62,7 @@ from testbed.datapath.control import ControlServer
 from testbed.datapath.io import RingPort, disable_offloads, open_port, rings_rx, rings_tx
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
+from testbed.lifeline import follow_owner
 
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
@@ -593,6 +594,10 @@ class Engine:
         }
 
 
+#: the engine's log line before its kernels load (or compile, on a cold cache)
+COMPILING = "loading (or compiling) the kernels of stages"
+
+
 def _write_json(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
@@ -607,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--counters-out", help="write final counters (JSON) here on exit")
     ap.add_argument("marker", nargs="*", help="testbed-node=<name> (for cleanup)")
     a = ap.parse_args(argv)
+    follow_owner()  # first: a run that dies while this engine compiles takes it along
     with open(a.config) as fh:
         config = json.load(fh)
     eng = Engine(config)
@@ -616,7 +622,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    t0 = time.monotonic()
+    print(f"{COMPILING} {[s.name for s in eng.stages]}", flush=True)
     eng.warm_up()
+    print(f"kernels ready in {time.monotonic() - t0:.1f} s", flush=True)
     # Everything allocated so far (modules, Numba's dispatchers and types) is permanent: the
     # cyclic GC no longer walks it, which otherwise costs a full collection's worth of CPU now
     # and then in the packet loop.

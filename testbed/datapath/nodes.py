@@ -42,11 +42,27 @@ from testbed.datapath.control import (
     netns_id,
     socket_path,
 )
+from testbed.datapath.engine import COMPILING
 from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
 #: engine settings a node passes through to its config (see ``testbed.datapath.engine``)
 ENGINE_KEYS = ("io", "rx_ring_frames", "tx_ring_frames", "coalesce_us", "sched")
+
+
+def not_ready_reason(log: str) -> str:
+    """Why an engine that is still running did not answer in time, and what to do, from its
+    log."""
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    if lines and lines[-1].startswith(COMPILING):
+        return ("it was still compiling its kernels (Numba's cache was cold, and other "
+                "processes compiled at the same time); run 'testbed warm' once, then run "
+                "again, or give the node a longer ready_timeout")
+    if not lines:
+        return ("it had not started its program yet (Python start-up and imports on a "
+                "loaded machine); see whether the CPUs are saturated ('testbed doctor', top)")
+    return ("its kernels were ready but it did not open its ports and control socket: "
+            "see the end of its log below")
 
 
 class ProgrammableSwitch(Switch):
@@ -126,9 +142,11 @@ class ProgrammableSwitch(Switch):
                 except (ControlError, OSError):
                     client.close()
                 if time.monotonic() > deadline:
+                    tail = self._log_tail()
                     self._kill()
                     raise RuntimeError(f"{self.name}: engine not ready after "
-                                       f"{self.ready_timeout} s:\n{self._log_tail()}")
+                                       f"{self.ready_timeout} s: {not_ready_reason(tail)}\n"
+                                       f"its log ({self._files['log']}):\n{tail}")
                 time.sleep(0.05)
         finally:
             client.close()

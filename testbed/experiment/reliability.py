@@ -295,8 +295,10 @@ def engine_killed(nbytes: int, kind: str, emit) -> None:
         named = isinstance(err, CollectiveError) and agg in str(err)
         row["status"] = "error" if named else ("ok" if err is None else "wrong")
         row["correct"] = False
+    # what the dead engine's network left running (its log is kept on purpose: the error
+    # names it)
     left = leftovers()
-    row["leftovers"] = sum(len(v) for v in left.values())
+    row["leftovers"] = sum(len(v) for k, v in left.items() if k != "files")
     emit(row)
 
 
