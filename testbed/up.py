@@ -27,7 +27,7 @@ from typing import Any
 
 from testbed.cleanup import main as cleanup
 from testbed.datapath.control import RUN_DIR
-from testbed.experiment.spec import ExperimentError, expand_sweep, load_experiment
+from testbed.experiment.spec import load_point
 from testbed.lifeline import start_ticks
 
 #: Where the running network is described for ``down`` and ``switch``.
@@ -75,20 +75,6 @@ def _remove_own_state() -> None:
         STATE_PATH.unlink(missing_ok=True)
 
 
-def _load_point(file: str, point: int):
-    """(experiment, point experiment) or raise ValueError with the problems."""
-    try:
-        exp = load_experiment(file)
-    except ExperimentError as e:
-        raise ValueError("\n".join([f"invalid experiment {e.source}:",
-                                    *(f"  - {p}" for p in e.problems)])) from None
-    points = expand_sweep(exp)
-    if not 0 <= point < len(points):
-        raise ValueError(f"--point {point}: {file} has {len(points)} sweep point(s), "
-                         f"0..{len(points) - 1}")
-    return exp, points[point][1]
-
-
 def _busy_message(state: dict[str, Any]) -> str:
     return (f"a network is already up: {state.get('name')} from {state.get('file')} "
             f"(pid {state.get('pid')}); 'testbed down' first")
@@ -102,7 +88,7 @@ def up(file: str, point: int = 0, cli: bool | None = None, detach: bool = False,
         _err(NOT_ROOT.format(verb="up"))
         return 1
     try:
-        exp, pt = _load_point(file, point)
+        exp, pt = load_point(file, point)
     except ValueError as e:
         _err(str(e))
         return 2

@@ -637,6 +637,22 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
     return parse_experiment(data, str(path))
 
 
+def load_point(file: str | Path, point: int) -> tuple[Experiment, Experiment]:
+    """The experiment in ``file`` and its sweep point ``point`` (0-based), for the commands
+    that build one point's network (``testbed up``, ``testbed provider serve``); a
+    ``ValueError`` lists the file's problems, or the points there are."""
+    try:
+        exp = load_experiment(file)
+    except ExperimentError as e:
+        raise ValueError("\n".join([f"invalid experiment {e.source}:",
+                                    *(f"  - {p}" for p in e.problems)])) from None
+    points = expand_sweep(exp)
+    if not 0 <= point < len(points):
+        raise ValueError(f"--point {point}: {file} has {len(points)} sweep point(s), "
+                         f"0..{len(points) - 1}")
+    return exp, points[point][1]
+
+
 def parse_experiment(data: dict, source: str = "object") -> Experiment:
     """Validate a plain dict into an :class:`Experiment` (readable :class:`ExperimentError`
     listing every problem: bad fields, and combinations that cannot run at any sweep point)."""

@@ -55,10 +55,10 @@ def serve(file: str, point: int = 0, policy: str = "cooperative",
     network or the service cannot start, 130 on Ctrl-C."""
     # Function-level imports: the experiment runner loads Mininet and the data path.
     from testbed.experiment.runner import network_for, topology_for
-    from testbed.up import _load_point
+    from testbed.experiment.spec import load_point
 
     try:
-        _exp, pt = _load_point(file, point)
+        _exp, pt = load_point(file, point)
         topo = topology_for(pt)
         # validates the policy and memory before a network is built
         make_service(topo, default_memory_bytes() if memory_bytes is None else memory_bytes,
