@@ -617,8 +617,11 @@ def main(argv: list[str] | None = None) -> int:
         config = json.load(fh)
     eng = Engine(config)
 
+    stopped = []
+
     def stop(_sig, _frm):
         eng.running = False
+        stopped.append(_sig)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -626,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{COMPILING} {[s.name for s in eng.stages]}", flush=True)
     eng.warm_up()
     print(f"kernels ready in {time.monotonic() - t0:.1f} s", flush=True)
+    if stopped:  # told to stop while it compiled (its owner died): serve() would start anew
+        return 0
     # Everything allocated so far (modules, Numba's dispatchers and types) is permanent: the
     # cyclic GC no longer walks it, which otherwise costs a full collection's worth of CPU now
     # and then in the packet loop.
