@@ -5,7 +5,6 @@ times, calibration)."""
 from __future__ import annotations
 
 import copy
-import json
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ from testbed.collectives.dilation import Calibration, search
 from testbed.collectives.reference import inakernel as ref
 from testbed.datapath.engine import DEFAULT_COALESCE_US
 from testbed.experiment.spec import ExperimentError, parse_experiment
+from testbed.testing import shaped_rate_mbps
 from testbed.topologies import Star, TopologyError
 from testbed.topologies.pipeline import (
     DatapathOptions,
@@ -192,14 +192,6 @@ def test_demo_names_cpu_bound_runs_and_suggests_dilation():
 # ----------------------------------------------------------------------------- real networks
 
 
-def _iperf_mbps(client, server, server_ip, seconds=2) -> float:
-    server.cmd("iperf3 -s -1 -D -p 5298")
-    time.sleep(0.3)
-    out = client.cmd(f"iperf3 -c {server_ip} -p 5298 -t {seconds} -O 1 -J")
-    data = json.loads(out[out.index("{"):])
-    return data["end"]["sum_received"]["bits_per_second"] / 1e6
-
-
 _RTO_SERVER = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -273,11 +265,11 @@ def test_dilated_network_slows_links_stretches_delays_and_reports_undilated_time
         assert net.describe()["time_dilation"] == 2.0
         sw = net.switch_client(next(iter(topo.programmable)))
         assert sw.config()["coalesce_us"] == 2 * DEFAULT_COALESCE_US  # a time like the others
-        got2 = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
+        got2 = shaped_rate_mbps(net.hosts[0], net.hosts[1], net.host_ips[1], 16.0, port=5298)
         hop2 = net.hop_latency_s()
         net.set_time_dilation(4)
         assert sw.config()["coalesce_us"] == 4 * DEFAULT_COALESCE_US
-        got4 = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
+        got4 = shaped_rate_mbps(net.hosts[0], net.hosts[1], net.host_ips[1], 8.0, port=5298)
         hop4 = net.hop_latency_s()
         spec = CollectiveSpec(algo="ring", nbytes=1 << 20, repetitions=1)
         t0 = time.monotonic()

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from testbed.testing import shaped_rate_mbps
 from testbed.topologies import (
     AGGREGATOR_IP,
     TOPOLOGIES,
@@ -297,15 +298,6 @@ def test_every_kind_builds_pings_and_tears_down(kind, params, held_lock):
     _assert_gone(topo, pids)
 
 
-def _iperf_mbps(client, server, server_ip, seconds=2) -> float:
-    server.cmd("iperf3 -s -1 -D -p 5299")
-    time.sleep(0.3)
-    # -O 1: leave TCP slow start out of the figure, we measure the shaper's steady rate
-    out = client.cmd(f"iperf3 -c {server_ip} -p 5299 -t {seconds} -O 1 -J")
-    data = json.loads(out[out.index("{"):])
-    return data["end"]["sum_received"]["bits_per_second"] / 1e6
-
-
 @pytest.mark.mininet
 def test_shaped_access_link_rate_is_what_was_asked(held_lock):
     from testbed.topologies import TestbedNet
@@ -313,7 +305,7 @@ def test_shaped_access_link_rate_is_what_was_asked(held_lock):
     # with a sized shaping queue: 50 ms at 20 Mb/s is a 125 000 B bfifo under the HTB class
     with TestbedNet(Star(2, bw_mbps=20, queue_ms=50)) as net:
         h1, h2 = net.hosts
-        got = _iperf_mbps(h1, h2, net.host_ips[1])
+        got = shaped_rate_mbps(h1, h2, net.host_ips[1], 18.0)
         assert net.bottleneck_bps() == 20e6
         qdisc = h1.cmd(f"tc qdisc show dev {h1.defaultIntf().name}")
         assert "bfifo 20: parent 5:1 limit 125000b" in qdisc, qdisc
@@ -330,7 +322,7 @@ def test_oversubscribed_leaf_spine_uplink_rate(held_lock):
     assert topo.uplink_mbps() == 20.0
     with TestbedNet(topo) as net:
         h1, h3 = net.hosts[0], net.hosts[2]
-        cross = _iperf_mbps(h1, h3, net.host_ips[2])
+        cross = shaped_rate_mbps(h1, h3, net.host_ips[2], 18.0)
         assert net.bottleneck_bps([0, 2]) == 20e6
     assert 18.0 <= cross <= 22.0, cross
 
@@ -344,7 +336,7 @@ def test_programmable_star_forwards_and_has_the_aggregator(held_lock):
     with TestbedNet(topo) as net:
         assert net.forwarding_mode == "datapath"
         # the engine shapes the switch's ports itself (its 'shape' stage), not the kernel
-        got = _iperf_mbps(net.hosts[0], net.hosts[1], net.host_ips[1])
+        got = shaped_rate_mbps(net.hosts[0], net.hosts[1], net.host_ips[1], 18.0)
         assert 18.0 <= got <= 22.0, got
         assert " htb " not in subprocess.run(["tc", "qdisc", "show", "dev", "tbs1-eth2"],
                                              capture_output=True, text=True).stdout
