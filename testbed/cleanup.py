@@ -3,10 +3,10 @@
 What counts as ours (docs/architecture.md, "Naming"):
 
 * processes: Mininet shells (``bash ... mininet:tb*``), ``python -m testbed.datapath.engine``,
-  ``python -m testbed.collectives.worker`` (and the other pools), anything whose argv carries ``testbed-node=``,
-  daemons that keep their files under the testbed run folder (``/run/testbed/``, e.g. the OVS
-  anchor of the data-path benchmark), and every process living in a network namespace that is
-  ours: not the one cleanup runs in, holding no interface but ``lo`` and ``tb*`` ones, and
+  ``python -m testbed.collectives.worker`` (and the other pools), anything whose argv carries
+  ``testbed-node=``, daemons that keep their files under the testbed run folder
+  (``/run/testbed/``, e.g. the OVS anchor of the data-path benchmark), and every process
+  living in a network namespace that is ours: not the one cleanup runs in, holding no interface but ``lo`` and ``tb*`` ones, and
   either holding a ``tb*`` interface, named ``tb-*``, or running a marked process (a Mininet
   host whose veth is gone);
 * interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps), except one
@@ -270,15 +270,15 @@ def _our_files() -> list[str]:
         names = sorted(os.listdir(RUN_DIR))
     except OSError:
         names = []
-    keep = {os.path.abspath(LOCK_PATH)}
+    lock = os.path.abspath(LOCK_PATH)
     bound = None
     for name in names:
         path = os.path.join(RUN_DIR, name)
+        if path == lock:
+            continue
         try:
             mode = os.lstat(path).st_mode
         except OSError:
-            continue
-        if path in keep:
             continue
         if stat.S_ISSOCK(mode):
             bound = _listening_sockets() if bound is None else bound
@@ -435,8 +435,9 @@ def cleanup(force: bool = False, wait: float = 10.0, files: bool = True
 
     Holds the emulation lock (waiting up to ``wait`` seconds) so a live network is never torn
     down; ``force=True`` skips the lock (for a caller that holds it). ``files=False`` leaves
-    the run folder's and temporary folder's files (a new network's own are there). Raises ``EmulationBusy`` naming the holder when the
-    lock stays busy, ``PermissionError`` when not root.
+    the run folder's and temporary folder's files (a new network's own are there). Raises
+    ``EmulationBusy`` naming the holder when the lock stays busy, ``PermissionError`` when
+    not root.
     """
     if os.geteuid() != 0:
         raise PermissionError("testbed cleanup needs root (it deletes interfaces and kills "

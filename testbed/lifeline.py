@@ -70,14 +70,10 @@ def parse_identity(text: str) -> tuple[int, str]:
     return int(pid), start
 
 
-def is_alive(owner: str) -> bool:
-    pid, start = parse_identity(owner)
-    return start_ticks(pid) == start
-
-
 def wait_for_exit(owner: str, stop: threading.Event | None = None) -> bool:
     """Block until the process ``owner`` (``pid:start``) has exited; True then. False when
-    ``stop`` was set first."""
+    ``stop`` was set first. Without ``stop`` a pidfd wait never wakes before the exit (the
+    follower thread of a busy engine takes no GIL meanwhile)."""
     pid, start = parse_identity(owner)
     fd = None
     try:
@@ -92,7 +88,7 @@ def wait_for_exit(owner: str, stop: threading.Event | None = None) -> bool:
             poller.register(fd, select.POLLIN)
         while stop is None or not stop.is_set():
             if fd is not None:
-                if poller.poll(_POLL_S * 1000):
+                if poller.poll(None if stop is None else _POLL_S * 1000):
                     return True
             else:
                 time.sleep(_POLL_S)

@@ -79,7 +79,7 @@ def test_follow_owner_is_a_no_op_for_the_owner_itself_and_without_an_owner(monke
 def test_wait_for_exit_sees_a_reused_pid_as_gone_and_can_be_stopped():
     me = lifeline.identity()
     pid, start = lifeline.parse_identity(me)
-    assert lifeline.is_alive(me)
+    assert lifeline.start_ticks(pid) == start
     assert lifeline.wait_for_exit(f"{pid}:{int(start) + 1}")  # same pid, another process
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()
