@@ -6,9 +6,9 @@ What counts as ours (docs/architecture.md, "Naming"):
   ``python -m testbed.collectives.worker`` (and the other pools), anything whose argv carries
   ``testbed-node=``, daemons that keep their files under the testbed run folder
   (``/run/testbed/``, e.g. the OVS anchor of the data-path benchmark), and every process
-  living in a network namespace that is ours: not the one cleanup runs in, holding no interface but ``lo`` and ``tb*`` ones, and
-  either holding a ``tb*`` interface, named ``tb-*``, or running a marked process (a Mininet
-  host whose veth is gone);
+  living in a network namespace that is ours: not the one cleanup runs in, holding no
+  interface but ``lo`` and ``tb*`` ones, and either holding a ``tb*`` interface, named
+  ``tb-*``, or running a marked process (a Mininet host whose veth is gone);
 * interfaces named ``tb*`` in the root namespace (veths, bridges, ifbs, OVS taps), except one
   holding an IPv4 address (never one of ours; a netns server's veth, gone with its namespace);
 * named network namespaces ``tb-*``;
