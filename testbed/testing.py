@@ -49,14 +49,41 @@ def shaped_rate_mbps(client, server, server_ip: str, floor_mbps: float, tries: i
     """TCP rate from ``client`` to ``server`` (iperf3, slow start left out), the best of up to
     ``tries`` runs, stopping at the first at or above ``floor_mbps``. A shared machine's load
     can only slow a shaped flow, never lift it past its shaper: the best run measures the
-    shaper, and a check of the upper bound stays as strict as with one run."""
-    best = 0.0
+    shaper, and a check of the upper bound stays as strict as with one run. A try that iperf3
+    could not make (its server late on a loaded machine) counts as none; if none succeeds, the
+    error says what iperf3 answered."""
+    best, errors = None, []
     for _ in range(tries):
-        server.cmd(f"iperf3 -s -1 -D -p {port}")
-        time.sleep(0.3)
-        out = client.cmd(f"iperf3 -c {server_ip} -p {port} -t {seconds} -O 1 -J")
-        best = max(best, json.loads(out[out.index("{"):])["end"]["sum_received"]
-                   ["bits_per_second"] / 1e6)
+        srv = server.popen(["iperf3", "-s", "-1", "-p", str(port)])
+        try:
+            if not _listening(server, port, timeout=10.0):
+                errors.append(f"no iperf3 server listened on port {port} within 10 s")
+                continue
+            out = client.cmd(f"iperf3 -c {server_ip} -p {port} -t {seconds} -O 1 -J")
+        finally:
+            srv.kill()
+            srv.wait()
+        got = None
+        try:
+            got = json.loads(out[out.index("{"):])
+            rate = got["end"]["sum_received"]["bits_per_second"] / 1e6
+        except (ValueError, KeyError) as e:
+            errors.append(f"iperf3 gave no rate ({type(e).__name__} {e}): "
+                          f"{got.get('error') if isinstance(got, dict) else out[-300:]!r}")
+            continue
+        best = rate if best is None else max(best, rate)
         if best >= floor_mbps:
             break
+    if best is None:
+        raise AssertionError(f"iperf3 {client.name} -> {server_ip}:{port} failed {tries} times: "
+                             + "; ".join(errors))
     return best
+
+
+def _listening(host, port: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if host.cmd(f"ss -ltnH 'sport = :{port}'").strip():
+            return True
+        time.sleep(0.05)
+    return False

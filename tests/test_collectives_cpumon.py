@@ -84,21 +84,26 @@ def test_busy_processes_pinned_to_every_core_make_the_run_cpu_bound():
 
 @pytest.mark.quiet_cpu
 def test_many_light_threads_are_not_cpu_bound():
-    """Three threads at ~35 % of a core each: together more than the 0.9 of a core that the
+    """Three threads at ~45 % of a core each: together more than the 0.9 of a core that the
     old per-process sum flagged, yet no core is saturated and no thread waits."""
     before = _measure([], 0.5)
     if before.cpu_util > 0.25:  # others' load would make these threads queue for real
         pytest.skip(f"the machine is busy with other work ({before.cpu_util:.0%} of its cores)")
-    p = _start(DUTY, 3, 0.35, 3.0)
+    p = _start(DUTY, 3, 0.45, 3.5)
     try:
         time.sleep(0.5)
-        rep = _measure([p.pid], 1.5)
+        rep = _measure([p.pid], 2.5)
     finally:
         _stop([p])
     if rep.cpu_util >= cpumon.UTIL_SATURATED:
         pytest.skip(f"other work loaded the machine meanwhile ({rep.cpu_util:.0%})")
     total = rep.group_cpu_s["ranks"] / rep.wall_s
-    assert total > 0.9, rep  # what summing the threads of the process called saturated
+    # the premise: summing the threads of the process (the old signal) calls this saturated.
+    # The kernel charges threads by 1 ms-10 ms ticks, so short bursts are counted unevenly
+    # (0.85-1.12 of a core measured here for 1.2 asked); below 0.9 there is nothing to show.
+    if total <= 0.9:
+        pytest.skip(f"the threads were charged {total:.2f} of a core, not the 1.35 asked (tick "
+                    f"accounting or other load): the case this test is about did not arise")
     assert rep.cpu_demand < cpumon.DEMAND_SATURATED, rep
     assert rep.cpu_wait <= cpumon.WAIT_LIMIT, rep
     assert not rep.cpu_bound, rep.why

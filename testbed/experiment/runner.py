@@ -136,8 +136,37 @@ def run_metadata(exp: Experiment, plan: list[tuple], doctor: bool) -> dict[str, 
 def _run_into(exp: Experiment, plan: list[tuple], store: ResultsStore, out: Path,
               progress: bool, first_run: int = 0) -> None:
     """Run ``plan`` into ``store``, recording the final status on every exit path."""
-    with final_status(store), progress_reporter(progress, len(plan), exp.name) as advance:
-        _execute(exp, plan, store, out, advance, first_run)
+    with ctrl_c_remembered() as ctrl_c, final_status(store), \
+            progress_reporter(progress, len(plan), exp.name) as advance:
+        _execute(exp, plan, store, out, advance, first_run, ctrl_c)
+        if ctrl_c():
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def ctrl_c_remembered():
+    """Yield ``ctrl_c()``: whether a Ctrl-C (SIGINT) came during the block. It still raises
+    KeyboardInterrupt where it lands, but Python drops an exception raised inside a weakref
+    callback or ``__del__`` ("Exception ignored in ..."), and a Ctrl-C landing there would be
+    lost; the runner asks between runs. Off the main thread (no signals there) it never fires."""
+    hit = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hit.is_set
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # ignored (SIG_IGN) or default: nothing of ours to chain
+        yield hit.is_set
+        return
+
+    def remember(signum, frame):
+        hit.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, remember)
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -177,7 +206,7 @@ def error_rows(entries: list[tuple], first_run: int, err: str) -> list[dict]:
 
 
 def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance,
-             first_run: int = 0) -> None:
+             first_run: int = 0, ctrl_c=lambda: False) -> None:
     run_idx = first_run
     t0 = time.monotonic()
     # One lock for the whole experiment: no one else's network can interleave with ours.
@@ -219,6 +248,8 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                     i = j
                     continue
                 for batch in _batches(group):
+                    if ctrl_c():  # one that landed where Python drops exceptions
+                        raise KeyboardInterrupt
                     if batch[0][5] is None:  # training: one job alone, or a trace of them
                         pi, params, pt, ji, job, _ = batch[0]
                         _run_training(store, net, out, run_idx, pi, params, pt, ji, job)
