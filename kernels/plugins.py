@@ -1,4 +1,5 @@
-"""Plug-ins: compressors and data-path stages that other distributions register.
+"""Plug-ins: compressors, data-path stages and collective algorithms that other distributions
+register.
 
 A distribution (a package you ``pip install``) adds names to the testbed's registries through
 Python entry points, without editing the testbed::
@@ -8,12 +9,15 @@ Python entry points, without editing the testbed::
     absmax8 = "mycompressor:Absmax8Compressor"
     [project.entry-points."testbed.stages"]
     msgcount = "mystage:MsgCountStage"
+    [project.entry-points."testbed.algorithms"]
+    bintree = "myalgorithm:BinaryTree"
 
 The entry point's name is the name experiments and program lists use; its value is the class
-(a :class:`~testbed.kernels.compressors.base.Compressor` or a
-:class:`~testbed.datapath.batch.Stage` subclass). The registries
-(:mod:`testbed.kernels.compressors`, :mod:`testbed.datapath.programs`) list built-ins and
-plug-ins together.
+(a :class:`~testbed.kernels.compressors.base.Compressor`, a
+:class:`~testbed.datapath.batch.Stage` or a
+:class:`~testbed.collectives.algorithms.PeerAlgorithm` subclass). The registries
+(:mod:`testbed.kernels.compressors`, :mod:`testbed.datapath.programs`,
+:mod:`testbed.collectives.algorithms`) list built-ins and plug-ins together.
 
 Reading the names costs one scan of the installed distributions' metadata (no plug-in is
 imported); it is done once per process, :func:`refresh` scans again. A plug-in is imported
@@ -33,6 +37,8 @@ from importlib.metadata import EntryPoint, entry_points
 COMPRESSORS_GROUP = "testbed.compressors"
 #: Entry-point group of data-path stages (name -> Stage subclass).
 STAGES_GROUP = "testbed.stages"
+#: Entry-point group of collective algorithms (name -> PeerAlgorithm subclass).
+ALGORITHMS_GROUP = "testbed.algorithms"
 
 
 class PluginError(ValueError):

@@ -39,7 +39,8 @@ import traceback
 
 import numpy as np
 
-from testbed.collectives import compress, hd, ring, trimmed
+from testbed.collectives import compress, ring, trimmed
+from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.model import tcp_window_clamp
 from testbed.collectives.ports import tcp_port
 from testbed.collectives.runner import RUN_DIR, offload_job
@@ -49,13 +50,11 @@ from testbed.collectives.trimmed import TrimmedGather
 from testbed.lifeline import follow_owner
 from testbed.workloads.data import BatchSampler, load_dataset
 from testbed.workloads.loop import digest
-from testbed.workloads.spec import TRAIN_ALGOS, check_collective, check_communication, check_int
+from testbed.workloads.spec import check_collective, check_communication, check_int
 
 #: TCP port of gloo's rendezvous on rank 0 (plus the job id): outside the collectives' range.
 GLOO_PORT = 29500
 COMMS = ("gloo", "testbed")
-#: What the hook can allreduce a bucket with: a training job's algorithms.
-ALGOS = TRAIN_ALGOS
 
 
 @dataclasses.dataclass
@@ -113,8 +112,8 @@ class TorchJob:
 
 class TestbedComm:
     """One rank's testbed collective, set up once and used for any bucket size: TCP
-    connections to its peers (ring: both neighbours; hd: every rank, which covers its
-    partners) on the deterministic ports, or the INA client of the registered job."""
+    connections to its algorithm's peers and its ring neighbours (a compressed allreduce and
+    trim's broadcast run on the ring) on the deterministic ports, or the INA client of the registered job."""
 
     def __init__(self, job: dict, tj: TorchJob, rank: int):
         self.n = len(job["ranks"])
@@ -128,7 +127,7 @@ class TestbedComm:
         self.memory: dict[tuple[int, int], tuple] = {}
         self.steps: dict[int, int] = {}
         me = job["ranks"][rank]
-        if tj.algo in ("ina", "nic"):
+        if is_offloaded(tj.algo):
             from testbed.collectives.ina import InaClient  # numba: INA jobs only
 
             self.client = InaClient(job, self.spec, rank)
@@ -141,10 +140,11 @@ class TestbedComm:
         self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id, tcp_cc=self.spec.tcp_cc,
                          window_clamp=tcp_window_clamp(tj.algo, job.get("bw_bps")))
         self.comm.listen(me["ip"])
-        peers = ring.ring_peers(rank, self.n) if tj.algo in ("ring", "trim") else [
-            p for p in range(self.n) if p != rank]
+        peers = set(ring.ring_peers(rank, self.n))  # trim's broadcast, compressed rings
+        if tj.algo != "trim":
+            peers.update(peer_algorithm(tj.algo).peers(rank, self.n, "allreduce"))
         addrs = {p: (r["ip"], tcp_port(tj.job_id, p, p)) for p, r in enumerate(job["ranks"])}
-        self.comm.connect(peers, addrs)
+        self.comm.connect(sorted(peers), addrs)
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, index: int) -> None:
         """Sum ``x`` over the ranks into ``out`` (bucket ``index``: its own compressor state
@@ -164,7 +164,7 @@ class TestbedComm:
             comp, mem = self.memory[key]
             compress.allreduce(self.comm, x, out, self.n, comp, mem, step)
         else:
-            fn = ring.allreduce if self.tj.algo == "ring" else hd.allreduce
+            fn = peer_algorithm(self.tj.algo).rank_function("allreduce")
             fn(self.comm, x, out, self.n, 64 << 10)
 
     def close(self) -> None:

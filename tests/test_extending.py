@@ -1,11 +1,13 @@
-"""Plug-ins: compressors and data-path stages registered by other distributions' entry points.
+"""Plug-ins: compressors, data-path stages and collective algorithms registered by other
+distributions' entry points.
 
 Two levels. Registry tests put a throw-away distribution (a ``*.dist-info`` folder and a
 module) on ``sys.path``: lookups, experiment validation, and every way a plug-in can be
-broken. The examples' tests install ``examples/mycompressor`` and ``examples/mystage`` into
-this virtualenv with pip, as a user would, run their own tests, and run their experiment files
-with ``testbed run`` on a Mininet star (the compressor in a ring allreduce, the stage on the
-aggregating switch); they uninstall what they installed.
+broken. The examples' tests install ``examples/mycompressor``, ``examples/mystage`` and
+``examples/myalgorithm`` into this virtualenv with pip, as a user would, run their own tests,
+and run their experiment files with ``testbed run`` on a Mininet star (the compressor in a ring
+allreduce, the stage on the aggregating switch, the algorithm in collectives and a training
+job); they uninstall what they installed.
 """
 
 from __future__ import annotations
@@ -102,6 +104,33 @@ def test_compressor_plugin_everywhere_a_name_is_used(fake_dists):
         parse_experiment({"topology": {"n_hosts": 2}, "jobs": [{**job, "compressor": "halv"}]})
 
 
+def test_summable_plugin_compressor_reduce_scatters_in_its_carrier(fake_dists, tmp_path):
+    """A plug-in that says ``summable`` (and its ``carrier``) gets the reduce-scatter path,
+    in the models and in a real ring allreduce of the collective pool on loopback."""
+    from testbed.collectives import compress
+    from testbed.collectives.spec import CollectiveSpec
+    from testbed.collectives.testing import loopback_ip
+
+    fake_dists("tb-halves", "tbplug_halves", GOOD_COMPRESSOR.format(name="halves")
+               + "\nHalve.summable = True\n",
+               "[testbed.compressors]\nhalves = tbplug_halves:Halve\n")
+    assert compress.scheme("halves") == "reduce_scatter"
+    assert compress.wire_plan("halves", {}, 1000, 3) == ("reduce_scatter", 1000, 4)
+    n = 3
+    spec = CollectiveSpec(algo="ring", nbytes=4 * 10_007, compressor="halves", timeout_s=30,
+                          chunk_bytes=8 << 10)
+    spec.validate(n)
+    ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": loopback_ip()} for i in range(n)]
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"spec": spec.to_json(), "n": n, "m": 0, "ranks": ranks}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
+    p = subprocess.run([PY, "-m", "testbed.collectives.worker", "--job", str(job)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["error"] is None, (res["error"], p.stderr[-2000:])
+    assert all(rep["correct"] for rep in res["reps"]), res["reps"]
+
+
 @pytest.mark.parametrize("source, entry, match", [
     ("raise RuntimeError('missing licence key')", "bad = tbplug_bad:Nope",
      r"entry point 'bad = tbplug_bad:Nope' \(group testbed.compressors\) of distribution "
@@ -182,10 +211,89 @@ def test_broken_stage_plugin_is_named(fake_dists):
         stage_class("bad")
 
 
+ALGORITHM_SOURCE = """
+from testbed.collectives.algorithms import PeerAlgorithm
+from testbed.collectives import ring
+
+class Star0(PeerAlgorithm):
+    name = "{name}"
+    ops = {ops}
+
+    def peers(self, rank, n, op):
+        return list(range(1, n)) if rank == 0 else [0]
+"""
+
+
+def test_algorithm_plugin_everywhere_an_algorithm_name_is_used(fake_dists):
+    from testbed.collectives.algorithms import algorithm, algorithm_names, is_offloaded
+    from testbed.collectives.spec import CollectiveSpec
+    from testbed.provider.schema import Plan
+    from testbed.workloads.spec import TrainingSpec, train_algos
+
+    fake_dists("tb-star0", "tbplug_star0", ALGORITHM_SOURCE.format(name="star0",
+                                                                   ops='("allreduce",)'),
+               "[testbed.algorithms]\nstar0 = tbplug_star0:Star0\n")
+    assert algorithm_names()[:5] == ("ring", "hd", "rs", "ina", "nic")
+    assert "star0" in algorithm_names("allreduce", transport="tcp", trains=True)
+    assert "star0" not in algorithm_names("broadcast") and not is_offloaded("star0")
+    assert algorithm("star0").peers(0, 3, "allreduce") == [1, 2]
+    CollectiveSpec(algo="star0", nbytes=4096).validate(3)
+    with pytest.raises(ValueError, match=r"algo='star0' does not implement op='broadcast'"):
+        CollectiveSpec(op="broadcast", algo="star0", nbytes=4096).validate(3)
+    assert "star0" in train_algos()
+    TrainingSpec(algo="star0").validate(3)
+    assert Plan(job="j", algo="star0").algo == "star0"
+    job = {"algo": "star0", "nbytes": 4096}
+    exp = parse_experiment({"topology": {"n_hosts": 3}, "jobs": [job]})
+    assert exp.jobs[0].algo == "star0"
+    with pytest.raises(ExperimentError, match=r"jobs\.0\.algo: .*'star9' is not a registered "
+                                              r"algorithm: one of \('ring', .*'star0'\)"):
+        parse_experiment({"topology": {"n_hosts": 3}, "jobs": [{**job, "algo": "star9"}]})
+    with pytest.raises(ExperimentError, match=r"training\.0\.algo: .*'rs' is not an algorithm "
+                                              r"a training job can use"):
+        parse_experiment({"topology": {"n_hosts": 3}, "training": [{"algo": "rs"}]})
+
+
+@pytest.mark.parametrize("source, entry, match", [
+    ("class Nope:\n    name = 'bad'\n", "bad = tbplug_badalg:Nope",
+     r"'bad = tbplug_badalg:Nope'.*'tb-badalg 1.0' gives <class 'tbplug_badalg.Nope'>, which "
+     r"is not a subclass of testbed.collectives.algorithms.PeerAlgorithm"),
+    (ALGORITHM_SOURCE.format(name="other", ops='("allreduce",)'), "bad = tbplug_badalg:Star0",
+     r"'tb-badalg 1.0': the class says name = 'other'"),
+    (ALGORITHM_SOURCE.format(name="bad", ops='("alltoall",)'), "bad = tbplug_badalg:Star0",
+     r"'tb-badalg 1.0': ops \('alltoall',\) must be a non-empty tuple of"),
+    ("", "ring = tbplug_badalg:Ring", r"'ring = tbplug_badalg:Ring'.*takes the name of a "
+                                      r"built-in"),
+])
+def test_broken_algorithm_plugin_is_named(fake_dists, source, entry, match):
+    from testbed.collectives.algorithms import algorithm
+    from testbed.collectives.spec import CollectiveSpec
+
+    fake_dists("tb-badalg", "tbplug_badalg", source, f"[testbed.algorithms]\n{entry}\n")
+    name = entry.split(" = ")[0]
+    with pytest.raises(PluginError, match=match):
+        algorithm(name)
+    with pytest.raises(PluginError, match=match):
+        CollectiveSpec(algo=name, nbytes=4096).validate(3)
+
+
+def test_no_list_of_algorithm_names_outside_the_registry():
+    """Whether an algorithm is offloaded, and which names exist, is asked of the registry:
+    a list like ("ina", "nic") or Literal["ring", "hd", ...] elsewhere would miss plug-ins."""
+    found = []
+    for path in (ROOT / "testbed").rglob("*.py"):
+        text = path.read_text()
+        for pattern in ('("ina", "nic")', 'Literal["ring"', '("ring", "hd", "rs", "ina", "nic")'):
+            if pattern in text and path.name != "algorithms.py":
+                found.append(f"{path.relative_to(ROOT)}: {pattern}")
+    assert not found, found
+
+
 # -- the examples, installed with pip ----------------------------------------------------------
 
 EXAMPLE_DISTS = {"testbed-example-compressor": EXAMPLES / "mycompressor",
-                 "testbed-example-stage": EXAMPLES / "mystage"}
+                 "testbed-example-stage": EXAMPLES / "mystage",
+                 "testbed-example-algorithm": EXAMPLES / "myalgorithm"}
 
 
 def _installed(dist: str) -> bool:
@@ -228,17 +336,21 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_examples_tests_pass_once_installed(examples_installed):
     p = subprocess.run([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         str(EXAMPLE_DISTS["testbed-example-compressor"] / "tests"),
-                        str(EXAMPLE_DISTS["testbed-example-stage"] / "tests")],
+                        str(EXAMPLE_DISTS["testbed-example-stage"] / "tests"),
+                        str(EXAMPLE_DISTS["testbed-example-algorithm"] / "tests")],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     p = _python("from testbed.kernels.compressors import compressor_names\n"
                 "from testbed.datapath.programs import stage_names\n"
                 "from testbed.experiment import load_experiment\n"
-                "print(compressor_names()[-1], stage_names()[-1])\n"
+                "from testbed.collectives.algorithms import algorithm_names\n"
+                "print(compressor_names()[-1], stage_names()[-1], algorithm_names()[-1])\n"
                 "load_experiment('examples/mycompressor/ring_absmax8.toml')\n"
-                "load_experiment('examples/mystage/msgcount.toml')\n")
+                "load_experiment('examples/mystage/msgcount.toml')\n"
+                "load_experiment('examples/myalgorithm/bintree.toml')\n"
+                "load_experiment('examples/myalgorithm/train_bintree.toml')\n")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["absmax8", "msgcount"]
+    assert p.stdout.split() == ["absmax8", "msgcount", "bintree"]
 
 
 def _testbed_run(toml: Path, out: Path) -> pd.DataFrame:
@@ -292,3 +404,30 @@ def test_plugin_stage_on_the_aggregating_switch(examples_installed, tmp_path):
         counted = sum(v for k, v in deltas.items()
                       if k.startswith(f"datapath.tbs1.stages.msgcount.ports.{port}."))
         assert counted == rx > 0, (port, counted, rx)
+
+
+@pytest.mark.mininet
+def test_plugin_algorithm_in_collectives_and_a_training_job(examples_installed, tmp_path):
+    df = _testbed_run(EXAMPLES / "myalgorithm" / "bintree.toml", tmp_path / "c")
+    assert (df["status"] == "ok").all() and df["correct"].all()  # checked against numpy sums
+    tree = df[df["algo"] == "bintree"]
+    assert list(tree["bytes"]) == [64 << 10, 1 << 20]
+    assert (tree["model_s"] > 0).all()  # the plug-in's flow-model phases gave every row a time
+    # the flow model of a star is the alpha-beta model (one switch): the plug-in's two agree
+    # (within the ACKs' share of a link, which the flow model counts only where data flows
+    # the other way: the tree's phases send one way, the alpha-beta goodput assumes both)
+    p = _python("from testbed.collectives import model\n"
+                "from testbed.collectives.flowmodel import predict_s\n"
+                "from testbed.collectives.spec import CollectiveSpec\n"
+                "from testbed.topologies import Star\n"
+                "for size in (64 << 10, 1 << 20):\n"
+                "    s = CollectiveSpec(algo='bintree', nbytes=size)\n"
+                "    f = predict_s(Star(5, bw_mbps=100), s, hop_latency_s=1e-4)\n"
+                "    a = model.predict('allreduce', 'bintree', 5, size, 100e6, 2e-4)\n"
+                "    print(f / a)\n")
+    assert p.returncode == 0, p.stderr
+    assert all(abs(float(r) - 1) < 0.03 for r in p.stdout.split()), p.stdout
+    df = _testbed_run(EXAMPLES / "myalgorithm" / "train_bintree.toml", tmp_path / "t")
+    assert list(df["label"]) == ["ring", "bintree"]
+    assert (df["status"] == "ok").all() and df["correct"].all()
+    assert (df["iterations"] == 30).all() and (df["final_accuracy"] > 0.5).all()

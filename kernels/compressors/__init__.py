@@ -51,7 +51,8 @@ _REGISTRY: dict[str, type[Compressor]] = {c.name: c for c in _CLASSES}
 #: The built-in compressors (plug-ins come on top: :func:`compressor_names`).
 COMPRESSORS: tuple[str, ...] = tuple(_REGISTRY)
 
-__all__ = ["COMPRESSORS", "Compressor", "PluginError", "bench_rows", "compressor_names",
+__all__ = ["COMPRESSORS", "Compressor", "PluginError", "bench_rows", "compressor_class",
+           "compressor_names",
            "compressor_params", "decode_any", "get_compressor"]
 
 
@@ -84,6 +85,11 @@ def _lookup(name) -> type[Compressor]:
         raise PluginError(f"{plugin.describe()}: the class says name = {cls.name!r}; the entry "
                           "point's name and the Compressor's name must be the same")
     return cls
+
+
+def compressor_class(name: str) -> type[Compressor]:
+    """The class of compressor ``name``, built-in or plug-in (ValueError on unknown ones)."""
+    return _lookup(name)
 
 
 def get_compressor(name: str, **params) -> Compressor:

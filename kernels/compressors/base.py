@@ -106,6 +106,10 @@ class Compressor:
 
     name = "base"
     summable = False
+    #: The type a summable compressor's payload (its first array) is added in on a ring:
+    #: "float32", "float16", "bfloat16" (decoded, added, rounded back at every hop) or
+    #: "levels" (THC's integer levels, int8 or int16 by the number of workers).
+    carrier: str = "float32"
     #: True when compress() keeps state between calls (momentum, warm start): use one
     #: instance per tensor.
     stateful = False

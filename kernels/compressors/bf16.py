@@ -55,6 +55,7 @@ class Bf16Compressor(Compressor):
 
     name = "bf16"
     summable = True
+    carrier = "bfloat16"
 
     def _compress(self, x, step):
         if x.size and np.max(np.abs(x)) >= BF16_INF_FROM:

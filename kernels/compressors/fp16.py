@@ -199,6 +199,7 @@ class Fp16Compressor(Compressor):
 
     name = "fp16"
     summable = True
+    carrier = "float16"
 
     def _compress(self, x, step):
         if x.size and float(np.max(np.abs(x))) > FP16_MAX:

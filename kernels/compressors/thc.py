@@ -154,6 +154,7 @@ class ThcCompressor(Compressor):
 
     name = "thc"
     summable = True
+    carrier = "levels"
 
     def __init__(self, granularity: int = 16, block: int = 1024, clip: float = 4.0,
                  seed: int = 0):

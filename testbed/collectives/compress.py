@@ -7,7 +7,7 @@ repetition or training iteration). Then, by :func:`scheme`:
 
 * ``"reduce_scatter"`` - the compressor's payloads add (``Compressor.summable``: fp16, bf16,
   randomk, thc, none): a ring reduce-scatter + allgather (:func:`ring.allreduce_inplace`) of
-  the payload in its **wire type** (:data:`RING_CARRIERS`): float16 added in float16 as
+  the payload in its **wire type** (the compressor's ``carrier``, :func:`ring_carrier`): float16 added in float16 as
   PyTorch's ``fp16_compress_hook`` over NCCL does, bfloat16 decoded, added and rounded back to
   bfloat16 at every hop, randomk's k shared-index values in float32, THC's integer levels in
   int8 (int16 when n * g/2 exceeds int8) after the workers agree on the largest norm (one
@@ -40,10 +40,8 @@ from testbed.collectives.transport import Comm
 
 _LEN = struct.Struct("<Q")
 
-#: Summable compressors and the type their payload is reduced in on the ring ("levels": THC's
-#: integer levels, int8 or int16 by the number of workers).
-RING_CARRIERS = {"none": "float32", "fp16": "float16", "bf16": "bfloat16",
-                 "randomk": "float32", "thc": "levels"}
+#: The carriers a ring can add in (``Compressor.carrier``).
+CARRIERS = ("float32", "float16", "bfloat16", "levels")
 #: Unit roundoff of each carrier (one rounding per hop of the reduce-scatter).
 _CARRIER_EPS = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
                 "levels": 0.0}
@@ -52,10 +50,25 @@ _CARRIER_TINY = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 
                  "levels": 0.0}
 
 
+def ring_carrier(compressor: str) -> str | None:
+    """The type ``compressor``'s payloads are added in on the ring (its ``carrier``), or None
+    when they do not add (not ``summable``): built-ins and plug-ins alike."""
+    # Function-level import: the compressors load Numba, which plain runs do not need.
+    from testbed.kernels.compressors import compressor_class
+
+    cls = compressor_class(compressor)
+    if not cls.summable:
+        return None
+    if cls.carrier not in CARRIERS:
+        raise ValueError(f"compressor {compressor!r}: carrier {cls.carrier!r} is not one of "
+                         f"{CARRIERS}")
+    return cls.carrier
+
+
 def scheme(compressor: str) -> str:
     """``"reduce_scatter"`` when ``compressor``'s payloads are reduced on the ring in their
     compressed type, else ``"allgather"`` (see the module docstring)."""
-    return "reduce_scatter" if compressor in RING_CARRIERS else "allgather"
+    return "allgather" if ring_carrier(compressor) is None else "reduce_scatter"
 
 
 def levels_dtype(n: int, granularity: int) -> np.dtype:
@@ -65,7 +78,7 @@ def levels_dtype(n: int, granularity: int) -> np.dtype:
 
 def carrier_itemsize(compressor: str, params: dict, n: int) -> int:
     """Bytes per payload element on the ring of a summable ``compressor``."""
-    c = RING_CARRIERS[compressor]
+    c = ring_carrier(compressor)
     if c == "levels":
         return levels_dtype(n, int(params.get("granularity", 16))).itemsize
     return 2 if c in ("float16", "bfloat16") else 4
@@ -82,7 +95,7 @@ def wire_plan(compressor: str, params: dict, count: int, n: int) -> tuple[str, i
     nbytes = int(get_compressor(compressor, **params).payload_bytes(count))
     if scheme(compressor) == "allgather":
         return "allgather", nbytes + _LEN.size, 1
-    natural = {"float32": 4, "float16": 2, "bfloat16": 2, "levels": 1}[RING_CARRIERS[compressor]]
+    natural = {"float32": 4, "float16": 2, "bfloat16": 2, "levels": 1}[ring_carrier(compressor)]
     return "reduce_scatter", nbytes // natural, carrier_itemsize(compressor, params, n)
 
 
@@ -127,7 +140,7 @@ def allreduce(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, comp, mem, ste
 
 
 def _reduce(comm: Comm, x, out, n: int, comp, mem, step: int, chunk_bytes: int):
-    carrier = RING_CARRIERS[comp.name]
+    carrier = ring_carrier(comp.name)
     norm = None
     if carrier == "levels":  # one scale for every payload: the largest compensated norm
         xc = mem.compensate(x)
@@ -210,9 +223,9 @@ def warm(spec) -> None:
     comp, mem = make(spec)
     x = np.linspace(-1, 1, 64, dtype=np.float32)
     payload, ctx, _ = compress_one(comp, mem, x, 0)
-    if RING_CARRIERS.get(comp.name) == "levels":
+    if ring_carrier(comp.name) == "levels":
         comp.decompress((payload[0].astype(np.int32),), ctx)
-    elif RING_CARRIERS.get(comp.name) == "bfloat16":
+    elif ring_carrier(comp.name) == "bfloat16":
         _bf16_add(payload[0].copy(), payload[0])
 
 
@@ -221,7 +234,7 @@ def contributions(replicas: list, inputs: list[np.ndarray], step: int) -> list[n
     (compressor, memory) replica as the workers ran them (THC: with the agreed norm)."""
     norm = None
     comp0 = replicas[0][0]
-    if scheme(comp0.name) == "reduce_scatter" and RING_CARRIERS[comp0.name] == "levels":
+    if ring_carrier(comp0.name) == "levels":
         norm = max(comp.local_norm(mem.compensate(x))
                    for (comp, mem), x in zip(replicas, inputs, strict=True))
     return [compress_one(comp, mem, x, step, norm)[2]
@@ -258,7 +271,7 @@ def check_contributions(comp, decs: list[np.ndarray], inputs: list[np.ndarray],
         exact += x
     eps = float(np.finfo(np.float32).eps)
     bound = (n - 1) * eps * mag + eps * np.abs(ref) + 1e-30
-    carrier = RING_CARRIERS.get(comp.name) if scheme(comp.name) == "reduce_scatter" else None
+    carrier = ring_carrier(comp.name)
     if carrier == "levels":
         bound = bound + 8 * (math.log2(max(ref.size, 2)) + 2) * eps * (
             float(np.max(mag, initial=0.0)) + 1e-30)

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 
 from testbed.collectives import compress, hd
 from testbed.collectives import model as ab
+from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple
 from testbed.collectives.report import shard_bounds
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, CollectiveSpec
@@ -340,7 +341,7 @@ def _compressed_phases(spec: CollectiveSpec, workers: list[str]) -> list[Phase]:
         return [Phase(f"ag step {k}", [rk.tcp(r, (r + 1) % n, elems) for r in range(n)])
                 for k in range(n - 1)]
     out = []
-    if compress.RING_CARRIERS[spec.compressor] == "levels":
+    if compress.ring_carrier(spec.compressor) == "levels":
         rk8 = _Ranks(workers, spec.job_id, 8)
         out += [Phase(f"norm step {k}", [rk8.tcp(r, (r + 1) % n, 1) for r in range(n)])
                 for k in range(n - 1)]
@@ -376,7 +377,7 @@ def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None =
     count, op, algo = spec.count, spec.op, spec.algo
     rk = _Ranks(workers + servers, spec.job_id, spec.itemsize)
     chunk_el = max(1, spec.chunk_bytes // spec.itemsize)
-    if algo in ("ina", "nic"):
+    if is_offloaded(algo):
         if aggregator is None:
             raise ValueError(f"algo={algo!r} needs an aggregator switch; this topology has "
                              "none (make a switch programmable, aggregator='auto')")
@@ -398,15 +399,24 @@ def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None =
         flows += [rk.tcp(n + j, w, sizes[j]) for w in range(n) for j in range(m)]
         piece = min(ab.rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes), spec.nbytes / m)
         return [Phase("reduce+return", flows, trips=2.0, fill_bytes=piece)]
-    if algo == "ring":
-        if op == "broadcast":
-            fill = max(n - 2, 0) * min(chunk_el, count) * spec.itemsize
-            return [Phase("chain", [rk.tcp(r, r + 1, count) for r in range(n - 1)],
-                          trips=n - 1, fill_bytes=fill)]
-        sizes = _sizes(count, n)
-        return _ring_steps(rk, n, sizes, rs=op in ("allreduce", "reduce_scatter"),
-                           ag=op in ("allreduce", "allgather"))
-    # halving-doubling
+    return peer_algorithm(algo).phases(op, n, count, chunk_el, rk)
+
+
+def ring_phases(op: str, n: int, count: int, chunk_el: int, rk: _Ranks) -> list[Phase]:
+    """The ring's phases: a pipelined chain for broadcast, else its reduce-scatter and/or
+    allgather steps."""
+    if op == "broadcast":
+        fill = max(n - 2, 0) * min(chunk_el, count) * rk.itemsize
+        return [Phase("chain", [rk.tcp(r, r + 1, count) for r in range(n - 1)],
+                      trips=n - 1, fill_bytes=fill)]
+    sizes = _sizes(count, n)
+    return _ring_steps(rk, n, sizes, rs=op in ("allreduce", "reduce_scatter"),
+                       ag=op in ("allreduce", "allgather"))
+
+
+def hd_phases(op: str, n: int, count: int, rk: _Ranks) -> list[Phase]:
+    """Halving-doubling's phases: binomial rounds for broadcast, else its halving and/or
+    doubling rounds (allreduce folding the ranks past the largest power of two first)."""
     if op == "broadcast":  # binomial tree: round d, ranks < d send everything to rank + d
         out, d = [], 1
         while d < n:
@@ -661,7 +671,7 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     hop_s = float(hop_latency_s)
     net = _Network(topo, float(time_dilation))
     agg: str | InaTree | None = topo.aggregator_switch
-    if spec.algo in ("ina", "nic") and ((spec.placement or {}).get("tree") not in (None, "single")
+    if is_offloaded(spec.algo) and ((spec.placement or {}).get("tree") not in (None, "single")
                                         or agg is not None):
         try:
             agg = InaTree.of(topo, list(workers), spec, net.tables)
@@ -675,7 +685,7 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     total = sum(r.time_s for r in results)
     notes = []
     extra_s = 0.0
-    if spec.algo in ("ina", "nic"):
+    if is_offloaded(spec.algo):
         extra_s = _ina_extra(spec, phs[0], results[0], topo, hop_s, float(time_dilation))
         total += extra_s
     elif any(s.loss_pct for s in topo.link_specs):

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 
-from testbed.collectives.spec import ALGOS, HD_RENDEZVOUS_BYTES, INA_ELEMS, OPS
+from testbed.collectives.algorithms import algorithm, algorithm_names, peer_algorithm
+from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, INA_ELEMS, OPS
 from testbed.kernels.wire import PAYLOAD_OFFSET
 
 ETH_HDR = 14
@@ -45,7 +46,7 @@ DEFAULT_CHUNK = 256 << 10
 
 def goodput_Bps(algo: str, bw_bps: float) -> float:
     """Payload bytes per second that a link of ``bw_bps`` bit/s carries for ``algo``."""
-    proto = "ina" if algo in ("ina", "nic") else "tcp"
+    proto = "tcp" if algo == "tree" else algorithm(algo).transport
     return bw_bps / 8.0 * GOODPUT[proto]
 
 
@@ -175,8 +176,11 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {OPS}")
-    if algo not in ALGOS + ("tree",):
-        raise ValueError(f"algo={algo!r} is not one of {ALGOS + ('tree',)}")
+    if algo != "tree" and algo not in algorithm_names():
+        raise ValueError(f"algo={algo!r} is not one of {algorithm_names() + ('tree',)}")
+    if algo != "tree" and op not in algorithm(algo).ops:
+        raise ValueError(f"algo={algo!r} does not implement op={op!r} (it models "
+                         f"{', '.join(algorithm(algo).ops)} only)")
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"n={n!r} must be an integer >= 1")
     if nbytes < 0 or bw_bps <= 0 or alpha_s < 0:
@@ -187,13 +191,9 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
     a = alpha_s
     t = nbytes / goodput_Bps(algo, bw_bps)  # S/B: time to push the whole array over one link
     lg = math.ceil(math.log2(n))
-    if algo in ("ina", "nic"):
-        if op != "allreduce":
-            raise ValueError(f"algo={algo!r} models allreduce only, not op={op!r}")
+    if algo != "tree" and algorithm(algo).offloaded:  # S/B + one round trip, any n
         return t + 2 * a
     if algo == "rs":
-        if op != "allreduce":
-            raise ValueError(f"algo='rs' models allreduce only, not op={op!r}")
         if servers < 1:
             raise ValueError(f"servers={servers!r} must be >= 1")
         # + pipeline fill: a server returns piece 0 once every worker sent it, and a worker's
@@ -207,17 +207,16 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
         if op == "allreduce":
             return 2 * lg * (a + t)
         raise ValueError(f"algo='tree' models broadcast and allreduce, not op={op!r}")
-    if algo == "ring":
-        if op == "allreduce":
-            return 2 * (n - 1) * a + 2 * (n - 1) / n * t
-        if op in ("reduce_scatter", "allgather"):
-            return (n - 1) * a + (n - 1) / n * t
-        # broadcast: pipelined chain; the last rank gets the first chunk after n-2 relays
-        c = min(chunk_bytes, nbytes) / goodput_Bps(algo, bw_bps)
-        return (n - 1) * a + t + (n - 2) * c
-    # hd
+    chunk_s = min(chunk_bytes, nbytes) / goodput_Bps(algo, bw_bps)
+    return peer_algorithm(algo).alpha_beta(op, n, nbytes, a, t, chunk_s)
+
+
+def hd_time(op: str, n: int, nbytes: float, a: float, t: float) -> float:
+    """Halving-doubling's alpha-beta time (see :func:`predict`): binomial broadcast,
+    MPICH's recursive halving / doubling with the fold of non-power-of-two ``n``, one more
+    latency per round large enough for the rendezvous."""
     if op == "broadcast":  # binomial tree
-        return lg * (a + t)
+        return math.ceil(math.log2(n)) * (a + t)
     p = 1 << int(math.floor(math.log2(n)))
     meet = hd_rendezvous_rounds(nbytes, p) * a  # each large round waits for the partner's "go"
     if op == "allreduce":

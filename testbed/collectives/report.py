@@ -30,7 +30,8 @@ from typing import TextIO
 import numpy as np
 
 from testbed.collectives import model
-from testbed.collectives.spec import TCP_ALGOS, CollectiveSpec
+from testbed.collectives.algorithms import algorithm
+from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import host_tcp_cc
 
 REPORT_COLUMNS: tuple[str, ...] = (
@@ -186,7 +187,7 @@ def tcp_cc_of(spec: CollectiveSpec | Measured, ina: dict | None = None) -> str |
     unless a refused INA job (``ina``: its INA columns) ran as ring on the hosts."""
     if not isinstance(spec, CollectiveSpec):
         return None
-    if spec.algo not in TCP_ALGOS and (ina or {}).get("placement_mode") != "refused":
+    if algorithm(spec.algo).transport != "tcp" and (ina or {}).get("placement_mode") != "refused":
         return None
     return spec.tcp_cc or host_tcp_cc() or None
 

@@ -37,6 +37,7 @@ import sys
 import time
 
 from testbed.collectives import cpumon, flowmodel, ports
+from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.report import make_row
 from testbed.collectives.spec import SHARED_TREE_ERROR, CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
@@ -129,7 +130,7 @@ def net_bandwidth(net, hosts: list, algo: str) -> float:
     if fn is None:
         raise ValueError("net has no bottleneck_bps(hosts): cannot compute the model")
     uniq = list({h.name: h for h in hosts}.values())
-    pattern = "ina" if algo in ("ina", "nic") else "ring"
+    pattern = "ina" if is_offloaded(algo) else "ring"
     try:
         bw = fn(uniq, pattern=pattern)
     except TypeError:  # a net without patterns
@@ -198,7 +199,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     agg_client = None
     if registration is not None:
         adopt_registration(spec, job, workers, registration)
-    elif spec.algo in ("ina", "nic"):
+    elif is_offloaded(spec.algo):
         try:
             agg_client = register_ina_job(net, spec, job, workers)
         except AdmissionRefused as e:
@@ -212,7 +213,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                 r.update(placement_mode="refused", refused_by=e.switch)
             return rows
     ina_cols = None
-    if spec.algo in ("ina", "nic"):
+    if is_offloaded(spec.algo):
         try:
             _refuse_remote_fallbacks(job)
             _configure_nics(net, spec, offload=True)
@@ -531,7 +532,7 @@ def adopt_registration(spec: CollectiveSpec, job: dict, workers: list,
     port, member id and aggregator, the host fallbacks, the slots and lanes it registered),
     instead of registering the job here. The provider keeps owning it: nothing here removes
     it. Raises ``ValueError`` when the registration does not fit ``spec`` or ``workers``."""
-    if spec.algo not in ("ina", "nic"):
+    if not is_offloaded(spec.algo):
         raise ValueError(f"registration: only an ina/nic collective runs on a switch "
                          f"registration; algo {spec.algo!r} needs none (pass registration=None)")
     if registration.get("job_id") != spec.job_id:
@@ -571,9 +572,9 @@ def offload_job(net, spec: CollectiveSpec, job: dict, workers: list,
     client = None
     if registration is not None:
         adopt_registration(spec, job, workers, registration)
-    elif spec.algo in ("ina", "nic"):
+    elif is_offloaded(spec.algo):
         client = register_ina_job(net, spec, job, workers)
-    if spec.algo in ("ina", "nic"):
+    if is_offloaded(spec.algo):
         try:
             _configure_nics(net, spec, offload=True)
         except BaseException:

@@ -12,22 +12,21 @@ import re
 
 import numpy as np
 
+from testbed.collectives.algorithms import (
+    BUILTINS,
+    OPS,
+    algorithm,
+    algorithm_names,
+    is_offloaded,
+)
 from testbed.collectives.transport import DEFAULT_TCP_CC
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-ALGOS = ("ring", "hd", "rs", "ina", "nic")
-#: the algorithms that connect ranks over TCP (``tcp_cc`` applies to them)
-TCP_ALGOS = ("ring", "hd", "rs")
+#: The built-in algorithms (plug-ins add theirs: :func:`algorithm_names`).
+ALGOS = tuple(BUILTINS)
+#: the built-in algorithms that connect ranks over TCP (``tcp_cc`` applies to them); not
+#: :func:`algorithm_names`, which imports the plug-ins: a plug-in may import this module
+TCP_ALGOS = tuple(name for name, cls in BUILTINS.items() if cls.transport == "tcp")
 DTYPES = ("float32", "int32")
-
-#: Which (op, algo) pairs are implemented. INA/NIC and the reduction server reduce, so
-#: they only make sense for allreduce here.
-SUPPORTED: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "hd", "rs", "ina", "nic"),
-    "reduce_scatter": ("ring", "hd"),
-    "allgather": ("ring", "hd"),
-    "broadcast": ("ring", "hd"),
-}
 
 #: Elements per INA packet (SwitchML's client default, see kernels.wire).
 INA_ELEMS = 256
@@ -50,7 +49,7 @@ SHARED_TREE_ERROR = ("CollectiveSpec.placement: mode 'shared' (host fallback) is
 class CollectiveSpec:
     """One collective to run on an emulated network.
 
-    ``op``/``algo``: see :data:`SUPPORTED`. ``nbytes``: size of the whole array in bytes
+    ``op``/``algo``: a registered algorithm that implements ``op`` (:mod:`~testbed.collectives.algorithms`). ``nbytes``: size of the whole array in bytes
     (nccl-tests convention: for allgather/reduce_scatter the full array, not a shard); it must
     be a multiple of the dtype size. ``workers``: number of worker hosts (default: every host of
     the net). ``servers``: reduction-server count for ``algo="rs"``: placed on the hosts after
@@ -107,15 +106,16 @@ class CollectiveSpec:
         """Raise ``ValueError`` naming the first bad field; ``n_hosts`` = hosts of the net."""
         if self.op not in OPS:
             raise ValueError(f"CollectiveSpec.op={self.op!r} is not one of {OPS}")
-        if self.algo not in ALGOS:
-            raise ValueError(f"CollectiveSpec.algo={self.algo!r} is not one of {ALGOS}")
-        if self.algo not in SUPPORTED[self.op]:
-            ok = [a for a in SUPPORTED[self.op]]
+        if not isinstance(self.algo, str) or self.algo not in algorithm_names():
+            raise ValueError(f"CollectiveSpec.algo={self.algo!r} is not one of "
+                             f"{algorithm_names()}")
+        alg = algorithm(self.algo)  # a plug-in that cannot load raises PluginError here
+        if self.op not in alg.ops:
             raise ValueError(f"CollectiveSpec.algo={self.algo!r} does not implement "
-                             f"op={self.op!r}; use one of {ok}")
+                             f"op={self.op!r}; use one of {list(algorithm_names(self.op))}")
         if self.dtype not in DTYPES:
             raise ValueError(f"CollectiveSpec.dtype={self.dtype!r} is not one of {DTYPES}")
-        if self.algo in ("ina", "nic") and self.dtype != "float32":
+        if alg.offloaded and self.dtype != "float32":
             raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: algo={self.algo!r} "
                              "aggregates float32 in fixed point; use dtype='float32'")
         _int(self, "nbytes", 1)
@@ -138,7 +138,7 @@ class CollectiveSpec:
                              "number of seconds")
         if not (isinstance(self.loss, int | float) and 0.0 <= self.loss < 0.5):
             raise ValueError(f"CollectiveSpec.loss={self.loss!r} must be in [0, 0.5)")
-        if self.loss and self.algo not in ("ina", "nic"):
+        if self.loss and not alg.offloaded:
             raise ValueError(f"CollectiveSpec.loss={self.loss}: client-side loss is only "
                              "emulated for algo 'ina'/'nic' (TCP algorithms need the switch's "
                              "impair stage)")
@@ -201,7 +201,7 @@ class CollectiveSpec:
             if n < 2:
                 raise ValueError(f"CollectiveSpec.workers: need at least 2 workers, "
                                  f"the net gives {n}")
-            if self.algo in ("ina", "nic") and n > 32:
+            if alg.offloaded and n > 32:
                 raise ValueError(f"CollectiveSpec.workers={n}: in-network aggregation takes "
                                  "at most 32 workers (32-bit bitmap)")
             if self.algo == "rs" and self.servers > n_hosts:
@@ -220,7 +220,7 @@ class CollectiveSpec:
                              f"{PLACEMENT_KEYS}")
         if not p:
             return
-        if self.algo not in ("ina", "nic"):
+        if not is_offloaded(self.algo):
             raise ValueError(f"CollectiveSpec.placement applies to in-network aggregation "
                              f"(algo 'ina' or 'nic'), not algo={self.algo!r}")
         bad = set(p) - set(PLACEMENT_KEYS)

@@ -12,10 +12,11 @@ import time
 
 import numpy as np
 
+from testbed.collectives.algorithms import algorithm
 from testbed.collectives.ina import InaClient
 from testbed.collectives.report import REPORT_COLUMNS, rank_input
 from testbed.collectives.runner import RUN_DIR, register_ina_job
-from testbed.collectives.spec import TCP_ALGOS, CollectiveSpec
+from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import DEFAULT_TCP_CC, CollectiveError, Comm, host_tcp_cc
 from testbed.collectives.worker import enter_netns
 
@@ -87,7 +88,7 @@ def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> 
     assert len(rows) == spec.repetitions, rows
     for r in rows:
         assert tuple(r) == REPORT_COLUMNS, sorted(set(r) ^ set(REPORT_COLUMNS))
-        if spec.algo in TCP_ALGOS:
+        if algorithm(spec.algo).transport == "tcp":
             assert r["tcp_cc"] == (spec.tcp_cc or host_tcp_cc() or None), r["tcp_cc"]
         assert r["correct"], r
         assert r["n"] == n and r["bytes"] == spec.nbytes, r

@@ -46,7 +46,8 @@ import traceback
 
 import numpy as np
 
-from testbed.collectives import compress, hd, ring, server
+from testbed.collectives import compress, server
+from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.cpumon import CpuMonitor
 from testbed.collectives.model import rs_chunk_bytes, rs_window_pieces, tcp_window_clamp
 from testbed.collectives.rankgroup import ControlLine, RankGroup, fork_with_line
@@ -65,18 +66,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14
 
-ALGOS = {
-    ("allreduce", "ring"): ring.allreduce,
-    ("reduce_scatter", "ring"): ring.reduce_scatter,
-    ("allgather", "ring"): ring.allgather,
-    ("broadcast", "ring"): ring.broadcast,
-    ("allreduce", "hd"): hd.allreduce,
-    ("reduce_scatter", "hd"): hd.reduce_scatter,
-    ("allgather", "hd"): hd.allgather,
-    ("broadcast", "hd"): hd.broadcast,
-}
-
-
 def enter_netns(pid: int) -> None:
     """Move the calling (single-threaded) process into the network namespace of ``pid``."""
     fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
@@ -94,13 +83,10 @@ def set_process_name(name: str) -> None:
 
 def peers_of(spec: CollectiveSpec, rank: int, n: int, m: int) -> list[int]:
     """Ranks that ``rank`` exchanges data with (servers are ranks n..n+m-1)."""
-    if spec.algo == "ring":
-        return ring.ring_peers(rank, n)
-    if spec.algo == "hd":
-        return hd.hd_peers(rank, n, spec.op)
     if spec.algo == "rs":
         return list(range(n, n + m)) if rank < n else list(range(n))
-    return []
+    alg = peer_algorithm(spec.algo)
+    return [] if alg is None else alg.peers(rank, n, spec.op)
 
 
 #: Threading layers whose thread pool survives ``fork`` (Numba's "forksafe" picks tbb when
@@ -175,7 +161,7 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         chunk_b = rs_chunk_bytes(spec.nbytes, m, spec.chunk_bytes)
         chunk = chunk_b // spec.itemsize
         window = rs_window_pieces(chunk_b, job.get("bw_bps"), m)
-    if spec.algo in ("ina", "nic"):
+    if is_offloaded(spec.algo):
         from testbed.collectives import ina
 
         client = ina.InaClient(job, spec, rank)
@@ -207,7 +193,7 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         def run(step):
             server.worker_allreduce(comm, x, out, n, m, chunk, window)
     else:
-        fn = ALGOS[(spec.op, spec.algo)]
+        fn = peer_algorithm(spec.algo).rank_function(spec.op)
 
         def run(step):
             fn(comm, x, out, n, chunk)
@@ -405,7 +391,7 @@ def rank_buffers(spec: CollectiveSpec, n: int) -> tuple[list, list]:
 def numba_fork_safety(spec: CollectiveSpec) -> bool:
     """Whether this process may fork ranks that use Numba's parallel kernels; call it before
     anything loads the kernels (only jobs that use them pay the numba import)."""
-    uses_numba = spec.compressor is not None or spec.algo in ("ina", "nic")
+    uses_numba = spec.compressor is not None or is_offloaded(spec.algo)
     return fork_safe_numba() if uses_numba else True
 
 
@@ -425,7 +411,7 @@ def load_kernels(spec: CollectiveSpec, fork_safe: bool, n: int) -> list | None:
         # before the fork also loads the kernels once for all children
         replicas = [compress.make(spec) for _ in range(n)]
         compress.warm(spec)
-    if spec.algo in ("ina", "nic"):
+    if is_offloaded(spec.algo):
         from testbed.collectives import ina  # numba: only INA jobs pay for it
 
         ina.warm_up()  # load the cached kernels once here; forked children inherit them

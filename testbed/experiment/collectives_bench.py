@@ -24,6 +24,7 @@ import sys
 import time
 
 from testbed.collectives import model
+from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.report import render_table
 from testbed.collectives.runner import run_collective
 from testbed.collectives.spec import CollectiveSpec
@@ -173,7 +174,7 @@ def scale(ns: tuple[int, ...] = (2, 4, 8, 16, 32), nbytes: int = 1 * MB, algo: s
     """
     out = []
     t0 = time.monotonic()
-    sw = "programmable" if algo in ("ina", "nic") else "bridge"
+    sw = "programmable" if is_offloaded(algo) else "bridge"
     with TestbedNet(Star(max(ns), bw_mbps=100, switch=sw)) as net:
         net_s = time.monotonic() - t0 - net.timings.get("lock_wait_s", 0.0)
         for n in ns:

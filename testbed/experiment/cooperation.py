@@ -65,6 +65,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from testbed.collectives.algorithms import is_offloaded
 from testbed.experiment import results
 from testbed.experiment.runner import flatten_counters, port_bytes_by_role
 from testbed.experiment.spec import TopologySpec, format_errors
@@ -195,7 +196,7 @@ def request(job: CoopJob, spec: TrainingSpec, host_names: list[str],
 def apply_plan(spec: TrainingSpec, plan: Plan) -> TrainingSpec:
     """``spec`` with ``plan``'s communication: algorithm, compressor, error feedback, and for
     INA the tree, slots (the window) and memory mode."""
-    ina = plan.algo in ("ina", "nic")
+    ina = is_offloaded(plan.algo)
     return dataclasses.replace(
         spec, algo=plan.algo, compressor=plan.compressor,
         compressor_params=dict(plan.compressor_params), error_feedback=plan.error_feedback,

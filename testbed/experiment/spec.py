@@ -58,11 +58,11 @@ from pydantic import (
     model_validator,
 )
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+from testbed.collectives.algorithms import algorithm_names, is_offloaded
+
 #: Largest time dilation factor (``testbed.topologies.pipeline.MAX_TIME_DILATION``, not
 #: imported: the schema loads without the topology layer)
 MAX_TIME_DILATION = 64.0
-ALGOS = ("ring", "hd", "rs", "ina", "nic")
 TOPOLOGY_KINDS = ("star", "leaf_spine", "fat_tree", "dumbbell", "incast")
 
 # Which of TopologySpec's optional fields each kind accepts (the rest go through `params`).
@@ -195,7 +195,7 @@ def _compressor_name(v: str | None) -> str | None:
     if v in (None, "", "none"):
         return None
     names = _compressor_names()
-    if names is not None and v not in names:
+    if v not in names:
         raise ValueError(f"unknown compressor {v!r}; allowed: {', '.join(names)}")
     return v
 
@@ -207,7 +207,8 @@ class JobSpec(_Strict):
     op: Literal["allreduce", "reduce_scatter", "allgather", "broadcast", "incast"] = Field(
         "allreduce", description="a collective, or 'incast': trimmable gradients pushed from "
                                  "every host to rank 0 (testbed.experiment.incast)")
-    algo: Literal["ring", "hd", "rs", "ina", "nic"] = "ring"
+    algo: str = Field("ring", description="a registered algorithm: ring, hd, rs, ina, nic or "
+                                           "a plug-in's (testbed.collectives.algorithms)")
     nbytes: ByteSize | list[ByteSize] = Field(
         ByteSize(1 << 20), description="message size: bytes or '8MiB'; a list runs each size")
     dtype: Literal["float32"] = "float32"
@@ -224,9 +225,16 @@ class JobSpec(_Strict):
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="further CollectiveSpec fields (e.g. window)")
 
+    @field_validator("algo")
+    @classmethod
+    def _registered_algo(cls, v: str) -> str:
+        if v not in algorithm_names():
+            raise ValueError(f"{v!r} is not a registered algorithm: one of {algorithm_names()}")
+        return v
+
     @model_validator(mode="after")
     def _placement_needs_ina(self) -> JobSpec:
-        if self.placement is not None and self.algo not in ("ina", "nic"):
+        if self.placement is not None and not is_offloaded(self.algo):
             raise ValueError(f"placement applies to algo 'ina' or 'nic', not {self.algo!r}")
         if self.placement is not None and self.placement.mode == "shared" and isinstance(
                 self.placement.tree, list) and len(self.placement.tree) > 1:
@@ -259,7 +267,7 @@ class JobSpec(_Strict):
     def _options_known(self) -> JobSpec:
         if self.op != "incast":
             allowed = _collective_options()
-            unknown = sorted(set(self.options) - set(allowed)) if allowed is not None else []
+            unknown = sorted(set(self.options) - set(allowed))
             if unknown:
                 raise ValueError(f"options {unknown} are not CollectiveSpec fields; allowed "
                                  f"options: {', '.join(allowed)}")
@@ -386,7 +394,8 @@ class TrainJob(_Strict):
     stop_at_target: bool = Field(False, description="end the job at the target accuracy")
     compute_ms: float = Field(0.0, ge=0, description="emulated compute time per iteration")
     time_dilation: float = Field(1.0, ge=1, description="emulation slow-down factor")
-    algo: Literal["ring", "hd", "ina", "nic", "trim"] = "ring"
+    algo: str = Field("ring", description="ring, hd, ina, nic, trim or a plug-in algorithm "
+                                           "(testbed.workloads.spec.train_algos)")
     compressor: str | None = None
     compressor_params: dict[str, Any] = Field(default_factory=dict)
     error_feedback: bool = False
@@ -399,6 +408,16 @@ class TrainJob(_Strict):
     start_s: float = Field(0.0, ge=0, description="start after the trace began (trace)")
     job_id: int | None = Field(None, ge=0, le=0xFFFF, description="default: 1 + its index")
     seed: int | None = Field(None, description="default: the experiment's seed")
+
+    @field_validator("algo")
+    @classmethod
+    def _training_algo(cls, v: str) -> str:
+        from testbed.workloads.spec import train_algos  # on use (module docstring)
+
+        if v not in train_algos():
+            raise ValueError(f"{v!r} is not an algorithm a training job can use: one of "
+                             f"{train_algos()}")
+        return v
 
     @field_validator("target_accuracy")
     @classmethod
@@ -628,9 +647,7 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
                                               ".yaml or .yml"])
     except tomllib.TOMLDecodeError as e:
         raise ExperimentError(str(path), [f"not valid TOML: {e}"]) from None
-    except Exception as e:  # yaml.YAMLError without importing yaml up front
-        if isinstance(e, ExperimentError):
-            raise
+    except yaml.YAMLError as e:
         raise ExperimentError(str(path), [f"not valid YAML: {e}"]) from None
     if not isinstance(data, dict):
         raise ExperimentError(str(path), ["the file must hold a mapping of experiment fields"])
@@ -726,23 +743,19 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
-def _collective_options() -> list[str] | None:
-    """CollectiveSpec fields a job may set through ``options`` (None: layer not importable)."""
-    try:
-        from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
-    except Exception:
-        return None
+def _collective_options() -> list[str]:
+    """CollectiveSpec fields a job may set through ``options``."""
+    from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
+
     own = set(JobSpec.model_fields) | {"nbytes", "op", "algo"}
     return sorted(f.name for f in dataclasses.fields(CollectiveSpec) if f.name not in own)
 
 
-def _compressor_names() -> list[str] | None:
-    """The compressor registry's names, built-ins and plug-ins (None when the kernels are not
-    importable); a broken plug-in registry raises its ``PluginError`` (a ValueError)."""
-    try:
-        from testbed.kernels.compressors import compressor_names  # on use (module docstring)
-    except Exception:
-        return None
+def _compressor_names() -> list[str]:
+    """The compressor registry's names, built-ins and plug-ins; a broken plug-in registry
+    raises its ``PluginError`` (a ValueError)."""
+    from testbed.kernels.compressors import compressor_names  # on use (module docstring)
+
     return list(compressor_names())
 
 
@@ -752,10 +765,8 @@ def _program_problems(tspec: TopologySpec) -> list[str]:
     programs = tspec.params.get("programs")
     if not isinstance(programs, dict):
         return []  # the topology layer reports a programs value that is not a dict
-    try:
-        from testbed.datapath.programs import normalize_programs  # on use (module docstring)
-    except Exception:
-        return []
+    from testbed.datapath.programs import normalize_programs  # on use (module docstring)
+
     problems = []
     for node, progs in programs.items():
         try:
@@ -852,11 +863,9 @@ def _partial_problems(data: Any) -> list[str]:
 
 
 def _build_topology(spec: TopologySpec, seed: int) -> tuple[Any, list[str]]:
-    """(topology description, problems) for ``spec``; (None, []) if the layer is missing."""
-    try:
-        from testbed.topologies import TopologyError, make_topology  # on use (module docstring)
-    except Exception:
-        return None, []
+    """(topology description, problems) for ``spec``."""
+    from testbed.topologies import TopologyError, make_topology  # on use (module docstring)
+
     kwargs = spec.kwargs()
     kwargs.setdefault("seed", seed)
     try:
@@ -904,7 +913,7 @@ def _checks(topo, tspec: TopologySpec, jobs: list, impairments: list, trimming: 
 def _aggregator_problem(path: str, job: JobSpec, tspec: TopologySpec, topo) -> str | None:
     """INA/NIC offload needs the aggregator on a programmable switch (None: it has one, or
     more than 32 hosts keep it off, which the collectives' own check reports)."""
-    if getattr(job, "op", None) == "incast" or job.algo not in ("ina", "nic"):
+    if getattr(job, "op", None) == "incast" or not is_offloaded(job.algo):
         return None
     if tspec.switch == "bridge":
         why = "topology.switch is 'bridge'; set topology.switch = 'programmable'"
@@ -954,10 +963,8 @@ def _job_problems(path: str, job: JobSpec, topo, codec) -> list[str]:
 
 def _collective_problems(job: JobSpec, n_hosts: int) -> list[str]:
     """What the collectives layer's own validation says about each size of ``job``."""
-    try:
-        from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
-    except Exception:
-        return []
+    from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
+
     out: list[str] = []
     for size in job.sizes():
         try:
@@ -983,7 +990,7 @@ def _collective_field(path: str, job, msg: str) -> str:
     elif field in job.options:
         where = f"{path}.options.{field}"
     elif field == "workers":  # not set: every host works, so the topology's size is at fault
-        where = f"{path}.algo" if job.algo in ("ina", "nic") else "topology"
+        where = f"{path}.algo" if is_offloaded(job.algo) else "topology"
     else:
         where = path
     msg = re.sub(r"(CollectiveSpec|TrainingSpec)[.]", "", msg)

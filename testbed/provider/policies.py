@@ -39,6 +39,7 @@ import math
 import numpy as np
 
 from testbed.collectives import flowmodel
+from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.spec import CollectiveSpec
 from testbed.provider.schema import FabricSnapshot, Hints, JobRequest, Plan
 
@@ -97,7 +98,7 @@ def slot_lanes(plan: Plan, n: int) -> int:
 def plan_memory(plan: Plan, n: int) -> dict[str, int]:
     """Aggregator bytes ``plan`` reserves on each switch of its tree (static mode:
     ``slots x 2 sets x lanes x 4`` bytes, as the data path's admission counts them)."""
-    if plan.algo not in ("ina", "nic") or plan.mode != "static" or not isinstance(plan.tree,
+    if not is_offloaded(plan.algo) or plan.mode != "static" or not isinstance(plan.tree,
                                                                                list):
         return {}
     each = plan.slots * 2 * slot_lanes(plan, n) * 4
@@ -197,7 +198,7 @@ class PlanModel:
         if pkey in self._cache:
             return self._cache[pkey]
         place = {}
-        if plan.algo in ("ina", "nic"):
+        if is_offloaded(plan.algo):
             place = {"tree": plan.tree if plan.tree is not None else "single",
                      "slots": max(plan.slots, 1), "mode": plan.mode}
         try:

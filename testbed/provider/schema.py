@@ -10,15 +10,26 @@ validation (a bad request is a 422 naming the field, before any state changes).
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Annotated, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from testbed.collectives.algorithms import algorithm_names
 
 #: Version of the hints schema; a tenant sending another major version is refused (4xx).
 HINTS_VERSION = 1
 
 Tolerance = Literal["exact", "lossy", "lossy_ef"]
-PlanAlgo = Literal["ring", "hd", "rs", "ina", "nic"]
+
+
+def _registered(algo: str) -> str:
+    if algo not in algorithm_names():
+        raise ValueError(f"{algo!r} is not a registered algorithm: one of {algorithm_names()}")
+    return algo
+
+
+#: an algorithm of the registry (testbed.collectives.algorithms), plug-ins included
+PlanAlgo = Annotated[str, AfterValidator(_registered)]
 
 
 class _Strict(BaseModel):

@@ -58,6 +58,7 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from testbed.collectives.algorithms import is_offloaded
 from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient
 from testbed.provider.manager import (
     FabricManager,
@@ -321,7 +322,7 @@ class SwitchConfigurator:
 
 
 def _in_network(plan: Plan) -> bool:
-    return plan.algo in ("ina", "nic") and plan.tree is not None
+    return is_offloaded(plan.algo) and plan.tree is not None
 
 
 def _switch_config(plan: Plan) -> dict:

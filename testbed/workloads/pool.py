@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from testbed.collectives import compress, trimmed
+from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.cpumon import CpuMonitor, cpu_bound_reasons
 from testbed.collectives.rankgroup import ControlLine, RankGroup
 from testbed.collectives.report import check
@@ -236,7 +237,7 @@ def run_pool(job: dict) -> dict:
     spec = TrainingSpec(**job["train"])
     cspec = spec.collective()
     replan = replannable(job, spec)  # a later plan may be INA or compressed
-    if cspec.compressor is not None or cspec.algo in ("ina", "nic") or replan:
+    if cspec.compressor is not None or is_offloaded(cspec.algo) or replan:
         fork_safe_numba()  # before anything loads the kernels
     n = job["n"]
     t_launch = time.monotonic()
@@ -247,7 +248,7 @@ def run_pool(job: dict) -> dict:
                  len(check_iterations(spec)) + (MAX_SWITCHES if replan else 0))
     if cspec.compressor is not None and cspec.algo == "ring":
         compress.warm(cspec)
-    if cspec.algo in ("ina", "nic") or replan:
+    if is_offloaded(cspec.algo) or replan:
         from testbed.collectives import ina  # numba: only INA jobs (and re-plannable) pay
 
         ina.warm_up()

@@ -19,16 +19,25 @@ import math
 
 import numpy as np
 
+from testbed.collectives.algorithms import algorithm_names
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.trimmed import BITS as TRIM_BITS
 from testbed.workloads.data import DATASETS
 from testbed.workloads.models import ACTIVATIONS, MODELS, OPTIMIZERS, make_model
 
-#: Algorithms a training job can allreduce its gradients with: the collectives' ring, hd, ina
-#: and nic, and "trim": an incast of trimmable packets to rank 0 and a broadcast of the sum
-#: (``testbed.collectives.trimmed``). The reduction server's processes serve a fixed number of
-#: collectives, which a job that stops at a target accuracy does not know in advance.
-TRAIN_ALGOS = ("ring", "hd", "ina", "nic", "trim")
+#: The gradient exchange of training jobs that is no collective algorithm: an incast of
+#: trimmable packets to rank 0 and a broadcast of the sum (``testbed.collectives.trimmed``).
+TRIM = "trim"
+
+
+def train_algos() -> tuple[str, ...]:
+    """Algorithms a training job can allreduce its gradients with: every registered one that
+    ``trains`` (ring, hd, ina, nic and plug-ins; not the reduction server, whose processes
+    serve a fixed number of collectives, which a job that stops at a target accuracy does not
+    know in advance), and :data:`TRIM`."""
+    return algorithm_names("allreduce", trains=True) + (TRIM,)
+
+
 #: Sizes of the digits data set (sklearn's load_digits): features, classes, rows.
 DIGITS_SHAPE = (64, 10, 1797)
 
@@ -46,7 +55,7 @@ class TrainingSpec:
     ``stop_at_target``, ends the job when reached. ``compute_ms``: emulated compute time of
     one iteration (the real gradient computation runs; the iteration's compute phase is
     padded to this much, times ``time_dilation``). Communication: ``algo``
-    (:data:`TRAIN_ALGOS`), ``compressor``/``compressor_params``/``error_feedback``,
+    (:func:`train_algos`), ``compressor``/``compressor_params``/``error_feedback``,
     ``window``/``loss`` (INA), ``bits`` (head bits per element) and ``idle_ms`` (silence before
     a NACK) of ``algo="trim"``, ``chunk_bytes`` (TCP), ``timeout_s``. Placement: ``workers``
     (count, default every host of ``hosts`` or of the net), ``hosts`` (host indices of the net,
@@ -206,11 +215,11 @@ class TrainingSpec:
 
 def check_communication(job) -> None:
     """``ValueError`` when ``job``'s gradient exchange is not one a training job can run:
-    ``algo`` not in :data:`TRAIN_ALGOS`, ``bits`` not a trim head width, or a compressor on
+    ``algo`` not in :func:`train_algos`, ``bits`` not a trim head width, or a compressor on
     ``algo="trim"`` (which encodes the gradient in the trimming layout itself)."""
     cls = type(job).__name__
-    if job.algo not in TRAIN_ALGOS:
-        raise ValueError(f"{cls}.algo={job.algo!r} is not one of {TRAIN_ALGOS} "
+    if job.algo not in train_algos():
+        raise ValueError(f"{cls}.algo={job.algo!r} is not one of {train_algos()} "
                          "(the reduction server 'rs' serves a fixed number of collectives)")
     if job.bits not in TRIM_BITS:
         raise ValueError(f"{cls}.bits={job.bits!r}: head bits per element must be one of "
