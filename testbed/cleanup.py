@@ -45,7 +45,7 @@ NETNS_PREFIX = f"{PREFIX}-"
 # Fixed, not derived from an overridable path: a broad folder (/tmp) would match everyone.
 RUN_DIR = "/run/testbed"
 OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker",
-               "testbed.collectives.remotepool", "testbed.workloads.pool")
+               "testbed.collectives.remotepool", "testbed.workloads.pool", "testbed.launch")
 NODE_MARKER = "testbed-node="
 KINDS = ("ovs_bridges", "processes", "links", "netns", "files")
 #: what the testbed keeps in the system temporary folder, one kind per user (temp_dir(kind))

@@ -140,6 +140,50 @@ def run(
                               json_out=json_out, executor=executor, scheduler=scheduler))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    script: str = typer.Argument(..., help="the PyTorch script every rank runs, unmodified"),
+    args: list[str] = typer.Argument(None, help="the script's own arguments (after --)"),
+    hosts: int = typer.Option(None, "--hosts", min=1, help="ranks: one on each of the first N "
+                              "hosts (default: every host; a star of 2 without --experiment)"),
+    experiment: str = typer.Option(None, "--experiment", "-e",
+                                   help="an experiment file whose network to use"),
+    algo: str = typer.Option(None, "--algo", help="the testbed algorithm the script's float32 "
+                             "allreduces take (ring, hd, ina, nic, a plug-in; default: plain "
+                             "gloo, the baseline)"),
+    compressor: str = typer.Option(None, "--compressor", help="with --algo: compress them"),
+    error_feedback: bool = typer.Option(False, "--error-feedback"),
+    bw_mbps: float = typer.Option(None, "--bw-mbps", help="link rate of the default star"),
+    time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
+                                      help=DILATION_HELP),
+    timeout: float = typer.Option(600.0, "--timeout", help="seconds before the job is stopped"),
+    out: str = typer.Option(None, help=OUT_HELP),
+) -> None:
+    """Run a PyTorch script on the emulated hosts, torchrun-style (exit: the worst rank's)."""
+    from testbed.launch import launch as run_script
+
+    try:
+        done = run_script(script, args or [], hosts=hosts, experiment=experiment, algo=algo,
+                          compressor=compressor, error_feedback=error_feedback,
+                          topology={"bw_mbps": bw_mbps} if bw_mbps else None,
+                          time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out)
+    except ValueError as e:
+        print(f"testbed launch: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    for line in done.failures:
+        print(f"testbed launch: {line}", file=sys.stderr)
+    paths: dict[str, int] = {}
+    for row in done.trace:
+        paths[row["path"]] = paths.get(row["path"], 0) + 1
+    ok = sum(1 for c in done.returncodes if c == 0)
+    stopped = len(done.returncodes) - ok - len(done.failed_ranks)
+    print(f"testbed launch: {ok}/{len(done.returncodes)} ranks succeeded"
+          f"{f', {stopped} stopped' if stopped > 0 else ''}; collectives: "
+          f"{', '.join(f'{k} {v}' for k, v in sorted(paths.items())) or 'not traced (gloo)'}; "
+          f"results: {done.folder}", file=sys.stderr)
+    raise typer.Exit(done.returncode)
+
+
 @app.command()
 def up(
     file: str = typer.Argument(..., help="experiment file whose topology to build"),

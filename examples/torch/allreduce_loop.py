@@ -1,0 +1,55 @@
+"""A hand-written collective loop, as users write one for torchrun: every rank all-reduces
+tensors of several sizes and dtypes, then broadcasts, all-gathers and all-to-alls, and
+checks every result against what the numbers must be (exit status 1 on a wrong one).
+
+    sudo .venv/bin/testbed launch --hosts 3 --algo ring examples/torch/allreduce_loop.py
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    dist.init_process_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrong = []
+    for it, n in enumerate([1, 1000, 65_537, 262_144]):
+        for dtype in (torch.float32, torch.int64, torch.float16):
+            g = torch.Generator().manual_seed(1000 * it + 7)
+            inputs = [(torch.randn(n, generator=g) * 8).to(dtype) for _ in range(world)]
+            expect = sum(t.double() for t in inputs)
+            t = inputs[rank].clone()
+            dist.all_reduce(t)
+            tol = {torch.float32: 1e-4, torch.int64: 0.0, torch.float16: 0.05}[dtype]
+            err = (t.double() - expect).abs().max().item()
+            if err > tol * (1 + expect.abs().max().item()):
+                wrong.append(f"all_reduce {dtype} n={n}: error {err}")
+    t = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if not torch.equal(t, torch.arange(5, dtype=torch.float32) * world):
+        wrong.append(f"all_reduce MAX: {t}")
+    b = torch.full((4,), float(rank))
+    dist.broadcast(b, src=world - 1)
+    if not torch.equal(b, torch.full((4,), float(world - 1))):
+        wrong.append(f"broadcast: {b}")
+    parts = [torch.empty(3) for _ in range(world)]
+    dist.all_gather(parts, torch.full((3,), float(rank)))
+    if any(not torch.equal(p, torch.full((3,), float(r))) for r, p in enumerate(parts)):
+        wrong.append(f"all_gather: {parts}")
+    send = torch.arange(world, dtype=torch.float32) + 100 * rank
+    recv = torch.empty(world)
+    dist.all_to_all_single(recv, send)
+    if not torch.equal(recv, torch.arange(world, dtype=torch.float32) * 100 + rank):
+        wrong.append(f"all_to_all_single: {recv}")
+    dist.barrier()
+    dist.destroy_process_group()
+    for w in wrong:
+        print(f"WRONG {w}", flush=True)
+    print(f"rank {rank}: {'ok' if not wrong else 'FAILED'}", flush=True)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

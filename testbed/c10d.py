@@ -1,0 +1,173 @@
+"""The ``testbed`` process-group backend: an unmodified PyTorch script's collectives through
+the testbed's algorithms.
+
+``register()`` makes ``torch.distributed.init_process_group("testbed")`` build a
+:class:`TestbedProcessGroup` (a process group written in Python, PyTorch's
+``Backend.register_backend``). It holds a gloo process group over the same store and the
+rank's testbed communicator (:class:`testbed.torch.TestbedComm`: ring, hd or a plug-in
+algorithm over TCP, ina / nic through the aggregating switch, a compressor on the ring or THC
+on INA), and routes
+
+* ``allreduce`` of float32 with SUM or AVG (DDP's buckets, a hand-written ``all_reduce``)
+  through the testbed's algorithm;
+* everything else (other dtypes and ops, broadcast, allgather, reduce_scatter, all_to_all,
+  send/recv, barrier) to gloo, over the same emulated links: an exact answer from an
+  algorithm that can give it, never a wrong one from one that cannot.
+
+Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``
+or ``gloo``, start and end), one JSON line per call in ``$TESTBED_TRACE`` when set.
+
+The rank's job (hosts, addresses, the algorithm and, for INA, the switch's registration)
+comes from the file ``$TESTBED_JOB`` that ``testbed launch`` writes
+(:mod:`testbed.launch`). Needs the optional extra ``[torch]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from testbed.torch import TestbedComm, TorchJob
+
+BACKEND = "testbed"
+#: One trace row per collective call.
+TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s")
+#: What the testbed's algorithms reduce: float32 sums (and averages, a sum then a division).
+_OFFLOADED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+class _Done(dist._Work):
+    """A collective that finished before it was returned (the testbed's run synchronously)."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._future = torch.futures.Future()
+        self._future.set_result(result)
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self):
+        return self._future
+
+
+class TestbedProcessGroup(dist.ProcessGroup):
+    """A rank's process group: float32 SUM/AVG allreduce through the testbed's algorithm,
+    every other collective through gloo (see the module docstring)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        # undefined methods fall to the C++ default, which dispatches to this backend
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                               self.gloo)
+        with open(os.environ["TESTBED_JOB"]) as f:
+            job = json.load(f)
+        self.tj = TorchJob(**job["torch"])
+        self.comm = TestbedComm(job, self.tj, rank) if size > 1 else None
+        self.seq = 0
+        path = os.environ.get("TESTBED_TRACE")
+        self._trace = open(path, "a") if path else None  # noqa: SIM115 - closed in shutdown
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _record(self, op: str, tensors, path: str, t0: float) -> None:
+        self.seq += 1
+        if self._trace is None:
+            return
+        row = {"rank": self._rank, "seq": self.seq, "op": op,
+               "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
+               "bytes": int(sum(t.numel() * t.element_size() for t in tensors)),
+               "path": path, "start_s": t0, "end_s": time.time()}
+        self._trace.write(json.dumps(row) + "\n")
+        self._trace.flush()
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        t0 = time.time()
+        op = opts.reduceOp
+        if (self.comm is None or len(tensors) != 1 or tensors[0].dtype != torch.float32
+                or not any(op == o for o in _OFFLOADED_OPS)):
+            work = self.gloo.allreduce(tensors, opts)
+            work.wait()
+            self._record("allreduce", tensors, "gloo", t0)
+            return work
+        t = tensors[0]
+        x = np.ascontiguousarray(t.detach().numpy().reshape(-1), dtype=np.float32)
+        out = np.empty_like(x)
+        self.comm.allreduce(x, out, 0)
+        if op == dist.ReduceOp.AVG:
+            out /= self._size
+        t.copy_(torch.from_numpy(out).view(t.shape))
+        self._record("allreduce", tensors, f"testbed:{self.tj.algo}", t0)
+        return _Done(tensors)
+
+    # gloo's collectives, traced: every rank calls them in the same order, so waiting for
+    # each is safe and times it
+    def broadcast(self, tensors, opts):
+        return self._gloo("broadcast", tensors, self.gloo.broadcast, tensors, opts)
+
+    def allgather(self, outputs, inputs, opts):
+        return self._gloo("allgather", inputs, self.gloo.allgather, outputs, inputs, opts)
+
+    def _allgather_base(self, output, input, opts):
+        return self._gloo("allgather", [input], self.gloo._allgather_base, output, input, opts)
+
+    def reduce_scatter(self, outputs, inputs, opts):
+        return self._gloo("reduce_scatter", [t for ts in inputs for t in ts],
+                          self.gloo.reduce_scatter, outputs, inputs, opts)
+
+    def _reduce_scatter_base(self, output, input, opts):
+        return self._gloo("reduce_scatter", [input], self.gloo._reduce_scatter_base, output,
+                          input, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self._gloo("all_to_all", [input], self.gloo.alltoall_base, output, input,
+                          output_split_sizes, input_split_sizes, opts)
+
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else dist.BarrierOptions()
+        return self._gloo("barrier", [], self.gloo.barrier, opts)
+
+    # point to point: not waited for (a rank may isend before its peer posts the irecv)
+    def send(self, tensors, dst: int, tag: int):
+        self._record(f"send to {dst}", tensors, "gloo", time.time())
+        return self.gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int):
+        self._record(f"recv from {src}", tensors, "gloo", time.time())
+        return self.gloo.recv(tensors, src, tag)
+
+    def _gloo(self, op: str, traced, fn, *args):
+        t0 = time.time()
+        work = fn(*args)
+        work.wait()
+        self._record(op, traced, "gloo", t0)
+        return work
+
+    def shutdown(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+
+def _create(store, rank: int, size: int, timeout: timedelta) -> TestbedProcessGroup:
+    return TestbedProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Make ``init_process_group("testbed")`` build a :class:`TestbedProcessGroup` (idempotent)."""
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

@@ -1,0 +1,308 @@
+"""``testbed launch``: run an unmodified PyTorch script on the emulated hosts, torchrun-style.
+
+One rank per emulated host (the first ``hosts`` of the network), each a fresh interpreter
+inside its host's network namespace with torchrun's environment: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE`` (1), ``GROUP_RANK`` and ``ROLE_RANK`` (the rank),
+``MASTER_ADDR`` (rank 0's emulated address), ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, plus
+``GLOO_SOCKET_IFNAME`` (the host's interface), so ``init_process_group("gloo")`` with the
+default ``env://`` rendezvous works as under torchrun and every byte crosses the emulated
+links. Output lines are prefixed ``[rank]:`` (torchrun's ``--tee`` style); the exit status is
+the worst rank's. A rank that fails is named (host, exit status, its last lines of output)
+and the others are stopped; nothing is left running.
+
+How an unmodified script reaches the testbed's algorithms: with ``algo`` set, each rank runs
+the script through a shim (``python -m testbed.launch rank ...``) that registers the
+``testbed`` backend (:mod:`testbed.c10d`) and makes ``init_process_group`` build it where the
+script asks for gloo (or no backend); the script's file runs as ``__main__`` with its own
+``sys.argv``. Without ``algo`` the script runs over plain gloo: the baseline.
+
+:func:`launch` (Python, notebooks) returns a :class:`Launched` (exit statuses, the
+per-collective trace as rows, the results folder); the command line prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+#: MASTER_PORT of launched jobs (torchrun's default), plus the job id.
+MASTER_PORT = 29500
+#: What a failed rank's report shows of its output.
+TAIL_LINES = 20
+
+
+@dataclasses.dataclass
+class Launched:
+    """What a launch left: each rank's exit status (``returncodes``), the collectives it ran
+    (``trace``: rows of :data:`testbed.c10d.TRACE_COLUMNS`, empty over plain gloo), the
+    ``failures`` (one line per failed rank) and the results ``folder`` (``launch.json``,
+    ``trace.csv``, ``rank<R>.log``)."""
+
+    returncodes: list[int]
+    trace: list[dict]
+    failures: list[str]
+    folder: Path
+    #: the ranks that failed on their own (the others were stopped because of them)
+    failed_ranks: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def returncode(self) -> int:
+        """The exit status of the job: the first failed rank's (a signal N as 128 + N, as a
+        shell reports it), 0 when every rank succeeded."""
+        codes = [self.returncodes[r] for r in self.failed_ranks] or \
+            [c for c in self.returncodes if c != 0]
+        if not codes:
+            return 0
+        return 128 - codes[0] if codes[0] < 0 else codes[0]
+
+
+def _network(topology: dict | None, experiment: str | Path | None, hosts: int | None,
+             algo: str | None, time_dilation):
+    """The (not yet started) network the job runs on: the experiment file's first point's,
+    or a star of ``hosts`` hosts at 100 Mb/s changed by ``topology``."""
+    from pydantic import ValidationError
+
+    from testbed.collectives.algorithms import is_offloaded
+    from testbed.experiment.runner import network_for
+    from testbed.experiment.spec import TopologySpec, format_errors, load_point
+    from testbed.topologies import make_topology
+    from testbed.topologies.net import TestbedNet
+
+    if experiment is not None:
+        point = load_point(experiment, 0)[1]
+        if time_dilation is not None:
+            point = point.model_copy(update={"time_dilation": time_dilation})
+        return network_for(point)
+    topo = {"kind": "star", "n_hosts": hosts or 2, "bw_mbps": 100.0,
+            "switch": "programmable" if algo and is_offloaded(algo) else "bridge",
+            **(topology or {})}
+    try:
+        spec = TopologySpec(**topo)
+    except ValidationError as e:
+        raise ValueError("; ".join(f"topology.{p}" for p in format_errors(e))) from None
+    return TestbedNet(make_topology(spec.kind, **spec.kwargs()),
+                      time_dilation=1.0 if time_dilation is None else time_dilation)
+
+
+def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = None,
+           topology: dict | None = None, experiment: str | Path | None = None,
+           algo: str | None = None, compressor: str | None = None,
+           compressor_params: dict | None = None, error_feedback: bool = False,
+           time_dilation: float | str | None = None, out: str | Path | None = None,
+           timeout_s: float = 600.0, job_id: int = 1, echo=None) -> Launched:
+    """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
+    network) and return what it did (see the module docstring).
+
+    The network: ``experiment`` (a file; its first sweep point's topology, impairments...), or
+    a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
+    fields). ``algo`` (ring, hd, ina, nic or a plug-in; None: plain gloo) with ``compressor``,
+    ``compressor_params``, ``error_feedback``: what the ``testbed`` backend allreduces float32
+    with. ``echo(line)``: called with every ``[rank]: ...`` output line (default: print).
+    ``out``: the results root (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad
+    options before anything is built.
+    """
+    import importlib.util
+
+    from testbed.collectives.runner import offload_job
+    from testbed.experiment import results
+    from testbed.torch import TorchJob
+
+    if importlib.util.find_spec("torch") is None:  # fail here, not in every rank
+        raise ValueError("testbed launch runs PyTorch scripts: install the [torch] extra "
+                         "(.venv/bin/pip install -e '.[torch]')")
+    script = Path(script).resolve()
+    if not script.is_file():
+        raise ValueError(f"script {script} does not exist")
+    network = _network(topology, experiment, hosts, algo, time_dilation)
+    tj = TorchJob(comm="testbed", algo=algo or "ring", compressor=compressor,
+                  compressor_params=dict(compressor_params or {}),
+                  error_feedback=error_feedback, job_id=job_id, timeout_s=60.0)
+    folder = results.unique_folder(results.results_root() if out is None else out,
+                                   f"launch-{script.stem}")
+    echo = echo or (lambda line: print(line, flush=True))
+    with network as net:
+        workers = list(net.hosts)[:hosts or len(net.hosts)]
+        n = len(workers)
+        if n < 1:
+            raise ValueError("the network has no hosts")
+        if algo is not None:
+            tj.validate(n)
+        ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(),
+                  "intf": h.defaultIntf().name} for h in workers]
+        job = {"torch": dataclasses.asdict(tj), "n": n, "m": 0, "ranks": ranks}
+        spec = tj.collective() if algo is not None else None
+        meta = {"script": str(script), "args": list(args), "hosts": [r["host"] for r in ranks],
+                "algo": algo, "compressor": compressor, "describe": net.describe(),
+                "time_dilation": net.time_dilation}
+        folder.mkdir(parents=True, exist_ok=True)
+        if spec is None:
+            codes, failed, failures = _run_ranks(workers, job, script, args, folder, False,
+                                                 timeout_s, echo)
+        else:
+            with offload_job(net, spec, job, workers):
+                codes, failed, failures = _run_ranks(workers, job, script, args, folder, True,
+                                                     timeout_s, echo)
+    trace = _collect_trace(folder, n)
+    meta.update(returncodes=codes, failed_ranks=failed, failures=failures,
+                collectives=len(trace))
+    (folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
+    return Launched(codes, trace, failures, folder, failed)
+
+
+def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
+    me, n = job["ranks"][r], len(job["ranks"])
+    env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "ROLE_RANK": str(r),
+           "ROLE_WORLD_SIZE": str(n), "GROUP_WORLD_SIZE": str(n), "ROLE_NAME": "default",
+           "MASTER_ADDR": job["ranks"][0]["ip"],
+           "MASTER_PORT": str(MASTER_PORT + job["torch"]["job_id"]),
+           "TORCHELASTIC_RUN_ID": f"testbed-{os.getpid()}", "GLOO_SOCKET_IFNAME": me["intf"],
+           "OMP_NUM_THREADS": "1", "TESTBED_JOB": str(folder / "job.json"),
+           "TESTBED_TRACE": str(folder / f"trace{r}.jsonl"), "PYTHONUNBUFFERED": "1"}
+    env.pop("TESTBED_BACKEND", None)
+    if offload:
+        env["TESTBED_BACKEND"] = "testbed"
+    return env
+
+
+def _run_ranks(workers: list, job: dict, script: Path, args, folder: Path, offload: bool,
+               timeout_s: float, echo) -> tuple[list[int], list[int], list[str]]:
+    """Start every rank, relay its output, stop the others when one fails; (exit statuses,
+    the ranks that failed on their own, one line per failure)."""
+    (folder / "job.json").write_text(json.dumps(job))
+    procs, pumps, tails = [], [], []
+    try:
+        for r, h in enumerate(workers):
+            log = open(folder / f"rank{r}.log", "w")  # noqa: SIM115 - closed by its pump
+            p = h.popen([sys.executable, "-m", "testbed.launch", "rank",
+                         f"testbed-node={h.name}", str(script), *args],
+                        env=_rank_env(job, r, folder, offload), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+            procs.append(p)
+            tails.append([])
+            t = threading.Thread(target=_pump, args=(p, r, log, tails[-1], echo), daemon=True)
+            t.start()
+            pumps.append(t)
+        failed, failures = _wait(procs, workers, tails, timeout_s)
+    finally:
+        for p in procs:
+            _stop(p)
+        for t in pumps:
+            t.join(10)
+    return [p.returncode for p in procs], failed, failures
+
+
+def _pump(p, r: int, log, tail: list, echo) -> None:
+    with log:
+        for raw in iter(p.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            log.write(line + "\n")
+            tail.append(line)
+            del tail[:-TAIL_LINES]
+            echo(f"[{r}]:{line}")
+
+
+def _wait(procs: list, workers: list, tails: list, timeout_s: float
+          ) -> tuple[list[int], list[str]]:
+    """(the ranks that failed, a line each) once every rank ended or one failed."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed:
+            time.sleep(0.5)  # its last lines reach the pump
+            return failed, [_failure(r, workers[r].name, procs[r].returncode, tails[r])
+                            for r in failed]
+        if time.monotonic() > deadline:
+            late = [r for r, p in enumerate(procs) if p.poll() is None]
+            return late, [f"the job did not finish within {timeout_s:.0f} s; ranks {late} "
+                          "were stopped"]
+        time.sleep(0.05)
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    return failed, [_failure(r, workers[r].name, procs[r].returncode, tails[r])
+                    for r in failed]
+
+
+def _failure(r: int, host: str, code: int, tail: list) -> str:
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    last = "\n".join(f"    {line}" for line in tail[-TAIL_LINES:])
+    return f"rank {r} ({host}) failed with {how}; its last output:\n{last}"
+
+
+def _stop(p) -> None:
+    if p.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(p.pid, sig)  # mnexec -d: the rank leads its own session
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    p.wait()
+
+
+def _collect_trace(folder: Path, n: int) -> list[dict]:
+    rows = []
+    for r in range(n):
+        path = folder / f"trace{r}.jsonl"
+        if path.exists():
+            rows += [json.loads(line) for line in path.read_text().splitlines() if line]
+            path.unlink()
+    if rows:
+        import pandas as pd
+
+        pd.DataFrame(rows).to_csv(folder / "trace.csv", index=False)
+    return rows
+
+
+# ---------------------------------------------------------------------------- inside a rank
+
+def _rank(marker: str, script: str, args: list[str]) -> None:
+    """Run ``script`` as ``__main__`` with ``args``; with ``TESTBED_BACKEND=testbed`` its
+    gloo (or default) process group is the testbed's."""
+    from testbed.lifeline import follow_owner
+
+    follow_owner()
+    if os.environ.get("TESTBED_BACKEND") == "testbed":
+        import torch.distributed as dist
+
+        from testbed import c10d
+
+        c10d.register()
+        original = dist.init_process_group
+
+        def init_process_group(backend=None, *a, **kw):
+            if backend in (None, "gloo", "cpu:gloo"):
+                backend = c10d.BACKEND
+            return original(backend, *a, **kw)
+
+        dist.init_process_group = init_process_group
+        dist.distributed_c10d.init_process_group = init_process_group
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 3 and argv[0] == "rank":
+        _rank(argv[1], argv[2], argv[3:])
+        return 0
+    print("usage: python -m testbed.launch rank testbed-node=HOST SCRIPT [ARGS...] (started "
+          "by 'testbed launch')", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

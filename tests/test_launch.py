@@ -1,0 +1,86 @@
+"""``testbed launch``: unmodified PyTorch scripts (``examples/torch``) on the emulated hosts,
+over plain gloo and through the ``testbed`` backend (needs the ``[torch]`` extra)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the [torch] extra is not installed")
+
+from testbed.launch import launch  # noqa: E402
+
+pytestmark = pytest.mark.mininet
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "torch"
+
+
+def _run(tmp_path, script: str, args=(), **kw):
+    lines: list[str] = []
+    done = launch(SCRIPTS / script if "/" not in script else script, list(args),
+                  out=tmp_path, echo=lines.append, **kw)
+    return done, lines
+
+
+def _losses(lines: list[str]) -> list[float]:
+    return [float(m.group(1)) for line in lines
+            if (m := re.fullmatch(r"\[0\]:step \d+ loss (\S+)", line))]
+
+
+def test_collective_loop_through_the_testbed_backend(tmp_path):
+    """float32 sums go through the testbed's ring, the rest through gloo; the script checks
+    every result itself against the numbers it must be (exit status 1 otherwise)."""
+    done, lines = _run(tmp_path, "allreduce_loop.py", hosts=3, algo="ring")
+    assert done.returncode == 0 and done.returncodes == [0, 0, 0], done.failures
+    assert sorted(x for x in lines if x.endswith((": ok", ": FAILED"))) == \
+        [f"[{r}]:rank {r}: ok" for r in range(3)]
+    paths = {(row["op"], row["dtype"], row["path"]) for row in done.trace}
+    assert ("allreduce", "float32", "testbed:ring") in paths
+    assert ("allreduce", "int64", "gloo") in paths and ("allreduce", "float16", "gloo") in paths
+    assert {"broadcast", "allgather", "all_to_all", "barrier"} <= {p[0] for p in paths}
+    ring = [r for r in done.trace if r["path"] == "testbed:ring"]
+    assert {r["bytes"] for r in ring} == {4, 4000, 4 * 65_537, 4 * 262_144}
+    assert all(r["end_s"] >= r["start_s"] for r in done.trace)
+    assert (done.folder / "trace.csv").exists() and (done.folder / "launch.json").exists()
+
+
+def test_ddp_script_unmodified_over_gloo_ring_and_ina(tmp_path):
+    """The same DDP script: plain gloo (the baseline), then with its buckets through the
+    testbed's ring (exact: the same losses) and INA (fixed point: close losses)."""
+    runs = {}
+    for algo in (None, "ring", "ina"):
+        done, lines = _run(tmp_path / str(algo), "ddp_digits.py", ["--steps", "8"], hosts=3,
+                           algo=algo, topology={"switch": "programmable"})
+        assert done.returncode == 0, done.failures
+        runs[algo] = (_losses(lines), done.trace)
+    base, trace = runs[None]
+    assert len(base) == 8 and trace == []  # plain gloo: no testbed collective
+    for algo, tol in (("ring", 1e-5), ("ina", 1e-3)):
+        losses, trace = runs[algo]
+        assert losses == pytest.approx(base, abs=tol), (algo, losses, base)
+        buckets = [r for r in trace if r["path"] == f"testbed:{algo}"]
+        assert len(buckets) >= 3 * 8  # every step's gradient, on every rank
+
+
+def test_a_failing_rank_is_named_and_the_others_stopped(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import time\nimport torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 1:\n    raise SystemExit(7)\ntime.sleep(300)\n")
+    t0 = time.monotonic()
+    done, _ = _run(tmp_path, str(script), hosts=3)
+    assert time.monotonic() - t0 < 120  # not the sleeping ranks' 300 s
+    assert done.returncode == 7 and done.failed_ranks == [1]
+    assert "rank 1 (tbh2) failed with exit status 7" in done.failures[0]
+    assert done.returncodes[0] != 0 and done.returncodes[2] != 0  # stopped
+
+
+def test_bad_options_are_named_before_anything_is_built(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        launch(tmp_path / "missing.py", out=tmp_path)
+    (tmp_path / "s.py").write_text("")
+    with pytest.raises(ValueError, match="n_hosts"):
+        launch(tmp_path / "s.py", hosts=3, topology={"n_hosts": 0}, out=tmp_path)
