@@ -567,6 +567,21 @@ def bench_cluster(json_out: bool = typer.Option(False, "--json"),
                           bw_mbps=bw))
 
 
+@bench_app.command("torch")
+def bench_torch(json_out: bool = typer.Option(False, "--json"),
+                quick: bool = typer.Option(False, "--quick", help="3 ranks, 1 MiB of "
+                                           "gradient, a few steps (about a minute)"),
+                time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
+                                                  help=DILATION_HELP + " (the DDP runs)"),
+                out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
+    """The testbed process-group backend against gloo with an unmodified script: per-call
+    overhead, DDP step time against the flow model, launch time and memory per rank."""
+    from testbed.experiment.torch_bench import main
+
+    raise typer.Exit(main(json_out=json_out, quick=quick,
+                          time_dilation=_dilation(time_dilation), out=out))
+
+
 @bench_app.command("all")
 def bench_all(json_out: bool = typer.Option(False, "--json"),
               out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),

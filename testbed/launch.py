@@ -53,6 +53,8 @@ class Launched:
     folder: Path
     #: the ranks that failed on their own (the others were stopped because of them)
     failed_ranks: list[int] = dataclasses.field(default_factory=list)
+    #: from the first rank's start to the last one's end, undilated
+    time_s: float = 0.0
 
     @property
     def returncode(self) -> int:
@@ -110,52 +112,88 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     ``out``: the results root (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad
     options before anything is built.
     """
-    import importlib.util
-
-    from testbed.collectives.runner import offload_job
     from testbed.experiment import results
-    from testbed.torch import TorchJob
+
+    script = _checked_script(script)
+    tj = _torch_job(algo, compressor, compressor_params, error_feedback, job_id)
+    network = _network(topology, experiment, hosts, algo, time_dilation)
+    folder = results.unique_folder(results.results_root() if out is None else out,
+                                   f"launch-{script.stem}")
+    with network as net:
+        return run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
+                          echo=echo)
+
+
+def _checked_script(script: str | Path) -> Path:
+    import importlib.util
 
     if importlib.util.find_spec("torch") is None:  # fail here, not in every rank
         raise ValueError("testbed launch runs PyTorch scripts: install the [torch] extra "
                          "(.venv/bin/pip install -e '.[torch]')")
-    script = Path(script).resolve()
-    if not script.is_file():
-        raise ValueError(f"script {script} does not exist")
-    network = _network(topology, experiment, hosts, algo, time_dilation)
-    tj = TorchJob(comm="testbed", algo=algo or "ring", compressor=compressor,
+    path = Path(script).resolve()
+    if not path.is_file():
+        raise ValueError(f"script {path} does not exist")
+    return path
+
+
+def _torch_job(algo: str | None, compressor: str | None, compressor_params: dict | None,
+               error_feedback: bool, job_id: int):
+    """The testbed backend's settings (None: plain gloo); ``ValueError`` on bad ones."""
+    from testbed.torch import TorchJob
+    from testbed.workloads.spec import check_communication
+
+    if algo is None:
+        if compressor is not None:
+            raise ValueError("a compressor needs --algo (plain gloo does not compress)")
+        return None
+    tj = TorchJob(comm="testbed", algo=algo, compressor=compressor,
                   compressor_params=dict(compressor_params or {}),
                   error_feedback=error_feedback, job_id=job_id, timeout_s=60.0)
-    folder = results.unique_folder(results.results_root() if out is None else out,
-                                   f"launch-{script.stem}")
+    check_communication(tj)
+    return tj
+
+
+def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
+               hosts: int | None = None, timeout_s: float = 600.0, echo=None) -> Launched:
+    """Run ``script`` on the first ``hosts`` hosts of the running network ``net``, with the
+    testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
+    what it leaves goes to ``folder``."""
+    from testbed.collectives.runner import offload_job
+    from testbed.torch import TorchJob
+
+    script = _checked_script(script)
     echo = echo or (lambda line: print(line, flush=True))
-    with network as net:
-        workers = list(net.hosts)[:hosts or len(net.hosts)]
-        n = len(workers)
-        if n < 1:
-            raise ValueError("the network has no hosts")
-        if algo is not None:
-            tj.validate(n)
-        ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(),
-                  "intf": h.defaultIntf().name} for h in workers]
-        job = {"torch": dataclasses.asdict(tj), "n": n, "m": 0, "ranks": ranks}
-        spec = tj.collective() if algo is not None else None
-        meta = {"script": str(script), "args": list(args), "hosts": [r["host"] for r in ranks],
-                "algo": algo, "compressor": compressor, "describe": net.describe(),
-                "time_dilation": net.time_dilation}
-        folder.mkdir(parents=True, exist_ok=True)
-        if spec is None:
-            codes, failed, failures = _run_ranks(workers, job, script, args, folder, False,
+    workers = list(net.hosts)[:hosts or len(net.hosts)]
+    n = len(workers)
+    if hosts is not None and hosts > len(net.hosts):
+        raise ValueError(f"hosts={hosts}, but the network has {len(net.hosts)} hosts")
+    if tj is not None:
+        tj.validate(n)
+    ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(), "intf": h.defaultIntf().name}
+             for h in workers]
+    settings = tj if tj is not None else TorchJob(comm="gloo")
+    job = {"torch": dataclasses.asdict(settings), "n": n, "m": 0, "ranks": ranks}
+    meta = {"script": str(script), "args": list(args), "hosts": [r["host"] for r in ranks],
+            "algo": tj.algo if tj else None, "compressor": tj.compressor if tj else None,
+            "describe": net.describe(), "time_dilation": net.time_dilation}
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if tj is None:
+        codes, failed, failures = _run_ranks(workers, job, script, args, folder, False,
+                                             timeout_s, echo)
+    else:
+        with offload_job(net, tj.collective(), job, workers):
+            codes, failed, failures = _run_ranks(workers, job, script, args, folder, True,
                                                  timeout_s, echo)
-        else:
-            with offload_job(net, spec, job, workers):
-                codes, failed, failures = _run_ranks(workers, job, script, args, folder, True,
-                                                     timeout_s, echo)
+    wall = time.monotonic() - t0
     trace = _collect_trace(folder, n)
+    if tj is not None:
+        _add_model(trace, net, workers, tj)
+    _save_trace(trace, folder)
     meta.update(returncodes=codes, failed_ranks=failed, failures=failures,
-                collectives=len(trace))
+                collectives=len(trace), wall_s=wall)
     (folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
-    return Launched(codes, trace, failures, folder, failed)
+    return Launched(codes, trace, failures, folder, failed, wall / float(net.time_dilation))
 
 
 def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
@@ -167,7 +205,8 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
            "MASTER_PORT": str(MASTER_PORT + job["torch"]["job_id"]),
            "TORCHELASTIC_RUN_ID": f"testbed-{os.getpid()}", "GLOO_SOCKET_IFNAME": me["intf"],
            "OMP_NUM_THREADS": "1", "TESTBED_JOB": str(folder / "job.json"),
-           "TESTBED_TRACE": str(folder / f"trace{r}.jsonl"), "PYTHONUNBUFFERED": "1"}
+           "TESTBED_TRACE": str(folder / f"trace{r}.jsonl"), "PYTHONUNBUFFERED": "1",
+           "TESTBED_LAUNCH_T0": str(job["t0"])}
     env.pop("TESTBED_BACKEND", None)
     if offload:
         env["TESTBED_BACKEND"] = "testbed"
@@ -178,6 +217,7 @@ def _run_ranks(workers: list, job: dict, script: Path, args, folder: Path, offlo
                timeout_s: float, echo) -> tuple[list[int], list[int], list[str]]:
     """Start every rank, relay its output, stop the others when one fails; (exit statuses,
     the ranks that failed on their own, one line per failure)."""
+    job["t0"] = time.time()  # wall clock: a rank may time its start from it
     (folder / "job.json").write_text(json.dumps(job))
     procs, pumps, tails = [], [], []
     try:
@@ -259,11 +299,49 @@ def _collect_trace(folder: Path, n: int) -> list[dict]:
         if path.exists():
             rows += [json.loads(line) for line in path.read_text().splitlines() if line]
             path.unlink()
-    if rows:
-        import pandas as pd
+    return sorted(rows, key=lambda row: (row["start_s"], row["rank"]))
 
-        pd.DataFrame(rows).to_csv(folder / "trace.csv", index=False)
-    return rows
+
+def _add_model(trace: list[dict], net, workers: list, tj) -> None:
+    """Give every row its undilated measured time (``time_s``) and, for the testbed's
+    allreduces, the flow model's prediction on this network (``model_s``, as
+    ``run_collective``'s rows have it; none for trim's incast)."""
+    from testbed.collectives import flowmodel
+
+    f = float(net.time_dilation)
+    hop = net.hop_latency_s() if any(r["path"].startswith("testbed:") for r in trace) else 0.0
+    names = [h.name for h in workers]
+    cache: dict[int, float] = {}
+    for row in trace:
+        row["time_s"] = (row["end_s"] - row["start_s"]) / f
+        row["model_s"] = None
+        if (row["path"] == f"testbed:{tj.algo}" and tj.algo != "trim"
+                and row["op"] == "allreduce" and row["bytes"]):
+            if row["bytes"] not in cache:
+                spec = tj.collective(row["bytes"])
+                cache[row["bytes"]] = flowmodel.predict(net.topo, spec, workers=names,
+                                                        hop_latency_s=hop,
+                                                        time_dilation=f).time_s
+            row["model_s"] = cache[row["bytes"]]
+
+
+def _save_trace(trace: list[dict], folder: Path) -> None:
+    """``trace.csv`` and ``trace.json``, a timeline for Perfetto / chrome://tracing (one
+    track per rank)."""
+    if not trace:
+        return
+    import pandas as pd
+
+    pd.DataFrame(trace).to_csv(folder / "trace.csv", index=False)
+    t0 = min(r["start_s"] for r in trace)
+    events = [{"name": f"{r['op']} {r['bytes']} B", "cat": r["path"], "ph": "X",
+               "ts": (r["start_s"] - t0) * 1e6, "dur": (r["end_s"] - r["start_s"]) * 1e6,
+               "pid": 0, "tid": r["rank"],
+               "args": {k: r[k] for k in ("dtype", "bytes", "path", "model_s") if k in r}}
+              for r in trace]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                "args": {"name": f"rank {rank}"}} for rank in sorted({r["rank"] for r in trace})]
+    (folder / "trace.json").write_text(json.dumps({"traceEvents": events}))
 
 
 # ---------------------------------------------------------------------------- inside a rank

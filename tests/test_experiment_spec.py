@@ -58,7 +58,8 @@ def test_several_problems_reported_together():
 
 def test_missing_jobs():
     assert _problems({"name": "x"}) == [
-        "(top level): give at least one job ([[jobs]]) or training job ([[training]])"]
+        "(top level): give at least one job ([[jobs]]), training job ([[training]]) or "
+        "launched script ([[launch]])"]
 
 
 def test_sizes_with_units():
@@ -305,3 +306,18 @@ def test_cli_reports_every_combination_problem_and_builds_nothing(tmp_path):
         assert field in r.stderr, field
     assert "3 problems; nothing was run" in r.stderr
     assert not (tmp_path / "res").exists()
+
+
+def test_launch_jobs_are_checked_against_the_topology():
+    """``[[launch]]``: the script must exist, its ranks fit the hosts, an offloaded algorithm
+    needs an aggregator, and only algorithms that allreduce gradients are accepted."""
+    probs = _problems({"topology": {"n_hosts": 2, "switch": "bridge"},
+                       "launch": [{"script": "nope.py", "hosts": 3, "algo": "ina"}]})
+    assert [p.split(":")[0] for p in probs] == ["launch.0.script", "launch.0.hosts",
+                                                "launch.0.algo"]
+    probs = _problems({"topology": {"n_hosts": 2},
+                       "launch": [{"script": "examples/torch/ddp_digits.py", "algo": "rs"}]})
+    assert probs and "not an algorithm that allreduces gradients" in probs[0]
+    exp = load_experiment(Path(__file__).resolve().parents[1] / "examples/torch/ddp_sweep.toml")
+    assert [j.label() for j in exp.launch] == ["ddp_digits:gloo", "ddp_digits:ring",
+                                               "ddp_digits:ina"]

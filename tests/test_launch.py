@@ -84,3 +84,23 @@ def test_bad_options_are_named_before_anything_is_built(tmp_path):
     (tmp_path / "s.py").write_text("")
     with pytest.raises(ValueError, match="n_hosts"):
         launch(tmp_path / "s.py", hosts=3, topology={"n_hosts": 0}, out=tmp_path)
+
+
+def test_launch_jobs_of_an_experiment_file(tmp_path):
+    """``[[launch]]`` in an experiment: the same script over gloo, ring and INA on one built
+    network, a row each, the trace of each under the results folder."""
+    from testbed.experiment import run
+
+    res = run("examples/torch/ddp_sweep.toml", out_dir=tmp_path / "r", progress=False,
+              doctor=False)
+    df = res.df
+    assert list(df["label"]) == ["ddp_digits:gloo", "ddp_digits:ring", "ddp_digits:ina"]
+    assert (df["status"] == "ok").all() and df["correct"].all(), df["error"].tolist()
+    assert (df["returncode"] == 0).all() and (df["time_s"] > 0).all()
+    gloo, ring, ina = df.iloc[0], df.iloc[1], df.iloc[2]
+    assert gloo["offloaded_collectives"] == 0
+    for row in (ring, ina):
+        assert row["offloaded_collectives"] >= 10 and row["comm_s"] > 0
+        assert row["model_comm_s"] > 0  # the flow model of every bucket, on this network
+    trace = tmp_path / "r" / "launch" / "run0002"
+    assert (trace / "trace.csv").exists() and (trace / "trace.json").exists()

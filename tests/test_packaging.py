@@ -28,7 +28,8 @@ LAB_TOOLS = {"jupyterlab": "`testbed lab` runs jupyter-lab", "ipykernel": "noteb
 #: Package modules loaded only by the program they plug into (which is then installed), or
 #: that exist for an optional extra (which installs the distribution they import).
 PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
-           "torch": {"testbed/torch.py"},
+           "torch": {"testbed/torch.py", "testbed/c10d.py", "testbed/launch.py",
+                     "testbed/experiment/torch_probe.py"},
            "distributed": {"testbed/experiment/distributed.py"},
            "dask": {"testbed/experiment/distributed.py"}}
 #: Distributions of PLUGINS installed by an extra named otherwise (default: the same name).

@@ -31,6 +31,7 @@ BENCHES = {
     "kernels": "Numba kernels against numpy anchors (GB/s ratio)",
     "datapath": "data-path programs against Linux bridge / OVS userspace / Python (kpps ratio)",
     "collectives": "allreduce algorithms on a 100 Mb/s star against the alpha-beta model",
+    "torch": "the testbed process-group backend against gloo with an unmodified script",
 }
 
 
@@ -64,6 +65,10 @@ def plot_bench(name: str, rows: list[dict], folder: Path) -> Path:
     if name == "collectives":
         df["case"] = [f"{r.algo} n={r.n} {r.bytes / 2**20:g}MiB" for r in df.itertuples()]
         fig = plot_bars(df, y="time_s", hue="case", out=png, title=BENCHES[name])
+    elif name == "torch":
+        if "ratio" not in df:
+            df["ratio"] = float("nan")
+        fig = plot_ratios(df, label="case", out=png, title=BENCHES[name], anchor="anchor")
     elif name == "datapath":
         df["case"] = [f"{r.program} {r.packet_bytes}B vs {r.anchor}" for r in df.itertuples()]
         fig = plot_ratios(df, label="case", out=png, title=BENCHES[name], anchor="anchor")

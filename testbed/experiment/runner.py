@@ -53,6 +53,9 @@ from testbed.topologies import make_topology
 from testbed.topologies.net import TestbedNet
 from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
 
+#: The "size" of a launched script's run in a plan (see :func:`plan_runs`).
+LAUNCH = "launch"
+
 
 class RunAborted(RuntimeError):
     """Raised by :func:`run` when ``stop_on_error`` stopped the experiment at a failure."""
@@ -107,12 +110,14 @@ def run_point(experiment: Experiment | str | Path | dict, index: int, out_dir: s
 def plan_runs(points: list[tuple[dict[str, Any], Experiment]]) -> list[tuple]:
     """Every run of an expanded sweep, in the order they run and are numbered:
     ``(point index, sweep values, point, job index, job, size)``; a training item has the
-    item (a job, or a trace's list of jobs) as its job and ``None`` as its size."""
+    item (a job, or a trace's list of jobs) as its job and ``None`` as its size, a launched
+    script :data:`LAUNCH`."""
     return [(pi, params, point, ji, job, size)
             for pi, (params, point) in enumerate(points)
             for ji, job, size in [(ji, job, size) for ji, job in enumerate(point.jobs)
                                   for size in job.sizes()]
-            + [(ti, item, None) for ti, item in train.plan_items(point)]]
+            + [(ti, item, None) for ti, item in train.plan_items(point)]
+            + [(li, job, LAUNCH) for li, job in enumerate(point.launch)]]
 
 
 def run_metadata(exp: Experiment, plan: list[tuple], doctor: bool) -> dict[str, Any]:
@@ -250,6 +255,14 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                 for batch in _batches(group):
                     if ctrl_c():  # one that landed where Python drops exceptions
                         raise KeyboardInterrupt
+                    if batch[0][5] == LAUNCH:  # a user's script, alone on the fabric
+                        pi, params, pt, ji, job, _ = batch[0]
+                        _run_launch(store, net, out, run_idx, pi, params, pt, ji, job)
+                        if exp.stop_on_error and store.rows[-1].get("status") != "ok":
+                            raise RunAborted(f"run {run_idx} failed: {store.rows[-1]['error']}")
+                        run_idx += 1
+                        advance(f"{store.rows[-1]['label']}: {store.rows[-1]['status']}")
+                        continue
                     if batch[0][5] is None:  # training: one job alone, or a trace of them
                         pi, params, pt, ji, job, _ = batch[0]
                         _run_training(store, net, out, run_idx, pi, params, pt, ji, job)
@@ -289,8 +302,8 @@ def _batches(group: list) -> list[list]:
     way)."""
     out: list[list] = []
     for g in group:
-        if (out and g[5] is not None and out[-1][0][5] is not None and g[2].concurrent
-                and out[-1][0][0] == g[0]):
+        if (out and isinstance(g[5], int) and isinstance(out[-1][0][5], int)
+                and g[2].concurrent and out[-1][0][0] == g[0]):
             out[-1].append(g)
         else:
             out.append([g])
@@ -324,6 +337,44 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
             row["status"], row["error"] = "error", summary["error"]
         store.append(row)
         train.append_iterations(out, {"run": run_idx, "point": pi, **params}, its)
+
+
+def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
+                point: Experiment, index: int, job) -> None:
+    """One launched script (``testbed.launch.run_script``): a row with its exit status, the
+    time from the first rank's start to the last one's end, its collectives (how many, their
+    time and the model's on rank 0); the trace and the ranks' output under
+    ``launch/run<NNNN>/``."""
+    from testbed.launch import _torch_job, run_script  # needs torch only when one runs
+
+    folder = out / "launch" / f"run{run_idx:04d}"
+    try:
+        tj = _torch_job(job.algo, job.compressor, job.compressor_params, job.error_feedback,
+                        job_id=1 + index)
+        done = run_script(net, job.script, job.args, tj, folder, hosts=job.hosts,
+                          timeout_s=job.timeout_s, echo=lambda line: None)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        if _interrupted(e):
+            raise KeyboardInterrupt from e
+        store.append(_error_row(run_idx, pi, params, point, index, job, None,
+                                _describe_error(e)))
+        return
+    mine = [r for r in done.trace if r["rank"] == 0]
+    offloaded = [r for r in mine if r["path"].startswith("testbed:")]
+    modelled = [r["model_s"] for r in offloaded if r.get("model_s")]
+    report = {"op": "launch", "algo": job.algo or "gloo", "compressor": job.compressor,
+              "error_feedback": job.error_feedback, "n": len(done.returncodes),
+              "script": job.script, "returncode": done.returncode, "time_s": done.time_s,
+              "collectives": len(mine), "offloaded_collectives": len(offloaded),
+              "comm_s": sum(r["time_s"] for r in offloaded) if tj is not None else None,
+              "model_comm_s": sum(modelled) if modelled else None,
+              "correct": done.returncode == 0, "time_dilation": net.time_dilation}
+    row = _ok_row(run_idx, pi, params, point, index, job, None, report)
+    if done.returncode != 0:
+        row["status"], row["error"] = "error", " | ".join(done.failures)[:2000]
+    store.append(row)
 
 
 def _train_text(row: dict, params: dict) -> str:

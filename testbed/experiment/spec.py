@@ -457,6 +457,48 @@ class TrainJob(_Strict):
                             seed=seed if self.seed is None else self.seed)
 
 
+class LaunchJob(_Strict):
+    """A PyTorch script run unmodified on the emulated hosts (``testbed launch``): plain gloo
+    (``algo`` unset, the baseline) or through the ``testbed`` backend with ``algo``."""
+
+    name: str | None = Field(None, description="label in tables (default: the script's name "
+                                               "and the algorithm)")
+    script: str = Field(description="path of the script (relative: to the working directory)")
+    args: list[str] = Field(default_factory=list, description="the script's arguments")
+    hosts: int | None = Field(None, ge=1, description="ranks, one on each of the first hosts "
+                                                      "(default: every host)")
+    algo: str | None = Field(None, description="the testbed algorithm of its float32 "
+                                               "allreduces (default: plain gloo)")
+    compressor: str | None = None
+    compressor_params: dict[str, Any] = Field(default_factory=dict)
+    error_feedback: bool = False
+    timeout_s: float = Field(600.0, gt=0, description="stop the job after this long")
+
+    @property
+    def op(self) -> str:
+        return "launch"
+
+    @field_validator("algo")
+    @classmethod
+    def _allreducing_algo(cls, v: str | None) -> str | None:
+        if v is not None and v not in algorithm_names("allreduce", trains=True):
+            raise ValueError(f"{v!r} is not an algorithm that allreduces gradients: one of "
+                             f"{algorithm_names('allreduce', trains=True)}")
+        return v
+
+    @field_validator("compressor")
+    @classmethod
+    def _known_compressor(cls, v: str | None) -> str | None:
+        return _compressor_name(v)
+
+    def label(self) -> str:
+        """Name shown in tables and plots."""
+        if self.name:
+            return self.name
+        return (f"{Path(self.script).stem}:{self.algo or 'gloo'}"
+                + (f"+{self.compressor}" if self.compressor else ""))
+
+
 #: Communication settings a training job may set through ``options``.
 TRAIN_OPTIONS = ("window", "loss", "chunk_bytes", "bits", "idle_ms")
 
@@ -470,6 +512,7 @@ class Experiment(_Strict):
     topology: TopologySpec = Field(default_factory=TopologySpec)
     jobs: list[JobSpec] = Field(default_factory=list)
     training: list[TrainJob] = Field(default_factory=list)
+    launch: list[LaunchJob] = Field(default_factory=list)
     trace: bool = Field(False, description="run the training jobs at once, each from its "
                                            "start_s on its own hosts")
     impairments: list[Impairment] = Field(default_factory=list)
@@ -512,8 +555,9 @@ class Experiment(_Strict):
 
     @model_validator(mode="after")
     def _has_work(self) -> Experiment:
-        if not self.jobs and not self.training:
-            raise ValueError("give at least one job ([[jobs]]) or training job ([[training]])")
+        if not self.jobs and not self.training and not self.launch:
+            raise ValueError("give at least one job ([[jobs]]), training job ([[training]]) "
+                             "or launched script ([[launch]])")
         return self
 
     @model_validator(mode="after")
@@ -827,7 +871,8 @@ def _point_problems(point: Experiment, cache: dict[str, Any]) -> list[str]:
     topo, problems = cache[key]
     return list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
                                     point.trimming, point.codec, point.cross_traffic,
-                                    point.capture) + training_problems(point, topo)
+                                    point.capture) + training_problems(point, topo) \
+        + launch_problems(point, topo)
 
 
 def _partial_problems(data: Any) -> list[str]:
@@ -1015,6 +1060,24 @@ def _node_problems(path: str, node: str, ports: list | None, topo) -> list[str]:
         return [f"{path}.ports: {bad} are not ports of {node}; give indices 0..{len(own) - 1} "
                 f"or names {', '.join(names)}"]
     return []
+
+
+def launch_problems(point, topo) -> list[str]:
+    """What the launched scripts of ``point`` cannot do on ``topo``: a script that is not
+    there, more ranks than hosts, an offload without an aggregator."""
+    problems: list[str] = []
+    for i, job in enumerate(point.launch):
+        if not Path(job.script).is_file():
+            problems.append(f"launch.{i}.script: {job.script!r} is not a file (a relative path "
+                            "is taken from the working directory)")
+        if topo is not None and job.hosts is not None and job.hosts > topo.n_hosts:
+            problems.append(f"launch.{i}.hosts: {job.hosts} ranks, but the topology has "
+                            f"{topo.n_hosts} hosts")
+        if job.algo is not None:
+            problem = _aggregator_problem(f"launch.{i}", job, point.topology, topo)
+            if problem:
+                problems.append(problem)
+    return problems
 
 
 def training_problems(point, topo) -> list[str]:
