@@ -3,6 +3,7 @@ over plain gloo and through the ``testbed`` backend (needs the ``[torch]`` extra
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -43,8 +44,13 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     assert {"broadcast", "allgather", "all_to_all", "barrier"} <= {p[0] for p in paths}
     ring = [r for r in done.trace if r["path"] == "testbed:ring"]
     assert {r["bytes"] for r in ring} == {4, 4000, 4 * 65_537, 4 * 262_144}
-    assert all(r["end_s"] >= r["start_s"] for r in done.trace)
-    assert (done.folder / "trace.csv").exists() and (done.folder / "launch.json").exists()
+    assert all(r["end_s"] >= r["start_s"] and r["time_s"] >= 0 for r in done.trace)
+    assert all(r["model_s"] > 0 for r in ring)  # the flow model of each, on this network
+    assert all(r["model_s"] is None for r in done.trace if r["path"] == "gloo")
+    for name in ("trace.csv", "trace.json", "launch.json"):
+        assert (done.folder / name).exists(), name
+    events = json.loads((done.folder / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2}  # a track per rank
 
 
 def test_ddp_script_unmodified_over_gloo_ring_and_ina(tmp_path):

@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -39,7 +39,7 @@ def main() -> None:
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Flatten(), nn.Linear(8 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10))
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed * 1000 + rank)
     for step in range(args.steps):
         idx = torch.randint(0, len(y), (args.batch,), generator=g)
