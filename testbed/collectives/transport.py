@@ -23,14 +23,22 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import os
 import socket
 import struct
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from testbed.collectives.ports import TCP_JOB_SLOTS, tcp_port
+
+#: Largest message a rank hands to the kernel itself (when nothing is queued for that peer and
+#: its socket has room) instead of through the peer's sender thread. The thread's hand-off
+#: dominates small messages: an 8-byte ring allreduce between two processes on loopback took
+#: 373 us per call with every send through the thread, 122 us with this.
+INLINE_SEND_BYTES = 64 << 10
 
 
 class CollectiveError(RuntimeError):
@@ -117,6 +125,8 @@ class Comm:
         self.ip = ""
         self.socks: dict[int, socket.socket] = {}
         self._senders: dict[int, ThreadPoolExecutor] = {}
+        self._queued: dict[int, int] = {}  # sends a peer's sender thread has not finished
+        self._queue_lock = threading.Lock()
         self.listener: socket.socket | None = None
 
     def who(self, peer: int) -> str:
@@ -216,9 +226,37 @@ class Comm:
         self._senders[p] = ThreadPoolExecutor(1, thread_name_prefix=f"send{p}")
 
     def send(self, peer: int, arr: np.ndarray) -> Future:
-        """Queue ``arr`` (contiguous) for sending to ``peer``; sends to one peer keep order."""
+        """Send ``arr`` (contiguous) to ``peer``: handed to the kernel at once when it is small,
+        nothing is queued for that peer and the socket has room, otherwise (the rest) queued
+        for the peer's sender thread. Sends to one peer keep their order; the future is done
+        once every byte is in the kernel."""
         mv = memoryview(np.ascontiguousarray(arr)).cast("B")
-        return self._senders[peer].submit(self._sendall, peer, mv)
+        if len(mv) <= INLINE_SEND_BYTES and not self._queued.get(peer):
+            sent = self._send_now(peer, mv)
+            if sent == len(mv):
+                return _SENT
+            mv = mv[sent:]
+        with self._queue_lock:
+            self._queued[peer] = self._queued.get(peer, 0) + 1
+        fut = self._senders[peer].submit(self._sendall, peer, mv)
+        fut.add_done_callback(lambda _f: self._unqueue(peer))
+        return fut
+
+    def _send_now(self, peer: int, mv: memoryview) -> int:
+        """Bytes of ``mv`` the socket to ``peer`` took without waiting (0 when it has no room).
+        ``os.write``: the socket is non-blocking (it has a timeout), and ``socket.send``
+        would wait for room up to that timeout."""
+        try:
+            return os.write(self.socks[peer].fileno(), mv)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            raise CollectiveError(f"{self.who(self.rank)}: sending to {self.who(peer)} "
+                                  f"failed: {e} (peer died?)") from None
+
+    def _unqueue(self, peer: int) -> None:
+        with self._queue_lock:
+            self._queued[peer] -= 1
 
     def _sendall(self, peer: int, mv: memoryview) -> None:
         try:
@@ -289,6 +327,10 @@ class Comm:
         if self.listener is not None:
             self.listener.close()
         self.socks.clear()
+
+
+_SENT: Future = Future()  # what an inline send returns: done, no result
+_SENT.set_result(None)
 
 
 def wait_all(futures: list[Future]) -> None:
