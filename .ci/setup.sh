@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: Debian packages the testbed needs, then .venv with the package installed
-# editable plus the extras `make test` ([test], [torch], [distributed]) and `make lab` ([lab]) need, checked with
+# editable plus the extras `make test` ([test], [torch], [distributed], [traces]) and `make lab` ([lab]) need, checked with
 # `pip check`. On a ready machine it checks and returns in seconds. Needs no network but the
 # Debian mirror and the Python package index.
 set -euo pipefail
@@ -39,12 +39,12 @@ fi
 stamp="$VENV/.testbed-installed"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import testbed.kernels" 2>/dev/null; then
-    echo "setup: installing the testbed into $VENV (editable, with the test, lab, torch and distributed extras)"
+    echo "setup: installing the testbed into $VENV (editable, with the test, lab, torch, distributed and traces extras)"
     "$VENV/bin/pip" install -q --upgrade pip
     # [torch] pins torch==2.13.0, the CPU wheel (192 MB; found in the machine's local wheel
     # store where there is one): the PyTorch client's tests run in CI; [distributed]: the
     # distributed sweeps' tests run a Dask LocalCluster
-    "$VENV/bin/pip" install -q -e '.[test,lab,torch,distributed]'
+    "$VENV/bin/pip" install -q -e '.[test,lab,torch,distributed,traces]'
     # Conflicting requirements fail the set-up here rather than a test later.
     "$VENV/bin/pip" check
     echo "$want" > "$stamp"

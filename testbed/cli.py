@@ -185,6 +185,50 @@ def launch(
 
 
 @app.command()
+def replay(
+    prefix: str = typer.Argument(..., help="the trace: files PREFIX.0.et, PREFIX.1.et, ..."),
+    experiment: str = typer.Option(None, "--experiment", "-e",
+                                   help="an experiment file whose network to use (default: a "
+                                        "star with a host per rank at 100 Mb/s)"),
+    algo: str = typer.Option(None, "--algo", help="the testbed algorithm of its float32 "
+                             "allreduces (ring, hd, ina, nic, a plug-in; default: gloo)"),
+    bw_mbps: float = typer.Option(None, "--bw-mbps", help="link rate of the default star"),
+    scale: float = typer.Option(1.0, "--scale", help="factor on the compute durations"),
+    time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
+                                      help=DILATION_HELP),
+    timeout: float = typer.Option(600.0, "--timeout", help="seconds before it is stopped"),
+    json_out: bool = typer.Option(False, "--json", help="print the validation rows as JSON"),
+    out: str = typer.Option(None, help=OUT_HELP),
+) -> None:
+    """Replay a Chakra execution trace on the emulated fabric and validate it against the
+    flow model (exit: 0 ok, 1 a rank failed, 2 a trace that cannot be replayed)."""
+    from testbed.experiment.bench_results import print_rows
+    from testbed.replay import TraceError
+    from testbed.replay import replay as run_trace
+
+    try:
+        res = run_trace(prefix, experiment=experiment, algo=algo, scale=scale,
+                        topology={"bw_mbps": bw_mbps} if bw_mbps else None,
+                        time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
+                        echo=lambda line: None)
+    except (TraceError, ValueError) as e:
+        print(f"testbed replay: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    for line in res.launched.failures:
+        print(f"testbed replay: {line}", file=sys.stderr)
+    if json_out:
+        for row in res.validation:
+            print(json.dumps(row, default=str))
+    else:
+        print_rows(res.validation, f"replay of {prefix}: measured vs flow model",
+                   ("op", "bytes", "path", "count", "measured_s", "predicted_s", "error_pct"))
+    geo = "n/a" if res.geomean_error_pct is None else f"{res.geomean_error_pct:.1f} %"
+    print(f"testbed replay: JCT {res.jct_s:.4g} s, {len(res.collectives)} collectives, "
+          f"geomean error {geo}; results: {res.folder}", file=sys.stderr)
+    raise typer.Exit(1 if res.launched.returncode else 0)
+
+
+@app.command()
 def up(
     file: str = typer.Argument(..., help="experiment file whose topology to build"),
     point: int = typer.Option(0, help="which sweep point's network (0-based)"),

@@ -100,9 +100,11 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            algo: str | None = None, compressor: str | None = None,
            compressor_params: dict | None = None, error_feedback: bool = False,
            time_dilation: float | str | None = None, out: str | Path | None = None,
-           timeout_s: float = 600.0, job_id: int = 1, echo=None) -> Launched:
+           timeout_s: float = 600.0, job_id: int = 1, echo=None,
+           module: bool = False) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
-    network) and return what it did (see the module docstring).
+    network) and return what it did (see the module docstring). ``module``: ``script`` is a
+    module name (``python -m``).
 
     The network: ``experiment`` (a file; its first sweep point's topology, impairments...), or
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
@@ -114,14 +116,16 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     """
     from testbed.experiment import results
 
-    script = _checked_script(script)
+    if not module:
+        script = _checked_script(script)
     tj = _torch_job(algo, compressor, compressor_params, error_feedback, job_id)
     network = _network(topology, experiment, hosts, algo, time_dilation)
+    stem = str(script).rsplit(".", 1)[-1] if module else Path(script).stem
     folder = results.unique_folder(results.results_root() if out is None else out,
-                                   f"launch-{script.stem}")
+                                   f"launch-{stem}")
     with network as net:
         return run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
-                          echo=echo)
+                          echo=echo, module=module)
 
 
 def _checked_script(script: str | Path) -> Path:
@@ -154,14 +158,24 @@ def _torch_job(algo: str | None, compressor: str | None, compressor_params: dict
 
 
 def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
-               hosts: int | None = None, timeout_s: float = 600.0, echo=None) -> Launched:
+               hosts: int | None = None, timeout_s: float = 600.0, echo=None,
+               module: bool = False) -> Launched:
     """Run ``script`` on the first ``hosts`` hosts of the running network ``net``, with the
     testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
-    what it leaves goes to ``folder``."""
+    what it leaves goes to ``folder``. ``module``: ``script`` is a module name, run as
+    ``python -m`` runs it (torchrun's ``--module``), not a file."""
+    import importlib.util
+
     from testbed.collectives.runner import offload_job
     from testbed.torch import TorchJob
 
-    script = _checked_script(script)
+    if module:
+        if importlib.util.find_spec(str(script)) is None:
+            raise ValueError(f"no module {script}")
+        target = ["-m", str(script)]
+    else:
+        script = _checked_script(script)
+        target = [str(script)]
     echo = echo or (lambda line: print(line, flush=True))
     workers = list(net.hosts)[:hosts or len(net.hosts)]
     n = len(workers)
@@ -179,11 +193,11 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if tj is None:
-        codes, failed, failures = _run_ranks(workers, job, script, args, folder, False,
+        codes, failed, failures = _run_ranks(workers, job, target, args, folder, False,
                                              timeout_s, echo)
     else:
         with offload_job(net, tj.collective(), job, workers):
-            codes, failed, failures = _run_ranks(workers, job, script, args, folder, True,
+            codes, failed, failures = _run_ranks(workers, job, target, args, folder, True,
                                                  timeout_s, echo)
     wall = time.monotonic() - t0
     trace = _collect_trace(folder, n)
@@ -213,7 +227,7 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
     return env
 
 
-def _run_ranks(workers: list, job: dict, script: Path, args, folder: Path, offload: bool,
+def _run_ranks(workers: list, job: dict, target: list[str], args, folder: Path, offload: bool,
                timeout_s: float, echo) -> tuple[list[int], list[int], list[str]]:
     """Start every rank, relay its output, stop the others when one fails; (exit statuses,
     the ranks that failed on their own, one line per failure)."""
@@ -224,7 +238,7 @@ def _run_ranks(workers: list, job: dict, script: Path, args, folder: Path, offlo
         for r, h in enumerate(workers):
             log = open(folder / f"rank{r}.log", "w")  # noqa: SIM115 - closed by its pump
             p = h.popen([sys.executable, "-m", "testbed.launch", "rank",
-                         f"testbed-node={h.name}", str(script), *args],
+                         f"testbed-node={h.name}", *target, *args],
                         env=_rank_env(job, r, folder, offload), stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
             procs.append(p)
@@ -346,9 +360,9 @@ def _save_trace(trace: list[dict], folder: Path) -> None:
 
 # ---------------------------------------------------------------------------- inside a rank
 
-def _rank(marker: str, script: str, args: list[str]) -> None:
-    """Run ``script`` as ``__main__`` with ``args``; with ``TESTBED_BACKEND=testbed`` its
-    gloo (or default) process group is the testbed's."""
+def _rank(marker: str, target: list[str], args: list[str]) -> None:
+    """Run the script (or ``-m`` module) ``target`` as ``__main__`` with ``args``; with
+    ``TESTBED_BACKEND=testbed`` its gloo (or default) process group is the testbed's."""
     from testbed.lifeline import follow_owner
 
     follow_owner()
@@ -367,18 +381,24 @@ def _rank(marker: str, script: str, args: list[str]) -> None:
 
         dist.init_process_group = init_process_group
         dist.distributed_c10d.init_process_group = init_process_group
-    sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).parent))
-    runpy.run_path(script, run_name="__main__")
+    if target[0] == "-m":
+        sys.argv = [target[1], *args]
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target[0], *args]
+        sys.path.insert(0, str(Path(target[0]).parent))  # as `python script.py` does
+        runpy.run_path(target[0], run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) >= 3 and argv[0] == "rank":
-        _rank(argv[1], argv[2], argv[3:])
-        return 0
-    print("usage: python -m testbed.launch rank testbed-node=HOST SCRIPT [ARGS...] (started "
-          "by 'testbed launch')", file=sys.stderr)
+        n = 2 if argv[2] == "-m" else 1
+        if len(argv) >= 2 + n:
+            _rank(argv[1], argv[2:2 + n], argv[2 + n:])
+            return 0
+    print("usage: python -m testbed.launch rank testbed-node=HOST (SCRIPT | -m MODULE) "
+          "[ARGS...] (started by 'testbed launch')", file=sys.stderr)
     return 2
 
 

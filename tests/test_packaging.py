@@ -28,12 +28,14 @@ LAB_TOOLS = {"jupyterlab": "`testbed lab` runs jupyter-lab", "ipykernel": "noteb
 #: Package modules loaded only by the program they plug into (which is then installed), or
 #: that exist for an optional extra (which installs the distribution they import).
 PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
-           "torch": {"testbed/torch.py", "testbed/c10d.py", "testbed/launch.py",
+           "torch": {"testbed/torch.py", "testbed/c10d.py", "testbed/launch.py", "testbed/replay.py",
                      "testbed/experiment/torch_probe.py"},
            "distributed": {"testbed/experiment/distributed.py"},
-           "dask": {"testbed/experiment/distributed.py"}}
+           "dask": {"testbed/experiment/distributed.py"},
+           "mlc-chakra": {"testbed/replay.py"},
+           "protobuf": {"testbed/replay.py"}}
 #: Distributions of PLUGINS installed by an extra named otherwise (default: the same name).
-EXTRA_OF = {"dask": "distributed"}
+EXTRA_OF = {"dask": "distributed", "mlc-chakra": "traces", "protobuf": "traces"}
 
 
 def _norm(name: str) -> str:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 from testbed.kernels.benchutil import cpu_description
 
-PROBE = Path(__file__).with_name("torch_probe.py")
+PROBE = "testbed.experiment.torch_probe"
 FULL = {"overhead_hosts": 2, "calls": 300, "ddp_hosts": 8, "mib": 4.0, "steps": 10}
 QUICK = {"overhead_hosts": 2, "calls": 60, "ddp_hosts": 3, "mib": 1.0, "steps": 4}
 #: what the issue's targets ask
@@ -39,7 +38,7 @@ def _probe(hosts: int, algo: str | None, args: list[str], topology: dict, dilati
 
     lines: list[str] = []
     done = launch(PROBE, args, hosts=hosts, algo=algo, topology=topology,
-                  time_dilation=dilation, echo=lines.append)
+                  time_dilation=dilation, echo=lines.append, module=True)
     if done.returncode != 0:
         raise RuntimeError(f"the probe failed ({algo or 'gloo'} on {hosts} hosts): "
                            + " | ".join(done.failures))

@@ -1,0 +1,471 @@
+"""``testbed replay``: MLCommons Chakra execution traces replayed on the emulated fabric.
+
+A trace is one file per rank, ``<prefix>.<rank>.et``: a ``GlobalMetadata`` message and then
+``Node`` messages (Chakra's ``et_def.proto``, each length-delimited), the format ASTRA-sim,
+SimAI and ATLAHS take. Each rank replays its graph in its emulated host, in dependency order
+(data and control dependencies; among ready nodes, the lowest id first, so every rank issues
+its collectives in one order):
+
+* ``COMP_NODE``: waits ``duration_micros`` (times ``scale``, times the network's time
+  dilation, so compute and communication keep their ratio);
+* ``COMM_COLL_NODE``: the real collective of ``comm_size`` bytes (attribute ``comm_type``:
+  ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, BARRIER) through
+  ``torch.distributed``: plain gloo, or with ``algo`` the testbed's backend
+  (:mod:`testbed.c10d`: float32 allreduces through ring, hd, INA...). ``comm_size`` follows
+  nccl-tests: the whole array (the gathered output of an all-gather, the input of a
+  reduce-scatter);
+* ``COMM_SEND_NODE`` / ``COMM_RECV_NODE``: ``comm_size`` bytes to ``comm_dst`` / from
+  ``comm_src`` (attribute ``comm_tag`` optional), TCP between the hosts;
+* memory and metadata nodes: recorded, nothing to run.
+
+The ranks run as a launched job (:mod:`testbed.launch`). Everything is checked before any
+network is built (:func:`load_trace`): missing or extra rank files, a truncated or undecodable
+protobuf, duplicate ids, dependencies on nodes that do not exist, cycles, unknown node or
+collective types, communicator groups (``pg_name``: only the world group is replayed),
+collectives that the ranks would not issue in the same order, sends without their receive.
+:class:`TraceError` names the file, the node and the problem.
+
+Output (:func:`replay`): a row per node per rank (start, end, undilated), a row per
+collective (the last rank's arrival to the last rank's finish, the flow model's prediction
+on the network), the trace's job completion time, and a validation table in the form
+ASTRA-sim publishes: per collective, size and algorithm, measured against predicted, the error
+in %, and the geometric mean of the errors. Needs the ``[torch]`` and ``[traces]`` extras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+#: Chakra's collective types that are replayed, by the name ``torch.distributed`` gives them.
+COLLECTIVES = {"ALL_REDUCE": "all_reduce", "ALL_GATHER": "all_gather",
+               "REDUCE_SCATTER": "reduce_scatter", "ALL_TO_ALL": "all_to_all",
+               "BROADCAST": "broadcast", "BARRIER": "barrier"}
+#: The ``CollectiveSpec.op`` the flow model predicts each with (None: no prediction).
+MODEL_OPS = {"all_reduce": "allreduce", "all_gather": "allgather",
+             "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message names the file, the node and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One node of a rank's graph, as the replay needs it."""
+
+    id: int
+    name: str
+    kind: str  # comp, coll, send, recv, mem, meta
+    deps: tuple[int, ...] = ()
+    duration_s: float = 0.0
+    op: str | None = None  # a collective's torch.distributed name
+    bytes: int = 0
+    peer: int | None = None  # send: destination, recv: source
+    tag: int = 0
+
+
+def _schema():
+    try:
+        from chakra.schema.protobuf import et_def_pb2
+    except ImportError as e:
+        raise TraceError("replaying Chakra traces needs the [traces] extra (.venv/bin/pip "
+                         f"install -e '.[traces]': mlc-chakra): {e}") from None
+    return et_def_pb2
+
+
+def _messages(path: Path):
+    """The length-delimited messages of ``path`` as bytes (TraceError when one is cut)."""
+    from google.protobuf.internal.decoder import _DecodeVarint32
+
+    data = path.read_bytes()
+    pos = 0
+    while pos < len(data):
+        try:
+            size, start = _DecodeVarint32(data, pos)
+        except Exception:  # noqa: BLE001 - the varint decoder raises its own types
+            raise TraceError(f"{path}: a message length at byte {pos} is cut off "
+                             "(truncated file?)") from None
+        if start + size > len(data):
+            raise TraceError(f"{path}: the message at byte {pos} says {size} bytes but only "
+                             f"{len(data) - start} follow (truncated file?)")
+        yield pos, data[start:start + size]
+        pos = start + size
+
+
+def _attrs(node) -> dict:
+    out = {}
+    for a in node.attr:
+        which = a.WhichOneof("value")
+        out[a.name] = getattr(a, which) if which else None
+    return out
+
+
+def load_rank(path: str | Path, n_ranks: int | None = None) -> list[Node]:
+    """The nodes of one rank's file, checked on their own (see the module docstring)."""
+    pb = _schema()
+    from google.protobuf.message import DecodeError
+
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    messages = list(_messages(path))
+    if not messages:
+        raise TraceError(f"{path}: empty file (expected GlobalMetadata and nodes)")
+    meta = pb.GlobalMetadata()
+    try:
+        meta.ParseFromString(messages[0][1])
+    except DecodeError as e:
+        raise TraceError(f"{path}: the first message is not Chakra's GlobalMetadata: {e}") \
+            from None
+    nodes: list[Node] = []
+    kinds = {pb.COMP_NODE: "comp", pb.COMM_COLL_NODE: "coll", pb.COMM_SEND_NODE: "send",
+             pb.COMM_RECV_NODE: "recv", pb.MEM_LOAD_NODE: "mem", pb.MEM_STORE_NODE: "mem",
+             pb.METADATA_NODE: "meta"}
+    for pos, raw in messages[1:]:
+        msg = pb.Node()
+        try:
+            msg.ParseFromString(raw)
+        except DecodeError as e:
+            raise TraceError(f"{path}: the node message at byte {pos} does not decode: {e}") \
+                from None
+        where = f"{path}: node {msg.id} ({msg.name!r})"
+        if msg.type not in kinds:
+            known = msg.type in pb.NodeType.values()
+            raise TraceError(f"{where}: node type "
+                             f"{pb.NodeType.Name(msg.type) if known else msg.type} is not "
+                             "replayed (compute, collective, send, recv, memory and metadata "
+                             "nodes are)")
+        kind, attrs = kinds[msg.type], _attrs(msg)
+        fields = {"id": int(msg.id), "name": msg.name, "kind": kind,
+                  "deps": tuple(dict.fromkeys([*msg.data_deps, *msg.ctrl_deps])),
+                  "duration_s": msg.duration_micros * 1e-6}
+        if kind in ("coll", "send", "recv"):
+            size = attrs.get("comm_size", 0)
+            if not isinstance(size, int) or size < 0:
+                raise TraceError(f"{where}: comm_size {size!r} must be a byte count >= 0")
+            fields["bytes"] = size
+            if attrs.get("pg_name") not in (None, "", "0"):
+                raise TraceError(f"{where}: communicator group {attrs['pg_name']!r}: only "
+                                 "the world group (every rank) is replayed")
+        if kind == "coll":
+            ctype = attrs.get("comm_type")
+            name = pb.CollectiveCommType.Name(ctype) if ctype in \
+                pb.CollectiveCommType.values() else None
+            if name not in COLLECTIVES:
+                raise TraceError(f"{where}: collective type {name or ctype!r} is not replayed "
+                                 f"(one of {', '.join(COLLECTIVES)})")
+            fields["op"] = COLLECTIVES[name]
+        elif kind in ("send", "recv"):
+            key = "comm_dst" if kind == "send" else "comm_src"
+            peer = attrs.get(key)
+            if not isinstance(peer, int) or peer < 0 or (n_ranks is not None
+                                                         and peer >= n_ranks):
+                raise TraceError(f"{where}: {key} {peer!r} is not a rank of this trace "
+                                 f"(0..{(n_ranks or 1) - 1})")
+            fields["peer"], fields["tag"] = peer, int(attrs.get("comm_tag") or 0)
+        nodes.append(Node(**fields))
+    ids = [n.id for n in nodes]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise TraceError(f"{path}: node ids {dup} appear more than once")
+    known = set(ids)
+    for n in nodes:
+        missing = [d for d in n.deps if d not in known]
+        if missing:
+            raise TraceError(f"{path}: node {n.id} ({n.name!r}) depends on nodes {missing}, "
+                             "which are not in the file")
+    order(nodes, path)  # raises on a cycle
+    return nodes
+
+
+def order(nodes: list[Node], path: str | Path = "trace") -> list[Node]:
+    """The nodes in dependency order, the lowest id first among those ready (every rank of a
+    trace orders its collectives by this one rule); TraceError on a cycle."""
+    by_id = {n.id: n for n in nodes}
+    waiting = {n.id: len(n.deps) for n in nodes}
+    children: dict[int, list[int]] = {}
+    for n in nodes:
+        for d in n.deps:
+            children.setdefault(d, []).append(n.id)
+    ready = [i for i, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(by_id[i])
+        for c in children.get(i, []):
+            waiting[c] -= 1
+            if waiting[c] == 0:
+                heapq.heappush(ready, c)
+    if len(out) != len(nodes):
+        stuck = sorted(i for i, k in waiting.items() if k > 0)
+        raise TraceError(f"{path}: the dependencies of nodes {stuck[:10]} form a cycle")
+    return out
+
+
+def rank_files(prefix: str | Path) -> dict[int, Path]:
+    """Rank -> file of the trace ``prefix`` (``<prefix>.<rank>.et``)."""
+    prefix = Path(prefix)
+    found = {}
+    for p in prefix.parent.glob(f"{prefix.name}.*.et"):
+        m = re.fullmatch(re.escape(prefix.name) + r"\.(\d+)\.et", p.name)
+        if m:
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def load_trace(prefix: str | Path) -> dict[int, list[Node]]:
+    """Every rank's nodes of the trace ``prefix``, checked alone and against each other (see
+    the module docstring); TraceError on the first problem."""
+    files = rank_files(prefix)
+    if not files:
+        raise TraceError(f"no trace files {prefix}.<rank>.et")
+    n = len(files)
+    if sorted(files) != list(range(n)):
+        missing = sorted(set(range(max(files) + 1)) - set(files))
+        raise TraceError(f"{prefix}: rank files {missing} are missing (ranks must be "
+                         f"0..N-1; found {sorted(files)})")
+    ranks = {r: load_rank(p, n) for r, p in files.items()}
+    seqs = {r: [(x.op, x.bytes) for x in order(nodes) if x.kind == "coll"]
+            for r, nodes in ranks.items()}
+    for r in range(1, n):
+        if seqs[r] != seqs[0]:
+            k = next((i for i, (a, b) in enumerate(zip(seqs[0], seqs[r], strict=False))
+                      if a != b), min(len(seqs[0]), len(seqs[r])))
+            raise TraceError(f"{files[r]}: its collective #{k} "
+                             f"{seqs[r][k] if k < len(seqs[r]) else 'is missing'} differs "
+                             f"from rank 0's {seqs[0][k] if k < len(seqs[0]) else 'none'}: "
+                             "every rank must issue the world's collectives in one order")
+    sends: dict[tuple, int] = {}
+    for r, nodes in ranks.items():
+        for x in nodes:
+            if x.kind == "send":
+                sends[(r, x.peer, x.tag, x.bytes)] = sends.get((r, x.peer, x.tag, x.bytes), 0) + 1
+            elif x.kind == "recv":
+                sends[(x.peer, r, x.tag, x.bytes)] = sends.get((x.peer, r, x.tag, x.bytes), 0) - 1
+    bad = [k for k, v in sends.items() if v]
+    if bad:
+        src, dst, tag, size = bad[0]
+        raise TraceError(f"{prefix}: sends from rank {src} to rank {dst} (tag {tag}, {size} "
+                         "B) do not match that rank's receives in number")
+    return ranks
+
+
+@dataclasses.dataclass
+class Replayed:
+    """What a replay measured: ``nodes`` (a row per node per rank), ``collectives`` (a row per
+    collective: measured and predicted), ``validation`` (per op, size and algorithm), the
+    job completion time ``jct_s``, the geometric mean of the errors ``geomean_error_pct``,
+    the ``folder`` with everything, and the launch (``launched``: its ``returncode`` and
+    ``failures`` say whether every rank finished)."""
+
+    nodes: list[dict]
+    collectives: list[dict]
+    validation: list[dict]
+    jct_s: float
+    geomean_error_pct: float | None
+    folder: Path
+    launched: object
+
+
+def replay(prefix: str | Path, *, algo: str | None = None,
+           experiment: str | Path | None = None, topology: dict | None = None,
+           time_dilation: float | str | None = None, scale: float = 1.0,
+           out: str | Path | None = None, timeout_s: float = 600.0, echo=None) -> Replayed:
+    """Replay the trace ``prefix`` on an emulated network with a rank per host (the
+    experiment file's first point's network, or a star of as many hosts as ranks at 100 Mb/s
+    changed by ``topology``); ``algo``: the testbed algorithm of its float32 allreduces
+    (None: gloo); ``scale``: factor on compute durations. TraceError before anything is
+    built when the trace cannot be replayed."""
+    from testbed.collectives.algorithms import is_offloaded
+    from testbed.experiment import results
+    from testbed.launch import _network, _torch_job, run_script
+
+    ranks = load_trace(prefix)
+    n = len(ranks)
+    if not (isinstance(scale, int | float) and scale >= 0 and math.isfinite(scale)):
+        raise ValueError(f"scale={scale!r} must be a number >= 0")
+    tj = _torch_job(algo, None, None, False, 1)
+    topo = {"n_hosts": n, **({"switch": "programmable"} if algo and is_offloaded(algo)
+                             else {}), **(topology or {})}
+    network = _network(topo, experiment, n, algo, time_dilation)
+    folder = results.unique_folder(results.results_root() if out is None else out,
+                                   f"replay-{Path(prefix).name}")
+    with network as net:
+        if len(net.hosts) < n:
+            raise TraceError(f"{prefix}: {n} ranks, but the network has {len(net.hosts)} "
+                             "hosts")
+        f = float(net.time_dilation)
+        done = run_script(net, __name__, [str(Path(prefix).resolve()), str(folder),
+                                          str(scale * f)],
+                          tj, folder, hosts=n, timeout_s=timeout_s, echo=echo, module=True)
+        rows = _node_rows(folder, n, f)
+        colls = _collective_rows(rows, net, n, tj, f)
+    jct = (max((r["end_s"] for r in rows), default=0.0)
+           - min((r["start_s"] for r in rows), default=0.0))
+    validation, geo = _validation(colls)
+    _save(folder, rows, colls, validation, jct, geo, done)
+    return Replayed(rows, colls, validation, jct, geo, folder, done)
+
+
+def _node_rows(folder: Path, n: int, f: float) -> list[dict]:
+    rows = []
+    for r in range(n):
+        path = folder / f"nodes{r}.jsonl"
+        if path.exists():
+            rows += [json.loads(x) for x in path.read_text().splitlines() if x]
+            path.unlink()
+    t0 = min((row["start_s"] for row in rows), default=0.0)
+    for row in rows:  # undilated, from the first node's start
+        row["start_s"], row["end_s"] = (row["start_s"] - t0) / f, (row["end_s"] - t0) / f
+        row["time_s"] = row["end_s"] - row["start_s"]
+    return rows
+
+
+def _collective_rows(rows: list[dict], net, n: int, tj, f: float) -> list[dict]:
+    """A row per collective: from the last rank's arrival to the last rank's finish, and the
+    flow model's time for it on this network."""
+    from testbed.collectives import flowmodel
+    from testbed.collectives.spec import CollectiveSpec
+
+    by_seq: dict[int, list[dict]] = {}
+    for row in rows:
+        if row["kind"] == "coll":
+            by_seq.setdefault(row["seq"], []).append(row)
+    hop = net.hop_latency_s()
+    workers = [h.name for h in list(net.hosts)[:n]]
+    out, cache = [], {}
+    for seq, group in sorted(by_seq.items()):
+        first = group[0]
+        ours = tj is not None and first["op"] == "all_reduce" and first["bytes"] % 4 == 0
+        algo = tj.algo if ours else "ring"  # gloo's collectives: predicted as the ring
+        key = (first["op"], first["bytes"], algo)
+        if key not in cache:
+            cache[key] = None
+            op = MODEL_OPS.get(first["op"])
+            if op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and n > 1:
+                spec = CollectiveSpec(op=op, algo=algo, nbytes=first["bytes"])
+                try:
+                    cache[key] = flowmodel.predict(net.topo, spec, workers=workers,
+                                                   hop_latency_s=hop, time_dilation=f).time_s
+                except ValueError:  # a size or rank count the model does not take
+                    cache[key] = None
+        out.append({"seq": seq, "node": first["node"], "name": first["name"],
+                    "op": first["op"], "bytes": first["bytes"],
+                    "path": f"testbed:{algo}" if ours else "gloo",
+                    "time_s": max(r["end_s"] for r in group) - max(r["start_s"] for r in group),
+                    "model_s": cache[key], "ranks": len(group)})
+    return out
+
+
+def _validation(colls: list[dict]) -> tuple[list[dict], float | None]:
+    """Per (op, bytes, path): measured (median) against predicted, the error in %; and the
+    geometric mean of |error| over the rows that have a prediction."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in colls:
+        groups.setdefault((c["op"], c["bytes"], c["path"]), []).append(c)
+    rows, logs = [], []
+    for (op, size, path), cs in sorted(groups.items()):
+        times = sorted(c["time_s"] for c in cs)
+        measured = times[len(times) // 2]
+        model = cs[0]["model_s"]
+        err = None if not model else (measured / model - 1) * 100
+        rows.append({"op": op, "bytes": size, "path": path, "count": len(cs),
+                     "measured_s": measured, "predicted_s": model,
+                     "error_pct": err})
+        if err is not None and measured > 0:
+            logs.append(math.log(max(abs(err), 1e-3)))
+    geo = math.exp(sum(logs) / len(logs)) if logs else None
+    return rows, geo
+
+
+def _save(folder: Path, rows, colls, validation, jct, geo, done) -> None:
+    import pandas as pd
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if rows:
+        pd.DataFrame(rows).to_csv(folder / "nodes.csv", index=False)
+    if colls:
+        pd.DataFrame(colls).to_csv(folder / "collectives.csv", index=False)
+    if validation:
+        pd.DataFrame(validation).to_csv(folder / "validation.csv", index=False)
+    events = [{"name": r["name"] or f"{r['kind']} {r['node']}", "cat": r["kind"], "ph": "X",
+               "ts": r["start_s"] * 1e6, "dur": r["time_s"] * 1e6, "pid": 0,
+               "tid": r["rank"], "args": {"node": r["node"], "op": r.get("op"),
+                                          "bytes": r.get("bytes")}} for r in rows]
+    (folder / "timeline.json").write_text(json.dumps({"traceEvents": events}))
+    meta = json.loads((folder / "launch.json").read_text()) if \
+        (folder / "launch.json").exists() else {}
+    meta.update(jct_s=jct, geomean_error_pct=geo, collectives=len(colls), nodes=len(rows))
+    (folder / "replay.json").write_text(json.dumps(meta, indent=2, default=str))
+
+
+# ---------------------------------------------------------------------------- inside a rank
+
+def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    nodes = order(load_rank(f"{prefix}.{rank}.et"))
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    seq = 0
+    with open(Path(folder) / f"nodes{rank}.jsonl", "w") as log:
+        for x in nodes:
+            t0 = time.time()
+            if x.kind == "comp":
+                time.sleep(x.duration_s * compute_factor)
+            elif x.kind == "coll":
+                _collective(dist, torch, x, n)
+            elif x.kind == "send":
+                dist.send(_buffer(torch, x.bytes), dst=x.peer, tag=x.tag)
+            elif x.kind == "recv":
+                dist.recv(_buffer(torch, x.bytes), src=x.peer, tag=x.tag)
+            row = {"rank": rank, "node": x.id, "name": x.name, "kind": x.kind, "op": x.op,
+                   "bytes": x.bytes, "peer": x.peer, "start_s": t0, "end_s": time.time()}
+            if x.kind == "coll":
+                row["seq"] = seq
+                seq += 1
+            log.write(json.dumps(row) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _buffer(torch, nbytes: int):
+    """float32 when the size allows (the testbed's algorithms take it), else bytes."""
+    if nbytes % 4 == 0:
+        return torch.ones(nbytes // 4, dtype=torch.float32)
+    return torch.ones(nbytes, dtype=torch.uint8)
+
+
+def _collective(dist, torch, x: Node, n: int) -> None:
+    if x.op == "barrier":
+        dist.barrier()
+    elif x.op == "all_reduce":
+        dist.all_reduce(_buffer(torch, x.bytes))
+    elif x.op == "broadcast":
+        dist.broadcast(_buffer(torch, x.bytes), src=0)
+    else:  # the size is the whole array: n equal parts (rounded up to whole elements)
+        dtype, item = (torch.float32, 4) if x.bytes % (4 * n) == 0 else (torch.uint8, 1)
+        part = -(-x.bytes // (item * n))
+        whole = torch.ones(part * n, dtype=dtype)
+        mine = torch.ones(part, dtype=dtype)
+        if x.op == "all_gather":
+            dist.all_gather_into_tensor(whole, mine)
+        elif x.op == "reduce_scatter":
+            dist.reduce_scatter_tensor(mine, whole)
+        else:  # all_to_all
+            dist.all_to_all_single(torch.empty_like(whole), whole)
+
+
+if __name__ == "__main__":
+    _run_rank(sys.argv[1], sys.argv[2], float(sys.argv[3]))

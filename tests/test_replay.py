@@ -1,0 +1,164 @@
+"""Chakra execution traces: built with Chakra's own schema and writer in each test, checked
+before anything runs, and replayed on emulated networks (needs the ``[torch]`` and
+``[traces]`` extras)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the [torch] extra is not installed")
+pb = pytest.importorskip("chakra.schema.protobuf.et_def_pb2",
+                         reason="the [traces] extra (mlc-chakra) is not installed")
+protolib = pytest.importorskip("chakra.src.third_party.utils.protolib")
+
+from testbed.replay import TraceError, load_trace, replay  # noqa: E402
+
+
+def _attr(node, name, **value):
+    node.attr.append(pb.AttributeProto(name=name, **value))
+    return node
+
+
+def comp(i, us, deps=()):
+    return pb.Node(id=i, name=f"comp{i}", type=pb.COMP_NODE, duration_micros=us,
+                   data_deps=list(deps))
+
+
+def coll(i, ctype, size, deps=()):
+    n = pb.Node(id=i, name=f"{pb.CollectiveCommType.Name(ctype).lower()}{i}",
+                type=pb.COMM_COLL_NODE, data_deps=list(deps))
+    _attr(n, "comm_type", int64_val=ctype)
+    return _attr(n, "comm_size", int64_val=size)
+
+
+def send(i, dst, size, deps=()):
+    n = _attr(pb.Node(id=i, name=f"send{i}", type=pb.COMM_SEND_NODE, data_deps=list(deps)),
+              "comm_dst", int64_val=dst)
+    return _attr(n, "comm_size", int64_val=size)
+
+
+def recv(i, src, size, deps=()):
+    n = _attr(pb.Node(id=i, name=f"recv{i}", type=pb.COMM_RECV_NODE, data_deps=list(deps)),
+              "comm_src", int64_val=src)
+    return _attr(n, "comm_size", int64_val=size)
+
+
+def write(prefix: Path, graphs: dict) -> Path:
+    for r, nodes in graphs.items():
+        with open(f"{prefix}.{r}.et", "wb") as f:
+            protolib.encodeMessage(f, pb.GlobalMetadata(version="0.0.4"))
+            for n in nodes:
+                protolib.encodeMessage(f, n)
+    return prefix
+
+
+def ddp(n: int, sizes=(256 << 10, 1 << 20), compute_us=3000) -> dict:
+    """A DDP-like step: backward compute, then each bucket's allreduce as soon as its
+    gradient is ready, then the next compute after every allreduce."""
+    graphs = {}
+    for r in range(n):
+        nodes, prev = [], []
+        for k, size in enumerate(sizes):
+            c = comp(10 * k + 1, compute_us, prev[-1:])
+            a = coll(10 * k + 2, pb.ALL_REDUCE, size, [c.id])
+            nodes += [c, a]
+            prev = [a.id]
+        nodes.append(comp(99, compute_us, prev))
+        graphs[r] = nodes
+    return graphs
+
+
+# -- checked before anything runs ----------------------------------------------------------
+
+def test_a_well_formed_trace_loads(tmp_path):
+    ranks = load_trace(write(tmp_path / "t", ddp(3)))
+    assert sorted(ranks) == [0, 1, 2]
+    assert [x.op for x in ranks[0] if x.kind == "coll"] == ["all_reduce", "all_reduce"]
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing_rank", r"rank files \[1\] are missing"),
+    ("cycle", r"nodes \[1, 2\] form a cycle"),
+    ("dangling", r"node 2 \('all_reduce2'\) depends on nodes \[7\]"),
+    ("unknown_collective", r"collective type 'GATHER' is not replayed"),
+    ("order", r"collective #0 \('all_gather', 1024\) differs from rank 0's "
+              r"\('all_reduce', 1024\)"),
+    ("unmatched_send", r"sends from rank 0 to rank 1 .* do not match"),
+    ("group", r"communicator group 'tp': only the world group"),
+    ("truncated", r"truncated file"),
+    ("bad_peer", r"comm_dst 5 is not a rank of this trace"),
+])
+def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
+    prefix = tmp_path / case
+    g = {0: [comp(1, 10), coll(2, pb.ALL_REDUCE, 1024, [1])],
+         1: [comp(1, 10), coll(2, pb.ALL_REDUCE, 1024, [1])]}
+    if case == "missing_rank":
+        g[2] = g.pop(1)
+    elif case == "cycle":
+        g[0] = [comp(1, 10, [2]), coll(2, pb.ALL_REDUCE, 1024, [1])]
+    elif case == "dangling":
+        g[0] = [comp(1, 10), coll(2, pb.ALL_REDUCE, 1024, [7])]
+    elif case == "unknown_collective":
+        g[1] = [comp(1, 10), coll(2, pb.GATHER, 1024, [1])]
+    elif case == "order":
+        g[1] = [comp(1, 10), coll(2, pb.ALL_GATHER, 1024, [1])]
+    elif case == "unmatched_send":
+        g[0].append(send(3, 1, 64, [2]))
+    elif case == "group":
+        _attr(g[1][1], "pg_name", string_val="tp")
+    elif case == "bad_peer":
+        g[0].append(send(3, 5, 64, [2]))
+    write(prefix, g)
+    if case == "truncated":
+        path = Path(f"{prefix}.1.et")
+        path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(TraceError, match=match):
+        load_trace(prefix)
+
+
+# -- replayed on emulated networks --------------------------------------------------------
+
+@pytest.mark.mininet
+def test_ddp_trace_through_the_testbed_ring_against_the_model(tmp_path):
+    compute_us = 3000
+    res = replay(write(tmp_path / "ddp", ddp(4, compute_us=compute_us)), algo="ring",
+                 out=tmp_path / "out", echo=lambda line: None)
+    assert res.launched.returncode == 0, res.launched.failures
+    assert len(res.nodes) == 4 * 5 and {r["rank"] for r in res.nodes} == {0, 1, 2, 3}
+    for rank in range(4):  # dependencies held: each node started after what it waits for
+        mine = {r["node"]: r for r in res.nodes if r["rank"] == rank}
+        for deps, node in (((1,), 2), ((2,), 11), ((11,), 12), ((12,), 99)):
+            assert all(mine[node]["start_s"] >= mine[d]["end_s"] - 1e-6 for d in deps)
+        assert all(mine[c]["time_s"] >= compute_us * 1e-6 for c in (1, 11, 99))
+    assert [c["bytes"] for c in res.collectives] == [256 << 10, 1 << 20]
+    assert all(c["path"] == "testbed:ring" and c["model_s"] > 0 for c in res.collectives)
+    assert [v["op"] for v in res.validation] == ["all_reduce", "all_reduce"]
+    assert res.geomean_error_pct is not None and res.geomean_error_pct >= 0
+    assert res.jct_s >= 3 * compute_us * 1e-6
+    for name in ("nodes.csv", "collectives.csv", "validation.csv", "timeline.json",
+                 "replay.json"):
+        assert (res.folder / name).exists(), name
+
+
+@pytest.mark.mininet
+def test_pipeline_and_moe_trace_over_gloo(tmp_path):
+    """Send/recv between pipeline stages, then an all-to-all (MoE), an all-gather, a
+    reduce-scatter and a broadcast, on 3 ranks."""
+    size = 3 * 4096
+    g = {0: [comp(1, 2000), send(2, 1, 65536, [1])],
+         1: [recv(2, 0, 65536), comp(3, 2000, [2]), send(4, 2, 65536, [3])],
+         2: [recv(4, 1, 65536), comp(5, 2000, [4])]}
+    for nodes in g.values():
+        last = nodes[-1].id
+        nodes += [coll(20, pb.ALL_TO_ALL, size, [last]), coll(21, pb.ALL_GATHER, size, [20]),
+                  coll(22, pb.REDUCE_SCATTER, size, [21]), coll(23, pb.BROADCAST, size, [22])]
+    res = replay(write(tmp_path / "pp", g), out=tmp_path / "out", echo=lambda line: None)
+    assert res.launched.returncode == 0, res.launched.failures
+    at = {(r["rank"], r["node"]): r for r in res.nodes}
+    assert at[(1, 2)]["end_s"] >= at[(0, 1)]["end_s"] - 1e-6  # stage 1 waited for stage 0
+    assert at[(2, 5)]["start_s"] >= at[(1, 3)]["end_s"] - 1e-6  # and stage 2 for stage 1
+    assert [c["op"] for c in res.collectives] == ["all_to_all", "all_gather",
+                                                  "reduce_scatter", "broadcast"]
+    assert all(c["ranks"] == 3 and c["path"] == "gloo" for c in res.collectives)
