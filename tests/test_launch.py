@@ -93,20 +93,24 @@ def test_bad_options_are_named_before_anything_is_built(tmp_path):
 
 
 def test_launch_jobs_of_an_experiment_file(tmp_path):
-    """``[[launch]]`` in an experiment: the same script over gloo, ring and INA on one built
-    network, a row each, the trace of each under the results folder."""
+    """``[[launch]]`` in an experiment: the same script over gloo and through the testbed's
+    ring on one built network, a row each, the trace of each under the results folder (the
+    example file ``examples/torch/ddp_sweep.toml`` adds INA; the test above covers it)."""
     from testbed.experiment import run
 
-    res = run("examples/torch/ddp_sweep.toml", out_dir=tmp_path / "r", progress=False,
-              doctor=False)
+    script = SCRIPTS / "ddp_digits.py"
+    exp = {"name": "launch-sweep", "topology": {"kind": "star", "n_hosts": 3,
+                                                "switch": "bridge"},
+           "launch": [{"script": str(script), "args": ["--steps", "4"]},
+                      {"script": str(script), "args": ["--steps", "4"], "algo": "ring"}]}
+    res = run(exp, out_dir=tmp_path / "r", progress=False, doctor=False)
     df = res.df
-    assert list(df["label"]) == ["ddp_digits:gloo", "ddp_digits:ring", "ddp_digits:ina"]
+    assert list(df["label"]) == ["ddp_digits:gloo", "ddp_digits:ring"]
     assert (df["status"] == "ok").all() and df["correct"].all(), df["error"].tolist()
     assert (df["returncode"] == 0).all() and (df["time_s"] > 0).all()
-    gloo, ring, ina = df.iloc[0], df.iloc[1], df.iloc[2]
+    gloo, ring = df.iloc[0], df.iloc[1]
     assert gloo["offloaded_collectives"] == 0
-    for row in (ring, ina):
-        assert row["offloaded_collectives"] >= 10 and row["comm_s"] > 0
-        assert row["model_comm_s"] > 0  # the flow model of every bucket, on this network
-    trace = tmp_path / "r" / "launch" / "run0002"
+    assert ring["offloaded_collectives"] >= 4 and ring["comm_s"] > 0
+    assert ring["model_comm_s"] > 0  # the flow model of every bucket, on this network
+    trace = tmp_path / "r" / "launch" / "run0001"
     assert (trace / "trace.csv").exists() and (trace / "trace.json").exists()
