@@ -67,8 +67,8 @@ class Launched:
         return 128 - codes[0] if codes[0] < 0 else codes[0]
 
 
-def _network(topology: dict | None, experiment: str | Path | None, hosts: int | None,
-             algo: str | None, time_dilation):
+def launch_network(topology: dict | None, experiment: str | Path | None, hosts: int | None,
+                   algo: str | None, time_dilation):
     """The (not yet started) network the job runs on: the experiment file's first point's,
     or a star of ``hosts`` hosts at 100 Mb/s changed by ``topology``."""
     from pydantic import ValidationError
@@ -118,8 +118,8 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
 
     if not module:
         script = _checked_script(script)
-    tj = _torch_job(algo, compressor, compressor_params, error_feedback, job_id)
-    network = _network(topology, experiment, hosts, algo, time_dilation)
+    tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id)
+    network = launch_network(topology, experiment, hosts, algo, time_dilation)
     stem = str(script).rsplit(".", 1)[-1] if module else Path(script).stem
     folder = results.unique_folder(results.results_root() if out is None else out,
                                    f"launch-{stem}")
@@ -140,8 +140,8 @@ def _checked_script(script: str | Path) -> Path:
     return path
 
 
-def _torch_job(algo: str | None, compressor: str | None, compressor_params: dict | None,
-               error_feedback: bool, job_id: int):
+def backend_settings(algo: str | None, compressor: str | None,
+                     compressor_params: dict | None, error_feedback: bool, job_id: int):
     """The testbed backend's settings (None: plain gloo); ``ValueError`` on bad ones."""
     from testbed.torch import TorchJob
     from testbed.workloads.spec import check_communication

@@ -287,16 +287,16 @@ def replay(prefix: str | Path, *, algo: str | None = None,
     built when the trace cannot be replayed."""
     from testbed.collectives.algorithms import is_offloaded
     from testbed.experiment import results
-    from testbed.launch import _network, _torch_job, run_script
+    from testbed.launch import backend_settings, launch_network, run_script
 
     ranks = load_trace(prefix)
     n = len(ranks)
     if not (isinstance(scale, int | float) and scale >= 0 and math.isfinite(scale)):
         raise ValueError(f"scale={scale!r} must be a number >= 0")
-    tj = _torch_job(algo, None, None, False, 1)
+    tj = backend_settings(algo, None, None, False, 1)
     topo = {"n_hosts": n, **({"switch": "programmable"} if algo and is_offloaded(algo)
                              else {}), **(topology or {})}
-    network = _network(topo, experiment, n, algo, time_dilation)
+    network = launch_network(topo, experiment, n, algo, time_dilation)
     folder = results.unique_folder(results.results_root() if out is None else out,
                                    f"replay-{Path(prefix).name}")
     with network as net:

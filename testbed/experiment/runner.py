@@ -345,12 +345,12 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     time from the first rank's start to the last one's end, its collectives (how many, their
     time and the model's on rank 0); the trace and the ranks' output under
     ``launch/run<NNNN>/``."""
-    from testbed.launch import _torch_job, run_script  # needs torch only when one runs
+    from testbed.launch import backend_settings, run_script  # needs torch only when one runs
 
     folder = out / "launch" / f"run{run_idx:04d}"
     try:
-        tj = _torch_job(job.algo, job.compressor, job.compressor_params, job.error_feedback,
-                        job_id=1 + index)
+        tj = backend_settings(job.algo, job.compressor, job.compressor_params,
+                              job.error_feedback, job_id=1 + index)
         done = run_script(net, job.script, job.args, tj, folder, hosts=job.hosts,
                           timeout_s=job.timeout_s, echo=lambda line: None)
     except (KeyboardInterrupt, SystemExit):
