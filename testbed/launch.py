@@ -200,7 +200,7 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
             codes, failed, failures = _run_ranks(workers, job, target, args, folder, True,
                                                  timeout_s, echo)
     wall = time.monotonic() - t0
-    trace = _collect_trace(folder, n)
+    trace = collect_rank_rows(folder, "trace", n)
     if tj is not None:
         _add_model(trace, net, workers, tj)
     _save_trace(trace, folder)
@@ -306,10 +306,12 @@ def _stop(p) -> None:
     p.wait()
 
 
-def _collect_trace(folder: Path, n: int) -> list[dict]:
+def collect_rank_rows(folder: Path, stem: str, n: int) -> list[dict]:
+    """The JSON lines every rank wrote to ``folder/<stem><rank>.jsonl`` (files removed once
+    read), ordered by start time then rank."""
     rows = []
     for r in range(n):
-        path = folder / f"trace{r}.jsonl"
+        path = folder / f"{stem}{r}.jsonl"
         if path.exists():
             rows += [json.loads(line) for line in path.read_text().splitlines() if line]
             path.unlink()

@@ -317,12 +317,9 @@ def replay(prefix: str | Path, *, algo: str | None = None,
 
 
 def _node_rows(folder: Path, n: int, f: float) -> list[dict]:
-    rows = []
-    for r in range(n):
-        path = folder / f"nodes{r}.jsonl"
-        if path.exists():
-            rows += [json.loads(x) for x in path.read_text().splitlines() if x]
-            path.unlink()
+    from testbed.launch import collect_rank_rows
+
+    rows = collect_rank_rows(folder, "nodes", n)
     t0 = min((row["start_s"] for row in rows), default=0.0)
     for row in rows:  # undilated, from the first node's start
         row["start_s"], row["end_s"] = (row["start_s"] - t0) / f, (row["end_s"] - t0) / f

@@ -113,7 +113,8 @@ class TorchJob:
 class TestbedComm:
     """One rank's testbed collective, set up once and used for any bucket size: TCP
     connections to its algorithm's peers and its ring neighbours (a compressed allreduce and
-    trim's broadcast run on the ring) on the deterministic ports, or the INA client of the registered job."""
+    trim's broadcast run on the ring) on the deterministic ports, or the INA client of the
+    registered job."""
 
     def __init__(self, job: dict, tj: TorchJob, rank: int):
         self.n = len(job["ranks"])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from testbed.collectives.algorithms import algorithm, algorithm_names, peer_algorithm
+from testbed.collectives.algorithms import algorithm, algorithm_names
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, INA_ELEMS, OPS
 from testbed.kernels.wire import PAYLOAD_OFFSET
 
@@ -176,11 +176,14 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not one of {OPS}")
-    if algo != "tree" and algo not in algorithm_names():
-        raise ValueError(f"algo={algo!r} is not one of {algorithm_names() + ('tree',)}")
-    if algo != "tree" and op not in algorithm(algo).ops:
-        raise ValueError(f"algo={algo!r} does not implement op={op!r} (it models "
-                         f"{', '.join(algorithm(algo).ops)} only)")
+    alg = None  # the binomial tree is a model-only algorithm
+    if algo != "tree":
+        if algo not in algorithm_names():
+            raise ValueError(f"algo={algo!r} is not one of {algorithm_names() + ('tree',)}")
+        alg = algorithm(algo)
+        if op not in alg.ops:
+            raise ValueError(f"algo={algo!r} does not implement op={op!r} (it models "
+                             f"{', '.join(alg.ops)} only)")
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"n={n!r} must be an integer >= 1")
     if nbytes < 0 or bw_bps <= 0 or alpha_s < 0:
@@ -191,7 +194,7 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
     a = alpha_s
     t = nbytes / goodput_Bps(algo, bw_bps)  # S/B: time to push the whole array over one link
     lg = math.ceil(math.log2(n))
-    if algo != "tree" and algorithm(algo).offloaded:  # S/B + one round trip, any n
+    if alg is not None and alg.offloaded:  # S/B + one round trip, any n
         return t + 2 * a
     if algo == "rs":
         if servers < 1:
@@ -208,7 +211,7 @@ def predict(op: str, algo: str, n: int, nbytes: int, bw_bps: float, alpha_s: flo
             return 2 * lg * (a + t)
         raise ValueError(f"algo='tree' models broadcast and allreduce, not op={op!r}")
     chunk_s = min(chunk_bytes, nbytes) / goodput_Bps(algo, bw_bps)
-    return peer_algorithm(algo).alpha_beta(op, n, nbytes, a, t, chunk_s)
+    return alg.alpha_beta(op, n, nbytes, a, t, chunk_s)  # a peer algorithm: ring, hd, plug-ins
 
 
 def hd_time(op: str, n: int, nbytes: float, a: float, t: float) -> float:

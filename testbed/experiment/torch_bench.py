@@ -56,8 +56,8 @@ def _model_ring_s(done, spec_bytes: list[int], hosts: int) -> float:
     from testbed.collectives import flowmodel
     from testbed.collectives.spec import CollectiveSpec
 
-    desc = json.loads((done.folder / "launch.json").read_text())["describe"]
-    dilation = float(json.loads((done.folder / "launch.json").read_text())["time_dilation"])
+    meta = json.loads((done.folder / "launch.json").read_text())
+    desc, dilation = meta["describe"], float(meta["time_dilation"])
     workers = desc["hosts"][:hosts] if isinstance(desc.get("hosts"), list) else None
     return sum(flowmodel.predict(desc, CollectiveSpec(algo="ring", nbytes=b),
                                  workers=workers, time_dilation=dilation).time_s
