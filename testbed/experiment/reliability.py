@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -154,10 +155,12 @@ def slowdown_rows(nbytes: int, losses, emit) -> None:
 
 
 def _flood(host_pid: int, dst_ip: str, job_id: int, n: int, slots: int, seq0: int, spoof: dict,
-           rate_pps: float, seconds: float, out_fd: int) -> None:
+           rate_pps: float, seconds: float, stop_fd: int, out_fd: int) -> None:
     """In a forked child: spray DATA packets with the job's id, every worker id and slot and
     rounds around the job's, half from this host's own socket, half as raw frames spoofing a
-    member's MAC, IP and port (they arrive on the wrong ingress port). Writes the count.
+    member's MAC, IP and port (they arrive on the wrong ingress port). Stops when ``stop_fd``
+    becomes readable (only between bursts: a signal could land between a send and its count)
+    and writes the count.
 
     The packets are built before the flood starts and sent in bursts of ``BURST``: the stranger
     stands for another machine, so its own CPU must not be taken from the emulated job (a
@@ -185,6 +188,8 @@ def _flood(host_pid: int, dst_ip: str, job_id: int, n: int, slots: int, seq0: in
         gap = BURST / rate_pps
         nxt = time.monotonic()
         while time.monotonic() < t_end:
+            if select.select([stop_fd], [], [], 0)[0]:
+                break
             for _ in range(BURST):
                 pkt = packets[sent % len(packets)]
                 if sent % 2:
@@ -194,8 +199,8 @@ def _flood(host_pid: int, dst_ip: str, job_id: int, n: int, slots: int, seq0: in
                 sent += 1
             nxt += gap
             pause = nxt - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
+            if pause > 0 and select.select([stop_fd], [], [], pause)[0]:
+                break
     finally:
         os.write(out_fd, str(sent).encode())
         os._exit(0)
@@ -215,13 +220,16 @@ def non_member_flood(nbytes: int, rate_pps: float, kind: str, emit) -> None:
                  "ip": _ip(member.IP()), "port": ina_worker_port(spec.job_id),
                  "agg_mac": _mac(net.aggregator["mac"]), "agg_ip": _ip(net.aggregator["ip"])}
         r, w = os.pipe()
+        stop_r, stop_w = os.pipe()
         # the stranger does not know seq0 (random per registration); it guesses around 0
         pid = os.fork()
         if pid == 0:
             os.close(r)
+            os.close(stop_w)
             _flood(int(stranger.pid), net.aggregator["ip"], spec.job_id, n, spec.window, 0,
-                   spoof, rate_pps, 3600, w)
+                   spoof, rate_pps, 3600, stop_r, w)
         os.close(w)
+        os.close(stop_r)
         try:
             time.sleep(0.5)  # the flood is under way before the job starts
             row = {"scenario": "non_member_flood", "topology": kind, "algo": "ina", "n": n,
@@ -229,21 +237,26 @@ def non_member_flood(nbytes: int, rate_pps: float, kind: str, emit) -> None:
                    "stray_pps": rate_pps}
             row.update(_cell(net, spec))
         finally:
-            os.kill(pid, signal.SIGINT)
+            os.write(stop_w, b"x")
+            os.close(stop_w)
             os.waitpid(pid, 0)
         stray = int(os.read(r, 64) or b"0")
         os.close(r)
-        time.sleep(0.3)  # the last strays drain through the switch
-        after = c.counters()
         port = f"{agg}-eth{n + 1}"  # the stranger's switch port
-        row["stray_sent"] = stray
-        row["stray_received"] = (after["ports"][port]["rx_packets"]
-                                 - before["ports"][port]["rx_packets"])
-        # while the job is registered a stray is NOT_MEMBER; before and after, UNKNOWN_JOB
-        row["drops_not_member"] = _drops(after, "NOT_MEMBER") - _drops(before, "NOT_MEMBER")
-        row["drops_unknown_job"] = _drops(after, "UNKNOWN_JOB") - _drops(before, "UNKNOWN_JOB")
-        row["all_strays_counted"] = (row["drops_not_member"] + row["drops_unknown_job"]
-                                     == row["stray_received"] == stray)
+        # the last strays drain through the switch: a loaded machine may take a while
+        deadline = time.monotonic() + 5.0
+        while True:
+            after = c.counters()
+            received = after["ports"][port]["rx_packets"] - before["ports"][port]["rx_packets"]
+            # while the job is registered a stray is NOT_MEMBER; before and after, UNKNOWN_JOB
+            not_member = _drops(after, "NOT_MEMBER") - _drops(before, "NOT_MEMBER")
+            unknown = _drops(after, "UNKNOWN_JOB") - _drops(before, "UNKNOWN_JOB")
+            if not_member + unknown == received == stray or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        row.update(stray_sent=stray, stray_received=received, drops_not_member=not_member,
+                   drops_unknown_job=unknown,
+                   all_strays_counted=not_member + unknown == received == stray)
         _slowdown(row, clean["time_s"])
         emit(row)
 
