@@ -18,14 +18,10 @@ fails, a note row says so (``gbps``/``ratio`` None and a ``note`` key).
 
 from __future__ import annotations
 
-import json
 import traceback
 
 import numpy as np
 from numba import njit
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels import packets as pk
@@ -255,33 +251,3 @@ def rows(elements: int, only: tuple[str, ...] | None = None) -> list[dict]:
     for r in out:
         r["cpu"] = cpu
     return out
-
-
-def _print_table(result: list[dict]) -> None:
-    table = Table(title="testbed kernels vs anchors (GB/s = bytes read + written per second)")
-    for col in ("kernel", "elements", "GB/s", "anchor", "anchor GB/s", "ratio"):
-        table.add_column(col, justify="left" if col in ("kernel", "anchor") else "right",
-                         no_wrap=True)
-    notes = []
-    for r in result:
-        if r.get("gbps") is None:
-            notes.append(f"{r['kernel']}: {r.get('note', 'no measurement')}")
-            continue
-        table.add_row(escape(str(r["kernel"])), f"{r['elements']:,}", f"{r['gbps']:.2f}",
-                      escape(str(r["anchor"])), f"{r['anchor_gbps']:.2f}", f"{r['ratio']:.2f}")
-    if result:
-        table.caption = f"CPU: {result[0]['cpu']}"
-    console = Console(width=max(120, Console().width))
-    console.print(table)
-    for n in notes:
-        console.print(f"note: {escape(n)}")
-
-
-def main(json_out: bool, elements: int, only: tuple[str, ...] | None = None) -> int:
-    """Run the kernel benchmark; print JSON rows or a table. Returns the exit status."""
-    result = rows(elements, only)
-    if json_out:
-        print(json.dumps(result, indent=1))
-    else:
-        _print_table(result)
-    return 0

@@ -32,7 +32,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -458,50 +457,19 @@ def cleanup(force: bool = False, wait: float = 10.0, files: bool = True
     return {**removed, "errors": errors}
 
 
-def cleanup_servers(servers, wait: float = 10.0) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Clean the remote servers of a cluster network over ssh, then this machine.
-
-    Each server runs its own ``testbed cleanup`` (same venv path as here), which removes only
-    what is ours there; a "server" on this machine's kernel (a netns server) is cleaned under
-    the lock this call holds for that kernel, so it skips taking it again. Returns this
-    machine's result (as :func:`cleanup`) and server name -> that server's report (its output,
-    or why it could not be cleaned).
-    """
-    # imported here: a plain cleanup never needs Mininet's cluster classes
-    from testbed.topologies import cluster
-
-    remote: dict[str, str] = {}
-    with emulation_lock(timeout=wait, guard=False):
-        for srv in cluster.parse_servers(["localhost", *servers])[1:]:
-            try:
-                conn = cluster.Connection(srv)
-            except Exception as e:  # noqa: BLE001 - reported per server
-                remote[srv.name] = f"not cleaned: {e}"
-                continue
-            try:
-                force = " --force" if conn.same_kernel() else ""
-                remote[srv.name] = conn.run(f"COLUMNS=200 {sys.executable} -m testbed.cli cleanup{force}",
-                                            check=False, timeout=120).strip()
-            finally:
-                conn.close()
-        local = cleanup(force=False, wait=wait)
-    return local, remote
-
-
-def main(force: bool = False, servers=()) -> int:
+def main(force: bool = False, clean=None) -> int:
     """CLI entry: clean up, print a table of what was removed; exit 0 when all went.
-    ``servers``: clean these cluster servers over ssh first (:func:`cleanup_servers`)."""
+    ``clean``: what cleans instead of :func:`cleanup`, returning (this machine's result,
+    server name -> report), e.g. :func:`testbed.topologies.cluster.cleanup_servers` for the
+    servers of a cluster network."""
     from rich.console import Console
     from rich.table import Table
 
     console, err = Console(), Console(stderr=True)
     try:
-        if servers:
-            result, remote = cleanup_servers(servers)
-            for name, text in remote.items():
-                console.print(f"[bold]{name}:[/bold] {text}")
-        else:
-            result = cleanup(force=force)
+        result, remote = clean() if clean is not None else (cleanup(force=force), {})
+        for name, text in remote.items():
+            console.print(f"[bold]{name}:[/bold] {text}")
     except (PermissionError, EmulationBusy) as exc:
         err.print(f"[red]testbed cleanup:[/red] {exc}")
         return 1 if isinstance(exc, PermissionError) else 2

@@ -7,10 +7,12 @@ Each subcommand lives in the module that owns it and is imported only when used,
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import typer
+
+from testbed.bench.protocol import UNCHANGED
+from testbed.bench.protocol import parse_dilation as _dilation
 
 app = typer.Typer(
     help="Emulation testbed for offloading AI collectives to the network.",
@@ -40,15 +42,6 @@ DILATION_HELP = ("run the network F times slower (links at bw/F, delays and time
                  "CPU unsaturated")
 
 
-def _dilation(text: str | None) -> float | str | None:
-    """``--time-dilation`` as the experiment takes it: a number, 'auto', or None (not given);
-    a bad value is left for the experiment's validation to explain."""
-    if text is None or text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 @app.command()
@@ -72,7 +65,12 @@ def cleanup(
     """Remove only what the testbed created (namespaces, links, processes, bridges)."""
     from testbed.cleanup import main
 
-    raise typer.Exit(main(force=force, servers=[s for s in servers.split(",") if s.strip()]))
+    names = [s for s in servers.split(",") if s.strip()]
+    if not names:
+        raise typer.Exit(main(force=force))
+    from testbed.topologies.cluster import cleanup_servers
+
+    raise typer.Exit(main(force=force, clean=lambda: cleanup_servers(names)))
 
 
 @app.command()
@@ -202,7 +200,7 @@ def replay(
 ) -> None:
     """Replay a Chakra execution trace on the emulated fabric and validate it against the
     flow model (exit: 0 ok, 1 a rank failed, 2 a trace that cannot be replayed)."""
-    from testbed.experiment.bench_results import print_rows
+    from testbed.bench.store import print_rows
     from testbed.replay import TraceError
     from testbed.replay import replay as run_trace
 
@@ -386,255 +384,90 @@ def provider_plan(job: str = typer.Argument(None, help="the job whose plan to sh
 
 # -- benchmarks -----------------------------------------------------------------------------------
 
-def _stored(name: str, out: str, json_out: bool, rows: list[dict], notes: dict,
-            columns: tuple[str, ...] | None = None) -> None:
-    """Store a benchmark's rows under ``out`` and print them (table or JSON)."""
-    from testbed.experiment.bench_results import print_rows, save_bench
+def _bench_command(bench):
+    """A command for ``bench`` (a :class:`testbed.bench.Benchmark`): its declared options, each
+    given or left to its default (and to its ``--quick`` value under ``--quick``), and the
+    options every benchmark has: --quick, --json, --out."""
+    import inspect
 
-    folder = save_bench(name, rows, out, notes)
-    if json_out:
-        print(json.dumps({"rows": rows, "notes": notes}, default=str))
-    else:
-        print_rows(rows, f"testbed bench {name}", columns)
-    print(f"results: {folder}", file=sys.stderr if json_out else sys.stdout)
+    from testbed.bench import run_benchmark
 
+    params = []
+    for o in bench.options:
+        quick = "" if o.quick is UNCHANGED else f"; --quick: {o.quick!r}"
+        default = "" if o.default is None else f" (default: {o.default!r}{quick})"
+        if not default and quick:
+            default = f" ({quick[2:]})"
+        flag = f"{o.flag}/--no-{o.flag[2:]}" if o.kind is bool else o.flag
+        params.append(inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, annotation=o.kind | None,
+            default=typer.Option(None, flag, help=o.help + default, metavar=o.metavar,
+                                 show_default=False)))
+    params += [
+        inspect.Parameter("quick", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                          default=typer.Option(False, "--quick", help=bench.quick_help)),
+        inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                          default=typer.Option(False, "--json", help=BENCH_JSON_HELP)),
+        inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                          default=typer.Option(None, "--out", metavar="DIR",
+                                               help=BENCH_OUT_HELP))]
 
-#: ``bench kernels --quick``: a gradient small enough for seconds, not minutes
-QUICK_ELEMENTS = 1_000_000
-QUICK_HELP = "small sizes and short trials: seconds to a minute, for a check that it runs"
+    def command(**kw) -> None:
+        quick, json_out, out = kw.pop("quick"), kw.pop("json_out"), kw.pop("out")
+        raise typer.Exit(run_benchmark(bench.name, kw, quick=quick, json_out=json_out, out=out))
 
-
-def _bench_kernels(json_out: bool, elements: int, out: str | None, only: str = "") -> int:
-    groups = tuple(g.strip() for g in only.split(",") if g.strip()) or None
-    if out is None:
-        from testbed.kernels.bench import main
-
-        return main(json_out=json_out, elements=elements, only=groups)
-    from testbed.kernels.bench import rows
-
-    notes = {"elements": elements} | ({"only": list(groups)} if groups else {})
-    _stored("kernels", out, json_out, rows(elements, groups), notes)
-    return 0
-
-
-def _bench_datapath(json_out: bool, out: str | None, quick: bool = False) -> int:
-    from testbed.experiment import datapath_bench as bench
-
-    if out is None:
-        return bench.main(json_out=json_out, quick=quick)
-    if os.geteuid() != 0:
-        print("testbed bench datapath needs root (it builds Mininet networks)", file=sys.stderr)
-        return 2
-    rows, notes = bench.run_bench(**(bench.QUICK if quick else {}))
-    _stored("datapath", out, json_out, rows, notes | {"quick": quick})
-    return 0
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = bench.summary
+    command.__name__ = f"bench_{bench.name.replace('-', '_')}"
+    return command
 
 
-def _bench_collectives(json_out: bool, out: str | None, quick: bool = False) -> int:
-    from testbed.experiment import collectives_bench as bench
-
-    quick = quick or os.environ.get("TESTBED_BENCH_QUICK", "") not in ("", "0")
-    if out is None:
-        return bench.main(json_out=json_out, quick=quick)
-    rows = bench.run(quick=quick, reps=int(os.environ.get("TESTBED_BENCH_REPS", "1")))
-    targets = {k: {"met": m, "detail": d} for k, (m, d) in bench.targets(rows).items()}
-    _stored("collectives", out, json_out, rows, {"quick": quick, "targets": targets},
-            bench.SHOW)
-    return 0 if rows and all(r["correct"] for r in rows) else 1
+BENCH_JSON_HELP = ("one JSON object per row as it is measured, then a summary object "
+                   "(\"summary\": true: status, targets, notes)")
 
 
-@bench_app.command("kernels")
-def bench_kernels(
-    json_out: bool = typer.Option(False, "--json"),
-    elements: int = typer.Option(25_000_000, help="gradient length (float32 elements)"),
-    out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
-    only: str = typer.Option("", "--only", metavar="G,H",
-                             help="only these row groups: elementwise, trimming, packets, "
-                                  "compressors"),
-    quick: bool = typer.Option(False, "--quick", help=f"{QUICK_ELEMENTS:,} elements"),
-) -> None:
-    """Numba kernels against numpy anchors (GB/s)."""
-    try:
-        code = _bench_kernels(json_out, QUICK_ELEMENTS if quick else elements, out, only)
-    except ValueError as e:  # a bad --only or --elements: say so without a traceback
-        print(f"testbed bench kernels: {e}", file=sys.stderr)
-        code = 2
-    raise typer.Exit(code)
+def _register_benchmarks() -> None:
+    from testbed.bench import CATALOG
 
-
-@bench_app.command("datapath")
-def bench_datapath(json_out: bool = typer.Option(False, "--json"),
-                   out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
-                   quick: bool = typer.Option(False, "--quick", help=QUICK_HELP)) -> None:
-    """Data path programs against Linux bridge, OVS userspace and a Python forwarder (kpps)."""
-    raise typer.Exit(_bench_datapath(json_out, out, quick))
-
-
-@bench_app.command("collectives")
-def bench_collectives(json_out: bool = typer.Option(False, "--json"),
-                      out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
-                      quick: bool = typer.Option(False, "--quick", help="4 workers, 1 MiB")
-                      ) -> None:
-    """Allreduce algorithms on a star against the alpha-beta model."""
-    raise typer.Exit(_bench_collectives(json_out, out, quick))
-
-
-@bench_app.command("reliability")
-def bench_reliability(
-    quick: bool = typer.Option(False, "--quick", help="each impairment alone at its worst, "
-                               "all combined, 1 MiB (about 8 minutes)"),
-    json_out: bool = typer.Option(False, "--json"),
-) -> None:
-    """In-network aggregation under loss, duplication, reordering, strangers and a dead
-    switch (every row checked against numpy)."""
-    from testbed.experiment.reliability import main
-
-    raise typer.Exit(main(quick=quick, json_out=json_out))
-
-
-@bench_app.command("tenancy")
-def bench_tenancy(
-    quick: bool = typer.Option(False, "--quick", help="4 MiB on the fat-tree, 1 MiB per "
-                               "tenant (a few minutes)"),
-    json_out: bool = typer.Option(False, "--json"),
-    time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
-                                      help=DILATION_HELP + " (default: the files', 8)"),
-    only: str = typer.Option("hierarchical,multitenant", "--only",
-                             help="which experiments: hierarchical, multitenant or both"),
-) -> None:
-    """Aggregation trees on a fat-tree and two tenants sharing switch memory (static vs
-    shared pool), against their targets (every row checked against numpy)."""
-    from testbed.experiment.tenancy import main
-
-    names = tuple(n.strip() for n in only.split(",") if n.strip())
-    try:
-        code = main(quick=quick, json_out=json_out, only=names,
-                    time_dilation=_dilation(time_dilation))
-    except ValueError as e:  # a bad --only: say so before any network is built
-        raise typer.BadParameter(str(e), param_hint="--only") from None
-    raise typer.Exit(code)
-
-
-@bench_app.command("fidelity")
-def bench_fidelity(json_out: bool = typer.Option(False, "--json"),
-                   quick: bool = typer.Option(False, "--quick", help="one size (4 MiB)"),
-                   programmable: bool = typer.Option(False, "--programmable",
-                                                     help="data path on every switch"),
-                   time_dilation: str = typer.Option("auto", "--time-dilation",
-                                                     metavar="F|auto", help=DILATION_HELP),
-                   tcp_cc: str = typer.Option(
-                       None, "--tcp-cc", metavar="NAME|host[,...]",
-                       help="TCP congestion control of ring, hd and rs (default: the "
-                            "collectives' own, reno; 'host': each host's default); a list "
-                            "runs each TCP algorithm once per entry on the same network"),
-                   only: str = typer.Option(None, help="comma-separated networks (star4, "
-                                                       "star8, leafspine-2:1, leafspine-4:1, "
-                                                       "fattree-k4)"),
-                   queue_ms: float = typer.Option(
-                       None, "--queue-ms", metavar="MS",
-                       help="every shaped link's queue in ms at its rate (default and 0: "
-                            "the kernel's 1000 packets; 500: a lossless fabric, like the "
-                            "model's)"),
-                   ) -> None:
-    """Collectives on star, leaf-spine and fat-tree against the flow-level model."""
-    from testbed.experiment.fidelity import QUEUE_MS, main
-
-    raise typer.Exit(main(json_out=json_out, quick=quick, programmable=programmable,
-                          time_dilation=_dilation(time_dilation),
-                          tcp_cc=tcp_cc.split(",") if tcp_cc else None,
-                          only=only.split(",") if only else None,
-                          queue_ms=QUEUE_MS if queue_ms is None else queue_ms or None))
-
-
-@bench_app.command("capacity")
-def bench_capacity(json_out: bool = typer.Option(False, "--json"),
-                   workers: str = typer.Option("2,4,8,16", help="host counts of the sweep"),
-                   io: str = typer.Option("ring", help="engine packet I/O: ring or mmsg"),
-                   shaping: str = typer.Option(
-                       "engine", help="who shapes the switch's ports: engine (its shape "
-                                      "stage) or qdisc (the kernel's HTB)"),
-                   sched: str = typer.Option(
-                       "fifo", help="the engine's packet loop: fifo (real-time) or other "
-                                    "(time-shared)"),
-                   worker_send: str = typer.Option(
-                       "gso", "--worker-send", help="how INA workers send: gso (UDP GSO runs) "
-                                                    "or mmsg (a datagram per entry)"),
-                   mib: int = typer.Option(8, help="allreduce size (MiB)"),
-                   bw: float = typer.Option(100.0, help="link rate (Mb/s)"),
-                   time_dilation: float = typer.Option(
-                       1.0, "--time-dilation", help="run the sweep at this factor (>= 1)"),
-                   dilate: str = typer.Option(
-                       "8,16", help="host counts at which the smallest non-saturating "
-                                    "dilation factor is searched ('' for none)")) -> None:
-    """INA and ring on stars: most workers without CPU saturation, CPU per packet, and the
-    smallest time dilation that keeps 8 and 16 workers below saturation."""
-    from testbed.experiment.capacity import main
-
-    def ints(opt: str, text: str) -> list[int]:
-        try:
-            return [int(w) for w in text.split(",") if w.strip()]
-        except ValueError:
-            raise typer.BadParameter(f"{opt} takes comma-separated integers, got "
-                                     f"{text!r}") from None
-
-    try:
-        code = main(json_out=json_out, workers=ints("--workers", workers), io=io,
-                    nbytes=mib << 20, bw_mbps=bw, time_dilation=time_dilation,
-                    dilate_workers=ints("--dilate", dilate), shaping=shaping, sched=sched,
-                    worker_send=worker_send)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    raise typer.Exit(code)
-
-
-@bench_app.command("ina-cost")
-def bench_ina_cost(json_out: bool = typer.Option(False, "--json"),
-                   reps: int = typer.Option(5, help="runs per row (median, min, max)")) -> None:
-    """CPU time per packet of the INA worker and switch kernels, without a network."""
-    from testbed.experiment.ina_cost import main
-
-    if reps < 1:
-        raise typer.BadParameter(f"--reps must be at least 1, got {reps}")
-    raise typer.Exit(main(json_out=json_out, reps=reps))
-
-
-@bench_app.command("cluster")
-def bench_cluster(json_out: bool = typer.Option(False, "--json"),
-                  leaves: int = typer.Option(2, help="leaves of the leaf-spine (2 spines)"),
-                  hosts_per_leaf: int = typer.Option(2, help="hosts per leaf"),
-                  bw: float = typer.Option(100.0, help="link rate (Mb/s)")) -> None:
-    """A leaf-spine on one machine vs split over it and a netns server: set-up time, memory
-    per server, INA and ring (docs/cluster.md)."""
-    from testbed.experiment.cluster_bench import main
-
-    raise typer.Exit(main(json_out=json_out, leaves=leaves, hosts_per_leaf=hosts_per_leaf,
-                          bw_mbps=bw))
-
-
-@bench_app.command("torch")
-def bench_torch(json_out: bool = typer.Option(False, "--json"),
-                quick: bool = typer.Option(False, "--quick", help="3 ranks, 1 MiB of "
-                                           "gradient, a few steps (about a minute)"),
-                time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
-                                                  help=DILATION_HELP + " (the DDP runs)"),
-                out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP)) -> None:
-    """The testbed process-group backend against gloo with an unmodified script: per-call
-    overhead, DDP step time against the flow model, launch time and memory per rank."""
-    from testbed.experiment.torch_bench import main
-
-    raise typer.Exit(main(json_out=json_out, quick=quick,
-                          time_dilation=_dilation(time_dilation), out=out))
+    for bench in CATALOG.values():
+        bench_app.command(bench.name)(_bench_command(bench))
 
 
 @bench_app.command("all")
-def bench_all(json_out: bool = typer.Option(False, "--json"),
+def bench_all(json_out: bool = typer.Option(False, "--json", help=BENCH_JSON_HELP),
               out: str = typer.Option(None, metavar="DIR", help=BENCH_OUT_HELP),
-              quick: bool = typer.Option(False, "--quick", help="each one's quick form")
-              ) -> None:
-    """Kernels, data path and collectives in turn; exit status of the worst."""
-    codes = [_bench_kernels(json_out, QUICK_ELEMENTS if quick else 25_000_000, out),
-             _bench_datapath(json_out, out, quick), _bench_collectives(json_out, out, quick)]
-    raise typer.Exit(max(codes))
+              quick: bool = typer.Option(False, "--quick", help="each one's quick form"),
+              only: str = typer.Option(None, "--only", metavar="A,B",
+                                       help="only these benchmarks (default: all)"),
+              skip: str = typer.Option("", "--skip", metavar="A,B",
+                                       help="all but these benchmarks")) -> None:
+    """Every benchmark in turn, each with its defaults (or its --quick form); one that cannot
+    run on this machine is skipped with the reason. Exit status: the worst of those that ran."""
+    from testbed.bench import benchmark_names, run_benchmark
+
+    def names(text: str | None) -> list[str]:
+        picked = [n.strip() for n in (text or "").split(",") if n.strip()]
+        bad = sorted(set(picked) - set(benchmark_names()))
+        if bad:
+            raise typer.BadParameter(f"unknown benchmark {', '.join(bad)}; choose from "
+                                     f"{', '.join(benchmark_names())}")
+        return picked
+
+    chosen = names(only) or list(benchmark_names())
+    dropped = set(names(skip))
+    codes = {}
+    for name in (n for n in chosen if n not in dropped):
+        print(f"== testbed bench {name}{' --quick' if quick else ''}", file=sys.stderr,
+              flush=True)
+        codes[name] = run_benchmark(name, quick=quick, json_out=json_out, out=out)
+    ran = {n: c for n, c in codes.items() if c != 2}
+    print("== bench all: " + ", ".join(f"{n} {'ok' if c == 0 else f'exit {c}'}"
+                                       for n, c in codes.items()), file=sys.stderr)
+    raise typer.Exit(max(ran.values(), default=2))
+
+
+_register_benchmarks()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def launch_network(topology: dict | None, experiment: str | Path | None, hosts: 
     from pydantic import ValidationError
 
     from testbed.collectives.algorithms import is_offloaded
-    from testbed.experiment.runner import network_for
+    from testbed.experiment.networks import network_for
     from testbed.experiment.spec import TopologySpec, format_errors, load_point
     from testbed.topologies import make_topology
     from testbed.topologies.net import TestbedNet

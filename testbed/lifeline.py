@@ -10,7 +10,7 @@ its owner's life:
   (data-path engines, worker pools, aggregators, services): a thread waits on a pidfd of the
   owner and, when the owner is gone, terminates the process (SIGTERM, so it can write its
   counters; ``_exit`` if it has not gone after a grace period, e.g. while it compiles).
-* the guardian, ``python -m testbed.lifeline guard``: a small process in its own session
+* the guardian, ``python -m testbed.guardian`` (:mod:`testbed.guardian`): a small process in its own session
   (a signal to the owner's process group does not reach it) waiting on the same pidfd. The
   owner disarms it on a clean release of the lock. If the owner died instead (SIGKILL, the
   OOM killer, a crash), it takes the lock and runs :func:`testbed.cleanup.cleanup`: what did
@@ -24,7 +24,6 @@ older kernel the wait falls back to checking ``/proc`` twice a second.
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import signal
@@ -137,7 +136,7 @@ class Guardian:
         # the lock's path by the environment: an argument naming the run folder would make
         # the guardian look like a process of the network to testbed.cleanup
         self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "testbed.lifeline", "guard", "--owner", self.owner],
+            [sys.executable, "-m", "testbed.guardian", "--owner", self.owner],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, OWNER_ENV: "", LOCK_ENV: lock_path})
 
@@ -179,46 +178,3 @@ def release_ownership() -> None:
         os.environ[OWNER_ENV] = previous  # type: ignore[assignment]
     else:
         os.environ.pop(OWNER_ENV, None)
-
-
-def _guard(owner: str) -> int:
-    # SIGTERM disarms it (the owner released its network cleanly) until the owner is gone;
-    # from then on it cleans up, and nothing stops it halfway
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    wait_for_exit(owner)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # imported only now: a guardian that is never needed stays a small process
-    from testbed import cleanup
-    from testbed.netlock import LOCK_PATH, EmulationBusy, emulation_lock
-
-    pid, _ = parse_identity(owner)
-    try:
-        with emulation_lock(timeout=GUARD_LOCK_WAIT_S, guard=False):
-            removed = cleanup.cleanup(force=True)
-    except EmulationBusy:
-        holder = cleanup.lock_file_pid(LOCK_PATH)
-        if holder != pid:
-            return 0  # a new network took the lock: it cleans what is left before it starts
-        # the lock file still names the dead owner: only a child of it can hold the lock
-        removed = cleanup.cleanup(force=True)
-    what = ", ".join(f"{len(v)} {k}" for k, v in removed.items() if v and k != "errors")
-    if what:
-        print(f"testbed: the network's owner (pid {pid}) died without tearing it down; "
-              f"removed {what}" + (f"; could not remove: {removed['errors']}"
-                                   if removed["errors"] else ""), file=sys.stderr, flush=True)
-    return 1 if removed["errors"] else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m testbed.lifeline",
-                                 description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("guard", help="clean up after OWNER if it dies holding the lock")
-    g.add_argument("--owner", required=True, help="PID:START_TICKS of the owner (the lock "
-                   f"it holds: ${LOCK_ENV})")
-    a = ap.parse_args(argv)
-    return _guard(a.owner)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

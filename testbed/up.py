@@ -138,7 +138,7 @@ def _serve(file: str, exp, pt, cli: bool) -> int:
     """Build the network, keep it until told to stop, tear it down."""
     # here, not at the top: the network layers take about 2 s to import and 'testbed down',
     # which shares this module, needs none of them
-    from testbed.experiment.runner import network_for
+    from testbed.experiment.networks import network_for
 
     try:
         network = network_for(pt)

@@ -23,7 +23,9 @@ def test_bench_out_stores_rows_metadata_and_plot(tmp_path):
                         "--json", "--out", str(tmp_path / "b")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    printed = json.loads(r.stdout)["rows"]
+    *printed, summary = [json.loads(line) for line in r.stdout.splitlines()]
+    assert summary["summary"] and summary["status"] == 0 and summary["rows"] == len(printed)
+    assert all(p["bench"] == "kernels" for p in printed)
     (folder,) = (tmp_path / "b").glob("bench-kernels-*")
     assert f"results: {folder}" in r.stderr
     res = Results.load(folder)
@@ -33,7 +35,8 @@ def test_bench_out_stores_rows_metadata_and_plot(tmp_path):
     assert len(pd.read_csv(folder / "results.csv")) == len(printed)
     meta = res.metadata
     assert meta["bench"] == "kernels" and meta["status"] == "completed"
-    assert meta["notes"] == {"elements": 4096, "only": ["elementwise"]}
+    assert meta["notes"]["elements"] == 4096 and meta["notes"]["only"] == ["elementwise"]
+    assert meta["notes"]["options"] == {"elements": 4096, "only": "elementwise"}
     assert meta["machine"]["cpu_model"] and meta["git"]["commit"]
     assert any(e.startswith("numba==") for e in meta["environment"])
     assert meta["plots"] == ["bench_kernels.png"]

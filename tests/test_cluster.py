@@ -63,8 +63,9 @@ def test_cleanup_on_both_servers_after_a_crash_leaves_nothing():
     why = nsserver.available()
     if why:
         pytest.skip(f"no netns server here: {why}")
-    from testbed.cleanup import cleanup_servers, leftovers
+    from testbed.cleanup import leftovers
     from testbed.netlock import emulation_lock
+    from testbed.topologies.cluster import cleanup_servers
 
     key = None
     with emulation_lock(timeout=600):

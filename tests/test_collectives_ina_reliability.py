@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.bench import reliability as rel
 from testbed.datapath.control import RUN_DIR
-from testbed.experiment import reliability as rel
 
 pytestmark = pytest.mark.mininet
 MiB = 1 << 20

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from testbed import doctor
+from testbed.bench import fidelity, run_benchmark
 from testbed.collectives import CollectiveSpec
 from testbed.collectives.model import RS_WINDOW_BYTES, tcp_window_clamp
 from testbed.collectives.report import make_row
@@ -23,7 +24,6 @@ from testbed.collectives.transport import (
     set_tcp_cc,
     wait_all,
 )
-from testbed.experiment import fidelity
 
 AVAILABLE = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
 
@@ -141,8 +141,9 @@ def test_fidelity_bench_refuses_a_bad_network_or_algorithm_before_building_anyth
         fidelity.run(quick=True, only=["star9"])
     with pytest.raises(ValueError, match="tcp_cc='Bad'"):
         fidelity.run(quick=True, tcp_cc="Bad")
-    assert fidelity.main(quick=True, only=["star9"]) == 2
-    assert fidelity.main(quick=True, queue_ms=-5) == 2  # a bad queue: refused the same way
+    assert run_benchmark("fidelity", {"only": "star9"}, quick=True) == 2
+    # a bad queue: refused the same way
+    assert run_benchmark("fidelity", {"queue_ms": -5.0}, quick=True) == 2
 
 
 def test_fidelity_bench_runs_tcp_algorithms_once_per_congestion_control():

@@ -29,7 +29,7 @@ def test_rings_and_frame_files(tmp_path):
 
 
 def check_bench_rows(rows: list[dict], notes: dict) -> None:
-    """A quick run of the real benchmark (``datapath_bench.QUICK``; run by ``testbed bench all
+    """A quick run of the real benchmark (its ``--quick`` options; run by ``testbed bench all
     --quick`` in test_readme_commands): every program row has every anchor measured in the same
     run, positive rates, and ratio == kpps / anchor_kpps."""
     programs = {r["program"] for r in rows}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from testbed.experiment.capacity import MACHINE_MIN_WALL_S, ROW_KEYS, max_not_bound, run
+from testbed.bench.capacity import MACHINE_MIN_WALL_S, ROW_KEYS, max_not_bound, run
 
 
 def test_max_workers_is_the_largest_n_before_the_first_saturated_run():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.experiment import fidelity
+from testbed.bench import fidelity
 
 MiB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from testbed.experiment import ina_cost
+from testbed.bench import ina_cost
 
 
 def test_worker_bench_completes_every_packet():

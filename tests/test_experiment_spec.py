@@ -162,7 +162,7 @@ def test_job_options_are_checked_against_the_layers():
 
 
 def test_datapath_options_order_stages_and_set_port_rates():
-    from testbed.experiment.runner import datapath_options
+    from testbed.experiment.networks import datapath_options
     from testbed.topologies import TopologyError, make_topology
     from testbed.topologies.pipeline import compose
 
@@ -188,7 +188,7 @@ def test_datapath_options_order_stages_and_set_port_rates():
 
 
 def test_datapath_options_codec_and_nic_jobs():
-    from testbed.experiment.runner import datapath_options
+    from testbed.experiment.networks import datapath_options
 
     base = {"topology": {"smartnic": True}, "jobs": [{"algo": "ring"}]}
     assert datapath_options(parse_experiment(base)).nic_codec is None

@@ -3,7 +3,7 @@ and its targets are computed from the rows as the issue states them."""
 
 from __future__ import annotations
 
-from testbed.experiment import tenancy
+from testbed.bench import tenancy
 
 
 def test_experiments_take_the_size_and_the_dilation():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from testbed.bench import run_benchmark
 from testbed.kernels import bench
 
 KEYS = {"kernel", "elements", "gbps", "anchor", "anchor_gbps", "ratio"}
@@ -17,8 +18,10 @@ OURS = ["fixedpoint.exponents", "fixedpoint.quantize", "fixedpoint.quantize[par]
 
 
 def test_bench_json_rows_schema_and_positive_numbers(capsys):
-    assert bench.main(json_out=True, elements=20000) == 0
-    rows = json.loads(capsys.readouterr().out)
+    assert run_benchmark("kernels", {"elements": 20000}, json_out=True) == 0
+    *rows, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert summary["summary"] and summary["status"] == 0 and summary["rows"] == len(rows)
+    assert summary["notes"]["elements"] == 20000 and summary["notes"]["cpu"]
     names = [r["kernel"] for r in rows]
     for name in OURS:
         assert name in names, name
@@ -41,7 +44,7 @@ def test_bench_json_rows_schema_and_positive_numbers(capsys):
 
 
 def test_bench_table_output(capsys):
-    assert bench.main(json_out=False, elements=600) == 0
+    assert run_benchmark("kernels", {"elements": 600}) == 0
     out = capsys.readouterr().out
     assert "fixedpoint.quantize" in out and "ratio" in out and "numpy add" in out
 

@@ -29,7 +29,7 @@ LAB_TOOLS = {"jupyterlab": "`testbed lab` runs jupyter-lab", "ipykernel": "noteb
 #: that exist for an optional extra (which installs the distribution they import).
 PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
            "torch": {"testbed/torch.py", "testbed/c10d.py", "testbed/launch.py", "testbed/replay.py",
-                     "testbed/experiment/torch_probe.py"},
+                     "testbed/bench/torch_probe.py"},
            "distributed": {"testbed/experiment/distributed.py"},
            "dask": {"testbed/experiment/distributed.py"},
            "mlc-chakra": {"testbed/replay.py"},

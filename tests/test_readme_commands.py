@@ -54,21 +54,26 @@ def test_every_readme_command_answers_help(path):
 
 
 @pytest.mark.mininet
-def test_make_bench_quick_runs_every_benchmark_of_bench_all(tmp_path):
-    """``testbed bench all --quick`` (``make bench``'s quick form): kernels, the data path and
-    the collectives, each measured against its anchor in the same run, stored under --out."""
+def test_bench_all_quick_runs_benchmarks_in_turn_and_stores_each(tmp_path):
+    """``testbed bench all --quick --only ...`` (``make bench``'s quick form, on the
+    benchmarks quick enough for a test): each measured against its anchor in the same run,
+    one JSON line per row and a summary per benchmark, each stored under --out."""
     from test_datapath_bench import check_bench_rows  # the data-path bench's own checks
+    names = ["kernels", "datapath", "collectives", "ina-cost"]
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "bench", "all", "--quick", "--json",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
-                       cwd=REPO, env={**os.environ, "COLUMNS": "200"})
+                        "--only", ",".join(names), "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=900, cwd=REPO, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    stored = {d.name.split("-")[1] for d in tmp_path.iterdir()}
-    assert stored == {"kernels", "datapath", "collectives"}, stored
-    docs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(docs) == 3, r.stdout[-2000:]
-    kernels, datapath, collectives = docs
-    assert [row for row in kernels["rows"] if row.get("ratio")], kernels
-    check_bench_rows(datapath["rows"], datapath["notes"])
-    collectives = collectives["rows"]
-    assert {row["algo"] for row in collectives} == {"ring", "hd", "rs", "ina"}
-    assert all(row["correct"] for row in collectives)
+    stored = {d.name.removeprefix("bench-").rsplit("-", 2)[0] for d in tmp_path.iterdir()}
+    assert stored == set(names), stored
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    summaries = [x for x in lines if x.get("summary")]
+    assert [s["bench"] for s in summaries] == names
+    assert all(s["status"] == 0 and s["notes"]["quick"] for s in summaries), summaries
+    rows = {n: [x for x in lines if x["bench"] == n and not x.get("summary")] for n in names}
+    assert all(len(rows[s["bench"]]) == s["rows"] > 0 for s in summaries)
+    assert [row for row in rows["kernels"] if row.get("ratio")]
+    datapath = [{k: v for k, v in row.items() if k != "bench"} for row in rows["datapath"]]
+    check_bench_rows(datapath, summaries[1]["notes"])
+    assert {row["algo"] for row in rows["collectives"]} == {"ring", "hd", "rs", "ina"}
+    assert all(row["correct"] for row in rows["collectives"])

@@ -54,9 +54,10 @@ from subprocess import Popen
 from mininet.examples.cluster import RemoteMixin
 from mininet.node import Host
 
-from testbed.cleanup import temp_dir
+from testbed.cleanup import cleanup, temp_dir
 from testbed.datapath.control import RUN_DIR, socket_path
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
+from testbed.netlock import emulation_lock
 
 from .base import TestbedTopo, TopologyError
 
@@ -557,3 +558,30 @@ def measure_underlay(conn: Connection | None, src_ip: str, dst_ip: str, seconds:
             server.terminate()
         server.wait(5)
     return out
+
+
+def cleanup_servers(servers, wait: float = 10.0) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Clean the remote servers of a cluster network over ssh, then this machine.
+
+    Each server runs its own ``testbed cleanup`` (same venv path as here), which removes only
+    what is ours there; a "server" on this machine's kernel (a netns server) is cleaned under
+    the lock this call holds for that kernel, so it skips taking it again. Returns this
+    machine's result (as :func:`testbed.cleanup.cleanup`) and server name -> that server's report (its output,
+    or why it could not be cleaned).
+    """
+    remote: dict[str, str] = {}
+    with emulation_lock(timeout=wait, guard=False):
+        for srv in parse_servers(["localhost", *servers])[1:]:
+            try:
+                conn = Connection(srv)
+            except Exception as e:  # noqa: BLE001 - reported per server
+                remote[srv.name] = f"not cleaned: {e}"
+                continue
+            try:
+                force = " --force" if conn.same_kernel() else ""
+                remote[srv.name] = conn.run(f"COLUMNS=200 {sys.executable} -m testbed.cli cleanup{force}",
+                                            check=False, timeout=120).strip()
+            finally:
+                conn.close()
+        local = cleanup(force=False, wait=wait)
+    return local, remote

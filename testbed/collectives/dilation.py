@@ -48,7 +48,6 @@ import os
 from dataclasses import dataclass, field
 
 from testbed.collectives import cpumon, flowmodel
-from testbed.collectives.runner import run_collective
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveTimeout
 
@@ -123,13 +122,13 @@ def calibration_bytes(net, spec: CollectiveSpec, factor: float) -> int:
     return max(4096, nbytes - nbytes % 4096)
 
 
-def _trial(net, spec: CollectiveSpec, factor: float) -> tuple[bool, float, list[dict]]:
+def _trial(net, spec: CollectiveSpec, factor: float, run) -> tuple[bool, float, list[dict]]:
     """Run ``spec`` shrunk for calibration at the net's current factor: (passed, median
     pressure of its repetitions, one record per repetition)."""
     small = dataclasses.replace(spec, nbytes=calibration_bytes(net, spec, factor),
                                 repetitions=CAL_REPS)
     try:
-        rows = run_collective(net, small)
+        rows = run(net, small)
     except CollectiveTimeout as e:  # a starved emulator can stall: count it as saturated
         return False, math.inf, [{"factor": factor, "algo": spec.algo, "bytes": small.nbytes,
                                   "error": str(e)[:300], "passed": False}]
@@ -161,12 +160,14 @@ def _distinct(specs: list[CollectiveSpec]) -> list[CollectiveSpec]:
     return out
 
 
-def calibrate(net, specs: list[CollectiveSpec], *, start: float = 1.0,
+def calibrate(net, specs: list[CollectiveSpec], run, *, start: float = 1.0,
               max_factor: float = MAX_AUTO_FACTOR, log=None) -> Calibration:
     """Choose and set the smallest dilation factor at which every collective of ``specs``
     stays below CPU saturation on the running ``net`` (see the module docstring).
 
-    ``start``: the first factor tried (e.g. what a similar network needed); ``max_factor``:
+    ``run``: what runs a collective, :func:`testbed.collectives.run_collective` (passed in: the
+    runner calls this module for a network built with ``time_dilation = "auto"``, so this
+    module cannot import it). ``start``: the first factor tried (e.g. what a similar network needed); ``max_factor``:
     the largest. ``log``: a file to print one line per calibration run to. The net runs at
     the chosen factor afterwards and keeps the result in ``net.calibration``. When even
     ``max_factor`` saturates, or other processes keep the cores busy whatever the factor,
@@ -184,7 +185,7 @@ def calibrate(net, specs: list[CollectiveSpec], *, start: float = 1.0,
         net.set_time_dilation(factor)
         failed, worst, busy = [], 0.0, 1.0
         for spec in workloads:
-            ok, p, records = _trial(net, spec, factor)
+            ok, p, records = _trial(net, spec, factor, run)
             cal.trials.extend(records)
             worst = max(worst, p)
             for r in records:

@@ -38,6 +38,7 @@ import time
 
 from testbed.collectives import cpumon, flowmodel, ports
 from testbed.collectives.algorithms import is_offloaded
+from testbed.collectives.dilation import calibrate
 from testbed.collectives.report import make_row
 from testbed.collectives.spec import SHARED_TREE_ERROR, CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
@@ -176,10 +177,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     hosts = _hosts(net)
     spec.validate(len(hosts))
     if getattr(net, "time_dilation_requested", None) == "auto" and net.calibration is None:
-        # imported here: dilation runs collectives through this module
-        from testbed.collectives.dilation import calibrate
-
-        calibrate(net, [spec])
+        calibrate(net, [spec], run_collective)
     dilation = float(getattr(net, "time_dilation", 1.0))
     workers, servers, colocated = placement(net, spec)
     n, m = len(workers), len(servers)

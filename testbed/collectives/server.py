@@ -12,7 +12,7 @@ buffer and its flow stalls on a closed TCP window while the server waits for ano
 This alone helped little (m = n = 4 dedicated, 100 Mb/s, 8 MB: 1.42-1.65x the model ->
 1.36-1.44x); the workers' credit window (``worker_allreduce``) and pieces of at most 32 KiB
 (``model.rs_chunk_bytes``) did the rest: 1.01-1.09x at 8 and 32 MB, m = 1, 2, 4 dedicated
-and co-located (``python -m testbed.experiment.collectives_bench rs 8,32``), ring 1.07-1.19x.
+and co-located (``python -m testbed.bench.collectives rs 8,32``), ring 1.07-1.19x.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@
     python -m testbed.datapath.bench sink --iface tbh2-eth0 ...
     python -m testbed.datapath.bench naive --ports tbs1-eth1 tbs1-eth2
 
-The benchmark that builds networks around them is ``testbed.experiment.datapath_bench``
+The benchmark that builds networks around them is ``testbed.bench.datapath``
 (``testbed bench datapath``). Only numpy is imported at module level (the tools must start
 fast inside hosts).
 """

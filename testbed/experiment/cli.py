@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from rich.console import Console
 from testbed.experiment.cooperation import is_cooperation
 from testbed.experiment.cooperation import run_file as run_cooperation_file
 from testbed.experiment.plots import plot_bars, plot_overview, use_headless
-from testbed.experiment.results import results_root
+from testbed.experiment.results import results_root, strict_json
 from testbed.experiment.runner import RunAborted, default_out_dir, run
 from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
 from testbed.experiment.train import (
@@ -126,16 +125,8 @@ def print_json_rows(res) -> None:
     else:
         rows = res.df.to_dict("records")
     for row in rows:
-        print(json.dumps({k: _strict(v) for k, v in row.items()}, default=str))
+        print(json.dumps(strict_json(row), default=str))
     sys.stdout.flush()
-
-
-def _strict(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, list):
-        return [_strict(x) for x in v]
-    return v
 
 
 def print_tables(res, name: str) -> None:

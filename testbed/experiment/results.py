@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -94,6 +95,18 @@ def _json_default(o: Any) -> Any:
     if hasattr(o, "tolist"):
         return o.tolist()
     return str(o)
+
+
+def strict_json(v: Any) -> Any:
+    """``v`` with NaN and infinities as ``None`` (in nested dicts, lists and tuples too):
+    strict JSON, as ``jq`` and other readers want."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: strict_json(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [strict_json(x) for x in v]
+    return v
 
 
 def _jsonl(row: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
 from testbed.experiment import results, train
 from testbed.experiment.incast import run_incast
+from testbed.experiment.networks import network_for
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -49,9 +50,6 @@ from testbed.experiment.results import (
 from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
 from testbed.kernels.wire import Flags, MsgType
 from testbed.netlock import emulation_lock
-from testbed.topologies import make_topology
-from testbed.topologies.net import TestbedNet
-from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
 
 #: The "size" of a launched script's run in a plan (see :func:`plan_runs`).
 LAUNCH = "launch"
@@ -436,20 +434,6 @@ def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
 
 # -- network ------------------------------------------------------------------------------------
 
-def topology_for(point: Experiment):
-    """The testbed topology of one experiment point (its seed by default)."""
-    kwargs = point.topology.kwargs()
-    kwargs.setdefault("seed", point.seed)
-    return make_topology(point.topology.kind, **kwargs)
-
-
-def network_for(point: Experiment) -> TestbedNet:
-    """The (not yet started) network of one experiment point: its topology and the data-path
-    programs of its impairments, trimming and codec."""
-    return TestbedNet(topology_for(point), datapath=datapath_options(point),
-                      time_dilation=point.time_dilation)
-
-
 def _calibrate(net, group: list):
     """Calibrate a network built with ``time_dilation = "auto"`` with the group's collectives
     (a ring allreduce over every host stands in for incasts); None for a fixed factor."""
@@ -458,7 +442,7 @@ def _calibrate(net, group: list):
 
     specs = [_collective_spec(job, size, pt) for (_pi, _params, pt, _ji, job, size) in group
              if job.op != "incast"]
-    return calibrate(net, specs or [CollectiveSpec(algo="ring", nbytes=4 << 20)])
+    return calibrate(net, specs or [CollectiveSpec(algo="ring", nbytes=4 << 20)], run_collective)
 
 
 def _open_network(stack: contextlib.ExitStack, point: Experiment):
@@ -468,36 +452,6 @@ def _open_network(stack: contextlib.ExitStack, point: Experiment):
     except Exception as e:  # describe() is provenance only
         desc = {"error": str(e)}
     return net, desc
-
-
-def datapath_options(point: Experiment) -> DatapathOptions:
-    """The data-path conditions of ``point`` as the pipeline composer takes them.
-
-    Impairment percentages become probabilities and an impairment without a seed takes the
-    experiment's. SmartNICs run the ``nic_codec`` stage when the experiment sets a codec, or
-    in fixed-point mode when a job uses ``algo = "nic"`` (the SmartNIC-offloaded INA; without
-    SmartNICs that job fails on its own and the others run).
-    """
-    impairments = tuple(
-        Impairment(node=i.node, direction=i.direction,
-                   ports=None if i.ports is None else tuple(i.ports),
-                   loss=i.loss_pct / 100.0, dup=i.dup_pct / 100.0,
-                   reorder=i.reorder_pct / 100.0, delay_ms=i.delay_ms, jitter_ms=i.jitter_ms,
-                   filter=i.filter, seed=point.seed if i.seed is None else i.seed)
-        for i in point.impairments)
-    trimming = tuple(
-        Trimming(node=t.node, mode=t.mode, rate_mbps=t.rate_mbps,
-                 threshold_bytes=t.threshold_bytes, queue_slots=t.queue_slots,
-                 ports=None if t.ports is None else tuple(t.ports))
-        for t in point.trimming)
-    nic_codec = None
-    if point.codec is not None:
-        nic_codec = {"codec": point.codec.codec, **point.codec.settings}
-    elif point.topology.smartnic and any(j.algo == "nic" and j.op != "incast"
-                                         for j in point.jobs):
-        nic_codec = {"codec": "fixed32"}
-    return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec,
-                           aggregate=point.topology.aggregate_settings())
 
 
 def _start_cross_traffic(stack: contextlib.ExitStack, net, point: Experiment) -> list:

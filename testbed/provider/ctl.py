@@ -54,7 +54,7 @@ def serve(file: str, point: int = 0, policy: str = "cooperative",
     """CLI entry of ``serve``: 0 after a clean stop, 2 for a bad file or option, 1 when the
     network or the service cannot start, 130 on Ctrl-C."""
     # Function-level imports: the experiment runner loads Mininet and the data path.
-    from testbed.experiment.runner import network_for, topology_for
+    from testbed.experiment.networks import network_for, topology_for
     from testbed.experiment.spec import load_point
 
     try:

@@ -1,4 +1,4 @@
-"""``testbed bench cluster [--json]``: what splitting a network over two servers costs.
+"""``testbed bench cluster``: what splitting a network over two servers costs.
 
 Builds the same programmable leaf-spine twice in one run: on this machine alone (the anchor),
 then split over this machine and a netns server reached by ssh
@@ -12,18 +12,15 @@ server shares this machine's CPU, so the ratio measures the ssh/tunnel overhead,
 
 from __future__ import annotations
 
-import json
-import sys
-
+from testbed.bench.protocol import Outcome
 from testbed.collectives import CollectiveSpec, run_collective
-from testbed.experiment.fidelity import cpu_model
-from testbed.nsserver import NetnsServer, available
+from testbed.nsserver import NetnsServer
 from testbed.topologies import LeafSpine, TestbedNet
 
 SETUP_KEYS = ("cluster_s", "build_s", "start_s", "configure_s")
 
 
-def measure(leaves: int, hosts_per_leaf: int, bw_mbps: float, servers=None) -> dict:
+def measure_split(leaves: int, hosts_per_leaf: int, bw_mbps: float, servers=None) -> dict:
     """Build the leaf-spine (on ``servers`` when given), run INA and ring once, tear down."""
     topo = LeafSpine(leaves=leaves, spines=2, hosts_per_leaf=hosts_per_leaf, bw_mbps=bw_mbps,
                      switch="programmable")
@@ -45,30 +42,14 @@ def measure(leaves: int, hosts_per_leaf: int, bw_mbps: float, servers=None) -> d
     return row
 
 
-def main(json_out: bool = False, leaves: int = 2, hosts_per_leaf: int = 2,
-         bw_mbps: float = 100.0) -> int:
-    """CLI entry: the anchor row and the cluster row (JSON lines with ``--json``)."""
-    why = available()
-    if why:
-        print(f"testbed bench cluster: cannot start a netns server here: {why}", file=sys.stderr)
-        return 2
+def measure(emit, quick: bool, leaves: int, hosts_per_leaf: int, bw: float) -> Outcome:
+    """``testbed bench cluster`` (:mod:`testbed.bench.protocol`): the anchor row (one
+    machine) and the split row; ok when INA and ring were exact in both."""
     with NetnsServer(2) as srv:
-        anchor = measure(leaves, hosts_per_leaf, bw_mbps)
-        split = measure(leaves, hosts_per_leaf, bw_mbps, servers=["localhost", srv.server])
+        anchor = measure_split(leaves, hosts_per_leaf, bw)
+        emit(anchor)
+        split = measure_split(leaves, hosts_per_leaf, bw, servers=["localhost", srv.server])
     split["setup_vs_one_machine"] = round(split["setup_s"] / anchor["setup_s"], 2)
+    emit(split)
     rows = [anchor, split]
-    for r in rows:
-        r["cpu_model"] = cpu_model()
-    if json_out:
-        for r in rows:
-            print(json.dumps(r))
-    else:
-        for r in rows:
-            print(f"{r['servers']} server(s), {r['hosts']} hosts: set-up {r['setup_s']} s "
-                  f"{r.get('setup_vs_one_machine', '')}x, memory MiB {r['mem_mib']}, "
-                  f"INA {r['ina_time_s']} s ({'ok' if r['ina_correct'] else 'WRONG'}), ring "
-                  f"{r['ring_time_s']} s ({'ok' if r['ring_correct'] else 'WRONG'}), "
-                  f"tunnel_bound {r['tunnel_bound']}")
-        print(f"CPU: {rows[0]['cpu_model']}")
-    ok = all(r["ina_correct"] and r["ring_correct"] for r in rows)
-    return 0 if ok else 1
+    return Outcome(rows, ok=all(r["ina_correct"] and r["ring_correct"] for r in rows))

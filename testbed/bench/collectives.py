@@ -12,20 +12,19 @@ Anchor: ring allreduce of the same n and size, measured in the same run; every r
 (checked and printed): no n=4 run cpu_bound; ring, rs and INA within 10 % of model_s when
 not cpu_bound; INA/ring ratio within 10 % of the model's ratio.
 
-``python -m testbed.experiment.collectives_bench rs [MB,...]``: the reduction server's fidelity for
+``python -m testbed.bench.collectives rs [MB,...]``: the reduction server's fidelity for
 dedicated (m = 4, 2, 1) and co-located servers, ring as the anchor (:func:`rs_fidelity`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
+from testbed.bench.protocol import Outcome
 from testbed.collectives import model
 from testbed.collectives.algorithms import is_offloaded
-from testbed.collectives.report import render_table
 from testbed.collectives.runner import run_collective
 from testbed.collectives.spec import CollectiveSpec
 from testbed.topologies import Star, TestbedNet
@@ -145,23 +144,11 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
-def main(json_out: bool = False, quick: bool | None = None) -> int:
-    """Entry point of ``testbed bench collectives [--json]``; 0 when every run was correct."""
-    if quick is None:
-        quick = os.environ.get("TESTBED_BENCH_QUICK", "") not in ("", "0")
-    reps = int(os.environ.get("TESTBED_BENCH_REPS", "1"))
+def measure(emit, quick: bool, reps: int) -> Outcome:
+    """``testbed bench collectives`` (:mod:`testbed.bench.protocol`); ok when every run was
+    correct."""
     rows = run(quick=quick, reps=reps)
-    tg = targets(rows)
-    if json_out:
-        print(json.dumps({"rows": rows, "targets": {k: {"met": m, "detail": d}
-                                                    for k, (m, d) in tg.items()}},
-                         default=float))
-    else:
-        render_table(rows, SHOW, title="testbed collectives vs the alpha-beta model",
-                     notes=[f"target {'MET    ' if m else 'NOT MET'} {k}: {d}"
-                            for k, (m, d) in tg.items()])
-    return 0 if rows and all(r["correct"] for r in rows) else 1
-
+    return Outcome(rows, targets=targets(rows), ok=bool(rows) and all(r["correct"] for r in rows))
 
 def scale(ns: tuple[int, ...] = (2, 4, 8, 16, 32), nbytes: int = 1 * MB, algo: str = "ring",
           log=sys.stderr) -> list[dict]:
@@ -220,4 +207,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "rs":
         mbs = tuple(int(v) for v in sys.argv[2].split(",")) if len(sys.argv) > 2 else (8,)
         sys.exit(0 if all(r["correct"] for r in rs_fidelity(mbs)) else 1)
-    sys.exit(main(json_out="--json" in sys.argv))
+    sys.exit("usage: python -m testbed.bench.collectives rs [MB,...]  (the benchmark itself: "
+             "testbed bench collectives)")

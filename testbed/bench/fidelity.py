@@ -41,15 +41,15 @@ and not held to an order.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 
+from testbed.bench.protocol import Outcome, parse_dilation
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate, nice_factor
 from testbed.collectives.report import tcp_cc_of
 from testbed.collectives.spec import TCP_ALGOS
+from testbed.experiment.results import cpu_model
 from testbed.topologies import FatTree, LeafSpine, Star, TestbedNet
 from testbed.topologies.pipeline import check_time_dilation
 
@@ -100,17 +100,6 @@ def topologies(programmable: bool = False, queue_ms: float | None = QUEUE_MS
     ]
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def run(quick: bool = False, programmable: bool = False, reps: int = 1,
         time_dilation: float | str = "auto", only: list[str] | None = None, log=sys.stderr,
         on_row=None, tcp_cc: str | list[str] | None = None,
@@ -147,7 +136,7 @@ def run(quick: bool = False, programmable: bool = False, reps: int = 1,
             if time_dilation == "auto":
                 start, cap = calibration_range(name, quick)
                 cal = calibrate(net, [_spec(a, sizes[0], n, reps, ccs[0])
-                                      for a in CALIBRATE_WITH],
+                                      for a in CALIBRATE_WITH], run_collective,
                                 log=log, start=start, max_factor=cap)
                 if cal.saturated and cap < MAX_AUTO_FACTOR and cal.factor >= cap:
                     print(f"# --quick stops at factor {cap:g}; without it the "
@@ -295,23 +284,14 @@ def _order_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(json_out: bool = False, quick: bool = False, programmable: bool = False,
-         time_dilation: float | str = "auto", tcp_cc: str | list[str] | None = None,
-         only: list[str] | None = None, queue_ms: float | None = QUEUE_MS) -> int:
-    """Entry point of ``testbed bench fidelity``; 0 when every run completed correctly."""
-    def emit(row: dict) -> None:
-        if json_out:
-            print(json.dumps(row, default=float), flush=True)
-
-    t0 = time.monotonic()
-    try:
-        rows = run(quick=quick, programmable=programmable, time_dilation=time_dilation,
-                   on_row=emit, tcp_cc=tcp_cc, only=only, queue_ms=queue_ms)
-    except ValueError as e:  # a bad --time-dilation, --only, --tcp-cc or --queue-ms
-        print(f"testbed bench fidelity: {e}", file=sys.stderr)
-        return 2
-    out = sys.stderr if json_out else sys.stdout
-    for line in summary(rows):
-        print(("# " if json_out else "") + line, file=out)
-    print(f"# {time.monotonic() - t0:.0f} s in all", file=out)
-    return 0 if rows and all(r["correct"] for r in rows) else 1
+def measure(emit, quick: bool, programmable: bool, time_dilation: str, tcp_cc: str | None,
+            only: str | None, queue_ms: float | None) -> Outcome:
+    """``testbed bench fidelity`` (:mod:`testbed.bench.protocol`); ok when every run
+    completed correctly."""
+    rows = run(quick=quick, programmable=programmable,
+               time_dilation=parse_dilation(time_dilation), on_row=emit,
+               tcp_cc=tcp_cc.split(",") if tcp_cc else None,
+               only=only.split(",") if only else None,
+               queue_ms=QUEUE_MS if queue_ms is None else queue_ms or None)
+    return Outcome(rows, {"summary": summary(rows)},
+                   ok=bool(rows) and all(r["correct"] for r in rows))

@@ -44,7 +44,7 @@ import time
 from mininet.log import setLogLevel
 from mininet.node import OVSSwitch
 
-from testbed.collectives.report import render_table
+from testbed.bench.protocol import Outcome, parse_ints
 from testbed.datapath.bench import (
     AGG_SLOTS,
     AGG_SPORT,
@@ -53,7 +53,7 @@ from testbed.datapath.bench import (
     N_AGG_WORKERS,
 )
 from testbed.datapath.nodes import ProgrammableSwitch
-from testbed.experiment.fidelity import cpu_model
+from testbed.experiment.results import cpu_model
 from testbed.kernels.wire import HEADER_OFFSET, TESTBED_UDP_PORT
 from testbed.netlock import emulation_lock
 from testbed.topologies import AGGREGATOR_IP, AGGREGATOR_MAC, Star
@@ -422,22 +422,9 @@ def run_bench(duration: float = DURATION_S, elems_list=ELEMS, reps: int = REPS
 QUICK = {"duration": 0.25, "elems_list": (16,), "reps": 1}
 
 
-def main(json_out: bool = False, quick: bool = False) -> int:
-    """Run the benchmark and print its rows (JSON lines with ``json_out``, else a table)."""
-    if os.geteuid() != 0:
-        print("testbed bench datapath needs root (it builds Mininet networks)", file=sys.stderr)
-        return 2
-    rows, notes = run_bench(**(QUICK if quick else {}))
-    if json_out:
-        for r in rows:
-            print(json.dumps(r))
-        print(json.dumps({"notes": notes}))
-        return 0
-    render_table(rows, COLUMNS, headers=HEADERS,
-                 title="testbed data path vs anchors (kpps through tbh1 -- tbs1 -- tbh2)",
-                 notes=[f"# {k}: {v}" for k, v in notes.items()])
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(json_out="--json" in sys.argv))
+def measure(emit, quick: bool, duration: float, reps: int, elems: str) -> Outcome:
+    """``testbed bench datapath`` (:mod:`testbed.bench.protocol`): every variant at each
+    frame size of ``elems`` (int32 elements per frame, comma-separated)."""
+    elems_list = parse_ints("elems", elems)
+    rows, notes = run_bench(duration=duration, elems_list=elems_list, reps=reps)
+    return Outcome(rows, notes)

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 
 import numpy as np
 
+from testbed.bench.protocol import Outcome
 from testbed.cleanup import leftovers
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.ports import ina_worker_port
@@ -352,42 +351,19 @@ def run(quick: bool = False, emit=None) -> list[dict]:
     return rows
 
 
-def _cpu() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def main(quick: bool = False, json_out: bool = False) -> int:
-    """Print every row; exit 1 when any matrix row is wrong or hung, or a target is missed."""
-    t0 = time.monotonic()
-    print(json.dumps({"bench": "reliability", "quick": quick, "cpu": _cpu(),
-                      "cores": os.cpu_count()}) if json_out else
-          f"# bench reliability ({'quick' if quick else 'full'}) on {_cpu()}", flush=True)
-
-    def emit(row: dict) -> None:
-        if json_out:
-            print(json.dumps(row), flush=True)
-            return
-        print(f"{row['scenario']:17} {row['topology']:10} {row['algo']:8} n={row['n']:<3} "
-              f"loss={row['loss_pct']:<3} dup={row['dup_pct']:<3} reorder={row['reorder_pct']:<3}"
-              f" {row['status']:5} time={row.get('time_s') or float('nan'):.3f} "
-              f"slowdown={row.get('slowdown') or float('nan'):.2f}", flush=True)
-
+def measure(emit, quick: bool) -> Outcome:
+    """``testbed bench reliability`` (:mod:`testbed.bench.protocol`); not ok when a matrix,
+    slowdown or flood row is wrong or hung, or a killed engine went unnoticed."""
     rows = run(quick, emit)
     bad = [r for r in rows if r["scenario"] in ("matrix", "slowdown", "non_member_flood")
            and r["status"] != "ok"]
+    checked = [r for r in rows if r["scenario"] != "engine_killed"]
     killed = [r for r in rows if r["scenario"] == "engine_killed"]
     missed = [r for r in killed if r["status"] != "error" or r["leftovers"]
               or (r["seconds_to_error"] or 1e9) > r["timeout_s"] + 2]
-    summary = {"summary": True, "rows": len(rows), "not_ok": len(bad),
-               "engine_killed_ok": not missed, "seconds": round(time.monotonic() - t0, 1)}
-    print(json.dumps(summary) if json_out else f"# {summary}", flush=True)
-    return 1 if bad or missed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(quick="--quick" in sys.argv, json_out="--json" in sys.argv))
+    tg = {"exact": (not bad, f"{len(checked) - len(bad)} of {len(checked)} rows ok "
+                             "(exact, no hang) under impairments and strangers"),
+          "killed engine named": (bool(killed) and not missed,
+                                  f"{len(killed) - len(missed)} of {len(killed)} killed engines "
+                                  "named within the timeout, nothing left behind")}
+    return Outcome(rows, targets=tg, ok=not bad and not missed)

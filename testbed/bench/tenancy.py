@@ -23,12 +23,10 @@ every byte on a core link (retransmissions included: they really cross it).
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import sys
 from pathlib import Path
 
+from testbed.bench.protocol import Outcome, parse_dilation
 from testbed.experiment import load_experiment
 from testbed.experiment import run as run_experiment
 
@@ -36,17 +34,6 @@ EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 COLUMNS = ("experiment", "label", "modes", "algo", "bytes", "time_s", "model_s", "correct",
            "cpu_bound", "time_dilation", "placement_mode", "tree_depth", "in_network_fraction",
            "host_fallback_chunks", "switch_mem_bytes", "port_bytes_core")
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _load(name: str, nbytes: int, time_dilation: float | str | None = None):
@@ -128,35 +115,15 @@ def run(quick: bool = False, emit=None, time_dilation: float | str | None = None
     return rows
 
 
-def main(quick: bool = False, json_out: bool = False, time_dilation: float | str | None = None,
-         only: tuple[str, ...] = NAMES) -> int:
-    """CLI entry: print rows and targets; exit status 1 when a row is wrong."""
-    _check_only(only)
-    head = {"bench": "tenancy", "quick": quick, "cpu": _cpu(),
-            "time_dilation": time_dilation or "the files'", "load_avg": os.getloadavg()[0]}
-    print(json.dumps(head) if json_out else f"# bench tenancy ({'quick' if quick else 'full'}) "
-          f"on {head['cpu']}, time dilation {head['time_dilation']}, load average "
-          f"{head['load_avg']:.2f}", flush=True)
-
-    def emit(r):
-        if json_out:
-            print(json.dumps(r, default=str), flush=True)
-        else:
-            print("  ".join(f"{k}={r[k]}" for k in COLUMNS if r.get(k) is not None), flush=True)
-
-    rows = run(quick, emit, time_dilation, only)
-    tg = targets(rows)
-    for name, (met, detail) in tg.items():
-        if json_out:
-            print(json.dumps({"target": name, "met": met, "detail": detail}), flush=True)
-        else:
-            print(f"target {name}: {'met' if met else 'MISSED'} ({detail})", flush=True)
+def measure(emit, quick: bool, time_dilation: str | None, only: str) -> Outcome:
+    """``testbed bench tenancy`` (:mod:`testbed.bench.protocol`); ok when every row is
+    correct."""
+    names = tuple(n.strip() for n in only.split(",") if n.strip())
+    _check_only(names)
+    rows = run(quick, emit, parse_dilation(time_dilation), names)
+    notes = {"time_dilation": time_dilation or "the files'", "load_avg": os.getloadavg()[0]}
     if any(r["cpu_bound"] for r in rows):
-        note = ("some runs were CPU-bound: their times measured the emulator, not the network; "
-                "compare bytes, and times only between rows that were not")
-        print(json.dumps({"note": note}) if json_out else f"note: {note}", flush=True)
-    return 0 if all(r["correct"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(quick="--quick" in sys.argv, json_out="--json" in sys.argv))
+        notes["caution"] = ("some runs were CPU-bound: their times measured the emulator, not "
+                            "the network; compare bytes, and times only between rows that "
+                            "were not")
+    return Outcome(rows, notes, targets(rows), ok=all(r["correct"] for r in rows))

@@ -1,5 +1,5 @@
 """``testbed bench torch``: the ``testbed`` process-group backend against gloo, on the same
-emulated fabric, with an unmodified script (:mod:`testbed.experiment.torch_probe`) launched
+emulated fabric, with an unmodified script (:mod:`testbed.bench.torch_probe`) launched
 by ``testbed launch``.
 
 * **overhead**: seconds per 8-byte ``all_reduce`` through the backend (the testbed's ring)
@@ -22,9 +22,10 @@ import json
 import re
 import sys
 
+from testbed.bench.protocol import Outcome, parse_dilation
 from testbed.kernels.benchutil import cpu_description
 
-PROBE = "testbed.experiment.torch_probe"
+PROBE = "testbed.bench.torch_probe"
 FULL = {"overhead_hosts": 2, "calls": 300, "ddp_hosts": 8, "mib": 4.0, "steps": 10}
 QUICK = {"overhead_hosts": 2, "calls": 60, "ddp_hosts": 3, "mib": 1.0, "steps": 4}
 #: what the issue's targets ask
@@ -110,25 +111,7 @@ def run(quick: bool = False, time_dilation: float | str | None = None,
     return rows, notes
 
 
-def main(json_out: bool = False, quick: bool = False, time_dilation=None,
-         out: str | None = None) -> int:
-    """Run, print (a table, or JSON) and with ``out`` store the rows; exit status 1 when a
-    probe failed."""
-    from testbed.experiment.bench_results import print_rows, save_bench
-
-    try:
-        rows, notes = run(quick=quick, time_dilation=time_dilation)
-    except (RuntimeError, ValueError) as e:
-        print(f"testbed bench torch: {e}", file=sys.stderr)
-        return 1
-    if json_out:
-        print(json.dumps({"rows": rows, "notes": notes}, default=str))
-    else:
-        print_rows(rows, "testbed bench torch", ("test", "case", "n", "measured_s", "anchor_s",
-                                                "ratio", "model_ratio", "target", "met",
-                                                "max_rss_mib"))
-        print(notes["caution"])
-    if out is not None:
-        folder = save_bench("torch", rows, out, notes)
-        print(f"results: {folder}", file=sys.stderr if json_out else sys.stdout)
-    return 0
+def measure(emit, quick: bool, time_dilation: str | None) -> Outcome:
+    """``testbed bench torch`` (:mod:`testbed.bench.protocol`); a probe that fails raises."""
+    rows, notes = run(quick=quick, time_dilation=parse_dilation(time_dilation))
+    return Outcome(rows, notes)

@@ -56,17 +56,16 @@ reported undilated, the rows' CPU per packet then what the dilated run spent).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
+from testbed.bench.protocol import Outcome, parse_ints
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.cpumon import kernel_events
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
-from testbed.collectives.report import render_table
 from testbed.datapath.engine import SCHED_POLICIES
-from testbed.experiment.fidelity import cpu_model
+from testbed.experiment.results import cpu_model
 from testbed.topologies import Star, TestbedNet
 from testbed.topologies.pipeline import DatapathOptions
 
@@ -111,7 +110,7 @@ def engine_totals(counters: dict) -> tuple[int, float]:
             float(counters["cpu_seconds"]))
 
 
-def measure(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
+def measure_once(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
     """Run ``algo`` once on ``net`` (a star with its engine on ``tbs1``); one row (no
     ``max_workers_not_cpu_bound`` yet)."""
     hosts = net.hosts
@@ -157,7 +156,7 @@ def smallest_dilation(net, algo: str, nbytes: int, window: int, timeout_s: float
     factor, None when even the largest saturated; the net runs at ``back_to`` again after."""
     spec = CollectiveSpec(algo=algo, nbytes=nbytes, window=window, timeout_s=timeout_s)
     try:
-        cal = calibrate(net, [spec], log=log)
+        cal = calibrate(net, [spec], run_collective, log=log)
     finally:
         net.set_time_dilation(back_to)
         net.calibration = None
@@ -237,7 +236,7 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
                         time_dilation=time_dilation, datapath=options) as net:
             for algo in algos:
                 try:
-                    row = measure(net, algo, nbytes, window, timeout_s)
+                    row = measure_once(net, algo, nbytes, window, timeout_s)
                     if n in dilate_workers:
                         row.update(smallest_dilation(net, algo, nbytes, window, timeout_s,
                                                      time_dilation, log))
@@ -267,27 +266,16 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
     return rows
 
 
-def main(json_out: bool = False, workers=WORKERS, io: str = "ring", nbytes: int = 8 * MiB,
-         bw_mbps: float = 100.0, time_dilation: float = 1.0,
-         dilate_workers=DILATE_WORKERS, shaping: str = "engine", sched: str = "fifo",
-         worker_send: str = "gso") -> int:
-    """Entry point of ``testbed bench capacity``; 0 when every run completed correctly."""
-    t0 = time.monotonic()
-    rows = run(workers=workers, io=io, nbytes=nbytes, bw_mbps=bw_mbps,
-               time_dilation=time_dilation, dilate_workers=dilate_workers, shaping=shaping,
-               sched=sched, worker_send=worker_send)
-    if json_out:
-        for r in rows:
-            print(json.dumps({k: r.get(k) for k in ROW_KEYS + EXTRA_KEYS}
-                             | ({"error": r["error"]} if "error" in r else {})), flush=True)
-    else:
-        render_table(rows, ROW_KEYS + ("time_s", "model_s", "correct", "cpu_util", "cpu_wait",
-                                       "cpu_engine", "cpu_s_per_kpkt_machine"), headers=HEADERS,
-                     title=f"emulation capacity ({io} I/O, {shaping} shaping, {sched} engine, "
-                           f"INA workers send {worker_send}, "
-                           f"{cpu_model()})",
-                     notes=[f"# {time.monotonic() - t0:.0f} s in all; speed probe "
-                            f"{rows[0]['speed_probe_s'] if rows else None} s before, "
-                            f"{rows[0]['speed_probe_end_s'] if rows else None} s after "
-                            "(a pure-Python loop of 3 M additions: larger = a slower machine)"])
-    return 0 if rows and all(r.get("correct") for r in rows) else 1
+def measure(emit, quick: bool, workers: str, io: str, shaping: str, sched: str,
+            worker_send: str, mib: int, bw: float, time_dilation: float, dilate: str
+            ) -> Outcome:
+    """``testbed bench capacity`` (:mod:`testbed.bench.protocol`); ok when every run
+    completed correctly."""
+    rows = run(workers=parse_ints("workers", workers), io=io, nbytes=mib * MiB, bw_mbps=bw,
+               time_dilation=time_dilation, dilate_workers=parse_ints("dilate", dilate),
+               shaping=shaping, sched=sched, worker_send=worker_send)
+    notes = {"speed_probe_s": rows[0]["speed_probe_s"] if rows else None,
+             "speed_probe_end_s": rows[0]["speed_probe_end_s"] if rows else None,
+             "speed_probe": "a pure-Python loop of 3 M additions before and after: larger = "
+                            "a slower machine"}
+    return Outcome(rows, notes, ok=bool(rows) and all(r.get("correct") for r in rows))

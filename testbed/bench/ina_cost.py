@@ -15,14 +15,12 @@ median, min and max over ``reps`` runs and the CPU model.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
+from testbed.bench.protocol import Outcome
 from testbed.collectives import ina
 from testbed.collectives import inakernel as ik
 from testbed.datapath.aggregate import AggregateStage
@@ -147,18 +145,8 @@ def rows(bursts=(8, 64), reps: int = 5) -> list[dict]:
     return out
 
 
-def main(json_out: bool = False, reps: int = 5) -> int:
-    """Run the benchmark; print JSON rows or a table. Returns the exit status."""
-    result = rows(reps=reps)
-    if json_out:
-        print(json.dumps(result))
-        return 0
-    table = Table(title="INA kernels: CPU ns per packet (kernel calls only)")
-    for col in ("side", "burst", "ns/packet", "min", "max", "anchor ns", "ratio"):
-        table.add_column(col, justify="left" if col == "side" else "right")
-    for r in result:
-        table.add_row(r["side"], str(r["burst"]), str(r["ns_per_packet"]), str(r["min_ns"]),
-                      str(r["max_ns"]), f"{r['anchor_ns']:.0f}", f"{r['ratio']:.2f}")
-    table.caption = f"CPU: {result[0]['cpu']}; anchor: np.add of 256 int32 per packet"
-    Console().print(table)
-    return 0
+def measure(emit, quick: bool, reps: int) -> Outcome:
+    """``testbed bench ina-cost`` (:mod:`testbed.bench.protocol`)."""
+    if reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {reps}")
+    return Outcome(rows(reps=reps), {"anchor": "np.add of 256 int32 per packet"})

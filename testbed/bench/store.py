@@ -26,60 +26,52 @@ from testbed.experiment.results import (
     unique_folder,
 )
 
-#: benchmark name -> what its rows compare, for the metadata and the plot title
-BENCHES = {
-    "kernels": "Numba kernels against numpy anchors (GB/s ratio)",
-    "datapath": "data-path programs against Linux bridge / OVS userspace / Python (kpps ratio)",
-    "collectives": "allreduce algorithms on a 100 Mb/s star against the alpha-beta model",
-    "torch": "the testbed process-group backend against gloo with an unmodified script",
-}
 
-
-def save_bench(name: str, rows: list[dict], root: str | Path,
+def save_bench(bench, rows: list[dict], root: str | Path,
                notes: dict[str, Any] | None = None) -> Path:
-    """Store ``rows`` of benchmark ``name`` under ``root``; return the new folder."""
-    if name not in BENCHES:
-        raise ValueError(f"unknown benchmark {name!r}; one of {', '.join(BENCHES)}")
-    out = unique_folder(root, f"bench-{name}")
+    """Store ``rows`` of ``bench`` (a :class:`~testbed.bench.Benchmark`) under ``root``;
+    return the new folder."""
+    out = unique_folder(root, f"bench-{bench.name}")
     store = ResultsStore(out, {
-        "name": f"bench-{name}", "description": BENCHES[name], "bench": name,
+        "name": f"bench-{bench.name}", "description": bench.summary, "bench": bench.name,
         "planned_runs": len(rows), "git": git_revision(), "packages": package_versions(),
         "machine": machine_info(), "notes": notes or {}})
     for r in rows:
         store.append(r)
     try:
-        store.metadata["plots"] = [plot_bench(name, rows, out).name]
+        if rows:
+            store.metadata["plots"] = [plot_bench(bench, rows, out).name]
     except Exception as e:  # noqa: BLE001 - the rows on disk matter more than their picture
         store.metadata["plot_error"] = f"{type(e).__name__}: {e}"
-    store.finish("completed")
+    store.finish("completed" if not (notes or {}).get("error") else "failed",
+                 (notes or {}).get("error"))
     return out
 
 
-def plot_bench(name: str, rows: list[dict], folder: Path) -> Path:
-    """The benchmark's PNG in ``folder`` (headless backend outside Jupyter)."""
+def plot_bench(bench, rows: list[dict], folder: Path) -> Path:
+    """The benchmark's PNG in ``folder`` (headless backend outside Jupyter): each row's ratio
+    to its anchor when the rows have one, else its time beside the model's."""
     use_headless()
     import matplotlib.pyplot as plt  # after use_headless() chose the backend
 
     df = pd.DataFrame(rows)
-    png = folder / f"bench_{name}.png"
-    if name == "collectives":
-        df["case"] = [f"{r.algo} n={r.n} {r.bytes / 2**20:g}MiB" for r in df.itertuples()]
-        fig = plot_bars(df, y="time_s", hue="case", out=png, title=BENCHES[name])
-    elif name == "torch":
-        if "ratio" not in df:
-            df["ratio"] = float("nan")
-        fig = plot_ratios(df, label="case", out=png, title=BENCHES[name], anchor="anchor")
-    elif name == "datapath":
-        df["case"] = [f"{r.program} {r.packet_bytes}B vs {r.anchor}" for r in df.itertuples()]
-        fig = plot_ratios(df, label="case", out=png, title=BENCHES[name], anchor="anchor")
+    png = folder / f"bench_{bench.name}.png"
+    case = [c for c in bench.case if c in df] or list(df.columns[:1])
+    df["case"] = [" ".join(str(v) for v in vals) for vals in df[case].itertuples(index=False)]
+    if "ratio" in df and df["ratio"].notna().any():
+        fig = plot_ratios(df, label="case", out=png, title=bench.summary,
+                          anchor="anchor")
     else:
-        df["case"] = [f"{r.kernel} vs {r.anchor}" for r in df.itertuples()]
-        fig = plot_ratios(df, label="case", out=png, title=BENCHES[name], anchor="anchor")
+        y = next((c for c in ("time_s", "measured_s", "ns_per_packet") if c in df), None)
+        if y is None:
+            raise ValueError("no ratio and no time column to plot")
+        fig = plot_bars(df, y=y, hue="case", out=png, title=bench.summary)
     plt.close(fig)
     return png
 
 
-def print_rows(rows: list[dict], title: str, columns: tuple[str, ...] | None = None) -> None:
+def print_rows(rows: list[dict], title: str, columns: tuple[str, ...] | None = None,
+               file=None) -> None:
     """The rows as one rich table (``columns``, default every column the rows have)."""
     cols = list(columns or dict.fromkeys(k for r in rows for k in r))
     table = Table(title=title)
@@ -87,7 +79,7 @@ def print_rows(rows: list[dict], title: str, columns: tuple[str, ...] | None = N
         table.add_column(c, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(*(escape(_fmt(r.get(c))) for c in cols))
-    Console(width=max(160, Console().width)).print(table)
+    Console(width=max(160, Console().width), file=file).print(table)
 
 
 def _fmt(v: Any) -> str:

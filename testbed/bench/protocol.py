@@ -1,0 +1,347 @@
+"""The benchmark protocol: a declaration per benchmark, one runner for all of them.
+
+A benchmark's measuring function is ``measure(emit, quick, **options) -> Outcome``: it calls
+``emit(row)`` as each row is measured (the JSON line is printed then, so a long benchmark shows
+progress and an interrupted one keeps what it measured) and returns every row with its notes
+and targets. It raises ``ValueError`` for a bad option (exit 2, nothing measured).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: ``Option.quick`` when ``--quick`` leaves the option at its default
+UNCHANGED = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a benchmark: ``--name`` on the command line (underscores become dashes),
+    ``name=`` of its measuring function. Its type is ``type`` or that of ``default``
+    (``bool``: a ``--name/--no-name`` switch)."""
+
+    name: str
+    default: Any
+    help: str
+    quick: Any = UNCHANGED
+    type: type | None = None
+    metavar: str | None = None
+
+    @property
+    def kind(self) -> type:
+        return self.type or type(self.default)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass
+class Outcome:
+    """What a benchmark measured: its rows, notes (anything the rows do not say: rates
+    offered, samples, cautions), targets (name -> (met, detail)), and whether every row was
+    right (``ok=False``: exit status 1)."""
+
+    rows: list[dict]
+    notes: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark. ``measure`` is ``"module:function"`` (imported when it runs);
+    ``case``: the columns that name a row in its plot; ``requires``: Python modules it needs
+    (an optional extra); ``check``: ``"module:function"`` returning why it cannot run here
+    (empty when it can)."""
+
+    name: str
+    summary: str
+    measure: str
+    options: tuple[Option, ...] = ()
+    quick_help: str = "small sizes and short trials, to check that it runs"
+    columns: tuple[str, ...] | None = None
+    case: tuple[str, ...] = ()
+    needs_root: bool = True
+    requires: tuple[str, ...] = ()
+    check: str | None = None
+
+    def why_not(self) -> str:
+        """Why this benchmark cannot run on this machine ('' when it can)."""
+        if self.needs_root and os.geteuid() != 0:
+            return "needs root (it builds Mininet networks)"
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            return (f"needs {', '.join(missing)}: pip install -e '.[torch]' (or make setup, "
+                    "which installs every extra)")
+        return _load(self.check)() if self.check else ""
+
+    def measure_fn(self) -> Callable[..., Outcome]:
+        return _load(self.measure)
+
+
+def _load(ref: str) -> Callable:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+_COLLECTIVES_OPTS = (Option("reps", 1, "repetitions per row (their median is reported)"),)
+
+#: Every benchmark, in the order ``testbed bench all`` runs them.
+CATALOG: dict[str, Benchmark] = {b.name: b for b in (
+    Benchmark(
+        "kernels", "Numba kernels against numpy anchors (GB/s ratio).",
+        "testbed.bench.kernels:measure", needs_root=False, case=("kernel", "anchor"),
+        columns=("kernel", "elements", "gbps", "anchor", "anchor_gbps", "ratio", "note"),
+        options=(Option("elements", 25_000_000, "gradient length (float32 elements)",
+                        quick=1_000_000),
+                 Option("only", "", "only these row groups: elementwise, trimming, packets, "
+                                    "compressors ('' for all)", metavar="G,H")),
+        quick_help="1,000,000 elements"),
+    Benchmark(
+        "datapath", "Data-path programs against Linux bridge, OVS userspace and a Python "
+        "forwarder (kpps ratio).", "testbed.bench.datapath:measure",
+        case=("program", "packet_bytes", "anchor"),
+        columns=("program", "packet_bytes", "kpps", "gbps", "anchor", "anchor_kpps", "ratio"),
+        options=(Option("duration", 1.0, "seconds per trial", quick=0.25),
+                 Option("reps", 3, "trials per rate", quick=1),
+                 Option("elems", "16,256", "int32 elements per frame (comma-separated)",
+                        quick="16", metavar="E,F")),
+        quick_help="one frame size, one short trial per rate"),
+    Benchmark(
+        "collectives", "Allreduce algorithms on a 100 Mb/s star against the alpha-beta model.",
+        "testbed.bench.collectives:measure", case=("algo", "n", "bytes"),
+        columns=("algo", "n", "bytes", "time_s", "model_s", "fidelity", "fidelity_cal",
+                 "vs_ring", "model_vs_ring", "correct", "cpu_bound"),
+        options=_COLLECTIVES_OPTS, quick_help="4 workers, 1 MiB"),
+    Benchmark(
+        "reliability", "In-network aggregation under loss, duplication, reordering, strangers "
+        "and a dead switch (every row checked against numpy).",
+        "testbed.bench.reliability:measure", case=("scenario", "topology", "algo"),
+        columns=("scenario", "topology", "algo", "n", "loss_pct", "dup_pct", "reorder_pct",
+                 "status", "time_s", "slowdown"),
+        quick_help="each impairment alone at its worst and all combined, 1 MiB (minutes)"),
+    Benchmark(
+        "tenancy", "Aggregation trees on a fat-tree and two tenants sharing switch memory "
+        "(static vs shared pool), against their targets.", "testbed.bench.tenancy:measure",
+        case=("experiment", "label"),
+        options=(Option("time_dilation", None, "F or auto (default: the files', 8)", type=str,
+                        metavar="F|auto"),
+                 Option("only", "hierarchical,multitenant",
+                        "which experiments: hierarchical, multitenant or both")),
+        quick_help="4 MiB on the fat-tree, 1 MiB per tenant"),
+    Benchmark(
+        "fidelity", "Collectives on star, leaf-spine and fat-tree against the flow-level model.",
+        "testbed.bench.fidelity:measure", case=("topology", "algo", "bytes"),
+        columns=("topology", "algo", "n", "bytes", "time_s", "flow_model_s", "ratio",
+                 "time_dilation", "correct", "cpu_bound"),
+        options=(Option("programmable", False, "data path on every switch"),
+                 Option("time_dilation", "auto", "F or auto", metavar="F|auto"),
+                 Option("tcp_cc", None, "TCP congestion control of ring, hd and rs (default: "
+                        "the collectives' own, reno; 'host': each host's default); a list runs "
+                        "each once per entry", type=str, metavar="NAME|host[,...]"),
+                 Option("only", None, "comma-separated networks (star4, star8, leafspine-2:1, "
+                        "leafspine-4:1, fattree-k4)", type=str),
+                 Option("queue_ms", None, "every shaped link's queue in ms at its rate "
+                        "(default and 0: the kernel's 1000 packets; 500: a lossless fabric, "
+                        "like the model's)", type=float, metavar="MS")),
+        quick_help="one size (4 MiB)"),
+    Benchmark(
+        "capacity", "INA and ring on stars: most workers without CPU saturation, CPU per "
+        "packet, and the smallest time dilation that keeps them below saturation.",
+        "testbed.bench.capacity:measure", case=("algo", "n"),
+        columns=("algo", "n", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
+                 "cpu_engine", "cpu_s_per_kpkt_machine", "cpu_bound"),
+        options=(Option("workers", "2,4,8,16", "host counts of the sweep", quick="2,4"),
+                 Option("io", "ring", "engine packet I/O: ring or mmsg"),
+                 Option("shaping", "engine", "who shapes the switch's ports: engine (its shape "
+                        "stage) or qdisc (the kernel's HTB)"),
+                 Option("sched", "fifo", "the engine's packet loop: fifo (real-time) or other "
+                        "(time-shared)"),
+                 Option("worker_send", "gso", "how INA workers send: gso (UDP GSO runs) or mmsg "
+                        "(a datagram per entry)"),
+                 Option("mib", 8, "allreduce size (MiB)", quick=1),
+                 Option("bw", 100.0, "link rate (Mb/s)"),
+                 Option("time_dilation", 1.0, "run the sweep at this factor (>= 1)"),
+                 Option("dilate", "8,16", "host counts at which the smallest non-saturating "
+                        "dilation factor is searched ('' for none)", quick="")),
+        quick_help="2 and 4 workers, 1 MiB, no dilation search"),
+    Benchmark(
+        "ina-cost", "CPU time per packet of the INA worker and switch kernels, without a "
+        "network.", "testbed.bench.ina_cost:measure", needs_root=False,
+        case=("side", "burst"),
+        options=(Option("reps", 5, "runs per row (median, min, max)", quick=1),),
+        quick_help="one run per row"),
+    Benchmark(
+        "cluster", "A leaf-spine on one machine vs split over it and a netns server: set-up "
+        "time, memory per server, INA and ring (docs/cluster.md).",
+        "testbed.bench.cluster:measure", case=("servers",),
+        check="testbed.nsserver:available",
+        options=(Option("leaves", 2, "leaves of the leaf-spine (2 spines)"),
+                 Option("hosts_per_leaf", 2, "hosts per leaf"),
+                 Option("bw", 100.0, "link rate (Mb/s)")),
+        quick_help="the default 2 x 2 leaf-spine (already small)"),
+    Benchmark(
+        "torch", "The testbed process-group backend against gloo with an unmodified script: "
+        "per-call overhead, DDP step time against the flow model, launch time and memory.",
+        "testbed.bench.pytorch:measure", case=("test", "case"), requires=("torch",),
+        columns=("test", "case", "n", "measured_s", "anchor_s", "ratio", "model_ratio",
+                 "target", "met", "max_rss_mib"),
+        options=(Option("time_dilation", None, "F or auto, for the DDP runs", type=str,
+                        metavar="F|auto"),),
+        quick_help="3 ranks, 1 MiB of gradient, a few steps (about a minute)"),
+)}
+
+
+def benchmark_names() -> tuple[str, ...]:
+    return tuple(CATALOG)
+
+
+def benchmark(name: str) -> Benchmark:
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise ValueError(f"unknown benchmark {name!r}; one of {', '.join(CATALOG)}") from None
+
+
+def resolve_options(bench: Benchmark, given: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """The options a run uses: each option's default, its ``--quick`` value under ``quick``,
+    and what the user gave (``None`` = not given) over both."""
+    unknown = set(given) - {o.name for o in bench.options}
+    if unknown:
+        raise ValueError(f"bench {bench.name} has no option {', '.join(sorted(unknown))}")
+    out = {}
+    for o in bench.options:
+        value = o.default if not quick or o.quick is UNCHANGED else o.quick
+        if given.get(o.name) is not None:
+            value = given[o.name]
+        out[o.name] = value
+    return out
+
+
+def run_benchmark(name: str, given: dict[str, Any] | None = None, *, quick: bool = False,
+                  json_out: bool = False, out: str | Path | None = None,
+                  stdout=None) -> int:
+    """Run benchmark ``name`` as the command line does; return its exit status.
+
+    ``json_out``: one JSON object per row on stdout as it is measured (``"bench": name`` added),
+    then one summary object (``"summary": true`` with notes, targets, status and seconds);
+    otherwise a table, its notes and targets. With ``out`` the rows are stored under
+    ``out/bench-<name>-<time>/`` (:func:`testbed.bench.store.save_bench`), also those of a run
+    that failed part-way."""
+    stdout = stdout or sys.stdout
+    err = sys.stderr
+    bench = benchmark(name)
+    t0 = time.monotonic()
+    try:
+        options = resolve_options(bench, given or {}, quick)
+    except ValueError as e:
+        print(f"testbed bench {name}: {e}", file=err)
+        return 2
+    why = bench.why_not()
+    if why:
+        print(f"testbed bench {name}: cannot run here: {why}", file=err)
+        if json_out:
+            _print_json({"bench": name, "summary": True, "status": 2, "skipped": why}, stdout)
+        return 2
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if json_out:
+            _print_json({"bench": name} | row, stdout)
+        else:
+            shown = bench.columns or tuple(row)[:8]
+            print("  " + "  ".join(f"{k}={_short(row.get(k))}" for k in shown if k in row),
+                  file=err, flush=True)
+
+    from testbed.kernels.benchutil import cpu_description
+
+    notes: dict[str, Any] = {"cpu": cpu_description(), "cores": os.cpu_count(),
+                             "quick": quick, "options": options}
+    outcome: Outcome | None = None
+    status, error = 1, None
+    try:
+        outcome = bench.measure_fn()(emit, quick, **options)
+        if json_out:  # rows returned without being emitted (the table shows them anyway)
+            for row in outcome.rows[len(rows):]:
+                _print_json({"bench": name} | row, stdout)
+        status = 0 if outcome.ok else 1
+    except ValueError as e:  # a bad option value, found by the benchmark before measuring
+        error, status = f"{e}", 2
+    except KeyboardInterrupt:
+        error, status = "interrupted", 130
+    except Exception as e:  # noqa: BLE001 - report it; the rows measured so far are kept
+        error = f"{type(e).__name__}: {e}"
+    if outcome is not None:
+        rows = outcome.rows
+        notes |= outcome.notes
+    targets = {k: {"met": bool(m), "detail": d}
+               for k, (m, d) in (outcome.targets if outcome else {}).items()}
+    seconds = round(time.monotonic() - t0, 1)
+    if error:
+        notes["error"] = error
+        print(f"testbed bench {name}: {error}" + (f" ({len(rows)} rows measured before)"
+                                                  if rows else ""), file=err)
+    folder = None
+    if out is not None and (rows or status != 2):
+        from testbed.bench.store import save_bench
+
+        folder = save_bench(bench, rows, out, notes | {"targets": targets, "status": status})
+    if json_out:
+        _print_json({"bench": name, "summary": True, "status": status, "seconds": seconds,
+                     "rows": len(rows), "targets": targets, "notes": notes}, stdout)
+    elif rows:
+        from testbed.bench.store import print_rows
+
+        print_rows(rows, f"testbed bench {name}", bench.columns, file=stdout)
+        for k, v in notes.items():
+            if k != "options":
+                print(f"# {k}: {_short(v, 200)}", file=stdout)
+        for k, t in targets.items():
+            print(f"target {'MET    ' if t['met'] else 'NOT MET'} {k}: {t['detail']}",
+                  file=stdout)
+        print(f"# {seconds:.0f} s in all", file=stdout)
+    if folder is not None:
+        print(f"results: {folder}", file=err if json_out else stdout)
+    return status
+
+
+def parse_ints(option: str, text: str) -> list[int]:
+    """A comma-separated list of integers ('' is none); ValueError naming ``option``."""
+    try:
+        return [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--{option.replace('_', '-')} takes comma-separated integers, got "
+                         f"{text!r}") from None
+
+
+def parse_dilation(text: str | None) -> float | str | None:
+    """``--time-dilation`` as the runs take it: a number, 'auto', or None (not given); a bad
+    value is left for the run's own validation to explain with its allowed range."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _print_json(obj: dict, stream) -> None:
+    from testbed.experiment.results import strict_json
+
+    print(json.dumps(strict_json(obj), default=str), file=stream, flush=True)
+
+
+def _short(v: Any, width: int = 40) -> str:
+    s = f"{v:.4g}" if isinstance(v, float) else str(v)
+    return s if len(s) <= width else s[:width - 1] + "…"
