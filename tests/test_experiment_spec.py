@@ -321,3 +321,17 @@ def test_launch_jobs_are_checked_against_the_topology():
     exp = load_experiment(Path(__file__).resolve().parents[1] / "examples/torch/ddp_sweep.toml")
     assert [j.label() for j in exp.launch] == ["ddp_digits:gloo", "ddp_digits:ring",
                                                "ddp_digits:ina"]
+
+
+def test_a_collective_error_carries_its_field_across_processes():
+    import pickle
+
+    from testbed.collectives.spec import CollectiveSpec, FieldError
+
+    with pytest.raises(FieldError) as info:
+        CollectiveSpec(algo="ring", nbytes=4096, timeout_s=-1).validate(4)
+    e = pickle.loads(pickle.dumps(info.value))
+    assert (e.field, e.job, str(e)) == ("timeout_s", None, str(info.value))
+    problems = _problems({"topology": {"n_hosts": 4},
+                          "jobs": [{"algo": "ring", "timeout_s": -1}]})
+    assert any(p.startswith("jobs.0.timeout_s: ") for p in problems), problems

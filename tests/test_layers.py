@@ -154,3 +154,14 @@ def test_every_deferred_upward_import_is_still_there(pair):
     a, b = pair
     assert any(t.startswith(b) and not top for m in MODULES if m.startswith(a)
                for t, top, _ in imports(m)), pair
+
+
+def test_constants_the_schema_copies_to_stay_light_equal_their_originals():
+    """The experiment schema loads without Mininet and Numba, so it keeps copies of two
+    constants of the topology layer; they must not drift."""
+    from testbed.experiment import spec
+    from testbed.topologies import TOPOLOGIES
+    from testbed.topologies.pipeline import MAX_TIME_DILATION
+
+    assert spec.MAX_TIME_DILATION == MAX_TIME_DILATION
+    assert set(spec.TOPOLOGY_KINDS) == set(TOPOLOGIES)

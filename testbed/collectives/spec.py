@@ -45,6 +45,21 @@ SHARED_TREE_ERROR = ("CollectiveSpec.placement: mode 'shared' (host fallback) is
                      "'static' for a tree")
 
 
+class FieldError(ValueError):
+    """A bad value of one field of a spec: ``field`` names it (the message starts with
+    ``Spec.field``; '' when no one field is at fault), ``job`` the job of a list it is about
+    and ``reason`` the message without the job's name, so a schema above can say where in its
+    own file the value came from."""
+
+    def __init__(self, field: str, message: str, job: int | None = None,
+                 reason: str | None = None):
+        super().__init__(message)
+        self.field, self.job, self.reason = field, job, message if reason is None else reason
+
+    def __reduce__(self):  # picklable across the pool's and Dask's process boundaries
+        return type(self), (self.field, str(self), self.job, self.reason)
+
+
 @dataclasses.dataclass
 class CollectiveSpec:
     """One collective to run on an emulated network.
@@ -105,70 +120,70 @@ class CollectiveSpec:
     def validate(self, n_hosts: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad field; ``n_hosts`` = hosts of the net."""
         if self.op not in OPS:
-            raise ValueError(f"CollectiveSpec.op={self.op!r} is not one of {OPS}")
+            raise FieldError("op", f"CollectiveSpec.op={self.op!r} is not one of {OPS}")
         if not isinstance(self.algo, str) or self.algo not in algorithm_names():
-            raise ValueError(f"CollectiveSpec.algo={self.algo!r} is not one of "
+            raise FieldError("algo", f"CollectiveSpec.algo={self.algo!r} is not one of "
                              f"{algorithm_names()}")
         alg = algorithm(self.algo)  # a plug-in that cannot load raises PluginError here
         if self.op not in alg.ops:
-            raise ValueError(f"CollectiveSpec.algo={self.algo!r} does not implement "
+            raise FieldError("algo", f"CollectiveSpec.algo={self.algo!r} does not implement "
                              f"op={self.op!r}; use one of {list(algorithm_names(self.op))}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"CollectiveSpec.dtype={self.dtype!r} is not one of {DTYPES}")
+            raise FieldError("dtype", f"CollectiveSpec.dtype={self.dtype!r} is not one of {DTYPES}")
         if alg.offloaded and self.dtype != "float32":
-            raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: algo={self.algo!r} "
+            raise FieldError("dtype", f"CollectiveSpec.dtype={self.dtype!r}: algo={self.algo!r} "
                              "aggregates float32 in fixed point; use dtype='float32'")
         _int(self, "nbytes", 1)
         if self.nbytes % self.itemsize:
-            raise ValueError(f"CollectiveSpec.nbytes={self.nbytes} is not a multiple of the "
+            raise FieldError("nbytes", f"CollectiveSpec.nbytes={self.nbytes} is not a multiple of the "
                              f"{self.dtype} size ({self.itemsize} B)")
         _int(self, "servers", 1)
         _int(self, "window", 1)
         if self.window > 4096:
-            raise ValueError(f"CollectiveSpec.window={self.window} exceeds 4096 slots")
+            raise FieldError("window", f"CollectiveSpec.window={self.window} exceeds 4096 slots")
         _int(self, "chunk_bytes", 1024)
         _int(self, "repetitions", 1)
         _int(self, "seed", 0)
         _int(self, "job_id", 0)
         if self.job_id > 0xFFFF:
-            raise ValueError(f"CollectiveSpec.job_id={self.job_id} must fit 16 bits")
+            raise FieldError("job_id", f"CollectiveSpec.job_id={self.job_id} must fit 16 bits")
         if not (isinstance(self.timeout_s, int | float) and math.isfinite(self.timeout_s)
                 and self.timeout_s > 0):
-            raise ValueError(f"CollectiveSpec.timeout_s={self.timeout_s!r} must be a positive "
+            raise FieldError("timeout_s", f"CollectiveSpec.timeout_s={self.timeout_s!r} must be a positive "
                              "number of seconds")
         if not (isinstance(self.loss, int | float) and 0.0 <= self.loss < 0.5):
-            raise ValueError(f"CollectiveSpec.loss={self.loss!r} must be in [0, 0.5)")
+            raise FieldError("loss", f"CollectiveSpec.loss={self.loss!r} must be in [0, 0.5)")
         if self.loss and not alg.offloaded:
-            raise ValueError(f"CollectiveSpec.loss={self.loss}: client-side loss is only "
+            raise FieldError("loss", f"CollectiveSpec.loss={self.loss}: client-side loss is only "
                              "emulated for algo 'ina'/'nic' (TCP algorithms need the switch's "
                              "impair stage)")
         if self.tcp_cc is not None and not (isinstance(self.tcp_cc, str)
                                             and re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.tcp_cc)):
-            raise ValueError(f"CollectiveSpec.tcp_cc={self.tcp_cc!r} must be the name of a TCP "
+            raise FieldError("tcp_cc", f"CollectiveSpec.tcp_cc={self.tcp_cc!r} must be the name of a TCP "
                              "congestion control (e.g. 'cubic', 'bbr', 'reno'; see "
                              "/proc/sys/net/ipv4/tcp_available_congestion_control) or None for "
                              "the host's default")
         if not isinstance(self.compressor_params, dict):
-            raise ValueError("CollectiveSpec.compressor_params must be a dict")
+            raise FieldError("compressor_params", "CollectiveSpec.compressor_params must be a dict")
         if self.compressor is not None and not isinstance(self.compressor, str):
-            raise ValueError(f"CollectiveSpec.compressor={self.compressor!r} must be a name "
+            raise FieldError("compressor", f"CollectiveSpec.compressor={self.compressor!r} must be a name "
                              "or None")
         if self.compressor is not None and self.algo == "ina":
             if self.compressor not in INA_COMPRESSORS:
-                raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: algo='ina' "
+                raise FieldError("compressor", f"CollectiveSpec.compressor={self.compressor!r}: algo='ina' "
                                  "sums the payloads in the switch, so it takes only a summable "
                                  f"compressor it implements: one of {INA_COMPRESSORS} (or use "
                                  "algo='ring' for any compressor)")
             if self.error_feedback:
-                raise ValueError("CollectiveSpec.error_feedback=True is not implemented for "
+                raise FieldError("error_feedback", "CollectiveSpec.error_feedback=True is not implemented for "
                                  "algo='ina' with a compressor; use error_feedback=False")
         elif self.compressor is not None and (self.op != "allreduce" or self.algo != "ring"):
-            raise ValueError(f"CollectiveSpec.compressor={self.compressor!r}: compression is "
+            raise FieldError("compressor", f"CollectiveSpec.compressor={self.compressor!r}: compression is "
                              "applied to allreduce with algo='ring' (ring of the "
                              "compressed payloads) or algo='ina' (compressor one of "
                              f"{INA_COMPRESSORS})")
         if self.compressor is not None and self.dtype != "float32":
-            raise ValueError(f"CollectiveSpec.dtype={self.dtype!r}: compressors take float32")
+            raise FieldError("dtype", f"CollectiveSpec.dtype={self.dtype!r}: compressors take float32")
         if self.compressor is not None:
             # here, not at the top: the pool process imports this module before it makes
             # Numba fork-safe; the compressor kernels must load after that
@@ -177,18 +192,18 @@ class CollectiveSpec:
             try:
                 get_compressor(self.compressor, **self.compressor_params)
             except ValueError as e:
-                raise ValueError(f"CollectiveSpec.compressor / compressor_params: {e}") from None
+                raise FieldError("compressor", f"CollectiveSpec.compressor / compressor_params: {e}") from None
         if self.error_feedback and self.compressor is None:
-            raise ValueError("CollectiveSpec.error_feedback=True needs a compressor")
+            raise FieldError("error_feedback", "CollectiveSpec.error_feedback=True needs a compressor")
         self._validate_placement()
         if self.hosts is not None:
             if (not isinstance(self.hosts, list | tuple) or not self.hosts or any(
                     isinstance(h, bool) or not isinstance(h, int | np.integer) or h < 0
                     for h in self.hosts) or len(set(self.hosts)) != len(self.hosts)):
-                raise ValueError(f"CollectiveSpec.hosts={self.hosts!r} must be distinct host "
+                raise FieldError("hosts", f"CollectiveSpec.hosts={self.hosts!r} must be distinct host "
                                  "ranks (integers >= 0)")
             if n_hosts is not None and max(self.hosts) >= n_hosts:
-                raise ValueError(f"CollectiveSpec.hosts: rank {max(self.hosts)} but the net has "
+                raise FieldError("hosts", f"CollectiveSpec.hosts: rank {max(self.hosts)} but the net has "
                                  f"{n_hosts} hosts")
         if self.workers is not None:
             _int(self, "workers", 2)
@@ -197,53 +212,53 @@ class CollectiveSpec:
         if n_hosts is not None:
             n = self.workers if self.workers is not None else n_hosts
             if n > n_hosts:
-                raise ValueError(f"CollectiveSpec.workers={n} but the net has {n_hosts} hosts")
+                raise FieldError("workers", f"CollectiveSpec.workers={n} but the net has {n_hosts} hosts")
             if n < 2:
-                raise ValueError(f"CollectiveSpec.workers: need at least 2 workers, "
+                raise FieldError("workers", f"CollectiveSpec.workers: need at least 2 workers, "
                                  f"the net gives {n}")
             if alg.offloaded and n > 32:
-                raise ValueError(f"CollectiveSpec.workers={n}: in-network aggregation takes "
+                raise FieldError("workers", f"CollectiveSpec.workers={n}: in-network aggregation takes "
                                  "at most 32 workers (32-bit bitmap)")
             if self.algo == "rs" and self.servers > n_hosts:
-                raise ValueError(f"CollectiveSpec.servers={self.servers} exceeds the "
+                raise FieldError("servers", f"CollectiveSpec.servers={self.servers} exceeds the "
                                  f"{n_hosts} hosts of the net")
         if self.algo == "hd" and self.op in ("reduce_scatter", "allgather") and n_hosts:
             n = self.workers if self.workers is not None else n_hosts
             if n & (n - 1):
-                raise ValueError(f"CollectiveSpec.algo='hd' for op={self.op!r} needs a power "
+                raise FieldError("algo", f"CollectiveSpec.algo='hd' for op={self.op!r} needs a power "
                                  f"of two workers, got {n}; use algo='ring'")
 
     def _validate_placement(self) -> None:
         p = self.placement
         if not isinstance(p, dict):
-            raise ValueError(f"CollectiveSpec.placement={p!r} must be a dict with keys from "
+            raise FieldError("placement", f"CollectiveSpec.placement={p!r} must be a dict with keys from "
                              f"{PLACEMENT_KEYS}")
         if not p:
             return
         if not is_offloaded(self.algo):
-            raise ValueError(f"CollectiveSpec.placement applies to in-network aggregation "
+            raise FieldError("placement", f"CollectiveSpec.placement applies to in-network aggregation "
                              f"(algo 'ina' or 'nic'), not algo={self.algo!r}")
         bad = set(p) - set(PLACEMENT_KEYS)
         if bad:
-            raise ValueError(f"CollectiveSpec.placement: unknown keys {sorted(bad)}; use "
+            raise FieldError("placement", f"CollectiveSpec.placement: unknown keys {sorted(bad)}; use "
                              f"{PLACEMENT_KEYS}")
         tree = p.get("tree")
         if not (tree is None or tree in ("single", "auto") or (
                 isinstance(tree, list | tuple) and tree and all(isinstance(t, str) for t in tree))):
-            raise ValueError(f"CollectiveSpec.placement.tree={tree!r} must be 'single', 'auto' "
+            raise FieldError("placement", f"CollectiveSpec.placement.tree={tree!r} must be 'single', 'auto' "
                              "or a list of switch names (root first)")
         if p.get("mode", "static") not in ("static", "shared"):
-            raise ValueError(f"CollectiveSpec.placement.mode={p.get('mode')!r} must be "
+            raise FieldError("placement", f"CollectiveSpec.placement.mode={p.get('mode')!r} must be "
                              "'static' or 'shared'")
         if p.get("mode") == "shared" and isinstance(tree, list | tuple) and len(tree) > 1:
-            raise ValueError(SHARED_TREE_ERROR)
+            raise FieldError("placement", SHARED_TREE_ERROR)
         if p.get("refused", "fail") not in ("fail", "ring"):
-            raise ValueError(f"CollectiveSpec.placement.refused={p.get('refused')!r} must be "
+            raise FieldError("placement", f"CollectiveSpec.placement.refused={p.get('refused')!r} must be "
                              "'fail' (an admission refusal is an error) or 'ring' (run the job "
                              "on the hosts instead)")
         slots = p.get("slots", self.window)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 4096:
-            raise ValueError(f"CollectiveSpec.placement.slots={slots!r} must be an integer "
+            raise FieldError("placement", f"CollectiveSpec.placement.slots={slots!r} must be an integer "
                              "1..4096")
 
     @property
@@ -259,4 +274,4 @@ class CollectiveSpec:
 def _int(spec: CollectiveSpec, name: str, lo: int) -> None:
     v = getattr(spec, name)
     if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
-        raise ValueError(f"CollectiveSpec.{name}={v!r} must be an integer >= {lo}")
+        raise FieldError(name, f"CollectiveSpec.{name}={v!r} must be an integer >= {lo}")

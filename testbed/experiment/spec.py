@@ -999,18 +999,18 @@ def _job_problems(path: str, job: JobSpec, topo, codec) -> list[str]:
             problems.append(f"{path}.servers: {job.servers} reduction servers do not fit: "
                             f"{n} hosts hold {w} workers, so servers share worker hosts and "
                             f"need servers <= workers; add hosts or lower servers")
-    for msg in _collective_problems(job, n):
-        line = _collective_field(path, job, msg)
+    for err in _collective_problems(job, n):
+        line = _collective_field(path, job, err)
         if line not in problems:
             problems.append(line)
     return problems
 
 
-def _collective_problems(job: JobSpec, n_hosts: int) -> list[str]:
+def _collective_problems(job: JobSpec, n_hosts: int) -> list[ValueError]:
     """What the collectives layer's own validation says about each size of ``job``."""
     from testbed.collectives.spec import CollectiveSpec  # on use (module docstring)
 
-    out: list[str] = []
+    out: list[ValueError] = []
     for size in job.sizes():
         try:
             CollectiveSpec(op=job.op, algo=job.algo, nbytes=size, dtype=job.dtype,
@@ -1020,16 +1020,16 @@ def _collective_problems(job: JobSpec, n_hosts: int) -> list[str]:
                            timeout_s=job.timeout_s, seed=job.seed or 0,
                            repetitions=job.repetitions, **job.options).validate(n_hosts)
         except (ValueError, TypeError) as e:
-            if str(e) not in out:
-                out.append(str(e))
+            if str(e) not in map(str, out):
+                out.append(e if isinstance(e, ValueError) else ValueError(str(e)))
     return out
 
 
-def _collective_field(path: str, job, msg: str) -> str:
-    """``msg`` of the collectives' (or the workloads') validation under the field of ``job``
-    (a JobSpec or TrainJob) it is about."""
-    m = re.search(r"(?:CollectiveSpec|TrainingSpec)\.(\w+)", msg)
-    field = m.group(1) if m else ""
+def _collective_field(path: str, job, e: Exception) -> str:
+    """The collectives' (or the workloads') validation error ``e`` under the field of ``job``
+    (a JobSpec or TrainJob) it is about (``e.field`` of a FieldError)."""
+    field = getattr(e, "field", "")
+    msg = getattr(e, "reason", str(e))
     if field in type(job).model_fields:
         where = f"{path}.{field}"
     elif field in job.options:
@@ -1038,7 +1038,8 @@ def _collective_field(path: str, job, msg: str) -> str:
         where = f"{path}.algo" if is_offloaded(job.algo) else "topology"
     else:
         where = path
-    msg = re.sub(r"(CollectiveSpec|TrainingSpec)[.]", "", msg)
+    for owner in ("CollectiveSpec.", "TrainingSpec."):
+        msg = msg.replace(owner, "")
     if where.endswith(f".{field}") and msg.startswith(f"{field}: "):  # not "hosts: hosts: .."
         msg = msg[len(field) + 2:]
     return f"{where}: {msg}"
@@ -1095,7 +1096,7 @@ def training_problems(point, topo) -> list[str]:
             spec = job.training_spec(i, point.seed)
             spec.validate(topo.n_hosts if topo is not None else None)
         except (ValueError, TypeError) as e:
-            problems.append(_collective_field(f"training.{i}", job, str(e)))
+            problems.append(_collective_field(f"training.{i}", job, e))
             continue
         specs.append(spec)
     if point.trace and topo is not None and len(specs) == len(point.training):
@@ -1104,7 +1105,6 @@ def training_problems(point, topo) -> list[str]:
         try:
             check_trace(specs, topo.n_hosts)
         except ValueError as e:
-            m = re.match(r"job (\d+) \([^)]*\): (.*)", str(e))
-            i, msg = (int(m.group(1)), m.group(2)) if m else (0, str(e))
-            problems.append(_collective_field(f"training.{i}", point.training[i], msg))
+            i = getattr(e, "job", None) or 0
+            problems.append(_collective_field(f"training.{i}", point.training[i], e))
     return problems

@@ -43,6 +43,7 @@ from testbed.collectives.runner import (  # the collective runner's process hand
     offload_job,
     require_local_namespaces,
 )
+from testbed.collectives.spec import FieldError
 from testbed.collectives.transport import CollectiveError
 from testbed.collectives.worker import ControlLine
 from testbed.workloads.replan import MAX_SWITCHES, epoch_job_id
@@ -91,16 +92,18 @@ def check_trace(specs: list[TrainingSpec], n_hosts: int) -> None:
         try:
             s.validate(n_hosts)
         except ValueError as e:
-            raise ValueError(f"job {k} ({s.label()}): {e}") from None
+            raise FieldError(getattr(e, "field", ""), f"job {k} ({s.label()}): {e}",
+                             job=k, reason=str(e)) from None
         for h in s.host_indices(n_hosts):
             if h in owner:
-                raise ValueError(f"job {k} ({s.label()}): TrainingSpec.hosts: host {h} is "
-                                 f"already used by job {owner[h]}; jobs of a trace need "
-                                 "disjoint hosts")
+                why = (f"TrainingSpec.hosts: host {h} is already used by job {owner[h]}; jobs of "
+                       "a trace need disjoint hosts")
+                raise FieldError("hosts", f"job {k} ({s.label()}): {why}", job=k, reason=why)
             owner[h] = k
         if s.job_id in ids:
-            raise ValueError(f"job {k} ({s.label()}): TrainingSpec.job_id={s.job_id} is "
-                             f"also job {ids[s.job_id]}'s; give every job its own job_id")
+            why = (f"TrainingSpec.job_id={s.job_id} is also job {ids[s.job_id]}'s; give every "
+                   "job its own job_id")
+            raise FieldError("job_id", f"job {k} ({s.label()}): {why}", job=k, reason=why)
         ids[s.job_id] = k
 
 

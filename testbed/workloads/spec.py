@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from testbed.collectives.algorithms import algorithm_names
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import CollectiveSpec, FieldError
 from testbed.collectives.trimmed import BITS as TRIM_BITS
 from testbed.workloads.data import DATASETS
 from testbed.workloads.models import ACTIVATIONS, MODELS, OPTIMIZERS, make_model
@@ -168,42 +168,42 @@ class TrainingSpec:
         _num(self, "start_s", 0.0, 86400.0)
         _num(self, "idle_ms", 0.1, 10_000.0)
         if self.algo == "trim" and self.loss:
-            raise ValueError(f"TrainingSpec.loss={self.loss}: client-side loss is emulated for "
+            raise FieldError("loss", f"TrainingSpec.loss={self.loss}: client-side loss is emulated for "
                              "algo 'ina'/'nic'; impair the switch's ports for 'trim'")
         if self.target_accuracy is not None:
             _num(self, "target_accuracy", 0.0, 1.0, lo_open=True)
         elif self.stop_at_target:
-            raise ValueError("TrainingSpec.stop_at_target=True needs a target_accuracy")
+            raise FieldError("stop_at_target", "TrainingSpec.stop_at_target=True needs a target_accuracy")
         if self.dataset == "synthetic" and self.classes > 2 ** (max(2, self.features // 2)):
-            raise ValueError(f"TrainingSpec.classes={self.classes}: the synthetic data set "
+            raise FieldError("classes", f"TrainingSpec.classes={self.classes}: the synthetic data set "
                              f"cannot separate that many classes with {self.features} features")
         if self.hosts is not None:
             if not isinstance(self.hosts, list | tuple) or not self.hosts or any(
                     isinstance(h, bool) or not isinstance(h, int | np.integer) or h < 0
                     for h in self.hosts):
-                raise ValueError(f"TrainingSpec.hosts={self.hosts!r} must be a non-empty list "
+                raise FieldError("hosts", f"TrainingSpec.hosts={self.hosts!r} must be a non-empty list "
                                  "of host indices (0-based)")
             if len(set(self.hosts)) != len(self.hosts):
-                raise ValueError(f"TrainingSpec.hosts={self.hosts!r} names a host twice")
+                raise FieldError("hosts", f"TrainingSpec.hosts={self.hosts!r} names a host twice")
         if self.workers is not None:
             check_int(self, "workers", 2)
             if self.hosts is not None and self.workers > len(self.hosts):
-                raise ValueError(f"TrainingSpec.workers={self.workers} exceeds the "
+                raise FieldError("workers", f"TrainingSpec.workers={self.workers} exceeds the "
                                  f"{len(self.hosts)} hosts listed in hosts")
         if n_hosts is not None:
             idx = self.host_indices(n_hosts)
             bad = [h for h in idx if h >= n_hosts]
             if bad:
-                raise ValueError(f"TrainingSpec.hosts: {bad} out of range; the net has "
+                raise FieldError("hosts", f"TrainingSpec.hosts: {bad} out of range; the net has "
                                  f"{n_hosts} hosts (0..{n_hosts - 1})")
             n = len(idx)
             if n < 2:
-                raise ValueError(f"TrainingSpec.workers: a data-parallel job needs at least 2 "
+                raise FieldError("workers", f"TrainingSpec.workers: a data-parallel job needs at least 2 "
                                  f"workers, got {n}")
             rows = self.data_shape()[2]
             shard = (rows - int(round(rows * self.test_fraction))) // n
             if self.batch_size > shard:
-                raise ValueError(f"TrainingSpec.batch_size={self.batch_size} is larger than a "
+                raise FieldError("batch_size", f"TrainingSpec.batch_size={self.batch_size} is larger than a "
                                  f"worker's shard ({shard} training rows with {n} workers); "
                                  "lower batch_size, use fewer workers or more samples")
         check_collective(self, len(self.host_indices(n_hosts)) if n_hosts is not None else None)
@@ -219,13 +219,13 @@ def check_communication(job) -> None:
     ``algo="trim"`` (which encodes the gradient in the trimming layout itself)."""
     cls = type(job).__name__
     if job.algo not in train_algos():
-        raise ValueError(f"{cls}.algo={job.algo!r} is not one of {train_algos()} "
+        raise FieldError("algo", f"{cls}.algo={job.algo!r} is not one of {train_algos()} "
                          "(the reduction server 'rs' serves a fixed number of collectives)")
     if job.bits not in TRIM_BITS:
-        raise ValueError(f"{cls}.bits={job.bits!r}: head bits per element must be one of "
+        raise FieldError("bits", f"{cls}.bits={job.bits!r}: head bits per element must be one of "
                          f"{TRIM_BITS}")
     if job.algo == "trim" and job.compressor is not None:
-        raise ValueError(f"{cls}.compressor={job.compressor!r}: algo 'trim' encodes the "
+        raise FieldError("compressor", f"{cls}.compressor={job.compressor!r}: algo 'trim' encodes the "
                          "gradient in the trimming layout; remove compressor")
 
 
@@ -235,20 +235,21 @@ def check_collective(job, n: int | None) -> None:
     try:
         job.collective().validate(n)
     except ValueError as e:
-        raise ValueError(str(e).replace("CollectiveSpec.", f"{type(job).__name__}.")) from None
+        raise FieldError(getattr(e, "field", ""),
+                         str(e).replace("CollectiveSpec.", f"{type(job).__name__}.")) from None
 
 
 def check_int(job, name: str, lo: int) -> None:
     """``ValueError`` unless ``job.<name>`` is an integer (not a bool) of at least ``lo``."""
     v = getattr(job, name)
     if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
-        raise ValueError(f"{type(job).__name__}.{name}={v!r} must be an integer >= {lo}")
+        raise FieldError(name, f"{type(job).__name__}.{name}={v!r} must be an integer >= {lo}")
 
 
 def _choice(spec: TrainingSpec, name: str, allowed: tuple[str, ...]) -> None:
     v = getattr(spec, name)
     if v not in allowed:
-        raise ValueError(f"TrainingSpec.{name}={v!r} is not one of {allowed}")
+        raise FieldError(name, f"TrainingSpec.{name}={v!r} is not one of {allowed}")
 
 
 def _num(spec: TrainingSpec, name: str, lo: float, hi: float, lo_open: bool = False,
@@ -258,4 +259,4 @@ def _num(spec: TrainingSpec, name: str, lo: float, hi: float, lo_open: bool = Fa
     ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
         lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ValueError(f"TrainingSpec.{name}={v!r} must be a number in {lb}{lo}, {hi}{hb}")
+        raise FieldError(name, f"TrainingSpec.{name}={v!r} must be a number in {lb}{lo}, {hi}{hb}")
