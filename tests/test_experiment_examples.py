@@ -8,8 +8,12 @@ import pytest
 
 from testbed.experiment import load_experiment, run
 from testbed.experiment.checks import assert_all_ok
-from testbed.experiment.cooperation import is_cooperation  # run by test_provider_cooperation
-from testbed.experiment.spec import Experiment, parse_experiment
+from testbed.experiment.spec import (
+    Experiment,
+    experiment_kind,
+    parse_experiment,
+    read_experiment_file,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "experiments"
 SMALL = 32 << 10
@@ -42,9 +46,9 @@ def shrink(exp: Experiment) -> Experiment:
 
 
 @pytest.mark.mininet
-@pytest.mark.parametrize("path", [p for p in sorted(EXAMPLES.glob("*.toml"))
-                                  + sorted(EXAMPLES.glob("*.yaml")) if not is_cooperation(p)],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [  # co-operation traces: run by test_provider_cooperation
+    p for p in sorted(EXAMPLES.glob("*.toml")) + sorted(EXAMPLES.glob("*.yaml"))
+    if experiment_kind(read_experiment_file(p)) != "cooperation"], ids=lambda p: p.stem)
 def test_example_runs_small(path, tmp_path):
     exp = shrink(load_experiment(path))
     res = run(exp, out_dir=tmp_path / "res", progress=False, doctor=False)

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.experiment.cooperation import is_cooperation, load_cooperation
+from testbed.experiment.cooperation import CooperationExperiment
+from testbed.experiment.runner import load_any
 from testbed.experiment.spec import (
     Experiment,
     ExperimentError,
@@ -131,10 +132,12 @@ def test_example_files_are_valid():
         (REPO / "experiments").glob("*.yaml"))
     assert files, "experiments/ has no example files"
     for f in files:
-        if is_cooperation(f):  # a trace run once per policy: its own schema
-            assert load_cooperation(f).jobs
+        exp = load_any(f)
+        if isinstance(exp, CooperationExperiment):  # a trace run once per policy
+            assert exp.kind == "cooperation" and exp.jobs
+            with pytest.raises(ExperimentError, match="a 'cooperation' experiment has a schema"):
+                load_experiment(f)
             continue
-        exp = load_experiment(f)
         assert isinstance(exp, Experiment)
         assert expand_sweep(exp)
 
@@ -335,3 +338,11 @@ def test_a_collective_error_carries_its_field_across_processes():
     problems = _problems({"topology": {"n_hosts": 4},
                           "jobs": [{"algo": "ring", "timeout_s": -1}]})
     assert any(p.startswith("jobs.0.timeout_s: ") for p in problems), problems
+
+
+def test_a_file_declares_its_kind_and_an_unknown_one_is_named():
+    assert load_any({"kind": "collectives", "jobs": [{"algo": "ring"}]}).kind == "collectives"
+    with pytest.raises(ExperimentError) as info:
+        load_any({"kind": "sweepstakes"})
+    assert info.value.problems == ["kind: 'sweepstakes' is not an experiment kind; allowed: "
+                                   "collectives, cooperation"]

@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
+from testbed.experiment.cli import run_file
 from testbed.experiment.cooperation import (
     apply_plan,
     jain,
@@ -16,6 +18,7 @@ from testbed.experiment.cooperation import (
     run_cooperation,
     table,
 )
+from testbed.experiment.results import Results
 from testbed.provider.schema import Plan
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
@@ -73,9 +76,18 @@ def test_plan_becomes_the_jobs_communication():
 
 
 @pytest.mark.mininet
-def test_two_jobs_under_cooperative_on_mininet(tmp_path):
-    exp = load_cooperation(EXPERIMENT)
-    rows = run_cooperation(exp, tmp_path, say=lambda text: None)
+def test_two_jobs_under_cooperative_on_mininet(tmp_path, capsys):
+    # through the one runner of every experiment kind, from a file as `testbed run` reads it
+    path = tmp_path / "coop.yaml"
+    path.write_text(yaml.safe_dump(EXPERIMENT))
+    assert run_file(str(path), tmp_path / "res", json_out=True) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (folder,) = (tmp_path / "res").glob("coop-e2e-*")
+    res = Results.load(folder)
+    assert res.metadata["kind"] == "cooperation" and res.metadata["status"] == "completed"
+    rows = res.records()
+    assert [(r["row"], r.get("job")) for r in rows] == [(r["row"], r.get("job")) for r in printed]
+    assert len(res.df) == len(rows)
     jobs = {r["job"]: r for r in rows if r["row"] == "job"}
     summary = [r for r in rows if r["row"] == "summary"]
     assert set(jobs) == {"exact4", "lossy2"} and len(summary) == 1
@@ -91,7 +103,7 @@ def test_two_jobs_under_cooperative_on_mininet(tmp_path):
     # memory was allocated while the INA job ran and reclaimed when it left
     series = summary[0]["mem_series"]
     assert max(u for _t, u in series) > 0 and series[-1][1] == 0
-    log = [json.loads(line) for line in (tmp_path / "plan_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (folder / "plan_log.jsonl").read_text().splitlines()]
     for name in jobs:
         mine = [e for e in log if e["job"] == name]
         assert mine[0]["old"] is None and mine[0]["reason"].startswith("admitted")

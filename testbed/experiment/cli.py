@@ -9,12 +9,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from testbed.experiment.cooperation import is_cooperation
-from testbed.experiment.cooperation import run_file as run_cooperation_file
 from testbed.experiment.plots import plot_bars, plot_overview, use_headless
 from testbed.experiment.results import results_root, strict_json
-from testbed.experiment.runner import RunAborted, default_out_dir, run
-from testbed.experiment.spec import ExperimentError, load_experiment, with_overrides
+from testbed.experiment.runner import RunAborted, default_out_dir, load_any, run
+from testbed.experiment.spec import ExperimentError, with_overrides
 from testbed.experiment.train import (
     load_iterations,
     plot_accuracy,
@@ -45,17 +43,10 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     if executor not in ("local", "dask") or (executor == "dask") != bool(scheduler):
         err.print(f"[red]error:[/] {_executor_problem(executor, scheduler)}", highlight=False)
         return 2
-    if is_cooperation(path):  # a trace run once per offload policy: its own runner
-        if executor != "local":
-            err.print("[red]error:[/] a cooperation trace runs its policies one after the "
-                      "other on one fabric; run it without --executor/--scheduler",
-                      highlight=False)
-            return 2
-        return run_cooperation_file(path, out, json_out=json_out, time_dilation=time_dilation)
     try:
-        exp = load_experiment(path)
+        exp = load_any(path)
         if time_dilation is not None:
-            exp = with_overrides(exp, {"time_dilation": time_dilation})
+            exp = _dilated(exp, time_dilation)
     except ExperimentError as e:
         err.print(f"[red]error:[/] invalid experiment {e.source} ({len(e.problems)} "
                   f"problem{'s' if len(e.problems) != 1 else ''}; nothing was run)",
@@ -63,11 +54,17 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
         for p in e.problems:
             err.print(f"  - {p}", highlight=False, markup=False)
         return 2
+    if exp.kind == "cooperation" and executor != "local":
+        err.print("[red]error:[/] a cooperation trace runs its policies one after the other "
+                  "on one fabric; run it without --executor/--scheduler", highlight=False)
+        return 2
 
     out_dir = default_out_dir(exp, results_root() if out is None else out)
     show = progress and sys.stderr.isatty()
     try:
-        if executor == "dask":
+        if exp.kind == "cooperation":  # its lines on stderr as it goes
+            res = run(exp, out_dir=out_dir, progress=True)
+        elif executor == "dask":
             # imported here: dask.distributed is an optional dependency ([distributed] extra)
             from testbed.experiment.distributed import run_distributed
 
@@ -84,6 +81,10 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
         err.print(f"[red]error:[/] {type(e).__name__}: {e}", highlight=False)
         err.print(f"finished runs (if any) are in {out_dir}")
         return 1
+    if exp.kind == "cooperation":  # its own table: jobs and policies
+        from testbed.experiment.cooperation import print_results
+
+        return print_results(res.records(), out_dir, json_out)
     failed = len(res.failures)
     if json_out:
         print_json_rows(res)
@@ -107,6 +108,21 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
     return 0
 
 
+def _dilated(exp, time_dilation: float | str):
+    """``exp`` with ``time_dilation`` replacing its file's (a factor or 'auto'; a co-operation
+    trace takes a factor only)."""
+    if exp.kind != "cooperation":
+        return with_overrides(exp, {"time_dilation": time_dilation})
+    if time_dilation == "auto":
+        raise ExperimentError("--time-dilation", ["time_dilation: 'auto' is not supported by "
+                                                  "cooperation experiments; give a factor"])
+    try:
+        return exp.model_copy(update={"time_dilation": float(time_dilation)})
+    except ValueError:
+        raise ExperimentError("--time-dilation", [f"time_dilation: {time_dilation!r} is not a "
+                                                  "number"]) from None
+
+
 def _executor_problem(executor: str, scheduler: str | None) -> str:
     if executor not in ("local", "dask"):
         return f"--executor {executor!r}: give 'local' (here) or 'dask' (a Dask cluster)"
@@ -119,12 +135,7 @@ def _executor_problem(executor: str, scheduler: str | None) -> str:
 def print_json_rows(res) -> None:
     """Every row of ``res`` (a run's summary) as one JSON object per line on stdout; NaN and
     infinities become null (strict JSON, as ``jq`` and other readers want)."""
-    path = Path(res.path) / "rows.jsonl" if res.path is not None else None
-    if path is not None and path.exists():  # as recorded, with the recorded types
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    else:
-        rows = res.df.to_dict("records")
-    for row in rows:
+    for row in res.records():
         print(json.dumps(strict_json(row), default=str))
     sys.stdout.flush()
 

@@ -58,7 +58,6 @@ import platform
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Literal
 
@@ -67,8 +66,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from testbed.collectives.algorithms import is_offloaded
 from testbed.experiment import results
-from testbed.experiment.runner import flatten_counters, port_bytes_by_role
-from testbed.experiment.spec import TopologySpec, format_errors
+from testbed.experiment.networks import flatten_counters, port_bytes_by_role
+from testbed.experiment.spec import (
+    ExperimentError,
+    TopologySpec,
+    format_errors,
+    read_experiment_file,
+)
 from testbed.provider.manager import (
     SUSTAINED_SNAPSHOTS,
     FabricManager,
@@ -151,34 +155,14 @@ class CooperationExperiment(BaseModel):
 
 
 def load_cooperation(source) -> CooperationExperiment:
-    """The experiment from a TOML/YAML path or a dict; ``ValueError`` listing the problems."""
-    data = source if isinstance(source, dict) else read_file(source)
+    """The experiment from a TOML/YAML path or a dict (:class:`ExperimentError` listing the
+    problems)."""
+    data = source if isinstance(source, dict) else read_experiment_file(source)
     try:
         return CooperationExperiment.model_validate(data)
     except ValidationError as e:
-        raise ValueError("; ".join(format_errors(e))) from None
-
-
-def read_file(path) -> dict:
-    """The mapping in a TOML or YAML file."""
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix.lower() == ".toml":
-        return tomllib.loads(text)
-    import yaml  # only YAML files need it
-
-    data = yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the file must hold a mapping of experiment fields")
-    return data
-
-
-def is_cooperation(path) -> bool:
-    """Whether the experiment file at ``path`` is a co-operation experiment."""
-    try:
-        return read_file(path).get("kind") == "cooperation"
-    except Exception:  # unreadable: the ordinary loader reports it
-        return False
+        raise ExperimentError("object" if isinstance(source, dict) else str(source),
+                              format_errors(e)) from None
 
 
 def request(job: CoopJob, spec: TrainingSpec, host_names: list[str],
@@ -467,12 +451,13 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
             meta["setup_s"] = round(time.monotonic() - t0, 2)
             _run_policies(exp, net, meta, rows, logs, say)
     meta["uptime_after"] = _uptime()
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        _write_jsonl(out / "rows.jsonl", rows)
-        _write_jsonl(out / "plan_log.jsonl", logs)
-        (out / "metadata.json").write_text(json.dumps(meta, indent=1, default=str))
+    if out_dir is not None:  # a results folder like every experiment's (Results.load reads it)
+        store = results.ResultsStore(out_dir, meta | {"planned_runs": len(rows)})
+        for r in rows:
+            store.append(r)
+        _write_jsonl(Path(out_dir) / "plan_log.jsonl", logs)
+        store.finish("failed" if any(r.get("status") == "error" for r in rows)
+                     else "completed")
     return rows
 
 
@@ -525,35 +510,12 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r, default=str) + "\n")
 
 
-def _strict(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def run_file(path, out=None, json_out: bool = False,
-             time_dilation: float | str | None = None) -> int:
-    """``testbed run FILE`` for a co-operation experiment: the job and summary rows as JSON
-    lines on stdout (``json_out``) or a table; exit 0 ok, 1 a job failed, 2 invalid file."""
-    try:
-        exp = load_cooperation(path)
-        if time_dilation is not None:
-            if time_dilation == "auto":
-                raise ValueError("time_dilation 'auto' is not supported by cooperation "
-                                 "experiments; give a factor")
-            exp = exp.model_copy(update={"time_dilation": float(time_dilation)})
-    except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
-        print(f"error: invalid experiment {path}: {e}", file=sys.stderr)
-        return 2
-    out_dir = results.unique_folder(results.results_root() if out is None else out, exp.name)
-
-    def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    rows = run_cooperation(exp, out_dir, say)
+def print_results(rows: list[dict], out_dir, json_out: bool = False) -> int:
+    """What ``testbed run`` prints of a co-operation run: the job and summary rows as JSON
+    lines on stdout (``json_out``) or a table; exit 0 ok, 1 a job failed."""
     if json_out:
         for r in rows:
-            print(json.dumps({k: _strict(v) for k, v in r.items()}, default=str))
+            print(json.dumps(results.strict_json(r), default=str))
         sys.stdout.flush()
     stream = sys.stderr if json_out else sys.stdout
     print(table(rows), file=stream)

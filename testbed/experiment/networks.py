@@ -4,6 +4,8 @@ launch`` and the provider's command line, which build the network a file describ
 
 from __future__ import annotations
 
+from typing import Any
+
 from testbed.experiment.spec import Experiment
 from testbed.topologies import TestbedNet, make_topology
 from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
@@ -51,3 +53,32 @@ def datapath_options(point: Experiment) -> DatapathOptions:
         nic_codec = {"codec": "fixed32"}
     return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec,
                            aggregate=point.topology.aggregate_settings())
+
+
+def flatten_counters(obj: Any, prefix: str = "") -> dict[str, float]:
+    """Nested counters -> ``{"node.port.name": value}`` for the numeric leaves."""
+    out: dict[str, float] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_counters(v, f"{prefix}{k}."))
+    elif isinstance(obj, list):
+        for k, v in enumerate(obj):
+            out.update(flatten_counters(v, f"{prefix}{k}."))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out[prefix[:-1]] = float(obj)
+    return out
+
+
+def port_bytes_by_role(delta: dict[str, float], roles: dict[str, str]) -> dict[str, float]:
+    """``port_bytes_<role>``: bytes that crossed the ports of the switches of each role (rx +
+    tx, e.g. ``port_bytes_core``: every byte on a core link, counted once), from the
+    flattened ``ports.<interface>.{rx,tx}_bytes`` deltas; ``roles``: switch -> role."""
+    cols: dict[str, float] = {f"port_bytes_{r}": 0.0 for r in set(roles.values())}
+    for path, v in delta.items():
+        parts = path.split(".")
+        if len(parts) != 3 or parts[0] != "ports" or parts[2] not in ("rx_bytes", "tx_bytes"):
+            continue
+        role = roles.get(parts[1].rsplit("-", 1)[0])
+        if role is not None:
+            cols[f"port_bytes_{role}"] += v
+    return cols

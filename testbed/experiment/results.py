@@ -173,8 +173,9 @@ class ResultsStore:
             tmp = self.path / "results.parquet.tmp"
             df.to_parquet(tmp, index=False)
             os.replace(tmp, self.path / "results.parquet")
-        except (ImportError, ValueError, TypeError) as e:  # mixed-type columns, no pyarrow
-            self.metadata["parquet_error"] = str(e)
+        except Exception as e:  # noqa: BLE001 - mixed-type columns, empty structs, no pyarrow:
+            # rows.jsonl and results.csv hold every row; parquet is a convenience
+            self.metadata["parquet_error"] = f"{type(e).__name__}: {e}"
 
     def write_metadata(self) -> None:
         """Rewrite metadata.json atomically."""
@@ -223,6 +224,14 @@ class Results:
         if (path / "metadata.json").exists():
             meta = json.loads((path / "metadata.json").read_text())
         return cls(rows_to_frame(rows), meta, path)
+
+    def records(self) -> list[dict[str, Any]]:
+        """The rows as recorded (``rows.jsonl``: each with its own keys and types), or the
+        table's rows when there is no folder."""
+        jl = self.path / "rows.jsonl" if self.path is not None else None
+        if jl is not None and jl.exists():
+            return [json.loads(line) for line in jl.read_text().splitlines() if line.strip()]
+        return self.df.to_dict("records")
 
     @property
     def ok(self):

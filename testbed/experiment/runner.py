@@ -38,7 +38,7 @@ from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
 from testbed.experiment import results, train
 from testbed.experiment.incast import run_incast
-from testbed.experiment.networks import network_for
+from testbed.experiment.networks import flatten_counters, network_for, port_bytes_by_role
 from testbed.experiment.results import (
     Results,
     ResultsStore,
@@ -47,7 +47,15 @@ from testbed.experiment.results import (
     machine_info,
     package_versions,
 )
-from testbed.experiment.spec import Experiment, JobSpec, expand_sweep, load_experiment
+from testbed.experiment.spec import (
+    Experiment,
+    JobSpec,
+    expand_sweep,
+    experiment_kind,
+    load_experiment,
+    parse_experiment,
+    read_experiment_file,
+)
 from testbed.kernels.wire import Flags, MsgType
 from testbed.netlock import emulation_lock
 
@@ -65,16 +73,39 @@ def default_out_dir(exp: Experiment, root: str | Path | None = None) -> Path:
     return results.unique_folder(results.results_root() if root is None else root, exp.name)
 
 
-def run(experiment: Experiment | str | Path | dict, out_dir: str | Path | None = None,
-        progress: bool = True, doctor: bool = True, results_root: str | Path | None = None
-        ) -> Results:
-    """Run ``experiment`` (object, dict or TOML/YAML path) and return its :class:`Results`.
+def load_any(source) -> Any:
+    """The experiment in ``source`` (a path, a dict, or an experiment object) of whichever
+    kind it declares (:data:`~testbed.experiment.spec.EXPERIMENT_KINDS`): an
+    :class:`Experiment` or a :class:`~testbed.experiment.cooperation.CooperationExperiment`;
+    :class:`ExperimentError` listing the problems."""
+    from testbed.experiment.cooperation import CooperationExperiment, load_cooperation
+
+    if isinstance(source, Experiment | CooperationExperiment):
+        return load_experiment(source) if isinstance(source, Experiment) else source
+    data = source if isinstance(source, dict) else read_experiment_file(source)
+    name = "object" if isinstance(source, dict) else str(source)
+    if experiment_kind(data, name) == "cooperation":
+        return load_cooperation(data if isinstance(source, dict) else source)
+    return parse_experiment(data, name)
+
+
+def run(experiment, out_dir: str | Path | None = None, progress: bool = True,
+        doctor: bool = True, results_root: str | Path | None = None) -> Results:
+    """Run ``experiment`` (object, dict or TOML/YAML path, of any kind: see :func:`load_any`)
+    and return its :class:`Results`.
 
     ``out_dir``: results folder (default ``<results root>/<name>-<timestamp>``). ``progress``: show a
-    progress bar. ``doctor``: store ``testbed doctor``'s summary in the metadata.
+    progress bar (a co-operation trace: its lines on stderr). ``doctor``: store ``testbed
+    doctor``'s summary in the metadata.
     """
-    exp = load_experiment(experiment)
+    exp = load_any(experiment)
     out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
+    if exp.kind == "cooperation":  # the trace once per policy, on one network
+        from testbed.experiment.cooperation import run_cooperation
+
+        run_cooperation(exp, out, say=(lambda text: print(text, file=sys.stderr, flush=True))
+                        if progress else (lambda text: None))
+        return Results.load(out)
     plan = plan_runs(expand_sweep(exp))
     store = ResultsStore(out, run_metadata(exp, plan, doctor))
     _run_into(exp, plan, store, out, progress)
@@ -592,27 +623,6 @@ def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
 
 # -- data-path counters -------------------------------------------------------------------------
 
-def _counters(net) -> dict | None:
-    try:
-        return net.counters()
-    except Exception:
-        return None
-
-
-def flatten_counters(obj: Any, prefix: str = "") -> dict[str, float]:
-    """Nested counters -> ``{"node.port.name": value}`` for the numeric leaves."""
-    out: dict[str, float] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flatten_counters(v, f"{prefix}{k}."))
-    elif isinstance(obj, list):
-        for k, v in enumerate(obj):
-            out.update(flatten_counters(v, f"{prefix}{k}."))
-    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-        out[prefix[:-1]] = float(obj)
-    return out
-
-
 def _counter_deltas(before, after, out: Path, run_idx: int, roles: dict | None = None
                     ) -> dict[str, float]:
     if before is None or after is None:
@@ -625,19 +635,11 @@ def _counter_deltas(before, after, out: Path, run_idx: int, roles: dict | None =
     return {**summarize_counters(delta, a), **port_bytes_by_role(delta, roles or {})}
 
 
-def port_bytes_by_role(delta: dict[str, float], roles: dict[str, str]) -> dict[str, float]:
-    """``port_bytes_<role>``: bytes that crossed the ports of the switches of each role (rx +
-    tx, e.g. ``port_bytes_core``: every byte on a core link, counted once), from the
-    flattened ``ports.<interface>.{rx,tx}_bytes`` deltas; ``roles``: switch -> role."""
-    cols: dict[str, float] = {f"port_bytes_{r}": 0.0 for r in set(roles.values())}
-    for path, v in delta.items():
-        parts = path.split(".")
-        if len(parts) != 3 or parts[0] != "ports" or parts[2] not in ("rx_bytes", "tx_bytes"):
-            continue
-        role = roles.get(parts[1].rsplit("-", 1)[0])
-        if role is not None:
-            cols[f"port_bytes_{role}"] += v
-    return cols
+def _counters(net) -> dict | None:
+    try:
+        return net.counters()
+    except Exception:
+        return None
 
 
 def summarize_counters(delta: dict[str, float], after: dict[str, float]) -> dict[str, float]:

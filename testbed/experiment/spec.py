@@ -506,6 +506,7 @@ TRAIN_OPTIONS = ("window", "loss", "chunk_bytes", "bits", "idle_ms")
 class Experiment(_Strict):
     """A whole experiment: network, jobs, conditions, sweep; see the module docstring."""
 
+    kind: Literal["collectives"] = "collectives"
     name: str = Field("experiment", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     description: str = ""
     seed: int = 0
@@ -676,6 +677,33 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
         return source
     if isinstance(source, dict):
         return parse_experiment(source, "object")
+    return parse_experiment(read_experiment_file(source), str(source))
+
+
+#: What an experiment file's top-level ``kind`` declares (default ``collectives``); the one
+#: runner, :func:`testbed.experiment.run`, runs each kind.
+EXPERIMENT_KINDS = {
+    "collectives": "collective jobs, training jobs and launched scripts on one network per "
+                   "sweep point (this module's Experiment)",
+    "cooperation": "tenants' training jobs arriving over time, admitted and planned by the "
+                   "provider, the trace run once per policy "
+                   "(testbed.experiment.cooperation.CooperationExperiment)",
+}
+
+
+def experiment_kind(data: dict, source: str = "object") -> str:
+    """The ``kind`` the experiment ``data`` declares (:class:`ExperimentError` naming the kinds
+    there are when it is not one)."""
+    kind = data.get("kind", "collectives")
+    if kind not in EXPERIMENT_KINDS:
+        raise ExperimentError(source, [f"kind: {kind!r} is not an experiment kind; allowed: "
+                                       f"{', '.join(EXPERIMENT_KINDS)}"])
+    return kind
+
+
+def read_experiment_file(source: str | Path) -> dict:
+    """The mapping in a TOML or YAML experiment file (:class:`ExperimentError` when it is
+    missing, of another type or not valid)."""
     path = Path(source)
     if not path.is_file():
         raise ExperimentError(str(path), ["file not found (give a .toml, .yaml or .yml file)"])
@@ -695,7 +723,7 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
         raise ExperimentError(str(path), [f"not valid YAML: {e}"]) from None
     if not isinstance(data, dict):
         raise ExperimentError(str(path), ["the file must hold a mapping of experiment fields"])
-    return parse_experiment(data, str(path))
+    return data
 
 
 def load_point(file: str | Path, point: int) -> tuple[Experiment, Experiment]:
@@ -717,6 +745,11 @@ def load_point(file: str | Path, point: int) -> tuple[Experiment, Experiment]:
 def parse_experiment(data: dict, source: str = "object") -> Experiment:
     """Validate a plain dict into an :class:`Experiment` (readable :class:`ExperimentError`
     listing every problem: bad fields, and combinations that cannot run at any sweep point)."""
+    kind = experiment_kind(data, source)
+    if kind != "collectives":
+        raise ExperimentError(source, [f"kind: a {kind!r} experiment has a schema of its own "
+                                       "(testbed run and testbed.experiment.run take every "
+                                       "kind)"])
     try:
         exp = Experiment.model_validate(data)
     except ValidationError as e:
