@@ -148,3 +148,29 @@ def test_departure_replan_is_applied_mid_job_on_mininet(tmp_path):
         .items() <= next(c for c in second["checks"] if c["iteration"] == switch["at"]).items()
     assert summary["plan_changes"] == 1 and summary["telemetry_snapshots"] >= 1
     assert summary["mem_series"][-1][1] == 0  # every partition was given back
+
+
+def test_bench_cooperation_rows_medians_spread_ratios_and_targets():
+    from testbed.bench.cooperation import policy_rows, targets, trace_path
+
+    def summary(policy, jct, rep):
+        return {"row": "summary", "policy": policy, "mean_jct_s": jct, "failed": 0,
+                "all_accurate": True, "cpu_bound": False, "congestion_episodes": 1,
+                "replans": {"congestion": 1}, "repeat": rep}
+
+    runs = [summary(p, j, k) for k, (a, b, c) in enumerate([(10, 6, 5), (12, 7, 5), (11, 20, 6)])
+            for p, j in (("tenant_only", a), ("cooperative", b), ("oracle", c))]
+    runs.append({"row": "job", "policy": "cooperative", "correct": False})
+    rows = {r["policy"]: r for r in policy_rows("cloud_cooperation", 20.0, runs)}
+    coop = rows["cooperative"]
+    assert coop["mean_jct_median_s"] == 7 and coop["mean_jct_q1_s"] == 6.5
+    assert coop["spread"] == round((13.5 - 6.5) / 7, 4) and coop["wrong_sums"] == 1
+    assert coop["vs_tenant_only"] == round(7 / 11, 4) and coop["vs_oracle"] == 1.4
+    assert coop["replans"] == {"congestion": 3} and coop["repeats"] == 3
+    met = targets(list(rows.values()))
+    assert met["cooperative <= tenant_only, provider_only"][0]
+    assert not met["cooperative within 10 % of oracle"][0]
+    assert not met["spread (IQR / median) <= 0.25"][0]  # cooperative's 1.0
+    assert trace_path("cloud_no_help").name == "cloud_no_help.toml"
+    with pytest.raises(ValueError, match="shipped: cloud_cooperation, cloud_no_help"):
+        trace_path("cloud_nowhere")

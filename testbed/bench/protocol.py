@@ -191,6 +191,24 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("bw", 100.0, "link rate (Mb/s)")),
         quick_help="the default 2 x 2 leaf-spine (already small)"),
     Benchmark(
+        "cooperation", "The offload policies on the shipped co-operation traces at several link "
+        "rates, repeated: median and spread of the mean JCT, against the co-operation targets.",
+        "testbed.bench.cooperation:measure", case=("trace", "bw_mbps", "policy"),
+        columns=("trace", "bw_mbps", "policy", "repeats", "mean_jct_median_s", "spread",
+                 "vs_tenant_only", "vs_provider_only", "vs_oracle", "failed", "cpu_bound_runs",
+                 "replans"),
+        options=(Option("traces", "cloud_cooperation,cloud_no_help", "co-operation experiment "
+                        "files (names in experiments/ or paths)", quick="cloud_cooperation",
+                        metavar="A,B"),
+                 Option("rates", "10,20,50", "link rates in Mb/s, each a variant of every trace "
+                        "('' for the files')", quick="20", metavar="R,S"),
+                 Option("repeats", 5, "runs of each trace per policy", quick=2),
+                 Option("policies", "", "policies ('' for the files')",
+                        quick="tenant_only,cooperative", metavar="P,Q"),
+                 Option("iterations", 0, "iterations of every job (0: the files')",
+                        quick=20)),
+        quick_help="one trace at 20 Mb/s, two policies, two repeats, 20 iterations per job"),
+    Benchmark(
         "torch", "The testbed process-group backend against gloo with an unmodified script: "
         "per-call overhead, DDP step time against the flow model, launch time and memory.",
         "testbed.bench.pytorch:measure", case=("test", "case"), requires=("torch",),
