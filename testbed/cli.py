@@ -147,10 +147,23 @@ def launch(
     experiment: str = typer.Option(None, "--experiment", "-e",
                                    help="an experiment file whose network to use"),
     algo: str = typer.Option(None, "--algo", help="the testbed algorithm the script's float32 "
-                             "allreduces take (ring, hd, ina, nic, a plug-in; default: plain "
-                             "gloo, the baseline)"),
+                             "allreduces take (ring, hd, ina, nic, a plug-in; auto: the "
+                             "provider's plan for the job's hints; default: plain gloo, the "
+                             "baseline)"),
     compressor: str = typer.Option(None, "--compressor", help="with --algo: compress them"),
     error_feedback: bool = typer.Option(False, "--error-feedback"),
+    policy: str = typer.Option("cooperative", "--policy", help="with --algo auto: the "
+                               "provider's policy (tenant_only, provider_only, cooperative, "
+                               "oracle)"),
+    tolerance: str = typer.Option(None, "--tolerance", metavar="exact|lossy|lossy_ef",
+                                  help="with --algo auto: the job's hint (lossy allows "
+                                       "compression within --error-budget)"),
+    error_budget: float = typer.Option(None, "--error-budget", help="with --algo auto: "
+                                       "relative L2 error one allreduce may have"),
+    hint_bytes: int = typer.Option(None, "--hint-bytes", help="with --algo auto: bytes "
+                                   "allreduced per iteration (the gradient's size)"),
+    priority: int = typer.Option(None, "--priority", help="with --algo auto: 0-7, larger "
+                                 "first"),
     bw_mbps: float = typer.Option(None, "--bw-mbps", help="link rate of the default star"),
     time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
                                       help=DILATION_HELP),
@@ -160,14 +173,24 @@ def launch(
     """Run a PyTorch script on the emulated hosts, torchrun-style (exit: the worst rank's)."""
     from testbed.launch import launch as run_script
 
+    hints = {k: v for k, v in (("tolerance", tolerance), ("error_budget", error_budget),
+                               ("collective_bytes", hint_bytes), ("priority", priority))
+             if v is not None}
     try:
         done = run_script(script, args or [], hosts=hosts, experiment=experiment, algo=algo,
                           compressor=compressor, error_feedback=error_feedback,
                           topology={"bw_mbps": bw_mbps} if bw_mbps else None,
-                          time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out)
+                          time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
+                          hints=hints or None, policy=policy)
     except ValueError as e:
         print(f"testbed launch: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
+    if done.plan is not None:
+        p = done.plan
+        print(f"testbed launch: the provider ({policy}) planned {p['algo']}"
+              + (f" + {p['compressor']}" if p["compressor"] else "")
+              + (f" on {p['tree']}" if p["tree"] else "") + f": {p['reason']}",
+              file=sys.stderr)
     for line in done.failures:
         print(f"testbed launch: {line}", file=sys.stderr)
     paths: dict[str, int] = {}

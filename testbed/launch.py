@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -55,6 +56,8 @@ class Launched:
     failed_ranks: list[int] = dataclasses.field(default_factory=list)
     #: from the first rank's start to the last one's end, undilated
     time_s: float = 0.0
+    #: the provider's plan of an ``algo="auto"`` launch (a Plan as a dict), else None
+    plan: dict | None = None
 
     @property
     def returncode(self) -> int:
@@ -101,7 +104,8 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            compressor_params: dict | None = None, error_feedback: bool = False,
            time_dilation: float | str | None = None, out: str | Path | None = None,
            timeout_s: float = 600.0, job_id: int = 1, echo=None,
-           module: bool = False) -> Launched:
+           module: bool = False, hints: dict | None = None,
+           policy: str = "cooperative") -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network) and return what it did (see the module docstring). ``module``: ``script`` is a
     module name (``python -m``).
@@ -110,22 +114,105 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
     fields). ``algo`` (ring, hd, ina, nic or a plug-in; None: plain gloo) with ``compressor``,
     ``compressor_params``, ``error_feedback``: what the ``testbed`` backend allreduces float32
-    with. ``echo(line)``: called with every ``[rank]: ...`` output line (default: print).
-    ``out``: the results root (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad
-    options before anything is built.
+    with; ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
+    the tenant's ``hints``, :class:`testbed.provider.schema.Hints` fields such as
+    ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
+    result and ``launch.json``). ``echo(line)``: called with every ``[rank]: ...`` output line
+    (default: print). ``out``: the results root (default ``TESTBED_RESULTS``). Raises
+    ``ValueError`` for bad options before anything is built.
     """
     from testbed.experiment import results
 
     if not module:
         script = _checked_script(script)
-    tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id)
-    network = launch_network(topology, experiment, hosts, algo, time_dilation)
+    planned = algo == "auto"
+    if planned:
+        if compressor is not None or error_feedback:
+            raise ValueError("algo 'auto' lets the provider choose the compressor; give the "
+                             "job's tolerance (hints) instead of --compressor/--error-feedback")
+        _check_plan_request(hints, policy)
+        tj = None
+    else:
+        if hints:
+            raise ValueError("hints are for algo 'auto' (the provider plans with them)")
+        tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id)
+    # a provider-planned job gets a fabric where every algorithm can run (programmable)
+    network = launch_network(topology, experiment, hosts, "ina" if planned else algo,
+                             time_dilation)
     stem = str(script).rsplit(".", 1)[-1] if module else Path(script).stem
     folder = results.unique_folder(results.results_root() if out is None else out,
                                    f"launch-{stem}")
     with network as net:
-        return run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
-                          echo=echo, module=module)
+        plan = None
+        if planned:
+            tj, plan = planned_settings(net, hosts, hints, policy, job_id, f"launch-{stem}")
+        done = run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
+                          echo=echo, module=module,
+                          extra={"plan": plan.model_dump(), "policy": policy,
+                                 "hints": dict(hints or {})} if plan else None)
+        done.plan = plan.model_dump() if plan else None
+        return done
+
+
+def _check_plan_request(hints: dict | None, policy: str) -> None:
+    """``ValueError`` for hints the provider's schema refuses or an unknown policy, before a
+    network is built."""
+    from pydantic import ValidationError
+
+    from testbed.provider.policies import POLICIES
+    from testbed.provider.schema import Hints
+
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {sorted(POLICIES)}")
+    try:
+        Hints(**(hints or {}))
+    except ValidationError as e:
+        raise ValueError("hints: " + "; ".join(
+            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+
+
+def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "cooperative",
+                  job: str = "launch"):
+    """The plan the provider's ``policy`` gives a job on ``hosts`` of the running ``net`` with
+    the tenant's ``hints``: a :class:`testbed.provider.schema.Plan` from a fabric manager of
+    this network (its inventory, the static aggregator memory its engines report, the flow
+    model with the measured hop latency), the job its only tenant."""
+    from testbed.provider.manager import FabricManager, inventory_of
+    from testbed.provider.policies import PlanModel
+    from testbed.provider.schema import Hints, JobRequest
+    from testbed.provider.service import engine_memory
+
+    desc = net.describe()
+    model = PlanModel(desc, hop_latency_s=net.hop_latency_s())
+    manager = FabricManager(inventory_of(desc, engine_memory(net)), policy, model)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", job)[:64] or "launch"  # the schema's job names
+    plan = manager.admit(JobRequest(job=name, hosts=hosts, hints=Hints(**(hints or {}))))
+    if plan.trim_head_bits is not None:
+        raise ValueError(f"the provider planned trimming ({plan.reason}); a launched script's "
+                         "allreduce does not trim")
+    return plan
+
+
+def planned_settings(net, hosts: int | None, hints: dict | None, policy: str, job_id: int,
+                     name: str):
+    """(the testbed backend's settings, the provider's plan) of a job on the first ``hosts``
+    hosts of ``net`` (default: all) planned by ``policy`` from ``hints``."""
+    workers = list(net.hosts)[:hosts or len(net.hosts)]
+    plan = provider_plan(net, [h.name for h in workers], hints, policy, job=name)
+    tj = backend_settings(plan.algo, plan.compressor, plan.compressor_params,
+                          plan.error_feedback, job_id, placement=plan_placement(plan))
+    return tj, plan
+
+
+def plan_placement(plan) -> dict:
+    """``CollectiveSpec.placement`` of a provider's plan (empty when it does not aggregate in
+    the network)."""
+    from testbed.collectives.algorithms import is_offloaded
+
+    if not is_offloaded(plan.algo):
+        return {}
+    return {"tree": plan.tree if plan.tree is not None else "single",
+            "slots": max(plan.slots, 1), "mode": plan.mode}
 
 
 def _checked_script(script: str | Path) -> Path:
@@ -141,7 +228,8 @@ def _checked_script(script: str | Path) -> Path:
 
 
 def backend_settings(algo: str | None, compressor: str | None,
-                     compressor_params: dict | None, error_feedback: bool, job_id: int):
+                     compressor_params: dict | None, error_feedback: bool, job_id: int,
+                     placement: dict | None = None):
     """The testbed backend's settings (None: plain gloo); ``ValueError`` on bad ones."""
     from testbed.torch import TorchJob
     from testbed.workloads.spec import check_communication
@@ -152,18 +240,20 @@ def backend_settings(algo: str | None, compressor: str | None,
         return None
     tj = TorchJob(comm="testbed", algo=algo, compressor=compressor,
                   compressor_params=dict(compressor_params or {}),
-                  error_feedback=error_feedback, job_id=job_id, timeout_s=60.0)
+                  error_feedback=error_feedback, job_id=job_id, timeout_s=60.0,
+                  placement=dict(placement or {}))
     check_communication(tj)
     return tj
 
 
 def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
                hosts: int | None = None, timeout_s: float = 600.0, echo=None,
-               module: bool = False) -> Launched:
+               module: bool = False, extra: dict | None = None) -> Launched:
     """Run ``script`` on the first ``hosts`` hosts of the running network ``net``, with the
     testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
     what it leaves goes to ``folder``. ``module``: ``script`` is a module name, run as
-    ``python -m`` runs it (torchrun's ``--module``), not a file."""
+    ``python -m`` runs it (torchrun's ``--module``), not a file. ``extra``: more entries for
+    ``launch.json`` (e.g. the provider's plan)."""
     import importlib.util
 
     from testbed.collectives.runner import offload_job
@@ -189,7 +279,7 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     job = {"torch": dataclasses.asdict(settings), "n": n, "m": 0, "ranks": ranks}
     meta = {"script": str(script), "args": list(args), "hosts": [r["host"] for r in ranks],
             "algo": tj.algo if tj else None, "compressor": tj.compressor if tj else None,
-            "describe": net.describe(), "time_dilation": net.time_dilation}
+            "describe": net.describe(), "time_dilation": net.time_dilation, **(extra or {})}
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if tj is None:

@@ -63,7 +63,8 @@ class TorchJob:
     ``batch_size`` per rank at ``lr``; ``comm`` "gloo" (baseline) or "testbed" (the hook
     with ``algo``, ``compressor``...); ``verify``: compare every hooked bucket with gloo's
     allreduce; ``bucket_cap_mb``: DDP's bucket size (small values give several buckets);
-    ``bits``/``idle_ms``: head bits per element and silence before a NACK of ``algo="trim"``."""
+    ``bits``/``idle_ms``: head bits per element and silence before a NACK of ``algo="trim"``;
+    ``placement``: where INA aggregates (a provider's plan: tree, slots, mode)."""
 
     comm: str = "testbed"
     algo: str = "ring"
@@ -83,6 +84,8 @@ class TorchJob:
     timeout_s: float = 60.0
     job_id: int = 1
     seed: int = 0
+    #: INA's tree, slots and mode (``CollectiveSpec.placement``; empty: one switch, defaults)
+    placement: dict = dataclasses.field(default_factory=dict)
 
     def collective(self, nbytes: int = 4) -> CollectiveSpec:
         """The testbed allreduce of one bucket of ``nbytes`` (``algo="trim"``: the broadcast
@@ -94,7 +97,8 @@ class TorchJob:
                               compressor=self.compressor,
                               compressor_params=dict(self.compressor_params),
                               error_feedback=self.error_feedback, timeout_s=self.timeout_s,
-                              seed=self.seed, job_id=self.job_id)
+                              seed=self.seed, job_id=self.job_id,
+                              placement=dict(self.placement))
 
     def validate(self, n: int) -> None:
         """``ValueError`` naming the first bad field."""

@@ -53,17 +53,24 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2}  # a track per rank
 
 
-def test_ddp_script_unmodified_over_gloo_ring_and_ina(tmp_path):
+def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):
     """The same DDP script: plain gloo (the baseline), then with its buckets through the
-    testbed's ring (exact: the same losses) and INA (fixed point: close losses)."""
+    testbed's ring (exact: the same losses), then as the provider plans them for a tenant
+    whose hints say exact: INA on the star's switch (fixed point: close losses)."""
     runs = {}
-    for algo in (None, "ring", "ina"):
+    for algo in (None, "ring", "auto"):
+        hints = {"tolerance": "exact", "collective_bytes": 300_000} if algo == "auto" else None
         done, lines = _run(tmp_path / str(algo), "ddp_digits.py", ["--steps", "8"], hosts=3,
-                           algo=algo, topology={"switch": "programmable"})
+                           algo=algo, topology={"switch": "programmable"}, hints=hints)
         assert done.returncode == 0, done.failures
         runs[algo] = (_losses(lines), done.trace)
+        if algo == "auto":
+            plan = done.plan
+            assert (plan["algo"], plan["compressor"], plan["tree"]) == ("ina", None, ["tbs1"])
+            assert json.loads((done.folder / "launch.json").read_text())["plan"] == plan
     base, trace = runs[None]
     assert len(base) == 8 and trace == []  # plain gloo: no testbed collective
+    runs["ina"] = runs.pop("auto")
     for algo, tol in (("ring", 1e-5), ("ina", 1e-3)):
         losses, trace = runs[algo]
         assert losses == pytest.approx(base, abs=tol), (algo, losses, base)
@@ -90,23 +97,32 @@ def test_bad_options_are_named_before_anything_is_built(tmp_path):
     (tmp_path / "s.py").write_text("")
     with pytest.raises(ValueError, match="n_hosts"):
         launch(tmp_path / "s.py", hosts=3, topology={"n_hosts": 0}, out=tmp_path)
+    with pytest.raises(ValueError, match="hints: tolerance"):
+        launch(tmp_path / "s.py", algo="auto", hints={"tolerance": "sloppy"}, out=tmp_path)
+    with pytest.raises(ValueError, match="policy 'generous' is not one of"):
+        launch(tmp_path / "s.py", algo="auto", policy="generous", out=tmp_path)
+    with pytest.raises(ValueError, match="hints are for algo 'auto'"):
+        launch(tmp_path / "s.py", algo="ring", hints={"tolerance": "exact"}, out=tmp_path)
 
 
 def test_launch_jobs_of_an_experiment_file(tmp_path):
     """``[[launch]]`` in an experiment: the same script over gloo and through the testbed's
-    ring on one built network, a row each, the trace of each under the results folder (the
-    example file ``examples/torch/ddp_sweep.toml`` adds INA; the test above covers it)."""
+    ring as the provider plans it (bridges only: nothing to offload to) on one built network,
+    a row each, the trace of each under the results folder (the example file
+    ``examples/torch/ddp_sweep.toml`` adds INA; the test above covers it)."""
     from testbed.experiment import run
 
     script = SCRIPTS / "ddp_digits.py"
     exp = {"name": "launch-sweep", "topology": {"kind": "star", "n_hosts": 3,
                                                 "switch": "bridge"},
            "launch": [{"script": str(script), "args": ["--steps", "4"]},
-                      {"script": str(script), "args": ["--steps", "4"], "algo": "ring"}]}
+                      {"script": str(script), "args": ["--steps", "4"], "algo": "auto",
+                       "hints": {"tolerance": "exact"}}]}
     res = run(exp, out_dir=tmp_path / "r", progress=False, doctor=False)
     df = res.df
-    assert list(df["label"]) == ["ddp_digits:gloo", "ddp_digits:ring"]
+    assert list(df["label"]) == ["ddp_digits:gloo", "ddp_digits:auto"]
     assert (df["status"] == "ok").all() and df["correct"].all(), df["error"].tolist()
+    assert list(df["algo"]) == ["gloo", "ring"] and df["planned_by"].iloc[1] == "cooperative"
     assert (df["returncode"] == 0).all() and (df["time_s"] > 0).all()
     gloo, ring = df.iloc[0], df.iloc[1]
     assert gloo["offloaded_collectives"] == 0
@@ -114,3 +130,4 @@ def test_launch_jobs_of_an_experiment_file(tmp_path):
     assert ring["model_comm_s"] > 0  # the flow model of every bucket, on this network
     trace = tmp_path / "r" / "launch" / "run0001"
     assert (trace / "trace.csv").exists() and (trace / "trace.json").exists()
+    assert json.loads((trace / "launch.json").read_text())["plan"]["algo"] == "ring"

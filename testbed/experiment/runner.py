@@ -374,14 +374,22 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     time from the first rank's start to the last one's end, its collectives (how many, their
     time and the model's on rank 0); the trace and the ranks' output under
     ``launch/run<NNNN>/``."""
-    from testbed.launch import backend_settings, run_script  # needs torch only when one runs
+    # needs torch only when one runs
+    from testbed.launch import backend_settings, planned_settings, run_script
 
     folder = out / "launch" / f"run{run_idx:04d}"
+    plan = None
     try:
-        tj = backend_settings(job.algo, job.compressor, job.compressor_params,
-                              job.error_feedback, job_id=1 + index)
+        if job.algo == "auto":
+            tj, plan = planned_settings(net, job.hosts, job.hints, job.policy, 1 + index,
+                                        job.label())
+        else:
+            tj = backend_settings(job.algo, job.compressor, job.compressor_params,
+                                  job.error_feedback, job_id=1 + index)
         done = run_script(net, job.script, job.args, tj, folder, hosts=job.hosts,
-                          timeout_s=job.timeout_s, echo=lambda line: None)
+                          timeout_s=job.timeout_s, echo=lambda line: None,
+                          extra={"plan": plan.model_dump(), "policy": job.policy,
+                                 "hints": job.hints} if plan else None)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
@@ -393,8 +401,11 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     mine = [r for r in done.trace if r["rank"] == 0]
     offloaded = [r for r in mine if r["path"].startswith("testbed:")]
     modelled = [r["model_s"] for r in offloaded if r.get("model_s")]
-    report = {"op": "launch", "algo": job.algo or "gloo", "compressor": job.compressor,
-              "error_feedback": job.error_feedback, "n": len(done.returncodes),
+    report = {"op": "launch", "algo": tj.algo if tj is not None else "gloo",
+              "compressor": tj.compressor if tj is not None else None,
+              "error_feedback": bool(tj and tj.error_feedback), "n": len(done.returncodes),
+              "planned_by": job.policy if plan else None,
+              "plan_reason": plan.reason if plan else None,
               "script": job.script, "returncode": done.returncode, "time_s": done.time_s,
               "collectives": len(mine), "offloaded_collectives": len(offloaded),
               "comm_s": sum(r["time_s"] for r in offloaded) if tj is not None else None,

@@ -468,10 +468,15 @@ class LaunchJob(_Strict):
     hosts: int | None = Field(None, ge=1, description="ranks, one on each of the first hosts "
                                                       "(default: every host)")
     algo: str | None = Field(None, description="the testbed algorithm of its float32 "
-                                               "allreduces (default: plain gloo)")
+                                               "allreduces (default: plain gloo; auto: the "
+                                               "provider plans it from hints)")
     compressor: str | None = None
     compressor_params: dict[str, Any] = Field(default_factory=dict)
     error_feedback: bool = False
+    hints: dict[str, Any] = Field(default_factory=dict, description="with algo 'auto': what "
+                                  "the tenant tells the provider (tolerance, error_budget, "
+                                  "collective_bytes, priority, ...)")
+    policy: str = Field("cooperative", description="with algo 'auto': the provider's policy")
     timeout_s: float = Field(600.0, gt=0, description="stop the job after this long")
 
     @property
@@ -481,10 +486,40 @@ class LaunchJob(_Strict):
     @field_validator("algo")
     @classmethod
     def _allreducing_algo(cls, v: str | None) -> str | None:
-        if v is not None and v not in algorithm_names("allreduce", trains=True):
+        if v is not None and v != "auto" and v not in algorithm_names("allreduce", trains=True):
             raise ValueError(f"{v!r} is not an algorithm that allreduces gradients: one of "
-                             f"{algorithm_names('allreduce', trains=True)}")
+                             f"{algorithm_names('allreduce', trains=True)}, or 'auto'")
         return v
+
+    @field_validator("hints")
+    @classmethod
+    def _hints(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from testbed.provider.schema import Hints  # on use (module docstring)
+
+        try:
+            Hints(**v)
+        except ValidationError as e:  # a bad hint is an error naming it
+            raise ValueError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                       for x in e.errors())) from None
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        from testbed.provider.policies import POLICIES  # on use (module docstring)
+
+        if v not in POLICIES:
+            raise ValueError(f"{v!r} is not a policy: one of {sorted(POLICIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _auto_alone(self) -> LaunchJob:
+        if self.algo == "auto" and (self.compressor or self.error_feedback):
+            raise ValueError("algo 'auto': the provider chooses the compressor; give hints "
+                             "(tolerance, error_budget) instead")
+        if self.hints and self.algo != "auto":
+            raise ValueError("hints are for algo 'auto' (the provider plans with them)")
+        return self
 
     @field_validator("compressor")
     @classmethod
