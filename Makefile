@@ -5,6 +5,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 TB    := $(VENV)/bin/testbed
 PYTEST_ARGS ?=
+BENCH_ARGS  ?= --quick
 
 .PHONY: setup demo test lint lab cleanup doctor warm bench docs-images
 
@@ -33,8 +34,9 @@ cleanup: setup
 warm: setup
 	@$(TB) warm
 
+# every benchmark in its quick form; `make bench BENCH_ARGS=` for the full forms (hours)
 bench: setup
-	@$(TB) bench all
+	@$(TB) bench all $(BENCH_ARGS)
 
 # The README's pictures under docs/images/: the architecture diagram, the demo's table and plot,
 # one figure per notebook. Runs the demo and every notebook: root, several minutes.

@@ -164,6 +164,9 @@ def launch(
                                    "allreduced per iteration (the gradient's size)"),
     priority: int = typer.Option(None, "--priority", help="with --algo auto: 0-7, larger "
                                  "first"),
+    chakra_out: str = typer.Option(None, "--chakra-out", metavar="DIR", help="also write the "
+                                   "job's collectives as a Chakra trace, DIR/<script>.<rank>.et "
+                                   "(needs --algo; testbed replay runs it)"),
     bw_mbps: float = typer.Option(None, "--bw-mbps", help="link rate of the default star"),
     time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
                                       help=DILATION_HELP),
@@ -181,7 +184,7 @@ def launch(
                           compressor=compressor, error_feedback=error_feedback,
                           topology={"bw_mbps": bw_mbps} if bw_mbps else None,
                           time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
-                          hints=hints or None, policy=policy)
+                          hints=hints or None, policy=policy, chakra_out=chakra_out)
     except ValueError as e:
         print(f"testbed launch: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -193,6 +196,9 @@ def launch(
               file=sys.stderr)
     for line in done.failures:
         print(f"testbed launch: {line}", file=sys.stderr)
+    if done.chakra:
+        print(f"testbed launch: Chakra trace {str(done.chakra[0])[:-5]}.{{0..{len(done.chakra) - 1}}}"
+              ".et (testbed replay takes its prefix)", file=sys.stderr)
     paths: dict[str, int] = {}
     for row in done.trace:
         paths[row["path"]] = paths.get(row["path"], 0) + 1
@@ -484,6 +490,9 @@ def bench_all(json_out: bool = typer.Option(False, "--json", help=BENCH_JSON_HEL
         print(f"== testbed bench {name}{' --quick' if quick else ''}", file=sys.stderr,
               flush=True)
         codes[name] = run_benchmark(name, quick=quick, json_out=json_out, out=out)
+        if codes[name] == 130:  # Ctrl-C: what was measured is kept; the rest is not started
+            print("== bench all: interrupted", file=sys.stderr)
+            raise typer.Exit(130)
     ran = {n: c for n, c in codes.items() if c != 2}
     print("== bench all: " + ", ".join(f"{n} {'ok' if c == 0 else f'exit {c}'}"
                                        for n, c in codes.items()), file=sys.stderr)

@@ -58,6 +58,8 @@ class Launched:
     time_s: float = 0.0
     #: the provider's plan of an ``algo="auto"`` launch (a Plan as a dict), else None
     plan: dict | None = None
+    #: the Chakra trace files written (``chakra_out``), one per rank
+    chakra: list[Path] = dataclasses.field(default_factory=list)
 
     @property
     def returncode(self) -> int:
@@ -105,7 +107,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            time_dilation: float | str | None = None, out: str | Path | None = None,
            timeout_s: float = 600.0, job_id: int = 1, echo=None,
            module: bool = False, hints: dict | None = None,
-           policy: str = "cooperative") -> Launched:
+           policy: str = "cooperative", chakra_out: str | Path | None = None) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network) and return what it did (see the module docstring). ``module``: ``script`` is a
     module name (``python -m``).
@@ -117,15 +119,27 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     with; ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
     the tenant's ``hints``, :class:`testbed.provider.schema.Hints` fields such as
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
-    result and ``launch.json``). ``echo(line)``: called with every ``[rank]: ...`` output line
-    (default: print). ``out``: the results root (default ``TESTBED_RESULTS``). Raises
-    ``ValueError`` for bad options before anything is built.
+    result and ``launch.json``). ``chakra_out``: a folder where the job's collectives are
+    written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.replay.export`; needs
+    ``algo``, whose backend traces them, and the ``[traces]`` extra). ``echo(line)``: called
+    with every ``[rank]: ...`` output line (default: print). ``out``: the results root
+    (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad options before anything is
+    built.
     """
     from testbed.experiment import results
 
     if not module:
         script = _checked_script(script)
     planned = algo == "auto"
+    if chakra_out is not None:
+        import importlib.util
+
+        if algo is None:
+            raise ValueError("a Chakra trace needs --algo: the testbed backend traces the "
+                             "collectives (plain gloo is not traced)")
+        if importlib.util.find_spec("chakra") is None:
+            raise ValueError("writing a Chakra trace needs the [traces] extra "
+                             "(.venv/bin/pip install -e '.[traces]')")
     if planned:
         if compressor is not None or error_feedback:
             raise ValueError("algo 'auto' lets the provider choose the compressor; give the "
@@ -151,7 +165,11 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
                           extra={"plan": plan.model_dump(), "policy": policy,
                                  "hints": dict(hints or {})} if plan else None)
         done.plan = plan.model_dump() if plan else None
-        return done
+    if chakra_out is not None:
+        from testbed.replay import export
+
+        done.chakra = export(done.trace, Path(chakra_out) / stem, len(done.returncodes))
+    return done
 
 
 def _check_plan_request(hints: dict | None, policy: str) -> None:

@@ -53,6 +53,12 @@ MODEL_OPS = {"all_reduce": "allreduce", "all_gather": "allgather",
              "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
 
 
+#: testbed.c10d's traced op names -> Chakra's collective types (the export's)
+TRACED_COLLECTIVES = {"allreduce": "ALL_REDUCE", "allgather": "ALL_GATHER",
+                      "reduce_scatter": "REDUCE_SCATTER", "all_to_all": "ALL_TO_ALL",
+                      "broadcast": "BROADCAST", "barrier": "BARRIER"}
+
+
 class TraceError(ValueError):
     """A trace that cannot be replayed; the message names the file, the node and why."""
 
@@ -314,6 +320,63 @@ def replay(prefix: str | Path, *, algo: str | None = None,
     validation, geo = _validation(colls)
     _save(folder, rows, colls, validation, jct, geo, done)
     return Replayed(rows, colls, validation, jct, geo, folder, done)
+
+
+def export(trace: list[dict], prefix: str | Path, n_ranks: int) -> list[Path]:
+    """Write what a launched job ran (``trace``: :mod:`testbed.c10d`'s rows, e.g.
+    ``Launched.trace``) as a Chakra trace, ``<prefix>.<rank>.et`` per rank, that
+    :func:`replay` (or ASTRA-sim) runs: per rank, in the order it ran them, each collective
+    (``comm_size`` as nccl-tests counts it: an all-gather's gathered whole) and each send and
+    recv, with a compute node before each for the time the rank spent between the previous
+    one's end and its start (measured, not divided by a time dilation: compute ran at full
+    speed), every node depending on the one before. Returns the files."""
+    pb = _schema()
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    files = []
+    for rank in range(n_ranks):
+        rows = sorted((r for r in trace if r["rank"] == rank), key=lambda r: r["start_s"])
+        path = Path(f"{prefix}.{rank}.et")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            encodeMessage(f, pb.GlobalMetadata(version="0.0.4"))
+            prev: list[int] = []
+            end = None
+            for k, r in enumerate(rows):
+                if end is not None and r["start_s"] > end:
+                    comp = pb.Node(id=2 * k, name=f"compute{k}", type=pb.COMP_NODE,
+                                   data_deps=prev,
+                                   duration_micros=round((r["start_s"] - end) * 1e6))
+                    encodeMessage(f, comp)
+                    prev = [comp.id]
+                node = pb.Node(id=2 * k + 1, name=f"{r['op']}{k}", data_deps=prev)
+                node.attr.append(pb.AttributeProto(name="comm_size",
+                                                   int64_val=_chakra_bytes(r, n_ranks)))
+                peer = re.fullmatch(r"(send to|recv from) (\d+)", r["op"])
+                if peer:
+                    node.type = pb.COMM_SEND_NODE if peer.group(1) == "send to" \
+                        else pb.COMM_RECV_NODE
+                    node.attr.append(pb.AttributeProto(
+                        name="comm_dst" if peer.group(1) == "send to" else "comm_src",
+                        int64_val=int(peer.group(2))))
+                elif r["op"] in TRACED_COLLECTIVES:
+                    node.type = pb.COMM_COLL_NODE
+                    node.attr.append(pb.AttributeProto(
+                        name="comm_type",
+                        int64_val=pb.CollectiveCommType.Value(TRACED_COLLECTIVES[r["op"]])))
+                else:
+                    raise TraceError(f"rank {rank}: traced op {r['op']!r} has no Chakra node "
+                                     "type")
+                encodeMessage(f, node)
+                prev, end = [node.id], r["end_s"]
+        files.append(path)
+    return files
+
+
+def _chakra_bytes(row: dict, n: int) -> int:
+    """A traced call's bytes as Chakra's ``comm_size`` (nccl-tests' sizes): testbed.c10d
+    records an all-gather's input, one rank's part."""
+    return int(row["bytes"]) * (n if row["op"] == "allgather" else 1)
 
 
 def _node_rows(folder: Path, n: int, f: float) -> list[dict]:

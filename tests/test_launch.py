@@ -33,8 +33,10 @@ def _losses(lines: list[str]) -> list[float]:
 
 def test_collective_loop_through_the_testbed_backend(tmp_path):
     """float32 sums go through the testbed's ring, the rest through gloo; the script checks
-    every result itself against the numbers it must be (exit status 1 otherwise)."""
-    done, lines = _run(tmp_path, "allreduce_loop.py", hosts=3, algo="ring")
+    every result itself against the numbers it must be (exit status 1 otherwise). What it ran
+    is written as a Chakra trace, which replays the same collectives in the same order."""
+    done, lines = _run(tmp_path, "allreduce_loop.py", hosts=3, algo="ring",
+                       chakra_out=tmp_path / "et")
     assert done.returncode == 0 and done.returncodes == [0, 0, 0], done.failures
     assert sorted(x for x in lines if x.endswith((": ok", ": FAILED"))) == \
         [f"[{r}]:rank {r}: ok" for r in range(3)]
@@ -51,6 +53,21 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
         assert (done.folder / name).exists(), name
     events = json.loads((done.folder / "trace.json").read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2}  # a track per rank
+    # the export: the ranks' collectives in their order, replayed on a fresh network
+    pytest.importorskip("chakra", reason="the [traces] extra is not installed")
+    from testbed.replay import load_trace, replay
+
+    assert done.chakra == [tmp_path / "et" / f"allreduce_loop.{r}.et" for r in range(3)]
+    ops = {"allreduce": "all_reduce", "allgather": "all_gather", "all_to_all": "all_to_all",
+           "broadcast": "broadcast", "barrier": "barrier"}
+    ran = [(ops[r["op"]], r["bytes"] * (3 if r["op"] == "allgather" else 1))
+           for r in done.trace if r["rank"] == 0]
+    graph = load_trace(tmp_path / "et" / "allreduce_loop")
+    assert [(x.op, x.bytes) for x in graph[0] if x.kind == "coll"] == ran
+    res = replay(tmp_path / "et" / "allreduce_loop", algo="ring", out=tmp_path / "re",
+                 echo=lambda line: None)
+    assert res.launched.returncode == 0, res.launched.failures
+    assert [(c["op"], c["bytes"]) for c in res.collectives] == ran
 
 
 def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):
