@@ -8,6 +8,7 @@ resident memory of any rank (MiB)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -59,6 +60,11 @@ def main() -> None:
             "call_s": statistics.median(calls), "step_s": statistics.median(steps[2:]),
             "grad_bytes": width * width * 4, "to_first_collective_s": first - t_launch,
             "max_rss_mib": float(rss[0])}), flush=True)
+    # DDP's reducer holds the process group: release it first, or the group's gloo threads
+    # can be torn down at interpreter exit while still joinable (std::terminate, SIGABRT)
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
