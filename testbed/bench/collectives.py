@@ -1,7 +1,7 @@
 """``testbed bench collectives``: allreduce algorithms on a 100 Mb/s star against the model.
 
 Grid (default): algo in ring, hd, rs, ina x n in 4, 8 x size in 8 MB, 32 MB. ``quick=True``
-(or env ``TESTBED_BENCH_QUICK=1``): n = 4, size 1 MB. Networks: ring / hd / rs run on a Linux
+(``--quick``): n = 4, size 1 MB. Networks: ring / hd / rs run on a Linux
 bridge star (the kernel switch stands for a normal datacenter switch); rs uses m = n dedicated
 server hosts (Vertex AI style: each server link carries n*S/m = S). INA runs on a star whose
 switch is the programmable data path (aggregate + forward programs). Each n gets its own

@@ -418,10 +418,6 @@ def run_bench(duration: float = DURATION_S, elems_list=ELEMS, reps: int = REPS
     return rows, notes
 
 
-#: ``--quick``: one frame size, one short trial per rate (the anchors still in the same run)
-QUICK = {"duration": 0.25, "elems_list": (16,), "reps": 1}
-
-
 def measure(emit, quick: bool, duration: float, reps: int, elems: str) -> Outcome:
     """``testbed bench datapath`` (:mod:`testbed.bench.protocol`): every variant at each
     frame size of ``elems`` (int32 elements per frame, comma-separated)."""

@@ -94,8 +94,6 @@ def _load(ref: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-_COLLECTIVES_OPTS = (Option("reps", 1, "repetitions per row (their median is reported)"),)
-
 #: Every benchmark, in the order ``testbed bench all`` runs them.
 CATALOG: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark(
@@ -122,7 +120,8 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "testbed.bench.collectives:measure", case=("algo", "n", "bytes"),
         columns=("algo", "n", "bytes", "time_s", "model_s", "fidelity", "fidelity_cal",
                  "vs_ring", "model_vs_ring", "correct", "cpu_bound"),
-        options=_COLLECTIVES_OPTS, quick_help="4 workers, 1 MiB"),
+        options=(Option("reps", 1, "repetitions per row (their median is reported)"),),
+        quick_help="4 workers, 1 MiB"),
     Benchmark(
         "reliability", "In-network aggregation under loss, duplication, reordering, strangers "
         "and a dead switch (every row checked against numpy).",
