@@ -7,7 +7,7 @@ TB    := $(VENV)/bin/testbed
 PYTEST_ARGS ?=
 BENCH_ARGS  ?= --quick
 
-.PHONY: setup demo test lint lab cleanup doctor warm bench docs-images
+.PHONY: setup demo test test-unit test-network lint lab cleanup doctor warm bench docs-images
 
 setup:
 	@VENV=$(VENV) bash .ci/setup.sh
@@ -18,6 +18,17 @@ demo: setup
 test: setup
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The unit tests alone (no network; tests/conftest.py says which are which), on every core;
+# then the few that need an otherwise idle CPU (quiet_cpu), one at a time.
+UNIT := not mininet and not root_required
+test-unit: setup
+	@$(VENV)/bin/pytest -m "$(UNIT) and not quiet_cpu" -n auto $(PYTEST_ARGS)
+	@$(VENV)/bin/pytest -m "$(UNIT) and quiet_cpu" $(PYTEST_ARGS)
+
+# The network tests alone (root, Mininet), one at a time: they share the emulation lock.
+test-network: setup
+	@$(VENV)/bin/pytest -m "mininet or root_required" $(PYTEST_ARGS)
 
 lint: setup
 	@$(VENV)/bin/ruff check .

@@ -144,6 +144,9 @@ def launch(
     args: list[str] = typer.Argument(None, help="the script's own arguments (after --)"),
     hosts: int = typer.Option(None, "--hosts", min=1, help="ranks: one on each of the first N "
                               "hosts (default: every host; a star of 2 without --experiment)"),
+    nproc_per_host: int = typer.Option(1, "--nproc-per-host", min=1, help="ranks on each "
+                                       "host (torchrun's --nproc-per-node; with plain gloo or a "
+                                       "TCP algorithm)"),
     experiment: str = typer.Option(None, "--experiment", "-e",
                                    help="an experiment file whose network to use"),
     algo: str = typer.Option(None, "--algo", help="the testbed algorithm the script's float32 "
@@ -184,7 +187,8 @@ def launch(
                           compressor=compressor, error_feedback=error_feedback,
                           topology={"bw_mbps": bw_mbps} if bw_mbps else None,
                           time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
-                          hints=hints or None, policy=policy, chakra_out=chakra_out)
+                          hints=hints or None, policy=policy, chakra_out=chakra_out,
+                          nproc_per_host=nproc_per_host)
     except ValueError as e:
         print(f"testbed launch: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

@@ -1,8 +1,10 @@
 """``testbed launch``: run an unmodified PyTorch script on the emulated hosts, torchrun-style.
 
-One rank per emulated host (the first ``hosts`` of the network), each a fresh interpreter
+One rank per emulated host (the first ``hosts`` of the network), or ``nproc_per_host`` on
+each (consecutive ranks on one host; plain gloo or a TCP algorithm), each a fresh interpreter
 inside its host's network namespace with torchrun's environment: ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK`` (0), ``LOCAL_WORLD_SIZE`` (1), ``GROUP_RANK`` and ``ROLE_RANK`` (the rank),
+``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (within the host), ``GROUP_RANK`` (the host's index),
+``ROLE_RANK`` (the rank),
 ``MASTER_ADDR`` (rank 0's emulated address), ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, plus
 ``GLOO_SOCKET_IFNAME`` (the host's interface), so ``init_process_group("gloo")`` with the
 default ``env://`` rendezvous works as under torchrun and every byte crosses the emulated
@@ -107,10 +109,12 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            time_dilation: float | str | None = None, out: str | Path | None = None,
            timeout_s: float = 600.0, job_id: int = 1, echo=None,
            module: bool = False, hints: dict | None = None,
-           policy: str = "cooperative", chakra_out: str | Path | None = None) -> Launched:
+           policy: str = "cooperative", chakra_out: str | Path | None = None,
+           nproc_per_host: int = 1) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
-    network) and return what it did (see the module docstring). ``module``: ``script`` is a
-    module name (``python -m``).
+    network), ``nproc_per_host`` ranks on each (torchrun's ``--nproc-per-node``: rank ``r``
+    on host ``r // nproc_per_host``), and return what it did (see the module docstring).
+    ``module``: ``script`` is a module name (``python -m``).
 
     The network: ``experiment`` (a file; its first sweep point's topology, impairments...), or
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
@@ -130,7 +134,10 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
 
     if not module:
         script = _checked_script(script)
+    from testbed.collectives.algorithms import check_nproc_per_host
+
     planned = algo == "auto"
+    check_nproc_per_host(nproc_per_host, algo)
     if chakra_out is not None:
         import importlib.util
 
@@ -161,7 +168,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
         if planned:
             tj, plan = planned_settings(net, hosts, hints, policy, job_id, f"launch-{stem}")
         done = run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
-                          echo=echo, module=module,
+                          echo=echo, module=module, nproc_per_host=nproc_per_host,
                           extra={"plan": plan.model_dump(), "policy": policy,
                                  "hints": dict(hints or {})} if plan else None)
         done.plan = plan.model_dump() if plan else None
@@ -175,18 +182,15 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
 def _check_plan_request(hints: dict | None, policy: str) -> None:
     """``ValueError`` for hints the provider's schema refuses or an unknown policy, before a
     network is built."""
-    from pydantic import ValidationError
-
     from testbed.provider.policies import POLICIES
-    from testbed.provider.schema import Hints
+    from testbed.provider.schema import check_hints
 
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {sorted(POLICIES)}")
     try:
-        Hints(**(hints or {}))
-    except ValidationError as e:
-        raise ValueError("hints: " + "; ".join(
-            f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from None
+        check_hints(hints)
+    except ValueError as e:
+        raise ValueError(f"hints: {e}") from None
 
 
 def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "cooperative",
@@ -215,10 +219,12 @@ def planned_settings(net, hosts: int | None, hints: dict | None, policy: str, jo
                      name: str):
     """(the testbed backend's settings, the provider's plan) of a job on the first ``hosts``
     hosts of ``net`` (default: all) planned by ``policy`` from ``hints``."""
+    from testbed.collectives.spec import communication_of
+
     workers = list(net.hosts)[:hosts or len(net.hosts)]
     plan = provider_plan(net, [h.name for h in workers], hints, policy, job=name)
-    tj = backend_settings(plan.algo, plan.compressor, plan.compressor_params,
-                          plan.error_feedback, job_id, placement=plan_placement(plan))
+    tj = backend_settings(**communication_of(plan), job_id=job_id,
+                          placement=plan_placement(plan))
     return tj, plan
 
 
@@ -266,14 +272,17 @@ def backend_settings(algo: str | None, compressor: str | None,
 
 def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
                hosts: int | None = None, timeout_s: float = 600.0, echo=None,
-               module: bool = False, extra: dict | None = None) -> Launched:
-    """Run ``script`` on the first ``hosts`` hosts of the running network ``net``, with the
+               module: bool = False, extra: dict | None = None,
+               nproc_per_host: int = 1) -> Launched:
+    """Run ``script`` on the first ``hosts`` hosts of the running network ``net``
+    (``nproc_per_host`` ranks on each, consecutive ranks on one host), with the
     testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
     what it leaves goes to ``folder``. ``module``: ``script`` is a module name, run as
     ``python -m`` runs it (torchrun's ``--module``), not a file. ``extra``: more entries for
     ``launch.json`` (e.g. the provider's plan)."""
     import importlib.util
 
+    from testbed.collectives.algorithms import check_nproc_per_host
     from testbed.collectives.runner import offload_job
     from testbed.torch import TorchJob
 
@@ -285,17 +294,21 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
         script = _checked_script(script)
         target = [str(script)]
     echo = echo or (lambda line: print(line, flush=True))
-    workers = list(net.hosts)[:hosts or len(net.hosts)]
-    n = len(workers)
+    check_nproc_per_host(nproc_per_host, tj.algo if tj is not None else None)
     if hosts is not None and hosts > len(net.hosts):
         raise ValueError(f"hosts={hosts}, but the network has {len(net.hosts)} hosts")
+    workers = [h for h in list(net.hosts)[:hosts or len(net.hosts)]
+               for _ in range(nproc_per_host)]  # one entry per rank
+    n = len(workers)
     if tj is not None:
         tj.validate(n)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(), "intf": h.defaultIntf().name}
              for h in workers]
     settings = tj if tj is not None else TorchJob(comm="gloo")
-    job = {"torch": dataclasses.asdict(settings), "n": n, "m": 0, "ranks": ranks}
+    job = {"torch": dataclasses.asdict(settings), "n": n, "m": 0, "ranks": ranks,
+           "nproc_per_host": nproc_per_host}
     meta = {"script": str(script), "args": list(args), "hosts": [r["host"] for r in ranks],
+            "nproc_per_host": nproc_per_host,
             "algo": tj.algo if tj else None, "compressor": tj.compressor if tj else None,
             "describe": net.describe(), "time_dilation": net.time_dilation, **(extra or {})}
     folder.mkdir(parents=True, exist_ok=True)
@@ -319,10 +332,10 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
 
 
 def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
-    me, n = job["ranks"][r], len(job["ranks"])
-    env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": "0",
-           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r), "ROLE_RANK": str(r),
-           "ROLE_WORLD_SIZE": str(n), "GROUP_WORLD_SIZE": str(n), "ROLE_NAME": "default",
+    me, n, k = job["ranks"][r], len(job["ranks"]), job.get("nproc_per_host", 1)
+    env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r % k),
+           "LOCAL_WORLD_SIZE": str(k), "GROUP_RANK": str(r // k), "ROLE_RANK": str(r),
+           "ROLE_WORLD_SIZE": str(n), "GROUP_WORLD_SIZE": str(n // k), "ROLE_NAME": "default",
            "MASTER_ADDR": job["ranks"][0]["ip"],
            "MASTER_PORT": str(MASTER_PORT + job["torch"]["job_id"]),
            "TORCHELASTIC_RUN_ID": f"testbed-{os.getpid()}", "GLOO_SOCKET_IFNAME": me["intf"],
@@ -429,7 +442,8 @@ def collect_rank_rows(folder: Path, stem: str, n: int) -> list[dict]:
 def _add_model(trace: list[dict], net, workers: list, tj) -> None:
     """Give every row its undilated measured time (``time_s``) and, for the testbed's
     allreduces, the flow model's prediction on this network (``model_s``, as
-    ``run_collective``'s rows have it; none for trim's incast)."""
+    ``run_collective``'s rows have it; none for trim's incast, nor with several ranks on a
+    host: the model places one rank per host)."""
     from testbed.collectives import flowmodel
 
     f = float(net.time_dilation)
@@ -440,7 +454,7 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
         row["time_s"] = (row["end_s"] - row["start_s"]) / f
         row["model_s"] = None
         if (row["path"] == f"testbed:{tj.algo}" and tj.algo != "trim"
-                and row["op"] == "allreduce" and row["bytes"]):
+                and row["op"] == "allreduce" and row["bytes"] and len(set(names)) == len(names)):
             if row["bytes"] not in cache:
                 spec = tj.collective(row["bytes"])
                 cache[row["bytes"]] = flowmodel.predict(net.topo, spec, workers=names,

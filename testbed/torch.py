@@ -44,7 +44,7 @@ from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.model import tcp_window_clamp
 from testbed.collectives.ports import tcp_port
 from testbed.collectives.runner import RUN_DIR, offload_job
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import CollectiveSpec, Communication, communication_of
 from testbed.collectives.transport import CollectiveError, Comm
 from testbed.collectives.trimmed import TrimmedGather
 from testbed.lifeline import follow_owner
@@ -58,7 +58,7 @@ COMMS = ("gloo", "testbed")
 
 
 @dataclasses.dataclass
-class TorchJob:
+class TorchJob(Communication):
     """A DDP training job: a ``hidden``-unit MLP on digits, ``iterations`` SGD steps of
     ``batch_size`` per rank at ``lr``; ``comm`` "gloo" (baseline) or "testbed" (the hook
     with ``algo``, ``compressor``...); ``verify``: compare every hooked bucket with gloo's
@@ -67,10 +67,6 @@ class TorchJob:
     ``placement``: where INA aggregates (a provider's plan: tree, slots, mode)."""
 
     comm: str = "testbed"
-    algo: str = "ring"
-    compressor: str | None = None
-    compressor_params: dict = dataclasses.field(default_factory=dict)
-    error_feedback: bool = False
     hidden: int = 64
     iterations: int = 150
     batch_size: int = 32
@@ -93,10 +89,8 @@ class TorchJob:
         if self.algo == "trim":
             return CollectiveSpec(op="broadcast", algo="ring", nbytes=nbytes,
                                   timeout_s=self.timeout_s, seed=self.seed, job_id=self.job_id)
-        return CollectiveSpec(op="allreduce", algo=self.algo, nbytes=nbytes,
-                              compressor=self.compressor,
-                              compressor_params=dict(self.compressor_params),
-                              error_feedback=self.error_feedback, timeout_s=self.timeout_s,
+        return CollectiveSpec(op="allreduce", nbytes=nbytes, **communication_of(self),
+                              timeout_s=self.timeout_s,
                               seed=self.seed, job_id=self.job_id,
                               placement=dict(self.placement))
 

@@ -1,7 +1,10 @@
 """Suite-wide plumbing: root-only tests skip cleanly, and no test leaves testbed objects behind.
 
-* ``@pytest.mark.root_required`` (and ``@pytest.mark.mininet``) tests skip with a reason when
-  the suite does not run as root.
+* The folders mirror the code (``tests/kernels`` tests ``kernels/``, ...); every test carries
+  its folder's name as a marker (``pytest -m datapath``). ``@pytest.mark.root_required`` (and
+  ``@pytest.mark.mininet``) mark the network tests, which need root and skip with a reason
+  without it; the rest are unit tests (``make test-unit`` runs them in parallel, ``make
+  test-network`` the network tests one at a time).
 * When the session holds root-only tests, a session fixture checks, holding the emulation
   lock, that no ``tb`` interface, namespace, OVS bridge or process is left at the end; if
   something is, it is listed in a failure and then removed. Leftovers of a dead earlier run
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -30,21 +34,33 @@ ROOT_MARKERS = ("root_required", "mininet")
 NOT_ROOT_REASON = "needs root: run the suite as root ('sudo make test') or in the lab VM"
 WARM_WAIT_S = 240  # a cold compile of every kernel takes 1-3 minutes on 2 loaded cores
 _warm: dict = {}  # the background kernel compile: "proc", "log"
+TESTS = Path(__file__).resolve().parent
+#: one marker per folder of tests/, named after it
+FOLDERS = sorted(p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "root_required: needs root (skipped otherwise)")
     config.addinivalue_line("markers", "quiet_cpu: needs an otherwise idle CPU (runs after "
                             "the background kernel compile)")
+    for folder in FOLDERS:
+        config.addinivalue_line("markers", f"{folder}: the tests in tests/{folder}/")
 
 
 def _root_only(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(m) for m in ROOT_MARKERS)
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselected: warm only for the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order: plain tests, then ``quiet_cpu`` ones, then root-only ones (each group in file
-    order); start the kernel compile when plain tests can run beside it."""
+    """Mark each test with its folder; order: plain tests, then ``quiet_cpu`` ones, then
+    root-only ones (each group in file order); start the kernel compile when plain tests can
+    run beside it."""
+    for item in items:
+        parts = Path(str(item.path)).resolve().parts
+        folder = parts[len(TESTS.parts)] if parts[:len(TESTS.parts)] == TESTS.parts else None
+        if folder in FOLDERS:
+            item.add_marker(folder)
     if not IS_ROOT:
         return
     rank = {id(i): 2 if _root_only(i) else 1 if i.get_closest_marker("quiet_cpu") else 0
@@ -57,7 +73,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 shared.get(i.module.__name__, set()):
             rank[id(i)] = 2
     items.sort(key=lambda i: rank[id(i)])  # stable: file order within each group
-    if any(r == 0 for r in rank.values()) and any(r > 0 for r in rank.values()):
+    # the compile serves the network tests; an xdist worker (make test-unit) has none
+    if any(r == 0 for r in rank.values()) and any(r == 2 for r in rank.values()) \
+            and not os.environ.get("PYTEST_XDIST_WORKER"):
         log = tempfile.NamedTemporaryFile("w+", prefix="tb-warm-", suffix=".log", delete=False)
         _warm["log"] = log
         _warm["proc"] = subprocess.Popen([sys.executable, "-m", "testbed.warm", "--quiet"],

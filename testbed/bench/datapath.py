@@ -16,12 +16,12 @@ network; ``tbs1`` is, in turn,
 
 The programs run exactly as written (a learning ``forward``), so the figures compare with the
 anchors, which learn too. Load: the generator of :mod:`testbed.datapath.bench` in ``tbh1``
-(bursts through a PACKET_MMAP TX ring) at full speed for ``DURATION_S``; the sink is the
+(bursts through a PACKET_MMAP TX ring) at full speed for ``duration`` seconds; the sink is the
 receiving interface's kernel rx counter (read in the host's namespace, so no user-space receiver
 competes for the CPUs). kpps = frames that reached the sink per second of sending. The
 aggregate program is measured differently (a lost contribution wedges its slot): kpps is the
 highest paced rate at which every contribution came back as a RESULT (see
-:func:`_lossless_rate`). Every rate is the best of ``REPS`` runs. The notes give, per variant
+:func:`_lossless_rate`). Every rate is the best of ``reps`` runs. The notes give, per variant
 and size, the rate the generator's interface offered (``offered_kpps``), the generator's and
 the engine's CPU per frame, the engine's own rx rate and its RX ring drops, every sample, the
 CPU model and the load average before and after.
@@ -49,7 +49,6 @@ from testbed.datapath.bench import (
     AGG_SLOTS,
     AGG_SPORT,
     BENCH_UDP_PORT,
-    DURATION_S,
     N_AGG_WORKERS,
 )
 from testbed.datapath.nodes import ProgrammableSwitch
@@ -61,10 +60,6 @@ from testbed.topologies.base import host_ip, host_mac
 from testbed.topologies.net import TestbedNet
 from testbed.topologies.pipeline import DatapathOptions
 
-#: frame sizes: 16 and 256 int32 elements behind the testbed headers (small, SwitchML default)
-ELEMS = (16, 256)
-#: each rate is the best of REPS runs (other processes on a shared machine can only slow it)
-REPS = 3
 ANCHORS = ("linux-bridge", "ovs-userspace", "python-naive", "engine-mmsg")
 PROGRAMS = ("forward", "aggregate")
 COLUMNS = ("program", "packet_bytes", "kpps", "gbps", "anchor", "anchor_kpps", "ratio")
@@ -377,10 +372,12 @@ def _if_counters(host, ifname: str) -> dict:
     raise RuntimeError(f"interface {ifname} not found in {host.name}")
 
 
-def run_bench(duration: float = DURATION_S, elems_list=ELEMS, reps: int = REPS
-              ) -> tuple[list[dict], dict]:
+def run_bench(*, duration: float, elems_list, reps: int) -> tuple[list[dict], dict]:
     """Measure every variant; return (rows, notes) (notes: skipped anchors, rates offered,
-    CPU per frame of generator and engine, machine)."""
+    CPU per frame of generator and engine, machine). Each rate is the best of ``reps`` runs
+    (other processes on a shared machine can only slow it); the defaults are the catalog's
+    (:mod:`testbed.bench.protocol`: 16 and 256 int32 elements per frame, small and SwitchML's
+    default)."""
     setLogLevel("error")
     results: dict[str, dict] = {}
     notes: dict[str, object] = {"cpu_model": cpu_model(), "loadavg": os.getloadavg()}

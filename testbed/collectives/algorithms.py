@@ -237,3 +237,17 @@ def peer_algorithm(name: str) -> PeerAlgorithm | None:
     """The algorithm ``name`` if its ranks run it among themselves (ring, hd, plug-ins)."""
     alg = algorithm(name)
     return alg if isinstance(alg, PeerAlgorithm) else None
+
+
+def check_nproc_per_host(k, algo: str | None) -> None:
+    """``ValueError`` unless ``k`` ranks per host can run ``algo``: any count over plain gloo
+    or a TCP algorithm (ranks that share a host get their own ports); one for in-network
+    aggregation, whose switch counts one worker per host, and for the provider's plans."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"nproc_per_host={k!r} must be an integer >= 1")
+    if k > 1 and algo is not None and (algo not in algorithm_names()
+                                       or algorithm(algo).transport != "tcp"):
+        raise ValueError(f"nproc_per_host={k} with algo {algo!r}: in-network aggregation "
+                         "(and a provider's plan, which may choose it) takes one worker per "
+                         "host; use a TCP algorithm (ring, hd, ...), plain gloo, or one rank "
+                         "per host")

@@ -22,7 +22,7 @@ per peer may use 0.9 of a core in total while no core is saturated and no thread
 
 Thresholds. ``WAIT_LIMIT = 0.10``: a thread that spent a tenth of the run waiting for a CPU
 delayed its share of the collective by about that much; with busy processes pinned to every
-core a rank's thread waits 0.5 of the run and more (``tests/test_collectives_cpumon.py``).
+core a rank's thread waits 0.5 of the run and more (``tests/collectives/test_collectives_cpumon.py``).
 ``UTIL_SATURATED = 0.90`` leaves room for the idle moments of the kernel's 10 ms accounting.
 ``DEMAND_SATURATED = 0.90``: a polling thread that sleeps on purpose never reaches 1.0 even
 when it is the bottleneck; the data-path engine sleeps 50 us after each mostly empty burst

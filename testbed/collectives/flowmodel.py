@@ -45,7 +45,7 @@ How a prediction is made:
 The closed-form alpha-beta model (:func:`testbed.collectives.model.predict`) is the special
 case of one switch where every phase's flows cross distinct links and every link carries data
 both ways: on a star the two give the same time for ring, halving-doubling and INA, and for
-the reduction server with as many servers as workers (``tests/test_collectives_flowmodel.py``
+the reduction server with as many servers as workers (``tests/collectives/test_collectives_flowmodel.py``
 checks it). Where they differ on a star, the flow model is the finer one: one-way phases
 (binomial broadcast, the halving-doubling fold) leave a link direction without reverse data,
 so its payload share is 1448/1514 instead of 1448/1547; with fewer reduction servers than

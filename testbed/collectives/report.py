@@ -31,7 +31,7 @@ import numpy as np
 
 from testbed.collectives import model
 from testbed.collectives.algorithms import algorithm
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import CollectiveSpec, Communication
 from testbed.collectives.transport import host_tcp_cc
 
 REPORT_COLUMNS: tuple[str, ...] = (
@@ -158,19 +158,16 @@ def check(spec: CollectiveSpec, inputs: list[np.ndarray], outputs: list[np.ndarr
     return worst, ok
 
 
-@dataclasses.dataclass(frozen=True)
-class Measured:
+@dataclasses.dataclass
+class Measured(Communication):
     """What a row describes when the measured thing is not a collective run from a
     :class:`CollectiveSpec`: an incast (``op='incast'``: ``n`` senders each push ``nbytes``
     to one receiver), with the same fields the row takes from a spec."""
 
     op: str
-    algo: str
     nbytes: int
     count: int
     seed: int = 0
-    compressor: str | None = None
-    error_feedback: bool = False
     loss: float = 0.0
 
 

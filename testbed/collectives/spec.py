@@ -6,9 +6,11 @@ any process or packet is created.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
+import typing
 
 import numpy as np
 
@@ -60,8 +62,67 @@ class FieldError(ValueError):
         return type(self), (self.field, str(self), self.job, self.reason)
 
 
+@dataclasses.dataclass(kw_only=True)
+class Communication:
+    """How a job's data crosses the network: the one declaration of these settings.
+
+    :class:`CollectiveSpec`, ``TrainingSpec`` and ``TorchJob`` inherit it; the experiment
+    schema's jobs and the provider's ``Plan`` take their fields from it
+    (:func:`communication_model`); :func:`communication_of` copies them from any of those
+    onto another. What each kind of job accepts (an op's algorithms, a training job's
+    ``trim``, a launch's ``auto``) stays with that job's validation.
+    """
+
+    algo: str = dataclasses.field(default="ring", metadata={
+        "doc": "a registered algorithm (testbed.collectives.algorithms): ring, hd, rs, ina, "
+               "nic or a plug-in's"})
+    compressor: str | None = dataclasses.field(default=None, metadata={
+        "doc": "a registered compressor (testbed.kernels.compressors), or none"})
+    compressor_params: dict = dataclasses.field(default_factory=dict, metadata={
+        "doc": "the compressor's parameters (e.g. ratio for topk, granularity for thc)"})
+    error_feedback: bool = dataclasses.field(default=False, metadata={
+        "doc": "add what compression dropped to the next iteration's input"})
+
+    def communication_label(self) -> str:
+        """algo[+compressor][+ef], the default name of a job in tables and plots."""
+        return communication_label(self)
+
+
+#: The fields of :class:`Communication`, in order.
+COMMUNICATION = tuple(f.name for f in dataclasses.fields(Communication))
+
+
+def communication_of(job) -> dict:
+    """``job``'s communication settings (a dataclass or a pydantic model with the fields of
+    :class:`Communication`) as keyword arguments, copied: ``CollectiveSpec(**communication_of(plan), ...)``."""
+    return {name: copy.deepcopy(getattr(job, name)) for name in COMMUNICATION}
+
+
+def communication_label(job) -> str:
+    """algo[+compressor][+ef] of ``job``."""
+    return (job.algo + (f"+{job.compressor}" if job.compressor else "")
+            + ("+ef" if job.error_feedback else ""))
+
+
+def communication_model(base: type) -> type:
+    """A pydantic model on ``base`` whose fields are :class:`Communication`'s (types,
+    defaults, descriptions): the schemas above (experiment files, the provider's API) build
+    their jobs on it, so a setting is declared here only. A class on it may narrow a field
+    (a launch's ``algo`` may be unset or ``auto``) by declaring it again."""
+    from pydantic import Field, create_model  # the schemas' library, not the collectives'
+
+    hints = typing.get_type_hints(Communication)
+    fields = {}
+    for f in dataclasses.fields(Communication):
+        default = ({"default_factory": f.default_factory}
+                   if f.default is dataclasses.MISSING else {"default": f.default})
+        fields[f.name] = (hints[f.name], Field(**default, description=f.metadata["doc"]))
+    return create_model(f"{base.__name__}Communication", __base__=base,
+                        __module__=base.__module__, **fields)
+
+
 @dataclasses.dataclass
-class CollectiveSpec:
+class CollectiveSpec(Communication):
     """One collective to run on an emulated network.
 
     ``op``/``algo``: a registered algorithm that implements ``op`` (:mod:`~testbed.collectives.algorithms`). ``nbytes``: size of the whole array in bytes
@@ -88,12 +149,8 @@ class CollectiveSpec:
     """
 
     op: str = "allreduce"
-    algo: str = "ring"
     nbytes: int = 8 << 20
     dtype: str = "float32"
-    compressor: str | None = None
-    compressor_params: dict = dataclasses.field(default_factory=dict)
-    error_feedback: bool = False
     servers: int = 1
     workers: int | None = None
     window: int = DEFAULT_WINDOW

@@ -65,6 +65,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from testbed.collectives.algorithms import is_offloaded
+from testbed.collectives.spec import communication_of
 from testbed.experiment import results
 from testbed.experiment.networks import flatten_counters, port_bytes_by_role
 from testbed.experiment.spec import (
@@ -182,8 +183,7 @@ def apply_plan(spec: TrainingSpec, plan: Plan) -> TrainingSpec:
     INA the tree, slots (the window) and memory mode."""
     ina = is_offloaded(plan.algo)
     return dataclasses.replace(
-        spec, algo=plan.algo, compressor=plan.compressor,
-        compressor_params=dict(plan.compressor_params), error_feedback=plan.error_feedback,
+        spec, **communication_of(plan),
         placement={"tree": plan.tree, "slots": plan.slots, "mode": plan.mode} if ina else {},
         window=plan.slots if ina else spec.window)
 

@@ -334,7 +334,7 @@ def environment_freeze() -> list[str]:
     results folder tells exactly which code and libraries produced it.
     """
 
-    out = set()
+    out: dict[str, str] = {}
     for dist in md.distributions():
         name = dist.metadata.get("Name")
         if not name:
@@ -346,8 +346,11 @@ def environment_freeze() -> list[str]:
             direct = {}
         if direct.get("dir_info", {}).get("editable"):
             line += f" (editable: {direct.get('url', '').removeprefix('file://')})"
-        out.add(line)
-    return sorted(out, key=str.lower)
+        # one line per name: with the checkout on sys.path (python -m pytest, python -c in
+        # it) setuptools' egg-info there is a second copy of the editable install
+        if len(line) > len(out.get(name.lower(), "")):
+            out[name.lower()] = line
+    return sorted(out.values(), key=str.lower)
 
 
 def cpu_model() -> str | None:

@@ -36,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
+from testbed.collectives.spec import communication_of
 from testbed.experiment import results, train
 from testbed.experiment.incast import run_incast
 from testbed.experiment.networks import flatten_counters, network_for, port_bytes_by_role
@@ -384,9 +385,9 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
             tj, plan = planned_settings(net, job.hosts, job.hints, job.policy, 1 + index,
                                         job.label())
         else:
-            tj = backend_settings(job.algo, job.compressor, job.compressor_params,
-                                  job.error_feedback, job_id=1 + index)
+            tj = backend_settings(**communication_of(job), job_id=1 + index)
         done = run_script(net, job.script, job.args, tj, folder, hosts=job.hosts,
+                          nproc_per_host=job.nproc_per_host,
                           timeout_s=job.timeout_s, echo=lambda line: None,
                           extra={"plan": plan.model_dump(), "policy": job.policy,
                                  "hints": job.hints} if plan else None)
@@ -563,9 +564,8 @@ def _collective_spec(job: JobSpec, size: int, point: Experiment):
         extra["placement"] = job.placement.as_dict()
     if point.concurrent:  # tenants of one fabric: distinct job ids (switch partitions, ports)
         extra["job_id"] = point.jobs.index(job) + 1
-    return CollectiveSpec(op=job.op, algo=job.algo, nbytes=size, dtype=job.dtype,
-                          compressor=job.compressor, compressor_params=dict(job.compressor_params),
-                          error_feedback=job.error_feedback, servers=job.servers,
+    return CollectiveSpec(op=job.op, nbytes=size, dtype=job.dtype, **communication_of(job),
+                          servers=job.servers,
                           timeout_s=job.timeout_s,
                           seed=point.seed if job.seed is None else job.seed,
                           repetitions=job.repetitions, **{**extra, **job.options})

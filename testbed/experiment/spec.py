@@ -58,7 +58,12 @@ from pydantic import (
     model_validator,
 )
 
-from testbed.collectives.algorithms import algorithm_names, is_offloaded
+from testbed.collectives.algorithms import algorithm_names, check_nproc_per_host, is_offloaded
+from testbed.collectives.spec import (
+    communication_label,
+    communication_model,
+    communication_of,
+)
 
 #: Largest time dilation factor (``testbed.topologies.pipeline.MAX_TIME_DILATION``, not
 #: imported: the schema loads without the topology layer)
@@ -200,21 +205,26 @@ def _compressor_name(v: str | None) -> str | None:
     return v
 
 
-class JobSpec(_Strict):
+class _Communication(communication_model(_Strict)):
+    """A job's communication settings (``testbed.collectives.spec.Communication``), its
+    compressor checked by name here, before any lower layer loads."""
+
+    @field_validator("compressor")
+    @classmethod
+    def _known_compressor(cls, v: str | None) -> str | None:
+        return _compressor_name(v)
+
+
+class JobSpec(_Communication):
     """One collective: operation, algorithm, size(s), compression and repetitions."""
 
     name: str | None = Field(None, description="label in tables and plots (default: algo)")
     op: Literal["allreduce", "reduce_scatter", "allgather", "broadcast", "incast"] = Field(
         "allreduce", description="a collective, or 'incast': trimmable gradients pushed from "
                                  "every host to rank 0 (testbed.experiment.incast)")
-    algo: str = Field("ring", description="a registered algorithm: ring, hd, rs, ina, nic or "
-                                           "a plug-in's (testbed.collectives.algorithms)")
     nbytes: ByteSize | list[ByteSize] = Field(
         ByteSize(1 << 20), description="message size: bytes or '8MiB'; a list runs each size")
     dtype: Literal["float32"] = "float32"
-    compressor: str | None = None
-    compressor_params: dict[str, Any] = Field(default_factory=dict)
-    error_feedback: bool = False
     servers: int = Field(1, ge=1, description="reduction servers (algo 'rs')")
     repetitions: int = Field(1, ge=1, le=1000)
     seed: int | None = Field(None, description="default: the experiment's seed")
@@ -257,11 +267,6 @@ class JobSpec(_Strict):
         if isinstance(v, list) and not v:
             raise ValueError("give at least one size")
         return v
-
-    @field_validator("compressor")
-    @classmethod
-    def _known_compressor(cls, v: str | None) -> str | None:
-        return _compressor_name(v)
 
     @model_validator(mode="after")
     def _options_known(self) -> JobSpec:
@@ -365,7 +370,7 @@ class Capture(_Strict):
     max_packets: int = Field(200_000, ge=1)
 
 
-class TrainJob(_Strict):
+class TrainJob(_Communication):
     """A training job (``testbed.workloads.TrainingSpec``): a numpy model on a built-in data set
     whose gradients are allreduced over the emulated network every iteration.
 
@@ -394,11 +399,6 @@ class TrainJob(_Strict):
     stop_at_target: bool = Field(False, description="end the job at the target accuracy")
     compute_ms: float = Field(0.0, ge=0, description="emulated compute time per iteration")
     time_dilation: float = Field(1.0, ge=1, description="emulation slow-down factor")
-    algo: str = Field("ring", description="ring, hd, ina, nic, trim or a plug-in algorithm "
-                                           "(testbed.workloads.spec.train_algos)")
-    compressor: str | None = None
-    compressor_params: dict[str, Any] = Field(default_factory=dict)
-    error_feedback: bool = False
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="window, loss (INA), bits, idle_ms (trim), "
                                                 "chunk_bytes (TCP)")
@@ -426,11 +426,6 @@ class TrainJob(_Strict):
             raise ValueError(f"target accuracy {v} is not a fraction in (0, 1]")
         return v
 
-    @field_validator("compressor")
-    @classmethod
-    def _known_compressor(cls, v: str | None) -> str | None:
-        return _compressor_name(v)
-
     @model_validator(mode="after")
     def _options_known(self) -> TrainJob:
         unknown = sorted(set(self.options) - set(TRAIN_OPTIONS))
@@ -441,10 +436,7 @@ class TrainJob(_Strict):
 
     def label(self) -> str:
         """Name shown in tables and plots."""
-        if self.name:
-            return self.name
-        return (self.algo + (f"+{self.compressor}" if self.compressor else "")
-                + ("+ef" if self.error_feedback else ""))
+        return self.name or communication_label(self)
 
     def training_spec(self, index: int, seed: int):
         """The ``testbed.workloads.TrainingSpec`` of this job (``index`` in ``training``,
@@ -457,7 +449,7 @@ class TrainJob(_Strict):
                             seed=seed if self.seed is None else self.seed)
 
 
-class LaunchJob(_Strict):
+class LaunchJob(_Communication):
     """A PyTorch script run unmodified on the emulated hosts (``testbed launch``): plain gloo
     (``algo`` unset, the baseline) or through the ``testbed`` backend with ``algo``."""
 
@@ -465,14 +457,13 @@ class LaunchJob(_Strict):
                                                "and the algorithm)")
     script: str = Field(description="path of the script (relative: to the working directory)")
     args: list[str] = Field(default_factory=list, description="the script's arguments")
-    hosts: int | None = Field(None, ge=1, description="ranks, one on each of the first hosts "
+    hosts: int | None = Field(None, ge=1, description="the first N hosts run the ranks "
                                                       "(default: every host)")
+    nproc_per_host: int = Field(1, ge=1, description="ranks on each host (plain gloo or a "
+                                                     "TCP algorithm)")
     algo: str | None = Field(None, description="the testbed algorithm of its float32 "
                                                "allreduces (default: plain gloo; auto: the "
                                                "provider plans it from hints)")
-    compressor: str | None = None
-    compressor_params: dict[str, Any] = Field(default_factory=dict)
-    error_feedback: bool = False
     hints: dict[str, Any] = Field(default_factory=dict, description="with algo 'auto': what "
                                   "the tenant tells the provider (tolerance, error_budget, "
                                   "collective_bytes, priority, ...)")
@@ -494,13 +485,9 @@ class LaunchJob(_Strict):
     @field_validator("hints")
     @classmethod
     def _hints(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from testbed.provider.schema import Hints  # on use (module docstring)
+        from testbed.provider.schema import check_hints  # on use (module docstring)
 
-        try:
-            Hints(**v)
-        except ValidationError as e:  # a bad hint is an error naming it
-            raise ValueError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                       for x in e.errors())) from None
+        check_hints(v)  # a bad hint is an error naming it
         return v
 
     @field_validator("policy")
@@ -513,6 +500,11 @@ class LaunchJob(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _ranks_per_host(self) -> LaunchJob:
+        check_nproc_per_host(self.nproc_per_host, self.algo)
+        return self
+
+    @model_validator(mode="after")
     def _auto_alone(self) -> LaunchJob:
         if self.algo == "auto" and (self.compressor or self.error_feedback):
             raise ValueError("algo 'auto': the provider chooses the compressor; give hints "
@@ -520,11 +512,6 @@ class LaunchJob(_Strict):
         if self.hints and self.algo != "auto":
             raise ValueError("hints are for algo 'auto' (the provider plans with them)")
         return self
-
-    @field_validator("compressor")
-    @classmethod
-    def _known_compressor(cls, v: str | None) -> str | None:
-        return _compressor_name(v)
 
     def label(self) -> str:
         """Name shown in tables and plots."""
@@ -1081,10 +1068,8 @@ def _collective_problems(job: JobSpec, n_hosts: int) -> list[ValueError]:
     out: list[ValueError] = []
     for size in job.sizes():
         try:
-            CollectiveSpec(op=job.op, algo=job.algo, nbytes=size, dtype=job.dtype,
-                           compressor=job.compressor,
-                           compressor_params=dict(job.compressor_params),
-                           error_feedback=job.error_feedback, servers=job.servers,
+            CollectiveSpec(op=job.op, nbytes=size, dtype=job.dtype,
+                           **communication_of(job), servers=job.servers,
                            timeout_s=job.timeout_s, seed=job.seed or 0,
                            repetitions=job.repetitions, **job.options).validate(n_hosts)
         except (ValueError, TypeError) as e:
@@ -1140,8 +1125,8 @@ def launch_problems(point, topo) -> list[str]:
             problems.append(f"launch.{i}.script: {job.script!r} is not a file (a relative path "
                             "is taken from the working directory)")
         if topo is not None and job.hosts is not None and job.hosts > topo.n_hosts:
-            problems.append(f"launch.{i}.hosts: {job.hosts} ranks, but the topology has "
-                            f"{topo.n_hosts} hosts")
+            problems.append(f"launch.{i}.hosts: {job.hosts} hosts, but the topology has "
+                            f"{topo.n_hosts}")
         if job.algo is not None:
             problem = _aggregator_problem(f"launch.{i}", job, point.topology, topo)
             if problem:

@@ -40,7 +40,7 @@ import numpy as np
 
 from testbed.collectives import flowmodel
 from testbed.collectives.algorithms import is_offloaded
-from testbed.collectives.spec import CollectiveSpec
+from testbed.collectives.spec import CollectiveSpec, communication_of
 from testbed.provider.schema import FabricSnapshot, Hints, JobRequest, Plan
 
 #: Aggregator slots a policy reserves per tree switch (the job's INA window).
@@ -202,10 +202,8 @@ class PlanModel:
             place = {"tree": plan.tree if plan.tree is not None else "single",
                      "slots": max(plan.slots, 1), "mode": plan.mode}
         try:
-            spec = CollectiveSpec(op="allreduce", algo=plan.algo, nbytes=4 * -(-nbytes // 4),
-                                  compressor=plan.compressor,
-                                  compressor_params=dict(plan.compressor_params),
-                                  error_feedback=plan.error_feedback, placement=place,
+            spec = CollectiveSpec(op="allreduce", nbytes=4 * -(-nbytes // 4),
+                                  **communication_of(plan), placement=place,
                                   job_id=job_id, window=max(plan.slots, 1) if place else 64)
             t = flowmodel.predict(desc, spec, workers=list(req.hosts),
                                   hop_latency_s=self.hop_latency_s).time_s

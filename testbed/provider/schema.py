@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Protocol
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from testbed.collectives.algorithms import algorithm_names
+from testbed.collectives.spec import communication_model
 
 #: Version of the hints schema; a tenant sending another major version is refused (4xx).
 HINTS_VERSION = 1
@@ -58,6 +59,16 @@ class Hints(_Strict):
     deadline_s: float | None = Field(default=None, gt=0)
 
 
+def check_hints(hints: dict | None) -> Hints:
+    """``hints`` as :class:`Hints`; ``ValueError`` naming each bad hint (``field: why; ...``),
+    for front ends that check a tenant's hints before anything is built."""
+    try:
+        return Hints(**(hints or {}))
+    except ValidationError as e:
+        raise ValueError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                   for x in e.errors())) from None
+
+
 class JobRequest(_Strict):
     """A tenant's job as the provider sees it on admission: its hosts and optional hints."""
 
@@ -67,7 +78,7 @@ class JobRequest(_Strict):
     lease_s: float = Field(default=30.0, gt=0, le=3600)
 
 
-class Plan(_Strict):
+class Plan(communication_model(_Strict)):
     """The provider's offload decision for one job, applied by the workers at an iteration
     boundary. ``tree``/``slots``/``mode`` map onto ``CollectiveSpec.placement``; ``slots`` is
     per switch of ``tree``; ``compressor``/``compressor_params`` onto the spec's fields;
@@ -75,13 +86,10 @@ class Plan(_Strict):
     time per iteration. ``reason``: why this plan (logged with every change)."""
 
     job: str
-    algo: PlanAlgo = "ring"
+    algo: PlanAlgo = "ring"  # narrowed: checked against the registry on arrival
     tree: Literal["single", "auto"] | list[str] | None = None
     mode: Literal["static", "shared"] = "static"
     slots: int = Field(default=0, ge=0)
-    compressor: str | None = None
-    compressor_params: dict = Field(default_factory=dict)
-    error_feedback: bool = False
     trim_head_bits: int | None = Field(default=None, ge=1, le=32)
     predicted_comm_s: float | None = None
     reason: str = ""

@@ -280,14 +280,13 @@ class SwitchConfigurator:
         # a service that configures a running network needs.
         from testbed.collectives.ina import ina_lanes
         from testbed.collectives.runner import CollectiveError, register_ina_job
-        from testbed.collectives.spec import CollectiveSpec
+        from testbed.collectives.spec import CollectiveSpec, communication_of
 
         nodes = [self.net.mininet.get(h) for h in hosts]
         spec = CollectiveSpec(
-            op="allreduce", algo=plan.algo, nbytes=4 * -(-int(hints.get("collective_bytes")
+            op="allreduce", nbytes=4 * -(-int(hints.get("collective_bytes")
                                                                  or 1 << 20) // 4),
-            compressor=plan.compressor, compressor_params=dict(plan.compressor_params),
-            error_feedback=plan.error_feedback, job_id=self._job_id(job),
+            **communication_of(plan), job_id=self._job_id(job),
             placement={"tree": plan.tree if plan.tree is not None else "single",
                        "slots": max(plan.slots, 1), "mode": plan.mode})
         entry = {"n": len(nodes), "ranks": [{"host": h.name, "pid": int(h.pid), "ip": h.IP()}

@@ -10,7 +10,7 @@ optimiser, the model and the collective.
 
 Both minimise the mean cross-entropy of a batch plus ``weight_decay / 2 * ||W||^2`` over the
 weight matrices (not the biases). :meth:`Model.loss_grad` returns the loss and writes the
-gradient into a caller's buffer; ``tests/test_workloads_models.py`` checks every gradient
+gradient into a caller's buffer; ``tests/workloads/test_workloads_models.py`` checks every gradient
 against central finite differences in float64.
 
 Optimisers (:class:`Sgd` with momentum, :class:`Adam`) update the flat vector in place. Every

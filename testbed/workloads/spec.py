@@ -20,7 +20,12 @@ import math
 import numpy as np
 
 from testbed.collectives.algorithms import algorithm_names
-from testbed.collectives.spec import CollectiveSpec, FieldError
+from testbed.collectives.spec import (
+    CollectiveSpec,
+    Communication,
+    FieldError,
+    communication_of,
+)
 from testbed.collectives.trimmed import BITS as TRIM_BITS
 from testbed.workloads.data import DATASETS
 from testbed.workloads.models import ACTIVATIONS, MODELS, OPTIMIZERS, make_model
@@ -43,7 +48,7 @@ DIGITS_SHAPE = (64, 10, 1797)
 
 
 @dataclasses.dataclass
-class TrainingSpec:
+class TrainingSpec(Communication):
     """One data-parallel training job.
 
     Model and data: ``model`` (:data:`~testbed.workloads.models.MODELS`), ``hidden`` units
@@ -85,10 +90,6 @@ class TrainingSpec:
     stop_at_target: bool = False
     compute_ms: float = 0.0
     time_dilation: float = 1.0
-    algo: str = "ring"
-    compressor: str | None = None
-    compressor_params: dict = dataclasses.field(default_factory=dict)
-    error_feedback: bool = False
     window: int = 64
     loss: float = 0.0
     bits: int = 1
@@ -104,10 +105,7 @@ class TrainingSpec:
 
     def label(self) -> str:
         """Name in tables and plots: ``name``, else algo[+compressor][+ef]."""
-        if self.name:
-            return self.name
-        out = self.algo + (f"+{self.compressor}" if self.compressor else "")
-        return out + ("+ef" if self.error_feedback else "")
+        return self.name or self.communication_label()
 
     def data_shape(self) -> tuple[int, int, int]:
         """(features, classes, rows) of the data set, without loading it."""
@@ -134,10 +132,8 @@ class TrainingSpec:
             return CollectiveSpec(op="broadcast", algo="ring", nbytes=4 * self.n_params(),
                                   chunk_bytes=self.chunk_bytes, timeout_s=self.timeout_s,
                                   seed=self.seed, job_id=self.job_id)
-        return CollectiveSpec(op="allreduce", algo=self.algo, nbytes=4 * self.n_params(),
-                              compressor=self.compressor,
-                              compressor_params=dict(self.compressor_params),
-                              error_feedback=self.error_feedback, window=self.window,
+        return CollectiveSpec(op="allreduce", nbytes=4 * self.n_params(),
+                              **communication_of(self), window=self.window,
                               chunk_bytes=self.chunk_bytes, loss=self.loss,
                               timeout_s=self.timeout_s, seed=self.seed, repetitions=1,
                               job_id=self.job_id, workers=None,

@@ -21,7 +21,7 @@ from testbed.experiment.cooperation import (
 from testbed.experiment.results import Results
 from testbed.provider.schema import Plan
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 EXPERIMENT = {
     "kind": "cooperation",

@@ -21,7 +21,7 @@ from testbed.experiment.results import (
     results_root,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _frame() -> pd.DataFrame:

@@ -15,7 +15,7 @@ from testbed.experiment.spec import (
     read_experiment_file,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "experiments"
+EXAMPLES = Path(__file__).resolve().parents[2] / "experiments"
 SMALL = 32 << 10
 
 

@@ -39,6 +39,7 @@ def test_options_default_then_quick_then_given():
         resolve_options(bench, {"nope": 1}, False)
 
 
+@pytest.mark.quiet_cpu  # after the background compile: ina-cost's kernels load, not compile
 def test_json_rows_then_a_summary_with_the_cpu(capsys):
     assert run_benchmark("ina-cost", quick=True, json_out=True) == 0
     *rows, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

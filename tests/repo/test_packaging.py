@@ -13,13 +13,14 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 
 #: Declared test dependencies that are used as tools rather than imported, and why.
 TEST_TOOLS = {
     "ruff": "`make test` lints first",
+    "pytest-xdist": "`make test-unit` runs the unit tests on every core",
     "pytest-timeout": "the `timeout` setting in [tool.pytest.ini_options]",
     "ipykernel": "the python3 kernel the notebook tests execute notebooks in",
 }

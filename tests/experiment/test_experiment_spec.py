@@ -21,7 +21,7 @@ from testbed.experiment.spec import (
     with_overrides,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _problems(data: dict) -> list[str]:
@@ -321,7 +321,11 @@ def test_launch_jobs_are_checked_against_the_topology():
     probs = _problems({"topology": {"n_hosts": 2},
                        "launch": [{"script": "examples/torch/ddp_digits.py", "algo": "rs"}]})
     assert probs and "not an algorithm that allreduces gradients" in probs[0]
-    exp = load_experiment(Path(__file__).resolve().parents[1] / "examples/torch/ddp_sweep.toml")
+    probs = _problems({"topology": {"n_hosts": 2, "switch": "programmable"},
+                       "launch": [{"script": "examples/torch/ddp_digits.py", "algo": "ina",
+                                   "nproc_per_host": 2}]})
+    assert probs and probs[0].startswith("launch.0: ") and "one worker per host" in probs[0]
+    exp = load_experiment(Path(__file__).resolve().parents[2] / "examples/torch/ddp_sweep.toml")
     assert [j.label() for j in exp.launch] == ["ddp_digits:gloo", "ddp_digits:ring",
                                                "ddp_digits:ina"]
 

@@ -1,7 +1,7 @@
 """The coordinator and another server's pool (``testbed.collectives.remotepool``) on the
 loopback of this namespace: the pool is started as a plain process instead of over ssh
 (``argv``), so the protocol, the split checks and the failure paths run here in seconds;
-tests/test_cluster.py runs the same over ssh on a netns server."""
+tests/topologies/test_cluster.py runs the same over ssh on a netns server."""
 
 from __future__ import annotations
 

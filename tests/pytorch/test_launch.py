@@ -16,7 +16,7 @@ from testbed.launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.mininet
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "examples" / "torch"
+SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "torch"
 
 
 def _run(tmp_path, script: str, args=(), **kw):
@@ -108,6 +108,30 @@ def test_a_failing_rank_is_named_and_the_others_stopped(tmp_path):
     assert done.returncodes[0] != 0 and done.returncodes[2] != 0  # stopped
 
 
+def test_several_ranks_per_host(tmp_path):
+    """--nproc-per-host 2 on 2 hosts: 4 ranks, consecutive ones on one host with torchrun's
+    local and group ranks; their float32 sums cross the testbed's ring exactly."""
+    script = tmp_path / "local.py"
+    script.write_text(
+        "import os\nimport torch\nimport torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\nr, n = dist.get_rank(), dist.get_world_size()\n"
+        "t = torch.arange(1000, dtype=torch.float32) * (r + 1)\ndist.all_reduce(t)\n"
+        "want = torch.arange(1000, dtype=torch.float32) * (n * (n + 1) // 2)\n"
+        "env = [os.environ[k] for k in ('LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', "
+        "'GROUP_WORLD_SIZE')]\n"
+        "print('rank', r, 'of', n, *env, 'ok' if torch.equal(t, want) else 'FAILED')\n"
+        "dist.destroy_process_group()\n")
+    done, lines = _run(tmp_path, str(script), hosts=2, nproc_per_host=2, algo="ring")
+    assert done.returncode == 0 and done.returncodes == [0] * 4, done.failures
+    assert sorted(x.split(":", 1)[1] for x in lines if x.endswith(("ok", "FAILED"))) == \
+        [f"rank {r} of 4 {r % 2} 2 {r // 2} 2 ok" for r in range(4)]
+    meta = json.loads((done.folder / "launch.json").read_text())
+    assert meta["hosts"] == ["tbh1", "tbh1", "tbh2", "tbh2"] and meta["nproc_per_host"] == 2
+    ring = [r for r in done.trace if r["path"] == "testbed:ring"]
+    assert sorted(r["rank"] for r in ring) == [0, 1, 2, 3]
+    assert all(r["model_s"] is None for r in ring)  # the model places one rank per host
+
+
 def test_bad_options_are_named_before_anything_is_built(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         launch(tmp_path / "missing.py", out=tmp_path)
@@ -120,6 +144,10 @@ def test_bad_options_are_named_before_anything_is_built(tmp_path):
         launch(tmp_path / "s.py", algo="auto", policy="generous", out=tmp_path)
     with pytest.raises(ValueError, match="hints are for algo 'auto'"):
         launch(tmp_path / "s.py", algo="ring", hints={"tolerance": "exact"}, out=tmp_path)
+    with pytest.raises(ValueError, match="nproc_per_host=2 with algo 'ina'.*one worker per host"):
+        launch(tmp_path / "s.py", algo="ina", nproc_per_host=2, out=tmp_path)
+    with pytest.raises(ValueError, match="nproc_per_host=0 must be an integer >= 1"):
+        launch(tmp_path / "s.py", nproc_per_host=0, out=tmp_path)
 
 
 def test_launch_jobs_of_an_experiment_file(tmp_path):

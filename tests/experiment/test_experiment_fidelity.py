@@ -95,7 +95,7 @@ def test_a_saturated_run_runs_again_at_twice_the_factor_up_to_the_cap(monkeypatc
 
 @pytest.mark.mininet
 def test_star4_rows_have_every_key_and_are_correct():
-    # a fixed factor: "auto" would add a calibration (tests/test_dilation.py covers it)
+    # a fixed factor: "auto" would add a calibration (tests/collectives/test_dilation.py covers it)
     # and a queue of its own, which every row records
     rows = fidelity.run(quick=True, only=["star4"], time_dilation=2, queue_ms=200)
     assert [r["algo"] for r in rows] == list(fidelity.ALGOS)

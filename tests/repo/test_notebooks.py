@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 #: notebook -> (extra parameters for CI, minimum number of PNG figures it must produce)
 CASES = {
     "00_quickstart": ({"SIZES": [16 << 10, 32 << 10], "NBYTES": 32 << 10, "N_HOSTS": 3}, 1),

@@ -22,7 +22,7 @@ from testbed import cleanup, lifeline, warm
 from testbed.datapath.engine import COMPILING
 from testbed.datapath.nodes import not_ready_reason
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: how long a test waits for a dead owner's network to go (the target, 5 s, is measured by
 #: hand on a loaded fat-tree; tests never assert a time: a loaded CI machine is slower)
 GONE_WITHIN_S = 30.0

@@ -24,7 +24,7 @@ from testbed import PREFIX, cleanup, doctor
 from testbed.lifeline import start_ticks
 from testbed.netlock import EmulationBusy, emulation_lock
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "testbed.cli"]
 # An unprivileged user (euid nobody) that can still read the checkout: CI may clone into a
 # 0700 folder (mktemp -d), where plain nobody could not even import the package. Reading is all

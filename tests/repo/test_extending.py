@@ -37,7 +37,7 @@ from testbed.kernels.compressors import (
 )
 from testbed.kernels.plugins import PluginError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 PY = sys.executable
 
@@ -287,6 +287,60 @@ def test_no_list_of_algorithm_names_outside_the_registry():
             if pattern in text and path.name != "algorithms.py":
                 found.append(f"{path.relative_to(ROOT)}: {pattern}")
     assert not found, found
+
+
+def test_communication_settings_are_declared_once():
+    """algo, compressor, compressor_params and error_feedback are Communication's fields: no
+    other class in testbed/ declares them (a class may narrow ``algo`` only), and every kind of
+    job has them with Communication's defaults, so a setting added there reaches them all."""
+    import ast
+    import dataclasses
+
+    from testbed.collectives.spec import COMMUNICATION, CollectiveSpec, Communication
+    from testbed.experiment.spec import JobSpec, LaunchJob, TrainJob
+    from testbed.provider.schema import Plan
+    from testbed.torch import TorchJob
+    from testbed.workloads.spec import TrainingSpec
+
+    declared = []
+    for path in (ROOT / "testbed").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name != "Communication":
+                declared += [f"{path.relative_to(ROOT)}:{stmt.lineno} {node.name}.{stmt.target.id}"
+                             for stmt in node.body if isinstance(stmt, ast.AnnAssign)
+                             and isinstance(stmt.target, ast.Name)
+                             and stmt.target.id in COMMUNICATION[1:]]
+    assert not declared, declared
+    base = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(Communication)}
+    for cls in (CollectiveSpec, TrainingSpec, TorchJob):
+        assert issubclass(cls, Communication)
+    for job in (CollectiveSpec(), TrainingSpec(), TorchJob(), JobSpec(), TrainJob(),
+                Plan(job="j"), LaunchJob(script="s.py")):
+        narrowed = {"algo"} if isinstance(job, LaunchJob) else set()  # unset: plain gloo
+        assert {k: getattr(job, k) for k in COMMUNICATION if k not in narrowed} == \
+            {k: v for k, v in base.items() if k not in narrowed}, type(job).__name__
+    for model in (JobSpec, TrainJob, Plan, LaunchJob):  # the schema documents each field
+        assert all(model.model_fields[k].description for k in COMMUNICATION[1:]), model
+
+
+def test_a_plan_reaches_every_kind_of_job_unchanged():
+    """communication_of copies the settings between the kinds of job, whatever they are."""
+    from testbed.collectives.spec import CollectiveSpec, communication_label, communication_of
+    from testbed.experiment.spec import TrainJob
+    from testbed.provider.schema import Plan
+    from testbed.torch import TorchJob
+    from testbed.workloads.spec import TrainingSpec
+
+    plan = Plan(job="j", algo="ring", compressor="topk", compressor_params={"ratio": 0.1},
+                error_feedback=True)
+    for job in (CollectiveSpec(**communication_of(plan)), TrainingSpec(**communication_of(plan)),
+                TorchJob(**communication_of(plan)), TrainJob(**communication_of(plan))):
+        assert communication_of(job) == communication_of(plan)
+        assert communication_label(job) == "ring+topk+ef"
+        job.compressor_params["ratio"] = 0.5  # a copy: the plan keeps its own
+    assert plan.compressor_params == {"ratio": 0.1}
+    CollectiveSpec(**communication_of(plan)).validate(4)
 
 
 # -- the examples, installed with pip ----------------------------------------------------------

@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from testbed.cli import app
+from testbed.kernels.wire import HEADER_OFFSET
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cli_commands() -> list[tuple[str, ...]]:
@@ -54,11 +55,36 @@ def test_every_readme_command_answers_help(path):
 
 
 @pytest.mark.mininet
+def check_bench_rows(rows: list[dict], notes: dict) -> None:
+    """A quick run of the real benchmark (its ``--quick`` options, run by ``testbed bench all
+    --quick``): every program row has every anchor measured in the same
+    run, positive rates, and ratio == kpps / anchor_kpps."""
+    programs = {r["program"] for r in rows}
+    assert programs == {"forward", "aggregate"}
+    anchors = {r["anchor"] for r in rows}
+    assert {"linux-bridge", "python-naive", "engine-mmsg"} <= anchors
+    assert "ovs-userspace" in anchors or "skipped" in str(notes.get("ovs-userspace"))
+    for r in rows:
+        assert set(r) == {"program", "packet_bytes", "kpps", "gbps", "anchor", "anchor_kpps",
+                          "ratio"}
+        assert r["packet_bytes"] == HEADER_OFFSET + 28 + 64
+        assert r["kpps"] > 0 and r["anchor_kpps"] > 0
+        assert r["ratio"] == pytest.approx(r["kpps"] / r["anchor_kpps"], rel=0.01)
+    size = HEADER_OFFSET + 28 + 64
+    for v in ("forward", "engine-mmsg"):  # what the generator offered, what the engine cost
+        n = notes[f"{v}/{size}B"]
+        assert n["offered_kpps"] > 0 and n["engine_us_per_pkt"] > 0 and n["gen_us_per_pkt"] > 0
+    # aggregate: the rate is a trial that lost nothing (every contribution came back)
+    agg = notes[f"aggregate/{size}B"]["trials"]
+    best = max((t for t in agg if t["ok"]), key=lambda t: t["sent_kpps"])
+    assert best["results"] >= best["contributions"] > 0
+    assert next(r["kpps"] for r in rows if r["program"] == "aggregate") == best["sent_kpps"]
+
+
 def test_bench_all_quick_runs_benchmarks_in_turn_and_stores_each(tmp_path):
     """``testbed bench all --quick --only ...`` (``make bench``'s quick form, on the
     benchmarks quick enough for a test): each measured against its anchor in the same run,
     one JSON line per row and a summary per benchmark, each stored under --out."""
-    from test_datapath_bench import check_bench_rows  # the data-path bench's own checks
     names = ["kernels", "datapath", "collectives", "ina-cost"]
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "bench", "all", "--quick", "--json",
                         "--only", ",".join(names), "--out", str(tmp_path)], capture_output=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: Lowest first. A module's layer is that of the longest prefix that names it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
