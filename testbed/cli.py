@@ -254,7 +254,9 @@ def replay(
         print_rows(res.validation, f"replay of {prefix}: measured vs flow model",
                    ("op", "bytes", "path", "count", "measured_s", "predicted_s", "error_pct"))
     geo = "n/a" if res.geomean_error_pct is None else f"{res.geomean_error_pct:.1f} %"
-    print(f"testbed replay: JCT {res.jct_s:.4g} s, {len(res.collectives)} collectives, "
+    model = "n/a" if res.model_jct_s is None else f"{res.model_jct_s:.4g} s"
+    print(f"testbed replay: JCT {res.jct_s:.4g} s (model {model}), {len(res.collectives)} "
+          "collectives, "
           f"geomean error {geo}; results: {res.folder}", file=sys.stderr)
     raise typer.Exit(1 if res.launched.returncode else 0)
 

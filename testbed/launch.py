@@ -77,7 +77,8 @@ class Launched:
 def launch_network(topology: dict | None, experiment: str | Path | None, hosts: int | None,
                    algo: str | None, time_dilation):
     """The (not yet started) network the job runs on: the experiment file's first point's,
-    or a star of ``hosts`` hosts at 100 Mb/s changed by ``topology``."""
+    or a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (which may name another
+    kind, with that kind's fields)."""
     from pydantic import ValidationError
 
     from testbed.collectives.algorithms import is_offloaded
@@ -91,9 +92,11 @@ def launch_network(topology: dict | None, experiment: str | Path | None, hosts: 
         if time_dilation is not None:
             point = point.model_copy(update={"time_dilation": time_dilation})
         return network_for(point)
-    topo = {"kind": "star", "n_hosts": hosts or 2, "bw_mbps": 100.0,
+    topo = {"kind": "star", "bw_mbps": 100.0,
             "switch": "programmable" if algo and is_offloaded(algo) else "bridge",
             **(topology or {})}
+    if topo["kind"] == "star":  # another kind is sized by its own fields
+        topo.setdefault("n_hosts", hosts or 2)
     try:
         spec = TopologySpec(**topo)
     except ValidationError as e:

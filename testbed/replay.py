@@ -269,7 +269,8 @@ def load_trace(prefix: str | Path) -> dict[int, list[Node]]:
 class Replayed:
     """What a replay measured: ``nodes`` (a row per node per rank), ``collectives`` (a row per
     collective: measured and predicted), ``validation`` (per op, size and algorithm), the
-    job completion time ``jct_s``, the geometric mean of the errors ``geomean_error_pct``,
+    job completion time ``jct_s`` and the model's for the whole trace ``model_jct_s`` (None
+    where a node has no prediction), the geometric mean of the errors ``geomean_error_pct``,
     the ``folder`` with everything, and the launch (``launched``: its ``returncode`` and
     ``failures`` say whether every rank finished)."""
 
@@ -280,6 +281,7 @@ class Replayed:
     geomean_error_pct: float | None
     folder: Path
     launched: object
+    model_jct_s: float | None = None
 
 
 def replay(prefix: str | Path, *, algo: str | None = None,
@@ -300,8 +302,8 @@ def replay(prefix: str | Path, *, algo: str | None = None,
     if not (isinstance(scale, int | float) and scale >= 0 and math.isfinite(scale)):
         raise ValueError(f"scale={scale!r} must be a number >= 0")
     tj = backend_settings(algo, None, None, False, 1)
-    topo = {"n_hosts": n, **({"switch": "programmable"} if algo and is_offloaded(algo)
-                             else {}), **(topology or {})}
+    topo = {**({"switch": "programmable"} if algo and is_offloaded(algo) else {}),
+            **(topology or {})}
     network = launch_network(topo, experiment, n, algo, time_dilation)
     folder = results.unique_folder(results.results_root() if out is None else out,
                                    f"replay-{Path(prefix).name}")
@@ -315,11 +317,14 @@ def replay(prefix: str | Path, *, algo: str | None = None,
                           tj, folder, hosts=n, timeout_s=timeout_s, echo=echo, module=True)
         rows = _node_rows(folder, n, f)
         colls = _collective_rows(rows, net, n, tj, f)
+        transfer_s = _transfer_model(net, n, f)
+        model_jct = predict_jct(ranks, {c["seq"]: c["model_s"] for c in colls},
+                                transfer_s, scale)
     jct = (max((r["end_s"] for r in rows), default=0.0)
            - min((r["start_s"] for r in rows), default=0.0))
     validation, geo = _validation(colls)
-    _save(folder, rows, colls, validation, jct, geo, done)
-    return Replayed(rows, colls, validation, jct, geo, folder, done)
+    _save(folder, rows, colls, validation, jct, geo, done, model_jct)
+    return Replayed(rows, colls, validation, jct, geo, folder, done, model_jct)
 
 
 def export(trace: list[dict], prefix: str | Path, n_ranks: int) -> list[Path]:
@@ -373,6 +378,66 @@ def export(trace: list[dict], prefix: str | Path, n_ranks: int) -> list[Path]:
     return files
 
 
+def write_trace(prefix: str | Path, graphs: dict[int, list[dict]]) -> Path:
+    """Write ``graphs`` (rank -> its nodes, each ``{"id", "name", "kind": comp|coll,
+    "deps": [...], "us"`` for compute or ``"op"`` (a Chakra collective type such as
+    ``"ALL_REDUCE"``) and ``"bytes"`` for a collective) as ``<prefix>.<rank>.et`` with Chakra's
+    schema and writer; returns ``prefix``."""
+    pb = _schema()
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    for rank, nodes in graphs.items():
+        with open(f"{prefix}.{rank}.et", "wb") as f:
+            encodeMessage(f, pb.GlobalMetadata(version="0.0.4"))
+            for x in nodes:
+                node = pb.Node(id=x["id"], name=x["name"], data_deps=list(x["deps"]))
+                if x["kind"] == "comp":
+                    node.type, node.duration_micros = pb.COMP_NODE, int(x["us"])
+                else:
+                    node.type = pb.COMM_COLL_NODE
+                    node.attr.append(pb.AttributeProto(
+                        name="comm_type", int64_val=pb.CollectiveCommType.Value(x["op"])))
+                    node.attr.append(pb.AttributeProto(name="comm_size",
+                                                       int64_val=int(x["bytes"])))
+                encodeMessage(f, node)
+    return prefix
+
+
+def ddp_graphs(n: int, buckets: list[int], compute_us: int, iterations: int = 1
+               ) -> dict[int, list[dict]]:
+    """A data-parallel job's graphs: per iteration, the backward pass's compute before each
+    gradient bucket's allreduce (issued as soon as it is ready), then the optimizer step."""
+    it = [x for b in buckets for x in (("comp", "backward", compute_us),
+                                       ("ALL_REDUCE", "allreduce", b))]
+    it.append(("comp", "optimizer", compute_us))
+    return {r: _chain(it * iterations) for r in range(n)}
+
+
+def moe_graphs(n: int, layers: int, a2a_bytes: int, grad_bytes: int, compute_us: int,
+               iterations: int = 1) -> dict[int, list[dict]]:
+    """A mixture-of-experts job's graphs (expert parallelism): per iteration and layer, the
+    attention's compute, the all-to-all that dispatches tokens to their experts, the experts'
+    compute and the all-to-all that combines them; then the dense gradient's allreduce."""
+    layer = [("comp", "attention", compute_us), ("ALL_TO_ALL", "dispatch", a2a_bytes),
+             ("comp", "experts", compute_us), ("ALL_TO_ALL", "combine", a2a_bytes)]
+    it = layer * layers + [("ALL_REDUCE", "allreduce", grad_bytes),
+                           ("comp", "optimizer", compute_us)]
+    return {r: _chain(it * iterations) for r in range(n)}
+
+
+def _chain(steps: list[tuple[str, str, int]]) -> list[dict]:
+    """Nodes that run one after the other: ``(kind or collective type, name, us or bytes)``."""
+    out = []
+    for i, (kind, name, x) in enumerate(steps):
+        node = {"id": i + 1, "name": f"{name}{i}", "deps": [i] if i else []}
+        node |= {"kind": "comp", "us": x} if kind == "comp" else \
+            {"kind": "coll", "op": kind, "bytes": x}
+        out.append(node)
+    return out
+
+
 def _chakra_bytes(row: dict, n: int) -> int:
     """A traced call's bytes as Chakra's ``comm_size`` (nccl-tests' sizes): testbed.c10d
     records an all-gather's input, one rank's part."""
@@ -402,6 +467,7 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float) -> list[dict]:
             by_seq.setdefault(row["seq"], []).append(row)
     hop = net.hop_latency_s()
     workers = [h.name for h in list(net.hosts)[:n]]
+    exchange = _transfer_model(net, n, f, hop)
     out, cache = [], {}
     for seq, group in sorted(by_seq.items()):
         first = group[0]
@@ -411,7 +477,10 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float) -> list[dict]:
         if key not in cache:
             cache[key] = None
             op = MODEL_OPS.get(first["op"])
-            if op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and n > 1:
+            if first["op"] == "all_to_all" and n > 1:  # every pair's part at once, as gloo
+                cache[key] = exchange([(a, b, first["bytes"] / n) for a in range(n)
+                                       for b in range(n) if a != b])
+            elif op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and n > 1:
                 spec = CollectiveSpec(op=op, algo=algo, nbytes=first["bytes"])
                 try:
                     cache[key] = flowmodel.predict(net.topo, spec, workers=workers,
@@ -424,6 +493,77 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float) -> list[dict]:
                     "time_s": max(r["end_s"] for r in group) - max(r["start_s"] for r in group),
                     "model_s": cache[key], "ranks": len(group)})
     return out
+
+
+def _transfer_model(net, n: int, f: float, hop: float | None = None):
+    """``fn([(rank, rank, bytes), ...])`` -> the flow model's time of those TCP transfers at
+    once between the first ``n`` hosts of ``net`` (undilated; None where it does not apply)."""
+    from testbed.collectives import flowmodel
+
+    hosts = [h.name for h in list(net.hosts)[:n]]
+    hop = net.hop_latency_s() if hop is None else hop
+
+    def fn(transfers: list[tuple[int, int, float]]) -> float | None:
+        try:
+            return flowmodel.transfers_s(net.topo, [(hosts[a], hosts[b], x)
+                                                    for a, b, x in transfers],
+                                         hop_latency_s=hop, time_dilation=f)
+        except ValueError:  # e.g. a path without a shaped link
+            return None
+    return fn
+
+
+def predict_jct(ranks: dict[int, list[Node]], collective_s: dict[int, float | None],
+                transfer_s, scale: float = 1.0) -> float | None:
+    """The model's completion time of a trace replayed as :func:`replay` runs it: each rank
+    takes its nodes one after the other in :func:`order`; a compute node lasts its duration
+    times ``scale``; the k-th collective starts when every rank reached it and lasts
+    ``collective_s[k]``; a send and its receive start when both ranks reached them and last
+    ``transfer_s([(src, dst, bytes)])``. None when a collective or a transfer has no
+    prediction."""
+    graph = {r: order(nodes) for r, nodes in ranks.items()}
+    pos = dict.fromkeys(graph, 0)
+    clock = dict.fromkeys(graph, 0.0)
+    seq = 0
+    cache: dict[tuple, float | None] = {}
+
+    def head(r: int) -> Node | None:
+        return graph[r][pos[r]] if pos[r] < len(graph[r]) else None
+
+    moved = True
+    while moved:
+        moved = False
+        for r in graph:  # run each rank up to its next communication
+            while (x := head(r)) is not None and x.kind not in ("coll", "send", "recv"):
+                clock[r] += x.duration_s * scale if x.kind == "comp" else 0.0
+                pos[r] += 1
+        heads = {r: head(r) for r in graph}
+        if all(x is not None and x.kind == "coll" for x in heads.values()):
+            t = collective_s.get(seq)
+            if t is None:
+                return None
+            end = max(clock.values()) + t
+            for r in graph:
+                clock[r], pos[r] = end, pos[r] + 1
+            seq, moved = seq + 1, True
+            continue
+        for r, x in heads.items():
+            y = heads.get(x.peer) if x is not None and x.kind == "send" else None
+            if y is not None and y.kind == "recv" and y.peer == r and y.tag == x.tag:
+                key = (r, x.peer, x.bytes)
+                if key not in cache:
+                    cache[key] = transfer_s([key])
+                if cache[key] is None:
+                    return None
+                end = max(clock[r], clock[x.peer]) + cache[key]
+                clock[r] = clock[x.peer] = end
+                pos[r] += 1
+                pos[x.peer] += 1
+                heads[x.peer] = None
+                moved = True
+    if any(head(r) is not None for r in graph):
+        return None  # ranks wait for each other in a way the replay would not finish either
+    return max(clock.values(), default=0.0)
 
 
 def _validation(colls: list[dict]) -> tuple[list[dict], float | None]:
@@ -447,7 +587,7 @@ def _validation(colls: list[dict]) -> tuple[list[dict], float | None]:
     return rows, geo
 
 
-def _save(folder: Path, rows, colls, validation, jct, geo, done) -> None:
+def _save(folder: Path, rows, colls, validation, jct, geo, done, model_jct) -> None:
     import pandas as pd
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -464,7 +604,8 @@ def _save(folder: Path, rows, colls, validation, jct, geo, done) -> None:
     (folder / "timeline.json").write_text(json.dumps({"traceEvents": events}))
     meta = json.loads((folder / "launch.json").read_text()) if \
         (folder / "launch.json").exists() else {}
-    meta.update(jct_s=jct, geomean_error_pct=geo, collectives=len(colls), nodes=len(rows))
+    meta.update(jct_s=jct, model_jct_s=model_jct, geomean_error_pct=geo,
+                collectives=len(colls), nodes=len(rows))
     (folder / "replay.json").write_text(json.dumps(meta, indent=2, default=str))
 
 

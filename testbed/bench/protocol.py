@@ -216,6 +216,29 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         options=(Option("time_dilation", None, "F or auto, for the DDP runs", type=str,
                         metavar="F|auto"),),
         quick_help="3 ranks, 1 MiB of gradient, a few steps (about a minute)"),
+    Benchmark(
+        "replay", "Chakra traces of a data-parallel and a mixture-of-experts job replayed on a "
+        "leaf-spine: every collective and the trace's JCT against the flow model.",
+        "testbed.bench.replay:measure", case=("trace", "op", "bytes"),
+        requires=("torch", "chakra"),
+        columns=("trace", "op", "bytes", "path", "count", "measured_s", "model_s", "ratio",
+                 "error_pct", "cpu_bound"),
+        options=(Option("ranks", 8, "ranks, one per host", quick=4),
+                 Option("traces", "ddp,moe", "the traces: ddp, moe", metavar="A,B"),
+                 Option("buckets", "1048576,4194304", "gradient buckets in bytes (the MoE "
+                        "trace's dense gradient: the first)", quick="262144,1048576",
+                        metavar="B,C"),
+                 Option("a2a_bytes", 1 << 20, "bytes of each MoE all-to-all (per rank)",
+                        quick=256 << 10),
+                 Option("layers", 2, "MoE layers (two all-to-alls each)"),
+                 Option("iterations", 3, "iterations of each trace", quick=2),
+                 Option("compute_us", 5000, "compute before each communication (µs)"),
+                 Option("algo", "ring", "the testbed algorithm of the allreduces (gloo: "
+                        "plain gloo)"),
+                 Option("topology", "leaf_spine", "leaf_spine (2 leaves, 2 spines) or star"),
+                 Option("bw", 100.0, "link rate (Mb/s)"),
+                 Option("time_dilation", 4.0, "emulation slow-down factor", quick=2.0)),
+        quick_help="4 ranks, smaller sizes, 2 iterations"),
 )}
 
 

@@ -84,7 +84,7 @@ from testbed.topologies.base import TopologyError
 
 __all__ = ["Flow", "Phase", "Prediction", "predict", "predict_s", "phases", "max_min_rates",
            "ina_extra_s", "incast_s", "IncastPrediction", "InaTree", "ina_worker_port", "INA_AGG_PORT",
-           "tcp_port", "placement", "TCP_WIRE", "TCP_ACK", "INA_WIRE", "DEFAULT_HOP_S"]
+           "tcp_port", "placement", "transfers_s", "TCP_WIRE", "TCP_ACK", "INA_WIRE", "DEFAULT_HOP_S"]
 
 #: Wire bytes per TCP payload byte on the data path, and of ACKs on the reverse path.
 TCP_WIRE = ab.TCP_FRAME / ab.TCP_MSS
@@ -97,6 +97,8 @@ DEFAULT_HOP_S = 20e-6
 #: INA's retransmission timeout floor (SwitchML's 10 ms; ``inakernel.T0``, not imported here:
 #: the kernels module loads Numba, and the model must stay cheap to import)
 INA_RTO_FLOOR_S = 0.010
+#: Ports of transfers whose real ports are ephemeral (:func:`transfers_s`): Linux's range
+EPHEMERAL_PORT = 40000
 #: Payload and header bytes of an INA packet: the THC variant keeps the 70 B of headers.
 INA_HDR = ab.INA_FRAME - ab.INA_PAYLOAD
 
@@ -665,10 +667,7 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     bad = [h for h in list(workers) + list(servers or []) if h not in topo.host_names]
     if bad:
         raise ValueError(f"hosts {bad} are not hosts of this topology ({topo.host_names[:4]}...)")
-    if hop_latency_s is None:
-        delay = max((s.delay_ms for s in topo.link_specs), default=0.0)
-        hop_latency_s = delay * 1e-3 * time_dilation + DEFAULT_HOP_S
-    hop_s = float(hop_latency_s)
+    hop_s = _hop_s(topo, hop_latency_s, time_dilation)
     net = _Network(topo, float(time_dilation))
     agg: str | InaTree | None = topo.aggregator_switch
     if is_offloaded(spec.algo) and ((spec.placement or {}).get("tree") not in (None, "single")
@@ -693,6 +692,38 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
                      "the time is a lower bound")
     f = float(time_dilation)
     return Prediction(total / f, results, notes, extra_s / f, f)
+
+
+def _hop_s(topo, hop_latency_s: float | None, time_dilation: float) -> float:
+    """The one-way latency per link: as measured, else the configured delay plus
+    :data:`DEFAULT_HOP_S`."""
+    if hop_latency_s is None:
+        delay = max((s.delay_ms for s in topo.link_specs), default=0.0)
+        hop_latency_s = delay * 1e-3 * time_dilation + DEFAULT_HOP_S
+    return float(hop_latency_s)
+
+
+def transfers_s(topology, transfers: list[tuple[str, str, float]], *,
+                hop_latency_s: float | None = None, time_dilation: float = 1.0) -> float:
+    """Time of TCP transfers that start together, ``(source host, destination host, payload
+    bytes)`` each, until the last ends: max-min fair rates on their paths (a fluid simulation,
+    as a collective's phase) plus one trip of latency. A send/recv is one transfer; an
+    all-to-all among n ranks is n(n-1) at once (what gloo's does: every pair's part posted
+    together). Their ports are not known (gloo binds ephemeral ones), so on a multipath fabric
+    the ECMP paths taken here are one draw of the hash, not necessarily the run's."""
+    topo = routing.as_topology(topology)
+    bad = sorted({h for s, d, _ in transfers for h in (s, d)} - set(topo.host_names))
+    if bad:
+        raise ValueError(f"hosts {bad} are not hosts of this topology")
+    if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
+            or not time_dilation >= 1:
+        raise ValueError(f"time_dilation={time_dilation!r} must be a number >= 1")
+    f = float(time_dilation)
+    flows = [Flow(s, d, float(b), sport=EPHEMERAL_PORT + i, dport=EPHEMERAL_PORT - 1 - i)
+             for i, (s, d, b) in enumerate(transfers)]
+    res = _run_phase(_Network(topo, f), Phase("transfers", flows),
+                     _hop_s(topo, hop_latency_s, f))
+    return res.time_s / f
 
 
 def predict_s(topology, spec: CollectiveSpec, **kw) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import sys
 import threading
@@ -360,11 +361,18 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
             store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
         return
     dp_cols = _counter_deltas(before, _counters(net), out, run_idx) if before else {}
-    for k, (job, (summary, its)) in enumerate(zip(jobs, results, strict=True)):
+    for k, (job, (summary, its, trace)) in enumerate(zip(jobs, results, strict=True)):
         row = _ok_row(run_idx, pi, params, point, first + k, job, summary["bytes"],
                       {**summary, **dp_cols})
         if summary.get("error"):
             row["status"], row["error"] = "error", summary["error"]
+        elif job.chakra_out and trace:  # what it ran, as a Chakra trace replay takes
+            from testbed.replay import export  # needs the [traces] extra: only when asked
+
+            name = re.sub(r"[^A-Za-z0-9_.+-]", "_", job.label())
+            prefix = Path(job.chakra_out) / f"{name}-run{run_idx:04d}"
+            export(trace, prefix, 1 + max(r["rank"] for r in trace))
+            row["chakra"] = str(prefix)
         store.append(row)
         train.append_iterations(out, {"run": run_idx, "point": pi, **params}, its)
 

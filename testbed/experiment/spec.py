@@ -408,6 +408,10 @@ class TrainJob(_Communication):
     start_s: float = Field(0.0, ge=0, description="start after the trace began (trace)")
     job_id: int | None = Field(None, ge=0, le=0xFFFF, description="default: 1 + its index")
     seed: int | None = Field(None, description="default: the experiment's seed")
+    chakra_out: str | None = Field(None, description="a folder: the job's gradient "
+                                   "allreduces and the compute between them are written "
+                                   "there as a Chakra trace, <label>-run<NNNN>.<rank>.et, "
+                                   "that testbed replay runs (needs the [traces] extra)")
 
     @field_validator("algo")
     @classmethod
@@ -443,7 +447,7 @@ class TrainJob(_Communication):
         ``seed`` the experiment's)."""
         from testbed.workloads.spec import TrainingSpec  # on use (module docstring)
 
-        data = self.model_dump(exclude={"options", "job_id", "seed"})
+        data = self.model_dump(exclude={"options", "job_id", "seed", "chakra_out"})
         return TrainingSpec(**data, **self.options,
                             job_id=1 + index if self.job_id is None else self.job_id,
                             seed=seed if self.seed is None else self.seed)

@@ -38,9 +38,11 @@ def plan_items(point) -> list[tuple[int | None, Any]]:
     return list(enumerate(point.training))
 
 
-def run_item(net, point, index: int | None, item, progress=None) -> list[tuple[dict, list]]:
-    """Run one training item of ``point`` on ``net``: ``[(summary row, iteration rows), ...]``
-    per job (a failed job's summary has ``error`` set)."""
+def run_item(net, point, index: int | None, item, progress=None
+             ) -> list[tuple[dict, list, list]]:
+    """Run one training item of ``point`` on ``net``: ``[(summary row, iteration rows,
+    allreduce trace), ...]`` per job (a failed job's summary has ``error`` set; the trace:
+    ``TrainingResult.trace``)."""
     # here, not at the top: the training layer takes about 0.6 s to import (its models, data
     # sets and trimming codec); experiments without training jobs never need it
     from testbed.workloads import run_trace
@@ -53,7 +55,7 @@ def run_item(net, point, index: int | None, item, progress=None) -> list[tuple[d
     for k, res in enumerate(results):
         summary = {"op": "train", **res.summary, "job": first + k}
         its = [{**r, "job": first + k} for r in res.iterations]
-        out.append((summary, its))
+        out.append((summary, its, res.trace))
     return out
 
 

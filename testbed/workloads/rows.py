@@ -68,6 +68,26 @@ def _shifted(logs: list[dict], k: int) -> dict[str, np.ndarray]:
     return out
 
 
+def collective_trace(spec: TrainingSpec, logs: list[dict]) -> list[dict]:
+    """Every worker's gradient allreduces as ``testbed.c10d`` traces a launched job's
+    collectives (``rank, op, dtype, bytes, path, start_s, end_s``; seconds undilated, on the
+    job's clock, evaluations taken out), so one writer turns both into a Chakra trace
+    (``testbed.replay.export``): the gaps between them are the iterations' compute and
+    updates. Empty for ``algo="trim"``, whose incast of trimmed packets is no collective a
+    trace can name."""
+    if spec.algo == "trim" or not logs:
+        return []
+    k = min(len(log["t0"]) for log in logs)
+    ts = _shifted(logs, k)
+    f = float(spec.time_dilation)
+    start = float(ts["t0"][:, 0].min()) if k else 0.0
+    nbytes = 4 * spec.n_params()
+    return [{"rank": r, "op": "allreduce", "dtype": "float32", "bytes": nbytes,
+             "path": f"testbed:{spec.algo}", "start_s": (ts["t1"][r, i] - start) / f,
+             "end_s": (ts["t2"][r, i] - start) / f}
+            for r in range(len(logs)) for i in range(k)]
+
+
 def iteration_rows(spec: TrainingSpec, logs: list[dict]) -> list[dict]:
     """Per-iteration rows (keys :data:`ITERATION_COLUMNS`) from every rank's log."""
     k = min(len(log["t0"]) for log in logs)

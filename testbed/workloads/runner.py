@@ -47,7 +47,7 @@ from testbed.collectives.spec import FieldError
 from testbed.collectives.transport import CollectiveError
 from testbed.collectives.worker import ControlLine
 from testbed.workloads.replan import MAX_SWITCHES, epoch_job_id
-from testbed.workloads.rows import iteration_rows, summary_row
+from testbed.workloads.rows import collective_trace, iteration_rows, summary_row
 from testbed.workloads.spec import TrainingSpec
 
 _seq = itertools.count()
@@ -67,12 +67,14 @@ class TrainingError(CollectiveError):
 @dataclass
 class TrainingResult:
     """One job's outcome: ``summary`` (one row), ``iterations`` (one row per iteration),
-    ``error`` (None when it ran)."""
+    ``error`` (None when it ran), ``trace`` (every worker's allreduces:
+    :func:`~testbed.workloads.rows.collective_trace`)."""
 
     spec: TrainingSpec
     summary: dict
     iterations: list[dict] = field(default_factory=list)
     error: str | None = None
+    trace: list[dict] = field(default_factory=list)
 
 
 def run_training(net, spec: TrainingSpec) -> TrainingResult:
@@ -347,7 +349,8 @@ class _Job:
             summary["trimmed_frac"] = stats["trimmed"] / stats["packets"]
             summary["nacks"] = stats["nacks"]
         rows = [{**head, **r} for r in its]
-        return TrainingResult(spec, summary, rows, res.get("error"))
+        trace = collective_trace(spec, res["logs"]) if res.get("logs") else []
+        return TrainingResult(spec, summary, rows, res.get("error"), trace)
 
 
 def _context(spec: TrainingSpec, job: _Job) -> dict:

@@ -103,7 +103,7 @@ def test_doctor_json_has_one_entry_per_check_and_reports_what_probes_find():
 
 CHILD = f"""
 import subprocess, sys, time
-sys.path.insert(0, {str(REPO / 'tests')!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from test_foundation import build_star
 net = build_star(4)
 h1, h2, h3 = net.get('tbh1', 'tbh2', 'tbh3')

@@ -118,6 +118,33 @@ def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
         load_trace(prefix)
 
 
+def test_the_models_completion_time_of_a_trace():
+    """Compute lasts its duration (times the scale), a send and its receive start when both
+    ranks reached them, a collective when every rank did; what has no prediction gives None."""
+    from testbed.replay import Node, predict_jct
+
+    ranks = {0: [Node(1, "c", "comp", duration_s=0.010), Node(2, "s", "send", (1,), bytes=8,
+                                                               peer=1),
+                 Node(3, "c", "comp", (2,), duration_s=0.005),
+                 Node(4, "ar", "coll", (3,), op="all_reduce", bytes=64)],
+             1: [Node(2, "r", "recv", bytes=8, peer=0),
+                 Node(3, "c", "comp", (2,), duration_s=0.020),
+                 Node(4, "ar", "coll", (3,), op="all_reduce", bytes=64)]}
+    transfers = []
+
+    def transfer_s(t):
+        transfers.append(t)
+        return 0.002
+
+    # rank 0 sends at 10 ms, the transfer ends at 12 ms; rank 1 computes until 32 ms, rank 0
+    # until 17; the allreduce starts at 32 and lasts 3 ms
+    assert predict_jct(ranks, {0: 0.003}, transfer_s) == pytest.approx(0.035)
+    assert transfers == [[(0, 1, 8)]]
+    assert predict_jct(ranks, {0: 0.003}, transfer_s, scale=2.0) == pytest.approx(0.065)
+    assert predict_jct(ranks, {0: None}, transfer_s) is None
+    assert predict_jct(ranks, {0: 0.003}, lambda t: None) is None
+
+
 # -- replayed on emulated networks --------------------------------------------------------
 
 @pytest.mark.mininet
@@ -137,6 +164,7 @@ def test_ddp_trace_through_the_testbed_ring_against_the_model(tmp_path):
     assert [v["op"] for v in res.validation] == ["all_reduce", "all_reduce"]
     assert res.geomean_error_pct is not None and res.geomean_error_pct >= 0
     assert res.jct_s >= 3 * compute_us * 1e-6
+    assert res.model_jct_s >= 3 * compute_us * 1e-6 + sum(c["model_s"] for c in res.collectives)
     for name in ("nodes.csv", "collectives.csv", "validation.csv", "timeline.json",
                  "replay.json"):
         assert (res.folder / name).exists(), name
@@ -162,3 +190,5 @@ def test_pipeline_and_moe_trace_over_gloo(tmp_path):
     assert [c["op"] for c in res.collectives] == ["all_to_all", "all_gather",
                                                   "reduce_scatter", "broadcast"]
     assert all(c["ranks"] == 3 and c["path"] == "gloo" for c in res.collectives)
+    assert all(c["model_s"] > 0 for c in res.collectives)  # the all-to-all: its exchange
+    assert res.model_jct_s >= 3 * 0.002 + sum(c["model_s"] for c in res.collectives)
