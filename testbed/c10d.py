@@ -10,9 +10,12 @@ on INA), and routes
 
 * ``allreduce`` of float32 with SUM or AVG (DDP's buckets, a hand-written ``all_reduce``)
   through the testbed's algorithm;
-* everything else (other dtypes and ops, broadcast, allgather, reduce_scatter, all_to_all,
-  send/recv, barrier) to gloo, over the same emulated links: an exact answer from an
-  algorithm that can give it, never a wrong one from one that cannot.
+* ``reduce_scatter_tensor`` (SUM, AVG) and ``all_gather_into_tensor`` of float32 (FSDP's
+  gradient reduce-scatter and parameter all-gather) through it too when the algorithm runs
+  them itself (ring, hd, a plug-in that declares them; uncompressed);
+* everything else (other dtypes and ops, broadcast, the list forms of allgather and
+  reduce_scatter, all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
+  exact answer from an algorithm that can give it, never a wrong one from one that cannot.
 
 Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``
 or ``gloo``, start and end), one JSON line per call in ``$TESTBED_TRACE`` when set.
@@ -120,6 +123,13 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return self._gloo("allgather", inputs, self.gloo.allgather, outputs, inputs, opts)
 
     def _allgather_base(self, output, input, opts):
+        if self._offloads("allgather", input):
+            t0 = time.time()
+            out = np.empty(output.numel(), dtype=np.float32)
+            self.comm.sharded("allgather", _flat(input), out)
+            output.copy_(torch.from_numpy(out).view(output.shape))
+            self._record("allgather", [input], f"testbed:{self.tj.algo}", t0)
+            return _Done([output])
         return self._gloo("allgather", [input], self.gloo._allgather_base, output, input, opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
@@ -127,8 +137,32 @@ class TestbedProcessGroup(dist.ProcessGroup):
                           self.gloo.reduce_scatter, outputs, inputs, opts)
 
     def _reduce_scatter_base(self, output, input, opts):
+        if self._offloads("reduce_scatter", input) and any(opts.reduceOp == o
+                                                          for o in _OFFLOADED_OPS):
+            t0 = time.time()
+            out = np.empty(output.numel(), dtype=np.float32)
+            self.comm.sharded("reduce_scatter", _flat(input), out)
+            if opts.reduceOp == dist.ReduceOp.AVG:
+                out /= self._size
+            output.copy_(torch.from_numpy(out).view(output.shape))
+            self._record("reduce_scatter", [input], f"testbed:{self.tj.algo}", t0)
+            return _Done([output])
         return self._gloo("reduce_scatter", [input], self.gloo._reduce_scatter_base, output,
                           input, opts)
+
+    # what torch.distributed's all_gather_into_tensor / reduce_scatter_tensor call since 2.12
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts or dist.AllgatherOptions())
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
+
+    def _offloads(self, op: str, tensor) -> bool:
+        """Whether ``op`` on ``tensor`` runs through the testbed's algorithm: float32, an
+        algorithm that implements it (:meth:`TestbedComm.shard_ops`), equal shards."""
+        return (self.comm is not None and tensor.dtype == torch.float32
+                and op in self.comm.shard_ops()
+                and (tensor.numel() % self._size == 0 if op == "reduce_scatter" else True))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._gloo("all_to_all", [input], self.gloo.alltoall_base, output, input,
@@ -161,6 +195,10 @@ class TestbedProcessGroup(dist.ProcessGroup):
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def _flat(t) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().numpy().reshape(-1), dtype=np.float32)
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> TestbedProcessGroup:

@@ -452,18 +452,20 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
     f = float(net.time_dilation)
     hop = net.hop_latency_s() if any(r["path"].startswith("testbed:") for r in trace) else 0.0
     names = [h.name for h in workers]
-    cache: dict[int, float] = {}
+    cache: dict[tuple[str, int], float] = {}
     for row in trace:
         row["time_s"] = (row["end_s"] - row["start_s"]) / f
         row["model_s"] = None
         if (row["path"] == f"testbed:{tj.algo}" and tj.algo != "trim"
-                and row["op"] == "allreduce" and row["bytes"] and len(set(names)) == len(names)):
-            if row["bytes"] not in cache:
-                spec = tj.collective(row["bytes"])
-                cache[row["bytes"]] = flowmodel.predict(net.topo, spec, workers=names,
-                                                        hop_latency_s=hop,
-                                                        time_dilation=f).time_s
-            row["model_s"] = cache[row["bytes"]]
+                and row["op"] in ("allreduce", "reduce_scatter", "allgather") and row["bytes"]
+                and len(set(names)) == len(names)):
+            # the whole array, as the model counts it (an allgather's row has one rank's part)
+            key = (row["op"], row["bytes"] * (len(names) if row["op"] == "allgather" else 1))
+            if key not in cache:
+                spec = dataclasses.replace(tj.collective(key[1]), op=key[0])
+                cache[key] = flowmodel.predict(net.topo, spec, workers=names,
+                                               hop_latency_s=hop, time_dilation=f).time_s
+            row["model_s"] = cache[key]
 
 
 def _save_trace(trace: list[dict], folder: Path) -> None:

@@ -316,7 +316,11 @@ def replay(prefix: str | Path, *, algo: str | None = None,
                                           str(scale * f)],
                           tj, folder, hosts=n, timeout_s=timeout_s, echo=echo, module=True)
         rows = _node_rows(folder, n, f)
-        colls = _collective_rows(rows, net, n, tj, f)
+        # which path each collective took, as the backend traced it (rank 0's calls in order)
+        paths = [r["path"] for r in sorted((r for r in done.trace if r["rank"] == 0),
+                                           key=lambda r: r["start_s"])
+                 if not r["op"].startswith(("send", "recv"))]
+        colls = _collective_rows(rows, net, n, tj, f, paths)
         transfer_s = _transfer_model(net, n, f)
         model_jct = predict_jct(ranks, {c["seq"]: c["model_s"] for c in colls},
                                 transfer_s, scale)
@@ -455,9 +459,11 @@ def _node_rows(folder: Path, n: int, f: float) -> list[dict]:
     return rows
 
 
-def _collective_rows(rows: list[dict], net, n: int, tj, f: float) -> list[dict]:
+def _collective_rows(rows: list[dict], net, n: int, tj, f: float,
+                     paths: list[str] | None = None) -> list[dict]:
     """A row per collective: from the last rank's arrival to the last rank's finish, and the
-    flow model's time for it on this network."""
+    flow model's time for it on this network; ``paths``: the path of each in order
+    (``testbed:<algo>`` or ``gloo``, from the backend's trace)."""
     from testbed.collectives import flowmodel
     from testbed.collectives.spec import CollectiveSpec
 
@@ -471,7 +477,10 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float) -> list[dict]:
     out, cache = [], {}
     for seq, group in sorted(by_seq.items()):
         first = group[0]
-        ours = tj is not None and first["op"] == "all_reduce" and first["bytes"] % 4 == 0
+        if paths is not None and seq < len(paths):
+            ours = tj is not None and paths[seq].startswith("testbed:")
+        else:
+            ours = tj is not None and first["op"] == "all_reduce" and first["bytes"] % 4 == 0
         algo = tj.algo if ours else "ring"  # gloo's collectives: predicted as the ring
         key = (first["op"], first["bytes"], algo)
         if key not in cache:

@@ -141,7 +141,9 @@ class TestbedComm:
         self.comm.listen(me["ip"])
         peers = set(ring.ring_peers(rank, self.n))  # trim's broadcast, compressed rings
         if tj.algo != "trim":
-            peers.update(peer_algorithm(tj.algo).peers(rank, self.n, "allreduce"))
+            alg = peer_algorithm(tj.algo)
+            for op in {"allreduce"} | set(self.shard_ops()):  # hd pairs differ per op
+                peers.update(alg.peers(rank, self.n, op))
         addrs = {p: (r["ip"], tcp_port(tj.job_id, p, p)) for p, r in enumerate(job["ranks"])}
         self.comm.connect(sorted(peers), addrs)
 
@@ -165,6 +167,21 @@ class TestbedComm:
         else:
             fn = peer_algorithm(self.tj.algo).rank_function("allreduce")
             fn(self.comm, x, out, self.n, 64 << 10)
+
+    def shard_ops(self) -> tuple[str, ...]:
+        """The sharded collectives (reduce_scatter, allgather: FSDP's) this job's algorithm
+        runs itself: a peer algorithm's, uncompressed; others go to gloo."""
+        if self.tj.algo == "trim" or self.tj.compressor is not None or is_offloaded(self.tj.algo):
+            return ()
+        alg = peer_algorithm(self.tj.algo)
+        return tuple(op for op in ("reduce_scatter", "allgather") if alg and op in alg.ops)
+
+    def sharded(self, op: str, x: np.ndarray, out: np.ndarray) -> None:
+        """``op`` (one of :meth:`shard_ops`) through the algorithm: reduce_scatter's ``out``
+        is shard ``rank`` of the sum of every ``x``, allgather's the ranks' ``x`` in rank
+        order (torch's layouts for equal shards)."""
+        self.calls += 1
+        peer_algorithm(self.tj.algo).rank_function(op)(self.comm, x, out, self.n, 64 << 10)
 
     def close(self) -> None:
         """Close the sockets."""

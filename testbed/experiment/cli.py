@@ -100,6 +100,9 @@ def run_file(path: str, out: str | Path | None = None, progress: bool = True,
                 err.print(f"[red]run {f.get('run')} ({f.get('label')}) failed:[/] "
                           f"{f.get('error')}", highlight=False)
         print(f"results: {Path(out_dir)}")
+        fabric = sorted((Path(out_dir) / "fabric").glob("run*.png"))
+        if fabric:
+            print(f"bytes per link of each run: {fabric[0].parent}/ ({len(fabric)} pictures)")
     if failed:
         total = res.metadata.get("planned_runs", len(res.df))
         err.print(f"[red]{failed} of {total} runs failed[/] (see 'failures' in "

@@ -183,3 +183,98 @@ def plot_ratios(df, label: str = "label", y: str = "ratio", out: str | Path | No
     if out is not None:
         fig.savefig(out, dpi=110)
     return fig
+
+
+# -- the fabric of one run -----------------------------------------------------------------
+
+#: drawing level of each switch role (hosts at 0): the datacenter's layers, bottom to top
+_LEVEL = {"smartnic": 0.5, "tor": 1, "leaf": 1, "edge": 1, "agg": 2, "spine": 2, "core": 3}
+
+
+def link_traffic(describe: dict, delta: dict[str, float]) -> list[dict]:
+    """What crossed each link of a topology during a run: ``describe`` is the network's
+    ``describe()``, ``delta`` its flattened counters' change over the run (the results
+    folder's ``counters/runNNNN.json``). Read at each link's switch end (a host's end is in
+    its namespace): ``bytes_ab``/``bytes_ba`` each way, ``drops``, and the rate and role."""
+    switches = set(describe["switches"])
+    out = []
+    for ln in describe["links"]:
+        a, b = ln["a"], ln["b"]
+        side, port = (b, ln["port_b"]) if b in switches else (a, ln["port_a"])
+        stat = {k: delta.get(f"ports.{side}-eth{port}.{k}", 0.0)
+                for k in ("rx_bytes", "tx_bytes", "rx_dropped", "tx_dropped")}
+        into, out_of = stat["rx_bytes"], stat["tx_bytes"]  # at ``side``
+        out.append({"a": a, "b": b, "role": ln.get("role"), "bw_mbps": ln.get("bw_mbps"),
+                    "bytes_ab": into if side == b else out_of,
+                    "bytes_ba": out_of if side == b else into,
+                    "drops": stat["rx_dropped"] + stat["tx_dropped"]})
+    return out
+
+
+def fabric_positions(describe: dict) -> dict[str, tuple[float, float]]:
+    """Node -> (x, y): hosts at the bottom, each switch at its role's level (ToR/leaf/edge,
+    aggregation/spine, core), every level spread over the same width."""
+    levels: dict[float, list[str]] = {0: list(describe["hosts"])}
+    for name, role in describe["switches"].items():
+        levels.setdefault(_LEVEL.get(role, 1), []).append(name)
+    width = max(len(v) for v in levels.values())
+    return {name: ((i + 0.5) * width / len(names), y)
+            for y, names in levels.items() for i, name in enumerate(names)}
+
+
+def plot_fabric(describe: dict, delta: dict[str, float], seconds: float | None = None,
+                out: str | Path | None = None, title: str | None = None, ax=None):
+    """The fabric as a datacenter is drawn, each link coloured and sized by the bytes that
+    crossed it (both ways; with ``seconds``, by its utilisation over them) and labelled with
+    them, drops in red; programmable switches filled. Returns the Figure."""
+    plt = _pyplot()
+    import matplotlib
+    from matplotlib import cm, colors
+
+    pos = fabric_positions(describe)
+    traffic = link_traffic(describe, delta)
+    fig = ax.figure if ax is not None else plt.figure(figsize=(
+        max(6.0, 0.6 * max(len(describe["hosts"]), 8)), 4.2))
+    ax = ax or fig.add_subplot()
+
+    def load(t: dict) -> float:
+        peak = max(t["bytes_ab"], t["bytes_ba"])
+        if seconds and t["bw_mbps"]:
+            return peak * 8 / (t["bw_mbps"] * 1e6 * seconds)
+        return peak
+
+    top = max((load(t) for t in traffic), default=0.0) or 1.0
+    norm = colors.Normalize(0.0, 1.0 if seconds else top)
+    cmap = matplotlib.colormaps["viridis_r"]
+    for t in traffic:
+        (xa, ya), (xb, yb) = pos[t["a"]], pos[t["b"]]
+        v = load(t)
+        ax.plot([xa, xb], [ya, yb], color=cmap(norm(v)), lw=1 + 5 * v / top, zorder=1,
+                solid_capstyle="round")
+        total = t["bytes_ab"] + t["bytes_ba"]
+        if total or t["drops"]:
+            label = f"{total / 1e6:.2f} MB" + (f"\n{v:.0%}" if seconds else "")
+            if t["drops"]:
+                label += f"\n{int(t['drops'])} dropped"
+            ax.text((xa + xb) / 2, (ya + yb) / 2, label, fontsize=6, ha="center",
+                    va="center", color="red" if t["drops"] else "black", zorder=3,
+                    bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
+                          "alpha": 0.7})
+    prog = set(describe.get("programmable", []))
+    for name, (x, y) in pos.items():
+        host = name in describe["hosts"]
+        ax.scatter([x], [y], s=120 if host else 260, marker="o" if host else "s", zorder=2,
+                   color="white" if host or name not in prog else "#9ecae1",
+                   edgecolors="black")
+        ax.text(x, y - 0.22 if host else y + 0.22, name, fontsize=7, ha="center",
+                va="top" if host else "bottom")
+    sm = cm.ScalarMappable(norm=norm, cmap=cmap)
+    fig.colorbar(sm, ax=ax, label="utilisation of the busier direction" if seconds
+                 else "bytes on the busier direction", fraction=0.04)
+    ax.set_axis_off()
+    ax.set_ylim(-0.45, max(y for _, y in pos.values()) + 0.45)
+    ax.set_title(title or f"{describe['kind']}: bytes per link over the run", fontsize=9,
+                 pad=12)
+    if out is not None:
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+    return fig

@@ -360,7 +360,7 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
         for k, job in enumerate(jobs):
             store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
         return
-    dp_cols = _counter_deltas(before, _counters(net), out, run_idx) if before else {}
+    dp_cols = _counter_deltas(before, _counters(net), out, run_idx, net=net) if before else {}
     for k, (job, (summary, its, trace)) in enumerate(zip(jobs, results, strict=True)):
         row = _ok_row(run_idx, pi, params, point, first + k, job, summary["bytes"],
                       {**summary, **dp_cols})
@@ -617,7 +617,8 @@ def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Pat
         cap_cols = _summarise_captures(captures, out, run_idx)
     after = _counters(net)
     roles = dict(getattr(getattr(net, "topo", None), "switch_roles", {}) or {})
-    dp_cols = _counter_deltas(before, after, out, run_idx, roles)
+    dp_cols = _counter_deltas(before, after, out, run_idx, roles, net,
+                              time.monotonic() - t0)
     xt_cols = _cross_traffic_cols(xt, xt_before, time.monotonic() - t0) if xt else {}
     extra = {**dp_cols, **cap_cols, **xt_cols, "concurrent_jobs": len(runs)}
     return [o if isinstance(o, BaseException) else [{**r, **extra} for r in o]
@@ -642,8 +643,10 @@ def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
 
 # -- data-path counters -------------------------------------------------------------------------
 
-def _counter_deltas(before, after, out: Path, run_idx: int, roles: dict | None = None
-                    ) -> dict[str, float]:
+def _counter_deltas(before, after, out: Path, run_idx: int, roles: dict | None = None,
+                    net=None, wall_s: float | None = None) -> dict[str, float]:
+    """The run's counter changes: kept in ``counters/runNNNN.json``, drawn on the fabric in
+    ``fabric/runNNNN.png`` (with ``net``; utilisation over ``wall_s``), summed into columns."""
     if before is None or after is None:
         return {}
     b, a = flatten_counters(before), flatten_counters(after)
@@ -651,7 +654,26 @@ def _counter_deltas(before, after, out: Path, run_idx: int, roles: dict | None =
     cdir = out / "counters"
     cdir.mkdir(exist_ok=True)
     (cdir / f"run{run_idx:04d}.json").write_text(json.dumps(delta, indent=1, sort_keys=True))
+    if net is not None:
+        _fabric_picture(net, delta, out, run_idx, wall_s)
     return {**summarize_counters(delta, a), **port_bytes_by_role(delta, roles or {})}
+
+
+def _fabric_picture(net, delta: dict, out: Path, run_idx: int, wall_s: float | None) -> None:
+    """``fabric/runNNNN.png``: the fabric with each link's bytes over the run; a picture
+    that cannot be drawn is reported, never a reason to lose the run's rows."""
+    from testbed.experiment import plots
+
+    try:
+        plots.use_headless()
+        f = float(getattr(net, "time_dilation", 1.0))
+        (out / "fabric").mkdir(exist_ok=True)
+        fig = plots.plot_fabric(net.describe(), delta, seconds=wall_s / f if wall_s else None,
+                                out=out / "fabric" / f"run{run_idx:04d}.png",
+                                title=f"run {run_idx}: bytes per link")
+        plots._pyplot().close(fig)
+    except Exception as e:  # noqa: BLE001 - a picture, not a result
+        print(f"testbed: could not draw the fabric of run {run_idx}: {e}", file=sys.stderr)
 
 
 def _counters(net) -> dict | None:

@@ -86,6 +86,28 @@ def test_plots_are_written(sweep_results, tmp_path):
         res.plot(x="nope")
 
 
+def test_each_run_draws_its_fabric_from_its_counters(sweep_results):
+    """``fabric/runNNNN.png`` beside ``counters/runNNNN.json``; the bytes drawn on each access
+    link are what its switch port counted: at least the allreduce's payload each way."""
+    from testbed.experiment.plots import link_traffic
+
+    path = sweep_results.path
+    pictures = sorted((path / "fabric").glob("run*.png"))
+    assert [p.stem for p in pictures] == [f"run{k:04d}" for k in range(8)]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pictures)
+    meta = json.loads((path / "metadata.json").read_text())
+    df = sweep_results.df
+    for k in (0, 7):  # ring 16 KiB on 2 hosts, hd 64 KiB on 3
+        delta = json.loads((path / "counters" / f"run{k:04d}.json").read_text())
+        n = int(df.loc[k, "n"])
+        describe = next(x["describe"] for x in meta["networks"] if len(x["describe"]["hosts"]) == n)
+        access = [t for t in link_traffic(describe, delta) if t["role"] == "access"]
+        assert len(access) == n
+        payload = df.loc[k, "bytes"] * (n - 1) / n  # what any rank sends at least
+        assert all(t["bytes_ab"] >= payload and t["bytes_ba"] >= payload for t in access), \
+            (k, access)
+
+
 def _failing_experiment(stop_on_error: bool) -> dict:
     # The second job drops 45 % of the aggregator's answers (client side) and waits only
     # 2 ms for one, while a retransmission comes after 10 ms: a real time-out inside the

@@ -95,6 +95,23 @@ def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_pat
         assert len(buckets) >= 3 * 8  # every step's gradient, on every rank
 
 
+def test_fsdp_script_shards_through_the_testbed_ring(tmp_path):
+    """An unmodified FSDP script (fully_shard): its parameter all-gathers and gradient
+    reduce-scatters run through the testbed's ring, each priced by the flow model; the losses
+    are plain gloo's."""
+    runs = {}
+    for algo in (None, "ring"):
+        done, lines = _run(tmp_path / str(algo), "fsdp_digits.py", ["--steps", "5"], hosts=3,
+                           algo=algo)
+        assert done.returncode == 0, done.failures
+        runs[algo] = (_losses(lines), done.trace)
+    base, losses, trace = runs[None][0], *runs["ring"]
+    assert len(base) == 5 and losses == pytest.approx(base, abs=1e-4), (losses, base)
+    ours = [r for r in trace if r["path"] == "testbed:ring"]
+    assert {"reduce_scatter", "allgather"} <= {r["op"] for r in ours}
+    assert all(r["model_s"] > 0 for r in ours)
+
+
 def test_a_failing_rank_is_named_and_the_others_stopped(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import time\nimport torch.distributed as dist\n"
