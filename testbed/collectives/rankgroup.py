@@ -113,6 +113,10 @@ def fork_with_line(child: Callable[[ControlLine], int],
     return pid, ControlLine(a)
 
 
+#: After a rank died without reporting an error (killed, crashed), the others are stopped
+#: this soon: what they would report (a peer gone, no RESULT) follows from that death, and
+#: waiting for their timeouts would only delay the job's end.
+DEATH_GRACE_S = 2.0
 #: a watched file's handler: called when it is readable; False to stop watching it
 Watch = Callable[[], bool]
 #: a handler of a rank's message of another kind than the one gathered
@@ -241,10 +245,12 @@ class RankGroup:
         Raises :class:`RankFailure` naming every rank that failed, died or stayed silent."""
         got: dict[int, dict] = {}
         errors: dict[int, str] = {}
-        state = {"timeout": False, "grace": None}
+        state = {"timeout": False, "grace": None, "death": None}
 
-        def fail() -> None:  # after a failure, the others get a moment to report theirs
-            state["grace"] = state["grace"] or time.monotonic() + min(self.timeout_s + 3, 30)
+        def fail(within: float | None = None) -> None:
+            # after a failure, the others get a moment to report theirs
+            end = time.monotonic() + (min(self.timeout_s + 3, 30) if within is None else within)
+            state["grace"] = min(state["grace"] or end, end)
 
         def take(r: int, msg: dict) -> None:
             if msg["type"] == "error":
@@ -292,7 +298,10 @@ class RankGroup:
                         if msgs is None:
                             sel.unregister(key.fileobj)
                             self._died(r, errors)
-                            fail()
+                            silent_death = r not in errors
+                            if silent_death and state["death"] is None:
+                                state["death"] = self.name(r)
+                            fail(DEATH_GRACE_S if silent_death else None)
                             continue
                         for msg in msgs:
                             take(r, msg)
@@ -300,7 +309,7 @@ class RankGroup:
                     self.monitor.sample()
         finally:
             sel.close()
-        self.raise_failures(kind, wait_s, got, errors, state["timeout"])
+        self.raise_failures(kind, wait_s, got, errors, state["timeout"], state["death"])
         return got
 
     def _from_remote(self, pool: RemotePool, take) -> bool:
@@ -333,8 +342,9 @@ class RankGroup:
         self.dead[rank] = "" if rank in errors else f"{self.name(rank)} died ({exit_text(status)})"
 
     def raise_failures(self, kind: str, wait_s: float | None, got: dict, errors: dict,
-                       timeout: bool) -> None:
-        """Raise :class:`RankFailure` when a rank of this gather failed, died or is silent."""
+                       timeout: bool, death: str | None = None) -> None:
+        """Raise :class:`RankFailure` when a rank of this gather failed, died or is silent
+        (``death``: the rank whose death ended the wait, so the others were stopped)."""
         missing = [r for r in self.hosts if r not in got and r not in errors
                    and r not in self.dead]
         if not (errors or self.dead or missing):
@@ -344,7 +354,9 @@ class RankGroup:
                   f"{', '.join(self.hosts.get(r, '?') for r in p.ranks)}): {p.failed}"
                   for p in self.remotes if p.failed]
         lines += [f"{self.name(r)}: {e}" for r, e in sorted(errors.items())]
-        if missing:
+        if missing and death is not None:
+            lines.append(f"ranks {missing} stopped: {death} died")
+        elif missing:
             timeout = True
             silent = "" if wait_s is None else f" for {wait_s:.0f} s"
             lines.append(f"ranks {missing} silent{silent} while waiting for '{kind}'")

@@ -57,3 +57,70 @@ def test_killed_switch_engine_fails_fast_naming_the_node():
         assert log.exists()  # the dead engine's log is kept for whoever reads the error
     finally:
         log.unlink(missing_ok=True)
+
+
+def _kill_rank_in(host, after_s: float, killed: list) -> None:
+    """SIGKILL, after ``after_s``, the collective rank (a pool's forked child) running in
+    ``host``'s network namespace."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    time.sleep(after_s)
+    ns = os.stat(f"/proc/{host.pid}/ns/net").st_ino
+    for pid in subprocess.run(["pgrep", "-f", "testbed.collectives.worker"],
+                              capture_output=True, text=True).stdout.split():
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino == ns:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def test_a_killed_worker_ends_its_job_named_and_spares_the_other_tenant():
+    """Two tenants on one switch: an INA job on tbh1-tbh2 and a ring on tbh3-tbh4. A worker of
+    the INA job killed mid-allreduce ends that job within seconds (not its 30 s timeout) with
+    an error naming the rank and host; the ring job stays exact; the INA job's switch
+    registration is gone (the same job id registers and runs again, exact)."""
+    import threading
+    import time
+
+    from testbed.collectives import CollectiveSpec, run_collective
+    from testbed.collectives.runner import CollectiveError
+    from testbed.topologies import Star, TestbedNet
+
+    with TestbedNet(Star(n_hosts=4, bw_mbps=20, switch="programmable")) as net:
+        ina = CollectiveSpec(op="allreduce", algo="ina", nbytes=8 * MiB, hosts=[0, 1],
+                             job_id=1, timeout_s=30)
+        ring = CollectiveSpec(op="allreduce", algo="ring", nbytes=2 * MiB, hosts=[2, 3],
+                              job_id=2, repetitions=2)
+        out: dict = {}
+
+        def tenant(name, spec):
+            t0 = time.monotonic()
+            try:
+                out[name] = run_collective(net, spec)
+            except CollectiveError as e:
+                out[name] = e
+            out[name + "_s"] = time.monotonic() - t0
+
+        killed: list[int] = []
+        threads = [threading.Thread(target=tenant, args=("ina", ina)),
+                   threading.Thread(target=tenant, args=("ring", ring)),
+                   threading.Thread(target=_kill_rank_in,
+                                    args=(net.mininet.get("tbh2"), 2.0, killed))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert killed, "no rank of the INA job was found in tbh2"
+        assert isinstance(out["ina"], CollectiveError), out["ina"]
+        assert "rank 1 (tbh2) died (signal SIGKILL)" in str(out["ina"]), out["ina"]
+        assert out["ina_s"] < 15, out["ina_s"]  # ended by the death, not the 30 s timeout
+        assert not isinstance(out["ring"], Exception), out["ring"]
+        assert len(out["ring"]) == 2 and all(r["correct"] for r in out["ring"]), out["ring"]
+        again = run_collective(net, CollectiveSpec(op="allreduce", algo="ina", nbytes=MiB,
+                                                   hosts=[0, 1], job_id=1))
+        assert all(r["correct"] for r in again), again
