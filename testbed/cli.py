@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import typer
 
@@ -492,9 +493,12 @@ def bench_all(json_out: bool = typer.Option(False, "--json", help=BENCH_JSON_HEL
     chosen = names(only) or list(benchmark_names())
     dropped = set(names(skip))
     codes = {}
-    for name in (n for n in chosen if n not in dropped):
-        print(f"== testbed bench {name}{' --quick' if quick else ''}", file=sys.stderr,
-              flush=True)
+    todo = [n for n in chosen if n not in dropped]
+    t0 = time.monotonic()
+    for k, name in enumerate(todo):
+        spent = time.monotonic() - t0
+        print(f"== testbed bench {name}{' --quick' if quick else ''} ({k + 1} of {len(todo)}, "
+              f"{spent / 60:.0f} min so far)", file=sys.stderr, flush=True)
         codes[name] = run_benchmark(name, quick=quick, json_out=json_out, out=out)
         if codes[name] == 130:  # Ctrl-C: what was measured is kept; the rest is not started
             print("== bench all: interrupted", file=sys.stderr)

@@ -33,7 +33,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
@@ -801,6 +807,13 @@ def summarize_pcap(path: str | Path) -> dict[str, Any]:
 
 # -- progress -----------------------------------------------------------------------------------
 
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min``, ``1.5 h``: a time left, as precise as an estimate is."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 def _in_notebook() -> bool:
     shell = sys.modules.get("IPython")
     ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
@@ -810,7 +823,8 @@ def _in_notebook() -> bool:
 @contextlib.contextmanager
 def progress_reporter(enabled: bool, total: int, name: str):
     """Yield ``advance(text)``: a rich bar on a terminal, one printed line per run elsewhere
-    (notebooks, logs), nothing when disabled."""
+    (notebooks, logs), nothing when disabled; both say the time left, from the mean time of
+    the runs done so far."""
     if not enabled:
         yield lambda text="": None
         return
@@ -820,13 +834,16 @@ def progress_reporter(enabled: bool, total: int, name: str):
 
         def line(text: str = "") -> None:
             done[0] += 1
-            print(f"[{name} {done[0]}/{total} {time.monotonic() - t0:6.1f} s] {text}",
+            spent = time.monotonic() - t0
+            left = spent / done[0] * (total - done[0])
+            print(f"[{name} {done[0]}/{total} {spent:6.1f} s, ~{_duration(left)} left] {text}",
                   flush=True)
 
         yield line
         return
 
     with Progress("[progress.description]{task.description}", BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), transient=False) as bar:
+                  MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                  transient=False) as bar:
         task = bar.add_task(name, total=total)
         yield lambda text="": bar.advance(task)

@@ -59,26 +59,6 @@ def test_killed_switch_engine_fails_fast_naming_the_node():
         log.unlink(missing_ok=True)
 
 
-def _kill_rank_in(host, after_s: float, killed: list) -> None:
-    """SIGKILL, after ``after_s``, the collective rank (a pool's forked child) running in
-    ``host``'s network namespace."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    time.sleep(after_s)
-    ns = os.stat(f"/proc/{host.pid}/ns/net").st_ino
-    for pid in subprocess.run(["pgrep", "-f", "testbed.collectives.worker"],
-                              capture_output=True, text=True).stdout.split():
-        try:
-            if os.stat(f"/proc/{pid}/ns/net").st_ino == ns:
-                os.kill(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-        except (OSError, ProcessLookupError):
-            pass
-
-
 def test_a_killed_worker_ends_its_job_named_and_spares_the_other_tenant():
     """Two tenants on one switch: an INA job on tbh1-tbh2 and a ring on tbh3-tbh4. A worker of
     the INA job killed mid-allreduce ends that job within seconds (not its 30 s timeout) with
@@ -87,8 +67,8 @@ def test_a_killed_worker_ends_its_job_named_and_spares_the_other_tenant():
     import threading
     import time
 
-    from testbed.collectives import CollectiveSpec, run_collective
-    from testbed.collectives.runner import CollectiveError
+    from testbed.collectives import CollectiveError, CollectiveSpec, run_collective
+    from testbed.collectives.testing import kill_process_later
     from testbed.topologies import Star, TestbedNet
 
     with TestbedNet(Star(n_hosts=4, bw_mbps=20, switch="programmable")) as net:
@@ -106,14 +86,12 @@ def test_a_killed_worker_ends_its_job_named_and_spares_the_other_tenant():
                 out[name] = e
             out[name + "_s"] = time.monotonic() - t0
 
-        killed: list[int] = []
+        killer, killed = kill_process_later("tbw-tbh2", delay_s=2.0)  # the INA job's rank
         threads = [threading.Thread(target=tenant, args=("ina", ina)),
-                   threading.Thread(target=tenant, args=("ring", ring)),
-                   threading.Thread(target=_kill_rank_in,
-                                    args=(net.mininet.get("tbh2"), 2.0, killed))]
+                   threading.Thread(target=tenant, args=("ring", ring))]
         for t in threads:
             t.start()
-        for t in threads:
+        for t in [*threads, killer]:
             t.join()
         assert killed, "no rank of the INA job was found in tbh2"
         assert isinstance(out["ina"], CollectiveError), out["ina"]

@@ -350,3 +350,55 @@ def test_a_file_declares_its_kind_and_an_unknown_one_is_named():
         load_any({"kind": "sweepstakes"})
     assert info.value.problems == ["kind: 'sweepstakes' is not an experiment kind; allowed: "
                                    "collectives, cooperation"]
+
+
+# -- fuzzed experiment files: every refusal says why, nothing else escapes ----------------------
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 1 << 40),
+                 st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                 st.sampled_from(["ring", "ina", "hd", "rs", "nic", "auto", "trim", "topk",
+                                  "thc", "star", "leaf_spine", "fat_tree", "8MiB", "static",
+                                  "shared", "programmable", "bridge", "tbs1", "tbh1"]),
+                 st.lists(st.integers(-1, 9), max_size=4))
+_FIELDS = {
+    "topology": ["kind", "n_hosts", "bw_mbps", "switch", "leaves", "spines", "hosts_per_leaf",
+                 "k", "delay_ms", "loss_pct", "aggregator", "switch_memory", "smartnic"],
+    "jobs": ["op", "algo", "nbytes", "compressor", "compressor_params", "error_feedback",
+             "servers", "repetitions", "hosts", "placement", "options", "timeout_s"],
+    "training": ["algo", "iterations", "hidden", "batch_size", "compressor", "workers",
+                 "hosts", "target_accuracy", "options", "chakra_out", "start_s"],
+    "launch": ["script", "hosts", "algo", "nproc_per_host", "hints", "policy", "compressor"],
+    "impairments": ["node", "ports", "loss_pct", "dup_pct", "reorder_pct", "delay_ms"],
+}
+
+
+@st.composite
+def _fuzzed_experiment(draw) -> dict:
+    data: dict = {}
+    topo = {k: draw(_ANY) for k in draw(st.lists(st.sampled_from(_FIELDS["topology"]),
+                                                   max_size=4, unique=True))}
+    if draw(st.booleans()):
+        topo["kind"] = draw(st.sampled_from(["star", "leaf_spine", "fat_tree", "dumbbell"]))
+    data["topology"] = topo
+    for section in ("jobs", "training", "launch", "impairments"):
+        data[section] = [{k: draw(_ANY) for k in draw(st.lists(
+            st.sampled_from(_FIELDS[section]), max_size=4, unique=True))}
+            for _ in range(draw(st.integers(0, 2)))]
+    for key in draw(st.lists(st.sampled_from(["seed", "time_dilation", "concurrent", "trace",
+                                              "settle_s", "sweep", "name", "bogus"]),
+                             max_size=3, unique=True)):
+        data[key] = draw(_ANY)
+    return data
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=_fuzzed_experiment())
+def test_fuzzed_experiments_are_accepted_or_refused_naming_fields(data):
+    """Random experiment files (known fields with values of any type, unknown fields): the
+    schema accepts one or raises ExperimentError with one readable line per problem, each
+    naming where in the file; no other exception escapes the loader."""
+    try:
+        parse_experiment(data)
+    except ExperimentError as e:
+        assert e.problems and all(isinstance(p, str) and p.strip() for p in e.problems)
+        assert all(":" in p for p in e.problems), e.problems

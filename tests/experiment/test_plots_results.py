@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -169,3 +171,18 @@ def test_every_results_folder_records_the_environment(tmp_path):
     frozen = {line.split("==")[0].lower() for line in r.stdout.splitlines() if "==" in line}
     assert frozen <= {e.split("==")[0].lower() for e in env}, "pip freeze lists more"
     assert Results.load(tmp_path / "r").metadata["environment"] == env
+
+
+def test_progress_lines_say_the_time_left(capsys):
+    """Outside a terminal (logs, notebooks) each finished run prints a line with the runs
+    done, the time spent and the time left at the mean pace so far."""
+    from testbed.experiment.runner import _duration, progress_reporter
+
+    with progress_reporter(True, 4, "sweep") as advance:
+        for _ in range(2):
+            time.sleep(0.05)
+            advance("ok")
+    first, second = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"\[sweep 1/4 +0\.\d s, ~0 s left\] ok", first), first
+    assert second.startswith("[sweep 2/4 ") and second.endswith(" left] ok")
+    assert (_duration(42), _duration(600), _duration(7200)) == ("42 s", "10 min", "2.0 h")
