@@ -51,16 +51,17 @@ def _root_only(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(m) for m in ROOT_MARKERS)
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark each test with its folder, as it is collected (before ``-m`` selects)."""
+    path = Path(str(item.path)).resolve()
+    if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in FOLDERS:
+        item.add_marker(path.relative_to(TESTS).parts[0])
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselected: warm only for the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its folder; order: plain tests, then ``quiet_cpu`` ones, then
-    root-only ones (each group in file order); start the kernel compile when plain tests can
-    run beside it."""
-    for item in items:
-        parts = Path(str(item.path)).resolve().parts
-        folder = parts[len(TESTS.parts)] if parts[:len(TESTS.parts)] == TESTS.parts else None
-        if folder in FOLDERS:
-            item.add_marker(folder)
+    """Order: plain tests, then ``quiet_cpu`` ones, then root-only ones (each group in file
+    order); start the kernel compile when plain tests can run beside it."""
     if not IS_ROOT:
         return
     rank = {id(i): 2 if _root_only(i) else 1 if i.get_closest_marker("quiet_cpu") else 0

@@ -149,3 +149,16 @@ def test_pip_check_is_clean():
     r = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_test_folder_selects_its_tests_by_marker():
+    """``pytest -m <folder>`` (the README's way to run one part) selects that folder's tests,
+    all of them and only them: the folder marker is given before ``-m`` selects."""
+    def collected(*args: str) -> set[str]:
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                            "-p", "no:cacheprovider", *args], capture_output=True, text=True,
+                           cwd=REPO, timeout=300)
+        return {line.split("::")[0] for line in r.stdout.splitlines() if "::" in line}
+
+    by_marker = collected("-m", "provider", "tests/provider", "tests/bench")
+    assert by_marker and by_marker == collected("tests/provider"), by_marker
