@@ -31,6 +31,7 @@ import json
 import os
 import time
 from datetime import timedelta
+from functools import partial
 
 import numpy as np
 import torch
@@ -104,15 +105,19 @@ class TestbedProcessGroup(dist.ProcessGroup):
             work.wait()
             self._record("allreduce", tensors, "gloo", t0)
             return work
-        t = tensors[0]
-        x = np.ascontiguousarray(t.detach().numpy().reshape(-1), dtype=np.float32)
-        out = np.empty_like(x)
-        self.comm.allreduce(x, out, 0)
-        if op == dist.ReduceOp.AVG:
+        return self._testbed("allreduce", lambda x, out: self.comm.allreduce(x, out, 0),
+                             tensors[0], tensors[0], op == dist.ReduceOp.AVG, t0)
+
+    def _testbed(self, op: str, run, input, output, avg: bool, t0: float):
+        """``run(x, out)``, the testbed's algorithm, from ``input`` (flattened to float32)
+        into ``output`` (divided by the group's size for AVG), traced."""
+        out = np.empty(output.numel(), dtype=np.float32)
+        run(_flat(input), out)
+        if avg:
             out /= self._size
-        t.copy_(torch.from_numpy(out).view(t.shape))
-        self._record("allreduce", tensors, f"testbed:{self.tj.algo}", t0)
-        return _Done(tensors)
+        output.copy_(torch.from_numpy(out).view(output.shape))
+        self._record(op, [input], f"testbed:{self.tj.algo}", t0)
+        return _Done([output])
 
     # gloo's collectives, traced: every rank calls them in the same order, so waiting for
     # each is safe and times it
@@ -124,12 +129,8 @@ class TestbedProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts):
         if self._offloads("allgather", input):
-            t0 = time.time()
-            out = np.empty(output.numel(), dtype=np.float32)
-            self.comm.sharded("allgather", _flat(input), out)
-            output.copy_(torch.from_numpy(out).view(output.shape))
-            self._record("allgather", [input], f"testbed:{self.tj.algo}", t0)
-            return _Done([output])
+            return self._testbed("allgather", partial(self.comm.sharded, "allgather"), input,
+                                 output, False, time.time())
         return self._gloo("allgather", [input], self.gloo._allgather_base, output, input, opts)
 
     def reduce_scatter(self, outputs, inputs, opts):
@@ -139,14 +140,9 @@ class TestbedProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts):
         if self._offloads("reduce_scatter", input) and any(opts.reduceOp == o
                                                           for o in _OFFLOADED_OPS):
-            t0 = time.time()
-            out = np.empty(output.numel(), dtype=np.float32)
-            self.comm.sharded("reduce_scatter", _flat(input), out)
-            if opts.reduceOp == dist.ReduceOp.AVG:
-                out /= self._size
-            output.copy_(torch.from_numpy(out).view(output.shape))
-            self._record("reduce_scatter", [input], f"testbed:{self.tj.algo}", t0)
-            return _Done([output])
+            return self._testbed("reduce_scatter", partial(self.comm.sharded, "reduce_scatter"),
+                                 input, output, opts.reduceOp == dist.ReduceOp.AVG,
+                                 time.time())
         return self._gloo("reduce_scatter", [input], self.gloo._reduce_scatter_base, output,
                           input, opts)
 
@@ -162,7 +158,7 @@ class TestbedProcessGroup(dist.ProcessGroup):
         algorithm that implements it (:meth:`TestbedComm.shard_ops`), equal shards."""
         return (self.comm is not None and tensor.dtype == torch.float32
                 and op in self.comm.shard_ops()
-                and (tensor.numel() % self._size == 0 if op == "reduce_scatter" else True))
+                and (op != "reduce_scatter" or tensor.numel() % self._size == 0))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._gloo("all_to_all", [input], self.gloo.alltoall_base, output, input,

@@ -133,14 +133,13 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad options before anything is
     built.
     """
+    from testbed.collectives.algorithms import check_nproc_per_host
     from testbed.experiment import results
 
     if not module:
         script = _checked_script(script)
-    from testbed.collectives.algorithms import check_nproc_per_host
-
     planned = algo == "auto"
-    check_nproc_per_host(nproc_per_host, algo)
+    check_nproc_per_host(nproc_per_host, algo)  # before the network is built
     if chakra_out is not None:
         import importlib.util
 

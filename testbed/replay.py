@@ -320,8 +320,8 @@ def replay(prefix: str | Path, *, algo: str | None = None,
         paths = [r["path"] for r in sorted((r for r in done.trace if r["rank"] == 0),
                                            key=lambda r: r["start_s"])
                  if not r["op"].startswith(("send", "recv"))]
-        colls = _collective_rows(rows, net, n, tj, f, paths)
         transfer_s = _transfer_model(net, n, f)
+        colls = _collective_rows(rows, net, n, tj, f, paths, transfer_s)
         model_jct = predict_jct(ranks, {c["seq"]: c["model_s"] for c in colls},
                                 transfer_s, scale)
     jct = (max((r["end_s"] for r in rows), default=0.0)
@@ -459,11 +459,12 @@ def _node_rows(folder: Path, n: int, f: float) -> list[dict]:
     return rows
 
 
-def _collective_rows(rows: list[dict], net, n: int, tj, f: float,
-                     paths: list[str] | None = None) -> list[dict]:
+def _collective_rows(rows: list[dict], net, n: int, tj, f: float, paths: list[str],
+                     transfer_s) -> list[dict]:
     """A row per collective: from the last rank's arrival to the last rank's finish, and the
     flow model's time for it on this network; ``paths``: the path of each in order
-    (``testbed:<algo>`` or ``gloo``, from the backend's trace)."""
+    (``testbed:<algo>`` or ``gloo``, from the backend's trace; none traced over plain gloo);
+    ``transfer_s``: :func:`_transfer_model`'s prices of point-to-point transfers."""
     from testbed.collectives import flowmodel
     from testbed.collectives.spec import CollectiveSpec
 
@@ -473,22 +474,18 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float,
             by_seq.setdefault(row["seq"], []).append(row)
     hop = net.hop_latency_s()
     workers = [h.name for h in list(net.hosts)[:n]]
-    exchange = _transfer_model(net, n, f, hop)
     out, cache = [], {}
     for seq, group in sorted(by_seq.items()):
         first = group[0]
-        if paths is not None and seq < len(paths):
-            ours = tj is not None and paths[seq].startswith("testbed:")
-        else:
-            ours = tj is not None and first["op"] == "all_reduce" and first["bytes"] % 4 == 0
+        ours = tj is not None and seq < len(paths) and paths[seq].startswith("testbed:")
         algo = tj.algo if ours else "ring"  # gloo's collectives: predicted as the ring
         key = (first["op"], first["bytes"], algo)
         if key not in cache:
             cache[key] = None
             op = MODEL_OPS.get(first["op"])
             if first["op"] == "all_to_all" and n > 1:  # every pair's part at once, as gloo
-                cache[key] = exchange([(a, b, first["bytes"] / n) for a in range(n)
-                                       for b in range(n) if a != b])
+                cache[key] = transfer_s([(a, b, first["bytes"] / n) for a in range(n)
+                                         for b in range(n) if a != b])
             elif op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and n > 1:
                 spec = CollectiveSpec(op=op, algo=algo, nbytes=first["bytes"])
                 try:
@@ -504,13 +501,13 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float,
     return out
 
 
-def _transfer_model(net, n: int, f: float, hop: float | None = None):
+def _transfer_model(net, n: int, f: float):
     """``fn([(rank, rank, bytes), ...])`` -> the flow model's time of those TCP transfers at
     once between the first ``n`` hosts of ``net`` (undilated; None where it does not apply)."""
     from testbed.collectives import flowmodel
 
     hosts = [h.name for h in list(net.hosts)[:n]]
-    hop = net.hop_latency_s() if hop is None else hop
+    hop = net.hop_latency_s()
 
     def fn(transfers: list[tuple[int, int, float]]) -> float | None:
         try:

@@ -15,13 +15,11 @@ import tempfile
 from pathlib import Path
 
 from testbed.bench.protocol import Outcome, parse_ints
-from testbed.collectives.cpumon import core_times
+from testbed.collectives.cpumon import UTIL_SATURATED, CpuMonitor
 
 #: measured / model of every collective, and the trace's JCT, within these (issue 33's band)
 BAND = (0.90, 1.15)
 JCT_TOLERANCE = 0.15
-#: the machine's CPU busy above this fraction over a replay: it measured the emulator
-CPU_BOUND = 0.90
 
 
 def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes: int,
@@ -56,16 +54,16 @@ def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes:
     with tempfile.TemporaryDirectory(prefix="tb-bench-replay-") as tmp:
         for name in names:
             prefix = write_trace(Path(tmp) / name, graphs[name]())
-            before = core_times()
+            cores = CpuMonitor({})  # the machine's cores over the replay
             res = replay(prefix, algo=algo if algo not in ("", "gloo") else None,
                          topology=topo, time_dilation=time_dilation, out=Path(tmp) / "out",
                          echo=lambda line: None)
-            util = _busy(before, core_times())
+            util = cores.stop().cpu_util
             if res.launched.returncode != 0:
                 ok = False
                 notes[f"{name} failed"] = res.launched.failures
                 continue
-            cpu_bound = util > CPU_BOUND
+            cpu_bound = util >= UTIL_SATURATED
             ratios = []
             for v in res.validation:
                 ratio = v["measured_s"] / v["predicted_s"] if v["predicted_s"] else None
@@ -100,9 +98,3 @@ def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes:
     notes["time_dilation"] = time_dilation
     return Outcome(rows, notes, targets, ok)
 
-
-def _busy(before: dict, after: dict) -> float:
-    """Fraction of the cores' time busy between two :func:`core_times` readings."""
-    busy = sum(after[c][0] - before[c][0] for c in after if c in before)
-    total = sum(after[c][1] - before[c][1] for c in after if c in before)
-    return busy / total if total else 0.0

@@ -655,9 +655,7 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
         raise TypeError(f"spec must be a CollectiveSpec, got {type(spec).__name__}")
     topo = routing.as_topology(topology)
     spec.validate(len(topo.host_names))
-    if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
-            or not time_dilation >= 1:
-        raise ValueError(f"time_dilation={time_dilation!r} must be a number >= 1")
+    _check_dilation(time_dilation)
     if results_via not in ("ingress", "forward"):
         raise ValueError(f"results_via={results_via!r} must be 'ingress' or 'forward'")
     if workers is None or (spec.algo == "rs" and servers is None):
@@ -694,6 +692,12 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     return Prediction(total / f, results, notes, extra_s / f, f)
 
 
+def _check_dilation(time_dilation) -> None:
+    if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
+            or not time_dilation >= 1:
+        raise ValueError(f"time_dilation={time_dilation!r} must be a number >= 1")
+
+
 def _hop_s(topo, hop_latency_s: float | None, time_dilation: float) -> float:
     """The one-way latency per link: as measured, else the configured delay plus
     :data:`DEFAULT_HOP_S`."""
@@ -715,9 +719,7 @@ def transfers_s(topology, transfers: list[tuple[str, str, float]], *,
     bad = sorted({h for s, d, _ in transfers for h in (s, d)} - set(topo.host_names))
     if bad:
         raise ValueError(f"hosts {bad} are not hosts of this topology")
-    if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
-            or not time_dilation >= 1:
-        raise ValueError(f"time_dilation={time_dilation!r} must be a number >= 1")
+    _check_dilation(time_dilation)
     f = float(time_dilation)
     flows = [Flow(s, d, float(b), sport=EPHEMERAL_PORT + i, dport=EPHEMERAL_PORT - 1 - i)
              for i, (s, d, b) in enumerate(transfers)]

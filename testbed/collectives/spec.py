@@ -83,10 +83,6 @@ class Communication:
     error_feedback: bool = dataclasses.field(default=False, metadata={
         "doc": "add what compression dropped to the next iteration's input"})
 
-    def communication_label(self) -> str:
-        """algo[+compressor][+ef], the default name of a job in tables and plots."""
-        return communication_label(self)
-
 
 #: The fields of :class:`Communication`, in order.
 COMMUNICATION = tuple(f.name for f in dataclasses.fields(Communication))
@@ -99,7 +95,7 @@ def communication_of(job) -> dict:
 
 
 def communication_label(job) -> str:
-    """algo[+compressor][+ef] of ``job``."""
+    """algo[+compressor][+ef] of ``job``: the default name of a job in tables and plots."""
     return (job.algo + (f"+{job.compressor}" if job.compressor else "")
             + ("+ef" if job.error_feedback else ""))
 

@@ -349,8 +349,8 @@ class _Job:
             summary["trimmed_frac"] = stats["trimmed"] / stats["packets"]
             summary["nacks"] = stats["nacks"]
         rows = [{**head, **r} for r in its]
-        trace = collective_trace(spec, res["logs"]) if res.get("logs") else []
-        return TrainingResult(spec, summary, rows, res.get("error"), trace)
+        return TrainingResult(spec, summary, rows, res.get("error"),
+                              collective_trace(spec, res.get("logs") or []))
 
 
 def _context(spec: TrainingSpec, job: _Job) -> dict:

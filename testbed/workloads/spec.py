@@ -24,6 +24,7 @@ from testbed.collectives.spec import (
     CollectiveSpec,
     Communication,
     FieldError,
+    communication_label,
     communication_of,
 )
 from testbed.collectives.trimmed import BITS as TRIM_BITS
@@ -105,7 +106,7 @@ class TrainingSpec(Communication):
 
     def label(self) -> str:
         """Name in tables and plots: ``name``, else algo[+compressor][+ef]."""
-        return self.name or self.communication_label()
+        return self.name or communication_label(self)
 
     def data_shape(self) -> tuple[int, int, int]:
         """(features, classes, rows) of the data set, without loading it."""
