@@ -23,7 +23,9 @@ One request per line, one response per line::
     errors                                                -> {"ok": false, "error": "..."}
 
 The server side is polled from the engine's own loop (no threads, so commands never race the
-data path). :class:`DatapathClient` is the Python client.
+data path) and never blocks it; a request longer than :data:`MAX_REQUEST_BYTES`, or a connection
+beyond :data:`MAX_CLIENTS` at once, is answered with an error that says so and closed.
+:class:`DatapathClient` is the Python client.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import socket
+import sys
 import threading
 import time
+import traceback
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
 #: an address starting with this is an abstract Unix socket name (Linux), not a file
@@ -75,10 +80,12 @@ def listening_elsewhere(node: str) -> bool:
     return bool(where) and where != netns_id()
 
 
-def listen(address: str, backlog: int = 8) -> socket.socket:
+def listen(address: str, backlog: int = 64) -> socket.socket:
     """A listening Unix socket on ``address`` (abstract ``@name`` or a path), created in the
     calling process's network namespace. :class:`RuntimeError` if another engine holds it;
-    a stale path socket of a crashed engine is replaced."""
+    a stale path socket of a crashed engine is replaced. ``backlog``: connections the kernel
+    queues until the engine accepts them (a client finding the queue full must retry:
+    :class:`DatapathClient` does)."""
     if not address.startswith(ABSTRACT):
         os.makedirs(os.path.dirname(address) or ".", exist_ok=True)
         if os.path.exists(address):
@@ -108,74 +115,192 @@ class ControlError(RuntimeError):
     """The engine refused a command (the message says why)."""
 
 
+#: the longest request line the engine reads (bytes, newline excluded). A longer one (or that
+#: much data without a newline) is refused with an error answer and its connection closed:
+#: without a bound one client could make the engine buffer any amount of memory. Real
+#: requests are far smaller (a full forwarding table, 4096 entries, is ~150 KB).
+MAX_REQUEST_BYTES = 1 << 20
+#: an error answer's message is cut to this many characters (it may quote the request)
+MAX_ERROR_CHARS = 4096
+#: connections served at once; one more is answered with an error and closed (every
+#: connection holds a descriptor and a buffer of the engine's)
+MAX_CLIENTS = 64
+#: requests served per connection and wake-up, so that one client that sends thousands in one
+#: write cannot hold the packet loop (the rest are served on the next rounds)
+LINES_PER_WAKEUP = 16
+#: connections accepted per wake-up of the listening socket
+ACCEPTS_PER_WAKEUP = 16
+
+
+class _Conn:
+    """One client connection: its socket, the bytes read but not yet served (``inbuf``), the
+    answer bytes not yet sent (``outbuf``) and whether it closes once they are."""
+
+    __slots__ = ("sock", "inbuf", "outbuf", "closing")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.inbuf = bytearray()
+        self.outbuf = bytearray()
+        self.closing = False
+
+
+def _answer(resp: dict) -> bytes:
+    return json.dumps(resp).encode() + b"\n"
+
+
 class ControlServer:
-    """Non-blocking JSON-lines server; the engine polls :meth:`fds` and calls :meth:`handle`.
+    """Non-blocking JSON-lines server; the engine polls :meth:`fds` (each for the events of
+    :meth:`events`) and calls :meth:`handle`.
 
     ``path``: the address to listen on (abstract ``@name`` or a file path); ``fd``: a socket
     that already listens on it, inherited from the parent (see :func:`listen`), used instead
     of binding here.
+
+    Hostile or broken clients cannot stop the engine: nothing ever blocks (an answer the client
+    does not read waits in the connection's own buffer, and the connection is not read from
+    until it has gone), a request over :data:`MAX_REQUEST_BYTES` or a connection beyond
+    :data:`MAX_CLIENTS` is refused with an error answer saying why, and any failure of a
+    request becomes an error answer.
     """
 
     def __init__(self, path: str, fd: int | None = None):
         self.path = path
         self.sock = (socket.socket(fileno=fd) if fd is not None else listen(path))
         self.sock.setblocking(False)
-        self.clients: dict[int, tuple[socket.socket, bytearray]] = {}
+        self.clients: dict[int, _Conn] = {}
 
     def fds(self) -> list[int]:
-        """Descriptors to poll for input."""
+        """Descriptors to poll (for :meth:`events`)."""
         return [self.sock.fileno(), *self.clients]
 
+    def events(self, fd: int) -> int:
+        """The poll events to wait for on ``fd``: ``POLLOUT`` while a connection has an answer
+        to send or a request still to serve (the socket is writable, so the engine comes
+        straight back), else ``POLLIN``."""
+        c = self.clients.get(fd)
+        if c is not None and (c.outbuf or c.closing or b"\n" in c.inbuf):
+            return select.POLLOUT
+        return select.POLLIN
+
     def handle(self, fd: int, dispatch) -> list[int]:
-        """Serve ``fd`` (listening or client); return descriptors added (+) / removed (-).
+        """Serve ``fd`` (listening or client); return descriptors added or whose
+        :meth:`events` changed (+: (re)register them) and removed (-).
 
         ``dispatch(request: dict) -> object`` runs a command; its return value becomes
-        ``result``; exceptions become ``{"ok": false, "error": str(e)}``.
+        ``result``; exceptions become ``{"ok": false, "error": "<type>: <message>"}``.
         """
-        changes: list[int] = []
         if fd == self.sock.fileno():
+            return self._accept()
+        c = self.clients.get(fd)
+        if c is None:  # closed earlier in this round
+            return []
+        before = self.events(fd)
+        try:
+            if not self._flush(c):
+                return self._drop(fd)
+            if not c.outbuf:
+                if c.closing:
+                    return self._drop(fd)
+                if b"\n" not in c.inbuf:  # nothing left to serve: read more
+                    try:
+                        data = c.sock.recv(65536)
+                    except BlockingIOError:
+                        data = None
+                    except OSError:
+                        data = b""
+                    if data == b"":
+                        return self._drop(fd)
+                    if data:
+                        c.inbuf += data
+                self._serve(c, dispatch)
+                if not self._flush(c):
+                    return self._drop(fd)
+                if c.closing and not c.outbuf:
+                    return self._drop(fd)
+        except Exception:  # noqa: BLE001 - a bug here must cost one connection, not the engine
+            traceback.print_exc()
+            return self._drop(fd)
+        return [fd] if self.events(fd) != before else []
+
+    def _accept(self) -> list[int]:
+        added = []
+        for _ in range(ACCEPTS_PER_WAKEUP):
             try:
                 conn, _ = self.sock.accept()
             except BlockingIOError:
-                return changes
+                break
+            except OSError as e:  # out of descriptors, or the client already left
+                print(f"control: accept failed: {e}", file=sys.stderr, flush=True)
+                break
             conn.setblocking(False)
-            self.clients[conn.fileno()] = (conn, bytearray())
-            changes.append(conn.fileno())
-            return changes
-        conn, buf = self.clients[fd]
-        try:
-            data = conn.recv(65536)
-        except BlockingIOError:
-            return changes
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(fd)
-            return [-fd]
-        buf += data
-        while b"\n" in buf:
-            line, _, rest = bytes(buf).partition(b"\n")
-            buf[:] = rest
+            if len(self.clients) >= MAX_CLIENTS:
+                # refused at once: the answer fits the fresh socket's buffer
+                try:
+                    conn.send(_answer({"ok": False, "error": (
+                        f"too many control connections (at most {MAX_CLIENTS} at once); "
+                        "close idle clients and retry")}))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            self.clients[conn.fileno()] = _Conn(conn)
+            added.append(conn.fileno())
+        return added
+
+    def _serve(self, c: _Conn, dispatch) -> None:
+        """Answer up to :data:`LINES_PER_WAKEUP` complete requests of ``c`` (none while an
+        earlier answer is unsent); refuse an over-long one."""
+        for _ in range(LINES_PER_WAKEUP):
+            if c.outbuf or c.closing:
+                return
+            end = c.inbuf.find(b"\n")
+            if end < 0:
+                if len(c.inbuf) > MAX_REQUEST_BYTES:
+                    self._refuse_long(c)
+                return
+            if end > MAX_REQUEST_BYTES:
+                self._refuse_long(c)
+                return
+            line = bytes(c.inbuf[:end])
+            del c.inbuf[: end + 1]  # cheap: a bytearray drops its head in place
             try:
                 req = json.loads(line)
                 if not isinstance(req, dict):
                     raise ValueError("request must be a JSON object")
-                resp = {"ok": True, "result": dispatch(req)}
+                out = _answer({"ok": True, "result": dispatch(req)})
             except Exception as e:  # noqa: BLE001 - every failure goes back to the client
-                resp = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            try:
-                conn.setblocking(True)
-                conn.settimeout(2.0)
-                conn.sendall(json.dumps(resp).encode() + b"\n")
-                conn.setblocking(False)
-            except OSError:
-                self._drop(fd)
-                return [-fd]
-        return changes
+                msg = f"{type(e).__name__}: {e}"
+                if len(msg) > MAX_ERROR_CHARS:
+                    msg = msg[:MAX_ERROR_CHARS] + f"... ({len(msg)} characters)"
+                out = _answer({"ok": False, "error": msg})
+            c.outbuf += out
 
-    def _drop(self, fd: int) -> None:
-        conn, _ = self.clients.pop(fd)
-        conn.close()
+    def _refuse_long(self, c: _Conn) -> None:
+        c.outbuf += _answer({"ok": False, "error": (
+            f"request longer than {MAX_REQUEST_BYTES} bytes (or that much without a newline): "
+            "refused; the connection is closed")})
+        c.inbuf.clear()
+        c.closing = True
+
+    @staticmethod
+    def _flush(c: _Conn) -> bool:
+        """Send what the socket takes now (never wait); False when the client is gone."""
+        while c.outbuf:
+            try:
+                n = c.sock.send(c.outbuf)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            del c.outbuf[:n]
+        return True
+
+    def _drop(self, fd: int) -> list[int]:
+        c = self.clients.pop(fd, None)
+        if c is not None:
+            c.sock.close()
+        return [-fd]
 
     def close(self) -> None:
         """Close all connections and remove the socket file."""
@@ -204,14 +329,31 @@ class DatapathClient:
         self._buf = b""
         self._lock = threading.Lock()  # one request/response at a time (threads may share it)
 
-    def _connect(self) -> socket.socket:
-        if self._sock is None:
+    def _dial(self) -> socket.socket | None:
+        """A socket connected to :attr:`path`, or None where no engine listens there."""
+        deadline = time.monotonic() + self.timeout
+        while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(self.timeout)
             try:
                 s.connect(_sockaddr(self.path))
+                return s
+            except BlockingIOError:
+                # the engine's queue of connections not yet accepted is full (a crowd of
+                # clients): a Unix socket with a timeout does not wait for room, so retry
+                s.close()
+                if time.monotonic() > deadline:
+                    raise ControlError(f"data-path engine of {self.node} accepted no connection "
+                                       f"within {self.timeout} s (its queue is full)") from None
+                time.sleep(0.01)
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()
+                return None
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            s = self._dial()
+            if s is None:
                 forwarded = self.path[len(ABSTRACT):] if self.path.startswith(ABSTRACT) else ""
                 if forwarded and os.path.exists(forwarded):
                     # a node on another server of a cluster network: its engine's socket is
@@ -252,7 +394,10 @@ class DatapathClient:
                     raise ConnectionResetError("connection closed")
                 self._buf += chunk
         except OSError as e:
+            refused = self._refusal(s)
             self.close()
+            if refused is not None:  # the engine said why before it closed the connection
+                raise ControlError(refused) from None
             what = "did not answer" if isinstance(e, TimeoutError) else "is gone"
             raise ControlError(f"data-path engine of {self.node} {what} ({cmd!r}: "
                                f"{type(e).__name__}: {e}); did it exit? see "
@@ -262,6 +407,27 @@ class DatapathClient:
         if not resp.get("ok"):
             raise ControlError(resp.get("error", "unknown error"))
         return resp.get("result")
+
+    def _refusal(self, s: socket.socket) -> str | None:
+        """The error the engine answered before it closed the connection (too many
+        connections, a request too long), read without waiting; None if there is none."""
+        buf = self._buf
+        try:
+            s.setblocking(False)
+            while b"\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        except OSError:
+            pass
+        try:
+            resp = json.loads(buf.partition(b"\n")[0])
+        except ValueError:
+            return None
+        if isinstance(resp, dict) and resp.get("ok") is False:
+            return str(resp.get("error", "refused"))
+        return None
 
     def counters(self) -> dict:
         """All counters (ports, drops by reason, stages, cpu) right now."""

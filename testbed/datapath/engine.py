@@ -472,7 +472,7 @@ class Engine:
             poller.register(fd, select.POLLIN)
         if self.control is not None:
             for fd in self.control.fds():
-                poller.register(fd, select.POLLIN)
+                poller.register(fd, self.control.events(fd))
         self.running = True
         busy = False
         while self.running:
@@ -485,8 +485,8 @@ class Engine:
                 if fd in port_fds:
                     continue
                 for ch in self.control.handle(fd, self.dispatch):
-                    if ch > 0:
-                        poller.register(ch, select.POLLIN)
+                    if ch > 0:  # new, or waits for other events now (registering again sets them)
+                        poller.register(ch, self.control.events(ch))
                     else:
                         try:
                             poller.unregister(-ch)
