@@ -34,6 +34,10 @@ from testbed.lifeline import start_ticks
 STATE_PATH = Path(RUN_DIR) / "up.json"
 #: Output of a detached ``up`` (the network's own messages, errors included).
 LOG_PATH = Path(RUN_DIR) / "up.log"
+#: ``testbed switch NODE restart``: the request (node) and the answer, exchanged with the
+#: ``up`` process, which owns the engines (SIGUSR1 says a request is there).
+RESTART_REQUEST = Path(RUN_DIR) / "up.restart"
+RESTART_ANSWER = Path(RUN_DIR) / "up.restarted"
 NOT_ROOT = ("testbed {verb} builds and tears down emulated networks and needs root: run "
             "'sudo .venv/bin/testbed {verb} ...' (or use the lab VM)")
 
@@ -100,7 +104,7 @@ def up(file: str, point: int = 0, cli: bool | None = None, detach: bool = False,
         return _detach(file, point, ready_timeout)
     if cli is None:
         cli = sys.stdin.isatty()
-    return _serve(file, exp, pt, cli)
+    return _serve(file, point, exp, pt, cli)
 
 
 def _detach(file: str, point: int, ready_timeout: float) -> int:
@@ -134,7 +138,7 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def _serve(file: str, exp, pt, cli: bool) -> int:
+def _serve(file: str, point: int, exp, pt, cli: bool) -> int:
     """Build the network, keep it until told to stop, tear it down."""
     # here, not at the top: the network layers take about 2 s to import and 'testbed down',
     # which shares this module, needs none of them
@@ -146,7 +150,7 @@ def _serve(file: str, exp, pt, cli: bool) -> int:
         _err(f"testbed up: {type(e).__name__}: {e}")
         return 2
     state = {"pid": os.getpid(), "start_ticks": start_ticks(os.getpid()), "ready": False,
-             "file": str(Path(file).resolve()), "name": exp.name,
+             "file": str(Path(file).resolve()), "point": point, "name": exp.name,
              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _write_state(state)
     # SIGTERM from `testbed down`: TestbedNet turns it into KeyboardInterrupt while it builds
@@ -160,10 +164,12 @@ def _serve(file: str, exp, pt, cli: bool) -> int:
             pids = {n.name: n.pid for n in net.mininet.hosts + net.mininet.switches
                     if getattr(n, "pid", None)}
             state.update(ready=True, hosts=desc.get("hosts"), aggregator=net.aggregator,
+                         time_dilation=net.time_dilation,
                          programmable=sorted(net.datapath_clients()),
                          programs=desc.get("programs"), pids=pids)
             _write_state(state)
             signal.signal(signal.SIGTERM, _on_term)
+            signal.signal(signal.SIGUSR1, lambda _s, _f: _serve_restart(net))
             _banner(state, cli)
             if cli:
                 from mininet.cli import CLI  # only an interactive session needs it
@@ -181,9 +187,52 @@ def _serve(file: str, exp, pt, cli: bool) -> int:
         code = 1
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         _remove_own_state()
+        for p in (RESTART_REQUEST, RESTART_ANSWER):
+            p.unlink(missing_ok=True)
     _say(f"down: {exp.name} torn down")
     return code
+
+
+def _serve_restart(net) -> None:
+    """Answer a ``testbed switch NODE restart`` request (in this process's main thread)."""
+    try:
+        node = RESTART_REQUEST.read_text().strip()
+        RESTART_REQUEST.unlink(missing_ok=True)
+        answer = {"node": node, "ok": True, "seconds": round(net.restart_engine(node), 3)}
+    except Exception as e:  # noqa: BLE001 - the requester reports it
+        answer = {"node": locals().get("node"), "ok": False, "error": f"{type(e).__name__}: {e}"}
+    tmp = RESTART_ANSWER.with_suffix(".tmp")
+    tmp.write_text(json.dumps(answer))
+    os.replace(tmp, RESTART_ANSWER)
+    _say(f"up: engine of {answer['node']} restarted in {answer.get('seconds')} s"
+         if answer["ok"] else f"up: restart failed: {answer['error']}")
+
+
+def restart(node: str, timeout: float = 120.0) -> dict:
+    """Ask the running ``up`` to start ``node``'s engine again (``testbed switch NODE
+    restart``); its answer: ``{"node", "ok", "seconds"}`` or ``{"ok": False, "error"}``.
+    ``RuntimeError`` when no network is up or it does not answer in time."""
+    state = read_state()
+    if state is None or not state["alive"] or not state.get("ready"):
+        raise RuntimeError("no network is up ('testbed up FILE' first): only the process "
+                           "that runs the network can restart its engines")
+    if node not in (state.get("programmable") or []):
+        raise RuntimeError(f"{node!r} is not a programmable node of the network up "
+                           f"(programmable: {state.get('programmable')})")
+    RESTART_ANSWER.unlink(missing_ok=True)
+    RESTART_REQUEST.write_text(node)
+    os.kill(int(state["pid"]), signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while not RESTART_ANSWER.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the 'testbed up' process (pid {state['pid']}) did not answer "
+                               f"within {timeout:.0f} s")
+        time.sleep(0.05)
+    answer = json.loads(RESTART_ANSWER.read_text())
+    RESTART_ANSWER.unlink(missing_ok=True)
+    return answer
 
 
 def _on_term(signum, frame) -> None:

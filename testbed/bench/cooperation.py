@@ -14,6 +14,12 @@ Targets (``cooperative`` on every trace and rate): median mean-JCT at most tenan
 provider_only's (traces where co-operation cannot help: within 5 %), within 10 % of oracle;
 spread (IQR / median) at most 0.25 per policy. A target that is missed is reported, with the
 rows it comes from; the benchmark's exit status says only whether every run was right.
+
+A trace with a lying tenant (a job whose ``overstate`` is not 1, e.g. ``cloud_cheater``) runs
+beside its honest twin (the same trace with every job's true bytes and the liars' priority 0),
+with the same repeats; one more row per job (policy ``cooperative``) compares its median JCT
+lying vs honest. Targets: the liar gains at most 5 % (lying / honest >= 0.95), the honest
+jobs lose at most 5 % to it (<= 1.05).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ NO_HELP = ("cloud_no_help",)
 WITHIN = 0.05
 ORACLE_WITHIN = 0.10
 MAX_SPREAD = 0.25
+#: what a liar may gain, and an honest job lose to it (median JCT, lying vs honest twin)
+LIE_GAIN = 0.05
 
 
 def trace_path(name: str) -> Path:
@@ -73,7 +81,11 @@ def measure(emit, quick: bool, traces: str, rates: str, repeats: int, policies: 
     rows: list[dict] = []
     for trace, rate, exp in experiments:
         runs = run_cooperation(exp, None, say=lambda text: None)
-        for row in policy_rows(trace, rate or exp.topology.bw_mbps, runs):
+        out = policy_rows(trace, rate or exp.topology.bw_mbps, runs)
+        if any(j.overstate != 1 for j in exp.jobs):
+            twin = run_cooperation(honest_twin(exp), None, say=lambda text: None)
+            out += honesty_rows(trace, rate or exp.topology.bw_mbps, runs, twin)
+        for row in out:
             emit(row)
             rows.append(row)
     return Outcome(rows, {"repeats": repeats, "traces": [str(p) for p in paths]},
@@ -115,10 +127,59 @@ def policy_rows(trace: str, rate: float, runs: list[dict]) -> list[dict]:
     return out
 
 
+def honest_twin(exp):
+    """``exp`` with every tenant honest: true bytes, and priority 0 for those that lied."""
+    return exp.model_copy(update={"jobs": [
+        j if j.overstate == 1 else j.model_copy(update={"overstate": 1.0, "priority": 0})
+        for j in exp.jobs]})
+
+
+def honesty_rows(trace: str, rate: float, lying: list[dict], honest: list[dict]) -> list[dict]:
+    """Per job of the ``cooperative`` runs: median JCT lying vs in the honest twin, with the
+    provider's verdicts on its hints."""
+    def jcts(runs, name):
+        return [r["jct_s"] for r in runs if r["row"] == "job" and r["job"] == name
+                and r["policy"] == "cooperative" and r["jct_s"] is not None]
+
+    out = []
+    names = dict.fromkeys(r["job"] for r in lying
+                          if r["row"] == "job" and r["policy"] == "cooperative")
+    for name in names:
+        mine = [r for r in lying if r["row"] == "job" and r["job"] == name]
+        lie, true = jcts(lying, name), jcts(honest, name)
+        a = float(np.median(lie)) if lie else None
+        b = float(np.median(true)) if true else None
+        out.append({"trace": f"{trace} lying vs honest", "bw_mbps": rate,
+                    "policy": f"cooperative: {name}",
+                    "role": "liar" if mine[0].get("overstate", 1) != 1 else "honest",
+                    "overstate": mine[0].get("overstate"), "repeats": len(lie),
+                    "jct_lying_median_s": _r(a), "jct_honest_median_s": _r(b),
+                    "lying_vs_honest": _r(a / b) if a and b else None,
+                    "verdicts": [r.get("hints_check") for r in mine],
+                    "hints_ratios": [r.get("hints_ratio") for r in mine],
+                    "mean_jct_median_s": None, "spread": None, "failed": sum(
+                        r["status"] != "ok" for r in mine),
+                    "wrong_sums": sum(r.get("correct") is False for r in mine)})
+    return out
+
+
 def targets(rows: list[dict]) -> dict[str, tuple[bool, str]]:
     """The co-operation targets over ``rows`` (name -> (met, detail))."""
+    liars = [r for r in rows if r.get("role") == "liar"]
+    honest = [r for r in rows if r.get("role") == "honest"]
+    rows = [r for r in rows if "role" not in r]
     coop = [r for r in rows if r["policy"] == "cooperative"]
     out: dict[str, tuple[bool, str]] = {}
+    if liars:
+        gained = [f"{r['policy']}@{r['bw_mbps']:g}: {r['lying_vs_honest']}" for r in liars
+                  if r["lying_vs_honest"] is None or r["lying_vs_honest"] < 1 - LIE_GAIN]
+        lost = [f"{r['policy']}@{r['bw_mbps']:g}: {r['lying_vs_honest']}" for r in honest
+                if r["lying_vs_honest"] is None or r["lying_vs_honest"] > 1 + LIE_GAIN]
+        out["a liar gains <= 5 %"] = (not gained, "; ".join(gained) or
+                                      f"{len(liars)} liar(s): " + ", ".join(
+                                          str(r["lying_vs_honest"]) for r in liars))
+        out["honest jobs lose <= 5 % to a liar"] = (not lost, "; ".join(lost) or ", ".join(
+            str(r["lying_vs_honest"]) for r in honest))
     if coop:
         worse = []
         for r in coop:

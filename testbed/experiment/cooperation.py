@@ -104,6 +104,8 @@ class CoopJob(BaseModel):
     error_budget: float | None = Field(None, gt=0, le=1)
     priority: int = Field(0, ge=0, le=7)
     hints: bool = Field(True, description="whether the tenant gives hints at all")
+    overstate: float = Field(1.0, gt=0, le=1000, description="the factor by which the "
+                             "tenant's hints misstate its bytes per iteration (1: honest)")
     train: dict = Field(default_factory=dict, description="TrainingSpec fields")
 
 
@@ -171,7 +173,8 @@ def request(job: CoopJob, spec: TrainingSpec, host_names: list[str],
     """What the tenant tells the provider on admission: hosts and (optionally) hints."""
     hints = Hints()
     if job.hints:
-        hints = Hints(collective_bytes=4 * spec.n_params(), iterations=spec.iterations,
+        hints = Hints(collective_bytes=max(1, round(4 * spec.n_params() * job.overstate)),
+                      iterations=spec.iterations,
                       compute_s=spec.compute_ms / 1000.0, tolerance=job.tolerance,
                       error_budget=job.error_budget, priority=job.priority)
     return JobRequest(job=job.name, hosts=[host_names[h] for h in job.hosts], hints=hints,
@@ -215,11 +218,13 @@ def ideal_jct_s(req: JobRequest, spec: TrainingSpec, model: PlanModel, inv) -> f
 
 def replan_reasons(changes) -> dict[str, int]:
     """How many of the plan log's re-plans (``PlanChange`` entries with an old and a new
-    plan) had which cause: ``arrival``, ``departure``, ``congestion`` (else ``other``)."""
-    out = {"arrival": 0, "departure": 0, "congestion": 0, "other": 0}
+    plan) had which cause: ``arrival``, ``departure``, ``hints`` (found wrong by telemetry),
+    ``congestion`` (else ``other``)."""
+    out = {"arrival": 0, "departure": 0, "hints": 0, "congestion": 0, "other": 0}
     for e in changes:
         key = ("arrival" if e.reason.startswith("re-plan on arrival") else
                "departure" if e.reason.startswith("re-plan on departure") else
+               "hints" if e.reason.startswith("hints disagree") else
                "congestion" if e.reason.startswith("sustained congestion") else "other")
         out[key] += 1
     return out
@@ -248,6 +253,7 @@ class _Trace:
         self.mem: list[tuple[float, float]] = []
         self.total_mem = sum(s.memory_bytes for s in inv.switches) or 1
         self.sent: dict[str, Plan] = {}  # the plan each running job was last told to use
+        self.checks: dict[str, dict | None] = {}  # the manager's hints check of each job
         self.telemetry = None
         self.snapshots = 0
         self.congestion_episodes = 0
@@ -283,11 +289,16 @@ class _Trace:
                  + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
         return apply_plan(spec, plan)
 
-    def on_tick(self, running: list[int]) -> dict[int, TrainingSpec]:
-        """Feed telemetry to the manager when a period has passed; return the new spec of
-        every running job whose plan changed since it was last told (applied at its next
-        iteration boundary by the runner)."""
+    def on_tick(self, running: dict[int, int | None]) -> dict[int, TrainingSpec]:
+        """Pass the jobs' progress (``running``: index -> last finished iteration) to the
+        manager, feed it telemetry when a period has passed; return the new spec of every
+        running job whose plan changed since it was last told (applied at its next iteration
+        boundary by the runner)."""
         now = self.now()
+        for i, it in running.items():
+            if it is not None and self.reqs[i].job in self.running:
+                with contextlib.suppress(ValueError):  # an earlier iteration: nothing new
+                    self.manager.renew(self.reqs[i].job, now=now, iteration=it)
         if self.telemetry is not None and now - self.last_obs >= self.exp.telemetry_period_s:
             self.last_obs = now
             self.manager.observe(self.telemetry.collect(now), now=now)
@@ -316,6 +327,9 @@ class _Trace:
             self.telemetry.close()
 
     def on_end(self, i: int, _res) -> None:
+        job = self.manager.jobs().get(self.reqs[i].job)
+        if job is not None:  # the provider's verdict on its hints, before it goes
+            self.checks[self.reqs[i].job] = job["hints_check"]
         with contextlib.suppress(ValueError):  # not admitted (its start failed)
             self.manager.release(self.reqs[i].job, now=self.now())
         self.running.discard(self.reqs[i].job)
@@ -386,6 +400,9 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             "plan_reason": plan.reason if plan else None,
             "tolerance": job.tolerance, "error_budget": job.error_budget,
             "priority": job.priority, "hosts": req.hosts, "arrival_s": job.start_s,
+            "overstate": job.overstate,
+            "hints_check": (tr.checks.get(job.name) or {}).get("verdict"),
+            "hints_ratio": (tr.checks.get(job.name) or {}).get("ratio"),
             "ideal_jct_s": ideal,
             "slowdown": jct / ideal if ideal and jct else None,
             **{k: s.get(k) for k in ("iterations", "comm_s", "iter_s", "model_comm_s",

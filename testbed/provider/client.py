@@ -22,6 +22,7 @@ that it loads quickly in a tenant's process.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import httpx
@@ -66,6 +67,7 @@ class ProviderClient:
 
     # -- plumbing ----------------------------------------------------------------------------
     def _call(self, method: str, path: str, **kw) -> Any:
+        """One request; the answer's JSON, or :class:`ProviderRefused`."""
         try:
             r = self._http.request(method, path, **kw)
         except httpx.TransportError as e:
@@ -102,6 +104,10 @@ class ProviderClient:
         """Per switch: configured, allocated per job, free bytes."""
         return self._call("GET", "/v1/memory")
 
+    def tenants(self) -> dict[str, dict]:
+        """Per tenant: its jobs, switch memory and trees per switch, and its quota."""
+        return self._call("GET", "/v1/tenants")
+
     def jobs(self) -> dict[str, dict]:
         """Admitted jobs: hosts, hints, lease, current plan (as JSON)."""
         return self._call("GET", "/v1/jobs")
@@ -121,9 +127,18 @@ class ProviderClient:
         """The job's current plan (poll it at iteration boundaries)."""
         return Plan.model_validate(self._call("GET", f"/v1/jobs/{job}/plan"))
 
-    def renew(self, job: str) -> float:
-        """Extend the lease; seconds until it expires again."""
-        return float(self._call("POST", f"/v1/jobs/{job}/renew")["expires_in_s"])
+    def renew(self, job: str, iteration: int | None = None) -> float:
+        """Extend the lease; seconds until it expires again. ``iteration``: the last one the
+        job finished (plan changes are then scheduled from a later iteration)."""
+        params = {} if iteration is None else {"iteration": iteration}
+        return float(self._call("POST", f"/v1/jobs/{job}/renew", params=params)["expires_in_s"])
+
+    def next_plan(self, job: str, after: int = 0, wait_s: float = 30.0) -> dict:
+        """Wait (long poll, at most ``wait_s``) until the job's plan version exceeds ``after``:
+        ``{"version", "changed", "plan": Plan, "applies_at": iteration or None}``."""
+        out = self._call("GET", f"/v1/jobs/{job}/plan/next",
+                         params={"after": after, "wait_s": wait_s}, timeout=wait_s + 10.0)
+        return {**out, "plan": Plan.model_validate(out["plan"])}
 
     def release(self, job: str) -> None:
         """Give the job's resources back."""
@@ -143,6 +158,89 @@ class ProviderClient:
         self._http.close()
 
     def __enter__(self) -> ProviderClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PlanFollower:
+    """The plans the provider pushes to one job, for a tenant's training loop.
+
+    A background thread waits on the service (:meth:`ProviderClient.next_plan`, a long poll)
+    and keeps every change with the iteration it applies from, so the loop never asks::
+
+        plan = pc.admit(req)
+        with PlanFollower(pc.address, req.job, plan) as follow:
+            for it in range(iterations):
+                plan = follow.plan_for(it)  # the plan in force at iteration it
+                ...                         # the iteration under that plan
+                follow.done(it)             # renews the lease, reports progress
+
+    Every rank of a job may run its own follower: the service schedules a change
+    :data:`~testbed.provider.manager.APPLY_AFTER_ITERATIONS` after the last iteration reported
+    (by rank 0's :meth:`done`), so all ranks switch at the same boundary. A change the service
+    sends without an iteration (nothing reported yet) applies at the next :meth:`plan_for`.
+    :attr:`applied` lists ``(iteration, version)`` of each switch; :attr:`error` the
+    follower's failure (a job the provider dropped: its lease ran out), if any.
+    """
+
+    def __init__(self, address: str | None, job: str, plan: Plan, version: int = 1,
+                 report: bool = True, wait_s: float = 30.0):
+        self.job, self.report, self.wait_s = job, report, wait_s
+        self._client = ProviderClient(address, timeout=wait_s + 10.0)
+        self._reporter = ProviderClient(address)
+        self._pending: list[tuple[int | None, int, Plan]] = []
+        self._current = (version, plan)
+        self.applied: list[tuple[int, int]] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._follow, args=(version,), daemon=True,
+                                        name=f"plan-follower-{job}")
+        self._thread.start()
+
+    def _follow(self, version: int) -> None:
+        while not self._stop.is_set():
+            try:
+                out = self._client.next_plan(self.job, after=version, wait_s=self.wait_s)
+            except Exception as e:  # noqa: BLE001 - kept for the loop to see; close() ends here
+                if not self._stop.is_set():
+                    self.error = str(e)
+                return
+            if out["changed"]:
+                version = out["version"]
+                with self._lock:
+                    self._pending.append((out["applies_at"], version, out["plan"]))
+
+    def plan_for(self, iteration: int) -> Plan:
+        """The plan in force at ``iteration`` (call with increasing iterations)."""
+        with self._lock:
+            due = [p for p in self._pending if p[0] is None or p[0] <= iteration]
+            if due:
+                self._pending = [p for p in self._pending if p not in due]
+                _at, version, plan = due[-1]
+                self._current = (version, plan)
+                self.applied.append((iteration, version))
+            return self._current[1]
+
+    @property
+    def version(self) -> int:
+        """The version of the plan in force."""
+        return self._current[0]
+
+    def done(self, iteration: int) -> None:
+        """``iteration`` is finished: renew the lease, reporting it (with ``report``)."""
+        self._reporter.renew(self.job, iteration if self.report else None)
+
+    def close(self) -> None:
+        """Stop following (the long poll in flight is dropped)."""
+        self._stop.set()
+        self._client.close()  # ends the wait in flight (else it ends within wait_s)
+        self._thread.join(timeout=1)
+        self._reporter.close()
+
+    def __enter__(self) -> PlanFollower:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,7 +3,10 @@
 * ``serve FILE``: build the network of an experiment file (its topology, programs) and run
   the fabric manager service over it until Ctrl-C or SIGTERM: telemetry from every engine,
   leases, switch configuration. ``--no-network`` serves plans for the file's topology without
-  building it (no telemetry, no switches): enough to try policies and clients.
+  building it (no telemetry, no switches): enough to try policies and clients. ``--attach``
+  serves the network ``testbed up`` runs instead (the provider is then a process of its own:
+  stopped or killed, it leaves the network and the jobs running); ``--journal PATH`` keeps
+  the state in SQLite and resumes from it on the next start.
 * ``status``, ``jobs``, ``plan [JOB] [--policy P]``: the service's health, memory and
   telemetry; the admitted jobs with their leases and plans; one job's plan or a dry run of
   another policy. Tables, or the JSON answers with ``--json``.
@@ -47,22 +50,30 @@ def default_memory_bytes() -> int:
     return DEFAULT_MEMORY_BYTES - DEFAULT_MEMORY_BYTES // POOL_SHARE
 
 
-def serve(file: str, point: int = 0, policy: str = "cooperative",
+def serve(file: str | None, point: int = 0, policy: str = "cooperative",
           memory_bytes: int | None = None, socket_path: str | None = DEFAULT_SOCKET,
           port: int | None = None, telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
-          network: bool = True) -> int:
+          network: bool = True, attach: bool = False, journal: str | None = None,
+          quotas: str | None = None) -> int:
     """CLI entry of ``serve``: 0 after a clean stop, 2 for a bad file or option, 1 when the
     network or the service cannot start, 130 on Ctrl-C."""
     # Function-level imports: the experiment runner loads Mininet and the data path.
     from testbed.experiment.networks import network_for, topology_for
     from testbed.experiment.spec import load_point
+    from testbed.provider.journal import JournalError
 
     try:
+        if attach:
+            file, point, up_state = _running_network(file)
+        elif file is None:
+            raise ValueError("give the experiment FILE whose network to serve, or --attach to "
+                             "serve the network 'testbed up' runs")
         _exp, pt = load_point(file, point)
         topo = topology_for(pt)
+        tenant_quotas = load_quotas(quotas) if quotas is not None else None
         # validates the policy and memory before a network is built
         make_service(topo, default_memory_bytes() if memory_bytes is None else memory_bytes,
-                     policy)
+                     policy, quotas=tenant_quotas)
     except ValueError as e:
         print(f"testbed provider serve: {e}", file=sys.stderr)
         return 2
@@ -72,19 +83,32 @@ def serve(file: str, point: int = 0, policy: str = "cooperative",
         stop.set()
 
     old = signal.signal(signal.SIGTERM, on_term)
+    kw = {"telemetry_period_s": telemetry_period_s, "journal": journal,
+          "quotas": tenant_quotas}
     try:
+        if attach:
+            from testbed.topologies.attached import AttachedNet
+
+            net = AttachedNet(topo, up_state["pids"], up_state.get("time_dilation", 1.0))
+            try:
+                svc = make_service(net, memory_bytes, policy, net=net, **kw)
+                return _serve_until(svc, socket_path, port, stop)
+            finally:
+                net.close()
         if not network:
             mem = default_memory_bytes() if memory_bytes is None else memory_bytes
-            return _serve_until(make_service(topo, mem, policy), socket_path, port, stop)
+            return _serve_until(make_service(topo, mem, policy, **kw), socket_path, port, stop)
         with network_for(pt) as net:
-            svc = make_service(net, memory_bytes, policy, net=net,
-                               telemetry_period_s=telemetry_period_s)
+            svc = make_service(net, memory_bytes, policy, net=net, **kw)
             pids = {h.name: h.pid for h in net.hosts}
             print(f"network up: hosts {pids} (run tenant code with 'mnexec -a PID CMD')",
                   file=sys.stderr)
             return _serve_until(svc, socket_path, port, stop)
     except KeyboardInterrupt:
         return 130
+    except (JournalError, ValueError) as e:
+        print(f"testbed provider serve: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, OSError) as e:
         print(f"testbed provider serve: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -92,10 +116,55 @@ def serve(file: str, point: int = 0, policy: str = "cooperative",
         signal.signal(signal.SIGTERM, old)
 
 
+def load_quotas(path: str) -> dict:
+    """Per-tenant quotas from a TOML or JSON file: one table per tenant (``"*"``: every other
+    tenant) with ``jobs``, ``priority``, ``memory_bytes``, ``trees_per_switch``;
+    ``ValueError`` naming the tenant and the problem."""
+    import tomllib
+    from pathlib import Path
+
+    from testbed.provider.manager import Quota
+
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--quotas {path}: {e}") from None
+    out = {}
+    for tenant, q in data.items():
+        if not isinstance(q, dict):
+            raise ValueError(f"--quotas {path}: tenant {tenant!r} needs a table of limits")
+        try:
+            out[tenant] = Quota(**q)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--quotas {path}: tenant {tenant!r}: {e}") from None
+    return out
+
+
+def _running_network(file: str | None) -> tuple[str, int, dict]:
+    """(experiment file, point, ``up`` state) of the network ``testbed up`` runs;
+    ``ValueError`` saying what to do when none runs or ``file`` is another one."""
+    from pathlib import Path
+
+    from testbed.up import read_state
+
+    state = read_state()
+    if state is None or not state["alive"] or not state.get("ready"):
+        raise ValueError("--attach: no network is up; start one with 'testbed up FILE "
+                         "--detach' first")
+    if file is not None and Path(file).resolve() != Path(state["file"]):
+        raise ValueError(f"--attach: the network up is of {state['file']}, not {file}; leave "
+                         "FILE out or 'testbed down' first")
+    return state["file"], int(state.get("point", 0)), state
+
+
 def _serve_until(svc, socket_path: str | None, port: int | None, stop: threading.Event) -> int:
     with Server(svc, socket_path=socket_path, port=port) as srv:
         print(f"provider: policy {svc.manager.policy.name}, serving at {srv.url} "
               "(Ctrl-C stops)", file=sys.stderr)
+        if svc.resumed is not None:
+            print(f"provider: resumed from {svc.journal.path}: {json.dumps(svc.resumed)}",
+                  file=sys.stderr)
         while not stop.wait(0.5):
             pass
     return 0

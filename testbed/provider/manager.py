@@ -23,7 +23,14 @@ exactly.
   join them) becomes sustained-congested, every job is re-planned on the new telemetry,
   once per episode (the count restarts when the link is quiet again).
 * Every plan change (admission, re-plan, departure) is appended to :attr:`FabricManager.log`
-  with its time, job, old and new plan and the reason.
+  with its time, job, old and new plan and the reason, and raises the job's plan version
+  (:meth:`~FabricManager.plan_version`: what a tenant waiting for a pushed plan compares).
+  A change carries the iteration from which it applies (:meth:`~FabricManager.applies_at`):
+  :data:`APPLY_AFTER_ITERATIONS` after the last iteration the tenant reported in a renew, so
+  that every rank, reading the same number, switches at the same boundary.
+* :meth:`~FabricManager.state` / :meth:`~FabricManager.restore` give and take the whole state
+  (jobs, leases, plans, log) as JSON-able data: the service journals it
+  (``testbed.provider.journal``) so that a restarted provider resumes its jobs.
 """
 
 from __future__ import annotations
@@ -45,6 +52,14 @@ from testbed.provider.schema import (
 CONGESTED_UTIL = 0.9
 #: Consecutive congested snapshots that make congestion sustained (a re-plan).
 SUSTAINED_SNAPSHOTS = 3
+#: A plan change applies this many iterations after the last one the tenant reported: one
+#: iteration for the change to reach every rank, which then switch at the same boundary.
+APPLY_AFTER_ITERATIONS = 2
+#: Hints are judged once a job reported this many iterations since telemetry first saw it.
+CHECK_ITERATIONS = 3
+#: A job whose hosts send more than this factor above or below what its hints make the model
+#: expect (per iteration, under its plan) has misreported its hints.
+HINT_FACTOR = 3.0
 
 
 class ProviderError(ValueError):
@@ -69,6 +84,12 @@ class BadRequest(ProviderError):
     """The request names hosts the fabric lacks or a hints version the manager cannot read."""
 
     status = 422
+
+
+class QuotaExceeded(ProviderError):
+    """The request goes beyond its tenant's quota (jobs, priority)."""
+
+    status = 403
 
 
 class NoFeasiblePlan(ProviderError):
@@ -112,12 +133,60 @@ class PlanChange:
                 "old": None if self.old is None else self.old.model_dump(),
                 "new": None if self.new is None else self.new.model_dump()}
 
+    @classmethod
+    def from_json(cls, d: dict) -> PlanChange:
+        """The entry :meth:`to_json` gave."""
+        return cls(float(d["time_s"]), d["job"],
+                   None if d["old"] is None else Plan.model_validate(d["old"]),
+                   None if d["new"] is None else Plan.model_validate(d["new"]), d["reason"])
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What one tenant may hold (None: no limit), as SHARP reservations bound a tenant's
+    trees: ``jobs`` admitted at once, ``priority`` the highest its hints may claim,
+    ``memory_bytes`` static aggregator memory per switch over its jobs, ``trees_per_switch``
+    its INA jobs registered on one switch. A plan beyond the memory or tree quota is not
+    refused: the tenant's newest jobs that overrun it run on the hosts (ring) instead."""
+
+    jobs: int | None = None
+    priority: int | None = None
+    memory_bytes: int | None = None
+    trees_per_switch: int | None = None
+
+    def __post_init__(self):
+        for name in ("jobs", "priority", "memory_bytes", "trees_per_switch"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"quota {name} must be an integer >= 0 or None, got {v!r}")
+
 
 @dataclass
 class _Lease:
     req: JobRequest
     admitted_s: float
     expires_s: float
+    iteration: int | None = None  # the last iteration the tenant reported (renew)
+    #: the request with the figures telemetry observed, once its hints were found wrong
+    effective: JobRequest | None = None
+    #: the hints check: declared and observed bytes, their ratio, the verdict
+    check: dict | None = None
+    #: (bytes its hosts had sent, iteration) when telemetry first saw the job report
+    baseline: tuple[int, int] | None = None
+
+    @property
+    def planned(self) -> JobRequest:
+        """What the policy plans with: the request, or its observed figures."""
+        return self.effective or self.req
+
+    @property
+    def tenant(self) -> str:
+        return tenant_of(self.req)
+
+
+def tenant_of(req: JobRequest) -> str:
+    """The tenant a request belongs to (a job without one is a tenant of its own)."""
+    return req.tenant or req.job
 
 
 def same_offload(a: Plan | None, b: Plan | None) -> bool:
@@ -138,11 +207,15 @@ class FabricManager:
     policy given by name and used to fill ``predicted_comm_s`` a policy left empty.
     """
 
-    def __init__(self, inventory: FabricSnapshot, policy, model: PlanModel | None = None):
+    def __init__(self, inventory: FabricSnapshot, policy, model: PlanModel | None = None,
+                 quotas: dict[str, Quota] | None = None):
         if not isinstance(inventory, FabricSnapshot):
             raise TypeError(f"inventory must be a FabricSnapshot, got {type(inventory).__name__}")
         self.inventory = inventory
         self.model = model
+        #: per tenant (``"*"``: every tenant without its own entry)
+        self.quotas = {t: q if isinstance(q, Quota) else Quota(**q)
+                       for t, q in (quotas or {}).items()}
         self.policy = make_policy(policy, model) if isinstance(policy, str) else policy
         self.snapshot = inventory
         self.log: list[PlanChange] = []
@@ -151,6 +224,10 @@ class FabricManager:
         self._hot: dict[tuple[str, str], int] = {}
         self._switches = {s.name: s for s in inventory.switches}
         self._hosts = set(inventory.hosts)
+        #: raised by every change of jobs, leases or plans (what the service journals)
+        self.version = 0
+        self._plan_versions: dict[str, int] = {}
+        self._applies_at: dict[str, int | None] = {}
 
     # ---------------------------------------------------------------- queries
 
@@ -158,11 +235,46 @@ class FabricManager:
         """Current plan per admitted job."""
         return dict(self._plans)
 
+    def plan_version(self, job: str) -> int:
+        """How many times ``job``'s plan changed since admission (1: the first plan); 0 for a
+        job that is not admitted. Read without the service's lock by waiting tenants."""
+        return self._plan_versions.get(job, 0)
+
+    def applies_at(self, job: str) -> int | None:
+        """The iteration from which ``job``'s current plan applies (None: from the next
+        iteration boundary, the tenant reported no iteration)."""
+        self._lease(job)
+        return self._applies_at.get(job)
+
     def jobs(self) -> dict[str, dict]:
         """Admitted jobs: hosts, hints, lease times."""
         return {name: {"hosts": list(ls.req.hosts), "hints": ls.req.hints.model_dump(),
                        "lease_s": ls.req.lease_s, "admitted_s": ls.admitted_s,
-                       "expires_s": ls.expires_s} for name, ls in self._jobs.items()}
+                       "expires_s": ls.expires_s, "iteration": ls.iteration,
+                       "plan_version": self._plan_versions.get(name, 0),
+                       "applies_at": self._applies_at.get(name), "tenant": ls.tenant,
+                       "hints_check": ls.check,
+                       "planned_hints": ls.planned.hints.model_dump()}
+                for name, ls in self._jobs.items()}
+
+    def quota(self, tenant: str) -> Quota:
+        """The quota of ``tenant`` (its own, else ``"*"``'s, else none)."""
+        return self.quotas.get(tenant, self.quotas.get("*", Quota()))
+
+    def tenants(self) -> dict[str, dict]:
+        """Per tenant with a job: its jobs, static memory and INA jobs per switch, quota."""
+        alloc = self._allocations(self._plans)
+        out: dict[str, dict] = {}
+        for name, ls in self._jobs.items():
+            t = out.setdefault(ls.tenant, {"jobs": [], "memory_bytes": {},
+                                           "trees_per_switch": {},
+                                           "quota": vars(self.quota(ls.tenant))})
+            t["jobs"].append(name)
+            for sw, jobs in alloc.items():
+                if name in jobs:
+                    t["memory_bytes"][sw] = t["memory_bytes"].get(sw, 0) + jobs[name]
+                    t["trees_per_switch"][sw] = t["trees_per_switch"].get(sw, 0) + 1
+        return out
 
     def memory(self) -> dict[str, dict]:
         """Per switch: ``configured`` bytes, ``allocated`` bytes per job, ``free`` bytes."""
@@ -210,17 +322,35 @@ class FabricManager:
         if busy:
             raise Conflict(f"hosts {busy} belong to job(s) "
                            f"{sorted({held[h] for h in busy})}; a job needs hosts of its own")
-        reqs = [ls.req for ls in self._jobs.values()] + [req]
+        tenant, quota = tenant_of(req), self.quota(tenant_of(req))
+        if quota.priority is not None and req.hints.priority > quota.priority:
+            raise QuotaExceeded(f"hints.priority {req.hints.priority} is above tenant "
+                                f"{tenant!r}'s quota of {quota.priority}")
+        mine = sorted(n for n, ls in self._jobs.items() if ls.tenant == tenant)
+        if quota.jobs is not None and len(mine) >= quota.jobs:
+            raise QuotaExceeded(f"tenant {tenant!r} holds {len(mine)} job(s) {mine}, its quota "
+                                f"is {quota.jobs}; release one first")
+        reqs = self._requests() + [req]
         new = self._compute(reqs)
         self._jobs[req.job] = _Lease(req, now, now + req.lease_s)
         self._commit(new, now, {req.job: "admitted"}, f"re-plan on arrival of {req.job}")
         return self._plans[req.job]
 
-    def renew(self, job: str, now: float | None = None) -> float:
-        """Extend ``job``'s lease to ``now + lease_s``; returns the new expiry time."""
+    def renew(self, job: str, now: float | None = None, iteration: int | None = None) -> float:
+        """Extend ``job``'s lease to ``now + lease_s``; returns the new expiry time.
+        ``iteration``: the last iteration the job finished (plan changes then apply
+        :data:`APPLY_AFTER_ITERATIONS` later)."""
         now = time.monotonic() if now is None else float(now)
         ls = self._lease(job)
+        if iteration is not None:
+            if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+                raise BadRequest(f"iteration must be an integer >= 0, got {iteration!r}")
+            if ls.iteration is not None and iteration < ls.iteration:
+                raise BadRequest(f"iteration {iteration} of job {job!r} is before the last one "
+                                 f"reported ({ls.iteration})")
+            ls.iteration = iteration
         ls.expires_s = now + ls.req.lease_s
+        self.version += 1
         return ls.expires_s
 
     def release(self, job: str, now: float | None = None) -> None:
@@ -257,24 +387,82 @@ class FabricManager:
                     newly.append(key)
         self._hot = hot
         self.snapshot = snapshot
-        if not newly or not self._jobs:
-            return []
+        reasons = []
+        caught = self._check_hints(snapshot)
+        if caught:
+            reasons.append("hints disagree with telemetry: " + "; ".join(
+                f"{j} declared {self._jobs[j].check['declared_bytes']:,} B/iteration, "
+                f"observed {self._jobs[j].check['observed_bytes']:,} "
+                f"({self._jobs[j].check['ratio']:.3g}x), re-planned on the observed "
+                "figures with priority 0" for j in caught))
         hit = sorted({name for name, ls in self._jobs.items()
                       for key in newly if key in self._job_links(ls.req)})
-        if not hit:
+        if hit:
+            links = ", ".join(f"{a}->{b}" for a, b in newly)
+            reasons.append(f"sustained congestion on {links} ({SUSTAINED_SNAPSHOTS} snapshots "
+                           f"at >= {CONGESTED_UTIL:.0%} or with drops), links of "
+                           f"{', '.join(hit)}")
+        if not reasons:
             return []
-        links = ", ".join(f"{a}->{b}" for a, b in newly)
-        reason = (f"sustained congestion on {links} ({SUSTAINED_SNAPSHOTS} snapshots at "
-                  f">= {CONGESTED_UTIL:.0%} or with drops), links of {', '.join(hit)}")
         before = dict(self._plans)
         try:
-            new = self._compute([ls.req for ls in self._jobs.values()])
+            new = self._compute(self._requests())
         except NoFeasiblePlan:
             return []  # keep the running plans: they fit, a re-plan that does not is no gain
-        self._commit(new, now, {}, reason)
+        self._commit(new, now, {}, "; ".join(reasons))
         return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
 
+    def _check_hints(self, snapshot: FabricSnapshot) -> list[str]:
+        """Judge the hints of every job that reported :data:`CHECK_ITERATIONS` iterations
+        since telemetry first saw it: the bytes its hosts sent per iteration (their uplinks'
+        counters) against what the model expects of its declared ``collective_bytes`` under
+        its plan. A job off by more than :data:`HINT_FACTOR` either way is re-planned on the
+        observed figures (``collective_bytes`` scaled by the ratio) with priority 0: nothing
+        observable backs a priority claim of a job shown to misreport. Returns the jobs
+        caught now; each job is judged once."""
+        if self.model is None:
+            return []
+        up = {(lk.src, lk.dst): lk.bytes for lk in snapshot.links}
+        view = FabricView(self.inventory)
+        caught = []
+        for name, ls in self._jobs.items():
+            declared = ls.req.hints.collective_bytes
+            if ls.check is not None or ls.iteration is None or declared is None:
+                continue
+            links = [(h, view.edge.get(h)) for h in ls.req.hosts]
+            if any(k not in up for k in links):
+                continue  # an uplink telemetry cannot read: no check
+            sent = sum(up[k] for k in links)
+            if ls.baseline is None or sent < ls.baseline[0]:  # first look, or counters reset
+                ls.baseline = (sent, ls.iteration)
+                continue
+            iters = ls.iteration - ls.baseline[1]
+            if iters < CHECK_ITERATIONS or name not in self._plans:
+                continue
+            expected = self.model.sent_bytes(ls.req, self._plans[name], declared)
+            if not expected or sum(expected.values()) <= 0:
+                continue
+            ratio = (sent - ls.baseline[0]) / iters / sum(expected.values())
+            observed = max(1, round(declared * ratio))
+            ls.check = {"declared_bytes": declared, "observed_bytes": observed,
+                        "ratio": round(ratio, 4), "iterations": iters,
+                        "verdict": "consistent" if 1 / HINT_FACTOR <= ratio <= HINT_FACTOR
+                        else "misreported"}
+            if ls.check["verdict"] == "misreported":
+                hints = ls.req.hints.model_copy(update={"collective_bytes": observed,
+                                                        "priority": 0})
+                ls.effective = ls.req.model_copy(update={"hints": hints})
+                caught.append(name)
+        if caught:
+            self.version += 1
+        return caught
+
     # ---------------------------------------------------------------- internals
+
+    def _requests(self) -> list[JobRequest]:
+        """The admitted jobs' requests as the policy plans them (observed figures where the
+        hints were found wrong), in admission order."""
+        return [ls.planned for ls in self._jobs.values()]
 
     def _lease(self, job: str) -> _Lease:
         if job not in self._jobs:
@@ -285,9 +473,12 @@ class FabricManager:
         for name in names:
             old = self._plans.pop(name, None)
             del self._jobs[name]
+            self._plan_versions.pop(name, None)
+            self._applies_at.pop(name, None)
             self.log.append(PlanChange(now, name, old, None, why))
+        self.version += 1
         try:
-            new = self._compute([ls.req for ls in self._jobs.values()])
+            new = self._compute(self._requests())
         except NoFeasiblePlan:
             return  # the remaining plans fitted before and still do
         self._commit(new, now, {}, f"re-plan on departure of {', '.join(names)}")
@@ -323,6 +514,7 @@ class FabricManager:
         if set(plans) != names or any(plans[n].job != n for n in names):
             raise NoFeasiblePlan(f"policy {self.policy.name!r} planned {sorted(plans)} for "
                                  f"jobs {sorted(names)}")
+        plans = self._within_quotas(reqs, plans)
         used: dict[str, int] = {}
         for r in reqs:
             for sw, b in plan_memory(plans[r.job], len(r.hosts)).items():
@@ -342,6 +534,30 @@ class FabricManager:
                 "predicted_comm_s": self.model.comm_s(by[n], p, snap)}) for n, p in plans.items()}
         return plans
 
+    def _within_quotas(self, reqs: list[JobRequest], plans: dict[str, Plan]) -> dict[str, Plan]:
+        """``plans`` with every job that takes its tenant beyond its memory or tree quota
+        on a switch moved to the hosts (ring), the tenant's earliest jobs keeping theirs."""
+        out = dict(plans)
+        used: dict[tuple[str, str], list[int]] = {}  # (tenant, switch) -> [bytes, trees]
+        for r in reqs:
+            tenant, q = tenant_of(r), self.quota(tenant_of(r))
+            mem = plan_memory(out[r.job], len(r.hosts))
+            over = []
+            for sw, b in mem.items():
+                u = used.get((tenant, sw), [0, 0])
+                if q.memory_bytes is not None and u[0] + b > q.memory_bytes:
+                    over.append(f"{sw}: {u[0] + b:,} B > its {q.memory_bytes:,} B")
+                if q.trees_per_switch is not None and u[1] + 1 > q.trees_per_switch:
+                    over.append(f"{sw}: {u[1] + 1} trees > its {q.trees_per_switch}")
+            if over:
+                out[r.job] = Plan(job=r.job, algo="ring", reason=f"tenant {tenant!r} quota "
+                                  f"({'; '.join(over)}): ring on the hosts")
+                continue
+            for sw, b in mem.items():
+                u = used.setdefault((tenant, sw), [0, 0])
+                u[0], u[1] = u[0] + b, u[1] + 1
+        return out
+
     def _commit(self, new: dict[str, Plan], now: float, first: dict[str, str],
                 reason: str) -> None:
         for name, plan in new.items():
@@ -351,4 +567,55 @@ class FabricManager:
                                            f"{first[name]}: {plan.reason}"))
             elif not same_offload(old, plan):
                 self.log.append(PlanChange(now, name, old, plan, f"{reason}: {plan.reason}"))
+            else:
+                self._plans[name] = plan  # a new prediction or reason is not a change
+                continue
             self._plans[name] = plan
+            it = self._jobs[name].iteration
+            self._applies_at[name] = None if it is None else it + APPLY_AFTER_ITERATIONS
+            self._plan_versions[name] = self._plan_versions.get(name, 0) + 1
+        self.version += 1
+
+    # ---------------------------------------------------------------- persistence
+
+    def state(self) -> dict:
+        """Jobs (request, lease, last iteration), plans with their versions, and the log, as
+        JSON-able data (:meth:`restore` takes it back)."""
+        return {"topology": self.inventory.topology, "hosts": sorted(self._hosts),
+                "jobs": {n: {"request": ls.req.model_dump(), "admitted_s": ls.admitted_s,
+                             "expires_s": ls.expires_s, "iteration": ls.iteration,
+                             "effective": None if ls.effective is None
+                             else ls.effective.model_dump(),
+                             "check": ls.check, "baseline": ls.baseline}
+                         for n, ls in self._jobs.items()},
+                "plans": {n: p.model_dump() for n, p in self._plans.items()},
+                "plan_versions": dict(self._plan_versions),
+                "applies_at": dict(self._applies_at),
+                "log": [c.to_json() for c in self.log]}
+
+    def restore(self, state: dict) -> None:
+        """Take the state :meth:`state` gave (a restarted provider's journal), replacing this
+        manager's. ``ValueError`` naming the problem when it is not of this fabric (other
+        hosts, a job without a plan): nothing changes then."""
+        if state.get("topology") != self.inventory.topology or \
+                set(state.get("hosts", ())) != self._hosts:
+            raise ValueError(f"the journal is of fabric {state.get('topology')!r} with hosts "
+                             f"{state.get('hosts')}, not of this one "
+                             f"({self.inventory.topology!r}, {sorted(self._hosts)})")
+        jobs = {n: _Lease(JobRequest.model_validate(j["request"]), float(j["admitted_s"]),
+                          float(j["expires_s"]), j.get("iteration"),
+                          None if j.get("effective") is None
+                          else JobRequest.model_validate(j["effective"]),
+                          j.get("check"),
+                          None if j.get("baseline") is None else tuple(j["baseline"]))
+                for n, j in state["jobs"].items()}
+        plans = {n: Plan.model_validate(p) for n, p in state["plans"].items()}
+        if set(plans) != set(jobs):
+            raise ValueError(f"the journal's plans {sorted(plans)} are not those of its jobs "
+                             f"{sorted(jobs)}")
+        self._jobs, self._plans = jobs, plans
+        self._plan_versions = {n: int(v) for n, v in state.get("plan_versions", {}).items()}
+        self._applies_at = dict(state.get("applies_at", {}))
+        self.log = [PlanChange.from_json(c) for c in state.get("log", [])]
+        self._hot = {}
+        self.version += 1

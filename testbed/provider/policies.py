@@ -197,10 +197,7 @@ class PlanModel:
                 plan.error_feedback, key)
         if pkey in self._cache:
             return self._cache[pkey]
-        place = {}
-        if is_offloaded(plan.algo):
-            place = {"tree": plan.tree if plan.tree is not None else "single",
-                     "slots": max(plan.slots, 1), "mode": plan.mode}
+        place = _placement(plan)
         try:
             spec = CollectiveSpec(op="allreduce", nbytes=4 * -(-nbytes // 4),
                                   **communication_of(plan), placement=place,
@@ -211,6 +208,29 @@ class PlanModel:
             t = None  # the model does not apply to this plan here (e.g. unshaped links)
         self._cache[pkey] = t
         return t
+
+
+    def sent_bytes(self, req: JobRequest, plan: Plan, nbytes: int) -> dict[str, float] | None:
+        """Wire bytes each host of ``req`` sends in one allreduce of ``nbytes`` under
+        ``plan``, as the model has it (None where the model does not apply)."""
+        try:
+            spec = CollectiveSpec(op="allreduce", nbytes=4 * -(-int(nbytes) // 4),
+                                  **communication_of(plan), placement=_placement(plan),
+                                  window=max(plan.slots, 1) if is_offloaded(plan.algo) else 64)
+            pred = flowmodel.predict(self.describe, spec, workers=list(req.hosts),
+                                     hop_latency_s=self.hop_latency_s)
+        except (ValueError, KeyError):
+            return None
+        sent = pred.sent_bytes()
+        return {h: sent.get(h, 0.0) for h in req.hosts}
+
+
+def _placement(plan: Plan) -> dict:
+    """``CollectiveSpec.placement`` of an offloaded plan (empty for the others)."""
+    if not is_offloaded(plan.algo):
+        return {}
+    return {"tree": plan.tree if plan.tree is not None else "single",
+            "slots": max(plan.slots, 1), "mode": plan.mode}
 
 
 def _ring(job: str, reason: str) -> Plan:

@@ -74,6 +74,9 @@ class JobRequest(_Strict):
 
     job: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     hosts: list[str] = Field(min_length=2, max_length=32)
+    #: who the job belongs to, for quotas (None: the job is a tenant of its own)
+    tenant: str | None = Field(default=None, min_length=1, max_length=64,
+                               pattern=r"^[A-Za-z0-9_.-]+$")
     hints: Hints = Hints()
     lease_s: float = Field(default=30.0, gt=0, le=3600)
 
@@ -105,7 +108,9 @@ class SwitchState(_Strict):
 
 
 class LinkState(_Strict):
-    """One directed link: its rate, and live telemetry (utilisation 0..1, queue, drops)."""
+    """One directed link: its rate, and live telemetry (utilisation 0..1, queue, drops;
+    ``bytes``: bytes carried in that direction since its counters started, of which
+    utilisation is the recent rate)."""
 
     src: str
     dst: str
@@ -114,6 +119,7 @@ class LinkState(_Strict):
     queue_bytes: int = Field(default=0, ge=0)
     drops: int = Field(default=0, ge=0)
     trims: int = Field(default=0, ge=0)
+    bytes: int = Field(default=0, ge=0)
 
 
 class FabricSnapshot(_Strict):

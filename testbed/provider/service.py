@@ -29,11 +29,17 @@ GET  /v1/health            policy, job count, time
 GET  /v1/inventory         the fabric: hosts, switches with aggregator memory, links with rates
 GET  /v1/telemetry         the latest snapshot (+ per-engine figures and collection errors)
 GET  /v1/memory            per switch: configured, allocated per job, free bytes
-GET  /v1/jobs              admitted jobs with their lease and current plan
-POST /v1/jobs              JobRequest -> Plan (201); 409 name or hosts taken, 422 bad request
+GET  /v1/tenants           per tenant: jobs, switch memory and trees per switch, quota
+GET  /v1/jobs              admitted jobs with their lease, current plan and hints check
+POST /v1/jobs              JobRequest -> Plan (201); 409 name or hosts taken, 422 bad request,
+                           403 beyond the tenant's quota (jobs, priority)
 GET  /v1/jobs/{job}        one job: lease, plan, and its switch registration (INA plans)
 GET  /v1/jobs/{job}/plan   the current plan (workers poll it at iteration boundaries)
-POST /v1/jobs/{job}/renew  extend the lease by the job's lease_s
+GET  /v1/jobs/{job}/plan/next?after=V&wait_s=T
+                           long poll: the plan once its version exceeds V (or after T s), with
+                           its version and the iteration it applies from
+POST /v1/jobs/{job}/renew  extend the lease by the job's lease_s (?iteration=K: the last
+                           iteration the job finished, from which changes are scheduled)
 DELETE /v1/jobs/{job}      release the job (memory back, switches cleared, others re-planned)
 GET  /v1/log               every plan change with its time and reason
 GET  /v1/plan?policy=P     dry run: the plans policy P would give the admitted jobs now
@@ -46,11 +52,13 @@ locking rule (every call into the manager under the one lock) checkable by readi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import uvicorn
@@ -60,6 +68,7 @@ from fastapi.responses import JSONResponse
 
 from testbed.collectives.algorithms import is_offloaded
 from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient
+from testbed.provider.journal import Journal
 from testbed.provider.manager import (
     FabricManager,
     NoFeasiblePlan,
@@ -77,8 +86,13 @@ DEFAULT_SOCKET = os.path.join(RUN_DIR, "provider.sock")
 DEFAULT_TELEMETRY_PERIOD_S = 1.0
 DEFAULT_REAP_PERIOD_S = 0.25
 #: Job ids the service gives the INA jobs it registers on switches (16-bit, clear of the ids
-#: tests and experiments pick for their own collectives).
+#: tests and experiments pick for their own collectives). A restarted provider removes the ids
+#: of this range that no journaled job owns (registrations of a provider that died).
 FIRST_JOB_ID = 1000
+LAST_JOB_ID = 1999
+#: Longest wait of a tenant's long poll for a plan change, and how often it looks.
+MAX_WAIT_S = 300.0
+WAIT_POLL_S = 0.05
 JOB_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 JobName = Annotated[str, Path(pattern=JOB_NAME, description="the job's name")]
 
@@ -111,8 +125,10 @@ class Telemetry:
     inventory declares; ``time_dilation``: the network's factor (links run at their rate
     divided by it, so utilisation is measured against the dilated rate). Each
     :meth:`collect` asks every programmable node for its counters; link utilisation is the
-    byte-counter delta since the previous collection over the interval and the link rate; queue depth, trims and queue drops come from a ``trim`` stage
-    on the source's egress port, drops from the port's drop counters; a switch's allocated
+    byte-counter delta since the previous collection over the interval and the link rate; queue
+    depth and queue drops come from a ``trim`` or ``shape`` stage on the source's egress port
+    (trims from the former), drops from the port's drop counters, ``bytes`` from its byte
+    counter; a switch's allocated
     memory per job from its ``aggregate`` stage. A node that does not answer is reported in
     :attr:`errors` and contributes nothing (its links read as idle).
     """
@@ -129,6 +145,7 @@ class Telemetry:
         self._prev: dict[str, tuple[float, dict]] = {}
         self.errors: dict[str, str] = {}
         self.engines: dict[str, dict] = {}
+        self.jobs_held: dict[str, set[int]] = {}
         self.collected_s: float | None = None
 
     def _counters(self, node: str) -> dict | None:
@@ -176,6 +193,10 @@ class Telemetry:
                                         allocated_bytes=alloc,
                                         programmable=name in self.nodes))
         self.engines = {node: _engine_summary(data) for node, data in counters.items()}
+        #: per answering node with an aggregate stage, the job ids it holds now
+        self.jobs_held = {node: {int(j) for j in data["stages"]["aggregate"].get("jobs", {})}
+                          for node, data in counters.items()
+                          if "aggregate" in data.get("stages", {})}
         self.collected_s = now
         return FabricSnapshot(topology=str(self.desc.get("kind", "")), time_s=now,
                               switches=switches, links=links,
@@ -191,18 +212,23 @@ class Telemetry:
         tx_bps, rx_bps = rates.get(node, {}).get(port, (0.0, 0.0))
         bps = tx_bps if egress else rx_bps
         queue = drops = trims = 0
-        trim = data.get("stages", {}).get("trim", {}).get("ports", {}).get(port)
+        stages = data.get("stages", {})
+        trim = stages.get("trim", {}).get("ports", {}).get(port)
         if egress and trim is not None:
             queue = int(trim.get("depth_bytes", 0))
             trims = int(trim.get("trimmed", 0))
             drops += int(trim.get("dropped", 0))
+        shape = stages.get("shape", {}).get("ports", {}).get(port)
+        if egress and shape is not None:  # a port its engine shapes queues there
+            queue += int(shape.get("depth_bytes", 0))
+            drops += int(shape.get("dropped", 0))
         if not egress:  # packets that arrived over this link and were dropped at its end
             drops += sum(int(v) for v in data.get("ports", {}).get(port, {})
                          .get("drops", {}).values())
+        carried = data.get("ports", {}).get(port, {}).get("tx_bytes" if egress else "rx_bytes")
         return LinkState(src=src, dst=dst, rate_mbps=rate_mbps,
                          utilisation=round(bps * self.time_dilation / (rate_mbps * 1e6), 4),
-                         queue_bytes=queue,
-                         drops=drops, trims=trims)
+                         queue_bytes=queue, drops=drops, trims=trims, bytes=int(carried or 0))
 
     def close(self) -> None:
         """Close the control connections."""
@@ -251,12 +277,18 @@ class SwitchConfigurator:
         self.handles: dict[str, tuple[Plan, Any, dict]] = {}
         self.registrations: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
+        self.registered_again: dict[str, int] = {}
         self._ids: dict[str, int] = {}
 
     def _job_id(self, job: str) -> int:
         if job not in self._ids:
             used = set(self._ids.values())
-            self._ids[job] = next(i for i in range(FIRST_JOB_ID, 0xFFFF) if i not in used)
+            free = (i for i in range(FIRST_JOB_ID, LAST_JOB_ID + 1) if i not in used)
+            self._ids[job] = next(free, None)
+            if self._ids[job] is None:
+                del self._ids[job]
+                raise RuntimeError(f"every job id of the provider's range {FIRST_JOB_ID}.."
+                                   f"{LAST_JOB_ID} is in use")
         return self._ids[job]
 
     def sync(self, plans: dict[str, Plan], jobs: dict[str, dict]) -> None:
@@ -275,23 +307,26 @@ class SwitchConfigurator:
                 del self._ids[job]
                 self.errors.pop(job, None)
 
+    def _spec(self, job: str, plan: Plan, hints: dict):
+        from testbed.collectives.spec import CollectiveSpec, communication_of  # see _register
+
+        return CollectiveSpec(
+            op="allreduce", nbytes=4 * -(-int(hints.get("collective_bytes") or 1 << 20) // 4),
+            **communication_of(plan), job_id=self._job_id(job),
+            placement={"tree": plan.tree if plan.tree is not None else "single",
+                       "slots": max(plan.slots, 1), "mode": plan.mode})
+
     def _register(self, job: str, plan: Plan, hosts: list[str], hints: dict) -> None:
         # Function-level imports: the collective runner loads the kernels (Numba), which only
         # a service that configures a running network needs.
         from testbed.collectives.ina import ina_lanes
         from testbed.collectives.runner import CollectiveError, register_ina_job
-        from testbed.collectives.spec import CollectiveSpec, communication_of
 
         nodes = [self.net.mininet.get(h) for h in hosts]
-        spec = CollectiveSpec(
-            op="allreduce", nbytes=4 * -(-int(hints.get("collective_bytes")
-                                                                 or 1 << 20) // 4),
-            **communication_of(plan), job_id=self._job_id(job),
-            placement={"tree": plan.tree if plan.tree is not None else "single",
-                       "slots": max(plan.slots, 1), "mode": plan.mode})
         entry = {"n": len(nodes), "ranks": [{"host": h.name, "pid": int(h.pid), "ip": h.IP()}
                                            for h in nodes]}
         try:
+            spec = self._spec(job, plan, hints)
             handle = register_ina_job(self.net, spec, entry, nodes)
         except (CollectiveError, ValueError, RuntimeError) as e:
             self.errors[job] = str(e)
@@ -303,6 +338,77 @@ class SwitchConfigurator:
                                    "fallbacks": entry.get("fallbacks", []),
                                    "slots": handle.spec.slots, "mode": plan.mode,
                                    "lanes": ina_lanes(spec, len(nodes))}
+
+    def reconcile(self, held: dict[str, set[int]], plans: dict[str, Plan],
+                  jobs: dict[str, dict]) -> list[str]:
+        """Register again, under the same job id, every job a switch of its tree no longer
+        holds (``held``: per switch, the job ids it holds now; a switch whose engine was
+        restarted holds none): a new first round, which ``GET /v1/jobs/{job}`` shows.
+        Returns those jobs (:attr:`registered_again` counts them per job)."""
+        lost = [job for job, (_p, _h, _e) in self.handles.items()
+                if any(sw in held and self._ids[job] not in held[sw]
+                       for sw in (self.registrations[job].get("tree") or []))]
+        for job in lost:
+            self._remove(job)  # from the switches that still hold it
+            if job in plans:
+                self._register(job, plans[job], list(jobs[job]["hosts"]), jobs[job]["hints"])
+            self.registered_again[job] = self.registered_again.get(job, 0) + 1
+        return lost
+
+    # -- a restarted provider ---------------------------------------------------------------
+    def saved(self) -> dict[str, dict]:
+        """What the journal keeps per registered job: its job id, the plan it was registered
+        for and the registration its workers use."""
+        return {job: {"job_id": self.registrations[job]["job_id"],
+                      "plan": _switch_config(plan), "registration": self.registrations[job]}
+                for job, (plan, _h, _e) in self.handles.items()}
+
+    def _on_switches(self) -> dict[str, set[int]]:
+        """Per programmable switch, the job ids its aggregate stage holds."""
+        out = {}
+        for sw, client in self.net.datapath_clients().items():
+            agg = client.counters().get("stages", {}).get("aggregate")
+            if agg is not None:
+                out[sw] = {int(j) for j in agg.get("jobs", {})}
+        return out
+
+    def adopt(self, saved: dict[str, dict], plans: dict[str, Plan],
+              jobs: dict[str, dict]) -> dict[str, list]:
+        """Reconcile the switches with a journal (a restarted provider): a saved registration
+        of a job whose plan still asks for it and which every switch of its tree still holds
+        is adopted as is (its workers go on undisturbed); one a switch lost is registered
+        again (a new registration); the service's job ids on the switches that no adopted
+        job owns are removed (stale). Returns what was ``adopted``, ``restored`` and
+        ``removed`` (``[switch, job id]``)."""
+        from testbed.collectives.runner import InaJob  # see _register
+
+        held = self._on_switches()
+        out: dict[str, list] = {"adopted": [], "restored": [], "removed": []}
+        for job, s in sorted(saved.items()):
+            plan = plans.get(job)
+            reg = s["registration"]
+            tree = list(reg.get("tree") or [])
+            if plan is None or not _in_network(plan) or _switch_config(plan) != s["plan"] \
+                    or not tree or any(s["job_id"] not in held.get(sw, ()) for sw in tree):
+                continue
+            self._ids[job] = int(s["job_id"])
+            spec = self._spec(job, plan, jobs[job]["hints"])
+            clients = {sw: self.net.switch_client(sw) for sw in tree}
+            handle = InaJob(spec, SimpleNamespace(tree=tree), clients, reg.get("fallbacks", []))
+            self.handles[job] = (plan, handle,
+                                 {"n": len(reg["ranks"]), "ranks": reg["ranks"], "tree": tree})
+            self.registrations[job] = reg
+            out["adopted"].append(job)
+        owned = {self._ids[j] for j in self.handles}
+        for sw, ids in sorted(held.items()):
+            for jid in sorted(ids):
+                if FIRST_JOB_ID <= jid <= LAST_JOB_ID and jid not in owned:
+                    self.net.switch_client(sw).configure("aggregate", remove_jobs=[jid])
+                    out["removed"].append([sw, jid])
+        missing = {j for j, p in plans.items() if _in_network(p) and j not in self.handles}
+        self.sync(plans, jobs)
+        out["restored"] = sorted(j for j in missing if j in self.handles)
+        return out
 
     def _remove(self, job: str) -> None:
         from testbed.collectives.runner import CollectiveError  # see _register
@@ -337,14 +443,18 @@ class ProviderService:
 
     ``manager``: the :class:`FabricManager`; ``telemetry``: a :class:`Telemetry` (None: the
     service sees only its inventory); ``switches``: a :class:`SwitchConfigurator` (None: plans
-    are computed and served but no switch is configured); ``clock``: seconds, monotonic.
+    are computed and served but no switch is configured); ``clock``: seconds, monotonic;
+    ``journal``: a :class:`~testbed.provider.journal.Journal` (None: the state lives in this
+    process only). A journal that holds a state is resumed: jobs, leases and plans restored,
+    the switches reconciled with its registrations (:attr:`resumed` says what was adopted,
+    restored and removed), and every later change is saved to it.
     """
 
     def __init__(self, manager: FabricManager, telemetry: Telemetry | None = None,
                  switches: SwitchConfigurator | None = None,
                  telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
                  reap_period_s: float = DEFAULT_REAP_PERIOD_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, journal: Journal | None = None):
         for name, v in (("telemetry_period_s", telemetry_period_s),
                         ("reap_period_s", reap_period_s)):
             if not (isinstance(v, (int, float)) and v > 0):
@@ -359,17 +469,50 @@ class ProviderService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.last_error: str | None = None  # the latest failure of a background loop
+        #: set when the server stops: tenants' long polls answer at once
+        self.closing = threading.Event()
+        self.journal = journal
+        self.resumed: dict | None = None
+        self._saved: tuple = (-1, None)
+        saved = journal.load() if journal is not None else None
+        if saved is not None:
+            state, _regs = saved
+            self.manager.restore(state)
+            # leases ran on while no provider did: those that ran out end now, before the
+            # switches are reconciled
+            expired = self.manager.expire(self.clock())
+            self.resumed = {"jobs": sorted(set(state["jobs"]) - set(expired)),
+                            "expired": expired}
+        if switches is not None:
+            # registrations of a provider that died are adopted (journaled) or removed
+            adopted = switches.adopt(saved[1] if saved else {}, self.manager.plans(),
+                                     self.manager.jobs())
+            if self.resumed is not None or adopted["removed"]:
+                self.resumed = {**(self.resumed or {"jobs": [], "expired": []}), **adopted}
+        self._save()
+
+    def _save(self) -> None:
+        """Journal the state when it changed since the last save."""
+        if self.journal is None:
+            return
+        regs = self.switches.saved() if self.switches is not None else {}
+        mark = (self.manager.version, regs)
+        if mark != self._saved:
+            self.journal.save(self.manager.state(), regs)
+            self._saved = mark
 
     # -- calls into the manager, serialised ---------------------------------------------------
     def call(self, fn: Callable[[FabricManager, float], Any]) -> Any:
         """Run ``fn(manager, now)`` under the lock; afterwards bring the switches in line
-        with the plans when they changed."""
+        with the plans when they changed, and journal what changed."""
         with self.lock:
             before = self.manager.plans()
-            result = fn(self.manager, self.clock())
-            if self.switches is not None and self.manager.plans() != before:
-                self.switches.sync(self.manager.plans(), self.manager.jobs())
-            return result
+            try:
+                return fn(self.manager, self.clock())
+            finally:
+                if self.switches is not None and self.manager.plans() != before:
+                    self.switches.sync(self.manager.plans(), self.manager.jobs())
+                self._save()
 
     def reap(self) -> list[str]:
         """Expire the jobs whose lease ran out now; returns their names."""
@@ -381,7 +524,13 @@ class ProviderService:
         if self.telemetry is None:
             return []
         snap = self.telemetry.collect(self.clock())
-        return self.call(lambda m, now: m.observe(snap, now))
+        changed = self.call(lambda m, now: m.observe(snap, now))
+        if self.switches is not None:
+            with self.lock:  # a switch whose engine restarted lost its jobs: register them
+                if self.switches.reconcile(self.telemetry.jobs_held, self.manager.plans(),
+                                           self.manager.jobs()):
+                    self._save()
+        return changed
 
     # -- background ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -406,14 +555,18 @@ class ProviderService:
                 self.last_error = f"{fn.__name__}: {type(e).__name__}: {e}"
 
     def stop(self) -> None:
-        """Stop the background threads, remove the service's jobs from the switches."""
+        """Stop the background threads. Without a journal, remove the service's jobs from
+        the switches; with one they stay registered, journaled, for the next start to adopt
+        (a provider restarted for an upgrade does not stop its tenants' jobs)."""
         self._stop.set()
         for t in self._threads:
             t.join(timeout=10)
         self._threads = []
         with self.lock:
-            if self.switches is not None:
+            if self.switches is not None and self.journal is None:
                 self.switches.close()
+            if self.journal is not None:
+                self.journal.close()
         if self.telemetry is not None:
             self.telemetry.close()
 
@@ -442,6 +595,7 @@ def create_app(service: ProviderService) -> FastAPI:
         sw = service.switches
         if sw is not None:
             out["registration"] = sw.registrations.get(name)
+            out["registered_again"] = sw.registered_again.get(name, 0)
             if name in sw.errors:
                 out["registration_error"] = sw.errors[name]
         return out
@@ -476,6 +630,10 @@ def create_app(service: ProviderService) -> FastAPI:
     def memory() -> dict:
         return service.call(lambda m, now: m.memory())
 
+    @app.get("/v1/tenants")
+    def tenants() -> dict:
+        return service.call(lambda m, now: m.tenants())
+
     @app.get("/v1/jobs")
     def jobs() -> dict:
         return service.call(lambda m, now: {n: job_view(m, now, n, i)
@@ -499,10 +657,36 @@ def create_app(service: ProviderService) -> FastAPI:
     def plan(job: JobName) -> Plan:
         return service.call(lambda m, now: one_job(m, now, job)["plan"])
 
+    @app.get("/v1/jobs/{job}/plan/next")
+    async def next_plan(
+            job: JobName,
+            after: Annotated[int, Query(ge=0, description="the plan version the tenant has")] = 0,
+            wait_s: Annotated[float, Query(gt=0, le=MAX_WAIT_S,
+                                           description="longest wait for a change")] = 30.0
+    ) -> dict:
+        # A long poll (not server-sent events): one plain request per change, which every HTTP
+        # client and proxy handles, and a tenant that missed a change while reconnecting gets
+        # it at once (it names the version it has). Waiting is a coroutine: a thousand waiting
+        # tenants hold no thread of the server.
+        deadline = time.monotonic() + wait_s
+        m = service.manager
+        while 0 < m.plan_version(job) <= after and time.monotonic() < deadline \
+                and not service.closing.is_set():
+            await asyncio.sleep(WAIT_POLL_S)
+
+        def pushed(m: FabricManager, now: float) -> dict:
+            plan = one_job(m, now, job)["plan"]
+            version = m.plan_version(job)
+            return {"job": job, "version": version, "changed": version > after, "plan": plan,
+                    "applies_at": m.applies_at(job)}
+        return await asyncio.to_thread(service.call, pushed)
+
     @app.post("/v1/jobs/{job}/renew")
-    def renew(job: JobName) -> dict:
+    def renew(job: JobName, iteration: Annotated[
+            int | None, Query(ge=0, description="the last iteration the job finished: plan "
+                              "changes apply from a later one")] = None) -> dict:
         def do(m: FabricManager, now: float) -> dict:
-            expires = m.renew(job, now)
+            expires = m.renew(job, now, iteration)
             return {"job": job, "expires_s": expires, "expires_in_s": round(expires - now, 3)}
         return service.call(do)
 
@@ -588,6 +772,7 @@ class Server:
 
     def stop(self) -> None:
         """Stop serving and the service's background threads."""
+        self.service.closing.set()
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout=10)
@@ -620,12 +805,17 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
                  policy: str = "cooperative",
                  net=None, telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
                  reap_period_s: float = DEFAULT_REAP_PERIOD_S,
-                 clock: Callable[[], float] = time.monotonic) -> ProviderService:
+                 clock: Callable[[], float] = time.monotonic,
+                 journal: str | os.PathLike | None = None,
+                 quotas: dict | None = None) -> ProviderService:
     """A service for ``topology`` (a ``TestbedTopo``, a ``TestbedNet`` or a ``describe()``
     dict) whose programmable switches have ``memory_bytes`` of static aggregator memory each
     (or per switch; None: what the engines of ``net`` report, :func:`engine_memory`),
-    planning with ``policy`` and the flow model. With ``net`` (a running ``TestbedNet``) it
-    collects telemetry from its engines and configures its switches."""
+    planning with ``policy`` and the flow model. With ``net`` (a running ``TestbedNet``, or
+    the ``AttachedNet`` of a network another process runs) it collects telemetry from its
+    engines and configures its switches. ``journal``: an SQLite file the service keeps its
+    state in and resumes from (``testbed.provider.journal``). ``quotas``: per tenant (``"*"``
+    for every other one), a :class:`~testbed.provider.manager.Quota` or its fields."""
     # Function-level import: the manager and policies load the flow model and its kernels.
     from testbed.provider.manager import inventory_of
     from testbed.provider.policies import PlanModel
@@ -644,10 +834,10 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
         model = PlanModel(desc)
     except (ValueError, KeyError, TypeError):
         model = None  # e.g. unshaped links: plans without predictions
-    manager = FabricManager(inventory, policy, model)
+    manager = FabricManager(inventory, policy, model, quotas)
     mem = {s.name: s.memory_bytes for s in inventory.switches}
     telemetry = Telemetry(desc, mem, float(getattr(net, "time_dilation", 1.0) or 1.0)) \
         if net is not None else None
     switches = SwitchConfigurator(net) if net is not None else None
     return ProviderService(manager, telemetry, switches, telemetry_period_s, reap_period_s,
-                           clock)
+                           clock, None if journal is None else Journal(journal))

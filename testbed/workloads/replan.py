@@ -18,6 +18,8 @@ and slots) between two iterations, without stopping. The pieces, top to bottom:
   the start of every allreduce and switches exactly there (:class:`Switcher`). The old
   communicator is closed only at the next switch or at the end, when no peer can still be
   reading from it.
+* rank 0 reports each finished iteration (``progress``), which the pool passes on to the
+  runner: a provider judges a job's hints by the bytes it sends per iteration.
 * at ``i + 1`` every rank closes its old communicator and sets up the new one (ports through
   the pool, as at start-up). Once every rank reported its new port, every rank has finished
   iteration ``i`` on the old plan; the pool tells the runner (``switched``), which then
@@ -79,6 +81,8 @@ class Switcher:
     def __call__(self, it: int) -> None:
         for m in self.ctl.ready():
             self._take(m)
+        if self.rank == 0 and it > 0:  # the job's progress, for a provider checking hints
+            self.ctl.send({"type": "progress", "iteration": it - 1})
         if self.rank == 0 and self.offer is not None and it + 1 < self.iterations:
             m, self.offer = self.offer, None
             m = {**m, "at": it + 1}
@@ -161,6 +165,8 @@ class Coordinator:
             self.switching = (epoch, at, job)
             self.epochs.append((at, epoch, job["train"]))
             self._tell_runner({"type": "switching", "epoch": epoch, "at": at})
+        elif m["type"] == "progress" and rank == 0:
+            self._tell_runner(m)
         elif m["type"] == "port" and self.switching is not None:
             self.ports[rank] = int(m["port"])
             if len(self.ports) == len(self.ctls):

@@ -151,6 +151,7 @@ class _Job:
         self.planes: dict[int, contextlib.ExitStack] = {}
         self.switches: list[dict] = []
         self.plan_errors: list[str] = []
+        self.iteration: int | None = None  # the last one rank 0 reported finished
         self.queued_s = 0.0  # waiting for switch memory before the start (s, wall clock)
         self.refused_since: float | None = None  # the wanted plan's first refusal
 
@@ -230,6 +231,8 @@ class _Job:
             msgs = []
             self.channel = None
         for m in msgs:
+            if m["type"] == "progress":
+                self.iteration = int(m["iteration"])
             if m["type"] == "switched" and self.offered and m["epoch"] == self.offered[0]:
                 old = max(e for e in self.planes if e != m["epoch"]) if len(self.planes) > 1 \
                     else None
@@ -409,8 +412,9 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
     ``progress(text)``: called when a job starts and ends. ``on_start(index, spec)``: called
     when a job's start time comes; the spec it returns is the one launched (e.g. a provider's
     plan for the job; an exception fails the job's start). ``on_end(index, result)``: called
-    once a job ended or failed to start. ``on_tick(indices)``: called every
-    :data:`POLL_S` with the indices of the running jobs; it returns ``{index: spec}`` for the
+    once a job ended or failed to start. ``on_tick(running)``: called every
+    :data:`POLL_S` with ``{index: last finished iteration or None}`` of the running jobs
+    (rank 0 reports each iteration); it returns ``{index: spec}`` for the
     jobs to move to a new plan (communication fields of ``spec``), which they apply at an
     iteration boundary (``replan.py``; without ``on_tick`` a job keeps its plan). A job whose
     INA registration a switch refuses for memory waits for it (retried every :data:`POLL_S`,
@@ -485,7 +489,7 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                        f"done: accuracy {res.summary['final_accuracy']}, "
                        f"{res.summary['jct_s']:.3g} s"))
             if on_tick is not None and running:
-                wanted = on_tick([j.index for j in running]) or {}
+                wanted = on_tick({j.index: j.iteration for j in running}) or {}
                 for job in running:
                     if job.index in wanted:
                         job.want(wanted[job.index])

@@ -172,5 +172,55 @@ def test_bench_cooperation_rows_medians_spread_ratios_and_targets():
     assert not met["cooperative within 10 % of oracle"][0]
     assert not met["spread (IQR / median) <= 0.25"][0]  # cooperative's 1.0
     assert trace_path("cloud_no_help").name == "cloud_no_help.toml"
-    with pytest.raises(ValueError, match="shipped: cloud_cooperation, cloud_no_help"):
+    with pytest.raises(ValueError, match="shipped: cloud_cheater, cloud_cooperation, "
+                       "cloud_no_help"):
         trace_path("cloud_nowhere")
+
+
+def test_bench_cooperation_compares_a_liar_with_its_honest_twin():
+    from testbed.bench.cooperation import honest_twin, honesty_rows, targets, trace_path
+    from testbed.experiment.cooperation import load_cooperation
+
+    exp = load_cooperation(trace_path("cloud_cheater"))
+    liar = next(j for j in exp.jobs if j.overstate != 1)
+    assert liar.overstate == 10 and liar.priority == 7
+    twin = {j.name: j for j in honest_twin(exp).jobs}
+    assert twin[liar.name].overstate == 1 and twin[liar.name].priority == 0
+    assert all(twin[j.name] == j for j in exp.jobs if j.overstate == 1)
+
+    def job(name, jct, over, verdict):
+        return {"row": "job", "policy": "cooperative", "job": name, "jct_s": jct,
+                "overstate": over, "hints_check": verdict, "hints_ratio": 0.1,
+                "status": "ok", "correct": True}
+
+    lying = [job("liar", 2.0, 10.0, "misreported"), job("liar", 2.2, 10.0, "misreported"),
+             job("honest", 5.0, 1.0, "consistent"), job("honest", 5.4, 1.0, "consistent")]
+    honest = [job("liar", 2.1, 1.0, None), job("liar", 2.1, 1.0, None),
+              job("honest", 5.0, 1.0, None), job("honest", 5.0, 1.0, None)]
+    rows = {r["role"]: r for r in honesty_rows("cloud_cheater", 20.0, lying, honest)}
+    assert rows["liar"]["lying_vs_honest"] == 1.0 and rows["liar"]["verdicts"] == [
+        "misreported", "misreported"]
+    assert rows["honest"]["lying_vs_honest"] == round(5.2 / 5.0, 4)
+    met = targets(list(rows.values()))
+    assert met["a liar gains <= 5 %"][0] and met["honest jobs lose <= 5 % to a liar"][0]
+    honest[0]["jct_s"] = honest[1]["jct_s"] = 3.0  # honesty would have cost the liar
+    lying[2]["jct_s"] = lying[3]["jct_s"] = 6.0
+    met = targets(honesty_rows("cloud_cheater", 20.0, lying, honest))
+    assert not met["a liar gains <= 5 %"][0] and not met["honest jobs lose <= 5 % to a liar"][0]
+
+
+@pytest.mark.mininet
+def test_shipped_cheater_is_caught_by_telemetry_on_mininet(tmp_path):
+    """experiments/cloud_cheater.toml as shipped: rank 0 of each job reports its iterations
+    through the pool, the manager compares the uplinks' bytes with the hints, and the liar is
+    re-planned as misreported (about a tenth of its claim) while the honest job is found
+    consistent; every sum agrees with numpy."""
+    rows = run_cooperation(load_cooperation(EXPERIMENTS / "cloud_cheater.toml"), tmp_path,
+                           say=lambda text: None)
+    jobs = {r["job"]: r for r in rows if r["row"] == "job"}
+    summary = next(r for r in rows if r["row"] == "summary")
+    assert all(r["status"] == "ok" and r["correct"] for r in jobs.values()), jobs
+    assert jobs["liar"]["hints_check"] == "misreported", jobs["liar"]
+    assert 0.05 < jobs["liar"]["hints_ratio"] < 1 / 3
+    assert jobs["honest"]["hints_check"] == "consistent", jobs["honest"]
+    assert summary["replans"]["hints"] >= 1

@@ -65,7 +65,7 @@ def test_replans_are_counted_by_reason():
            PlanChange(2, "a", p, p, "re-plan on departure of b: y"),
            PlanChange(3, "a", p, p, "sustained congestion on s1->s2 (3 snapshots): y"),
            PlanChange(4, "a", p, p, "sustained congestion on s1->s2 (3 snapshots): y")]
-    assert replan_reasons(log[1:]) == {"arrival": 1, "departure": 1, "congestion": 2,
+    assert replan_reasons(log[1:]) == {"arrival": 1, "departure": 1, "hints": 0, "congestion": 2,
                                        "other": 0}
 
 

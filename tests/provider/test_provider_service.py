@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from testbed.provider.client import ProviderClient, ProviderRefused, ProviderUnreachable
+from testbed.provider.policies import plan_memory
 from testbed.provider.schema import FabricSnapshot, Hints, JobRequest, Plan
 from testbed.provider.service import Server, Telemetry, make_service
 from testbed.topologies import Star
@@ -366,3 +367,64 @@ def test_telemetry_reads_each_direction_at_the_right_port():
             leaf = a if a in leaves else b
             port = spec["port_a"] if leaf == a else spec["port_b"]
             assert ports2[(a, b)][:2] == ports2[(b, a)][:2] == (leaf, f"{leaf}-eth{port}")
+
+
+FOLLOWER = """
+import json, sys, time
+from testbed.provider.client import PlanFollower, ProviderClient
+from testbed.provider.schema import Hints, JobRequest
+out = {"plans": []}
+with ProviderClient(sys.argv[1]) as pc:
+    plan = pc.admit(JobRequest(job="t1", hosts=["tbh1", "tbh2"],
+                               hints=Hints(collective_bytes=1 << 20)))
+    with PlanFollower(sys.argv[1], "t1", plan) as follow:
+        print("admitted", flush=True)
+        for it in range(200):
+            plan = follow.plan_for(it)
+            out["plans"].append(plan.algo)
+            time.sleep(0.05)  # the iteration
+            follow.done(it)
+            if plan.algo == "ina" and out["plans"].count("ina") >= 3:
+                break
+        out["applied"] = follow.applied
+        out["registration"] = pc.job("t1")["registration"]
+    pc.release("t1")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.mininet
+def test_tenant_in_host_follows_a_pushed_replan_mid_job(tmp_path):
+    """A tenant's loop inside an emulated host gets a re-plan pushed (long poll) when another
+    job leaves the switch's memory, and applies it at the iteration the service named: the
+    one after next of the last it reported; the job is then registered on the switch."""
+    from testbed.topologies.net import TestbedNet
+
+    with TestbedNet(_topo(4)) as net:
+        h1 = net.hosts[0]
+        memory = plan_memory(Plan(job="x", algo="ina", tree=["tbs1"], slots=32), 2)["tbs1"]
+        svc = make_service(net, memory, policy="provider_only", net=net)
+        with Server(svc, socket_path=str(tmp_path / "provider.sock")) as srv, \
+                ProviderClient(srv.url) as pc:
+            assert pc.admit(_req("t0", ["tbh3", "tbh4"])).algo == "ina"  # holds the memory
+            proc = subprocess.Popen(["mnexec", "-a", str(h1.pid), sys.executable, "-c",
+                                     FOLLOWER, srv.url], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                assert proc.stdout.readline().strip() == "admitted", proc.stderr.read()
+                assert pc.plan("t1").algo == "ring"
+                time.sleep(0.5)  # a few iterations on the ring
+                pc.release("t0")  # t1 gets the switch: pushed to the tenant
+                out, err = proc.communicate(timeout=120)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        assert proc.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    plans = res["plans"]
+    switch_at = plans.index("ina")
+    assert switch_at >= 5 and set(plans[:switch_at]) == {"ring"}, plans
+    assert set(plans[switch_at:]) == {"ina"}
+    assert res["applied"] == [[switch_at, 2]]
+    assert res["registration"]["tree"] == ["tbs1"]

@@ -115,8 +115,10 @@ def test_plan_changes_apply_at_a_boundary_and_are_checked(tmp_path):
              dataclasses.replace(spec, algo="hd", job_id=epoch_job_id(1, 2))]
     ch.send({"type": "plan", "epoch": 1, "job": {"train": plans[0].to_json(), "ranks": ranks}})
     ours.settimeout(120)
-    reports = []
+    reports, progress = [], []
     while (msgs := ch.feed()) is not None:
+        progress += [m["iteration"] for m in msgs if m["type"] == "progress"]
+        msgs = [m for m in msgs if m["type"] != "progress"]
         reports += msgs
         if {"type": "switched", "epoch": 1} in [{k: m[k] for k in ("type", "epoch")}
                                                 for m in msgs]:
@@ -131,6 +133,8 @@ def test_plan_changes_apply_at_a_boundary_and_are_checked(tmp_path):
         (1, "ring", "fp16"), (2, "hd", None)]
     assert 0 < sw[0]["at"] < sw[1]["at"] < spec.iterations
     assert [m["type"] for m in reports] == ["switching", "switched"] * 2
+    # rank 0 reported every finished iteration but the last (the runner learns the end anyway)
+    assert progress == list(range(spec.iterations - 1))
     checked = {(c["iteration"], c["algo"], c["compressor"]) for c in r["checks"]}
     mid = (("hd", None) if sw[1]["at"] <= 15 else ("ring", "fp16") if sw[0]["at"] <= 15
            else ("ring", None))  # the plan in force at the middle check iteration
