@@ -96,6 +96,12 @@ def plan(topo, ranks: list[int], port: int, tree=None, tables: dict | None = Non
     candidates = aggregating_switches(topo)
     hosts = [topo.host_names[r] for r in ranks]
     if tree is None or tree == "single":
+        if topo.aggregator_switch is None and candidates:
+            raise TopologyError(
+                f"this {getattr(topo, 'kind', 'topology')} has no one aggregating switch "
+                f"(programmable: {candidates}, but no single switch is on every worker's "
+                "path, e.g. several spines): give the tree, tree='auto' (the lowest switch "
+                "all paths cross, with the leaves aggregating below it) or a list of switches")
         if topo.aggregator_switch is None:
             raise TopologyError("in-network aggregation needs an aggregator: build the topology "
                                 "with switch='programmable' (or give a tree of switches)")

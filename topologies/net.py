@@ -45,6 +45,11 @@ time. ``time_dilation="auto"`` starts at 1 and leaves the factor to a calibratio
 Leaving the ``with`` block - normally, by an exception, by KeyboardInterrupt or SIGTERM -
 stops everything and removes every interface named after our nodes.
 
+**Watchers** (:func:`watch_networks`): whoever wants to follow the networks of this process
+(the notebooks' live fabric view, :mod:`testbed.experiment.live`) is told when each one is up
+and when it is about to go down, whoever built it (an experiment, a launched script, a
+replay); the builders need no option for it.
+
 Why one module this long: :class:`TestbedNet` is the one way a network is built (demo, benches,
 tests and experiments alike); its set-up, shaping checks, data-path programs and teardown belong
 to that one owner.
@@ -78,7 +83,7 @@ from testbed.datapath.engine import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 from testbed.netlock import emulation_lock, is_held
 
-from . import aggtree, cluster, routing
+from . import cluster, routing
 from .base import (
     AGGREGATOR_IP,
     AGGREGATOR_MAC,
@@ -105,6 +110,7 @@ from .pipeline import (
     engine_shaped_ports,
     queue_bytes,
 )
+from .routes import FabricRoutes
 
 #: The kernel's minimum TCP retransmission timeout (``TCP_RTO_MIN``), which a dilated network
 #: stretches on every host like its other times. Unstretched, it fired on queueing delay: a
@@ -113,6 +119,53 @@ from .pipeline import (
 #: timeouts per 4 MiB run, every retransmission a D-SACKed duplicate; none with the floor at
 #: 2.4 s).
 TCP_RTO_MIN_US = 200_000
+
+#: ``(up, down)`` of every :func:`watch_networks` block now open, and the networks now up
+_WATCHERS: list[tuple] = []
+_UP: list[TestbedNet] = []
+_WATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def watch_networks(up, down=None):
+    """While the block runs, call ``up(net)`` for every :class:`TestbedNet` of this process
+    once it has started (at once for those up already), and ``down(net)`` just before it is
+    torn down, in the thread that starts or stops it. A watcher that raises is reported on
+    stderr; it never stops a network from starting or from being torn down."""
+    with _WATCH_LOCK:
+        _WATCHERS.append((up, down))
+        running = list(_UP)
+    try:
+        for net in running:
+            _tell(up, net)
+        yield
+    finally:
+        with _WATCH_LOCK:
+            _WATCHERS.remove((up, down))
+
+
+def _tell(fn, net: TestbedNet) -> None:
+    if fn is None:
+        return
+    try:
+        fn(net)
+    except Exception as e:  # noqa: BLE001 - a watcher never breaks the network
+        print(f"testbed: network watcher {fn!r} failed: {type(e).__name__}: {e}",
+              file=sys.stderr)
+
+
+def _announce(net: TestbedNet, is_up: bool) -> None:
+    """Tell the watchers that ``net`` is up (``is_up``) or about to go down."""
+    with _WATCH_LOCK:
+        if is_up:
+            _UP.append(net)
+        elif net in _UP:
+            _UP.remove(net)
+        else:
+            return  # never announced up (it failed while starting)
+        watchers = list(_WATCHERS)
+    for up, down in watchers:
+        _tell(up if is_up else down, net)
 
 
 class TBIntf(TCIntf):
@@ -273,7 +326,7 @@ def _root_ifaces() -> set[str]:
     return set(os.listdir("/sys/class/net"))
 
 
-class TestbedNet:
+class TestbedNet(FabricRoutes):
     """A running emulated network for ``topo`` (a context manager; see the module docstring).
 
     Options: ``lock_timeout`` (s to wait for the emulation lock), ``offloads_off`` (True),
@@ -362,6 +415,7 @@ class TestbedNet:
             if not nested:
                 _clear_leftovers()
             self._start()
+            _announce(self, True)
         except BaseException:
             self._teardown()
             raise
@@ -467,6 +521,7 @@ class TestbedNet:
         old_int = signal.signal(signal.SIGINT, _defer) if main else None
         old_term = signal.signal(signal.SIGTERM, _defer) if main else None
         try:
+            _announce(self, False)
             for client in self._clients.values():
                 with contextlib.suppress(Exception):
                     client.close()
@@ -1007,15 +1062,17 @@ class TestbedNet:
                 names.append(name)
         return names
 
-    def bottleneck_bps(self, hosts=None, pattern: str = "ring") -> float | None:
+    def bottleneck_bps(self, hosts=None, pattern: str = "ring",
+                       aggregator: str | None = None) -> float | None:
         """The alpha-beta model's bandwidth B (bit/s) for a collective among ``hosts``.
 
         ``hosts``: ranks, names or Host objects (default: all). ``pattern``: 'ring' (ring
         algorithms), 'ina' (every host to the aggregator and back), 'all_to_one' (reduction
         server / incast). The per-flow rate of the most loaded link when all the pattern's
         flows run at once, ECMP splitting flows equally. None when the used links are unshaped.
+        ``aggregator``: INA's (a tree's root; default the topology's aggregator switch).
         """
-        mbps = routing.bottleneck_mbps(self.topo, self._host_names(hosts), pattern)
+        mbps = routing.bottleneck_mbps(self.topo, self._host_names(hosts), pattern, aggregator)
         return None if mbps is None else mbps * 1e6
 
     def hop_latency_s(self) -> float:
@@ -1110,27 +1167,6 @@ class TestbedNet:
             ports[name] = stats
         return {"datapath": dp, "ports": ports}
 
-    def ina_plan(self, hosts, port: int, tree=None) -> aggtree.InaPlan:
-        """The aggregation tree of an INA job with workers on ``hosts`` (ranks, names or Host
-        objects, in worker order) binding UDP ``port``: which switches aggregate, their members
-        and parents, each worker's switch and member id (``tree``: None/'single', 'auto' or a
-        list of switches; see :mod:`testbed.topologies.aggtree`)."""
-        names = self._host_names(hosts)
-        return aggtree.plan(self.topo, [self.topo.host_names.index(h) for h in names], port,
-                            tree, self._tables)
-
-    def first_hop(self, switch: str, host: str, sport: int, dport: int) -> str:
-        """The interface of programmable ``switch`` that a UDP flow to ``host`` leaves by."""
-        return aggtree.egress_port(self.topo, switch, host, sport, dport, self._tables)
-
-    def aggregators(self) -> dict[str, dict]:
-        """Programmable switch -> its aggregator identity ``{"ip", "mac"}``."""
-        out = {}
-        for sw in aggregating_switches(self.topo):
-            mac, ip = switch_identity(self.topo, sw)
-            out[sw] = {"ip": ip, "mac": mac}
-        return out
-
     def dead_engines(self) -> dict[str, int]:
         """Programmable nodes whose data-path engine has exited: node -> exit status
         (negative: killed by that signal)."""
@@ -1141,3 +1177,22 @@ class TestbedNet:
             if eng is not None and eng.poll() is not None:
                 dead[node.name] = eng.returncode
         return dead
+
+    def restart_engine(self, name: str) -> float:
+        """Start programmable node ``name``'s engine again (dead, killed, or running: stopped
+        first) with its programs and tables, re-timed for the network's time dilation; its
+        registered INA jobs and counters are gone (the control plane registers jobs again).
+        Returns the seconds until it answered; ``KeyError`` for a node that has no engine."""
+        mn = self._require_running()
+        if name not in self._clients:
+            raise KeyError(f"{name!r} is not a programmable node of this network; "
+                           f"programmable: {sorted(self._clients)}")
+        with contextlib.suppress(Exception):
+            self._clients[name].close()
+        took = mn.get(name).restart_engine()
+        client = self._clients[name] = DatapathClient(name)
+        # it started with the settings of the build's dilation: re-time it for today's
+        for stage, settings in self._dilated_stage_updates(self.time_dilation).get(name, []):
+            client.configure(stage, **settings)
+        client.set_coalesce(self._coalesce_us(self.time_dilation))
+        return took

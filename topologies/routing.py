@@ -287,8 +287,10 @@ def flows_for(pattern: str, hosts: list[str], aggregator: str | None) -> list[tu
     raise ValueError(f"pattern must be one of 'ring', 'ina', 'all_to_one', got {pattern!r}")
 
 
-def bottleneck_mbps(topo: TestbedTopo, hosts: list[str], pattern: str = "ring") -> float | None:
-    """Per-flow bottleneck rate (Mb/s) when all flows of ``pattern`` run at once.
+def bottleneck_mbps(topo: TestbedTopo, hosts: list[str], pattern: str = "ring",
+                    aggregator: str | None = None) -> float | None:
+    """Per-flow bottleneck rate (Mb/s) when all flows of ``pattern`` run at once
+    (``aggregator``: INA's, default the topology's aggregator switch; a tree's root).
 
     Each flow is spread over its equal-cost shortest paths; a directed link carrying total
     flow fraction L at capacity C gives every flow on it C / L. The minimum over links is the
@@ -296,7 +298,7 @@ def bottleneck_mbps(topo: TestbedTopo, hosts: list[str], pattern: str = "ring") 
     """
     adj = adjacency(topo)
     total: dict[tuple[str, str], float] = {}
-    for src, dst in flows_for(pattern, hosts, topo.aggregator_switch):
+    for src, dst in flows_for(pattern, hosts, aggregator or topo.aggregator_switch):
         for link, f in _flow_paths(adj, src, dst).items():
             total[link] = total.get(link, 0.0) + f
     rates = [adj[u][v][1] / load for (u, v), load in total.items()

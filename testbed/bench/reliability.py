@@ -9,13 +9,17 @@ and a fat-tree k=4 whose aggregator is the core switch ``tbc1`` with 12 workers;
 ``ina``, ``ina`` + THC and ``nic`` (SmartNIC-offloaded, on the same fabrics with a SmartNIC in
 front of every host). Every row is checked against the numpy sum of the inputs.
 
-Rows (keys): ``scenario`` (``matrix``, ``slowdown``, ``non_member_flood``, ``engine_killed``),
+Rows (keys): ``scenario`` (``matrix``, ``slowdown``, ``non_member_flood``, ``engine_killed``,
+``engine_restarted``),
 ``topology``, ``algo``, ``n``, ``bytes``, ``loss_pct``, ``dup_pct``, ``reorder_pct``,
 ``status`` (``ok`` | ``wrong`` | ``hang`` | ``error``), ``correct``, ``time_s``,
 ``clean_time_s``, ``slowdown``, and per scenario: ``drops_not_member``, ``stray_sent``
 (flood: every stray is dropped ``NOT_MEMBER`` while the job is registered, ``UNKNOWN_JOB``
 before and after; ``all_strays_counted`` checks both against what the stranger sent and the
-switch port received), ``seconds_to_error``, ``error``, ``leftovers`` (engine killed).
+switch port received), ``seconds_to_error``, ``error``, ``leftovers`` (engine killed: a job
+that asked to fail, ``placement["engine_death"] = "fail"``); ``seconds_to_end``,
+``engine_restarts``, ``fallback_s``, ``rerun`` (engine restarted: INA and a TCP ring, the
+default, which must complete exact).
 
 ``--quick``: each impairment alone at its largest value and all three combined, 1 MiB, plus
 the star's slowdown rows at 1 % and 5 % loss (8 MiB), the flood and the killed engine; the full
@@ -26,6 +30,7 @@ matrix is every combination of ``loss_pct`` {0, 1, 5, 10}, ``dup_pct`` {0, 1, 5}
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import select
@@ -103,7 +108,7 @@ def _cell(net, spec: CollectiveSpec) -> dict:
 
 def _spec(algo: str, nbytes: int, n: int, job_id: int, reps: int = 1) -> CollectiveSpec:
     return CollectiveSpec(nbytes=nbytes, workers=n, window=64, timeout_s=TIMEOUT_S, seed=job_id,
-                          job_id=job_id, repetitions=reps, **ALGOS[algo])
+                          job_id=job_id, repetitions=reps, **ALGOS.get(algo, {"algo": algo}))
 
 
 def matrix(kind: str, algos, scenarios, nbytes: int, emit) -> None:
@@ -275,12 +280,20 @@ def _ip(s: str) -> bytes:
 # ------------------------------------------------------------------------ a dying switch
 
 
-def engine_killed(nbytes: int, kind: str, emit) -> None:
-    """SIGKILL the aggregator's engine mid-allreduce: the collective must fail fast with an
-    error naming the node; nothing may be left behind after the network is torn down."""
+def engine_killed(nbytes: int, kind: str, emit, algo: str = "ina",
+                  on_death: str = "fail") -> None:
+    """SIGKILL the aggregator's engine mid-allreduce. ``on_death="fail"`` (an INA job's
+    ``placement["engine_death"]``): the collective must fail fast with an error naming the
+    node. ``"restart"`` (the default of every job): the engine is started again and the
+    collective completes exact (INA rerun from its start, a TCP ring riding it out); the row
+    says how long the switch was away. Nothing may be left behind after the network is
+    torn down."""
     topo, agg, n = _topology(kind, False)
-    spec = _spec("ina", nbytes, n, 400, reps=50)
-    row = {"scenario": "engine_killed", "topology": kind, "algo": "ina", "n": n,
+    spec = _spec(algo, nbytes, n, 400, reps=50 if on_death == "fail" else 20)
+    if on_death == "fail":
+        spec = dataclasses.replace(spec, placement={"engine_death": "fail"})
+    row = {"scenario": "engine_killed" if on_death == "fail" else "engine_restarted",
+           "topology": kind, "algo": algo, "n": n,
            "bytes": nbytes, "loss_pct": 0, "dup_pct": 0, "reorder_pct": 0,
            "timeout_s": spec.timeout_s}
     with TestbedNet(topo) as net:
@@ -300,13 +313,24 @@ def engine_killed(nbytes: int, kind: str, emit) -> None:
         engine = net.mininet.get(agg).engine
         t_kill = time.monotonic()
         engine.send_signal(signal.SIGKILL)
-        t.join(spec.timeout_s * spec.repetitions + 60)
+        t.join(spec.timeout_s * spec.repetitions + 120)
         err = box.get("error")
-        row["seconds_to_error"] = round(box["t_end"] - t_kill, 3) if "t_end" in box else None
+        row["seconds_to_error" if on_death == "fail" else "seconds_to_end"] = \
+            round(box["t_end"] - t_kill, 3) if "t_end" in box else None
         row["error"] = f"{type(err).__name__}: {err}"[:300] if err else None
-        named = isinstance(err, CollectiveError) and agg in str(err)
-        row["status"] = "error" if named else ("ok" if err is None else "wrong")
-        row["correct"] = False
+        if on_death == "fail":
+            named = isinstance(err, CollectiveError) and agg in str(err)
+            row["status"] = "error" if named else ("ok" if err is None else "wrong")
+            row["correct"] = False
+        else:
+            rows = box.get("rows") or []
+            restarts = (rows[0].get("engine_restarts") or []) if rows else []
+            row["correct"] = bool(rows) and all(r["correct"] for r in rows)
+            row["status"] = "ok" if row["correct"] and restarts else \
+                ("error" if err is not None else "wrong")
+            row.update(engine_restarts=restarts, rerun=rows[0].get("rerun") if rows else None,
+                       fallback_s=rows[0].get("fallback_s") if rows else None,
+                       time_s=round(sum(r["time_s"] for r in rows), 4) if rows else None)
     # what the dead engine's network left running (its log is kept on purpose: the error
     # names it)
     left = leftovers()
@@ -348,6 +372,8 @@ def run(quick: bool = False, emit=None) -> list[dict]:
     slowdown_rows(8 * MiB, (1, 5), out)
     non_member_flood(8 * MiB, 2000.0, "star8", out)
     engine_killed(4 * MiB, "star8", out)
+    for algo in ("ina", "ring"):
+        engine_killed(4 * MiB, "star8", out, algo=algo, on_death="restart")
     return rows
 
 
@@ -355,8 +381,8 @@ def measure(emit, quick: bool) -> Outcome:
     """``testbed bench reliability`` (:mod:`testbed.bench.protocol`); not ok when a matrix,
     slowdown or flood row is wrong or hung, or a killed engine went unnoticed."""
     rows = run(quick, emit)
-    bad = [r for r in rows if r["scenario"] in ("matrix", "slowdown", "non_member_flood")
-           and r["status"] != "ok"]
+    bad = [r for r in rows if r["scenario"] in ("matrix", "slowdown", "non_member_flood",
+                                                "engine_restarted") and r["status"] != "ok"]
     checked = [r for r in rows if r["scenario"] != "engine_killed"]
     killed = [r for r in rows if r["scenario"] == "engine_killed"]
     missed = [r for r in killed if r["status"] != "error" or r["leftovers"]

@@ -168,6 +168,15 @@ class Prediction:
         """Whether ``time_s`` is a prediction (else ``notes`` say why not)."""
         return self.time_s is not None
 
+    def sent_bytes(self) -> dict[str, float]:
+        """Wire bytes each node sends in the collective (payload times its wire factor;
+        TCP ACKs aside): what a host's uplink counter should show per run."""
+        out: dict[str, float] = {}
+        for p in self.phases:
+            for f, _rate, _path in p.rates:
+                out[f.src] = out.get(f.src, 0.0) + f.nbytes * f.wire
+        return out
+
     def summary(self) -> str:
         """One line per phase: time, slowest rate and bottleneck link."""
         lines = []
@@ -690,6 +699,101 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
                      "the time is a lower bound")
     f = float(time_dilation)
     return Prediction(total / f, results, notes, extra_s / f, f)
+
+
+@dataclass
+class ConcurrentJob:
+    """One job of :func:`predict_concurrent`: ``spec`` (its ``repetitions`` run back to
+    back) on ``workers`` (``servers`` for rs), starting ``start_s`` after the first."""
+
+    spec: CollectiveSpec
+    workers: list[str]
+    servers: list[str] = field(default_factory=list)
+    start_s: float = 0.0
+
+
+def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
+                       hop_latency_s: float | None = None,
+                       time_dilation: float = 1.0) -> list[float]:
+    """Each job's completion time (from its own start, undilated) when ``jobs`` run at once
+    and share the fabric's links: one fluid simulation of every job's phases in turn (a
+    phase's flows, then its latency and pipelining fill, during which the job sends
+    nothing), all active flows of all jobs sharing every link max-min fairly, the rates
+    recomputed whenever a flow or a wait ends or a job starts. What :func:`predict` adds to an
+    INA job alone for its window and losses is added to its time here too. The fair sharing is
+    the model's assumption (TCP against TCP; INA's UDP without ``ina_cc`` takes more in
+    practice: ``testbed bench ina-sharing`` measures by how much)."""
+    topo = routing.as_topology(topology)
+    _check_dilation(time_dilation)
+    f = float(time_dilation)
+    hop_s = _hop_s(topo, hop_latency_s, f)
+    net = _Network(topo, f)
+    plan = []  # per job: its phases in order (repetitions unrolled), start, INA extra
+    for j in jobs:
+        spec = j.spec
+        spec.validate(len(topo.host_names))
+        agg: str | InaTree | None = topo.aggregator_switch
+        if is_offloaded(spec.algo) and ((spec.placement or {}).get("tree")
+                                            not in (None, "single") or agg is not None):
+            try:
+                agg = InaTree.of(topo, list(j.workers), spec, net.tables)
+            except TopologyError as e:
+                raise ValueError(f"CollectiveSpec.placement: {e}") from None
+        phs = phases(spec, list(j.workers), list(j.servers), agg)
+        extra = 0.0
+        if is_offloaded(spec.algo):
+            alone = _run_phase(net, phs[0], hop_s)
+            extra = _ina_extra(spec, phs[0], alone, topo, hop_s, f)
+        plan.append((phs * spec.repetitions, j.start_s * f, extra))
+    # per job: phase index, the flows of its phase still sending (flow, weights, bytes
+    # left), the time its wait ends (latency/fill, or its start), when it finished
+    state = [{"k": -1, "flows": [], "wait": start, "end": None, "first": None}
+             for _phs, start, _x in plan]
+    t = 0.0
+    while any(st["end"] is None for st in state):
+        for ji, st in enumerate(state):  # jobs whose wait is over move to their next phase
+            phs = plan[ji][0]
+            while st["end"] is None and not st["flows"] and st["wait"] <= t + 1e-12:
+                st["k"] += 1
+                if st["k"] >= len(phs):
+                    st["end"] = t
+                    break
+                ph = phs[st["k"]]
+                flows = [fl for fl in ph.flows if fl.src != fl.dst and fl.nbytes > 0]
+                st["flows"] = [[fl, net.weights(fl), float(fl.nbytes)] for fl in flows]
+                st["first"] = None
+                hops = ph.trip_hops if ph.trip_hops is not None else max(
+                    (len(net.flow_path(fl)) - 1 for fl in flows), default=0)
+                st["latency"] = ph.trips * hops * hop_s
+                st["fill_bytes"] = ph.fill_bytes
+                if not flows:
+                    st["wait"] = t + st["latency"]
+        active = [(ji, i) for ji, st in enumerate(state) if st["end"] is None
+                  for i in range(len(st["flows"]))]
+        waits = [st["wait"] for st in state if st["end"] is None and not st["flows"]
+                 and st["wait"] > t]
+        if not active and not waits:
+            continue
+        dt = min(w - t for w in waits) if waits else math.inf
+        rates = []
+        if active:
+            rates = max_min_rates([state[ji]["flows"][i][1] for ji, i in active], net.capacity)
+            for (ji, i), r in zip(active, rates, strict=True):
+                if state[ji]["first"] is None or r < state[ji]["first"]:
+                    state[ji]["first"] = r  # the phase's slowest rate: its fill is paid at it
+                dt = min(dt, state[ji]["flows"][i][2] / r)
+        t += dt
+        for (ji, i), r in zip(active, rates, strict=True):
+            state[ji]["flows"][i][2] -= r * dt
+        for st in state:
+            if st["end"] is None and st["flows"]:
+                st["flows"] = [x for x in st["flows"] if x[2] > 1e-9 * x[0].nbytes]
+                if not st["flows"]:  # the phase's transfer is done: its latency and fill
+                    fill = st["fill_bytes"] / st["first"] if st["fill_bytes"] and \
+                        st["first"] else 0.0
+                    st["wait"] = t + st["latency"] + fill
+    return [(st["end"] - start + extra) / f
+            for st, (_phs, start, extra) in zip(state, plan, strict=True)]
 
 
 def _check_dilation(time_dilation) -> None:

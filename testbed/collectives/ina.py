@@ -26,6 +26,12 @@ shared CPU), and ``CollectiveTimeout`` after ``timeout_s`` without progress. ``l
 outgoing contributions and incoming results with that probability (seeded), to exercise recovery
 when the switch has no impair stage.
 
+Congestion response (``CollectiveSpec.ina_cc="delay"``, off by default): at most ``cwnd <= W``
+packets outstanding, sent in packet order (so each slot still carries ``j, j+W, ...``), the
+window driven by the round trips the loop samples (``inakernel.cc_sample``); without it a job
+keeps all W slots busy and its UDP queues in front of TCP jobs sharing a link starve them.
+The window carries over from one collective of a client to its next.
+
 ``algo="nic"``: the worker sends raw FLOAT32 payloads; its SmartNIC (``nic_codec`` program,
 ``fixed32``) quantises them with ATP's fixed factor on the way out and turns the INT32 RESULT
 back into FLOAT32 on the way in, so the host does no fixed-point work and needs no exponent
@@ -211,6 +217,9 @@ class InaClient:
         self.mode = ik.MODE_NIC if spec.algo == "nic" else (
             ik.MODE_THC if spec.compressor is not None else ik.MODE_INT32)
         self.W = spec.slots
+        # congestion response (ik.cc_sample); the window carries over to the next collective
+        self.cc = ik.CC_DELAY if spec.ina_cc == "delay" else ik.CC_OFF
+        self.cwnd = 0.0
         self.timeout_s = spec.timeout_s
         # on a dilated network (runner.py) every timer of the loop runs that much slower
         self.dilation = float(job.get("time_dilation", 1.0))
@@ -378,7 +387,7 @@ class InaClient:
         """The slot protocol loop (bursts, timers, retransmissions) for one collective."""
         total = p.K + p.boot
         now = time.monotonic()
-        loop = ik.new_loop(now, self.dilation)
+        loop = ik.new_loop(now, self.dilation, self.cc, self.cwnd)
         st = loop[0]
         k = ik.start(self.slots, loop, p, now, self.send_list)
         self._send(k)
@@ -437,6 +446,10 @@ class InaClient:
         self.stats["sent"] += int(st["sends"])
         self.stats["retransmitted"] += int(st["sends"]) - total
         self.stats.update(results=done, srtt_ms=float(st["srtt"]) * 1e3)
+        if self.cc != ik.CC_OFF:
+            self.cwnd = float(st["cwnd"])
+            self.stats.update(cwnd=self.cwnd, cwnd_min=float(st["cwnd_min"]),
+                              base_rtt_ms=float(st["base_rtt"]) * 1e3)
 
     def _protocol_error(self, slot: int, code: int, got: int) -> None:
         if code == 2:
@@ -475,7 +488,9 @@ def warm_up() -> None:
     x = np.ones(300, np.float32)
     q = np.zeros(300, np.int32)
     fp.dequantize_into(q, fp.scale_for(0, 2), x)
-    for mode in (ik.MODE_INT32, ik.MODE_NIC, ik.MODE_THC):
+    for mode, cc in ((ik.MODE_INT32, ik.CC_OFF), (ik.MODE_NIC, ik.CC_OFF),
+                     (ik.MODE_THC, ik.CC_DELAY)):  # every kernel, with the loop's one type
+        loop[0]["cc"] = cc
         p = ik.Payload(mode, x, x.copy(), q, np.zeros(2, np.int16), 2, W, 256, 300, 2, 1, 0,
                        4.0, 8.0, 8, np.uint64(1), np.uint64(2), np.zeros(1024, np.float32))
         ik.start(slots, loop, p, 0.0, send_list)

@@ -14,7 +14,9 @@ The state is three small records:
   retransmitted flag, deadline, timeout, packet length and the packet row itself;
 * :data:`LOOP_DTYPE` - one record: RTT estimator (srtt, rttvar, timeout, and its floor and
   cap), last progress time, send counter, the highest send order answered and the round trip
-  of that packet (for fast retransmission);
+  of that packet (for fast retransmission), and the congestion window's state (``cc``,
+  ``cwnd``, next packet to send, packets outstanding, least round trip, margin, send order of
+  the last decrease, least window);
 * :class:`Payload` - what is being reduced: input, outputs, agreed exponents, sizes and the
   codec (``MODE_INT32`` SwitchML fixed point, ``MODE_NIC`` float32 that a SmartNIC quantises,
   ``MODE_THC`` THC int8 lanes).
@@ -27,6 +29,14 @@ network's time dilation, :func:`new_loop`) or, sooner, like TCP's RACK: once ``F
 answered (rounds of one worker complete in the order it sent them) and it has been outstanding
 ``REORDER_SLACK`` times the round trip of the latest-sent answered packet, a delay that follows
 the queues of the moment (:func:`fast_retransmit` says why that matters).
+
+Congestion response (``cc = CC_DELAY``, ``CollectiveSpec.ina_cc = "delay"``; off by default,
+and then nothing above changes): at most ``cwnd <= W`` packets outstanding, sent in packet
+order (:func:`pump`); a slot whose round completed waits until the window has room for its next
+packet. The window follows the round trips the loop already samples (:func:`cc_sample`, Swift's
+delay rule: additive increase below a target, multiplicative decrease above it, at most once
+per round trip) and halves on a timeout. UDP INA then leaves room on a shared link to the TCP
+jobs beside it instead of keeping W packets queued in front of theirs.
 
 Cost per packet: the per-packet steps that take the records are ``inline="always"`` (a call
 that is not inlined passes every array of ``Slots`` and ``Payload`` field by field), and the
@@ -65,6 +75,9 @@ FAST_RETX = 3
 #: a packet overtaken by FAST_RETX later ones is lost once outstanding this many times the round
 #: trip of the latest-sent answered packet (or its slot's own last one, if longer)
 REORDER_SLACK = 1.25
+#: the delay target's margin over the scaled least round trip (:data:`CC_TARGET_FACTOR`):
+#: a few packets of queue at the bottleneck, enough to keep it busy
+CC_MARGIN_S = 0.002
 #: chunk_offset of the exponent bootstrap packets: never a data offset.
 BOOT_OFFSET = 0xFFFFFFFF
 
@@ -78,9 +91,22 @@ NORM_RES = 8
 THC_EXP_ZERO = -32768
 _OVERFLOW = int(Flags.OVERFLOW)  # Numba has IntEnum constants, not IntFlag ones
 
+#: congestion response of the window (``CollectiveSpec.ina_cc``): none (every slot always busy)
+#: or the delay-based window of :func:`cc_sample`
+CC_OFF, CC_DELAY = 0, 1
+#: the delay target: the least round trip seen in the collective times this, plus the margin
+#: (:func:`new_loop`)
+CC_TARGET_FACTOR = 1.5
+#: Swift's multiplicative decrease: by BETA x (rtt - target) / rtt, at most MAX_MDF, at most once
+#: per round trip
+CC_BETA = 0.8
+CC_MAX_MDF = 0.5
+
 LOOP_DTYPE = np.dtype([("srtt", "f8"), ("rttvar", "f8"), ("rto", "f8"), ("progress", "f8"),
                        ("sends", "i8"), ("acked", "i8"), ("t0", "f8"), ("tmax", "f8"),
-                       ("rack_rtt", "f8")])
+                       ("rack_rtt", "f8"), ("cc", "i8"), ("cwnd", "f8"), ("nxt", "i8"),
+                       ("inflight", "i8"), ("base_rtt", "f8"), ("margin", "f8"),
+                       ("dec_order", "i8"), ("cwnd_min", "f8")])
 
 
 class Slots(NamedTuple):
@@ -129,15 +155,21 @@ def new_slots(W: int, seq0: int) -> Slots:
                  np.zeros((W, ROW), np.uint8))
 
 
-def new_loop(now: float, dilation: float = 1.0) -> np.ndarray:
+def new_loop(now: float, dilation: float = 1.0, cc: int = CC_OFF, cwnd: float = 0.0,
+             margin_s: float = CC_MARGIN_S) -> np.ndarray:
     """The loop record at the start of a collective; on a network dilated by ``dilation``
-    the timeout's floor and cap (:data:`T0`, :data:`T_MAX`) are that many times longer."""
+    the timeout's floor and cap (:data:`T0`, :data:`T_MAX`) and the delay target's margin are
+    that many times longer. ``cc``: :data:`CC_OFF` or :data:`CC_DELAY`, whose window starts at
+    ``cwnd`` packets (0: the whole window W; a client passes the last collective's)."""
     st = np.zeros(1, LOOP_DTYPE)
     st[0]["t0"] = T0 * dilation
     st[0]["tmax"] = T_MAX * dilation
     st[0]["rto"] = T0 * dilation
     st[0]["progress"] = now
     st[0]["acked"] = -1
+    st[0]["cc"] = cc
+    st[0]["cwnd"] = cwnd
+    st[0]["margin"] = margin_s * dilation
     return st
 
 
@@ -382,6 +414,56 @@ def send(slots, s, st, now, msg_type):
 
 
 @njit(cache=True, inline="always")
+def cc_sample(st, rtt, order, W):
+    """The delay-based window (``CC_DELAY``, Swift's rule) takes a clean round trip ``rtt`` of
+    the packet of send order ``order``: below the target (the least round trip of the
+    collective times :data:`CC_TARGET_FACTOR`, plus the margin) the window grows by 1/cwnd
+    (one packet per round trip), up to ``W``; above it, it shrinks by ``CC_BETA x (rtt -
+    target) / rtt`` (at most :data:`CC_MAX_MDF`), never below one packet, and only for a packet
+    sent after the last decrease (once per round trip).
+
+    The round trip includes the host's own egress queue and the wait for the job's slowest
+    member: a worker whose packets wait at the switch for a slower one's backs off to the
+    slower one's pace, which is the job's pace anyway."""
+    if st.base_rtt == 0.0 or rtt < st.base_rtt:
+        st.base_rtt = rtt
+    target = st.base_rtt * CC_TARGET_FACTOR + st.margin
+    if rtt <= target:
+        st.cwnd = min(st.cwnd + 1.0 / st.cwnd, np.float64(W))
+    elif order >= st.dec_order:
+        cut = max(1.0 - CC_BETA * (rtt - target) / rtt, 1.0 - CC_MAX_MDF)
+        st.cwnd = max(1.0, st.cwnd * cut)
+        st.dec_order = st.sends
+        st.cwnd_min = min(st.cwnd_min, st.cwnd)
+
+
+@njit(cache=True, inline="always")
+def pump(slots, st, now, p, send_list, nsend):
+    """``CC_DELAY``: send the next packets in packet order while fewer than ``cwnd`` are
+    outstanding; packet ``nxt`` goes on its slot ``nxt % W`` once that slot's previous packet
+    (``nxt - W``) is answered. Returns the new ``nsend``.
+
+    In packet order, not slot by slot: every member then sends the lowest packet no round has
+    completed as soon as its window allows, so members with different windows never wait for
+    each other's contributions in a circle (a slot sent out of turn could fill one member's
+    window with packets another member cannot reach)."""
+    W = slots.cur.size
+    total = p.K + p.boot
+    while st.nxt < total and st.inflight < np.int64(st.cwnd):
+        s = st.nxt % W
+        if slots.cur[s] >= 0:
+            break
+        slots.cur[s] = st.nxt
+        slots.lens[s] = build_packet(slots, s, st.nxt, p)
+        send(slots, s, st, now, MsgType.DATA)
+        send_list[nsend] = s
+        nsend += 1
+        st.nxt += 1
+        st.inflight += 1
+    return nsend
+
+
+@njit(cache=True, inline="always")
 def advance(slots, s, st, now, W, p):
     """Slot ``s``'s round completed: sample the RTT, move to its next round and build the next
     packet (True) or leave the slot idle (False)."""
@@ -401,6 +483,13 @@ def advance(slots, s, st, now, W, p):
         st.acked = slots.order[s]
         st.rack_rtt = slots.rtt[s]
     slots.seq[s] = (slots.seq[s] + 1) & 0xFFFFFFFF
+    if st.cc != CC_OFF:  # the slot waits: :func:`pump` sends its next packet in turn
+        if clean:
+            cc_sample(st, slots.rtt[s], slots.order[s], W)
+        st.inflight -= 1
+        slots.cur[s] = -1
+        slots.deadline[s] = np.inf
+        return False
     nj = slots.cur[s] + W
     if nj >= p.K + p.boot:
         slots.cur[s] = -1
@@ -470,6 +559,8 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
         if advance(slots, s, st, now, W, p):
             send_list[nsend] = s
             nsend += 1
+    if st.cc != CC_OFF:
+        nsend = pump(slots, st, now, p, send_list, nsend)
     nsend = fast_retransmit(slots, st, now, send_list, nsend)
     return done, nsend, ignored, lost, -1, 0
 
@@ -495,11 +586,16 @@ def expire_flat(slots_t, loop, now, send_list):
 @njit(cache=True)
 def expire(slots, loop, now, send_list):
     """Resend every packet whose deadline passed, doubling its timeout up to the loop's cap
-    (``T_MAX`` times the dilation); return how many are listed in ``send_list``."""
+    (``T_MAX`` times the dilation); return how many are listed in ``send_list``. A delay-based
+    window (``CC_DELAY``) halves for a packet sent after its last decrease."""
     st = loop[0]
     nsend = 0
     for s in range(slots.cur.size):
         if slots.cur[s] >= 0 and slots.deadline[s] <= now:
+            if st.cc != CC_OFF and slots.order[s] >= st.dec_order:
+                st.cwnd = max(1.0, st.cwnd * (1.0 - CC_MAX_MDF))
+                st.dec_order = st.sends
+                st.cwnd_min = min(st.cwnd_min, st.cwnd)
             slots.rto[s] = min(slots.rto[s] * 2, st.tmax)
             nsend = resend(slots, s, st, now, send_list, nsend)
     return nsend
@@ -507,10 +603,23 @@ def expire(slots, loop, now, send_list):
 
 @njit(cache=True)
 def start(slots, loop, p, now, send_list):
-    """Build and stamp the first packet of every slot; return how many to send."""
+    """Build and stamp the first packet of every slot (``CC_DELAY``: of the first ``cwnd``,
+    a window of 0 meaning ``W``); return how many to send."""
     st = loop[0]
     W = slots.cur.size
     k = min(W, p.K + p.boot)
+    if st.cc != CC_OFF:
+        st.cwnd = np.float64(W) if st.cwnd <= 0.0 else min(max(st.cwnd, 1.0), np.float64(W))
+        st.cwnd_min = st.cwnd
+        st.dec_order = 0
+        st.nxt = 0
+        st.inflight = 0
+        for s in range(k):
+            slots.cur[s] = -1
+            slots.deadline[s] = np.inf
+            slots.retx[s] = False
+            slots.rto[s] = st.rto
+        return pump(slots, st, now, p, send_list, 0)
     for s in range(k):
         slots.cur[s] = s
         slots.retx[s] = False

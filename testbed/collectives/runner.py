@@ -123,17 +123,18 @@ def placement(net, spec: CollectiveSpec) -> tuple[list, list, bool]:
     return workers, [workers[(j * n) // m] for j in range(m)], True
 
 
-def net_bandwidth(net, hosts: list, algo: str) -> float:
+def net_bandwidth(net, hosts: list, algo: str, aggregator: str | None = None) -> float:
     """The model's B (bit/s) among ``hosts``: the net's bottleneck for one flow per host in a
     ring (host algorithms; the reduction server's extra link load is in the model) or every
-    host to the aggregator and back (INA)."""
+    host to the aggregator (``aggregator``: a tree's root; default the net's) and back (INA)."""
     fn = getattr(net, "bottleneck_bps", None)
     if fn is None:
         raise ValueError("net has no bottleneck_bps(hosts): cannot compute the model")
     uniq = list({h.name: h for h in hosts}.values())
     pattern = "ina" if is_offloaded(algo) else "ring"
     try:
-        bw = fn(uniq, pattern=pattern)
+        bw = fn(uniq, pattern=pattern, aggregator=aggregator) if aggregator else \
+            fn(uniq, pattern=pattern)
     except TypeError:  # a net without patterns
         bw = fn(uniq)
     if bw is None:
@@ -168,6 +169,16 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     collective runs on it instead of registering (and afterwards removing) its own; see
     :func:`adopt_registration`.
 
+    A data-path engine that dies during the collective (``placement["engine_death"]``,
+    default ``"restart"``; TCP algorithms always restart): is started again
+    (``net.restart_engine``, at most :data:`MAX_ENGINE_RESTARTS` times). A TCP collective
+    goes on (its connections retransmit what the dead switch lost); an INA one, whose
+    registration and rounds died with the switch, is registered again and run again from its
+    start, exact. Rows say so: ``engine_restarts`` (node, exit status, seconds to restart),
+    ``fallback_s`` (from the death to the rerun's start) and ``rerun``. With
+    ``"engine_death": "fail"``, or a provider's registration (the provider registers again),
+    it fails fast naming the node (:class:`EngineDied`).
+
     Raises ``ValueError`` for a bad spec, :class:`CollectiveTimeout` when a rank stayed silent
     longer than ``spec.timeout_s``, :class:`CollectiveError` when a rank failed or died.
     ``extra_pids``: more processes (e.g. data-path engines) whose CPU marks ``cpu_bound``.
@@ -182,7 +193,16 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     workers, servers, colocated = placement(net, spec)
     n, m = len(workers), len(servers)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
-    bw = net_bandwidth(net, workers + servers, spec.algo)
+    root = None
+    if is_offloaded(spec.algo) and registration is None and hasattr(net, "ina_plan"):
+        # the tree, planned before anything starts: a placement this fabric cannot host is
+        # refused here, naming why (and its root is the alpha-beta model's aggregator)
+        try:
+            root = net.ina_plan(workers, ports.ina_worker_port(spec.job_id),
+                                (spec.placement or {}).get("tree")).root
+        except ValueError as e:
+            raise ValueError(f"CollectiveSpec.placement: {e}") from None
+    bw = net_bandwidth(net, workers + servers, spec.algo, root)
     # the flow-level model on the net's own topology: the real ECMP path of every flow,
     # max-min sharing, the measured hop latency (the closed form is its star special case)
     model_s = flowmodel.predict(net.topo, spec, workers=[h.name for h in workers],
@@ -233,8 +253,19 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     limit = 60 + (spec.timeout_s * dilation + 10) * (spec.repetitions + 2)
+    # TCP collectives ride out a switch restart; an INA one is rerun (see the docstring)
+    restarts: list | None = [] if not is_offloaded(spec.algo) and \
+        hasattr(net, "restart_engine") else None
     try:
-        _wait_pool(proc, net, spec, limit)
+        _wait_pool(proc, net, spec, limit, restarts)
+        died = _engines_died(net, spec)  # the pool may have ended first (its workers saw it)
+        if died is not None:
+            raise died
+    except EngineDied as e:
+        _stop_pool(proc, jobdir, net, spec, agg_client)
+        if not _rerun_on_engine_death(net, spec, registration):
+            raise
+        return _rerun(net, spec, extra_pids, e)
     except BaseException:  # KeyboardInterrupt included: clean up, then re-raise it unchanged
         _stop_pool(proc, jobdir, net, spec, agg_client)
         raise
@@ -252,8 +283,15 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     try:
         if agg_client is not None:
             ina_cols = _ina_columns(agg_client, result.get("fallback"))
-    finally:
         _release(net, spec, agg_client)
+    except CollectiveError:
+        # a switch that died once the collective was done: the result stands; the switch
+        # is started again for whatever runs next (what its death took is gone with it)
+        died = _engines_died(net, spec)
+        if died is None or not hasattr(net, "restart_engine"):
+            raise
+        restarts = (restarts or []) + [(node, code, round(net.restart_engine(node), 3))
+                                       for node, code in sorted(died.nodes.items())]
     if result.get("error"):
         cls = CollectiveTimeout if result.get("timeout") else CollectiveError
         raise cls(f"{spec.op}/{spec.algo} on {n} workers failed: {result['error']}")
@@ -278,7 +316,43 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
                        time_dilation=dilation, ina=ina_cols)
         # a cluster network: was a tunnel between servers slower than the links it carries?
         row.update(net.tunnel_flags() if hasattr(net, "tunnel_flags") else {})
+        if restarts:
+            row.update(engine_restarts=[list(r) for r in restarts], rerun=False)
         rows.append(row)
+    return rows
+
+
+#: Engine restarts one collective may go through before it fails (a switch that keeps dying).
+MAX_ENGINE_RESTARTS = 2
+
+
+def _rerun_on_engine_death(net, spec: CollectiveSpec, registration) -> bool:
+    """Whether an INA collective whose switch died is run again after a restart."""
+    return (is_offloaded(spec.algo) and hasattr(net, "restart_engine") and registration is None
+            and (spec.placement or {}).get("engine_death", "restart") == "restart")
+
+
+def _rerun(net, spec: CollectiveSpec, extra_pids, died: EngineDied, depth: int = 0
+           ) -> list[dict]:
+    """Restart the dead engines and run ``spec`` again (registered afresh), at most
+    :data:`MAX_ENGINE_RESTARTS` times; rows carry the restarts and the fallback time."""
+    t_dead = time.monotonic()
+    restarts = [[node, code, round(net.restart_engine(node), 3)]
+                for node, code in sorted(died.nodes.items())]
+    fallback_s = time.monotonic() - t_dead
+    try:
+        rows = run_collective(net, spec if depth + 1 < MAX_ENGINE_RESTARTS else
+                              dataclasses.replace(spec, placement={**spec.placement,
+                                                                   "engine_death": "fail"}),
+                              extra_pids)
+    except EngineDied as again:
+        if depth + 1 >= MAX_ENGINE_RESTARTS:
+            raise
+        rows = _rerun(net, spec, extra_pids, again, depth + 1)
+    for r in rows:
+        r["engine_restarts"] = restarts + list(r.get("engine_restarts") or [])
+        r["fallback_s"] = round(fallback_s + float(r.get("fallback_s") or 0.0), 3)
+        r["rerun"] = True
     return rows
 
 
@@ -415,9 +489,31 @@ def unregister_ina_job(handle: InaJob, spec: CollectiveSpec) -> None:
     handle.release()
 
 
-def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float) -> None:
-    """Wait for the pool, failing fast when a data-path engine of the network dies (the
-    collective could only time out then)."""
+class EngineDied(CollectiveError):
+    """A data-path engine of the network died during a collective; ``nodes``: node -> exit
+    status."""
+
+    nodes: dict[str, int] = {}
+
+
+def _engines_died(net, spec: CollectiveSpec) -> EngineDied | None:
+    """:class:`EngineDied` naming the network's dead engines, or None when all run."""
+    dead = net.dead_engines() if hasattr(net, "dead_engines") else {}
+    if not dead:
+        return None
+    what = ", ".join(f"{node} (exit status {code})" for node, code in sorted(dead.items()))
+    err = EngineDied(f"{spec.op}/{spec.algo}: the data-path engine of {what} died during "
+                     f"the collective; its log is in {RUN_DIR}/<node>.log")
+    err.nodes = dict(dead)
+    return err
+
+
+def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float,
+               restarts: list | None = None) -> None:
+    """Wait for the pool. When a data-path engine of the network dies: with ``restarts`` (a
+    list, TCP algorithms: their connections outlive a switch that restarts), start it again
+    and go on waiting (``(node, exit status, seconds)`` appended to ``restarts``); else fail
+    fast with :class:`EngineDied` (the collective could only time out)."""
     deadline = time.monotonic() + limit
     dead_fn = getattr(net, "dead_engines", None)
     while True:
@@ -428,11 +524,12 @@ def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float) 
         except subprocess.TimeoutExpired:
             pass
         dead = dead_fn() if dead_fn is not None else {}
+        if dead and restarts is not None and len(restarts) < MAX_ENGINE_RESTARTS:
+            for node, code in sorted(dead.items()):
+                restarts.append((node, code, round(net.restart_engine(node), 3)))
+            continue
         if dead:
-            what = ", ".join(f"{node} (exit status {code})" for node, code in sorted(dead.items()))
-            raise CollectiveError(f"{spec.op}/{spec.algo}: the data-path engine of {what} "
-                                  "died during the collective; its log is in "
-                                  f"{RUN_DIR}/<node>.log")
+            raise _engines_died(net, spec)
         if time.monotonic() > deadline:
             raise CollectiveTimeout(f"collective pool did not finish within {limit:.0f} s")
 

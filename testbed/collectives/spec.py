@@ -40,8 +40,14 @@ HD_RENDEZVOUS_BYTES = 64 << 10
 INA_COMPRESSORS = ("thc",)
 #: Default outstanding packets (slots) per INA worker.
 DEFAULT_WINDOW = 64
+#: Congestion responses of INA workers (``CollectiveSpec.ina_cc``): "delay", a window of
+#: outstanding packets driven by the round trips (``inakernel.cc_sample``).
+INA_CC = ("delay",)
 #: Keys of ``CollectiveSpec.placement``.
-PLACEMENT_KEYS = ("tree", "mode", "slots", "refused")
+PLACEMENT_KEYS = ("tree", "mode", "slots", "refused", "engine_death")
+#: Members one aggregating switch takes (SwitchML's 32-bit bitmap): a job of more workers
+#: needs a tree, each switch of which aggregates at most this many.
+MAX_SWITCH_MEMBERS = 32
 SHARED_TREE_ERROR = ("CollectiveSpec.placement: mode 'shared' (host fallback) is implemented "
                      "for single-switch placements; use tree='single' or one switch, or mode "
                      "'static' for a tree")
@@ -137,11 +143,16 @@ class CollectiveSpec(Communication):
     workers (then servers) in rank order, default the first hosts of the net (jobs sharing a
     fabric take disjoint host sets). ``placement`` (``algo`` ina/nic): where the job is
     aggregated, ``{"tree": None | "single" | "auto" | [switches, root first], "mode": "static"
-    | "shared", "slots": N, "refused": "fail" | "ring"}`` (see :data:`PLACEMENT_KEYS`; slots
-    default ``window``; ``refused``: what a switch's admission refusal does).
+    | "shared", "slots": N, "refused": "fail" | "ring", "engine_death": "restart" | "fail"}``
+    (see :data:`PLACEMENT_KEYS`; slots default ``window``; ``refused``: what a switch's
+    admission refusal does; ``engine_death``: what a switch engine that dies mid-collective
+    does, restarted and the collective run again, or an error naming it).
     ``tcp_cc``: the TCP congestion control of the TCP algorithms' connections (ring, hd, rs
     and the torch hook; default :data:`~testbed.collectives.transport.DEFAULT_TCP_CC`, None:
     each host's default, which differs between machines); rows record the one used.
+    ``ina_cc`` (``algo`` ina/nic): the workers' congestion response, one of :data:`INA_CC`
+    ("delay": at most a delay-driven window of the ``window`` slots outstanding, so UDP INA
+    shares a link with TCP jobs), or None: every slot always busy, no response (default).
     """
 
     op: str = "allreduce"
@@ -159,6 +170,7 @@ class CollectiveSpec(Communication):
     hosts: list[int] | None = None
     placement: dict = dataclasses.field(default_factory=dict)
     tcp_cc: str | None = DEFAULT_TCP_CC
+    ina_cc: str | None = None
 
     @property
     def itemsize(self) -> int:
@@ -216,6 +228,14 @@ class CollectiveSpec(Communication):
                              "congestion control (e.g. 'cubic', 'bbr', 'reno'; see "
                              "/proc/sys/net/ipv4/tcp_available_congestion_control) or None for "
                              "the host's default")
+        if self.ina_cc is not None and (not isinstance(self.ina_cc, str)
+                                        or self.ina_cc not in INA_CC):
+            raise FieldError("ina_cc", f"CollectiveSpec.ina_cc={self.ina_cc!r} must be one of "
+                             f"{INA_CC} or None (no congestion response)")
+        if self.ina_cc is not None and not alg.offloaded:
+            raise FieldError("ina_cc", f"CollectiveSpec.ina_cc={self.ina_cc!r} applies to "
+                             f"in-network aggregation (algo 'ina' or 'nic'), not "
+                             f"algo={self.algo!r}; TCP algorithms take tcp_cc")
         if not isinstance(self.compressor_params, dict):
             raise FieldError("compressor_params", "CollectiveSpec.compressor_params must be a dict")
         if self.compressor is not None and not isinstance(self.compressor, str):
@@ -269,9 +289,12 @@ class CollectiveSpec(Communication):
             if n < 2:
                 raise FieldError("workers", f"CollectiveSpec.workers: need at least 2 workers, "
                                  f"the net gives {n}")
-            if alg.offloaded and n > 32:
-                raise FieldError("workers", f"CollectiveSpec.workers={n}: in-network aggregation takes "
-                                 "at most 32 workers (32-bit bitmap)")
+            tree = (self.placement or {}).get("tree")
+            if alg.offloaded and n > MAX_SWITCH_MEMBERS and tree in (None, "single"):
+                raise FieldError("workers", f"CollectiveSpec.workers={n}: one aggregating switch "
+                                 f"takes at most {MAX_SWITCH_MEMBERS} members (its 32-bit "
+                                 "bitmap); give placement tree='auto' (or a list of switches): "
+                                 "each switch of a tree aggregates at most that many")
             if self.algo == "rs" and self.servers > n_hosts:
                 raise FieldError("servers", f"CollectiveSpec.servers={self.servers} exceeds the "
                                  f"{n_hosts} hosts of the net")
@@ -309,6 +332,11 @@ class CollectiveSpec(Communication):
             raise FieldError("placement", f"CollectiveSpec.placement.refused={p.get('refused')!r} must be "
                              "'fail' (an admission refusal is an error) or 'ring' (run the job "
                              "on the hosts instead)")
+        if p.get("engine_death", "restart") not in ("restart", "fail"):
+            raise FieldError("placement", f"CollectiveSpec.placement.engine_death="
+                             f"{p.get('engine_death')!r} must be 'restart' (the switch's engine "
+                             "is started again and the collective rerun) or 'fail' (an error "
+                             "naming it)")
         slots = p.get("slots", self.window)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 4096:
             raise FieldError("placement", f"CollectiveSpec.placement.slots={slots!r} must be an integer "

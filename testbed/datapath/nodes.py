@@ -124,7 +124,11 @@ class ProgrammableSwitch(Switch):
             if intf.name != "lo":
                 self.cmd("ip link set", intf.name, "up")
         self._disable_offloads()
-        log = open(self._files["log"], "w")  # noqa: SIM115 - handed to the child
+        self._run_engine("w")
+
+    def _run_engine(self, log_mode: str) -> None:
+        """Launch the engine (its log opened with ``log_mode``) and wait until it answers."""
+        log = open(self._files["log"], log_mode)  # noqa: SIM115 - handed to the child
         try:
             self.engine = self._launch_engine(log)
         finally:
@@ -237,6 +241,26 @@ class ProgrammableSwitch(Switch):
             print(f"{self.name}: engine exited with {rc}; log kept at {self._files['log']}",
                   file=sys.stderr)
         return self.final_counters
+
+    def restart_engine(self) -> float:
+        """Start the engine again (after it died or was killed; a running one is stopped
+        first) with the configuration it started with: its ports, programs and tables, and
+        none of its run-time state (registered jobs, counters). Its log continues. Returns
+        the seconds it took until the engine answered."""
+        t0 = time.monotonic()
+        if self.engine is not None and self.engine.poll() is None:
+            self.stop_engine()
+        elif self.engine is not None:  # died: reap it, keep its log for the record
+            self.engine.wait()
+            self.engine = None
+        try:  # a killed engine leaves its socket path behind
+            os.unlink(socket_path(self.name))
+        except FileNotFoundError:
+            pass
+        with open(self._files["log"], "a") as log:
+            log.write(f"--- {time.strftime('%H:%M:%S')} engine restarted ---\n")
+        self._run_engine("a")
+        return time.monotonic() - t0
 
     def stop(self, deleteIntfs: bool = True) -> None:
         """Stop the engine (final counters in ``final_counters``), then the node."""

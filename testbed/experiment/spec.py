@@ -182,6 +182,10 @@ class Placement(_Strict):
     refused: Literal["fail", "ring"] = Field(
         "fail", description="a switch refuses the job at admission: 'fail' (an error row) or "
                             "'ring' (run it on the hosts, placement_mode 'refused')")
+    engine_death: Literal["restart", "fail"] = Field(
+        "restart", description="a switch engine dies mid-collective: 'restart' (started "
+                               "again, the collective rerun, exact) or 'fail' (an error row "
+                               "naming it)")
 
     @field_validator("tree")
     @classmethod
@@ -1019,13 +1023,15 @@ def _aggregator_problem(path: str, job: JobSpec, tspec: TopologySpec, topo) -> s
     more than 32 hosts keep it off, which the collectives' own check reports)."""
     if getattr(job, "op", None) == "incast" or not is_offloaded(job.algo):
         return None
+    tree = job.placement.tree if getattr(job, "placement", None) is not None else "single"
     if tspec.switch == "bridge":
         why = "topology.switch is 'bridge'; set topology.switch = 'programmable'"
     elif tspec.aggregator == "none":
         why = "topology.aggregator is 'none'; set it to 'auto' or a programmable switch"
-    elif topo is not None and topo.aggregator_switch is None and topo.n_hosts <= 32:
-        why = (f"'auto' found no programmable aggregation switch in this {tspec.kind}; name "
-               "one in topology.aggregator")
+    elif topo is not None and topo.aggregator_switch is None and tree == "single":
+        why = (f"'auto' found no one programmable switch on every worker's path in this "
+               f"{tspec.kind}; name one in topology.aggregator, or give the job "
+               "placement.tree = 'auto' (a tree: each switch aggregates at most 32 members)")
     else:
         return None
     return (f"{path}.algo: {job.algo!r} aggregates in a programmable switch, but this "

@@ -3,6 +3,7 @@ agreement with the closed-form alpha-beta model on a star (no network is built h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 
@@ -472,3 +473,37 @@ def test_ina_thc_counts_its_wire_bytes():
     lat = 4 * 1 * HOP
     assert (small.time_s - lat) == pytest.approx((plain.time_s - lat) / 4, rel=1e-3)
     assert (wide.time_s - lat) == pytest.approx((plain.time_s - lat) / 2, rel=1e-3)
+
+
+def test_concurrent_jobs_share_the_links_they_cross():
+    """predict_concurrent: one job alone is predict's time; two equal rings across a
+    dumbbell's bottleneck each take twice theirs; a ring started during an INA job takes
+    twice its time per allreduce and the INA job its own plus the ring's; jobs on disjoint
+    links do not slow each other."""
+    d = Dumbbell(2, 2, bw_mbps=100, bottleneck_mbps=10, switch="programmable")
+    r1 = CollectiveSpec(algo="ring", nbytes=1 << 20, job_id=1)
+    r2 = CollectiveSpec(algo="ring", nbytes=1 << 20, job_id=2)
+    alone = fm.predict(d, r1, workers=["tbh1", "tbh3"]).time_s
+    (one,) = fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"])])
+    assert one == pytest.approx(alone, rel=1e-9)
+    both = fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"]),
+                                     fm.ConcurrentJob(r2, ["tbh2", "tbh4"])])
+    assert both == pytest.approx([2 * alone, 2 * alone], rel=0.02)
+    # on one side of the bottleneck only: no shared link, no slowdown
+    apart = fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh2"]),
+                                      fm.ConcurrentJob(r2, ["tbh3", "tbh4"])])
+    assert apart[0] == pytest.approx(fm.predict(d, r1, workers=["tbh1", "tbh2"]).time_s)
+    ina = CollectiveSpec(algo="ina", nbytes=8 << 20, job_id=1)
+    rings = CollectiveSpec(algo="ring", nbytes=64 << 10, job_id=2, repetitions=10)
+    ina_alone = fm.predict(d, ina, workers=["tbh1", "tbh3"]).time_s
+    ring_alone = fm.predict(d, dataclasses.replace(rings, repetitions=1),
+                            workers=["tbh2", "tbh4"]).time_s
+    t_ina, t_ring = fm.predict_concurrent(
+        d, [fm.ConcurrentJob(ina, ["tbh1", "tbh3"]),
+            fm.ConcurrentJob(rings, ["tbh2", "tbh4"], start_s=2.0)])
+    assert t_ring == pytest.approx(10 * 2 * ring_alone, rel=0.05)
+    assert t_ina == pytest.approx(ina_alone + 10 * ring_alone, rel=0.05)
+    # a dilated network: the same undilated times
+    t2 = fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"]),
+                                   fm.ConcurrentJob(r2, ["tbh2", "tbh4"])], time_dilation=4)
+    assert t2 == pytest.approx(both, rel=0.02)

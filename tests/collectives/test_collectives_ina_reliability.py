@@ -15,9 +15,9 @@ pytestmark = pytest.mark.mininet
 MiB = 1 << 20
 
 
-def _rows(fn, *args) -> list[dict]:
+def _rows(fn, *args, **kw) -> list[dict]:
     rows: list[dict] = []
-    fn(*args, rows.append)
+    fn(*args, rows.append, **kw)
     return rows
 
 
@@ -55,6 +55,25 @@ def test_killed_switch_engine_fails_fast_naming_the_node():
         assert "tbs1" in row["error"] and "exit status -9" in row["error"], row
         assert "BrokenPipe" not in row["error"] and row["leftovers"] == 0, row
         assert log.exists()  # the dead engine's log is kept for whoever reads the error
+    finally:
+        log.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("algo", ["ina", "ring"])
+def test_a_killed_switch_engine_is_restarted_and_the_collective_completes_exact(algo):
+    """The default: the dead engine is started again (tables and timing as built); an INA
+    collective, whose registration died with it, is registered again and rerun from its
+    start; a ring's TCP connections ride the restart out. Every sum checked against numpy."""
+    log = Path(RUN_DIR) / "tbs1.log"
+    try:
+        (row,) = _rows(rel.engine_killed, MiB // 2, "star4", algo=algo, on_death="restart")
+        assert row["status"] == "ok" and row["correct"], row
+        (node, code, took), = row["engine_restarts"]
+        assert (node, code) == ("tbs1", -9) and 0 < took < 60, row
+        assert row["rerun"] is (algo == "ina"), row
+        if algo == "ina":
+            assert row["fallback_s"] >= took - 1e-3, row
+        assert row["leftovers"] == 0, row
     finally:
         log.unlink(missing_ok=True)
 

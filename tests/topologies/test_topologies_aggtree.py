@@ -99,3 +99,23 @@ def test_flow_model_of_a_tree_relieves_the_core():
     with pytest.raises(ValueError, match="placement"):
         fm.predict(topo, CollectiveSpec(algo="ina", nbytes=1 << 20,
                                         placement={"tree": ["tbc1", "tbq1"]}))
+
+
+def test_a_tree_aggregates_more_than_32_workers_each_switch_at_most_32():
+    """64 workers of a 4-leaf, 2-spine leaf-spine: no one switch is on every path, so a
+    single-switch placement is refused naming what to do; tree 'auto' plans the leaves (16
+    members each) under one spine (4 members)."""
+    from testbed.topologies import aggtree, make_topology, routing
+    from testbed.topologies.base import TopologyError
+
+    topo = make_topology("leaf_spine", leaves=4, spines=2, hosts_per_leaf=16, bw_mbps=100,
+                         switch="programmable")
+    tables = routing.forwarding_tables(topo)
+    with pytest.raises(TopologyError, match="no one aggregating switch .* tree='auto'"):
+        aggtree.plan(topo, list(range(64)), 40000, None, tables)
+    plan = aggtree.plan(topo, list(range(64)), 40000, "auto", tables)
+    regs = plan.registrations(1, 0, 1)
+    assert plan.root in ("tbsp1", "tbsp2") and len(regs) == 5
+    assert all(len(r["members"]) <= 32 for r in regs.values())
+    assert sum(len(r["members"]) for sw, r in regs.items() if sw != plan.root) == 64
+    assert routing.bottleneck_mbps(topo, topo.host_names, "ina", plan.root) > 0

@@ -10,6 +10,10 @@ import numpy as np
 
 from testbed.collectives.inakernel import (
     BOOT_OFFSET,
+    CC_BETA,
+    CC_MAX_MDF,
+    CC_OFF,
+    CC_TARGET_FACTOR,
     FAST_RETX,
     MODE_NIC,
     MODE_THC,
@@ -166,6 +170,42 @@ def _send(slots, s, st, now, msg_type) -> None:
     slots.deadline[s] = now + slots.rto[s]
 
 
+def _cc_sample(st, rtt: float, order: int, W: int) -> None:
+    """Twin of ``inakernel.cc_sample``."""
+    if st["base_rtt"] == 0.0 or rtt < st["base_rtt"]:
+        st["base_rtt"] = rtt
+    target = float(st["base_rtt"]) * CC_TARGET_FACTOR + float(st["margin"])
+    cwnd = float(st["cwnd"])
+    if rtt <= target:
+        st["cwnd"] = min(cwnd + 1.0 / cwnd, float(W))
+    elif order >= int(st["dec_order"]):
+        _decrease(st, max(1.0 - CC_BETA * (rtt - target) / rtt, 1.0 - CC_MAX_MDF))
+
+
+def _decrease(st, factor: float) -> None:
+    st["cwnd"] = max(1.0, float(st["cwnd"]) * factor)
+    st["dec_order"] = st["sends"]
+    st["cwnd_min"] = min(float(st["cwnd_min"]), float(st["cwnd"]))
+
+
+def _pump(slots, st, now, p, send_list, nsend) -> int:
+    """Twin of ``inakernel.pump``: packets in order while fewer than cwnd are outstanding."""
+    W = slots.cur.size
+    while int(st["nxt"]) < p.K + p.boot and int(st["inflight"]) < int(st["cwnd"]):
+        j = int(st["nxt"])
+        s = j % W
+        if slots.cur[s] >= 0:  # its previous packet is still outstanding
+            break
+        slots.cur[s] = j
+        slots.lens[s] = build_packet(slots, s, j, p)
+        _send(slots, s, st, now, MsgType.DATA)
+        send_list[nsend] = s
+        nsend += 1
+        st["nxt"] += 1
+        st["inflight"] += 1
+    return nsend
+
+
 def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
     """Twin of ``inakernel.on_results``."""
     st = loop[0]
@@ -201,6 +241,13 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
             st["acked"] = int(slots.order[s])
             st["rack_rtt"] = slots.rtt[s]
         slots.seq[s] = (int(slots.seq[s]) + 1) % (1 << 32)
+        if st["cc"] != CC_OFF:  # the slot waits for its turn in _pump
+            if clean:
+                _cc_sample(st, float(slots.rtt[s]), int(slots.order[s]), W)
+            st["inflight"] -= 1
+            slots.cur[s] = -1
+            slots.deadline[s] = np.inf
+            continue
         nj = int(slots.cur[s]) + W
         if nj >= p.K + p.boot:
             slots.cur[s] = -1
@@ -211,6 +258,8 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
         _send(slots, s, st, now, MsgType.DATA)
         send_list[nsend] = s
         nsend += 1
+    if st["cc"] != CC_OFF:
+        nsend = _pump(slots, st, now, p, send_list, nsend)
     for s in range(W):
         ref = max(st["rack_rtt"], slots.rtt[s])
         ref = ref if ref > 0.0 else st["srtt"]
@@ -228,6 +277,8 @@ def expire(slots, loop, now, send_list) -> int:
     st = loop[0]
     due = [s for s in range(slots.cur.size) if slots.cur[s] >= 0 and slots.deadline[s] <= now]
     for k, s in enumerate(due):
+        if st["cc"] != CC_OFF and int(slots.order[s]) >= int(st["dec_order"]):
+            _decrease(st, 1.0 - CC_MAX_MDF)
         slots.rto[s] = min(slots.rto[s] * 2, st["tmax"])
         slots.retx[s] = True
         _send(slots, s, st, now, MsgType.RETRANSMIT)
@@ -238,7 +289,18 @@ def expire(slots, loop, now, send_list) -> int:
 def start(slots, loop, p, now, send_list) -> int:
     """Twin of ``inakernel.start``."""
     st = loop[0]
-    k = min(slots.cur.size, p.K + p.boot)
+    W = slots.cur.size
+    k = min(W, p.K + p.boot)
+    if st["cc"] != CC_OFF:
+        cwnd = float(st["cwnd"])
+        st["cwnd"] = float(W) if cwnd <= 0.0 else min(max(cwnd, 1.0), float(W))
+        st["cwnd_min"] = st["cwnd"]
+        st["dec_order"] = st["nxt"] = st["inflight"] = 0
+        slots.cur[:k] = -1
+        slots.deadline[:k] = np.inf
+        slots.retx[:k] = False
+        slots.rto[:k] = st["rto"]
+        return _pump(slots, st, now, p, send_list, 0)
     for s in range(k):
         slots.cur[s] = s
         slots.retx[s] = False
