@@ -15,7 +15,9 @@ on INA), and routes
   them itself (ring, hd, a plug-in that declares them; uncompressed);
 * everything else (other dtypes and ops, broadcast, the list forms of allgather and
   reduce_scatter, all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
-  exact answer from an algorithm that can give it, never a wrong one from one that cannot.
+  exact answer from an algorithm that can give it, never a wrong one from one that cannot;
+* every collective of a subgroup (``new_group`` inheriting this backend) to gloo too: the
+  testbed's communicator spans the world's hosts.
 
 Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``
 or ``gloo``, start and end), one JSON line per call in ``$TESTBED_TRACE`` when set.
@@ -42,6 +44,8 @@ from testbed.torch import TestbedComm, TorchJob
 BACKEND = "testbed"
 #: One trace row per collective call.
 TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s")
+#: Whether this process built its world group's testbed communicator already.
+_WORLD_TAKEN = False
 #: What the testbed's algorithms reduce: float32 sums (and averages, a sum then a division).
 _OFFLOADED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
@@ -76,7 +80,13 @@ class TestbedProcessGroup(dist.ProcessGroup):
         with open(os.environ["TESTBED_JOB"]) as f:
             job = json.load(f)
         self.tj = TorchJob(**job["torch"])
-        self.comm = TestbedComm(job, self.tj, rank) if size > 1 else None
+        # The testbed communicator spans the job's hosts: only the world group gets it (once
+        # per process: a second one would bind the same ports). A subgroup (new_group with
+        # this backend) runs its collectives on gloo, over the same links: exact, traced.
+        global _WORLD_TAKEN
+        world = size == len(job["ranks"]) and not _WORLD_TAKEN
+        self.comm = TestbedComm(job, self.tj, rank) if size > 1 and world else None
+        _WORLD_TAKEN = _WORLD_TAKEN or world
         self.seq = 0
         path = os.environ.get("TESTBED_TRACE")
         self._trace = open(path, "a") if path else None  # noqa: SIM115 - closed in shutdown
@@ -185,9 +195,11 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return work
 
     def shutdown(self) -> None:
+        global _WORLD_TAKEN
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+            _WORLD_TAKEN = False  # a new world group may build its own
         if self._trace is not None:
             self._trace.close()
             self._trace = None

@@ -18,11 +18,21 @@ its collectives in one order):
   ``comm_src`` (attribute ``comm_tag`` optional), TCP between the hosts;
 * memory and metadata nodes: recorded, nothing to run.
 
+**Communicator groups**: a collective whose ``pg_name`` attribute names a group runs among
+that group's ranks only (a ``torch.distributed`` subgroup over gloo; the world's collectives
+go through ``algo``). The groups come as ASTRA-sim takes them (``--comm-group-configuration``):
+a JSON object, group name -> its ranks, ``{"1": [0, 1], "2": [2, 3]}``; ``pg_name`` unset,
+empty or ``"0"`` is the world. The members of a group issue its collectives in one order
+(each group is checked on its own), and the ranks must not wait on each other forever across
+groups (checked by running the graphs' order without times); the model prices a group's
+collective on its members' hosts.
+
 The ranks run as a launched job (:mod:`testbed.launch`). Everything is checked before any
 network is built (:func:`load_trace`): missing or extra rank files, a truncated or undecodable
 protobuf, duplicate ids, dependencies on nodes that do not exist, cycles, unknown node or
-collective types, communicator groups (``pg_name``: only the world group is replayed),
-collectives that the ranks would not issue in the same order, sends without their receive.
+collective types, communicator groups the configuration lacks or a rank outside its group,
+collectives that a group's ranks would not issue in the same order, ranks that would wait on
+each other forever, sends without their receive.
 :class:`TraceError` names the file, the node and the problem.
 
 Output (:func:`replay`): a row per node per rank (start, end, undilated), a row per
@@ -76,6 +86,10 @@ class Node:
     bytes: int = 0
     peer: int | None = None  # send: destination, recv: source
     tag: int = 0
+    group: str | None = None  # a collective's communicator group (None: the world)
+
+#: ``pg_name`` values that mean the world group
+WORLD_NAMES = (None, "", "0")
 
 
 def _schema():
@@ -158,9 +172,9 @@ def load_rank(path: str | Path, n_ranks: int | None = None) -> list[Node]:
             if not isinstance(size, int) or size < 0:
                 raise TraceError(f"{where}: comm_size {size!r} must be a byte count >= 0")
             fields["bytes"] = size
-            if attrs.get("pg_name") not in (None, "", "0"):
-                raise TraceError(f"{where}: communicator group {attrs['pg_name']!r}: only "
-                                 "the world group (every rank) is replayed")
+            pg = attrs.get("pg_name")
+            if pg not in WORLD_NAMES:
+                fields["group"] = str(pg)
         if kind == "coll":
             ctype = attrs.get("comm_type")
             name = pb.CollectiveCommType.Name(ctype) if ctype in \
@@ -228,9 +242,44 @@ def rank_files(prefix: str | Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def load_trace(prefix: str | Path) -> dict[int, list[Node]]:
+def read_groups(path: str | Path) -> dict[str, list[int]]:
+    """Communicator groups from a JSON file as ASTRA-sim takes them: group name -> ranks."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise TraceError(f"communicator groups {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise TraceError(f"communicator groups {path}: expected a JSON object, group name -> "
+                         "list of ranks")
+    return {str(k): v for k, v in data.items()}
+
+
+def _check_groups(groups: dict, n: int, where: str) -> dict[str, list[int]]:
+    out = {}
+    for name, ranks in groups.items():
+        if not isinstance(ranks, list) or not ranks or any(
+                isinstance(r, bool) or not isinstance(r, int) for r in ranks) \
+                or len(set(ranks)) != len(ranks):
+            raise TraceError(f"{where}: communicator group {name!r}: {ranks!r} must be a list "
+                             "of distinct rank numbers")
+        outside = [r for r in ranks if not 0 <= r < n]
+        if outside:
+            raise TraceError(f"{where}: communicator group {name!r} names ranks {outside}, "
+                             f"but the trace has ranks 0..{n - 1}")
+        out[str(name)] = list(ranks)
+    return out
+
+
+def group_ranks(group: str | None, groups: dict[str, list[int]], n: int) -> list[int]:
+    """The ranks of communicator ``group`` (None: the world), in rank order."""
+    return list(range(n)) if group is None else sorted(groups[group])
+
+
+def load_trace(prefix: str | Path, groups: dict[str, list[int]] | None = None
+               ) -> dict[int, list[Node]]:
     """Every rank's nodes of the trace ``prefix``, checked alone and against each other (see
-    the module docstring); TraceError on the first problem."""
+    the module docstring); ``groups``: the communicator groups (name -> ranks) its
+    collectives' ``pg_name`` refer to. TraceError on the first problem."""
     files = rank_files(prefix)
     if not files:
         raise TraceError(f"no trace files {prefix}.<rank>.et")
@@ -239,17 +288,38 @@ def load_trace(prefix: str | Path) -> dict[int, list[Node]]:
         missing = sorted(set(range(max(files) + 1)) - set(files))
         raise TraceError(f"{prefix}: rank files {missing} are missing (ranks must be "
                          f"0..N-1; found {sorted(files)})")
+    groups = _check_groups(groups or {}, n, str(prefix))
     ranks = {r: load_rank(p, n) for r, p in files.items()}
-    seqs = {r: [(x.op, x.bytes) for x in order(nodes) if x.kind == "coll"]
-            for r, nodes in ranks.items()}
-    for r in range(1, n):
-        if seqs[r] != seqs[0]:
-            k = next((i for i, (a, b) in enumerate(zip(seqs[0], seqs[r], strict=False))
-                      if a != b), min(len(seqs[0]), len(seqs[r])))
-            raise TraceError(f"{files[r]}: its collective #{k} "
-                             f"{seqs[r][k] if k < len(seqs[r]) else 'is missing'} differs "
-                             f"from rank 0's {seqs[0][k] if k < len(seqs[0]) else 'none'}: "
-                             "every rank must issue the world's collectives in one order")
+    seqs: dict[str | None, dict[int, list]] = {}
+    for r, nodes in ranks.items():
+        for x in order(nodes):
+            if x.kind != "coll":
+                continue
+            if x.group is not None and x.group not in groups:
+                raise TraceError(
+                    f"{files[r]}: node {x.id} ({x.name!r}) runs on communicator group "
+                    f"{x.group!r}, which the group configuration lacks (it has "
+                    f"{sorted(groups) or 'none'}: give the groups as ASTRA-sim's "
+                    "--comm-group-configuration JSON, --comm-groups FILE)")
+            if r not in group_ranks(x.group, groups, n):
+                raise TraceError(f"{files[r]}: node {x.id} ({x.name!r}): rank {r} is not a "
+                                 f"member of communicator group {x.group!r} "
+                                 f"{groups[x.group]}")
+            seqs.setdefault(x.group, {}).setdefault(r, []).append((x.op, x.bytes))
+    for group, by_rank in seqs.items():
+        members = group_ranks(group, groups, n)
+        first = members[0]
+        label = "the world" if group is None else f"communicator group {group!r}"
+        for r in members:
+            mine, theirs = by_rank.get(r, []), by_rank.get(first, [])
+            if mine != theirs:
+                k = next((i for i, (a, b) in enumerate(zip(theirs, mine, strict=False))
+                          if a != b), min(len(theirs), len(mine)))
+                raise TraceError(f"{files[r]}: its collective #{k} of {label} "
+                                 f"{mine[k] if k < len(mine) else 'is missing'} differs "
+                                 f"from rank {first}'s "
+                                 f"{theirs[k] if k < len(theirs) else 'none'}: every rank "
+                                 f"of {label} must issue its collectives in one order")
     sends: dict[tuple, int] = {}
     for r, nodes in ranks.items():
         for x in nodes:
@@ -262,6 +332,12 @@ def load_trace(prefix: str | Path) -> dict[int, list[Node]]:
         src, dst, tag, size = bad[0]
         raise TraceError(f"{prefix}: sends from rank {src} to rank {dst} (tag {tag}, {size} "
                          "B) do not match that rank's receives in number")
+    stuck = _schedule(ranks, groups)[1]
+    if stuck:
+        raise TraceError(f"{prefix}: the ranks would wait on each other forever: "
+                         + "; ".join(f"rank {r} at node {x.id} ({x.name!r}, {x.kind}"
+                                     + (f" on group {x.group!r}" if x.group else "") + ")"
+                                     for r, x in sorted(stuck.items())[:6]))
     return ranks
 
 
@@ -287,17 +363,23 @@ class Replayed:
 def replay(prefix: str | Path, *, algo: str | None = None,
            experiment: str | Path | None = None, topology: dict | None = None,
            time_dilation: float | str | None = None, scale: float = 1.0,
-           out: str | Path | None = None, timeout_s: float = 600.0, echo=None) -> Replayed:
+           out: str | Path | None = None, timeout_s: float = 600.0, echo=None,
+           stop=None, groups: dict[str, list[int]] | str | Path | None = None) -> Replayed:
     """Replay the trace ``prefix`` on an emulated network with a rank per host (the
     experiment file's first point's network, or a star of as many hosts as ranks at 100 Mb/s
     changed by ``topology``); ``algo``: the testbed algorithm of its float32 allreduces
-    (None: gloo); ``scale``: factor on compute durations. TraceError before anything is
-    built when the trace cannot be replayed."""
+    (None: gloo); ``scale``: factor on compute durations; ``stop``: an event that stops the
+    ranks (:func:`testbed.launch.launch`), the replay then reports what they ran; ``groups``:
+    the communicator groups (name -> ranks, or ASTRA-sim's JSON file of them). TraceError
+    before anything is built when the trace cannot be replayed."""
     from testbed.collectives.algorithms import is_offloaded
     from testbed.experiment import results
     from testbed.launch import backend_settings, launch_network, run_script
 
-    ranks = load_trace(prefix)
+    if isinstance(groups, str | Path):
+        groups = read_groups(groups)
+    groups = dict(groups or {})
+    ranks = load_trace(prefix, groups)
     n = len(ranks)
     if not (isinstance(scale, int | float) and scale >= 0 and math.isfinite(scale)):
         raise ValueError(f"scale={scale!r} must be a number >= 0")
@@ -307,6 +389,8 @@ def replay(prefix: str | Path, *, algo: str | None = None,
     network = launch_network(topo, experiment, n, algo, time_dilation)
     folder = results.unique_folder(results.results_root() if out is None else out,
                                    f"replay-{Path(prefix).name}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "comm_groups.json").write_text(json.dumps(groups))
     with network as net:
         if len(net.hosts) < n:
             raise TraceError(f"{prefix}: {n} ranks, but the network has {len(net.hosts)} "
@@ -314,16 +398,18 @@ def replay(prefix: str | Path, *, algo: str | None = None,
         f = float(net.time_dilation)
         done = run_script(net, __name__, [str(Path(prefix).resolve()), str(folder),
                                           str(scale * f)],
-                          tj, folder, hosts=n, timeout_s=timeout_s, echo=echo, module=True)
+                          tj, folder, hosts=n, timeout_s=timeout_s, echo=echo, module=True,
+                          stop=stop)
         rows = _node_rows(folder, n, f)
         # which path each collective took, as the backend traced it (rank 0's calls in order)
         paths = [r["path"] for r in sorted((r for r in done.trace if r["rank"] == 0),
                                            key=lambda r: r["start_s"])
                  if not r["op"].startswith(("send", "recv"))]
         transfer_s = _transfer_model(net, n, f)
-        colls = _collective_rows(rows, net, n, tj, f, paths, transfer_s)
-        model_jct = predict_jct(ranks, {c["seq"]: c["model_s"] for c in colls},
-                                transfer_s, scale)
+        colls = _collective_rows(rows, net, n, tj, f, paths, transfer_s, groups)
+        model_jct = predict_jct(ranks, {c["seq"] if c["group"] is None else
+                                        (c["group"], c["seq"]): c["model_s"] for c in colls},
+                                transfer_s, scale, groups)
     jct = (max((r["end_s"] for r in rows), default=0.0)
            - min((r["start_s"] for r in rows), default=0.0))
     validation, geo = _validation(colls)
@@ -460,44 +546,51 @@ def _node_rows(folder: Path, n: int, f: float) -> list[dict]:
 
 
 def _collective_rows(rows: list[dict], net, n: int, tj, f: float, paths: list[str],
-                     transfer_s) -> list[dict]:
-    """A row per collective: from the last rank's arrival to the last rank's finish, and the
-    flow model's time for it on this network; ``paths``: the path of each in order
-    (``testbed:<algo>`` or ``gloo``, from the backend's trace; none traced over plain gloo);
-    ``transfer_s``: :func:`_transfer_model`'s prices of point-to-point transfers."""
+                     transfer_s, groups: dict[str, list[int]] | None = None) -> list[dict]:
+    """A row per collective (per communicator group, in its order): from the last member's
+    arrival to the last member's finish, and the flow model's time for it on its members'
+    hosts; ``paths``: the path of each of the world's in order (``testbed:<algo>`` or
+    ``gloo``, from the backend's trace; none traced over plain gloo; a group's run over
+    gloo); ``transfer_s``: :func:`_transfer_model`'s prices of point-to-point transfers."""
     from testbed.collectives import flowmodel
     from testbed.collectives.spec import CollectiveSpec
 
-    by_seq: dict[int, list[dict]] = {}
+    by_seq: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["kind"] == "coll":
-            by_seq.setdefault(row["seq"], []).append(row)
+            by_seq.setdefault((row.get("group") or "", row["seq"]), []).append(row)
     hop = net.hop_latency_s()
-    workers = [h.name for h in list(net.hosts)[:n]]
+    hosts = [h.name for h in list(net.hosts)[:n]]
     out, cache = [], {}
-    for seq, group in sorted(by_seq.items()):
-        first = group[0]
-        ours = tj is not None and seq < len(paths) and paths[seq].startswith("testbed:")
+    for (gname, seq), members in sorted(by_seq.items()):
+        group = gname or None
+        first = members[0]
+        ranks = group_ranks(group, groups or {}, n)
+        ours = group is None and tj is not None and seq < len(paths) and \
+            paths[seq].startswith("testbed:")
         algo = tj.algo if ours else "ring"  # gloo's collectives: predicted as the ring
-        key = (first["op"], first["bytes"], algo)
+        key = (first["op"], first["bytes"], algo, tuple(ranks))
         if key not in cache:
             cache[key] = None
             op = MODEL_OPS.get(first["op"])
-            if first["op"] == "all_to_all" and n > 1:  # every pair's part at once, as gloo
-                cache[key] = transfer_s([(a, b, first["bytes"] / n) for a in range(n)
-                                         for b in range(n) if a != b])
-            elif op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and n > 1:
+            k = len(ranks)
+            if first["op"] == "all_to_all" and k > 1:  # every pair's part at once, as gloo
+                cache[key] = transfer_s([(a, b, first["bytes"] / k) for a in ranks
+                                         for b in ranks if a != b])
+            elif op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and k > 1:
                 spec = CollectiveSpec(op=op, algo=algo, nbytes=first["bytes"])
                 try:
-                    cache[key] = flowmodel.predict(net.topo, spec, workers=workers,
+                    cache[key] = flowmodel.predict(net.topo, spec,
+                                                   workers=[hosts[r] for r in ranks],
                                                    hop_latency_s=hop, time_dilation=f).time_s
                 except ValueError:  # a size or rank count the model does not take
                     cache[key] = None
-        out.append({"seq": seq, "node": first["node"], "name": first["name"],
+        out.append({"seq": seq, "group": group, "node": first["node"], "name": first["name"],
                     "op": first["op"], "bytes": first["bytes"],
                     "path": f"testbed:{algo}" if ours else "gloo",
-                    "time_s": max(r["end_s"] for r in group) - max(r["start_s"] for r in group),
-                    "model_s": cache[key], "ranks": len(group)})
+                    "time_s": max(r["end_s"] for r in members)
+                    - max(r["start_s"] for r in members),
+                    "model_s": cache[key], "ranks": len(members)})
     return out
 
 
@@ -519,19 +612,32 @@ def _transfer_model(net, n: int, f: float):
     return fn
 
 
-def predict_jct(ranks: dict[int, list[Node]], collective_s: dict[int, float | None],
-                transfer_s, scale: float = 1.0) -> float | None:
+def predict_jct(ranks: dict[int, list[Node]], collective_s: dict, transfer_s,
+                scale: float = 1.0, groups: dict[str, list[int]] | None = None
+                ) -> float | None:
     """The model's completion time of a trace replayed as :func:`replay` runs it: each rank
     takes its nodes one after the other in :func:`order`; a compute node lasts its duration
-    times ``scale``; the k-th collective starts when every rank reached it and lasts
-    ``collective_s[k]``; a send and its receive start when both ranks reached them and last
-    ``transfer_s([(src, dst, bytes)])``. None when a collective or a transfer has no
-    prediction."""
+    times ``scale``; the k-th collective of the world (of communicator group ``g`` of
+    ``groups``) starts when every rank (every member) reached it and lasts
+    ``collective_s[k]`` (``collective_s[(g, k)]``); a send and its receive start when both
+    ranks reached them and last ``transfer_s([(src, dst, bytes)])``. None when a collective
+    or a transfer has no prediction."""
+    return _schedule(ranks, groups or {}, collective_s, transfer_s, scale)[0]
+
+
+def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
+              collective_s: dict | None = None, transfer_s=None, scale: float = 1.0
+              ) -> tuple[float | None, dict[int, Node]]:
+    """Run the ranks' graphs as the replay does (timed with ``collective_s`` and
+    ``transfer_s``, see :func:`predict_jct`; untimed without): (completion time, or None
+    when something has no price or the ranks are stuck; the node each stuck rank waits at)."""
+    n = len(ranks)
     graph = {r: order(nodes) for r, nodes in ranks.items()}
     pos = dict.fromkeys(graph, 0)
     clock = dict.fromkeys(graph, 0.0)
-    seq = 0
+    done: dict[str | None, int] = {}  # collectives finished per group
     cache: dict[tuple, float | None] = {}
+    timed, unpriced = collective_s is not None, False
 
     def head(r: int) -> Node | None:
         return graph[r][pos[r]] if pos[r] < len(graph[r]) else None
@@ -544,32 +650,41 @@ def predict_jct(ranks: dict[int, list[Node]], collective_s: dict[int, float | No
                 clock[r] += x.duration_s * scale if x.kind == "comp" else 0.0
                 pos[r] += 1
         heads = {r: head(r) for r in graph}
-        if all(x is not None and x.kind == "coll" for x in heads.values()):
-            t = collective_s.get(seq)
+        for g in dict.fromkeys(x.group for x in heads.values()
+                               if x is not None and x.kind == "coll"):
+            members = group_ranks(g, groups, n)
+            if not all(heads[m] is not None and heads[m].kind == "coll"
+                       and heads[m].group == g for m in members):
+                continue
+            k = done.get(g, 0)
+            t = (collective_s.get(k) if g is None else collective_s.get((g, k))) \
+                if timed else 0.0
             if t is None:
-                return None
-            end = max(clock.values()) + t
-            for r in graph:
-                clock[r], pos[r] = end, pos[r] + 1
-            seq, moved = seq + 1, True
-            continue
+                unpriced, t = True, 0.0
+            end = max(clock[m] for m in members) + t
+            for m in members:
+                clock[m], pos[m], heads[m] = end, pos[m] + 1, None
+            done[g], moved = k + 1, True
         for r, x in heads.items():
             y = heads.get(x.peer) if x is not None and x.kind == "send" else None
             if y is not None and y.kind == "recv" and y.peer == r and y.tag == x.tag:
-                key = (r, x.peer, x.bytes)
-                if key not in cache:
-                    cache[key] = transfer_s([key])
-                if cache[key] is None:
-                    return None
-                end = max(clock[r], clock[x.peer]) + cache[key]
+                t = 0.0
+                if timed:
+                    key = (r, x.peer, x.bytes)
+                    if key not in cache:
+                        cache[key] = transfer_s([key])
+                    t = cache[key]
+                    if t is None:
+                        unpriced, t = True, 0.0
+                end = max(clock[r], clock[x.peer]) + t
                 clock[r] = clock[x.peer] = end
                 pos[r] += 1
                 pos[x.peer] += 1
                 heads[x.peer] = None
                 moved = True
-    if any(head(r) is not None for r in graph):
-        return None  # ranks wait for each other in a way the replay would not finish either
-    return max(clock.values(), default=0.0)
+    stuck = {r: x for r in graph if (x := head(r)) is not None}
+    total = None if stuck or unpriced else max(clock.values(), default=0.0)
+    return total, stuck
 
 
 def _validation(colls: list[dict]) -> tuple[list[dict], float | None]:
@@ -625,14 +740,20 @@ def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
     nodes = order(load_rank(f"{prefix}.{rank}.et"))
     dist.init_process_group("gloo")
     n = dist.get_world_size()
-    seq = 0
+    names = json.loads((Path(folder) / "comm_groups.json").read_text())
+    # every rank creates every group, in one order (torch.distributed's rule), over gloo
+    subgroups = {g: (dist.new_group(sorted(names[g]), backend="gloo"), sorted(names[g]))
+                 for g in sorted(names)}
+    seq: dict[str | None, int] = {}
     with open(Path(folder) / f"nodes{rank}.jsonl", "w") as log:
         for x in nodes:
             t0 = time.time()
             if x.kind == "comp":
                 time.sleep(x.duration_s * compute_factor)
             elif x.kind == "coll":
-                _collective(dist, torch, x, n)
+                pg, members = subgroups[x.group] if x.group is not None else \
+                    (None, list(range(n)))
+                _collective(dist, torch, x, members, pg)
             elif x.kind == "send":
                 dist.send(_buffer(torch, x.bytes), dst=x.peer, tag=x.tag)
             elif x.kind == "recv":
@@ -640,8 +761,8 @@ def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
             row = {"rank": rank, "node": x.id, "name": x.name, "kind": x.kind, "op": x.op,
                    "bytes": x.bytes, "peer": x.peer, "start_s": t0, "end_s": time.time()}
             if x.kind == "coll":
-                row["seq"] = seq
-                seq += 1
+                row["group"], row["seq"] = x.group, seq.get(x.group, 0)
+                seq[x.group] = row["seq"] + 1
             log.write(json.dumps(row) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -654,24 +775,26 @@ def _buffer(torch, nbytes: int):
     return torch.ones(nbytes, dtype=torch.uint8)
 
 
-def _collective(dist, torch, x: Node, n: int) -> None:
+def _collective(dist, torch, x: Node, members: list[int], group=None) -> None:
+    """``x`` among ``members`` (global ranks) on process group ``group`` (None: the world)."""
+    n = len(members)
     if x.op == "barrier":
-        dist.barrier()
+        dist.barrier(group=group)
     elif x.op == "all_reduce":
-        dist.all_reduce(_buffer(torch, x.bytes))
+        dist.all_reduce(_buffer(torch, x.bytes), group=group)
     elif x.op == "broadcast":
-        dist.broadcast(_buffer(torch, x.bytes), src=0)
+        dist.broadcast(_buffer(torch, x.bytes), src=members[0], group=group)
     else:  # the size is the whole array: n equal parts (rounded up to whole elements)
         dtype, item = (torch.float32, 4) if x.bytes % (4 * n) == 0 else (torch.uint8, 1)
         part = -(-x.bytes // (item * n))
         whole = torch.ones(part * n, dtype=dtype)
         mine = torch.ones(part, dtype=dtype)
         if x.op == "all_gather":
-            dist.all_gather_into_tensor(whole, mine)
+            dist.all_gather_into_tensor(whole, mine, group=group)
         elif x.op == "reduce_scatter":
-            dist.reduce_scatter_tensor(mine, whole)
+            dist.reduce_scatter_tensor(mine, whole, group=group)
         else:  # all_to_all
-            dist.all_to_all_single(torch.empty_like(whole), whole)
+            dist.all_to_all_single(torch.empty_like(whole), whole, group=group)
 
 
 if __name__ == "__main__":

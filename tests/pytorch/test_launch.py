@@ -193,3 +193,37 @@ def test_launch_jobs_of_an_experiment_file(tmp_path):
     trace = tmp_path / "r" / "launch" / "run0001"
     assert (trace / "trace.csv").exists() and (trace / "trace.json").exists()
     assert json.loads((trace / "launch.json").read_text())["plan"]["algo"] == "ring"
+
+
+SUBGROUPS = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, n = dist.get_rank(), dist.get_world_size()
+pair = dist.new_group([0, 1])  # inherits the world's backend (the testbed's, under --algo)
+other = dist.new_group([2, 3])
+mine = pair if rank < 2 else other
+x = torch.full((1000,), float(rank + 1))
+dist.all_reduce(x, group=mine)
+want = 3.0 if rank < 2 else 7.0
+y = torch.full((1000,), float(rank + 1))
+dist.all_reduce(y)  # the world: through the testbed's algorithm
+ok = bool((x == want).all()) and bool((y == n * (n + 1) / 2).all())
+print(f"rank {rank}: {'ok' if ok else 'FAILED'}", flush=True)
+dist.destroy_process_group()
+raise SystemExit(0 if ok else 1)
+"""
+
+
+def test_subgroups_of_the_testbed_backend_run_on_gloo_and_stay_exact(tmp_path):
+    """A subgroup made with new_group (inheriting the testbed backend) sums among its own
+    ranks over gloo; the world's allreduce still goes through the testbed's ring."""
+    script = tmp_path / "subgroups.py"
+    script.write_text(SUBGROUPS)
+    done, lines = _run(tmp_path, str(script), hosts=4, algo="ring")
+    assert done.returncode == 0, done.failures
+    assert sorted(x for x in lines if x.endswith((": ok", ": FAILED"))) == \
+        [f"[{r}]:rank {r}: ok" for r in range(4)]
+    paths = {(row["op"], row["bytes"], row["path"]) for row in done.trace}
+    assert ("allreduce", 4000, "testbed:ring") in paths and ("allreduce", 4000, "gloo") in paths

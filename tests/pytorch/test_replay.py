@@ -83,15 +83,20 @@ def test_a_well_formed_trace_loads(tmp_path):
     ("cycle", r"nodes \[1, 2\] form a cycle"),
     ("dangling", r"node 2 \('all_reduce2'\) depends on nodes \[7\]"),
     ("unknown_collective", r"collective type 'GATHER' is not replayed"),
-    ("order", r"collective #0 \('all_gather', 1024\) differs from rank 0's "
+    ("order", r"collective #0 of the world \('all_gather', 1024\) differs from rank 0's "
               r"\('all_reduce', 1024\)"),
     ("unmatched_send", r"sends from rank 0 to rank 1 .* do not match"),
-    ("group", r"communicator group 'tp': only the world group"),
+    ("group", r"communicator group 'tp', which the group configuration lacks"),
+    ("not_member", r"rank 1 is not a member of communicator group '1' \[0\]"),
+    ("group_order", r"collective #0 of communicator group '1' \('all_reduce', 64\) differs "
+                    r"from rank 0's \('all_reduce', 32\)"),
+    ("deadlock", r"would wait on each other forever: rank 0 at node 3 .* on group '1'"),
     ("truncated", r"truncated file"),
     ("bad_peer", r"comm_dst 5 is not a rank of this trace"),
 ])
 def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
     prefix = tmp_path / case
+    groups = {"1": [0, 1]}
     g = {0: [comp(1, 10), coll(2, pb.ALL_REDUCE, 1024, [1])],
          1: [comp(1, 10), coll(2, pb.ALL_REDUCE, 1024, [1])]}
     if case == "missing_rank":
@@ -108,6 +113,18 @@ def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
         g[0].append(send(3, 1, 64, [2]))
     elif case == "group":
         _attr(g[1][1], "pg_name", string_val="tp")
+    elif case == "not_member":
+        groups = {"1": [0]}
+        _attr(g[1][1], "pg_name", string_val="1")
+        _attr(g[0][1], "pg_name", string_val="1")
+    elif case == "group_order":
+        for r, size in ((0, 32), (1, 64)):
+            g[r].append(_attr(coll(3, pb.ALL_REDUCE, size, [2]), "pg_name", string_val="1"))
+    elif case == "deadlock":  # rank 0 waits in group 1 for rank 1, which waits in the world
+        g[0] = [_attr(coll(3, pb.ALL_REDUCE, 64), "pg_name", string_val="1"),
+                coll(4, pb.ALL_REDUCE, 1024, [3])]
+        g[1] = [coll(4, pb.ALL_REDUCE, 1024),
+                _attr(coll(5, pb.ALL_REDUCE, 64, [4]), "pg_name", string_val="1")]
     elif case == "bad_peer":
         g[0].append(send(3, 5, 64, [2]))
     write(prefix, g)
@@ -115,7 +132,40 @@ def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
         path = Path(f"{prefix}.1.et")
         path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(TraceError, match=match):
-        load_trace(prefix)
+        load_trace(prefix, groups)
+
+
+def test_communicator_groups_as_astra_sim_takes_them(tmp_path):
+    from testbed.replay import predict_jct, read_groups
+
+    path = tmp_path / "groups.json"
+    path.write_text('{"1": [0, 1], "2": [2, 3]}')
+    groups = read_groups(path)
+    g = tensor_parallel(4)
+    ranks = load_trace(write(tmp_path / "tp", g), groups)
+    assert [x.group for x in ranks[2] if x.kind == "coll"] == ["2", None]
+    # each group's allreduce waits only for its members: group 2's ranks compute longer
+    t = predict_jct(ranks, {0: 0.004, ("1", 0): 0.001, ("2", 0): 0.002}, lambda t: None,
+                    groups=groups)
+    assert t == pytest.approx(0.006 + 0.002 + 0.004)
+    for bad, match in (('{"1": [0, 0]}', "distinct rank numbers"),
+                       ('{"1": [0, 9]}', r"names ranks \[9\], but the trace has ranks 0..3"),
+                       ('[1, 2]', "expected a JSON object")):
+        path.write_text(bad)
+        with pytest.raises(TraceError, match=match):
+            load_trace(tmp_path / "tp", read_groups(path))
+
+
+def tensor_parallel(n: int) -> dict:
+    """Pairs of ranks allreduce within their tensor-parallel group (pg_name "1": ranks 0, 1;
+    "2": ranks 2, 3), then every rank allreduces in the world (data parallel)."""
+    graphs = {}
+    for r in range(n):
+        c = comp(1, 3000 if r < 2 else 6000)
+        tp = _attr(coll(2, pb.ALL_REDUCE, 64 << 10, [1]), "pg_name",
+                   string_val="1" if r < 2 else "2")
+        graphs[r] = [c, tp, coll(3, pb.ALL_REDUCE, 256 << 10, [2])]
+    return graphs
 
 
 def test_the_models_completion_time_of_a_trace():
@@ -168,6 +218,27 @@ def test_ddp_trace_through_the_testbed_ring_against_the_model(tmp_path):
     for name in ("nodes.csv", "collectives.csv", "validation.csv", "timeline.json",
                  "replay.json"):
         assert (res.folder / name).exists(), name
+
+
+@pytest.mark.mininet
+def test_tensor_parallel_groups_beside_a_data_parallel_world(tmp_path):
+    """Each tensor-parallel pair allreduces on its own subgroup (gloo), the world's allreduce
+    through the testbed's ring; each is priced on its own members' hosts."""
+    res = replay(write(tmp_path / "tp", tensor_parallel(4)), algo="ring",
+                 groups={"1": [0, 1], "2": [2, 3]}, out=tmp_path / "out",
+                 echo=lambda line: None)
+    assert res.launched.returncode == 0, res.launched.failures
+    by = {(c["group"], c["seq"]): c for c in res.collectives}
+    assert set(by) == {("1", 0), ("2", 0), (None, 0)}
+    assert by[("1", 0)]["ranks"] == by[("2", 0)]["ranks"] == 2
+    assert by[("1", 0)]["path"] == "gloo" and by[(None, 0)]["path"] == "testbed:ring"
+    assert by[(None, 0)]["ranks"] == 4
+    assert all(c["model_s"] > 0 for c in res.collectives)
+    assert by[("1", 0)]["model_s"] < by[(None, 0)]["model_s"]
+    at = {(r["rank"], r["node"]): r for r in res.nodes}
+    # group 1's allreduce did not wait for group 2's longer compute
+    assert at[(0, 2)]["start_s"] < at[(2, 1)]["end_s"]
+    assert res.model_jct_s is not None
 
 
 @pytest.mark.mininet
