@@ -13,10 +13,11 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # Debian packages: mnexec (mininet), bridges, traffic tools, Open vSwitch (benchmark anchor),
-# ssh (cluster networks and their one-machine test server).
+# ssh (cluster networks and their one-machine test server), Chromium and its WebDriver (the
+# browser test of `testbed lab`: the system browser, never a downloaded one).
 DEB_PKGS=(mininet bridge-utils iperf3 iperf iputils-ping ethtool iproute2 openvswitch-switch
           tcpdump tshark psmisc procps kmod python3-venv python3-dev gcc make
-          openssh-client openssh-server)
+          openssh-client openssh-server chromium chromium-driver)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -229,6 +229,9 @@ def replay(
     time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
                                       help=DILATION_HELP),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds before it is stopped"),
+    comm_groups: str = typer.Option(None, "--comm-groups", help="communicator groups as "
+                                    "ASTRA-sim's --comm-group-configuration JSON: "
+                                    '{"1": [0, 1], ...} (pg_name -> ranks)'),
     json_out: bool = typer.Option(False, "--json", help="print the validation rows as JSON"),
     out: str = typer.Option(None, help=OUT_HELP),
 ) -> None:
@@ -242,7 +245,7 @@ def replay(
         res = run_trace(prefix, experiment=experiment, algo=algo, scale=scale,
                         topology={"bw_mbps": bw_mbps} if bw_mbps else None,
                         time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
-                        echo=lambda line: None)
+                        echo=lambda line: None, groups=comm_groups)
     except (TraceError, ValueError) as e:
         print(f"testbed replay: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -315,6 +318,28 @@ def _switch_verb(ctx: typer.Context, verb: str, json_out: bool, *args, **kw) -> 
 JSON_OPT = typer.Option(False, "--json", help="print the engine's answer as JSON")
 
 
+@switch_app.command("restart")
+def switch_restart(ctx: typer.Context, json_out: bool = JSON_OPT) -> None:
+    """Start the node's engine again (dead or running) in the network 'testbed up' runs: its
+    programs and tables as built; registered jobs are gone (a provider registers its own
+    again)."""
+    from testbed import up
+
+    node = ctx.obj
+    try:
+        answer = up.restart(node)
+    except RuntimeError as e:
+        print(f"testbed switch {node} restart: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if json_out:
+        print(json.dumps(answer))
+    elif answer["ok"]:
+        print(f"{node}: engine restarted in {answer['seconds']} s")
+    if not answer["ok"]:
+        print(f"testbed switch {node} restart: {answer['error']}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
 @switch_app.command("counters")
 def switch_counters(ctx: typer.Context, json_out: bool = JSON_OPT) -> None:
     """Ports, drops by reason, every stage's counters, CPU."""
@@ -357,7 +382,8 @@ ADDRESS_OPT = typer.Option(None, "--address", help="the service: unix:PATH or ht
 
 @provider_app.command("serve")
 def provider_serve(
-    file: str = typer.Argument(..., help="experiment file whose topology (and programs) to serve"),
+    file: str = typer.Argument(None, help="experiment file whose topology (and programs) to "
+                               "serve (with --attach: default, the file of the network up)"),
     point: int = typer.Option(0, help="which sweep point's network (0-based)"),
     policy: str = typer.Option("cooperative", help="tenant_only, provider_only, cooperative "
                                "or oracle"),
@@ -370,14 +396,22 @@ def provider_serve(
     telemetry_period: float = typer.Option(1.0, help="seconds between telemetry collections"),
     network: bool = typer.Option(True, "--network/--no-network",
                                  help="build the network (telemetry, switches) or only plan"),
+    attach: bool = typer.Option(False, "--attach", help="serve the network 'testbed up' runs "
+                                "(the provider can then stop and restart while it runs)"),
+    journal: str = typer.Option(None, help="SQLite file to keep jobs, leases, plans and switch "
+                                "registrations in, and to resume from on the next start"),
+    quotas: str = typer.Option(None, help="TOML/JSON file of per-tenant quotas (jobs, priority, "
+                               "memory_bytes, trees_per_switch; tenant \"*\": everyone else)"),
 ) -> None:
-    """Build the file's network and run the fabric manager on it until Ctrl-C."""
+    """Build the file's network (or --attach to the one up) and run the fabric manager on it
+    until Ctrl-C."""
     from testbed.provider import ctl
     from testbed.provider.service import DEFAULT_SOCKET
 
     raise typer.Exit(ctl.serve(file, point=point, policy=policy, memory_bytes=memory_bytes,
                                socket_path=socket or DEFAULT_SOCKET, port=port,
-                               telemetry_period_s=telemetry_period, network=network))
+                               telemetry_period_s=telemetry_period, network=network,
+                               attach=attach, journal=journal, quotas=quotas))
 
 
 def _provider_verb(verb: str, json_out: bool, *args) -> None:

@@ -113,11 +113,13 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            timeout_s: float = 600.0, job_id: int = 1, echo=None,
            module: bool = False, hints: dict | None = None,
            policy: str = "cooperative", chakra_out: str | Path | None = None,
-           nproc_per_host: int = 1) -> Launched:
+           nproc_per_host: int = 1, stop=None) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network), ``nproc_per_host`` ranks on each (torchrun's ``--nproc-per-node``: rank ``r``
     on host ``r // nproc_per_host``), and return what it did (see the module docstring).
-    ``module``: ``script`` is a module name (``python -m``).
+    ``module``: ``script`` is a module name (``python -m``). ``stop``: an event (e.g. the
+    live view's Stop button); once set, the ranks still running are stopped, as when one
+    fails, and the job returns what it did.
 
     The network: ``experiment`` (a file; its first sweep point's topology, impairments...), or
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
@@ -170,7 +172,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
         if planned:
             tj, plan = planned_settings(net, hosts, hints, policy, job_id, f"launch-{stem}")
         done = run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
-                          echo=echo, module=module, nproc_per_host=nproc_per_host,
+                          echo=echo, module=module, nproc_per_host=nproc_per_host, stop=stop,
                           extra={"plan": plan.model_dump(), "policy": policy,
                                  "hints": dict(hints or {})} if plan else None)
         done.plan = plan.model_dump() if plan else None
@@ -275,13 +277,13 @@ def backend_settings(algo: str | None, compressor: str | None,
 def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
                hosts: int | None = None, timeout_s: float = 600.0, echo=None,
                module: bool = False, extra: dict | None = None,
-               nproc_per_host: int = 1) -> Launched:
+               nproc_per_host: int = 1, stop=None) -> Launched:
     """Run ``script`` on the first ``hosts`` hosts of the running network ``net``
     (``nproc_per_host`` ranks on each, consecutive ranks on one host), with the
     testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
     what it leaves goes to ``folder``. ``module``: ``script`` is a module name, run as
     ``python -m`` runs it (torchrun's ``--module``), not a file. ``extra``: more entries for
-    ``launch.json`` (e.g. the provider's plan)."""
+    ``launch.json`` (e.g. the provider's plan). ``stop``: see :func:`launch`."""
     import importlib.util
 
     from testbed.collectives.algorithms import check_nproc_per_host
@@ -317,11 +319,11 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     t0 = time.monotonic()
     if tj is None:
         codes, failed, failures = _run_ranks(workers, job, target, args, folder, False,
-                                             timeout_s, echo)
+                                             timeout_s, echo, stop)
     else:
         with offload_job(net, tj.collective(), job, workers):
             codes, failed, failures = _run_ranks(workers, job, target, args, folder, True,
-                                                 timeout_s, echo)
+                                                 timeout_s, echo, stop)
     wall = time.monotonic() - t0
     trace = collect_rank_rows(folder, "trace", n)
     if tj is not None:
@@ -351,7 +353,7 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
 
 
 def _run_ranks(workers: list, job: dict, target: list[str], args, folder: Path, offload: bool,
-               timeout_s: float, echo) -> tuple[list[int], list[int], list[str]]:
+               timeout_s: float, echo, stop=None) -> tuple[list[int], list[int], list[str]]:
     """Start every rank, relay its output, stop the others when one fails; (exit statuses,
     the ranks that failed on their own, one line per failure)."""
     job["t0"] = time.time()  # wall clock: a rank may time its start from it
@@ -369,7 +371,7 @@ def _run_ranks(workers: list, job: dict, target: list[str], args, folder: Path, 
             t = threading.Thread(target=_pump, args=(p, r, log, tails[-1], echo), daemon=True)
             t.start()
             pumps.append(t)
-        failed, failures = _wait(procs, workers, tails, timeout_s)
+        failed, failures = _wait(procs, workers, tails, timeout_s, stop)
     finally:
         for p in procs:
             _stop(p)
@@ -388,11 +390,15 @@ def _pump(p, r: int, log, tail: list, echo) -> None:
             echo(f"[{r}]:{line}")
 
 
-def _wait(procs: list, workers: list, tails: list, timeout_s: float
+def _wait(procs: list, workers: list, tails: list, timeout_s: float, stop=None
           ) -> tuple[list[int], list[str]]:
-    """(the ranks that failed, a line each) once every rank ended or one failed."""
+    """(the ranks that failed, a line each) once every rank ended, one failed or ``stop``
+    was set."""
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
+        if stop is not None and stop.is_set():
+            left = [r for r, p in enumerate(procs) if p.poll() is None]
+            return left, [f"stopped on request; ranks {left} were stopped"]
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed:
             time.sleep(0.5)  # its last lines reach the pump

@@ -175,6 +175,31 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                         "dilation factor is searched ('' for none)", quick="")),
         quick_help="2 and 4 workers, 1 MiB, no dilation search"),
     Benchmark(
+        "liveview", "The notebooks' live fabric view on a running INA experiment: updates per "
+        "second, and the experiment's CPU with the view on against off (alternating).",
+        "testbed.bench.liveview:measure", case=("pair", "view"),
+        columns=("pair", "view", "time_s", "wall_s", "cpu_tree_s", "cpu_view_s",
+                 "cpu_machine_s", "updates_per_s", "correct", "cpu_bound"),
+        options=(Option("workers", 8, "INA workers (hosts of the star)", quick=4),
+                 Option("mib", 8, "MiB per allreduce", quick=2),
+                 Option("reps", 8, "allreduces per run", quick=2),
+                 Option("pairs", 3, "off/on pairs of runs", quick=1),
+                 Option("time_dilation", "3", "F or auto", metavar="F|auto")),
+        quick_help="4 workers, 2 MiB, one off/on pair"),
+    Benchmark(
+        "ina-sharing", "An INA job and a TCP ring sharing a thin link, with and without the "
+        "INA workers' congestion response (ina_cc): each job's slowdown, INA's share, and "
+        "both against the flow model's fair share.",
+        "testbed.bench.ina_sharing:measure", case=("ina_cc",),
+        columns=("ina_cc", "ring_slowdown", "ina_slowdown", "ina_share", "ring_vs_fair",
+                 "ina_vs_fair", "all_correct"),
+        options=(Option("mbps", 10.0, "bottleneck rate (Mb/s)"),
+                 Option("ring_kib", 64.0, "KiB per ring allreduce"),
+                 Option("window", 64, "INA slots (its window without the response)"),
+                 Option("repeats", 3, "repeats per setting", quick=1),
+                 Option("ina_mib", 8.0, "MiB of the INA allreduce", quick=4.0)),
+        quick_help="one repeat, a 4 MiB INA job"),
+    Benchmark(
         "ina-cost", "CPU time per packet of the INA worker and switch kernels, without a "
         "network.", "testbed.bench.ina_cost:measure", needs_root=False,
         case=("side", "burst"),
@@ -194,9 +219,10 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "rates, repeated: median and spread of the mean JCT, against the co-operation targets.",
         "testbed.bench.cooperation:measure", case=("trace", "bw_mbps", "policy"),
         columns=("trace", "bw_mbps", "policy", "repeats", "mean_jct_median_s", "spread",
-                 "vs_tenant_only", "vs_provider_only", "vs_oracle", "failed", "cpu_bound_runs",
-                 "replans"),
-        options=(Option("traces", "cloud_cooperation,cloud_no_help", "co-operation experiment "
+                 "vs_tenant_only", "vs_provider_only", "vs_oracle", "lying_vs_honest", "failed",
+                 "cpu_bound_runs", "replans"),
+        options=(Option("traces", "cloud_cooperation,cloud_no_help,cloud_cheater",
+                        "co-operation experiment "
                         "files (names in experiments/ or paths)", quick="cloud_cooperation",
                         metavar="A,B"),
                  Option("rates", "10,20,50", "link rates in Mb/s, each a variant of every trace "

@@ -222,6 +222,19 @@ def fabric_positions(describe: dict) -> dict[str, tuple[float, float]]:
             for y, names in levels.items() for i, name in enumerate(names)}
 
 
+def draw_fabric_nodes(ax, describe: dict, pos: dict[str, tuple[float, float]]) -> None:
+    """The nodes at ``pos`` (:func:`fabric_positions`): hosts as circles named below,
+    switches as squares named above, programmable ones filled."""
+    prog = set(describe.get("programmable", []))
+    for name, (x, y) in pos.items():
+        host = name in describe["hosts"]
+        ax.scatter([x], [y], s=120 if host else 260, marker="o" if host else "s", zorder=2,
+                   color="white" if host or name not in prog else "#9ecae1",
+                   edgecolors="black")
+        ax.text(x, y - 0.22 if host else y + 0.22, name, fontsize=7, ha="center",
+                va="top" if host else "bottom")
+
+
 def plot_fabric(describe: dict, delta: dict[str, float], seconds: float | None = None,
                 out: str | Path | None = None, title: str | None = None, ax=None):
     """The fabric as a datacenter is drawn, each link coloured and sized by the bytes that
@@ -260,14 +273,7 @@ def plot_fabric(describe: dict, delta: dict[str, float], seconds: float | None =
                     va="center", color="red" if t["drops"] else "black", zorder=3,
                     bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
                           "alpha": 0.7})
-    prog = set(describe.get("programmable", []))
-    for name, (x, y) in pos.items():
-        host = name in describe["hosts"]
-        ax.scatter([x], [y], s=120 if host else 260, marker="o" if host else "s", zorder=2,
-                   color="white" if host or name not in prog else "#9ecae1",
-                   edgecolors="black")
-        ax.text(x, y - 0.22 if host else y + 0.22, name, fontsize=7, ha="center",
-                va="top" if host else "bottom")
+    draw_fabric_nodes(ax, describe, pos)
     sm = cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, label="utilisation of the busier direction" if seconds
                  else "bytes on the busier direction", fraction=0.04)

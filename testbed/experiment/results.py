@@ -14,7 +14,7 @@ A results folder ``<results root>/<name>-<timestamp>/`` holds
 * ``metadata.json`` - provenance (git revision, package versions, the full list of installed
   distributions like ``pip freeze``, machine and CPU model, seed, doctor summary, topology
   descriptions, the experiment itself) and status (running / completed / failed /
-  interrupted) with the recorded failures,
+  interrupted / stopped) with the recorded failures,
 * plots (``*.png``) and pcaps when asked for.
 """
 
@@ -184,7 +184,7 @@ class ResultsStore:
         os.replace(tmp, self.path / "metadata.json")
 
     def finish(self, status: str, error: str | None = None) -> None:
-        """Record the final status (completed / failed / interrupted)."""
+        """Record the final status (completed / failed / interrupted / stopped)."""
         self.metadata["status"] = status
         self.metadata["finished"] = _now()
         if error:

@@ -8,7 +8,9 @@ recorded as a row with ``status='error'`` and the runner goes on (unless ``stop_
 The jobs of a ``concurrent`` point run at the same time, each in a thread (tenants of one
 fabric); each gets its own rows, with ``concurrent_jobs`` (1 for a job run alone).
 The network is torn down on every exit path, Ctrl-C included (``TestbedNet`` does it in its
-``__exit__``; cross traffic and captures are stopped in ``finally`` blocks here).
+``__exit__``; cross traffic and captures are stopped in ``finally`` blocks here). A caller's
+``stop`` event (the live view's Stop button) ends the experiment the same way between two runs,
+and ``run`` returns the runs done so far (status ``stopped``).
 
 A network of an experiment with ``time_dilation = "auto"`` is calibrated once, right after
 it is built, with the collectives its runs will do (:func:`testbed.collectives.dilation.
@@ -75,6 +77,10 @@ class RunAborted(RuntimeError):
     """Raised by :func:`run` when ``stop_on_error`` stopped the experiment at a failure."""
 
 
+class RunStopped(Exception):
+    """The caller's ``stop`` event was set: the experiment ends before its next run."""
+
+
 def default_out_dir(exp: Experiment, root: str | Path | None = None) -> Path:
     """``<root>/<name>-<UTC timestamp>`` (unique), ``root`` by default the results root
     (``TESTBED_RESULTS``, see :func:`testbed.experiment.results.results_root`)."""
@@ -98,13 +104,16 @@ def load_any(source) -> Any:
 
 
 def run(experiment, out_dir: str | Path | None = None, progress: bool = True,
-        doctor: bool = True, results_root: str | Path | None = None) -> Results:
+        doctor: bool = True, results_root: str | Path | None = None,
+        stop: threading.Event | None = None) -> Results:
     """Run ``experiment`` (object, dict or TOML/YAML path, of any kind: see :func:`load_any`)
     and return its :class:`Results`.
 
     ``out_dir``: results folder (default ``<results root>/<name>-<timestamp>``). ``progress``: show a
     progress bar (a co-operation trace: its lines on stderr). ``doctor``: store ``testbed
-    doctor``'s summary in the metadata.
+    doctor``'s summary in the metadata. ``stop``: an event (e.g. set from another thread);
+    once set, no further run starts, the network is torn down, and the results hold the runs
+    done so far with the status ``stopped`` (a co-operation trace ignores it).
     """
     exp = load_any(experiment)
     out = Path(out_dir) if out_dir is not None else default_out_dir(exp, results_root)
@@ -116,7 +125,7 @@ def run(experiment, out_dir: str | Path | None = None, progress: bool = True,
         return Results.load(out)
     plan = plan_runs(expand_sweep(exp))
     store = ResultsStore(out, run_metadata(exp, plan, doctor))
-    _run_into(exp, plan, store, out, progress)
+    _run_into(exp, plan, store, out, progress, stop=stop)
     return Results.load(out)
 
 
@@ -176,11 +185,13 @@ def run_metadata(exp: Experiment, plan: list[tuple], doctor: bool) -> dict[str, 
 
 
 def _run_into(exp: Experiment, plan: list[tuple], store: ResultsStore, out: Path,
-              progress: bool, first_run: int = 0) -> None:
-    """Run ``plan`` into ``store``, recording the final status on every exit path."""
-    with ctrl_c_remembered() as ctrl_c, final_status(store), \
+              progress: bool, first_run: int = 0, stop: threading.Event | None = None) -> None:
+    """Run ``plan`` into ``store``, recording the final status on every exit path; a set
+    ``stop`` ends it between two runs (status ``stopped``), without an exception."""
+    with contextlib.suppress(RunStopped), ctrl_c_remembered() as ctrl_c, final_status(store), \
             progress_reporter(progress, len(plan), exp.name) as advance:
-        _execute(exp, plan, store, out, advance, first_run, ctrl_c)
+        _execute(exp, plan, store, out, advance, first_run, ctrl_c,
+                 stop.is_set if stop is not None else (lambda: False))
         if ctrl_c():
             raise KeyboardInterrupt
 
@@ -214,12 +225,16 @@ def ctrl_c_remembered():
 @contextlib.contextmanager
 def final_status(store: ResultsStore, before_finish=None):
     """Record how the block ended in ``store`` (completed, completed_with_errors, failed,
-    interrupted, with the error), whatever ends it; ``before_finish()`` runs just before."""
+    interrupted, stopped, with the error), whatever ends it; ``before_finish()`` runs just
+    before."""
     status, error = "completed", None
     try:
         yield
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
+        raise
+    except RunStopped:
+        status, error = "stopped", "stopped on request"
         raise
     except RunAborted as e:
         status, error = "failed", str(e)
@@ -248,7 +263,7 @@ def error_rows(entries: list[tuple], first_run: int, err: str) -> list[dict]:
 
 
 def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advance,
-             first_run: int = 0, ctrl_c=lambda: False) -> None:
+             first_run: int = 0, ctrl_c=lambda: False, stopped=lambda: False) -> None:
     run_idx = first_run
     t0 = time.monotonic()
     # One lock for the whole experiment: no one else's network can interleave with ours.
@@ -256,6 +271,8 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
         store.metadata["lock_wait_s"] = round(time.monotonic() - t0, 2)
         i = 0
         while i < len(plan):
+            if stopped():
+                raise RunStopped
             point = plan[i][2]
             key = point.network_key()
             j = i
@@ -292,6 +309,8 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                 for batch in _batches(group):
                     if ctrl_c():  # one that landed where Python drops exceptions
                         raise KeyboardInterrupt
+                    if stopped():
+                        raise RunStopped
                     if batch[0][5] == LAUNCH:  # a user's script, alone on the fabric
                         pi, params, pt, ji, job, _ = batch[0]
                         _run_launch(store, net, out, run_idx, pi, params, pt, ji, job)

@@ -23,6 +23,7 @@ TEST_TOOLS = {
     "pytest-xdist": "`make test-unit` runs the unit tests on every core",
     "pytest-timeout": "the `timeout` setting in [tool.pytest.ini_options]",
     "ipykernel": "the python3 kernel the notebook tests execute notebooks in",
+    "ipywidgets": "notebook 00's live fabric view, in the kernel the notebook tests run",
 }
 #: Declared lab dependencies: started as programs, never imported by the package.
 LAB_TOOLS = {"jupyterlab": "`testbed lab` runs jupyter-lab", "ipykernel": "notebook kernel"}
@@ -34,9 +35,11 @@ PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
            "distributed": {"testbed/experiment/distributed.py"},
            "dask": {"testbed/experiment/distributed.py"},
            "mlc-chakra": {"testbed/replay.py"},
-           "protobuf": {"testbed/replay.py"}}
+           "protobuf": {"testbed/replay.py"},
+           "ipywidgets": {"testbed/experiment/live.py"}}
 #: Distributions of PLUGINS installed by an extra named otherwise (default: the same name).
-EXTRA_OF = {"dask": "distributed", "mlc-chakra": "traces", "protobuf": "traces"}
+EXTRA_OF = {"dask": "distributed", "mlc-chakra": "traces", "protobuf": "traces",
+            "ipywidgets": "lab"}
 
 
 def _norm(name: str) -> str:
@@ -107,7 +110,7 @@ def test_optional_modules_import_what_their_extra_installs():
 
 def test_lab_extra_holds_the_notebook_stack_not_the_runtime():
     lab = _names(PROJECT["optional-dependencies"]["lab"])
-    assert lab == set(LAB_TOOLS)
+    assert lab == set(LAB_TOOLS) | {d for d, e in EXTRA_OF.items() if e == "lab"}
     assert not lab & _names(PROJECT["dependencies"]), "JupyterLab is not a runtime dependency"
 
 
