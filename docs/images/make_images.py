@@ -4,9 +4,11 @@
 * ``demo_table.svg``, ``demo_plot.png``: ``testbed demo`` runs (root, a few minutes), its
   table as the terminal shows it (rich's SVG export) and its plot;
 * ``notebook_<name>.png``: every notebook in ``notebooks/`` runs with its own parameters
-  (root, several minutes) and one of its figures is kept (:data:`FIGURE`).
+  (root, several minutes) and one of its figures is kept (:data:`FIGURE`);
+* ``fabric_run.png``: the fabric picture an experiment stores per run (``fabric/runNNNN.png``),
+  of a small INA tree allreduce on a leaf-spine (:data:`FABRIC_EXPERIMENT`; root, a minute).
 
-``--only architecture|demo|notebooks`` makes one kind (``--notebook NAME``: one notebook). The pictures show what the machine that
+``--only architecture|demo|notebooks|fabric`` makes one kind (``--notebook NAME``: one notebook). The pictures show what the machine that
 made them measured (the demo's table says whether a run was CPU-bound): regenerate them on an
 idle machine before committing them.
 """
@@ -32,6 +34,13 @@ FIGURE = {"01_allreduce_vs_model": 1,  # its first figure is the model alone
           "05_multitenant_offload": 1}  # the tenants (the first: trees)
 #: Terminal width the demo's table is rendered at.
 WIDTH = 100
+#: The experiment whose first run's fabric picture the README shows.
+FABRIC_EXPERIMENT = {
+    "name": "fabric-picture",
+    "topology": {"kind": "leaf_spine", "leaves": 2, "spines": 2, "hosts_per_leaf": 3,
+                 "bw_mbps": 50, "switch": "programmable"},
+    "jobs": [{"name": "ina-tree", "algo": "ina", "nbytes": "4MiB",
+              "placement": {"tree": "auto"}}]}
 
 
 def demo(out_dir: Path = HERE) -> list[Path]:
@@ -99,10 +108,23 @@ def notebooks(out_dir: Path = HERE, names: list[str] | None = None) -> list[Path
     return made
 
 
+def fabric(out_dir: Path = HERE) -> list[Path]:
+    """Run :data:`FABRIC_EXPERIMENT` and keep the fabric picture of its first run."""
+    from testbed.experiment.runner import run
+
+    with tempfile.TemporaryDirectory(prefix="tb-docs-") as tmp:
+        res = run(FABRIC_EXPERIMENT, out_dir=Path(tmp) / "out", progress=False, doctor=False)
+        pictures = sorted((Path(tmp) / "out" / "fabric").glob("run*.png"))
+        if not pictures:
+            raise SystemExit(f"the experiment stored no fabric picture ({res.metadata})")
+        shutil.copyfile(pictures[0], out_dir / "fabric_run.png")
+    return [out_dir / "fabric_run.png"]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line: make every picture, or ``--only`` one kind."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("architecture", "demo", "notebooks"))
+    ap.add_argument("--only", choices=("architecture", "demo", "notebooks", "fabric"))
     ap.add_argument("--notebook", action="append", metavar="NAME",
                     help="with --only notebooks: this notebook only (repeatable), e.g. 02_in_network_aggregation")
     args = ap.parse_args(argv)
@@ -110,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     import architecture
 
     makers = {"architecture": lambda: [architecture.main()], "demo": demo,
-              "notebooks": lambda: notebooks(names=args.notebook)}
+              "notebooks": lambda: notebooks(names=args.notebook), "fabric": fabric}
     for name, make in makers.items():
         if args.only in (None, name):
             for path in make():
