@@ -290,8 +290,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         died = _engines_died(net, spec)
         if died is None or not hasattr(net, "restart_engine"):
             raise
-        restarts = (restarts or []) + [(node, code, round(net.restart_engine(node), 3))
-                                       for node, code in sorted(died.nodes.items())]
+        restarts = (restarts or []) + _restart(net, died.nodes)
     if result.get("error"):
         cls = CollectiveTimeout if result.get("timeout") else CollectiveError
         raise cls(f"{spec.op}/{spec.algo} on {n} workers failed: {result['error']}")
@@ -317,13 +316,19 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         # a cluster network: was a tunnel between servers slower than the links it carries?
         row.update(net.tunnel_flags() if hasattr(net, "tunnel_flags") else {})
         if restarts:
-            row.update(engine_restarts=[list(r) for r in restarts], rerun=False)
+            row.update(engine_restarts=list(restarts), rerun=False)
         rows.append(row)
     return rows
 
 
 #: Engine restarts one collective may go through before it fails (a switch that keeps dying).
 MAX_ENGINE_RESTARTS = 2
+
+
+def _restart(net, dead: dict[str, int]) -> list[list]:
+    """Start the dead engines (node -> exit status) again: ``[node, status, seconds]`` each."""
+    return [[node, code, round(net.restart_engine(node), 3)]
+            for node, code in sorted(dead.items())]
 
 
 def _rerun_on_engine_death(net, spec: CollectiveSpec, registration) -> bool:
@@ -337,8 +342,7 @@ def _rerun(net, spec: CollectiveSpec, extra_pids, died: EngineDied, depth: int =
     """Restart the dead engines and run ``spec`` again (registered afresh), at most
     :data:`MAX_ENGINE_RESTARTS` times; rows carry the restarts and the fallback time."""
     t_dead = time.monotonic()
-    restarts = [[node, code, round(net.restart_engine(node), 3)]
-                for node, code in sorted(died.nodes.items())]
+    restarts = _restart(net, died.nodes)
     fallback_s = time.monotonic() - t_dead
     try:
         rows = run_collective(net, spec if depth + 1 < MAX_ENGINE_RESTARTS else
@@ -525,8 +529,7 @@ def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float,
             pass
         dead = dead_fn() if dead_fn is not None else {}
         if dead and restarts is not None and len(restarts) < MAX_ENGINE_RESTARTS:
-            for node, code in sorted(dead.items()):
-                restarts.append((node, code, round(net.restart_engine(node), 3)))
+            restarts += _restart(net, dead)
             continue
         if dead:
             raise _engines_died(net, spec)
