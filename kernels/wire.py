@@ -55,6 +55,27 @@ class MsgType(enum.IntEnum):
     RETRANSMIT = 2  # worker -> switch, a contribution sent again after a timeout
     ACK = 3
     CONTROL = 4
+    NACK = 5  # receiver -> sender of the UET-like transport: packet ``seq`` arrived trimmed
+
+
+class Dscp(enum.IntEnum):
+    """DSCP classes of Ultra Ethernet trimming (UET 1.0): a trimming switch queues TRIMMABLE
+    packets in its low class, cuts them above its threshold and re-marks the cut packet
+    TRIMMED (TRIMMED_LASTHOP when cut at the last hop), served ahead of data; CONTROL (ACKs,
+    NACKs) is served first. The values are this testbed's defaults (UET leaves them to the
+    operator); a ``trim`` stage in ``uet`` mode takes others."""
+
+    BEST_EFFORT = 0
+    TRIMMABLE = 8  # CS1
+    TRIMMED = 26  # AF31
+    TRIMMED_LASTHOP = 28  # AF32
+    CONTROL = 46  # EF
+
+
+#: NACK codes (UET_TRIMMED, UET_TRIMMED_LASTHOP) a NACK carries in its ``flags``' TRIMMED and
+#: LASTHOP bits: ``Flags.TRIMMED`` alone = trimmed upstream, with ``LASTHOP`` = at the last hop.
+UET_TRIMMED = 0x01
+UET_TRIMMED_LASTHOP = 0x02
 
 
 class Flags(enum.IntFlag):
@@ -65,6 +86,7 @@ class Flags(enum.IntFlag):
     OVERFLOW = 2  # fixed-point overflow detected (ATP style); payload is not a valid sum
     LAST = 4  # last chunk of a message
     ECN = 8  # congestion experienced (set by a queue above its marking threshold)
+    LASTHOP = 16  # trimmed at the last hop (a UET trimming switch's host-facing port)
 
 
 class Codec(enum.IntEnum):
@@ -78,6 +100,7 @@ class Codec(enum.IntEnum):
     QSGD = 5
     THC = 6
     TRIM_LAYOUT = 7  # head (coarse) + tail (refinement), see kernels.trimming
+    BYTES = 8  # opaque bytes of a message (the UET-like transport's); elem_count = bytes
 
 
 class DropReason(enum.IntEnum):
@@ -126,7 +149,7 @@ HEADER_FIELDS: tuple[HeaderField, ...] = (
     HeaderField("worker_id", "<u2", None, "0..n-1 within the job (bit in the slot bitmap)"),
     HeaderField("slot", "<u2", None, "job-relative aggregator slot index"),
     HeaderField("slot_set", "u1", None, "seq & 1: which of the slot's two register sets"),
-    HeaderField("flags", "u1", Flags, "TRIMMED, OVERFLOW, LAST, ECN bits"),
+    HeaderField("flags", "u1", Flags, "TRIMMED, OVERFLOW, LAST, ECN, LASTHOP bits"),
     HeaderField("codec", "u1", Codec, "payload encoding"),
     HeaderField("n_workers", "u1", None, "workers in the job (informative)"),
     HeaderField("exponent", "<i2", None, "shared block exponent (max-combined by the switch)"),

@@ -47,6 +47,7 @@ from testbed.collectives.runner import RUN_DIR, offload_job
 from testbed.collectives.spec import CollectiveSpec, Communication, communication_of
 from testbed.collectives.transport import CollectiveError, Comm
 from testbed.collectives.trimmed import TrimmedGather
+from testbed.collectives.uet import UetComm
 from testbed.lifeline import follow_owner
 from testbed.workloads.data import BatchSampler, load_dataset
 from testbed.workloads.loop import digest
@@ -136,8 +137,12 @@ class TestbedComm:
             self.gather = TrimmedGather(job["ranks"], rank, tj.bits, tj.job_id, tj.seed,
                                         tj.timeout_s, tj.idle_ms / 1000.0)
         names = [r["host"] for r in job["ranks"]]
-        self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id, tcp_cc=self.spec.tcp_cc,
-                         window_clamp=tcp_window_clamp(tj.algo, job.get("bw_bps")))
+        if tj.transport == "uet":
+            self.comm = UetComm(rank, names, tj.timeout_s, job_id=tj.job_id)
+        else:
+            self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id,
+                             tcp_cc=self.spec.tcp_cc,
+                             window_clamp=tcp_window_clamp(tj.algo, job.get("bw_bps")))
         self.comm.listen(me["ip"])
         peers = set(ring.ring_peers(rank, self.n))  # trim's broadcast, compressed rings
         if tj.algo != "trim":

@@ -29,7 +29,8 @@ How the parts are chosen:
   the ports whose peer runs no data path (nobody else impairs peer -> node). Seeds are derived
   per node and direction from the topology's seed.
 * **Options.** Each :class:`Impairment` adds a stage in its direction; each :class:`Trimming`
-  adds a ``trim`` stage last (the egress queue must see every packet after the other stages).
+  adds a ``trim`` stage last (the egress queue must see every packet after the other stages);
+  in ``uet`` mode its ``last_hop`` ports are those whose link ends at a host (or its SmartNIC).
 * **Link shaping.** A node's shaped links (``bw_mbps``) are shaped, on its side, by its own
   engine: a ``shape`` stage last, a drop-tail queue per port drained at the link's rate and as
   deep as the kernel's queue would be (``queue_ms`` of the topology, else ``txqueuelen``, 1000
@@ -51,9 +52,10 @@ stage keeps the name ``impair``.
 **Time dilation.** :func:`compose` describes the emulated network (rates and delays as the
 user gave them). :func:`dilate` turns a plan into what the engines of a network dilated by a
 factor f run: every delay, jitter and reordering timeout of an ``impair`` stage multiplied by
-f, every drain rate of a ``trim`` or ``shape`` stage (a link rate) divided by f. Queue
-thresholds and bursts stay in bytes and probabilities stay as they are: a dilated network
-carries the same packets, f times slower.
+f, every drain rate of a ``trim`` or ``shape`` stage (a link rate) divided by f and a ``trim``
+stage's ``rtt_us`` multiplied by f. Queue thresholds and bursts stay in bytes (a BDP threshold,
+rate x RTT, too) and probabilities stay as they are: a dilated network carries the same
+packets, f times slower.
 
 ``DatapathOptions(explicit_programs=True)`` uses the topology's overrides exactly as given
 (no aggregate or shape stage added, no table filled in: a ``forward`` stage then learns):
@@ -109,14 +111,22 @@ class Impairment:
     seed: int = 0
 
 
+#: modes of a :class:`Trimming` queue (those of the ``trim`` stage)
+TRIM_MODES = ("trim", "drop_tail", "uet")
+
+
 @dataclass(frozen=True)
 class Trimming:
     """An egress queue per port of one node, drained at ``rate_mbps``, trimming (or dropping,
-    ``mode='drop_tail'``) above ``threshold_bytes``.
+    ``mode='drop_tail'``; trimming as Ultra Ethernet does, ``mode='uet'``) above
+    ``threshold_bytes``, or above ``threshold_bdp`` bandwidth-delay products of ``rtt_us``
+    (the plane's base RTT) when given.
 
     ``rate_mbps`` None: the topology's ``bw_mbps``. ``ports`` (indices or names): only these
     get the rate and threshold; the node's other ports drain at their own link rate and never
-    trim below a full queue. None = every port.
+    trim below a full queue. None = every port. ``trim_bytes``: frame length after a UET cut
+    (None: the stage's default). In ``uet`` mode the node's host-facing ports are its last hop
+    (``last_hop``: a 1.5x threshold, cuts re-marked TRIMMED_LASTHOP).
     """
 
     node: str
@@ -125,6 +135,9 @@ class Trimming:
     threshold_bytes: int = 30_000
     queue_slots: int = 256
     ports: tuple[int | str, ...] | None = None
+    trim_bytes: int | None = None
+    threshold_bdp: float | None = None
+    rtt_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -178,8 +191,9 @@ def compose(topo: TestbedTopo, options: DatapathOptions | None = None,
             for name in sorted(topo.programmable)}
 
 
-#: settings of an impair stage that are times (multiplied by the dilation factor)
-DILATED_TIMES = ("delay_ms", "jitter_ms", "reorder_timeout_ms")
+#: settings that are times (multiplied by the dilation factor): an impair stage's delays, a
+#: queue stage's RTT (so that a BDP threshold, rate x RTT, stays the same number of bytes)
+DILATED_TIMES = ("delay_ms", "jitter_ms", "reorder_timeout_ms", "rtt_us")
 #: settings of a trim stage that are rates (divided by it)
 DILATED_RATES = ("rate_mbps",)
 #: largest time dilation factor a network accepts
@@ -209,13 +223,14 @@ def dilate_settings(program: str, settings: dict, factor: float) -> dict:
     if factor == 1.0:
         return dict(settings)
     if program in IMPAIR_STAGES:
-        keys, scale = DILATED_TIMES, factor
+        scales = dict.fromkeys(DILATED_TIMES, factor)
     elif program in QUEUE_STAGES:
-        keys, scale = DILATED_RATES, 1.0 / factor
+        scales = {**dict.fromkeys(DILATED_TIMES, factor),
+                  **dict.fromkeys(DILATED_RATES, 1.0 / factor)}
     else:
         return dict(settings)
     out = dict(settings)
-    for key in keys:
+    for key, scale in scales.items():
         v = out.get(key)
         if isinstance(v, dict):
             out[key] = {p: x * scale for p, x in v.items()}
@@ -428,18 +443,43 @@ def _trim_settings(topo: TestbedTopo, tr: Trimming, name: str, ports: list[str]
     if rate is None:
         raise TopologyError(f"trimming on {name!r}: give rate_mbps (the topology's links are "
                             "unshaped, so there is no link rate to drain the queue at)")
+    if tr.mode not in TRIM_MODES:
+        raise TopologyError(f"trimming on {name!r}: mode={tr.mode!r} must be one of "
+                            f"{TRIM_MODES}")
+    if tr.threshold_bdp is not None and tr.rtt_us is None:
+        raise TopologyError(f"trimming on {name!r}: threshold_bdp needs rtt_us (the plane's "
+                            "base RTT, µs)")
     s: dict[str, Any] = {"mode": tr.mode, "queue_slots": tr.queue_slots}
+    s.update({k: getattr(tr, k) for k in ("trim_bytes", "rtt_us")
+              if getattr(tr, k) is not None})
+    if tr.mode == "uet":
+        hosts = set(topo.host_names)
+        s["last_hop"] = {f"{name}-eth{port}": _faces_host(topo, peer, hosts)
+                         for peer, (port, _bw) in sorted(routing.adjacency(topo)[name].items())}
+    # a BDP threshold or the byte one, for the chosen ports
+    key, value = (("threshold_bdp", tr.threshold_bdp) if tr.threshold_bdp is not None
+                  else ("threshold_bytes", tr.threshold_bytes))
     if tr.ports is None:
-        s.update(rate_mbps=rate, threshold_bytes=tr.threshold_bytes)
+        s.update({"rate_mbps": rate, key: value})
         return s
     # Every port goes through the stage's queue: the chosen ones drain at rate_mbps with the
     # threshold, the others at their own link rate with no trimming below a full queue.
     rates = _link_rates(topo, name)
-    thresholds = dict.fromkeys(rates, NO_TRIM_BYTES)
+    others = dict.fromkeys(rates, NO_TRIM_BYTES)
+    chosen = {}
     for ref in tr.ports:
         p = _port_name(ref, name, ports, "trimming")
         rates[p] = rate
-        thresholds[p] = tr.threshold_bytes
+        chosen[p] = value
     s["rate_mbps"] = rates
-    s["threshold_bytes"] = thresholds
+    if key == "threshold_bdp":  # the stage takes one threshold setting per port
+        s["threshold_bytes"] = {p: v for p, v in others.items() if p not in chosen}
+        s["threshold_bdp"] = chosen
+    else:
+        s["threshold_bytes"] = {**others, **chosen}
     return s
+
+
+def _faces_host(topo: TestbedTopo, peer: str, hosts: set[str]) -> bool:
+    """The link to ``peer`` is a last hop: it ends at a host, or at a host's SmartNIC."""
+    return peer in hosts or topo.switch_roles.get(peer) == "smartnic"

@@ -200,6 +200,25 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("ina_mib", 8.0, "MiB of the INA allreduce", quick=4.0)),
         quick_help="one repeat, a 4 MiB INA job"),
     Benchmark(
+        "trimming", "Ultra Ethernet trimming against drop-tail: a 16:1 incast of TCP and of the "
+        "UET-like transport (flow completion times, retransmission timeouts, the model) and a "
+        "ring allreduce on a 4:1 leaf-spine.",
+        "testbed.bench.trimming:measure", case=("case",),
+        columns=("case", "flows", "fct_p50_s", "fct_p99_s", "fct_max_s", "p99_vs_tcp_drop_tail",
+                 "timeouts", "nacks", "trimmed", "dropped", "measured_vs_model", "time_s",
+                 "vs_tcp_drop_tail", "cpu_bound_runs", "cpu_bound"),
+        options=(Option("senders", 16, "senders of the incast"),
+                 Option("kib", 16, "KiB each sender sends"),
+                 Option("mbps", 100.0, "link rate (Mb/s)"),
+                 Option("buffer_kib", 32, "the receiver port's queue (KiB; UET's trim "
+                        "threshold)"),
+                 Option("trim_bytes", 128, "frame bytes a trimmed packet keeps"),
+                 Option("reps", 5, "incasts per case", quick=2),
+                 Option("time_dilation", 16.0, "time dilation factor (16 senders on 2 cores)"),
+                 Option("ring_mib", 32.0, "MiB of the leaf-spine ring allreduce (0: none)",
+                        quick=4.0)),
+        quick_help="two incasts per case, a 4 MiB ring"),
+    Benchmark(
         "ina-cost", "CPU time per packet of the INA worker and switch kernels, without a "
         "network.", "testbed.bench.ina_cost:measure", needs_root=False,
         case=("side", "burst"),

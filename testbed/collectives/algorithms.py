@@ -1,7 +1,7 @@
 """Collective algorithms: one registered class each, like the compressors and the stages.
 
 An :class:`Algorithm` declares what the rest of the testbed asks about an algorithm: its
-``name``, the ``ops`` it implements, its ``transport`` (``"tcp"``: ranks connect over TCP;
+``name``, the ``ops`` it implements, its ``traffic`` (``"tcp"``: ranks connect over TCP;
 ``"ina"``: UDP packets to an aggregator), whether it is ``offloaded`` (a switch or SmartNIC
 aggregates it, so a run registers the job with them), whether a training job can use it
 (``trains``). Every list of algorithm names (:data:`~testbed.collectives.spec.ALGOS`, the
@@ -41,26 +41,33 @@ class Algorithm:
     summary: ClassVar[str] = ""
     #: the ops it implements (a subset of :data:`OPS`)
     ops: ClassVar[tuple[str, ...]] = ("allreduce",)
-    #: "tcp" (``tcp_cc`` applies, goodput of TCP frames) or "ina" (testbed UDP packets)
-    transport: ClassVar[str] = "tcp"
+    #: "tcp": ranks exchange messages over a Comm (TCP, or the UET-like transport a job's
+    #: ``transport`` names; ``tcp_cc`` applies) or "ina" (testbed UDP packets to a switch).
+    #: A plug-in written before this was named ``traffic`` may still set ``transport``.
+    traffic: ClassVar[str] = "tcp"
     #: aggregated by a switch or SmartNIC: the run registers the job there (placement, slots)
     offloaded: ClassVar[bool] = False
     #: a training job may allreduce its gradients with it (one collective per iteration)
     trains: ClassVar[bool] = True
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "transport" in cls.__dict__:  # the attribute's name before it was ``traffic``
+            cls.traffic = cls.__dict__["transport"]
+
     def __repr__(self) -> str:
-        return f"<algorithm {self.name}: {', '.join(self.ops)} over {self.transport}>"
+        return f"<algorithm {self.name}: {', '.join(self.ops)} over {self.traffic}>"
 
 
 class PeerAlgorithm(Algorithm):
-    """An algorithm whose ranks exchange data among themselves over TCP (``transport="tcp"``).
+    """An algorithm whose ranks exchange data among themselves over a Comm (``traffic="tcp"``).
 
     Subclass it, set the declaration attributes and implement the four methods; the pool runs
     ``rank_function(op)(comm, x, out, n, chunk)`` in every rank after connecting it to
     ``peers(rank, n, op)``, and both models predict it from the other two.
     """
 
-    transport: ClassVar[str] = "tcp"
+    traffic: ClassVar[str] = "tcp"
 
     def peers(self, rank: int, n: int, op: str) -> list[int]:
         """The ranks ``rank`` of ``n`` exchanges data with in ``op`` (both directions: a
@@ -154,14 +161,14 @@ class ReductionServer(Algorithm):
 class InNetwork(Algorithm):
     name = "ina"
     summary = "in-network aggregation in a programmable switch (SwitchML-style slots)"
-    transport = "ina"
+    traffic = "ina"
     offloaded = True
 
 
 class SmartNic(Algorithm):
     name = "nic"
     summary = "aggregation in the workers' SmartNICs and switch (ATP-style fixed factor)"
-    transport = "ina"
+    traffic = "ina"
     offloaded = True
 
 
@@ -170,17 +177,17 @@ BUILTINS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (Ring, HalvingDoubling, ReductionServer, InNetwork, SmartNic)}
 
 
-def algorithm_names(op: str | None = None, *, transport: str | None = None,
+def algorithm_names(op: str | None = None, *, traffic: str | None = None,
                     trains: bool | None = None, offloaded: bool | None = None) -> tuple[str, ...]:
     """Names of the registered algorithms (built-ins, then plug-ins by name), those that
-    implement ``op`` and match the given ``transport``/``trains``/``offloaded``."""
+    implement ``op`` and match the given ``traffic``/``trains``/``offloaded``."""
     names = tuple(BUILTINS) + tuple(sorted(plugins(ALGORITHMS_GROUP, BUILTINS)))
-    if op is None and transport is None and trains is None and offloaded is None:
+    if op is None and traffic is None and trains is None and offloaded is None:
         return names
     out = []
     for name in names:
         alg = algorithm(name)
-        if ((op is None or op in alg.ops) and (transport is None or alg.transport == transport)
+        if ((op is None or op in alg.ops) and (traffic is None or alg.traffic == traffic)
                 and (trains is None or alg.trains == trains)
                 and (offloaded is None or alg.offloaded == offloaded)):
             out.append(name)
@@ -219,9 +226,9 @@ def _check_plugin(cls: type, name: str, where: str) -> None:
     bad = [op for op in getattr(cls, "ops", ()) if op not in OPS]
     if not cls.ops or bad:
         raise PluginError(f"{where}: ops {cls.ops!r} must be a non-empty tuple of {OPS}")
-    if cls.transport != "tcp" or cls.offloaded:
+    if cls.traffic != "tcp" or cls.offloaded:
         raise PluginError(f"{where}: a plug-in algorithm runs among the ranks over TCP "
-                          "(transport 'tcp', offloaded False)")
+                          "(traffic 'tcp', offloaded False)")
 
 
 def is_offloaded(name: str) -> bool:
@@ -246,7 +253,7 @@ def check_nproc_per_host(k, algo: str | None) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"nproc_per_host={k!r} must be an integer >= 1")
     if k > 1 and algo is not None and (algo not in algorithm_names()
-                                       or algorithm(algo).transport != "tcp"):
+                                       or algorithm(algo).traffic != "tcp"):
         raise ValueError(f"nproc_per_host={k} with algo {algo!r}: in-network aggregation "
                          "(and a provider's plan, which may choose it) takes one worker per "
                          "host; use a TCP algorithm (ring, hd, ...), plain gloo, or one rank "

@@ -901,3 +901,28 @@ def incast_s(*, senders: int, frames: int, frame_bytes: int, trimmed_bytes: int,
     passed = min(passed, n_all)
     crossed = passed * F + (n_all - passed) * h
     return IncastPrediction(t_send + threshold_bytes / R, crossed, 1 - passed / n_all)
+
+
+def uet_incast_s(*, senders: int, nbytes: int, port_mbps: float, rtt_s: float, trims: int,
+                 trimmed_bytes: int = 128, payload: int | None = None) -> IncastPrediction:
+    """Incast of ``senders`` x ``nbytes`` over the UET-like transport into a UET trimming port.
+
+    Every packet crosses the port whole once (a cut one is resent whole after its NACK), and
+    every cut adds its ``trimmed_bytes`` frame, served ahead of data: the port is busy
+    (work-conserving) for ``(all frames + trims x trimmed frame) / R``, plus the round trip of
+    the last NACK and its resend. ``trims``: how many packets the port cut (the transport's
+    congestion response sets it; measured, or an estimate). ``payload``: transport bytes per
+    packet (default the testbed's MTU payload).
+    """
+    from testbed.kernels.wire import MTU_PAYLOAD, PAYLOAD_OFFSET  # noqa: PLC0415
+
+    if senders < 1 or nbytes < 0 or port_mbps <= 0 or rtt_s < 0 or trims < 0:
+        raise ValueError("need senders >= 1, nbytes >= 0, port_mbps > 0, rtt_s >= 0, trims >= 0")
+    payload = payload or MTU_PAYLOAD
+    full, rest = divmod(nbytes, payload)
+    frames = full * (PAYLOAD_OFFSET + payload) + (PAYLOAD_OFFSET + rest if rest else 0)
+    total = senders * frames
+    crossed = total + trims * trimmed_bytes
+    packets = senders * (full + (1 if rest else 0))
+    return IncastPrediction(crossed / (port_mbps * 1e6 / 8) + (rtt_s if trims else 0.0),
+                            crossed, trims / packets if packets else 0.0)

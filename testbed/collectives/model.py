@@ -46,7 +46,7 @@ DEFAULT_CHUNK = 256 << 10
 
 def goodput_Bps(algo: str, bw_bps: float) -> float:
     """Payload bytes per second that a link of ``bw_bps`` bit/s carries for ``algo``."""
-    proto = "tcp" if algo == "tree" else algorithm(algo).transport
+    proto = "tcp" if algo == "tree" else algorithm(algo).traffic
     return bw_bps / 8.0 * GOODPUT[proto]
 
 

@@ -20,6 +20,10 @@ first (triangular numbering), then one listening port per rank. Jobs ``job_id`` 
 
 INA (UDP): a worker of job ``j`` binds ``ina_worker_port(j)`` (``20000 + j % 10000``) and
 sends to the aggregator's ``INA_AGG_PORT`` (41000).
+
+UET-like transport (UDP, ``testbed.collectives.uet``): a rank receives on its address's
+testbed port (41000) and sprays its packets from ``uet_port(j, e)`` for entropy ``e`` (ports
+30000-32767, below the ephemeral range): one rank per address, so the ports need no rank.
 """
 
 from __future__ import annotations
@@ -81,3 +85,18 @@ def ina_worker_port(job_id: int) -> int:
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
         raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
     return INA_PORT_BASE + job_id % INA_PORT_SPAN
+
+
+#: The UET transport's spraying ports: ``UET_PORT_BASE + (job_id % UET_JOB_SLOTS) * 64 + e``.
+UET_PORT_BASE = 30000
+UET_MAX_ENTROPIES = 64
+UET_JOB_SLOTS = (32768 - UET_PORT_BASE) // UET_MAX_ENTROPIES
+
+
+def uet_port(job_id: int, entropy: int) -> int:
+    """UDP source port of spraying path ``entropy`` of job ``job_id``'s UET ranks."""
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
+        raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
+    if not 0 <= entropy < UET_MAX_ENTROPIES:
+        raise ValueError(f"entropy={entropy!r} must be 0..{UET_MAX_ENTROPIES - 1}")
+    return UET_PORT_BASE + (job_id % UET_JOB_SLOTS) * UET_MAX_ENTROPIES + entropy

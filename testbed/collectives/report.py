@@ -184,7 +184,7 @@ def tcp_cc_of(spec: CollectiveSpec | Measured, ina: dict | None = None) -> str |
     unless a refused INA job (``ina``: its INA columns) ran as ring on the hosts."""
     if not isinstance(spec, CollectiveSpec):
         return None
-    if algorithm(spec.algo).transport != "tcp" and (ina or {}).get("placement_mode") != "refused":
+    if algorithm(spec.algo).traffic != "tcp" and (ina or {}).get("placement_mode") != "refused":
         return None
     return spec.tcp_cc or host_tcp_cc() or None
 

@@ -317,8 +317,22 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         row.update(net.tunnel_flags() if hasattr(net, "tunnel_flags") else {})
         if restarts:
             row.update(engine_restarts=list(restarts), rerun=False)
+        if spec.transport == "uet":
+            row.update(uet_row(result["reps"], rep))
         rows.append(row)
     return rows
+
+
+def uet_row(reps: list[dict], rep: int) -> dict:
+    """Row keys of the UET transport's counters in repetition ``rep`` (the ranks report their
+    totals so far): packets, retransmissions after a NACK and after a timeout, timeouts."""
+    now = reps[rep].get("uet_total") or {}
+    before = (reps[rep - 1].get("uet_total") or {}) if rep else {}
+    d = {k: v - before.get(k, 0) for k, v in now.items()}
+    return {"transport": "uet", "uet_packets": d.get("packets_sent", 0),
+            "uet_trimmed": d.get("trimmed_received", 0),
+            "uet_nack_retransmits": d.get("nack_retransmits", 0),
+            "uet_timeouts": d.get("timeouts", 0), "uet_lasthop_nacks": d.get("lasthop_nacks", 0)}
 
 
 #: Engine restarts one collective may go through before it fails (a switch that keeps dying).

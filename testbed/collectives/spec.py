@@ -22,12 +22,13 @@ from testbed.collectives.algorithms import (
     is_offloaded,
 )
 from testbed.collectives.transport import DEFAULT_TCP_CC
+from testbed.collectives.uet import TRANSPORTS
 
 #: The built-in algorithms (plug-ins add theirs: :func:`algorithm_names`).
 ALGOS = tuple(BUILTINS)
 #: the built-in algorithms that connect ranks over TCP (``tcp_cc`` applies to them); not
 #: :func:`algorithm_names`, which imports the plug-ins: a plug-in may import this module
-TCP_ALGOS = tuple(name for name, cls in BUILTINS.items() if cls.transport == "tcp")
+TCP_ALGOS = tuple(name for name, cls in BUILTINS.items() if cls.traffic == "tcp")
 DTYPES = ("float32", "int32")
 
 #: Elements per INA packet (SwitchML's client default, see kernels.wire).
@@ -88,6 +89,9 @@ class Communication:
         "doc": "the compressor's parameters (e.g. ratio for topk, granularity for thc)"})
     error_feedback: bool = dataclasses.field(default=False, metadata={
         "doc": "add what compression dropped to the next iteration's input"})
+    transport: str = dataclasses.field(default="tcp", metadata={
+        "doc": "what carries a host algorithm's messages (ring, hd, rs): tcp, or uet (sprayed "
+               "UDP packets a UET switch trims, NACKed and resent; one rank per host)"})
 
 
 #: The fields of :class:`Communication`, in order.
@@ -101,9 +105,12 @@ def communication_of(job) -> dict:
 
 
 def communication_label(job) -> str:
-    """algo[+compressor][+ef] of ``job``: the default name of a job in tables and plots."""
+    """algo[+compressor][+ef][@transport] of ``job``: the default name of a job in tables and
+    plots (the transport only when it is not TCP)."""
+    transport = getattr(job, "transport", "tcp")
     return (job.algo + (f"+{job.compressor}" if job.compressor else "")
-            + ("+ef" if job.error_feedback else ""))
+            + ("+ef" if job.error_feedback else "")
+            + (f"@{transport}" if transport != "tcp" else ""))
 
 
 def communication_model(base: type) -> type:
@@ -153,6 +160,9 @@ class CollectiveSpec(Communication):
     ``ina_cc`` (``algo`` ina/nic): the workers' congestion response, one of :data:`INA_CC`
     ("delay": at most a delay-driven window of the ``window`` slots outstanding, so UDP INA
     shares a link with TCP jobs), or None: every slot always busy, no response (default).
+    ``transport``: what carries the host algorithms' messages, "tcp" (the kernel's TCP with
+    ``tcp_cc``) or "uet" (:mod:`testbed.collectives.uet`: sprayed UDP packets a UET switch
+    trims, NACKed and retransmitted within a round trip; one rank per host).
     """
 
     op: str = "allreduce"
@@ -236,6 +246,13 @@ class CollectiveSpec(Communication):
             raise FieldError("ina_cc", f"CollectiveSpec.ina_cc={self.ina_cc!r} applies to "
                              f"in-network aggregation (algo 'ina' or 'nic'), not "
                              f"algo={self.algo!r}; TCP algorithms take tcp_cc")
+        if self.transport not in TRANSPORTS:
+            raise FieldError("transport", f"CollectiveSpec.transport={self.transport!r} must be "
+                             f"one of {TRANSPORTS}")
+        if self.transport != "tcp" and alg.traffic != "tcp":
+            raise FieldError("transport", f"CollectiveSpec.transport={self.transport!r} carries "
+                             "the host algorithms' messages (ring, hd, rs); "
+                             f"algo={self.algo!r} sends its own packets: leave transport='tcp'")
         if not isinstance(self.compressor_params, dict):
             raise FieldError("compressor_params", "CollectiveSpec.compressor_params must be a dict")
         if self.compressor is not None and not isinstance(self.compressor, str):

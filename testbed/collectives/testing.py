@@ -88,7 +88,7 @@ def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> 
     assert len(rows) == spec.repetitions, rows
     for r in rows:
         assert tuple(r) == REPORT_COLUMNS, sorted(set(r) ^ set(REPORT_COLUMNS))
-        if algorithm(spec.algo).transport == "tcp":
+        if algorithm(spec.algo).traffic == "tcp":
             assert r["tcp_cc"] == (spec.tcp_cc or host_tcp_cc() or None), r["tcp_cc"]
         assert r["correct"], r
         assert r["n"] == n and r["bytes"] == spec.nbytes, r

@@ -54,6 +54,7 @@ from testbed.collectives.rankgroup import ControlLine, RankGroup, fork_with_line
 from testbed.collectives.report import check, input_count, output_count, rank_input
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveTimeout, Comm
+from testbed.collectives.uet import UetComm
 from testbed.lifeline import follow_owner
 
 CLONE_NEWNET = 0x40000000
@@ -168,8 +169,11 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         ctl.send({"type": "port", "port": 0})
         ctl.recv()
         return (lambda step: client.allreduce(x, out)), client.close
-    comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id, tcp_cc=spec.tcp_cc,
-                window_clamp=tcp_window_clamp(spec.algo, job.get("bw_bps")))
+    if spec.transport == "uet":
+        comm = UetComm(rank, names, spec.timeout_s, job_id=spec.job_id)
+    else:
+        comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id, tcp_cc=spec.tcp_cc,
+                    window_clamp=tcp_window_clamp(spec.algo, job.get("bw_bps")))
     try:
         port = comm.listen(info["ip"])
         ctl.send({"type": "port", "port": port})
@@ -197,6 +201,8 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
 
         def run(step):
             fn(comm, x, out, n, chunk)
+    if isinstance(comm, UetComm):
+        run.stats = comm.stats  # the transport's counters go back with each 'done'
     return run, comm.close
 
 
@@ -260,7 +266,10 @@ def _child(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x, out)
                 return 0
             t0 = time.monotonic()
             run(msg["rep"])
-            ctl.send({"type": "done", "t_start": t0, "t_end": time.monotonic()})
+            done = {"type": "done", "t_start": t0, "t_end": time.monotonic()}
+            if hasattr(run, "stats"):
+                done["transport"] = run.stats()
+            ctl.send(done)
     except Exception as e:  # noqa: BLE001 - reported to the pool, which fails the run
         report_error(ctl, e)
         return 1
@@ -482,6 +491,9 @@ def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, out
     t_end = max(t_go + d["elapsed"] if "elapsed" in d else d["t_end"] for d in done.values())
     cpu = sampler.stop()
     err, ok = check_outputs(spec, replicas, ins, outs, rep, local if group.remotes else None)
+    stats = [d["transport"] for d in done.values() if "transport" in d]
+    # the UET counters are cumulative per rank: a repetition's are the difference
+    uet = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else None
     for pool in group.remotes:
         e, good = pool.checks.pop(rep)
         err, ok = max(err, e), ok and good
@@ -489,7 +501,7 @@ def _repetition(group: RankGroup, spec: CollectiveSpec, rep: int, ins: list, out
             "cpu_util": cpu.cpu_util, "cpu_wait": cpu.cpu_wait, "cpu_demand": cpu.cpu_demand,
             "cpu_max": cpu.group_max["ranks"], "cpu_engine": cpu.group_max["engines"],
             "cpu_s": cpu.group_cpu_s["ranks"], "engine_cpu_s": cpu.group_cpu_s["engines"],
-            "cpu_why": cpu.why}
+            "cpu_why": cpu.why, "uet_total": uet}
 
 
 def run_pool(job: dict) -> dict:

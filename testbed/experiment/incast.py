@@ -209,7 +209,7 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
             procs.append(h.popen(py + ["sender", *common, "--rank", str(r + 1), "--n",
                                        str(len(senders)), "--dst", recv.IP(),
                                        f"testbed-node={h.name}"]))
-        cpu = _wait_sampling(procs, net.engine_pids(), start_at,
+        cpu = wait_sampling(procs, net.engine_pids(), start_at,
                              timeout_s + (start_at - time.time()) + 30)
         rc = procs[0].returncode
         with open(out) as f:
@@ -279,7 +279,7 @@ def receiver_rate_bps(net) -> float:
     return rate
 
 
-def _wait_sampling(procs: list, engines: list[int], start_at: float, timeout_s: float
+def wait_sampling(procs: list, engines: list[int], start_at: float, timeout_s: float
                    ) -> dict[str, Any]:
     """Wait for the receiver (``procs[0]``) to exit, measuring the CPU of every incast thread
     and data-path engine (per thread and core, ``testbed.collectives.cpumon``) from
@@ -306,7 +306,8 @@ def _wait_sampling(procs: list, engines: list[int], start_at: float, timeout_s: 
             "cpu_engine": round(cpu.group_max["engines"], 3),
             "cpu_wait": round(cpu.cpu_wait, 3), "cpu_util": round(cpu.cpu_util, 3),
             "cpu_s": round(cpu.group_cpu_s["ranks"], 3),
-            "engine_cpu_s": round(cpu.group_cpu_s["engines"], 3), "bound": cpu.cpu_bound}
+            "engine_cpu_s": round(cpu.group_cpu_s["engines"], 3), "bound": cpu.cpu_bound,
+            "why": "; ".join(cpu.why) if isinstance(cpu.why, list) else str(cpu.why or "")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,8 @@ def datapath_options(point: Experiment) -> DatapathOptions:
     trimming = tuple(
         Trimming(node=t.node, mode=t.mode, rate_mbps=t.rate_mbps,
                  threshold_bytes=t.threshold_bytes, queue_slots=t.queue_slots,
-                 ports=None if t.ports is None else tuple(t.ports))
+                 ports=None if t.ports is None else tuple(t.ports), trim_bytes=t.trim_bytes,
+                 threshold_bdp=t.threshold_bdp, rtt_us=t.rtt_us)
         for t in point.trimming)
     nic_codec = None
     if point.codec is not None:

@@ -337,9 +337,16 @@ class Trimming(_Strict):
     """
 
     node: str = Field(..., pattern=r"^tb")
-    mode: Literal["trim", "drop_tail"] = "trim"
+    mode: Literal["trim", "drop_tail", "uet"] = Field(
+        "trim", description="trim: cut to the HotNets head; drop_tail; uet: Ultra Ethernet "
+        "trimming (DSCP classes, cut to trim_bytes, NACKed by the uet transport)")
     rate_mbps: float | None = Field(None, gt=0, description="queue drain rate; default link bw")
     threshold_bytes: int = Field(30_000, ge=0)
+    threshold_bdp: float | None = Field(None, gt=0, description="threshold in bandwidth-delay "
+                                        "products of rtt_us (instead of threshold_bytes)")
+    rtt_us: float | None = Field(None, gt=0, description="the plane's base RTT (µs)")
+    trim_bytes: int | None = Field(None, ge=74, le=1514, description="uet: frame bytes a cut "
+                                   "packet keeps")
     queue_slots: int = Field(256, ge=1, le=65536, description="queue capacity in packets")
     ports: list[int | str] | None = None
 

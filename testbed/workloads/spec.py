@@ -224,6 +224,10 @@ def check_communication(job) -> None:
     if job.algo == "trim" and job.compressor is not None:
         raise FieldError("compressor", f"{cls}.compressor={job.compressor!r}: algo 'trim' encodes the "
                          "gradient in the trimming layout; remove compressor")
+    if job.algo == "trim" and job.transport != "tcp":
+        raise FieldError("transport", f"{cls}.transport={job.transport!r}: algo 'trim' sends its "
+                         "own trimmable packets (trimming as compression, no retransmission); "
+                         "transport applies to ring and hd")
 
 
 def check_collective(job, n: int | None) -> None:

@@ -234,7 +234,7 @@ def test_algorithm_plugin_everywhere_an_algorithm_name_is_used(fake_dists):
                                                                    ops='("allreduce",)'),
                "[testbed.algorithms]\nstar0 = tbplug_star0:Star0\n")
     assert algorithm_names()[:5] == ("ring", "hd", "rs", "ina", "nic")
-    assert "star0" in algorithm_names("allreduce", transport="tcp", trains=True)
+    assert "star0" in algorithm_names("allreduce", traffic="tcp", trains=True)
     assert "star0" not in algorithm_names("broadcast") and not is_offloaded("star0")
     assert algorithm("star0").peers(0, 3, "allreduce") == [1, 2]
     CollectiveSpec(algo="star0", nbytes=4096).validate(3)
