@@ -135,9 +135,10 @@ class TestbedComm:
         if tj.algo == "trim":
             trimmed.warm()
             self.gather = TrimmedGather(job["ranks"], rank, tj.bits, tj.job_id, tj.seed,
-                                        tj.timeout_s, tj.idle_ms / 1000.0)
+                                        tj.timeout_s, tj.idle_ms / 1000.0,
+                                        resend_trimmed=tj.transport == "uet")
         names = [r["host"] for r in job["ranks"]]
-        if tj.transport == "uet":
+        if tj.transport == "uet" and tj.algo != "trim":  # trim: the gather is UET's
             self.comm = UetComm(rank, names, tj.timeout_s, job_id=tj.job_id)
         else:
             self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id,

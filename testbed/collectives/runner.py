@@ -319,6 +319,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
             row.update(engine_restarts=list(restarts), rerun=False)
         if spec.transport == "uet":
             row.update(uet_row(result["reps"], rep))
+        elif not is_offloaded(spec.algo):
+            row["transport"] = "tcp"
         rows.append(row)
     return rows
 

@@ -12,6 +12,10 @@ the chunks it misses after ``idle_s`` without traffic (NACK), and tells them whe
 everything (DONE); then the float32 sum goes back to every worker with the ring's pipelined
 chain broadcast over TCP (``ring.broadcast``, set up by the caller).
 
+With ``resend_trimmed`` (a training job's ``transport = "uet"``) the gather runs as Ultra
+Ethernet would: rank 0 NACKs a trimmed packet as soon as it arrives and adds it only when it
+comes whole, so the sum is exact and every cut costs a resend instead of accuracy.
+
 Every packet carries the iteration in ``seq``: a late packet, NACK or DONE of an earlier
 iteration is ignored. Error: each trimmed chunk's elements are off by at most one head step
 ``2 s / (2**bits - 1)`` (``s`` the chunk's max magnitude, in its payload), which rank 0 adds
@@ -42,11 +46,14 @@ from testbed.kernels.wire import (
     MAGIC,
     PAYLOAD_OFFSET,
     Codec,
+    Dscp,
     Flags,
     MsgType,
     new_headers,
 )
 
+#: IPv4 TOS byte of the gradient packets: DSCP TRIMMABLE (Ultra Ethernet's trimmable class)
+TRIMMABLE_TOS = int(Dscp.TRIMMABLE) << 2
 #: UDP port of the testbed header: the data path recognises (and trims) frames sent to it.
 DATA_PORT = 41000
 #: Senders listen for NACK/DONE on ``CTL_PORT + job_id % 100``.
@@ -111,7 +118,11 @@ class TrimmedGather:
     namespace the process is in. ``ranks``: ``[{"ip": ...}, ...]`` of the job in rank order."""
 
     def __init__(self, ranks: list[dict], rank: int, bits: int, job_id: int, seed: int,
-                 timeout_s: float, idle_s: float = 0.02):
+                 timeout_s: float, idle_s: float = 0.02, resend_trimmed: bool = False):
+        """``resend_trimmed``: Ultra Ethernet's mode instead of trimming as compression:
+        rank 0 NACKs a trimmed packet as it arrives and waits for it whole (the sum is exact,
+        the cut costs a resend) rather than adding its head."""
+        self.resend_trimmed = resend_trimmed
         if bits not in BITS:
             raise ValueError(f"bits={bits!r}: head bits per element must be one of {BITS}")
         self.ranks, self.rank, self.n = ranks, rank, len(ranks)
@@ -128,6 +139,9 @@ class TrimmedGather:
                 self.data.bind((me, DATA_PORT))
             else:
                 self.data.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                # trimmable in UET's terms too: a UET switch cuts it (to a head that fits its
+                # trim size) instead of dropping it
+                self.data.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, TRIMMABLE_TOS)
                 self.data.connect((ranks[0]["ip"], DATA_PORT))
                 self.ctl.bind((me, self.ctl_port))
         except OSError as e:
@@ -204,6 +218,10 @@ class TrimmedGather:
             k = off // m
             if k not in missing[r]:
                 continue  # a duplicate (a NACK crossed the original)
+            if self.resend_trimmed and int(h["flags"]) & Flags.TRIMMED:
+                self.stats["trimmed"] += 1
+                self._nack({r: {k}}, step)  # UET: ask for it whole, now
+                continue
             values, full = decode(np.frombuffer(buf[HEADER_LEN:], dtype=np.uint8), cnt)
             total[off:off + cnt] += values
             self.stats["packets"] += 1

@@ -44,6 +44,7 @@ from testbed.collectives.trimmed import (
     DONE,
     NACK,
     NACK_MAX,
+    TRIMMABLE_TOS,
     chunk_elements,
     encode_frames,
     frame_sizes,
@@ -69,6 +70,7 @@ def _sender(args) -> int:
     ctl.bind(("0.0.0.0", CTL_PORT))
     data = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     data.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    data.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, TRIMMABLE_TOS)  # a UET switch cuts it
     dst = (args.dst, DATA_PORT)
     time.sleep(max(0.0, args.start_at - time.time()))
     for f in frames:

@@ -307,7 +307,8 @@ class JobSpec(_Communication):
             return self.name
         if self.op == "incast":
             return f"incast-trim{self.options.get('bits', 1)}"
-        return self.algo + (f"+{self.compressor}" if self.compressor else "")
+        return (self.algo + (f"+{self.compressor}" if self.compressor else "")
+                + (f"@{self.transport}" if self.transport != "tcp" else ""))
 
 
 class Impairment(_Strict):

@@ -130,7 +130,8 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
         if spec.algo == "trim":
             # incast of trimmable packets to rank 0, then the ring's broadcast of the sum
             gather = TrimmedGather(job["ranks"], rank, spec.bits, spec.job_id, spec.seed,
-                                   spec.timeout_s, spec.idle_ms / 1000.0)
+                                   spec.timeout_s, spec.idle_ms / 1000.0,
+                                   resend_trimmed=spec.transport == "uet")
             broadcast, close = connect_rank(job, cspec, rank, ctl, out, out)
 
             def run(step: int) -> None:

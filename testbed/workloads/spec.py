@@ -63,7 +63,8 @@ class TrainingSpec(Communication):
     padded to this much, times ``time_dilation``). Communication: ``algo``
     (:func:`train_algos`), ``compressor``/``compressor_params``/``error_feedback``,
     ``window``/``loss`` (INA), ``bits`` (head bits per element) and ``idle_ms`` (silence before
-    a NACK) of ``algo="trim"``, ``chunk_bytes`` (TCP), ``timeout_s``. Placement: ``workers``
+    a NACK) of ``algo="trim"`` (with ``transport="uet"`` its gather NACKs a trimmed packet and
+    waits for it whole, as Ultra Ethernet does, instead of adding its head), ``chunk_bytes`` (TCP), ``timeout_s``. Placement: ``workers``
     (count, default every host of ``hosts`` or of the net), ``hosts`` (host indices of the net,
     default the first ``workers``), ``start_s`` (seconds after the trace starts), ``job_id``
     (ports, switch partition). ``seed``: data split, initialisation, batches, compressors.
@@ -224,10 +225,6 @@ def check_communication(job) -> None:
     if job.algo == "trim" and job.compressor is not None:
         raise FieldError("compressor", f"{cls}.compressor={job.compressor!r}: algo 'trim' encodes the "
                          "gradient in the trimming layout; remove compressor")
-    if job.algo == "trim" and job.transport != "tcp":
-        raise FieldError("transport", f"{cls}.transport={job.transport!r}: algo 'trim' sends its "
-                         "own trimmable packets (trimming as compression, no retransmission); "
-                         "transport applies to ring and hd")
 
 
 def check_collective(job, n: int | None) -> None:
