@@ -111,6 +111,9 @@ class Impairment:
     seed: int = 0
 
 
+#: a :class:`Trimming` entry for every programmable switch (not SmartNICs) without its own:
+#: trimming anywhere in a fabric (every port of a leaf-spine or fat-tree)
+EVERY_SWITCH = "*"
 #: modes of a :class:`Trimming` queue (those of the ``trim`` stage)
 TRIM_MODES = ("trim", "drop_tail", "uet")
 
@@ -122,6 +125,7 @@ class Trimming:
     ``threshold_bytes``, or above ``threshold_bdp`` bandwidth-delay products of ``rtt_us``
     (the plane's base RTT) when given.
 
+    ``node`` ``"*"``: every programmable switch that has no entry of its own.
     ``rate_mbps`` None: the topology's ``bw_mbps``. ``ports`` (indices or names): only these
     get the rate and threshold; the node's other ports drain at their own link rate and never
     trim below a full queue. None = every port. ``trim_bytes``: frame length after a UET cut
@@ -248,6 +252,12 @@ def dilate(plan: dict[str, list], factor: float) -> dict[str, list]:
 def _check_option_nodes(topo: TestbedTopo, options: DatapathOptions) -> None:
     for what, entries in (("impairments", options.impairments), ("trimming", options.trimming)):
         for entry in entries:
+            if what == "trimming" and entry.node == EVERY_SWITCH:
+                if entry.ports is not None:
+                    raise TopologyError(
+                        f"trimming on {EVERY_SWITCH!r} (every programmable switch) cannot name "
+                        "ports: port names belong to one node; give an entry per node instead")
+                continue
             if entry.node not in topo.programmable:
                 raise TopologyError(
                     f"{what}: node {entry.node!r} is not a programmable node of this topology; "
@@ -266,6 +276,8 @@ def _node_pipeline(topo: TestbedTopo, options: DatapathOptions, tables, name: st
     opt_ingress = [i for i in options.impairments if i.node == name and i.direction == "ingress"]
     opt_egress = [i for i in options.impairments if i.node == name and i.direction != "ingress"]
     trims = [t for t in options.trimming if t.node == name]
+    if not trims and not is_nic:  # an entry of its own wins over the one for every switch
+        trims = [t for t in options.trimming if t.node == EVERY_SWITCH]
     own = [p for p, _ in core]
     if any(p in IMPAIR_STAGES for p in own) and link_egress:
         raise TopologyError(

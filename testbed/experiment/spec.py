@@ -337,7 +337,8 @@ class Trimming(_Strict):
     names) get ``rate_mbps`` and the threshold, the other ports drain at the link rate.
     """
 
-    node: str = Field(..., pattern=r"^tb")
+    node: str = Field(..., pattern=r"^(tb|\*$)", description="a programmable node, or * for "
+                      "every programmable switch without an entry of its own")
     mode: Literal["trim", "drop_tail", "uet"] = Field(
         "trim", description="trim: cut to the HotNets head; drop_tail; uet: Ultra Ethernet "
         "trimming (DSCP classes, cut to trim_bytes, NACKed by the uet transport)")
@@ -1005,6 +1006,8 @@ def _checks(topo, tspec: TopologySpec, jobs: list, impairments: list, trimming: 
             problems += _job_problems(f"jobs.{i}", job, topo, codec)
     for what, items in (("impairments", impairments), ("trimming", trimming)):
         for i, item in enumerate(items):
+            if what == "trimming" and item.node == "*":  # every switch: the pipeline checks it
+                continue
             problems += _node_problems(f"{what}.{i}", item.node, item.ports, topo)
     if codec is not None and not topo.nic_of:
         problems.append("codec: the SmartNIC codec runs on SmartNIC nodes and this topology has "

@@ -624,3 +624,41 @@ def test_trim_mode_ignores_the_dscp_classes():
     stage.process(b, T0)
     c = stage.counters()["ports"]["port0"]
     assert (c["trimmed"], c["ctl_enqueued"], c["dropped"]) == (2, 0, 1)
+
+
+def test_trimming_on_every_switch_with_star_and_an_own_entry_wins():
+    from testbed.topologies import LeafSpine, TopologyError
+    from testbed.topologies.pipeline import DatapathOptions, Trimming, compose
+
+    topo = LeafSpine(2, 2, 2, switch="programmable", bw_mbps=100)
+    plan = compose(topo, DatapathOptions(trimming=(
+        Trimming("*", mode="uet", threshold_bytes=20_000),
+        Trimming("tbsp2", mode="drop_tail", threshold_bytes=9_000))))
+    for node in ("tbl1", "tbl2", "tbsp1"):
+        trim = dict(plan[node])["trim"]
+        assert (trim["mode"], trim["threshold_bytes"]) == ("uet", 20_000), node
+    assert dict(plan["tbsp2"])["trim"]["mode"] == "drop_tail"  # its own entry, not both
+    assert [p for p, _ in plan["tbsp2"]].count("trim") == 1
+    with pytest.raises(TopologyError, match="cannot name ports"):
+        compose(topo, DatapathOptions(trimming=(Trimming("*", mode="uet", ports=(1,)),)))
+
+
+def test_scapy_and_the_dissector_name_nacks_and_the_lasthop_flag():
+    """A NACK for a packet cut at the last hop, as the UET transport sends it, reads back with
+    its names in scapy (the Wireshark dissector is generated from the same table)."""
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import Ether
+
+    from testbed.datapath.scapy_layer import TestbedHeader
+    from testbed.wireshark import lua_dissector
+
+    hdr = wire.pack_header(msg_type=int(MsgType.NACK), job_id=3, worker_id=1, seq=77,
+                           flags=int(Flags.TRIMMED | Flags.LASTHOP), codec=int(Codec.BYTES))
+    pkt = Ether(bytes(Ether() / IP(tos=int(Dscp.CONTROL) << 2) / UDP(sport=41000, dport=30000)
+                      / hdr))
+    tb = pkt[TestbedHeader]
+    assert tb.sprintf("%msg_type%") == "NACK"
+    assert "TRIMMED" in tb.sprintf("%flags%") and "LASTHOP" in tb.sprintf("%flags%")
+    assert pkt[IP].tos >> 2 == Dscp.CONTROL and tb.seq == 77
+    lua = lua_dissector()
+    assert "NACK" in lua and "LASTHOP" in lua and "BYTES" in lua
