@@ -76,9 +76,12 @@ from dataclasses import dataclass, field
 from testbed.collectives import compress, hd
 from testbed.collectives import model as ab
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
-from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple
+from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple, uet_port
 from testbed.collectives.report import shard_bounds
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, CollectiveSpec
+from testbed.collectives.uet import ACK_EVERY
+from testbed.collectives.uet import DEFAULT_ENTROPIES as UET_ENTROPIES
+from testbed.kernels.wire import MTU_PAYLOAD, PAYLOAD_OFFSET, TESTBED_UDP_PORT
 from testbed.topologies import aggtree, routing
 from testbed.topologies.base import TopologyError
 
@@ -91,6 +94,10 @@ TCP_WIRE = ab.TCP_FRAME / ab.TCP_MSS
 TCP_ACK = ab.TCP_ACK_SHARE / ab.TCP_MSS
 #: Wire bytes per INA payload byte (each direction; no ACKs).
 INA_WIRE = ab.INA_FRAME / ab.INA_PAYLOAD
+#: The UET-like transport (testbed.collectives.uet): frame bytes per payload byte, and its
+#: ACKs (one header-and-SACK frame every ACK_EVERY packets) on the reverse path
+UET_WIRE = (PAYLOAD_OFFSET + MTU_PAYLOAD) / MTU_PAYLOAD
+UET_ACK = (PAYLOAD_OFFSET + 8) / (ACK_EVERY * MTU_PAYLOAD)
 #: Per-hop latency without a measurement: the configured link delay plus this forwarding
 #: allowance (the value ``TestbedNet.hop_latency_s`` assumes when it cannot ping).
 DEFAULT_HOP_S = 20e-6
@@ -120,6 +127,9 @@ class Flow:
     ack: float = TCP_ACK
     #: the path of an INA RESULT is its contribution's path reversed (results_via ingress)
     reverse_of: tuple[str, str, int, int] | None = None
+    #: source ports the flow's packets are sprayed over (the UET-like transport): its bytes
+    #: spread evenly over the paths they hash onto; empty: one path, ``sport``'s
+    spray: tuple[int, ...] = ()
 
 
 @dataclass
@@ -214,12 +224,19 @@ def placement(host_names: list[str], spec: CollectiveSpec) -> tuple[list[str], l
 class _Ranks:
     """Rank -> host and the TCP flow between two ranks (deterministic ports)."""
 
-    def __init__(self, hosts: list[str], job_id: int, itemsize: int):
+    def __init__(self, hosts: list[str], job_id: int, itemsize: int, transport: str = "tcp"):
         self.hosts = hosts
         self.job = job_id
         self.itemsize = itemsize
+        self.transport = transport
 
     def tcp(self, src: int, dst: int, elems: float) -> Flow:
+        """The flow of a message between two ranks over the job's transport: TCP on its
+        deterministic ports, or the UET-like transport sprayed over its entropies."""
+        if self.transport == "uet":
+            ports = tuple(uet_port(self.job, e) for e in range(UET_ENTROPIES))
+            return Flow(self.hosts[src], self.hosts[dst], elems * self.itemsize, ports[0],
+                        TESTBED_UDP_PORT, 17, UET_WIRE, UET_ACK, spray=ports)
         sport, dport = tcp_tuple(self.job, src, dst)
         return Flow(self.hosts[src], self.hosts[dst], elems * self.itemsize, sport, dport)
 
@@ -386,7 +403,7 @@ def phases(spec: CollectiveSpec, workers: list[str], servers: list[str] | None =
     n = len(workers)
     servers = list(servers or [])
     count, op, algo = spec.count, spec.op, spec.algo
-    rk = _Ranks(workers + servers, spec.job_id, spec.itemsize)
+    rk = _Ranks(workers + servers, spec.job_id, spec.itemsize, spec.transport)
     chunk_el = max(1, spec.chunk_bytes // spec.itemsize)
     if is_offloaded(algo):
         if aggregator is None:
@@ -537,8 +554,17 @@ class _Network:
         return self.path(f.dst, f.src, f.dport, f.sport, f.proto)
 
     def weights(self, f: Flow) -> dict:
+        if f.spray:  # an equal share of the bytes (and of the ACKs) on each sprayed path
+            w: dict = {}
+            share = 1.0 / len(f.spray)
+            for sport in f.spray:
+                for path, x in ((self.path(f.src, f.dst, sport, f.dport, f.proto), f.wire),
+                                (self.path(f.dst, f.src, f.dport, sport, f.proto), f.ack)):
+                    for a, b in zip(path, path[1:], strict=False):
+                        w[(a, b)] = w.get((a, b), 0.0) + x * share
+            return w
         p = self.flow_path(f)
-        w: dict = {}
+        w = {}
         for a, b in zip(p, p[1:], strict=False):
             w[(a, b)] = w.get((a, b), 0.0) + f.wire
         if f.ack:
@@ -914,8 +940,6 @@ def uet_incast_s(*, senders: int, nbytes: int, port_mbps: float, rtt_s: float, t
     congestion response sets it; measured, or an estimate). ``payload``: transport bytes per
     packet (default the testbed's MTU payload).
     """
-    from testbed.kernels.wire import MTU_PAYLOAD, PAYLOAD_OFFSET  # noqa: PLC0415
-
     if senders < 1 or nbytes < 0 or port_mbps <= 0 or rtt_s < 0 or trims < 0:
         raise ValueError("need senders >= 1, nbytes >= 0, port_mbps > 0, rtt_s >= 0, trims >= 0")
     payload = payload or MTU_PAYLOAD

@@ -79,6 +79,8 @@ REORDER_PACKETS = 8
 MAX_BACKOFF = 8
 #: a receiver ACKs every this many packets, and whatever is left when its socket is drained
 ACK_EVERY = 4
+#: source ports a message is sprayed over unless told otherwise
+DEFAULT_ENTROPIES = 8
 #: transports a CollectiveSpec can name
 TRANSPORTS = ("tcp", "uet")
 
@@ -150,7 +152,7 @@ class UetComm:
     packets (a client-side impairment for tests where no switch drops)."""
 
     def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0,
-                 entropies: int = 8, init_window: int = 16, min_window: int = 1,
+                 entropies: int = DEFAULT_ENTROPIES, init_window: int = 16, min_window: int = 1,
                  max_window: int = 64, rto_min_s: float = 0.2, loss: float = 0.0,
                  seed: int = 0):
         if not 1 <= entropies <= 64:

@@ -507,3 +507,26 @@ def test_concurrent_jobs_share_the_links_they_cross():
     t2 = fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"]),
                                    fm.ConcurrentJob(r2, ["tbh2", "tbh4"])], time_dilation=4)
     assert t2 == pytest.approx(both, rel=0.02)
+
+
+def test_a_sprayed_transport_spreads_a_flow_over_every_ecmp_path():
+    """transport='uet' sprays a message over 8 source ports: on a 4:1 leaf-spine with two
+    spines the ring's leaf-crossing flows use both uplinks, so the model halves its time
+    against TCP's one path per flow; a star (one path) changes only by the framing."""
+    from testbed.collectives.flowmodel import UET_WIRE, _Network, _Ranks
+    from testbed.topologies import LeafSpine, Star
+
+    ls = LeafSpine(leaves=2, spines=2, hosts_per_leaf=4, oversubscription=4.0, bw_mbps=100,
+                   switch="programmable")  # ECMP: a bridge fabric has one path
+    tcp = fm.predict(ls, CollectiveSpec(algo="ring", nbytes=32 << 20))
+    uet = fm.predict(ls, CollectiveSpec(algo="ring", nbytes=32 << 20, transport="uet"))
+    assert 0.45 < uet.time_s / tcp.time_s < 0.55, (uet.time_s, tcp.time_s)
+    flow = _Ranks(ls.host_names, 1, 4, "uet").tcp(3, 4, 1000)  # tbh4 -> tbh5: leaf to leaf
+    w = _Network(ls, 1.0).weights(flow)
+    ups = {k: v for k, v in w.items() if k[0] == "tbl1" and k[1].startswith("tbsp")}
+    assert set(ups) == {("tbl1", "tbsp1"), ("tbl1", "tbsp2")}
+    assert abs(sum(ups.values()) - UET_WIRE) < 1e-9
+    star = Star(4, bw_mbps=100)
+    a = fm.predict(star, CollectiveSpec(algo="ring", nbytes=8 << 20)).time_s
+    b = fm.predict(star, CollectiveSpec(algo="ring", nbytes=8 << 20, transport="uet")).time_s
+    assert abs(b / a - 1) < 0.05
