@@ -257,7 +257,7 @@ def _checked_script(script: str | Path) -> Path:
 
 def backend_settings(algo: str | None, compressor: str | None,
                      compressor_params: dict | None, error_feedback: bool, job_id: int,
-                     placement: dict | None = None):
+                     placement: dict | None = None, transport: str = "tcp"):
     """The testbed backend's settings (None: plain gloo); ``ValueError`` on bad ones."""
     from testbed.torch import TorchJob
     from testbed.workloads.spec import check_communication
@@ -265,11 +265,14 @@ def backend_settings(algo: str | None, compressor: str | None,
     if algo is None:
         if compressor is not None:
             raise ValueError("a compressor needs --algo (plain gloo does not compress)")
+        if transport != "tcp":
+            raise ValueError(f"transport={transport!r} needs --algo (plain gloo runs its own "
+                             "TCP)")
         return None
     tj = TorchJob(comm="testbed", algo=algo, compressor=compressor,
                   compressor_params=dict(compressor_params or {}),
                   error_feedback=error_feedback, job_id=job_id, timeout_s=60.0,
-                  placement=dict(placement or {}))
+                  placement=dict(placement or {}), transport=transport)
     check_communication(tj)
     return tj
 

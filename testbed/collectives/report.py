@@ -39,8 +39,9 @@ REPORT_COLUMNS: tuple[str, ...] = (
     "cpu_bound", "max_abs_err", "correct",
     # context
     "topology", "bw_mbps", "compressor", "error_feedback", "loss", "rep", "seed",
-    # the TCP congestion control of the run's TCP connections (None: no TCP connection)
-    "tcp_cc",
+    # the TCP congestion control of the run's TCP connections (None: no TCP connection), and
+    # what carried a host algorithm's messages: "tcp" or "uet" (None: in-network)
+    "tcp_cc", "transport",
     # diagnostics (testbed.collectives.cpumon): busiest worker/server thread and busiest
     # data-path engine thread (fraction of one core), largest fraction of the run one of
     # those threads waited for a CPU, CPU seconds of workers+servers and of engines, busy
@@ -189,6 +190,17 @@ def tcp_cc_of(spec: CollectiveSpec | Measured, ina: dict | None = None) -> str |
     return spec.tcp_cc or host_tcp_cc() or None
 
 
+def transport_of(spec: CollectiveSpec | Measured, ina: dict | None = None) -> str | None:
+    """What carried a run's messages between hosts: the spec's ``transport`` for a host
+    algorithm (or a refused INA job run as ring); None in-network or for an incast of
+    datagrams."""
+    if not isinstance(spec, CollectiveSpec):
+        return None
+    if algorithm(spec.algo).traffic != "tcp" and (ina or {}).get("placement_mode") != "refused":
+        return None
+    return spec.transport
+
+
 def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s: float,
              cpu_bound: bool,
              max_abs_err: float, correct: bool, rep: int, topology: str = "",
@@ -211,7 +223,9 @@ def make_row(spec: CollectiveSpec | Measured, *, n: int, time_s: float, model_s:
         "cpu_bound": bool(cpu_bound), "max_abs_err": max_abs_err, "correct": bool(correct),
         "topology": topology, "bw_mbps": bw_mbps, "compressor": spec.compressor,
         "error_feedback": spec.error_feedback, "loss": spec.loss, "rep": rep,
-        "seed": spec.seed, "tcp_cc": tcp_cc_of(spec, ina), "cpu_max": cpu_max,
+        "seed": spec.seed, "tcp_cc": tcp_cc_of(spec, ina),
+        "transport": transport_of(spec, ina),
+        "cpu_max": cpu_max,
         "cpu_engine": cpu_engine,
         "cpu_wait": cpu_wait, "cpu_s": cpu_s, "engine_cpu_s": engine_cpu_s,
         "cpu_util": cpu_util, "setup_s": setup_s,

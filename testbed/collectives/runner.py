@@ -319,8 +319,6 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
             row.update(engine_restarts=list(restarts), rerun=False)
         if spec.transport == "uet":
             row.update(uet_row(result["reps"], rep))
-        elif not is_offloaded(spec.algo):
-            row["transport"] = "tcp"
         rows.append(row)
     return rows
 
@@ -331,7 +329,7 @@ def uet_row(reps: list[dict], rep: int) -> dict:
     now = reps[rep].get("uet_total") or {}
     before = (reps[rep - 1].get("uet_total") or {}) if rep else {}
     d = {k: v - before.get(k, 0) for k, v in now.items()}
-    return {"transport": "uet", "uet_packets": d.get("packets_sent", 0),
+    return {"uet_packets": d.get("packets_sent", 0),
             "uet_trimmed": d.get("trimmed_received", 0),
             "uet_nack_retransmits": d.get("nack_retransmits", 0),
             "uet_timeouts": d.get("timeouts", 0), "uet_lasthop_nacks": d.get("lasthop_nacks", 0)}
