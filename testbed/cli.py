@@ -156,6 +156,9 @@ def launch(
                              "baseline)"),
     compressor: str = typer.Option(None, "--compressor", help="with --algo: compress them"),
     error_feedback: bool = typer.Option(False, "--error-feedback"),
+    transport: str = typer.Option("tcp", "--transport", metavar="tcp|uet", help="with --algo: "
+                                  "what carries ring/hd messages (uet: sprayed UDP that a UET "
+                                  "switch trims, NACKed and resent; one rank per host)"),
     policy: str = typer.Option("cooperative", "--policy", help="with --algo auto: the "
                                "provider's policy (tenant_only, provider_only, cooperative, "
                                "oracle)"),
@@ -189,7 +192,7 @@ def launch(
                           topology={"bw_mbps": bw_mbps} if bw_mbps else None,
                           time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
                           hints=hints or None, policy=policy, chakra_out=chakra_out,
-                          nproc_per_host=nproc_per_host)
+                          nproc_per_host=nproc_per_host, transport=transport)
     except ValueError as e:
         print(f"testbed launch: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

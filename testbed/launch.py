@@ -113,7 +113,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            timeout_s: float = 600.0, job_id: int = 1, echo=None,
            module: bool = False, hints: dict | None = None,
            policy: str = "cooperative", chakra_out: str | Path | None = None,
-           nproc_per_host: int = 1, stop=None) -> Launched:
+           nproc_per_host: int = 1, stop=None, transport: str = "tcp") -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network), ``nproc_per_host`` ranks on each (torchrun's ``--nproc-per-node``: rank ``r``
     on host ``r // nproc_per_host``), and return what it did (see the module docstring).
@@ -124,8 +124,8 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     The network: ``experiment`` (a file; its first sweep point's topology, impairments...), or
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
     fields). ``algo`` (ring, hd, ina, nic or a plug-in; None: plain gloo) with ``compressor``,
-    ``compressor_params``, ``error_feedback``: what the ``testbed`` backend allreduces float32
-    with; ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
+    ``compressor_params``, ``error_feedback``, ``transport`` ("uet": the UET-like transport
+    instead of TCP, one rank per host): what the ``testbed`` backend allreduces float32 with; ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
     the tenant's ``hints``, :class:`testbed.provider.schema.Hints` fields such as
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
     result and ``launch.json``). ``chakra_out``: a folder where the job's collectives are
@@ -142,6 +142,10 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
         script = _checked_script(script)
     planned = algo == "auto"
     check_nproc_per_host(nproc_per_host, algo)  # before the network is built
+    if transport == "uet" and nproc_per_host > 1:
+        raise ValueError(f"nproc_per_host={nproc_per_host} with transport 'uet': the UET-like "
+                         "transport takes one rank per host (its receive port is the host's "
+                         "testbed port); use one rank per host or transport 'tcp'")
     if chakra_out is not None:
         import importlib.util
 
@@ -160,7 +164,8 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     else:
         if hints:
             raise ValueError("hints are for algo 'auto' (the provider plans with them)")
-        tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id)
+        tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id,
+                              transport=transport)
     # a provider-planned job gets a fabric where every algorithm can run (programmable)
     network = launch_network(topology, experiment, hosts, "ina" if planned else algo,
                              time_dilation)

@@ -31,6 +31,19 @@ def _losses(lines: list[str]) -> list[float]:
             if (m := re.fullmatch(r"\[0\]:step \d+ loss (\S+)", line))]
 
 
+def test_collective_loop_over_the_uet_transport(tmp_path):
+    """--transport uet: the same script's float32 sums go through the ring over the UET-like
+    transport and check out; more than one rank per host is refused before anything runs."""
+    done, lines = _run(tmp_path, "allreduce_loop.py", hosts=2, algo="ring", transport="uet")
+    assert done.returncode == 0, done.failures
+    assert sorted(x for x in lines if x.endswith((": ok", ": FAILED"))) == \
+        [f"[{r}]:rank {r}: ok" for r in range(2)]
+    assert any(r["path"] == "testbed:ring" for r in done.trace)
+    with pytest.raises(ValueError, match="one rank per host"):
+        launch(SCRIPTS / "allreduce_loop.py", [], hosts=2, nproc_per_host=2, algo="ring",
+               transport="uet", out=tmp_path)
+
+
 def test_collective_loop_through_the_testbed_backend(tmp_path):
     """float32 sums go through the testbed's ring, the rest through gloo; the script checks
     every result itself against the numbers it must be (exit status 1 otherwise). What it ran
