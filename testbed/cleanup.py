@@ -48,7 +48,7 @@ OUR_MODULES = ("testbed.datapath.engine", "testbed.collectives.worker",
 NODE_MARKER = "testbed-node="
 KINDS = ("ovs_bridges", "processes", "links", "netns", "files")
 #: what the testbed keeps in the system temporary folder, one kind per user (temp_dir(kind))
-TEMP_KINDS = ("net", "ssh", "srv-key")
+TEMP_KINDS = ("net", "ssh", "srv-key", "flows", "incast")
 DEFAULT_OVS_DB = "/var/run/openvswitch/db.sock"
 
 

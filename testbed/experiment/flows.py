@@ -25,13 +25,13 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from testbed.cleanup import temp_dir
 from testbed.experiment.incast import wait_sampling
 
 TCP_PORT = 5555
@@ -192,7 +192,7 @@ def run_flows(net, transport: str, nbytes: int, timeout_s: float = 60.0) -> dict
     n = len(senders)
     dil = float(getattr(net, "time_dilation", 1.0))
     routes = _dilate_rto(hosts, dil) if transport == "tcp" and dil != 1.0 else []
-    tmp = tempfile.mkdtemp(prefix="tb-flows-")
+    tmp = temp_dir("flows")  # testbed cleanup removes it if this process is killed
     common = ["--transport", transport, "--nbytes", str(nbytes), "--n", str(n),
               "--sync", tmp, "--timeout", str(timeout_s * dil),
               "--rto-min", repr(RTO_MIN_S * dil)]
