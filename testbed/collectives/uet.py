@@ -8,25 +8,29 @@ reduction server: the same calls as the TCP :class:`~testbed.collectives.transpo
 (``listen``, ``connect``, ``send``, ``recv``, ``drain``, ``close``), chosen with
 ``CollectiveSpec.transport = "uet"``.
 
-Wire (the testbed header, ``testbed.kernels.wire``): a message to a peer is cut into packets of
-at most ``MTU_PAYLOAD`` bytes, ``Codec.BYTES``, DSCP ``Dscp.TRIMMABLE``, sent to the peer's
-``TESTBED_UDP_PORT`` from one of ``entropies`` source ports (``uet_port``): packets of one
-message are **sprayed** round robin over the ECMP paths those ports hash onto, and the
-receiver places them by offset, so reordering costs nothing (UET's reliable unordered
-delivery). Fields: ``worker_id`` the sender's rank, ``slot`` the message number (16 bits),
-``chunk_offset`` the byte offset in the message, ``elem_count`` the payload bytes,
-``Flags.LAST`` on a message's last packet, ``seq`` the packet sequence number (PSN) of the
-directed pair. The receiver answers every packet from its testbed port with DSCP
-``Dscp.CONTROL``: an ``ACK`` (``seq`` = the PSN, ``chunk_offset`` = every PSN below it has
-arrived) or, for a packet that arrived ``TRIMMED``, a ``NACK`` whose flags carry the NACK code
-(``TRIMMED``, plus ``LASTHOP`` when the last hop cut it: UET_TRIMMED / UET_TRIMMED_LASTHOP).
+Wire (the testbed header, ``testbed.kernels.wire``): the messages to a peer form one byte
+stream, cut into packets of at most ``MTU_PAYLOAD`` bytes, ``Codec.BYTES``, DSCP
+``Dscp.TRIMMABLE``, sent to the peer's ``TESTBED_UDP_PORT`` from one of ``entropies`` source
+ports (``uet_port``): the packets are **sprayed** round robin over the ECMP paths those ports
+hash onto, and the receiver places them by stream offset, so reordering costs nothing (UET's
+reliable unordered delivery); ``recv`` takes the stream's bytes in order, as TCP's would.
+Fields: ``worker_id`` the sender's rank, ``slot`` and ``chunk_offset`` the high 16 and low 32
+bits of the stream offset, ``elem_count`` the payload bytes, ``Flags.LAST`` on a message's last
+packet, ``seq`` the packet sequence number (PSN) of the directed pair. The receiver answers
+from its testbed port with DSCP ``Dscp.CONTROL``: an ``ACK`` every ``ACK_EVERY`` packets and
+whenever its socket is drained (``seq`` the newest PSN, ``chunk_offset`` the cumulative one:
+every PSN below it has arrived, and an 8-byte payload: which of the 64 PSNs from there on
+arrived), and at once for a packet that arrived ``TRIMMED`` a ``NACK`` whose flags carry the
+NACK code (``TRIMMED``, plus ``LASTHOP`` when the last hop cut it: UET_TRIMMED /
+UET_TRIMMED_LASTHOP).
 
 Sender: a congestion window of packets (slow start, then one packet per window per round
-trip; a NACK halves it at most once per round trip; a retransmission timeout drops it to
-``min_window``), retransmission of a NACKed packet as soon as the window has room, and a
-retransmission timeout (``max(rto_min_s, srtt + 4 rttvar)``, doubled per repeat) only for
-packets that vanished (a drop-tail switch, a lost ACK). :meth:`UetComm.stats` counts both
-kinds of retransmission and the timeouts.
+trip; a NACK, or a hole the selective ACKs show behind ``REORDER_PACKETS`` later packets,
+halves it at most once per round trip), resending a NACKed or lost packet as soon as the
+window has room, and a retransmission timeout (``max(rto_min_s, srtt + 4 rttvar)``) only for
+what vanished: every packet in flight is then resent go-back-N from a window of
+``min_window``, the timer backing off up to ``MAX_BACKOFF`` times until an ACK comes.
+:meth:`UetComm.stats` counts each kind of retransmission and the timeouts.
 
 One rank per address: the receive socket is the address's testbed port. Ranks of one job on
 one host, or two UET jobs on one host at once, are refused with a clear error.
@@ -90,10 +94,6 @@ STAT_NAMES = ("packets_sent", "bytes_sent", "packets_received", "acks_sent", "na
               "duplicates", "strangers", "trimmed_received", "lasthop_nacks")
 
 
-def _tos(dscp: int) -> int:
-    return int(dscp) << 2
-
-
 class _Outbound:
     """Sender side of one directed pair: messages waiting, packets in flight, the window."""
 
@@ -103,7 +103,7 @@ class _Outbound:
         self.base: dict[int, int] = {}  # msg -> stream offset of its first byte
         self.next_msg = 0
         self.next_psn = 0
-        # psn -> [msg, offset, length, last, sent_at, unused, sends]; by (re)send time
+        # psn -> [msg, offset, length, last, sent_at, sends]; by (re)send time
         self.inflight: collections.OrderedDict = collections.OrderedDict()
         self.resend: collections.deque = collections.deque()  # NACKed PSNs
         self.unacked: dict[int, int] = {}  # msg -> its packets not yet ACKed
@@ -197,39 +197,31 @@ class UetComm:
         """Bind the receive socket (``ip``'s testbed port) and the spraying ports; return the
         testbed port."""
         self.ip = ip
-        rx = self._udp(_tos(Dscp.CONTROL))
-        try:
-            rx.bind((ip, TESTBED_UDP_PORT))
-        except OSError as e:
-            rx.close()
-            raise CollectiveError(
-                f"{self.who(self.rank)}: cannot bind UDP {ip}:{TESTBED_UDP_PORT} for the UET "
-                f"transport: {e}. It takes one rank per address: another rank, another UET "
-                "job, a trimmed gather or an incast receiver uses this host's testbed port; "
-                "run one rank per host or use transport='tcp'") from None
-        self._rx = rx
+        self._rx = self._udp(Dscp.CONTROL, TESTBED_UDP_PORT, (
+            "for the UET transport. It takes one rank per address: another rank, another UET "
+            "job, a trimmed gather or an incast receiver uses this host's testbed port; run "
+            "one rank per host or use transport='tcp'"))
         try:
             for e in range(self.entropies):
-                s = self._udp(_tos(Dscp.TRIMMABLE))
-                port = uet_port(self.job_id, e)
-                try:
-                    s.bind((ip, port))
-                except OSError as err:
-                    s.close()
-                    raise CollectiveError(
-                        f"{self.who(self.rank)}: cannot bind UDP {ip}:{port} (spraying port "
-                        f"{e} of job {self.job_id}): {err}; another UET job with the same "
-                        "job_id modulo the port span runs on this host") from None
-                self._tx.append(s)
+                self._tx.append(self._udp(Dscp.TRIMMABLE, uet_port(self.job_id, e), (
+                    f"(spraying port {e} of job {self.job_id}); another UET job with the same "
+                    "job_id modulo the port span runs on this host")))
         except BaseException:
             self.close()
             raise
         return TESTBED_UDP_PORT
 
-    @staticmethod
-    def _udp(tos: int) -> socket.socket:
+    def _udp(self, dscp: Dscp, port: int, why: str) -> socket.socket:
+        """A non-blocking UDP socket of class ``dscp`` bound to ``port`` of this rank's
+        address; a port in use is a CollectiveError saying ``why``."""
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+        try:
+            s.bind((self.ip, port))
+        except OSError as e:
+            s.close()
+            raise CollectiveError(f"{self.who(self.rank)}: cannot bind UDP {self.ip}:{port} "
+                                  f"({e}) {why}") from None
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, int(dscp) << 2)  # DSCP, ECN bits 0
         for opt, force in ((socket.SO_RCVBUF, 33), (socket.SO_SNDBUF, 32)):
             try:  # SO_RCVBUFFORCE / SO_SNDBUFFORCE: root may exceed net.core.*mem_max
                 s.setsockopt(socket.SOL_SOCKET, force, SOCK_BUF)
@@ -311,7 +303,9 @@ class UetComm:
         with self._cond:
             while not out.idle():
                 self._raise_if_failed()
-                self._check_silence(peer, out)
+                err = self._silence(peer, out)
+                if err is not None:
+                    raise err
                 self._cond.wait(0.05)
 
     def stats(self) -> dict[str, int]:
@@ -354,11 +348,13 @@ class UetComm:
         if self._error is not None:
             raise self._error
 
-    def _check_silence(self, peer: int, out: _Outbound) -> None:
-        if time.monotonic() - out.last_progress > self.timeout_s:
-            raise CollectiveTimeout(f"{self.who(self.rank)}: {self.who(peer)} acknowledged "
-                                    f"nothing for {self.timeout_s} s ({len(out.inflight)} "
-                                    "packets in flight; peer died?)")
+    def _silence(self, peer: int, out: _Outbound) -> CollectiveTimeout | None:
+        """The error of a peer that ACKed nothing for ``timeout_s``, else None."""
+        if time.monotonic() - out.last_progress <= self.timeout_s:
+            return None
+        return CollectiveTimeout(f"{self.who(self.rank)}: {self.who(peer)} acknowledged "
+                                 f"nothing for {self.timeout_s} s ({len(out.inflight)} "
+                                 "packets in flight; peer died?)")
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -434,7 +430,7 @@ class UetComm:
             self._stats["trimmed_received"] += 1
             if flags & _LASTHOP:
                 self._stats["lasthop_nacks"] += 1
-            self._nack(src, psn, inb.cum, flags & (_TRIMMED | _LASTHOP))
+            self._control(src, _NACK, flags & (_TRIMMED | _LASTHOP), inb.cum, psn)
             return
         if self.loss and self._rng.random() < self.loss:
             return
@@ -468,23 +464,19 @@ class UetComm:
         for p in inb.seen:
             if p - cum < 64:
                 bits |= 1 << (p - cum)
-        hdr = _HDR.pack(MAGIC, VERSION, _ACK, self.job_id, self.rank, 0, 0, 0, _BYTES, 0, 0, 8,
-                        0, cum & 0xFFFFFFFF, 0.0, inb.last_psn)
         inb.unacked = 0
+        self._control(inb.reply_to, _ACK, 0, cum, inb.last_psn, bits.to_bytes(8, "little"))
+
+    def _control(self, dst, mtype: int, flags: int, cum: int, psn: int,
+                 payload: bytes = b"") -> None:
+        """Send an ACK or a NACK from the receive socket (class CONTROL)."""
+        hdr = _HDR.pack(MAGIC, VERSION, mtype, self.job_id, self.rank, 0, 0, flags, _BYTES,
+                        0, 0, len(payload), 0, cum & 0xFFFFFFFF, 0.0, psn)
         try:
-            self._rx.sendto(hdr + bits.to_bytes(8, "little"), inb.reply_to)
-            self._stats["acks_sent"] += 1
+            self._rx.sendto(hdr + payload, dst)
+            self._stats["acks_sent" if mtype == _ACK else "nacks_sent"] += 1
         except OSError:
             pass  # a full socket buffer: the sender's timer recovers
-
-    def _nack(self, dst, psn: int, cum: int, flags: int) -> None:
-        hdr = _HDR.pack(MAGIC, VERSION, _NACK, self.job_id, self.rank, 0, 0, flags, _BYTES,
-                        0, 0, 0, 0, cum & 0xFFFFFFFF, 0.0, psn)
-        try:
-            self._rx.sendto(hdr, dst)
-            self._stats["nacks_sent"] += 1
-        except OSError:
-            pass
 
     def _on_feedback(self, peer: int, mtype: int, h: tuple, d: bytes) -> None:
         psn, cum = h[15], h[13]
@@ -494,7 +486,7 @@ class UetComm:
             self._stats["nacks_received"] += 1
             ent = out.inflight.pop(psn, None)
             if ent is not None:
-                if ent[6] == 1:  # a cut packet's round trip is the path's too
+                if ent[5] == 1:  # a cut packet's round trip is the path's too
                     self._rtt_sample(out, now - ent[4])
                 out.resend.append((psn, ent))
                 self._stats["nack_retransmits"] += 1
@@ -503,7 +495,7 @@ class UetComm:
         else:
             ent = out.inflight.pop(psn, None)
             if ent is not None:
-                if ent[6] == 1:  # RTT samples from packets sent once only (Karn)
+                if ent[5] == 1:  # RTT samples from packets sent once only (Karn)
                     self._rtt_sample(out, now - ent[4])
                 self._grow(out)
                 self._acked(out, ent[0])
@@ -523,7 +515,7 @@ class UetComm:
         if mtype == _ACK and len(d) >= HEADER_LEN + 8:
             bits = int.from_bytes(d[HEADER_LEN:HEADER_LEN + 8], "little")
             hole = out.inflight.get(cum)
-            if hole is not None and hole[6] == 1 and bits.bit_count() >= REORDER_PACKETS:
+            if hole is not None and hole[5] == 1 and bits.bit_count() >= REORDER_PACKETS:
                 # packets sent after the first missing one arrived, more than spraying
                 # reorders: it was lost (a drop-tail queue), resend it without a timeout
                 del out.inflight[cum]
@@ -614,20 +606,19 @@ class UetComm:
                 last = off + ln >= len(data)
                 psn = out.next_psn
                 out.next_psn += 1
-                ent = [msg, off, ln, last, now, 1, 0]  # ..., sent at, RTO backoff, sends
+                ent = [msg, off, ln, last, now, 0]  # ..., sent at, sends (_transmit counts)
                 item[1] = off + ln
                 if last:
                     out.messages.popleft()
                 self._transmit(peer, out, psn, ent, now)
             if out.inflight and not self._stop:
-                self._check_silence_io(peer, out)
+                self._fail_silent_peer(peer, out)
         return max(wait, 0.0)
 
-    def _check_silence_io(self, peer: int, out: _Outbound) -> None:
-        if time.monotonic() - out.last_progress > self.timeout_s:
-            err = CollectiveTimeout(f"{self.who(self.rank)}: {self.who(peer)} acknowledged "
-                                    f"nothing for {self.timeout_s} s ({len(out.inflight)} "
-                                    "packets in flight; peer died?)")
+    def _fail_silent_peer(self, peer: int, out: _Outbound) -> None:
+        """Fail the sends to a peer that ACKed nothing for ``timeout_s`` and drop its state."""
+        err = self._silence(peer, out)
+        if err is not None:
             for f in out.futures.values():
                 if not f.done():
                     f.set_exception(err)
@@ -645,7 +636,7 @@ class UetComm:
         s = self._tx[self._spray]
         self._spray = (self._spray + 1) % len(self._tx)
         ent[4] = now
-        ent[6] += 1
+        ent[5] += 1
         out.inflight[psn] = ent
         out.inflight.move_to_end(psn)
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from testbed.cleanup import temp_dir
-from testbed.experiment.incast import wait_sampling
+from testbed.collectives.transport import DEFAULT_TCP_CC, set_tcp_cc
+from testbed.collectives.uet import TRANSPORTS, UetComm
 
 TCP_PORT = 5555
 #: seconds the processes get to start and connect
@@ -40,7 +42,6 @@ SETUP_S = 60.0
 #: Linux TCP's shortest retransmission timeout, which the UET transport takes too
 RTO_MIN_S = 0.2
 JOB_ID = 9
-TRANSPORTS = ("tcp", "uet")
 
 
 def _tcp_timeouts() -> int:
@@ -53,9 +54,7 @@ def _tcp_timeouts() -> int:
     return 0
 
 
-def _uet(a, rank: int):
-    from testbed.collectives.uet import UetComm  # noqa: PLC0415 - only this transport needs it
-
+def _uet(a, rank: int) -> UetComm:
     return UetComm(rank, [f"r{i}" for i in range(a.n + 1)], a.timeout, job_id=JOB_ID,
                    rto_min_s=a.rto_min)
 
@@ -145,7 +144,7 @@ def _sender(a) -> int:
     else:
         before = _tcp_timeouts()
         s = socket.create_connection((a.dst, TCP_PORT), timeout=a.timeout)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")
+        set_tcp_cc(s, DEFAULT_TCP_CC)
         s.sendall(bytes([a.rank]))
         _ready_then_wait(a)
         s.sendall(memoryview(data))
@@ -180,9 +179,15 @@ def _dilate_rto(hosts, f: float) -> list:
 
 def run_flows(net, transport: str, nbytes: int, timeout_s: float = 60.0) -> dict[str, Any]:
     """One incast on ``net``: host 0 receives, every other host sends ``nbytes`` at once over
-    ``transport``. Returns ``fct`` (receiver-side seconds per sender), ``p50``/``p99``/
-    ``max`` of them, ``timeouts`` (every sender's retransmission timeouts) and, for ``uet``,
-    the summed transport counters ``uet``."""
+    ``transport``. Returns the flow completion times (receiver side, emulated seconds)
+    ``fct_s`` and their ``fct_p50_s``/``fct_p99_s``/``fct_max_s``/``fct_mean_s``, ``timeouts``
+    (every sender's retransmission timeouts), ``cpu_bound`` with ``cpu_why`` and the busiest
+    threads (as the collectives measure it) and, for ``uet``, the summed transport counters
+    ``uet``."""
+    # here, not at the top: the sender and receiver processes run this module too, and the
+    # incast module's imports (numba) would cost each of them a quarter second
+    from testbed.experiment.incast import stop_processes, wait_sampling  # noqa: PLC0415
+
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} must be one of {TRANSPORTS}")
     hosts = list(net.hosts)
@@ -240,15 +245,10 @@ def run_flows(net, transport: str, nbytes: int, timeout_s: float = 60.0) -> dict
         raise RuntimeError(f"incast of {transport} flows failed ({type(e).__name__}: {e}) "
                            f"{logs.decode(errors='replace')}") from None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_processes(procs)
         for h, line in routes:  # the routes as they were
             h.cmd(f"ip route change {line}")
-        for name in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, name))
-        os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     if not res["complete"]:
         raise RuntimeError(f"incast of {transport} flows incomplete after {timeout_s} s")
     fct = np.array([res["fct"][str(r)] for r in range(1, n + 1)]) / dil  # emulated s

@@ -223,15 +223,7 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
         raise RuntimeError(f"incast receiver failed ({type(e).__name__}: {e}) "
                            f"{logs.decode(errors='replace')}") from None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         os.unlink(out)
     if rc != 0 or not res["complete"]:
         raise RuntimeError(f"incast incomplete after {timeout_s} s: received {res['received']}"
@@ -251,6 +243,19 @@ def run_incast(net, nbytes: int, bits: int = 1, seed: int = 0, timeout_s: float 
     row.update(rel_err=res["rel_err"], trimmed_frac=res["trimmed"] / res["expected"],
                nacks=res["nacks"], resent=res["resent"], duplicates=res["duplicates"])
     return row
+
+
+def stop_processes(procs: list) -> None:
+    """End the incast's processes that still run: SIGTERM, then SIGKILL after 5 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def receiver_rate_bps(net) -> float:

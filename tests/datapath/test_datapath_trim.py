@@ -66,6 +66,19 @@ def rows(batch: Batch, lo: int = 0):
             for i in range(lo, batch.n)]
 
 
+def decided(batch: Batch, n: int):
+    """What the stage did with the batch's first ``n`` rows, in a twin's terms: ("pass",
+    bytes), ("held", None) or ("drop", None); every drop must be a full queue's."""
+    out = []
+    for i in range(n):
+        op = int(batch.out_port[i])
+        out.append(("pass", bytes(batch.buf[i, :batch.length[i]])) if op >= 0 else
+                   ("held", None) if op == PORT_HELD else ("drop", None))
+        if op == PORT_DROP:
+            assert batch.reason[i] == DropReason.QUEUE_FULL
+    return out
+
+
 def sent(batch: Batch):
     """Frames the engine would transmit from this batch, in row order."""
     return [(f, p) for f, p in rows(batch) if p >= 0]
@@ -376,14 +389,7 @@ def test_trim_kernel_matches_plain_python_twin(rate, thr_bytes, thr_pkts, ecn, m
         load(b, [f for f, _ in pkts], [p for _, p in pkts])
         stage.process(b, now)
         decisions, out = twin.process(pkts, now)
-        got = []
-        for i in range(len(pkts)):
-            op = int(b.out_port[i])
-            got.append(("pass", bytes(b.buf[i, :b.length[i]])) if op >= 0 else
-                       ("held", None) if op == PORT_HELD else ("drop", None))
-            if op == PORT_DROP:
-                assert b.reason[i] == DropReason.QUEUE_FULL
-        assert got == decisions
+        assert decided(b, len(pkts)) == decisions
         assert rows(b, len(pkts)) == out
     assert stage.queued() == sum(len(q) for q in twin.dq + twin.hq)
 

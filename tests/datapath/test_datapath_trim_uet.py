@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_datapath_trim import T0, int32_frames, load, ref_valid, rows, sent, trim_layout_frames
+from test_datapath_trim import (
+    T0,
+    decided,
+    int32_frames,
+    load,
+    ref_valid,
+    rows,
+    sent,
+    trim_layout_frames,
+)
 
 from testbed.datapath.batch import FRAME_MAX, PORT_DROP, PORT_HELD, Batch, DropReason
 from testbed.datapath.trim import TrimStage, uet_trim_frame
@@ -519,14 +528,7 @@ def test_uet_kernel_matches_plain_python_twin(rate, thr_bytes, thr_pkts, ecn, tr
         load(b, [f for f, _ in pkts], [p for _, p in pkts])
         stage.process(b, now)
         decisions, out = twin.process(pkts, now, room)
-        got = []
-        for i in range(len(pkts)):
-            op = int(b.out_port[i])
-            got.append(("pass", bytes(b.buf[i, :b.length[i]])) if op >= 0 else
-                       ("held", None) if op == PORT_HELD else ("drop", None))
-            if op == PORT_DROP:
-                assert b.reason[i] == DropReason.QUEUE_FULL
-        assert got == decisions
+        assert decided(b, len(pkts)) == decisions
         assert rows(b, len(pkts)) == out
         assert all(ref_valid(f) for f, _ in out if dscp_of(f) in (26, 28))
     c = stage.counters()["ports"]
