@@ -247,6 +247,30 @@ def _our_ovs_bridges() -> list[tuple[str, str]]:
     return found
 
 
+#: the kinds of job folders a run makes in its run folder, one per job (job_dir(kind))
+JOB_KINDS = ("coll", "train", "torch")
+
+
+def job_dir(run_dir: str, kind: str, seq: int) -> str:
+    """Path of this process's job folder ``<kind>-<pid>-<seq>`` under ``run_dir`` (not made)."""
+    if kind not in JOB_KINDS:
+        raise ValueError(f"job_dir kind must be one of {JOB_KINDS}, got {kind!r}")
+    return os.path.join(run_dir, f"{kind}-{os.getpid()}-{seq}")
+
+
+def remove_job_dirs(run_dir: str, pid: int | None = None) -> list[str]:
+    """Remove the job folders of process ``pid`` (default this one) under ``run_dir``; the
+    paths removed. A network's teardown calls it: a Ctrl-C that lands between a folder's
+    making and the ``try`` that removes it must not leave the folder behind."""
+    pid = os.getpid() if pid is None else pid
+    gone = []
+    for kind in JOB_KINDS:
+        for path in glob.glob(os.path.join(run_dir, f"{kind}-{pid}-*")):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    return gone
+
+
 def temp_dir(kind: str) -> str:
     """A new folder in the system temporary folder that ``testbed cleanup`` knows as ours;
     whoever makes it removes it when done (cleanup only catches what a dead run left)."""

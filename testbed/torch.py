@@ -39,6 +39,7 @@ import traceback
 
 import numpy as np
 
+from testbed.cleanup import job_dir
 from testbed.collectives import compress, ring, trimmed
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.model import tcp_window_clamp
@@ -337,7 +338,7 @@ def run_ddp(net, tj: TorchJob, workers: int | None = None) -> list[dict]:
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(), "intf": h.defaultIntf().name}
              for h in hosts]
     job = {"torch": dataclasses.asdict(tj), "n": n, "m": 0, "ranks": ranks}
-    jobdir = os.path.join(RUN_DIR, f"torch-{os.getpid()}-{time.monotonic_ns()}")
+    jobdir = job_dir(RUN_DIR, "torch", time.monotonic_ns())
     os.makedirs(jobdir, exist_ok=True)
     procs = []
     spec = tj.collective() if tj.comm == "testbed" else CollectiveSpec(algo="ring")

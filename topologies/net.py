@@ -77,8 +77,8 @@ from mininet.net import Mininet
 from mininet.nodelib import LinuxBridge
 
 from testbed import warm
-from testbed.cleanup import cleanup, leftovers, temp_dir
-from testbed.datapath.control import DatapathClient
+from testbed.cleanup import cleanup, leftovers, remove_job_dirs, temp_dir
+from testbed.datapath.control import RUN_DIR, DatapathClient
 from testbed.datapath.engine import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 from testbed.netlock import emulation_lock, is_held
@@ -547,6 +547,8 @@ class TestbedNet(FabricRoutes):
             if self._lock_cm is not None:
                 lock, self._lock_cm = self._lock_cm, None
                 lock.__exit__(None, None, None)
+            if not is_held():  # no other network of this process is up: none of its jobs runs
+                remove_job_dirs(RUN_DIR)  # one a Ctrl-C caught before its job's cleanup began
             self.timings["teardown_s"] = time.monotonic() - t
         if pending:
             raise KeyboardInterrupt(f"signal {pending[0]} during teardown (teardown completed)")

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 
+from testbed.cleanup import job_dir
 from testbed.collectives import cpumon, flowmodel, ports
 from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.dilation import calibrate
@@ -239,24 +240,25 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
             with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
                 _release(net, spec, agg_client)
             raise
-    jobdir = os.path.join(RUN_DIR, f"coll-{os.getpid()}-{next(_seq)}")
-    os.makedirs(jobdir, exist_ok=True)
+    jobdir = job_dir(RUN_DIR, "coll", next(_seq))
     path = os.path.join(jobdir, "job.json")
-    t0 = time.monotonic()
-    job["t_popen"] = t0  # CLOCK_MONOTONIC is system-wide: the pool measures set-up from here
-    with open(path, "w") as f:
-        json.dump(job, f)
+    log_path = os.path.join(jobdir, "pool.log")
     cmd = [sys.executable, "-m", "testbed.collectives.worker", "--job", path] + [
         f"testbed-node={r['host']}" for r in ranks]
-    log_path = os.path.join(jobdir, "pool.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
     limit = 60 + (spec.timeout_s * dilation + 10) * (spec.repetitions + 2)
     # TCP collectives ride out a switch restart; an INA one is rerun (see the docstring)
     restarts: list | None = [] if not is_offloaded(spec.algo) and \
         hasattr(net, "restart_engine") else None
+    proc = None
     try:
+        os.makedirs(jobdir, exist_ok=True)
+        t0 = time.monotonic()
+        job["t_popen"] = t0  # CLOCK_MONOTONIC is system-wide: the pool measures set-up from here
+        with open(path, "w") as f:
+            json.dump(job, f)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         _wait_pool(proc, net, spec, limit, restarts)
         died = _engines_died(net, spec)  # the pool may have ended first (its workers saw it)
         if died is not None:
@@ -573,17 +575,18 @@ def _release(net, spec: CollectiveSpec, agg_client) -> None:
         _configure_nics(net, spec, offload=False)
 
 
-def _stop_pool(proc: subprocess.Popen, jobdir: str, net, spec: CollectiveSpec,
+def _stop_pool(proc: subprocess.Popen | None, jobdir: str, net, spec: CollectiveSpec,
                agg_client) -> None:
     """Teardown on a failure or Ctrl-C: kill the pool's process group, reap it, drop the job
     folder, the switch partition and the NICs' offload. Runs while an exception propagates,
     so nothing here may raise and mask it: the group may already be gone (the pool exited, or
     the terminal's Ctrl-C reached it first: ``ProcessLookupError``), and a data-path engine's
-    control channel may be down."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, ChildProcessError):
-        proc.wait()
+    control channel may be down; ``proc`` is None when the pool was not started yet."""
+    if proc is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            proc.wait()
     shutil.rmtree(jobdir, ignore_errors=True)
     with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
         _release(net, spec, agg_client)

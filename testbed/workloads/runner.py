@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from testbed.cleanup import job_dir
 from testbed.collectives import flowmodel, trimmed
 from testbed.collectives.runner import (  # the collective runner's process handling
     RUN_DIR,
@@ -134,7 +135,7 @@ class _Job:
         self.cspec = spec.collective()
         self.stack = contextlib.ExitStack()
         self.proc: subprocess.Popen | None = None
-        self.jobdir = os.path.join(RUN_DIR, f"train-{os.getpid()}-{next(_seq)}")
+        self.jobdir = job_dir(RUN_DIR, "train", next(_seq))
         self.t_start = 0.0
         self.t_end = 0.0
         self.offset_s = 0.0

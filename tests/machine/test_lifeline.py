@@ -134,6 +134,19 @@ def test_warm_refuses_an_unknown_family(capsys):
 
 # ---- files ----------------------------------------------------------------------------------
 
+def test_job_folders_of_one_process_are_removed_and_only_theirs(tmp_path):
+    mine = [cleanup.job_dir(str(tmp_path), k, 7) for k in cleanup.JOB_KINDS]
+    other = tmp_path / f"coll-{os.getpid() + 1}-7"  # another process's job: not ours to remove
+    stranger = tmp_path / f"cache-{os.getpid()}-7"  # not a job kind
+    for d in [*map(Path, mine), other, stranger]:
+        d.mkdir()
+        (d / "job.json").write_text("{}")
+    assert sorted(cleanup.remove_job_dirs(str(tmp_path))) == sorted(mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, stranger.name])
+    with pytest.raises(ValueError, match="job_dir kind"):
+        cleanup.job_dir(str(tmp_path), "tmp", 1)
+
+
 @pytest.mark.root_required
 def test_cleanup_removes_run_files_and_temp_folders_but_the_lock_and_live_sockets():
     import socket
