@@ -28,6 +28,11 @@ switch_app = typer.Typer(
          "testbed switch NODE counters|config|jobs|reset-job JOB|trace [--json].",
     no_args_is_help=True)
 app.add_typer(switch_app, name="switch")
+link_app = typer.Typer(
+    help="Fail or restore a link of the network 'testbed up' runs: testbed link down|up A B "
+         "(routes are recomputed around it).",
+    no_args_is_help=True)
+app.add_typer(link_app, name="link")
 provider_app = typer.Typer(
     help="The fabric manager: serve it over a network, or ask it about jobs, plans and "
          "telemetry: testbed provider serve FILE | status | jobs | plan [JOB] [--policy P].",
@@ -329,18 +334,55 @@ def switch_restart(ctx: typer.Context, json_out: bool = JSON_OPT) -> None:
     from testbed import up
 
     node = ctx.obj
+    _ask_up(f"testbed switch {node} restart", lambda: up.restart(node), json_out,
+            lambda a: f"{node}: engine restarted in {a['seconds']} s")
+
+
+def _ask_up(command: str, ask, json_out: bool, done) -> None:
+    """Print the answer of the ``testbed up`` process to ``ask()`` (``done(answer)``: the line
+    when it was done); exit 1 naming ``command`` when it could not."""
     try:
-        answer = up.restart(node)
+        answer = ask()
     except RuntimeError as e:
-        print(f"testbed switch {node} restart: {e}", file=sys.stderr)
+        print(f"{command}: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
     if json_out:
         print(json.dumps(answer))
     elif answer["ok"]:
-        print(f"{node}: engine restarted in {answer['seconds']} s")
+        print(done(answer))
     if not answer["ok"]:
-        print(f"testbed switch {node} restart: {answer['error']}", file=sys.stderr)
+        print(f"{command}: {answer['error']}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _link(a: str, b: str, state: str, json_out: bool) -> None:
+    from testbed import up
+
+    _ask_up(f"testbed link {state} {a} {b}", lambda: up.link(a, b, state), json_out,
+            lambda x: f"{x['link']}: {state} ({', '.join(x['interfaces'])}); "
+                      f"{x['routes_changed']} routes changed in {x['seconds']} s")
+
+
+LINK_A = typer.Argument(..., help="one end of the link (a switch or host name, e.g. tbl1)")
+LINK_B = typer.Argument(..., help="the other end (e.g. tbsp1)")
+
+
+@link_app.command("down")
+def link_down(a: str = LINK_A, b: str = LINK_B,
+              json_out: bool = typer.Option(False, "--json", help="print the answer as JSON")
+              ) -> None:
+    """Fail the link between A and B: its interfaces go down, then every switch's routes are
+    recomputed over the links left (ECMP over the remaining paths); refused when it would
+    cut a host off."""
+    _link(a, b, "down", json_out)
+
+
+@link_app.command("up")
+def link_up(a: str = LINK_A, b: str = LINK_B,
+            json_out: bool = typer.Option(False, "--json", help="print the answer as JSON")
+            ) -> None:
+    """Restore a failed link: its interfaces come up, then the routes use it again."""
+    _link(a, b, "up", json_out)
 
 
 @switch_app.command("counters")

@@ -476,7 +476,7 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
             key = (row["op"], row["bytes"] * (len(names) if row["op"] == "allgather" else 1))
             if key not in cache:
                 spec = dataclasses.replace(tj.collective(key[1]), op=key[0])
-                cache[key] = flowmodel.predict(net.topo, spec, workers=names,
+                cache[key] = flowmodel.predict(net.routed_topo, spec, workers=names,
                                                hop_latency_s=hop, time_dilation=f).time_s
             row["model_s"] = cache[key]
 

@@ -580,7 +580,7 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float, paths: list[st
             elif op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and k > 1:
                 spec = CollectiveSpec(op=op, algo=algo, nbytes=first["bytes"])
                 try:
-                    cache[key] = flowmodel.predict(net.topo, spec,
+                    cache[key] = flowmodel.predict(net.routed_topo, spec,
                                                    workers=[hosts[r] for r in ranks],
                                                    hop_latency_s=hop, time_dilation=f).time_s
                 except ValueError:  # a size or rank count the model does not take
@@ -604,7 +604,7 @@ def _transfer_model(net, n: int, f: float):
 
     def fn(transfers: list[tuple[int, int, float]]) -> float | None:
         try:
-            return flowmodel.transfers_s(net.topo, [(hosts[a], hosts[b], x)
+            return flowmodel.transfers_s(net.routed_topo, [(hosts[a], hosts[b], x)
                                                     for a, b, x in transfers],
                                          hop_latency_s=hop, time_dilation=f)
         except ValueError:  # e.g. a path without a shaped link

@@ -34,10 +34,11 @@ from testbed.lifeline import start_ticks
 STATE_PATH = Path(RUN_DIR) / "up.json"
 #: Output of a detached ``up`` (the network's own messages, errors included).
 LOG_PATH = Path(RUN_DIR) / "up.log"
-#: ``testbed switch NODE restart``: the request (node) and the answer, exchanged with the
-#: ``up`` process, which owns the engines (SIGUSR1 says a request is there).
-RESTART_REQUEST = Path(RUN_DIR) / "up.restart"
-RESTART_ANSWER = Path(RUN_DIR) / "up.restarted"
+#: ``testbed switch NODE restart`` and ``testbed link down|up A B``: the request (JSON) and
+#: the answer, exchanged with the ``up`` process, which owns the network (SIGUSR1 says a
+#: request is there).
+REQUEST_PATH = Path(RUN_DIR) / "up.request"
+ANSWER_PATH = Path(RUN_DIR) / "up.answer"
 NOT_ROOT = ("testbed {verb} builds and tears down emulated networks and needs root: run "
             "'sudo .venv/bin/testbed {verb} ...' (or use the lab VM)")
 
@@ -169,7 +170,7 @@ def _serve(file: str, point: int, exp, pt, cli: bool) -> int:
                          programs=desc.get("programs"), pids=pids)
             _write_state(state)
             signal.signal(signal.SIGTERM, _on_term)
-            signal.signal(signal.SIGUSR1, lambda _s, _f: _serve_restart(net))
+            signal.signal(signal.SIGUSR1, lambda _s, _f: _serve_request(net, state))
             _banner(state, cli)
             if cli:
                 from mininet.cli import CLI  # only an interactive session needs it
@@ -189,50 +190,82 @@ def _serve(file: str, point: int, exp, pt, cli: bool) -> int:
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         _remove_own_state()
-        for p in (RESTART_REQUEST, RESTART_ANSWER):
+        for p in (REQUEST_PATH, ANSWER_PATH):
             p.unlink(missing_ok=True)
     _say(f"down: {exp.name} torn down")
     return code
 
 
-def _serve_restart(net) -> None:
-    """Answer a ``testbed switch NODE restart`` request (in this process's main thread)."""
+def _serve_request(net, state: dict[str, Any]) -> None:
+    """Answer a request of :func:`ask` (in this process's main thread)."""
+    req: dict = {}
     try:
-        node = RESTART_REQUEST.read_text().strip()
-        RESTART_REQUEST.unlink(missing_ok=True)
-        answer = {"node": node, "ok": True, "seconds": round(net.restart_engine(node), 3)}
+        req = json.loads(REQUEST_PATH.read_text())
+        REQUEST_PATH.unlink(missing_ok=True)
+        if req.get("op") == "restart":
+            answer = {"node": req["node"], "seconds": round(net.restart_engine(req["node"]), 3)}
+            said = f"engine of {req['node']} restarted in {answer['seconds']} s"
+        elif req.get("op") == "link":
+            change = net.link_down if req["state"] == "down" else net.link_up
+            answer = change(req["a"], req["b"])
+            state["links_down"] = ["-".join(p) for p in net.links_down]
+            _write_state(state)
+            said = (f"link {answer['link']} {answer['state']}: {answer['routes_changed']} "
+                    f"routes changed in {answer['seconds']} s")
+        else:
+            raise ValueError(f"unknown request {req.get('op')!r}")
+        answer["ok"] = True
     except Exception as e:  # noqa: BLE001 - the requester reports it
-        answer = {"node": locals().get("node"), "ok": False, "error": f"{type(e).__name__}: {e}"}
-    tmp = RESTART_ANSWER.with_suffix(".tmp")
+        answer = {**req, "ok": False, "error": f"{type(e).__name__}: {e}"}
+        said = f"{req.get('op', 'request')} failed: {answer['error']}"
+    tmp = ANSWER_PATH.with_suffix(".tmp")
     tmp.write_text(json.dumps(answer))
-    os.replace(tmp, RESTART_ANSWER)
-    _say(f"up: engine of {answer['node']} restarted in {answer.get('seconds')} s"
-         if answer["ok"] else f"up: restart failed: {answer['error']}")
+    os.replace(tmp, ANSWER_PATH)
+    _say(f"up: {said}")
 
 
-def restart(node: str, timeout: float = 120.0) -> dict:
-    """Ask the running ``up`` to start ``node``'s engine again (``testbed switch NODE
-    restart``); its answer: ``{"node", "ok", "seconds"}`` or ``{"ok": False, "error"}``.
-    ``RuntimeError`` when no network is up or it does not answer in time."""
+def ask(request: dict, timeout: float = 120.0) -> dict:
+    """Hand ``request`` to the running ``up`` (which owns the network) and return its answer
+    (``ok`` says whether it was done; ``error`` why not). ``RuntimeError`` when no network
+    is up or it does not answer in time."""
     state = read_state()
     if state is None or not state["alive"] or not state.get("ready"):
         raise RuntimeError("no network is up ('testbed up FILE' first): only the process "
-                           "that runs the network can restart its engines")
-    if node not in (state.get("programmable") or []):
-        raise RuntimeError(f"{node!r} is not a programmable node of the network up "
-                           f"(programmable: {state.get('programmable')})")
-    RESTART_ANSWER.unlink(missing_ok=True)
-    RESTART_REQUEST.write_text(node)
+                           "that runs the network can change it")
+    ANSWER_PATH.unlink(missing_ok=True)
+    tmp = REQUEST_PATH.with_suffix(".tmp")
+    tmp.write_text(json.dumps(request))
+    os.replace(tmp, REQUEST_PATH)
     os.kill(int(state["pid"]), signal.SIGUSR1)
     deadline = time.monotonic() + timeout
-    while not RESTART_ANSWER.exists():
+    while not ANSWER_PATH.exists():
         if time.monotonic() > deadline:
             raise RuntimeError(f"the 'testbed up' process (pid {state['pid']}) did not answer "
                                f"within {timeout:.0f} s")
         time.sleep(0.05)
-    answer = json.loads(RESTART_ANSWER.read_text())
-    RESTART_ANSWER.unlink(missing_ok=True)
+    answer = json.loads(ANSWER_PATH.read_text())
+    ANSWER_PATH.unlink(missing_ok=True)
     return answer
+
+
+def restart(node: str, timeout: float = 120.0) -> dict:
+    """Ask the running ``up`` to start ``node``'s engine again (``testbed switch NODE
+    restart``); its answer: ``{"node", "ok", "seconds"}`` or ``{"ok": False, "error"}``."""
+    state = read_state()
+    if state is not None and state.get("ready") and \
+            node not in (state.get("programmable") or []):
+        raise RuntimeError(f"{node!r} is not a programmable node of the network up "
+                           f"(programmable: {state.get('programmable')})")
+    return ask({"op": "restart", "node": node}, timeout)
+
+
+def link(a: str, b: str, state: str, timeout: float = 120.0) -> dict:
+    """Ask the running ``up`` to take the link between ``a`` and ``b`` down or bring it up
+    again (``testbed link down|up A B``); its answer: ``TestbedNet.link_down``'s dict with
+    ``ok``, or ``{"ok": False, "error"}``."""
+    if state not in ("down", "up"):
+        raise ValueError(f"link state must be 'down' or 'up', got {state!r}")
+    return ask({"op": "link", "a": a, "b": b, "state": state}, timeout)
 
 
 def _on_term(signum, frame) -> None:

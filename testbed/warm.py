@@ -25,6 +25,7 @@ once on two cores would each take twenty times as long, past their start-up time
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -138,6 +139,19 @@ def cold_families(wanted: Iterable[str]) -> list[str]:
     return [f for f in dict.fromkeys(wanted) if f not in done]
 
 
+@contextlib.contextmanager
+def compile_lock():
+    """Hold the machine-wide lock beside the stamp while compiling or loading kernels whose
+    specialisations depend on the caller (an engine's ring kernels, one per port count):
+    Numba's cache index is not safe against two processes writing it at once (each may
+    number its file ``.1`` and the index end up naming the other's code: "size mismatch
+    for tuple" at the next load)."""
+    STAMP_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(STAMP_PATH.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_stages(stages: Iterable[str], timeout: float = 900.0) -> list[str]:
     """Warm the data-path stages ``stages`` unless their stamps say they are warm; return the
     families that were warmed (empty on a warm cache). Compiles in a child process (the
@@ -147,9 +161,7 @@ def ensure_stages(stages: Iterable[str], timeout: float = 900.0) -> list[str]:
     wanted = [f"stage {s}" for s in stages]
     if not cold_families(wanted):
         return []
-    STAMP_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with open(STAMP_PATH.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with compile_lock():
         cold = cold_families(wanted)  # another process may have warmed them meanwhile
         if not cold:
             return []

@@ -11,6 +11,7 @@ changes and tears down nothing but the switch registrations its user makes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from testbed.datapath.control import ControlError, DatapathClient
@@ -42,16 +43,19 @@ class AttachedNet(FabricRoutes):
     pid (what ``testbed up`` records); ``time_dilation``: the network's factor. Raises
     ``ValueError`` when a host of the topology has no pid or an engine does not answer."""
 
-    def __init__(self, topo, pids: dict[str, int], time_dilation: float = 1.0):
+    def __init__(self, topo, pids: dict[str, int], time_dilation: float = 1.0,
+                 links_down: Callable[[], list[str]] | None = None):
         self.topo = topo
         self.time_dilation = float(time_dilation)
+        #: the owner's failed links now ("tbl1-tbsp1" each): asked again at every plan
+        self._links_down = links_down or list
+        self._routed: tuple[tuple[str, ...], object, dict] | None = None
         missing = [h for h in topo.host_names if h not in pids]
         if missing:
             raise ValueError(f"the running network has no pid for hosts {missing}: it is not "
                              "the network of this topology")
         self.hosts = [AttachedHost(h, int(pids[h]), r) for r, h in enumerate(topo.host_names)]
         self._hosts = {h.name: h for h in self.hosts}
-        self._tables = routing.forwarding_tables(topo)
         self._clients: dict[str, DatapathClient] = {}
         for node in sorted(topo.programmable):
             client = DatapathClient(node)
@@ -62,6 +66,23 @@ class AttachedNet(FabricRoutes):
                 raise ValueError(f"the engine of {node} does not answer ({e}): is the network "
                                  "up ('testbed up FILE')?") from None
             self._clients[node] = client
+
+    def _routes(self) -> tuple[object, dict]:
+        """(routed topology, forwarding tables) for the links down now (cached per set)."""
+        down = tuple(sorted(self._links_down()))
+        if self._routed is None or self._routed[0] != down:
+            topo = routing.without_links(self.topo, [d.split("-") for d in down])
+            self._routed = (down, topo, routing.forwarding_tables(topo))
+        return self._routed[1], self._routed[2]
+
+    @property
+    def routed_topo(self):
+        """The topology less the links the owner has failed (``testbed link down``)."""
+        return self._routes()[0]
+
+    @property
+    def _tables(self) -> dict:
+        return self._routes()[1]
 
     @property
     def mininet(self) -> AttachedNet:

@@ -228,19 +228,26 @@ class TBBridge(LinuxBridge):
                     f.write("1")
         for dev in ports:
             self.cmd("ip link set", dev, "master", self)
-        if self.port_setup:
-            fd, path = tempfile.mkstemp(prefix="tb-br-", suffix=".batch")
-            with os.fdopen(fd, "w") as f:
-                f.write("\n".join(self.port_setup) + "\n")
-            if remote is not None:
-                remote(path, "\n".join(self.port_setup) + "\n")
-            try:
-                out = self.cmd("bridge -batch", path)
-            finally:
-                os.unlink(path)
-            if out.strip():
-                raise RuntimeError(f"configuring bridge {self.name} failed: {out.strip()}")
+        self.apply_setup(self.port_setup)
         self.cmd("ip link set", self, "up")
+
+    def apply_setup(self, lines: list[str]) -> None:
+        """Run ``bridge -batch`` lines on this bridge (at start, and when routes change)."""
+        if not lines:
+            return
+        self.port_setup = list(lines)
+        remote = getattr(self, "put_file", None)
+        fd, path = tempfile.mkstemp(prefix="tb-br-", suffix=".batch")
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        if remote is not None:
+            remote(path, "\n".join(lines) + "\n")
+        try:
+            out = self.cmd("bridge -batch", path)
+        finally:
+            os.unlink(path)
+        if out.strip():
+            raise RuntimeError(f"configuring bridge {self.name} failed: {out.strip()}")
 
     def stop(self, deleteIntfs=True):  # noqa: N803 - Mininet's signature
         """Delete the bridge (and, by default, its interfaces)."""
@@ -384,6 +391,15 @@ class TestbedNet(FabricRoutes):
         self.final_counters: dict = {}
         self._tables = routing.forwarding_tables(topo)
         self._tree = routing.flood_tree(topo) if routing.has_loops(topo) else None
+        #: links that have failed (link_down), as {a, b} pairs: the routes avoid them
+        self._links_down: set[frozenset[str]] = set()
+        #: interface name -> when (monotonic) its link failed, for every link down now
+        self.down_interfaces: dict[str, float] = {}
+        #: held while an engine is restarted (jobs sharing the network see one death at once)
+        self.engine_lock = threading.RLock()
+        #: node -> how many times its engine was restarted (a job's registration on it is
+        #: gone once this changes)
+        self.engine_starts: dict[str, int] = {}
         self._check_switch_nodes()
         # bad overrides and options fail here, before anything is built
         self._engine_shaped = engine_shaped_ports(topo, self.programs_plan())
@@ -1074,7 +1090,8 @@ class TestbedNet(FabricRoutes):
         flows run at once, ECMP splitting flows equally. None when the used links are unshaped.
         ``aggregator``: INA's (a tree's root; default the topology's aggregator switch).
         """
-        mbps = routing.bottleneck_mbps(self.topo, self._host_names(hosts), pattern, aggregator)
+        mbps = routing.bottleneck_mbps(self.routed_topo, self._host_names(hosts), pattern,
+                                       aggregator)
         return None if mbps is None else mbps * 1e6
 
     def hop_latency_s(self) -> float:
@@ -1093,7 +1110,8 @@ class TestbedNet(FabricRoutes):
         m = re.search(r"= [\d.]+/([\d.]+)/", out)
         if not m:
             raise RuntimeError(f"hop_latency_s: ping between tbh1 and tbh2 failed: {out!r}")
-        hops = routing.path_hops(self.topo, self.topo.host_names[0], self.topo.host_names[1])
+        hops = routing.path_hops(self.routed_topo, self.topo.host_names[0],
+                                 self.topo.host_names[1])
         self._hop_latency = float(m.group(1)) * 1e-3 / 2 / hops
         return self._hop_latency
 
@@ -1107,6 +1125,8 @@ class TestbedNet(FabricRoutes):
         d["host_ips"] = self.host_ips
         d["time_dilation"] = self.time_dilation
         d["time_dilation_requested"] = self.time_dilation_requested
+        if self._links_down:
+            d["links_down"] = ["-".join(p) for p in self.links_down]
         if self.servers is not None:
             d["cluster"] = {"servers": [s.name for s in self.servers],
                             "placement": dict(self.placement), "tunnels": self.tunnel_report()}
@@ -1180,11 +1200,129 @@ class TestbedNet(FabricRoutes):
                 dead[node.name] = eng.returncode
         return dead
 
+    # ----- link failures ---------------------------------------------------------------
+    @property
+    def links_down(self) -> list[tuple[str, str]]:
+        """The links that have failed (:meth:`link_down`), as sorted name pairs."""
+        return sorted(tuple(sorted(p)) for p in self._links_down)
+
+    @property
+    def routed_topo(self):
+        """The topology less the links that are down: what the routes, the INA trees and the
+        models (``flowmodel.predict(net.routed_topo, ...)``) see. ``topo`` when none is."""
+        return routing.without_links(self.topo, self._links_down)
+
+    def link_down(self, a: str, b: str) -> dict:
+        """Fail the link between nodes ``a`` and ``b``: both its interfaces go down (what was
+        in flight on it is lost), then every switch's routes are recomputed over the links
+        left (ECMP over the remaining paths) and pushed to the engines and bridges; later INA
+        jobs get trees around it. Refused (``TopologyError``) when it would cut a host off, on
+        a link to another server, or where explicit programs replace the routes. Returns
+        ``{"link", "state", "interfaces", "routes_changed", "seconds"}``."""
+        return self._set_link(a, b, up=False)
+
+    def link_up(self, a: str, b: str) -> dict:
+        """Restore a link :meth:`link_down` failed: its interfaces come up, then the routes
+        use it again. ``TopologyError`` when it is not down."""
+        return self._set_link(a, b, up=True)
+
+    def _set_link(self, a: str, b: str, up: bool) -> dict:
+        with self.engine_lock:  # not while an engine restarts: its routes are pushed after
+            return self._change_link(a, b, up)
+
+    def _change_link(self, a: str, b: str, up: bool) -> dict:
+        t0 = time.monotonic()
+        self._require_running()
+        try:
+            specs = routing.links_between(self.topo, a, b)
+        except ValueError as e:
+            raise TopologyError(str(e)) from None
+        pair = frozenset((a, b))
+        name = f"{a}-{b}"
+        if up and pair not in self._links_down:
+            raise TopologyError(f"link {name} is not down (links down: "
+                                f"{['-'.join(p) for p in self.links_down] or 'none'})")
+        if not up and pair in self._links_down:
+            raise TopologyError(f"link {name} is down already")
+        if self.datapath.explicit_programs and self.topo.programmable:
+            raise TopologyError("this network's programs are given explicitly, so its routes "
+                                "are not the testbed's to recompute: build it without "
+                                "explicit programs to fail links")
+        remote = [n for n in (a, b) if self.placement and self.placement.get(n) !=
+                  self.servers[0].name]
+        if remote:
+            raise TopologyError(f"link {name} has an end on another server ({remote}): link "
+                                "failures are emulated on this server's links only")
+        down = self._links_down - {pair} if up else self._links_down | {pair}
+        routed = routing.without_links(self.topo, down)
+        lost = routing.unreachable_hosts(routed)
+        if lost:
+            raise TopologyError(f"taking {name} down would cut {lost} off from the other "
+                                "hosts: fail a link that has a path around it (on a multipath "
+                                "fabric), or stop the host's worker instead")
+        intfs = [self._intf_name(n, port) for s in specs
+                 for n, port in ((s.a, s.port_a), (s.b, s.port_b))]
+        if up:  # the ports first, then the routes that use them
+            self._links_down = down
+            self._ifaces_state(intfs, "up")
+            for i in intfs:
+                self.down_interfaces.pop(i, None)
+            changed = self._reroute()
+        else:  # the routes move only once the loss is there, as a failure detector sees it
+            self._ifaces_state(intfs, "down")
+            self._links_down = down
+            self.down_interfaces.update({i: t0 for i in intfs})
+            changed = self._reroute()
+        return {"link": name, "state": "up" if up else "down", "interfaces": intfs,
+                "routes_changed": changed, "seconds": round(time.monotonic() - t0, 4)}
+
+    def _ifaces_state(self, intfs: list[str], state: str) -> None:
+        mn = self._require_running()
+        for intf in intfs:
+            node = mn.get(intf.rsplit("-eth", 1)[0])
+            out = node.cmd(f"ip link set dev {intf} {state}")
+            if out.strip():
+                raise RuntimeError(f"setting {intf} {state} failed: {out.strip()}")
+
+    def _reroute(self) -> int:
+        """Recompute the routes over the links that are up and push what changed: a
+        ``forward`` stage's static L2 entries, a looped fabric's bridge FDB and flood ports.
+        Returns the number of (switch, destination) entries that changed."""
+        routed = self.routed_topo
+        tables = routing.forwarding_tables(routed)
+        changed = {sw: {mac: g for mac, g in t.items() if self._tables[sw].get(mac) != g}
+                   for sw, t in tables.items()}
+        # a switch left without a path to a destination keeps its old entry: its ports
+        # towards it are down, so nothing it forwards there arrives anyway
+        gone = sum(len(set(self._tables[sw]) - set(t)) for sw, t in tables.items())
+        self._tables = tables
+        if self._tree is not None:
+            self._tree = routing.flood_tree(routed)
+        plan = self.programs_plan() if self.topo.programmable else {}
+        if self._tree is not None:  # floods follow the new spanning tree
+            for sw in sorted(self.topo.programmable):
+                if self.topo.switch_roles[sw] != "smartnic":
+                    self._clients[sw].set_flood_ports(self._flood_ports(sw))
+        for sw, entries in changed.items():
+            if not entries:
+                continue
+            if sw in self.topo.programmable:
+                if "forward" in [p for p, _ in plan.get(sw, [])]:
+                    self._clients[sw].configure("forward", l2={
+                        mac: [self._intf_name(sw, p) for p in g] for mac, g in entries.items()})
+            elif self._tree is not None:
+                self.mininet.get(sw).apply_setup(self._bridge_setup(sw))
+        return sum(len(e) for e in changed.values()) + gone
+
     def restart_engine(self, name: str) -> float:
         """Start programmable node ``name``'s engine again (dead, killed, or running: stopped
         first) with its programs and tables, re-timed for the network's time dilation; its
         registered INA jobs and counters are gone (the control plane registers jobs again).
         Returns the seconds until it answered; ``KeyError`` for a node that has no engine."""
+        with self.engine_lock:
+            return self._restart_engine(name)
+
+    def _restart_engine(self, name: str) -> float:
         mn = self._require_running()
         if name not in self._clients:
             raise KeyError(f"{name!r} is not a programmable node of this network; "
@@ -1192,7 +1330,14 @@ class TestbedNet(FabricRoutes):
         with contextlib.suppress(Exception):
             self._clients[name].close()
         took = mn.get(name).restart_engine()
+        self.engine_starts[name] = self.engine_starts.get(name, 0) + 1
         client = self._clients[name] = DatapathClient(name)
+        if self._links_down:  # it started with the routes of the intact fabric: today's
+            if "forward" in [p for p, _ in self.programs_plan().get(name, [])]:
+                client.configure("forward", l2={mac: [self._intf_name(name, p) for p in g]
+                                                for mac, g in self._tables[name].items()})
+            if self._tree is not None and self.topo.switch_roles[name] != "smartnic":
+                client.set_flood_ports(self._flood_ports(name))
         # it started with the settings of the build's dilation: re-time it for today's
         for stage, settings in self._dilated_stage_updates(self.time_dilation).get(name, []):
             client.configure(stage, **settings)

@@ -20,18 +20,23 @@ class FabricRoutes:
     def _host_names(self, hosts) -> list[str]:
         raise NotImplementedError
 
+    @property
+    def routed_topo(self):
+        """The topology the routes are computed on (a network with failed links: less them)."""
+        return self.topo
+
     def ina_plan(self, hosts, port: int, tree=None) -> aggtree.InaPlan:
         """The aggregation tree of an INA job with workers on ``hosts`` (ranks, names or Host
         objects, in worker order) binding UDP ``port``: which switches aggregate, their members
         and parents, each worker's switch and member id (``tree``: None/'single', 'auto' or a
         list of switches; see :mod:`testbed.topologies.aggtree`)."""
         names = self._host_names(hosts)
-        return aggtree.plan(self.topo, [self.topo.host_names.index(h) for h in names], port,
-                            tree, self._tables)
+        return aggtree.plan(self.routed_topo, [self.topo.host_names.index(h) for h in names],
+                            port, tree, self._tables)
 
     def first_hop(self, switch: str, host: str, sport: int, dport: int) -> str:
         """The interface of programmable ``switch`` that a UDP flow to ``host`` leaves by."""
-        return aggtree.egress_port(self.topo, switch, host, sport, dport, self._tables)
+        return aggtree.egress_port(self.routed_topo, switch, host, sport, dport, self._tables)
 
     def aggregators(self) -> dict[str, dict]:
         """Programmable switch -> its aggregator identity ``{"ip", "mac"}``."""

@@ -16,6 +16,7 @@ one member per destination MAC), a bridge of a loop-free fabric by the only shor
 
 from __future__ import annotations
 
+import copy
 import struct
 import zlib
 from collections import deque
@@ -84,6 +85,49 @@ def adjacency(topo) -> dict[str, dict[str, tuple[int, float | None]]]:
     return adj
 
 
+def links_between(topo, a: str, b: str) -> list[LinkSpec]:
+    """The links joining nodes ``a`` and ``b`` (either order); ``ValueError`` naming the
+    node, or the neighbours of ``a``, when there is none."""
+    nodes = {x for s in topo.link_specs for x in (s.a, s.b)}
+    for n in (a, b):
+        if n not in nodes:
+            raise ValueError(f"no node {n!r} in this topology; nodes: {sorted(nodes)}")
+    found = [s for s in topo.link_specs if {s.a, s.b} == {a, b}]
+    if not found:
+        peers = sorted(adjacency(topo)[a])
+        raise ValueError(f"no link between {a} and {b}; {a}'s links go to {peers}")
+    return found
+
+
+def without_links(topo, down) -> TestbedTopo | TopologyView:
+    """``topo`` less the links in ``down`` (pairs of node names, either order): what the
+    routes, aggregation trees and models see while those links have failed. ``topo`` itself
+    when ``down`` is empty; else a shallow copy with its own ``link_specs``."""
+    pairs = {frozenset(p) for p in down}
+    if not pairs:
+        return topo
+    view = copy.copy(topo)
+    view.link_specs = [s for s in topo.link_specs if frozenset((s.a, s.b)) not in pairs]
+    return view
+
+
+def unreachable_hosts(topo) -> list[str]:
+    """Hosts cut off from the fabric by ``topo``'s missing links: those outside the largest
+    group of hosts that reach each other (none when the fabric is connected)."""
+    adj = adjacency(topo)
+    groups: list[list[str]] = []
+    seen: set[str] = set()
+    for h in topo.host_names:
+        if h in seen:
+            continue
+        reach = set(distances_to(adj, h)) if h in adj else {h}
+        group = [x for x in topo.host_names if x in reach]
+        seen.update(group)
+        groups.append(group)
+    main = max(groups, key=len, default=[])
+    return [h for h in topo.host_names if h not in main]
+
+
 def distances_to(adj, dst: str) -> dict[str, int]:
     """Hop distance of every node to ``dst`` (BFS). Hosts do not forward transit traffic."""
     dist = {dst: 0}
@@ -122,7 +166,7 @@ def flood_tree(topo: TestbedTopo, adj=None) -> set[frozenset[str]]:
     fabric (leaf-spine with >1 spine, fat-tree k>=4) needs no STP.
     """
     adj = adj or adjacency(topo)
-    root = topo.fabric_switches()[0]
+    root = next(s for s in topo.fabric_switches() if s in adj)  # one with a live link
     seen = {root}
     tree: set[frozenset[str]] = set()
     q = deque([root])
@@ -154,9 +198,11 @@ def forwarding_tables(topo: TestbedTopo) -> dict[str, dict[str, list[int]]]:
     adj = adjacency(topo)
     tables: dict[str, dict[str, list[int]]] = {s: {} for s in topo.switch_roles}
     for mac, node in destinations(topo).items():
+        if node not in adj:
+            continue  # a switch whose links have all failed: nobody reaches it
         dist = distances_to(adj, node)
         for sw in topo.switch_roles:
-            hops = next_hops(adj, dist, sw)
+            hops = next_hops(adj, dist, sw) if sw in adj else []
             if hops:
                 tables[sw][mac] = [adj[sw][v][0] for v in hops]
     return tables

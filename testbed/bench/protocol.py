@@ -130,6 +130,32 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  "status", "time_s", "slowdown"),
         quick_help="each impairment alone at its worst and all combined, 1 MiB (minutes)"),
     Benchmark(
+        "faults", "Ring, halving-doubling and INA on a leaf-spine while an uplink fails, a "
+        "switch engine or a worker is killed: one row per fault and algorithm against the "
+        "fault-free run (exact, the worker named, the switch back within 2 s).",
+        "testbed.bench.faults:measure", case=("case", "algo"),
+        columns=("case", "algo", "status", "correct", "time_s", "baseline_s", "slowdown",
+                 "model_s", "switch_back_s", "in_network_fraction"),
+        options=(Option("mib", 8.0, "MiB per allreduce", quick=2.0),
+                 Option("at_s", 0.3, "when the mid-run faults fire (s into each run)",
+                        quick=0.15),
+                 Option("down_s", 1.0, "how long the flapping link stays down (s)", quick=0.3),
+                 Option("time_dilation", 1.0, "run the network this many times slower")),
+        quick_help="2 MiB, faults at 0.15 s, the link down for 0.3 s"),
+    Benchmark(
+        "soak", "Mixed collectives (ring, hd, INA, INA+THC, two tenants) for M minutes on one "
+        "leaf-spine with links flapping and engines killed at random: 0 wrong, 0 hung, RSS and "
+        "descriptors of the engines and the control plane flat after warm-up, 0 leftovers.",
+        "testbed.bench.soak:measure", case=("kind", "mix", "process"),
+        columns=("kind", "job", "mix", "algo", "bytes", "fault", "status", "time_s",
+                 "process", "rss_growth", "fd_growth"),
+        options=(Option("minutes", 60.0, "how long", quick=1.0),
+                 Option("seed", 0, "the draw of jobs, sizes and faults"),
+                 Option("faults", True, "inject faults into a third of the jobs"),
+                 Option("sample_s", 10.0, "seconds between process samples", quick=5.0),
+                 Option("time_dilation", 1.0, "run the network this many times slower")),
+        quick_help="1 minute, samples every 5 s"),
+    Benchmark(
         "tenancy", "Aggregation trees on a fat-tree and two tenants sharing switch memory "
         "(static vs shared pool), against their targets.", "testbed.bench.tenancy:measure",
         case=("experiment", "label"),

@@ -114,7 +114,7 @@ def calibration_bytes(net, spec: CollectiveSpec, factor: float) -> int:
     not depend on ``spec.nbytes``: the calibration measures the CPU a workload needs per
     second of moving data, which small messages (dominated by per-message costs) hide."""
     hosts = list(net.topo.host_names)
-    probe = [flowmodel.predict_s(net.topo, dataclasses.replace(spec, nbytes=s << 20),
+    probe = [flowmodel.predict_s(net.routed_topo, dataclasses.replace(spec, nbytes=s << 20),
                                  workers=hosts[:spec.workers or len(hosts)]) for s in (1, 2)]
     per_mib = max(probe[1] - probe[0], 1e-9)
     want = min(max(CAL_WALL_S / factor, CAL_MIN_MODEL_S), CAL_MAX_MODEL_S)

@@ -230,7 +230,13 @@ class RankGroup:
         """Send ``msg`` to every live rank (a remote pool passes it on to its ranks)."""
         for r, c in self.lines.items():
             if r not in self.dead:
-                c.send(msg)
+                try:
+                    c.send(msg)
+                except OSError as e:  # it died since the last message: name it
+                    if self.pids.get(r, -1) > 0:
+                        self._died(r, {})
+                    raise RankFailure(self.dead.get(r) or f"{self.name(r)}: its control "
+                                      f"channel broke ({e})", timeout=False) from None
         for pool in self.remotes:
             if not pool.failed:
                 pool.line.send(msg)

@@ -206,7 +206,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     bw = net_bandwidth(net, workers + servers, spec.algo, root)
     # the flow-level model on the net's own topology: the real ECMP path of every flow,
     # max-min sharing, the measured hop latency (the closed form is its star special case)
-    model_s = flowmodel.predict(net.topo, spec, workers=[h.name for h in workers],
+    model_s = flowmodel.predict(net.routed_topo, spec, workers=[h.name for h in workers],
                                 servers=[h.name for h in servers],
                                 hop_latency_s=net.hop_latency_s(),
                                 time_dilation=dilation).time_s
@@ -250,6 +250,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     restarts: list | None = [] if not is_offloaded(spec.algo) and \
         hasattr(net, "restart_engine") else None
     proc = None
+    starts = dict(getattr(net, "engine_starts", {}))  # whose restart takes this job's state
     try:
         os.makedirs(jobdir, exist_ok=True)
         t0 = time.monotonic()
@@ -259,10 +260,19 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        _wait_pool(proc, net, spec, limit, restarts)
-        died = _engines_died(net, spec)  # the pool may have ended first (its workers saw it)
+        pinned = tree_interfaces(agg_client.plan) if agg_client is not None else None
+        _wait_pool(proc, net, spec, limit, restarts, pinned, starts)
+        # the pool may have ended first (its workers saw it)
+        died = _engines_died(net, spec, starts if restarts is None else None,
+                             {i.rsplit("-eth", 1)[0] for i in pinned} if pinned else None)
         if died is not None:
             raise died
+    except TreeBroken as e:
+        _stop_pool(proc, jobdir, net, spec, agg_client)
+        if registration is not None or \
+                (spec.placement or {}).get("link_failure", "replan") != "replan":
+            raise
+        return _rerun_around(net, spec, extra_pids, e)
     except EngineDied as e:
         _stop_pool(proc, jobdir, net, spec, agg_client)
         if not _rerun_on_engine_death(net, spec, registration):
@@ -289,7 +299,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     except CollectiveError:
         # a switch that died once the collective was done: the result stands; the switch
         # is started again for whatever runs next (what its death took is gone with it)
-        died = _engines_died(net, spec)
+        died = _engines_died(net, spec, starts)
         if died is None or not hasattr(net, "restart_engine"):
             raise
         restarts = (restarts or []) + _restart(net, died.nodes)
@@ -342,9 +352,13 @@ MAX_ENGINE_RESTARTS = 2
 
 
 def _restart(net, dead: dict[str, int]) -> list[list]:
-    """Start the dead engines (node -> exit status) again: ``[node, status, seconds]`` each."""
-    return [[node, code, round(net.restart_engine(node), 3)]
-            for node, code in sorted(dead.items())]
+    """Start the dead engines (node -> exit status) again: ``[node, status, seconds]`` each.
+    Jobs sharing the network may see one death at once: the first restarts the engine, the
+    others find it running again (0 s each) rather than restart the new one under it."""
+    with getattr(net, "engine_lock", contextlib.nullcontext()):
+        still = net.dead_engines() if hasattr(net, "dead_engines") else dead
+        return [[node, code, round(net.restart_engine(node), 3) if node in still else 0.0]
+                for node, code in sorted(dead.items())]
 
 
 def _rerun_on_engine_death(net, spec: CollectiveSpec, registration) -> bool:
@@ -360,17 +374,43 @@ def _rerun(net, spec: CollectiveSpec, extra_pids, died: EngineDied, depth: int =
     t_dead = time.monotonic()
     restarts = _restart(net, died.nodes)
     fallback_s = time.monotonic() - t_dead
-    try:
-        rows = run_collective(net, spec if depth + 1 < MAX_ENGINE_RESTARTS else
-                              dataclasses.replace(spec, placement={**spec.placement,
-                                                                   "engine_death": "fail"}),
-                              extra_pids)
-    except EngineDied as again:
-        if depth + 1 >= MAX_ENGINE_RESTARTS:
-            raise
-        rows = _rerun(net, spec, extra_pids, again, depth + 1)
+    rows = _again(net, spec, extra_pids, "engine_death", depth,
+                  lambda e, d: _rerun(net, spec, extra_pids, e, d))
     for r in rows:
         r["engine_restarts"] = restarts + list(r.get("engine_restarts") or [])
+    return _rerun_rows(rows, fallback_s)
+
+
+def _rerun_around(net, spec: CollectiveSpec, extra_pids, broken: TreeBroken,
+                  depth: int = 0) -> list[dict]:
+    """Run an INA collective whose tree lost a link again from its start, on a tree planned
+    over the links left (at most :data:`MAX_ENGINE_RESTARTS` times); rows carry ``rerun``
+    and ``fallback_s`` (from the link's failure to the rerun's start)."""
+    fallback_s = time.monotonic() - broken.since
+    rows = _again(net, spec, extra_pids, "link_failure", depth,
+                  lambda e, d: _rerun_around(net, spec, extra_pids, e, d))
+    return _rerun_rows(rows, fallback_s)
+
+
+def _again(net, spec: CollectiveSpec, extra_pids, knob: str, depth: int, on_again
+           ) -> list[dict]:
+    """Run ``spec`` again; the last time allowed with ``placement[knob] = "fail"``. The same
+    failure once more (an engine that died, a tree that broke) goes to
+    ``on_again(error, depth + 1)``."""
+    last = depth + 1 >= MAX_ENGINE_RESTARTS
+    failure = EngineDied if knob == "engine_death" else TreeBroken
+    try:
+        return run_collective(net, dataclasses.replace(
+            spec, placement={**spec.placement, knob: "fail"}) if last else spec, extra_pids)
+    except failure as again:
+        if last:
+            raise
+        return on_again(again, depth + 1)
+
+
+def _rerun_rows(rows: list[dict], fallback_s: float) -> list[dict]:
+    """Mark the rows of a rerun: ``rerun`` and the time it fell back (added up over reruns)."""
+    for r in rows:
         r["fallback_s"] = round(fallback_s + float(r.get("fallback_s") or 0.0), 3)
         r["rerun"] = True
     return rows
@@ -509,6 +549,36 @@ def unregister_ina_job(handle: InaJob, spec: CollectiveSpec) -> None:
     handle.release()
 
 
+class TreeBroken(CollectiveError):
+    """A link an INA job's aggregation tree rides failed during the collective (its switches
+    send to and expect from pinned ports); ``since``: when it failed (monotonic)."""
+
+    since: float = 0.0
+
+
+def tree_interfaces(plan) -> set[str]:
+    """The switch ports an aggregation tree pins: every member's ingress and every parent's
+    egress and ingress (a plan's ``nodes``, see ``testbed.topologies.aggtree``)."""
+    used = set()
+    for node in plan.nodes.values():
+        used.update(m["ingress"] for m in node["members"])
+        if node["parent"] is not None:
+            used.update((node["parent"]["egress"], node["parent"]["ingress"]))
+    return used
+
+
+def _tree_broken(net, spec: CollectiveSpec, pinned: set[str] | None) -> TreeBroken | None:
+    """:class:`TreeBroken` when a port the job's tree pins is down now, else None."""
+    down = getattr(net, "down_interfaces", None)
+    hit = sorted(pinned & set(down)) if pinned and down else []
+    if not hit:
+        return None
+    err = TreeBroken(f"{spec.op}/{spec.algo} job {spec.job_id}: its aggregation tree rides "
+                     f"{', '.join(hit)}, whose link failed during the collective")
+    err.since = min(down[i] for i in hit)
+    return err
+
+
 class EngineDied(CollectiveError):
     """A data-path engine of the network died during a collective; ``nodes``: node -> exit
     status."""
@@ -516,12 +586,21 @@ class EngineDied(CollectiveError):
     nodes: dict[str, int] = {}
 
 
-def _engines_died(net, spec: CollectiveSpec) -> EngineDied | None:
-    """:class:`EngineDied` naming the network's dead engines, or None when all run."""
+def _engines_died(net, spec: CollectiveSpec, starts: dict[str, int] | None = None,
+                  nodes: set[str] | None = None) -> EngineDied | None:
+    """:class:`EngineDied` naming the network's dead engines, or None when all run. With
+    ``starts`` (``net.engine_starts`` when the job registered), also the engines of
+    ``nodes`` (default all) another job restarted since: they run, but without this job's
+    registration (exit status None)."""
     dead = net.dead_engines() if hasattr(net, "dead_engines") else {}
+    if starts is not None:
+        now = getattr(net, "engine_starts", {})
+        dead.update({node: None for node, k in now.items() if k != starts.get(node, 0)
+                     and (nodes is None or node in nodes) and node not in dead})
     if not dead:
         return None
-    what = ", ".join(f"{node} (exit status {code})" for node, code in sorted(dead.items()))
+    what = ", ".join(f"{node} (exit status {code})" if code is not None else
+                     f"{node} (restarted by another job)" for node, code in sorted(dead.items()))
     err = EngineDied(f"{spec.op}/{spec.algo}: the data-path engine of {what} died during "
                      f"the collective; its log is in {RUN_DIR}/<node>.log")
     err.nodes = dict(dead)
@@ -529,11 +608,15 @@ def _engines_died(net, spec: CollectiveSpec) -> EngineDied | None:
 
 
 def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float,
-               restarts: list | None = None) -> None:
+               restarts: list | None = None, pinned: set[str] | None = None,
+               starts: dict[str, int] | None = None) -> None:
     """Wait for the pool. When a data-path engine of the network dies: with ``restarts`` (a
     list, TCP algorithms: their connections outlive a switch that restarts), start it again
     and go on waiting (``(node, exit status, seconds)`` appended to ``restarts``); else fail
-    fast with :class:`EngineDied` (the collective could only time out)."""
+    fast with :class:`EngineDied` (the collective could only time out), also when another
+    job restarted an engine of ``pinned``'s switches since ``starts``. When a port of
+    ``pinned`` (an INA job's tree) goes down: :class:`TreeBroken`."""
+    tree = {i.rsplit("-eth", 1)[0] for i in pinned} if pinned else None
     deadline = time.monotonic() + limit
     dead_fn = getattr(net, "dead_engines", None)
     while True:
@@ -543,12 +626,19 @@ def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float,
             return
         except subprocess.TimeoutExpired:
             pass
+        broken = _tree_broken(net, spec, pinned)
+        if broken is not None:
+            raise broken
         dead = dead_fn() if dead_fn is not None else {}
         if dead and restarts is not None and len(restarts) < MAX_ENGINE_RESTARTS:
             restarts += _restart(net, dead)
             continue
         if dead:
             raise _engines_died(net, spec)
+        if restarts is None and starts is not None:
+            moved = _engines_died(net, spec, starts, tree)
+            if moved is not None:
+                raise moved
         if time.monotonic() > deadline:
             raise CollectiveTimeout(f"collective pool did not finish within {limit:.0f} s")
 

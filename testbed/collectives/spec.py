@@ -45,7 +45,7 @@ DEFAULT_WINDOW = 64
 #: outstanding packets driven by the round trips (``inakernel.cc_sample``).
 INA_CC = ("delay",)
 #: Keys of ``CollectiveSpec.placement``.
-PLACEMENT_KEYS = ("tree", "mode", "slots", "refused", "engine_death")
+PLACEMENT_KEYS = ("tree", "mode", "slots", "refused", "engine_death", "link_failure")
 #: Members one aggregating switch takes (SwitchML's 32-bit bitmap): a job of more workers
 #: needs a tree, each switch of which aggregates at most this many.
 MAX_SWITCH_MEMBERS = 32
@@ -150,10 +150,12 @@ class CollectiveSpec(Communication):
     workers (then servers) in rank order, default the first hosts of the net (jobs sharing a
     fabric take disjoint host sets). ``placement`` (``algo`` ina/nic): where the job is
     aggregated, ``{"tree": None | "single" | "auto" | [switches, root first], "mode": "static"
-    | "shared", "slots": N, "refused": "fail" | "ring", "engine_death": "restart" | "fail"}``
-    (see :data:`PLACEMENT_KEYS`; slots default ``window``; ``refused``: what a switch's
-    admission refusal does; ``engine_death``: what a switch engine that dies mid-collective
-    does, restarted and the collective run again, or an error naming it).
+    | "shared", "slots": N, "refused": "fail" | "ring", "engine_death": "restart" | "fail",
+    "link_failure": "replan" | "fail"}`` (see :data:`PLACEMENT_KEYS`; slots default
+    ``window``; ``refused``: what a switch's admission refusal does; ``engine_death``: what a
+    switch engine that dies mid-collective does, restarted and the collective run again, or
+    an error naming it; ``link_failure``: what a link the job's tree rides does when it
+    fails, the collective run again on a tree around it, or an error naming its ports).
     ``tcp_cc``: the TCP congestion control of the TCP algorithms' connections (ring, hd, rs
     and the torch hook; default :data:`~testbed.collectives.transport.DEFAULT_TCP_CC`, None:
     each host's default, which differs between machines); rows record the one used.
@@ -353,6 +355,11 @@ class CollectiveSpec(Communication):
             raise FieldError("placement", f"CollectiveSpec.placement.engine_death="
                              f"{p.get('engine_death')!r} must be 'restart' (the switch's engine "
                              "is started again and the collective rerun) or 'fail' (an error "
+                             "naming it)")
+        if p.get("link_failure", "replan") not in ("replan", "fail"):
+            raise FieldError("placement", f"CollectiveSpec.placement.link_failure="
+                             f"{p.get('link_failure')!r} must be 'replan' (the collective is "
+                             "run again on a tree around the failed link) or 'fail' (an error "
                              "naming it)")
         slots = p.get("slots", self.window)
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 4096:

@@ -17,6 +17,7 @@ One request per line, one response per line::
     {"cmd": "configure", "stage": "aggregate", "settings": {"jobs": {"1": {...}}}}
     {"cmd": "reset_job", "job_id": 1}
     {"cmd": "coalesce", "us": 800}
+    {"cmd": "flood", "ports": ["tbl1-eth1", "tbl1-eth4"]}  -> the ports floods leave by now
     {"cmd": "config"}                                     -> the engine's config + stage names
     {"cmd": "trace", "count": 50}  then  {"cmd": "trace"} -> arm, then read packet records
     {"cmd": "stop"}
@@ -440,6 +441,10 @@ class DatapathClient:
     def set_coalesce(self, us: float) -> float:
         """Set the engine's interrupt-coalescing wait (µs; see ``Engine.set_coalesce``)."""
         return self.request("coalesce", us=us)
+
+    def set_flood_ports(self, ports: list[str] | None) -> list[str]:
+        """Set the ports floods leave by (None: all; see ``Engine.set_flood_ports``)."""
+        return self.request("flood", ports=ports)
 
     def reset_job(self, job_id: int) -> object:
         """Free a job's aggregation slots after a worker died (see aggregate.reset_job)."""

@@ -63,6 +63,7 @@ from testbed.datapath.io import RingPort, disable_offloads, open_port, rings_rx,
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
 from testbed.lifeline import follow_owner
+from testbed.warm import compile_lock
 
 N_REASONS = 32
 DEFAULT_RX_BURST = 256
@@ -221,14 +222,8 @@ class Engine:
                 raise ValueError(f"config: {key} must be 32..65536 (tx_ring_frames: or 0, "
                                  f"to send with sendmmsg), got {v}")
             self.ring_frames[key] = v
-        flood = config.get("flood_ports")
         self.flood_mask = np.ones(len(self.ports), np.bool_)
-        if flood is not None:
-            self.flood_mask[:] = False
-            for p in flood:
-                if p not in self.ports:
-                    raise ValueError(f"config: flood port {p!r} is not one of {self.ports}")
-                self.flood_mask[self.ports.index(p)] = True
+        self.set_flood_ports(config.get("flood_ports"))
         self.stages: list[Stage] = [make_stage(n, s, self.ports)
                                     for n, s in normalize_programs(config.get("programs"))]
         expansion = max(int(getattr(s, "max_expansion", 1)) for s in self.stages)
@@ -324,16 +319,18 @@ class Engine:
         self._tx_done = np.zeros(n, np.int64)
         self._rx_start = 0
         b = self.batch
-        # compile (first time for this number of ports) or load the kernels now
-        rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length, b.in_port,
-                 b.out_port, b.reason, 0, 0)
-        self.tx_count[:] = 0
-        rings_tx(*self._rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
-                 self.tx_rows, self.tx_count, b.length, self._tx_done)
-        route_to_rings(0, b.out_port, b.in_port, b.length, b.reason, n, self.flood_mask,
-                       self.tx_rows, self.tx_count, self.rx_pk, self.rx_by, self.tx_pk,
-                       self.tx_by, self.drops, *self._rings, self._heads, self._tx_base,
-                       self._tx_nframes, b.buf, self._tx_done)
+        # compile (first time for this number of ports) or load the kernels now, one engine
+        # at a time: engines of other port counts starting at once would race Numba's cache
+        with compile_lock():
+            rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length,
+                     b.in_port, b.out_port, b.reason, 0, 0)
+            self.tx_count[:] = 0
+            rings_tx(*self._rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
+                     self.tx_rows, self.tx_count, b.length, self._tx_done)
+            route_to_rings(0, b.out_port, b.in_port, b.length, b.reason, n, self.flood_mask,
+                           self.tx_rows, self.tx_count, self.rx_pk, self.rx_by, self.tx_pk,
+                           self.tx_by, self.drops, *self._rings, self._heads, self._tx_base,
+                           self._tx_nframes, b.buf, self._tx_done)
 
     def close(self) -> None:
         """Close ports and the control socket."""
@@ -467,7 +464,7 @@ class Engine:
     def serve(self) -> None:
         """Main loop until stopped (signal or control ``stop``)."""
         poller = select.poll()
-        port_fds = {p.fileno() for p in self.io}
+        port_fds = {p.fileno(): p for p in self.io}
         for fd in port_fds:
             poller.register(fd, select.POLLIN)
         if self.control is not None:
@@ -481,8 +478,10 @@ class Engine:
                     self.bursts % 64 == 0 else []
             else:
                 events = self._idle_wait(poller)
-            for fd, _ev in events:
+            for fd, ev in events:
                 if fd in port_fds:
+                    if ev & select.POLLERR:  # a link that went down: else poll spins on it
+                        port_fds[fd].clear_error()
                     continue
                 for ch in self.control.handle(fd, self.dispatch):
                     if ch > 0:  # new, or waits for other events now (registering again sets them)
@@ -512,6 +511,22 @@ class Engine:
             self.cpu_max = max(self.cpu_max, frac)
             self.hold_s = adapt_hold(self.hold_s, frac, self.coalesce_us * 1e-6)
 
+    def set_flood_ports(self, ports: list[str] | None) -> list[str]:
+        """The ports floods leave by (None: all); a looped fabric's flood tree, which changes
+        when a link fails. Returns them; ``ValueError`` naming a port the node lacks."""
+        mask = np.ones(len(self.ports), np.bool_)
+        if ports is not None:
+            if not isinstance(ports, list):
+                raise ValueError("flood ports must be a list of port names")
+            mask[:] = False
+            for p in ports:
+                if p not in self.ports:
+                    raise ValueError(f"config: flood port {p!r} is not one of {self.ports}")
+                mask[self.ports.index(p)] = True
+        self.flood_mask[:] = mask  # in place: the packet loop holds this array
+        self.config["flood_ports"] = ports
+        return [p for p, m in zip(self.ports, self.flood_mask, strict=True) if m]
+
     # --- control -----------------------------------------------------------------------------
     def stage(self, name: str) -> Stage:
         """The stage called ``name``."""
@@ -536,6 +551,8 @@ class Engine:
             return self.stage(str(req.get("stage"))).counters()
         if cmd == "coalesce":
             return self.set_coalesce(req.get("us"))
+        if cmd == "flood":
+            return self.set_flood_ports(req.get("ports"))
         if cmd == "reset_job":
             targets = [s for s in self.stages if hasattr(s, "reset_job")]
             if not targets:
@@ -551,8 +568,7 @@ class Engine:
             self.running = False
             return True
         raise ValueError(f"unknown command {cmd!r}; use counters, config, configure, coalesce, "
-                         "reset_job, "
-                         "trace, stop")
+                         "flood, reset_job, trace, stop")
 
     def counters(self) -> dict:
         """Per-port rx/tx, drops by reason, stage counters and CPU figures."""

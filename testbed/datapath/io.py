@@ -186,6 +186,16 @@ class MmsgSender:
         return done
 
 
+def clear_socket_error(port) -> int:
+    """Read (and so clear) a port's pending socket error: the kernel sets ENETDOWN when the
+    link goes down, and ``poll`` reports POLLERR until it is read (an engine would spin).
+    Counts it in ``port.down_events``; returns the errno (0: none)."""
+    err = port.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        port.down_events += 1
+    return err
+
+
 class PacketPort:
     """One AF_PACKET socket bound to ``ifname`` that moves bursts of frames.
 
@@ -241,6 +251,10 @@ class PacketPort:
     def fileno(self) -> int:
         """The socket's file descriptor (for ``poll``)."""
         return self.fd
+
+    def clear_error(self) -> int:
+        """Read (and so clear) the socket's pending error (see :func:`clear_socket_error`)."""
+        return clear_socket_error(self)
 
     def recv_burst(self, first_row: int, max_count: int, lengths: np.ndarray) -> int:
         """Receive up to ``max_count`` frames into rows ``first_row..``; never blocks.
@@ -458,15 +472,22 @@ def ring_tx_pending(ring32, base, frame_size, nframes, head, count):
 
 
 @njit(cache=True)
-def ring_tx_cancel(ring32, base, frame_size, nframes):
-    """Give back every slot still waiting for a ``send()`` (the link is down); return how many."""
+def ring_tx_cancel(ring32, base, frame_size, nframes, head):
+    """Give back the slots still waiting for a ``send()`` (the link is down) and move the
+    head back to the first of them, where the kernel's own head stopped: the kernel sends
+    from its head on and stops at the first slot not marked, so a head left past freed slots
+    would never send again once the link is back. Returns (slots freed, new head)."""
     n = 0
-    for h in range(nframes):
-        w = (base + h * frame_size) >> 2
-        if ring32[w] == TP_STATUS_SEND_REQUEST:
-            ring32[w] = TP_STATUS_AVAILABLE
-            n += 1
-    return n
+    h = head
+    for _ in range(nframes):
+        prev = h - 1 if h > 0 else nframes - 1
+        w = (base + prev * frame_size) >> 2
+        if ring32[w] != TP_STATUS_SEND_REQUEST:
+            break
+        ring32[w] = TP_STATUS_AVAILABLE
+        n += 1
+        h = prev
+    return n, h
 
 
 def _packet_stats(sock: socket.socket) -> dict:
@@ -575,6 +596,10 @@ class RingPort:
         """The socket's file descriptor (``poll`` reports it readable when a frame waits)."""
         return self.fd
 
+    def clear_error(self) -> int:
+        """Read (and so clear) the socket's pending error (see :func:`clear_socket_error`)."""
+        return clear_socket_error(self)
+
     def recv_burst(self, first_row: int, max_count: int, lengths: np.ndarray) -> int:
         """Copy up to ``max_count`` waiting frames into rows ``first_row..``; never blocks.
 
@@ -619,8 +644,10 @@ class RingPort:
                 err = ctypes.get_errno()
                 if err in (errno.ENETDOWN, errno.ENODEV, errno.ENXIO):
                     self.down_events += 1
-                    self._tx_errors += ring_tx_cancel(self.ring32, self.tx_base,
-                                                      self.frame_size, self.tx_frames)
+                    lost, self.heads[1] = ring_tx_cancel(self.ring32, self.tx_base,
+                                                         self.frame_size, self.tx_frames,
+                                                         self.heads[1])
+                    self._tx_errors += lost
                     return
                 if err not in (errno.EAGAIN, errno.ENOBUFS, errno.EINTR):
                     raise OSError(err, f"send on {self.ifname}: {os.strerror(err)}")

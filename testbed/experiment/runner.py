@@ -47,6 +47,7 @@ from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
 from testbed.collectives.spec import communication_of
 from testbed.experiment import results, train
+from testbed.experiment.faults import FaultSchedule
 from testbed.experiment.incast import run_incast
 from testbed.experiment.networks import flatten_counters, network_for, port_bytes_by_role
 from testbed.experiment.results import (
@@ -328,8 +329,8 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                         advance(_train_text(store.rows[-1], params))
                         continue
                     pt = batch[0][2]
-                    outcomes = _run_batch(net, pt, [(g[4], g[5]) for g in batch], out,
-                                          run_idx, xt)
+                    outcomes, fault_cols = _run_batch(net, pt, [(g[4], g[5]) for g in batch],
+                                                      out, run_idx, xt)
                     failed = None
                     for (pi, params, pt, ji, job, size), outcome in zip(batch, outcomes,
                                                                         strict=True):
@@ -338,8 +339,8 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                                     _interrupted(outcome):
                                 raise KeyboardInterrupt from outcome
                             err = _describe_error(outcome)
-                            store.append(_error_row(run_idx, pi, params, pt, ji, job, size,
-                                                    err))
+                            row = _error_row(run_idx, pi, params, pt, ji, job, size, err)
+                            store.append({**row, **fault_cols})
                             failed = failed or (run_idx, err, outcome)
                         else:
                             for r in outcome:
@@ -611,10 +612,12 @@ def _run_job(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:
 
 
 def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Path,
-               run_idx: int, xt: list | None = None) -> list[list[dict] | BaseException]:
+               run_idx: int, xt: list | None = None
+               ) -> tuple[list[list[dict] | BaseException], dict]:
     """Run ``runs`` (one, or the concurrent jobs of a point, each in its thread); per run its
     rows (with the data-path counter deltas, capture and cross-traffic columns of the whole
-    batch, and ``concurrent_jobs``) or the exception it raised."""
+    batch, ``concurrent_jobs`` and ``fault_events``) or the exception it raised, and the
+    ``fault_events`` column alone (for the rows of the runs that failed)."""
     xt = xt or []
     xt_before = [_tx_bytes(src) for _, src in xt]
     t0 = time.monotonic()
@@ -629,6 +632,9 @@ def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Pat
 
     with contextlib.ExitStack() as stack:
         captures = _start_captures(stack, net, point, out, run_idx)
+        # entered last, left first: the links are back before the captures stop
+        faults = stack.enter_context(FaultSchedule(net, point.faults)) if point.faults \
+            else None
         if len(runs) == 1:
             one(0)
         else:
@@ -645,9 +651,10 @@ def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Pat
     dp_cols = _counter_deltas(before, after, out, run_idx, roles, net,
                               time.monotonic() - t0)
     xt_cols = _cross_traffic_cols(xt, xt_before, time.monotonic() - t0) if xt else {}
-    extra = {**dp_cols, **cap_cols, **xt_cols, "concurrent_jobs": len(runs)}
+    fault_cols = {"fault_events": faults.events} if faults is not None else {}
+    extra = {**dp_cols, **cap_cols, **xt_cols, "concurrent_jobs": len(runs), **fault_cols}
     return [o if isinstance(o, BaseException) else [{**r, **extra} for r in o]
-            for o in outcomes]
+            for o in outcomes], fault_cols
 
 
 def _run_incast(net, point: Experiment, job: JobSpec, size: int) -> list[dict]:

@@ -186,6 +186,10 @@ class Placement(_Strict):
         "restart", description="a switch engine dies mid-collective: 'restart' (started "
                                "again, the collective rerun, exact) or 'fail' (an error row "
                                "naming it)")
+    link_failure: Literal["replan", "fail"] = Field(
+        "replan", description="a link the job's tree rides fails mid-collective: 'replan' "
+                              "(the collective rerun on a tree around it, exact) or 'fail' "
+                              "(an error row naming its ports)")
 
     @field_validator("tree")
     @classmethod
@@ -375,6 +379,55 @@ class CrossTraffic(_Strict):
         return self
 
 
+class Fault(_Strict):
+    """A fault injected ``at_s`` seconds (undilated) after each run of the point's jobs
+    starts; exactly one of ``link``, ``switch`` and ``worker``. A link fault at 0 s is in
+    place before the jobs start (their routes, trees and model see the degraded fabric)."""
+
+    at_s: float = Field(0.0, ge=0, description="when, from the start of each run (s)")
+    link: list[str] | str | None = Field(
+        None, description="the link that fails: ['tbl1', 'tbsp1'] or 'tbl1-tbsp1'")
+    down_s: float | None = Field(None, gt=0, description="link: back up after this long "
+                                                          "(default: for the rest of the run)")
+    switch: str | None = Field(None, pattern=r"^tb", description="a programmable node whose "
+                                                                 "engine is SIGKILLed")
+    worker: int | None = Field(None, ge=0, description="host rank whose collective worker "
+                                                       "(tbw-<host>) is SIGKILLed (as soon "
+                                                       "as it runs, if later)")
+
+    @field_validator("link")
+    @classmethod
+    def _two_ends(cls, v):
+        if v is None:
+            return v
+        ends = v.split("-") if isinstance(v, str) else list(v)
+        if len(ends) != 2 or not all(isinstance(e, str) and e.startswith("tb") for e in ends):
+            raise ValueError(f"a link is its two node names, ['tbl1', 'tbsp1'] or "
+                             f"'tbl1-tbsp1'; got {v!r}")
+        return ends
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        given = [k for k in ("link", "switch", "worker") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a fault is exactly one of link, switch or worker; got "
+                             f"{given or 'none'}")
+        if self.down_s is not None and self.link is None:
+            raise ValueError("down_s is for link faults (a killed engine is restarted by the "
+                             "collective's placement.engine_death)")
+        return self
+
+    @property
+    def until_s(self) -> float:
+        """When a link fault ends (infinity: at the run's end)."""
+        return self.at_s + self.down_s if self.down_s is not None else float("inf")
+
+    @property
+    def kind(self) -> str:
+        """``link``, ``switch`` or ``worker``."""
+        return next(k for k in ("link", "switch", "worker") if getattr(self, k) is not None)
+
+
 class Capture(_Strict):
     """tcpdump on chosen interfaces during each run; pcaps are summarised with scapy."""
 
@@ -560,6 +613,8 @@ class Experiment(_Strict):
     codec: Codec | None = None
     cross_traffic: list[CrossTraffic] = Field(default_factory=list)
     capture: Capture | None = None
+    faults: list[Fault] = Field(default_factory=list, description="links, switch engines or "
+                                "workers that fail during each run of the jobs")
     settle_s: float = Field(0.0, ge=0, description="pause after cross traffic starts")
     concurrent: bool = Field(False, description="run the jobs of a point at the same time "
                                                 "(tenants of one fabric), each on its hosts")
@@ -944,7 +999,7 @@ def _point_problems(point: Experiment, cache: dict[str, Any]) -> list[str]:
     return list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
                                     point.trimming, point.codec, point.cross_traffic,
                                     point.capture) + training_problems(point, topo) \
-        + launch_problems(point, topo)
+        + launch_problems(point, topo) + fault_problems(point.faults, topo, point)
 
 
 def _partial_problems(data: Any) -> list[str]:
@@ -973,10 +1028,52 @@ def _partial_problems(data: Any) -> list[str]:
                                                   training=training, trace=trace), topo)
     codec = part(Codec, data["codec"]) if data.get("codec") is not None else None
     capture = part(Capture, data["capture"]) if data.get("capture") is not None else None
+    problems += fault_problems([f for f in parts(Fault, "faults") if f], topo,
+                               SimpleNamespace(jobs=[j for j in parts(JobSpec, "jobs") if j],
+                                               training=training, launch=[]))
     return problems + _checks(topo, topology, parts(JobSpec, "jobs"),
                               [p for p in parts(Impairment, "impairments") if p],
                               [p for p in parts(Trimming, "trimming") if p], codec,
                               [p for p in parts(CrossTraffic, "cross_traffic") if p], capture)
+
+
+def fault_problems(faults: list[Fault], topo, point) -> list[str]:
+    """What is wrong with ``faults`` on topology ``topo`` for ``point``'s jobs: a link that is
+    not one, or whose loss cuts a host off; a switch without an engine; a worker rank out of
+    range; faults where only collective jobs take them."""
+    if not faults or topo is None:
+        return []
+    from testbed.topologies import routing  # on use (module docstring)
+
+    problems = []
+    if getattr(point, "training", None) or getattr(point, "launch", None):
+        problems.append("faults: only collective jobs ([[jobs]]) run with faults; move the "
+                        "training or launched jobs to their own experiment")
+    for i, f in enumerate(faults):
+        if f.link is not None:
+            try:
+                routing.links_between(topo, *f.link)
+            except ValueError as e:
+                problems.append(f"faults.{i}.link: {e}")
+                continue
+            # the link faults down when this one goes down (itself included)
+            down = [g.link for g in faults if g.link is not None and g.at_s <= f.at_s < g.until_s]
+            lost = routing.unreachable_hosts(routing.without_links(topo, down))
+            if lost:
+                also = [f"faults.{k}" for k, g in enumerate(faults)
+                        if g is not f and g.link is not None and g.link in down]
+                problems.append(f"faults.{i}.link: {'-'.join(f.link)} going down would cut "
+                                f"{lost} off from the other hosts"
+                                f"{' (with ' + ', '.join(also) + ' down then)' if also else ''}"
+                                "; fail a link that has a path around it (a multipath "
+                                "fabric's)")
+        elif f.switch is not None and f.switch not in topo.programmable:
+            problems.append(f"faults.{i}.switch: {f.switch!r} runs no engine; programmable "
+                            f"nodes: {sorted(topo.programmable) or 'none'}")
+        elif f.worker is not None and f.worker >= topo.n_hosts:
+            problems.append(f"faults.{i}.worker: host rank {f.worker} is out of range; the "
+                            f"topology has {topo.n_hosts} hosts (0..{topo.n_hosts - 1})")
+    return problems
 
 
 def _build_topology(spec: TopologySpec, seed: int) -> tuple[Any, list[str]]:

@@ -88,8 +88,10 @@ def serve(file: str | None, point: int = 0, policy: str = "cooperative",
     try:
         if attach:
             from testbed.topologies.attached import AttachedNet
+            from testbed.up import read_state
 
-            net = AttachedNet(topo, up_state["pids"], up_state.get("time_dilation", 1.0))
+            net = AttachedNet(topo, up_state["pids"], up_state.get("time_dilation", 1.0),
+                              links_down=lambda: (read_state() or {}).get("links_down", []))
             try:
                 svc = make_service(net, memory_bytes, policy, net=net, **kw)
                 return _serve_until(svc, socket_path, port, stop)

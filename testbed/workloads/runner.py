@@ -373,7 +373,7 @@ def _model_s(net, spec: TrainingSpec, cspec, hosts: list) -> float | None:
     port's trim stage when it has one) plus the broadcast. None where the model does not
     apply (e.g. unshaped links)."""
     try:
-        t = flowmodel.predict(net.topo, cspec, workers=[h.name for h in hosts],
+        t = flowmodel.predict(net.routed_topo, cspec, workers=[h.name for h in hosts],
                               hop_latency_s=net.hop_latency_s()).time_s
         if spec.algo != "trim" or t is None:
             return t

@@ -95,7 +95,7 @@ def test_engine_answers_config_and_trace_commands():
     assert got["programs"] == cfg["programs"] and got["stages"] == ["forward"]
     assert eng.dispatch({"cmd": "trace", "count": 5}) == {"armed": 5}
     assert eng.dispatch({"cmd": "trace"}) == {"remaining": 5, "records": []}
-    with pytest.raises(ValueError, match="config, configure, coalesce, reset_job, trace"):
+    with pytest.raises(ValueError, match="config, configure, coalesce, flood, reset_job, trace"):
         eng.dispatch({"cmd": "nope"})
 
 
@@ -202,6 +202,11 @@ def test_up_switch_down(network_up, tmp_path):
     assert bad.returncode == 1 and "no job 77" in bad.stderr
     nobody = _tb("switch", "tbs8", "counters")
     assert nobody.returncode == 1 and "running nodes: tbs1" in nobody.stderr
+    # links: the up process answers; on a star every link is a host's only one
+    cut = _tb("link", "down", "tbs1", "tbh2")
+    assert cut.returncode == 1 and "would cut ['tbh2'] off" in cut.stderr, cut.stderr
+    assert "no link between tbh1 and tbh2" in _tb("link", "down", "tbh1", "tbh2").stderr
+    assert "is not down" in _tb("link", "up", "tbh1", "tbs1").stderr
 
     # down: the up process ends, its state goes, and (holding the lock) nothing of ours is left
     pid, ticks = state["pid"], state["start_ticks"]

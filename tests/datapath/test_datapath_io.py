@@ -3,6 +3,7 @@ through ring ports on a veth pair."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import subprocess
 
@@ -96,13 +97,19 @@ def test_ring_tx_matches_twin(seed):
                   lens.astype(np.int32), count)
     assert tuple(got) == want
     assert arr.tobytes() == bytes(twin_ring)
-    # every slot it filled waits for a send(), and cancelling gives them all back
+    # every slot it filled waits for a send(); cancelling (the link went down) gives them all
+    # back and moves the head back to the first, where the kernel stopped, as its twin does
     w32 = arr.view("<u4")
     pending = ring_tx_pending(w32, base, FS, nframes, got[1], got[0])
     assert pending == got[0]
-    before = int(np.count_nonzero(w32[base // 4::FS // 4][:nframes] == TP_STATUS_SEND_REQUEST))
-    assert ring_tx_cancel(w32, base, FS, nframes) == before
-    assert not np.any(w32[base // 4::FS // 4][:nframes] == TP_STATUS_SEND_REQUEST)
+    want = ref.ring_tx_cancel(twin_ring, base, FS, nframes, got[1])
+    assert tuple(ring_tx_cancel(w32, base, FS, nframes, got[1])) == want
+    assert arr.tobytes() == bytes(twin_ring)
+    # what it filled is freed (and any marked slots just before them: the kernel's run)
+    assert want[0] >= got[0]
+    slots = w32[base // 4::FS // 4][:nframes]
+    assert all(slots[(got[1] - 1 - k) % nframes] == TP_STATUS_AVAILABLE for k in range(want[0]))
+    assert want[0] == nframes or slots[(want[1] - 1) % nframes] != TP_STATUS_SEND_REQUEST
 
 
 def test_copy_bytes_is_a_memcpy_at_any_offset():
@@ -144,6 +151,35 @@ def _frames(n: int, seed: int = 0) -> list[bytes]:
             for k in range(n)]
 
 
+def _rows(frames: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """``frames`` as the rows of a send buffer and their lengths."""
+    buf = np.zeros((len(frames), 2048), np.uint8)
+    lens = np.zeros(len(frames), np.int32)
+    for i, f in enumerate(frames):
+        buf[i, :len(f)] = np.frombuffer(f, np.uint8)
+        lens[i] = len(f)
+    return buf, lens
+
+
+@contextlib.contextmanager
+def _veth(a: str, b: str):
+    """A veth pair ``a``-``b``, both up, under the emulation lock; yields a list whose ports
+    are closed (and the pair deleted) however the block ends."""
+    from testbed.netlock import emulation_lock
+
+    with emulation_lock():
+        subprocess.run(["ip", "link", "add", a, "type", "veth", "peer", "name", b], check=True)
+        ports: list = []
+        try:
+            for d in (a, b):
+                subprocess.run(["ip", "link", "set", d, "up"], check=True)
+            yield ports
+        finally:
+            for p in ports:
+                p.close()
+            subprocess.run(["ip", "link", "del", a], check=False)
+
+
 @pytest.mark.mininet
 @pytest.mark.parametrize("tx_frames", [512, 0])
 def test_ring_ports_move_real_frames_exactly(tx_frames):
@@ -151,57 +187,42 @@ def test_ring_ports_move_real_frames_exactly(tx_frames):
     peer's RX ring and through a plain recvmmsg port; nothing is refused or dropped."""
     from testbed.datapath.io import PacketPort, RingPort, probe_rings
     from testbed.doctor import run_checks
-    from testbed.netlock import emulation_lock
 
     assert probe_rings()[0], "this kernel has no PACKET_MMAP rings"
     assert {c["name"]: c["status"] for c in run_checks()}["packet-mmap"] == "ok"
     frames = _frames(300)
-    with emulation_lock():
-        subprocess.run(["ip", "link", "add", "tbio0", "type", "veth", "peer", "name", "tbio1"],
-                       check=True)
-        ports = []
-        try:
-            for d in ("tbio0", "tbio1"):
-                subprocess.run(["ip", "link", "set", d, "up"], check=True)
-            tx_buf = np.zeros((len(frames), 2048), np.uint8)
-            lens = np.zeros(len(frames), np.int32)
-            for i, f in enumerate(frames):
-                tx_buf[i, :len(f)] = np.frombuffer(f, np.uint8)
-                lens[i] = len(f)
-            rx_buf = np.zeros((1024, 2048), np.uint8)
-            rx_len = np.zeros(1024, np.int32)
-            ring_rx_port = RingPort("tbio1", rx_buf, rx_frames=1024, tx_frames=32)
-            mmsg_rx_port = PacketPort("tbio1", np.zeros((1024, 2048), np.uint8))
-            # a send-only port (no RX ring), or an RX ring and sendmmsg
-            sender = RingPort("tbio0", tx_buf, rx_frames=0 if tx_frames else 32,
-                              tx_frames=tx_frames)
-            ports = [ring_rx_port, mmsg_rx_port, sender]
-            if tx_frames:
-                assert sender.recv_burst(0, 10, np.zeros(10, np.int32)) == 0
-            sent = 0
-            for lo in range(0, len(frames), 64):
-                sent += sender.send_rows(np.arange(lo, min(lo + 64, len(frames))), lens)
-            assert sent == len(frames) and sender.tx_errors == 0
-            got = []
-            for _ in range(200):
-                n = ring_rx_port.recv_burst(0, 1024, rx_len)
-                got += [bytes(rx_buf[i, :rx_len[i]]) for i in range(n)]
-                if sum(g[12:14] == b"\x08\x00" for g in got) >= len(frames):
-                    break
-                __import__("time").sleep(0.01)
-            ours = [g for g in got if g[12:14] == b"\x08\x00"]  # the veth's IPv6 chatter aside
-            assert ours == frames
-            assert ring_rx_port.stats()["drops"] == 0
-            m_len = np.zeros(1024, np.int32)
-            n = mmsg_rx_port.recv_burst(0, 1024, m_len)
-            plain = [bytes(mmsg_rx_port.buf[i, :m_len[i]]) for i in range(n)]
-            assert [g for g in plain if g[12:14] == b"\x08\x00"] == frames
-            ring_rx_port.send_one(frames[0])  # the slow path goes through the TX ring too
-            assert ring_rx_port.tx_errors == 0
-        finally:
-            for p in ports:
-                p.close()
-            subprocess.run(["ip", "link", "del", "tbio0"], check=False)
+    tx_buf, lens = _rows(frames)
+    with _veth("tbio0", "tbio1") as ports:
+        rx_buf = np.zeros((1024, 2048), np.uint8)
+        rx_len = np.zeros(1024, np.int32)
+        ring_rx_port = RingPort("tbio1", rx_buf, rx_frames=1024, tx_frames=32)
+        mmsg_rx_port = PacketPort("tbio1", np.zeros((1024, 2048), np.uint8))
+        # a send-only port (no RX ring), or an RX ring and sendmmsg
+        sender = RingPort("tbio0", tx_buf, rx_frames=0 if tx_frames else 32,
+                          tx_frames=tx_frames)
+        ports += [ring_rx_port, mmsg_rx_port, sender]
+        if tx_frames:
+            assert sender.recv_burst(0, 10, np.zeros(10, np.int32)) == 0
+        sent = 0
+        for lo in range(0, len(frames), 64):
+            sent += sender.send_rows(np.arange(lo, min(lo + 64, len(frames))), lens)
+        assert sent == len(frames) and sender.tx_errors == 0
+        got = []
+        for _ in range(200):
+            n = ring_rx_port.recv_burst(0, 1024, rx_len)
+            got += [bytes(rx_buf[i, :rx_len[i]]) for i in range(n)]
+            if sum(g[12:14] == b"\x08\x00" for g in got) >= len(frames):
+                break
+            __import__("time").sleep(0.01)
+        ours = [g for g in got if g[12:14] == b"\x08\x00"]  # the veth's IPv6 chatter aside
+        assert ours == frames
+        assert ring_rx_port.stats()["drops"] == 0
+        m_len = np.zeros(1024, np.int32)
+        n = mmsg_rx_port.recv_burst(0, 1024, m_len)
+        plain = [bytes(mmsg_rx_port.buf[i, :m_len[i]]) for i in range(n)]
+        assert [g for g in plain if g[12:14] == b"\x08\x00"] == frames
+        ring_rx_port.send_one(frames[0])  # the slow path goes through the TX ring too
+        assert ring_rx_port.tx_errors == 0
 
 
 def test_coalescing_wait_adapts_to_the_engines_cpu_between_its_bounds():
@@ -219,3 +240,45 @@ def test_coalescing_wait_adapts_to_the_engines_cpu_between_its_bounds():
         hold = adapt_hold(hold, 0.1, base)
     assert hold == pytest.approx(base)
     assert adapt_hold(0.0, 0.9, 0.0) == 0.0  # coalescing off stays off
+
+
+@pytest.mark.mininet
+def test_ring_ports_send_again_after_their_link_went_down_and_up():
+    """A link that goes down while frames wait in the TX ring: they are lost (counted), the
+    socket's pending error is read once (poll stops reporting it, else an engine spins), and
+    once the link is back the port sends again: the ring's head went back to where the
+    kernel's stopped."""
+    import select
+
+    from testbed.datapath.io import RingPort
+
+    frames = _frames(40)
+    tx_buf, lens = _rows(frames)
+    with _veth("tbio2", "tbio3") as ports:
+        rx_buf = np.zeros((256, 2048), np.uint8)
+        rx_len = np.zeros(256, np.int32)
+        receiver = RingPort("tbio3", rx_buf, rx_frames=256, tx_frames=32)
+        sender = RingPort("tbio2", tx_buf, rx_frames=32, tx_frames=64)
+        ports += [receiver, sender]
+        subprocess.run(["ip", "link", "set", "tbio2", "down"], check=True)
+        poller = select.poll()
+        poller.register(sender.fileno(), select.POLLIN)
+        assert any(ev & select.POLLERR for _, ev in poller.poll(100))
+        assert sender.clear_error() > 0 and sender.down_events >= 1
+        assert not any(ev & select.POLLERR for _, ev in poller.poll(0))
+        sender.send_rows(np.arange(20), lens)  # the kernel refuses: lost, counted
+        assert sender.tx_errors == 20
+        subprocess.run(["ip", "link", "set", "tbio2", "up"], check=True)
+        for _ in range(50):  # the veth's carrier comes back a moment later
+            if open("/sys/class/net/tbio2/operstate").read().strip() == "up":
+                break
+            __import__("time").sleep(0.02)
+        assert sender.send_rows(np.arange(20, 40), lens) == 20
+        got = []
+        for _ in range(200):
+            n = receiver.recv_burst(0, 256, rx_len)
+            got += [bytes(rx_buf[i, :rx_len[i]]) for i in range(n)]
+            if sum(g[12:14] == b"\x08\x00" for g in got) >= 20:
+                break
+            __import__("time").sleep(0.01)
+        assert [g for g in got if g[12:14] == b"\x08\x00"] == frames[20:]

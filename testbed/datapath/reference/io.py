@@ -59,3 +59,19 @@ def ring_tx(ring: bytearray, base: int, frame_size: int, nframes: int, head: int
         done += 1
         h = (h + 1) % nframes
     return done, h, refused
+
+
+def ring_tx_cancel(ring: bytearray, base: int, frame_size: int, nframes: int,
+                   head: int) -> tuple[int, int]:
+    """The slots before ``head`` still marked for sending, freed, walking back to where the
+    kernel's head stopped; returns (slots freed, new head)."""
+    n, h = 0, head
+    while n < nframes:
+        prev = (h - 1) % nframes
+        off = base + prev * frame_size
+        if struct.unpack_from("<I", ring, off)[0] != TP_STATUS_SEND_REQUEST:
+            break
+        struct.pack_into("<I", ring, off, TP_STATUS_AVAILABLE)
+        n += 1
+        h = prev
+    return n, h

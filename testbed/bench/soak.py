@@ -1,0 +1,231 @@
+"""``testbed bench soak``: mixed collectives for M minutes on one network, with faults at
+random times, watching the long-lived processes for leaks.
+
+One leaf-spine (2 leaves x 2 hosts, 2 spines, programmable switches) stays up for the whole
+soak. Job after job, a seeded draw picks ring, halving-doubling, INA on a tree, INA with THC
+compression, or INA and a ring at once (two tenants on disjoint hosts), and a size; with
+``--faults`` a third of the jobs also get a fault at a random moment (an uplink flapping, or
+a switch engine SIGKILLed and restarted by the collective). Every result is checked against
+the numpy sum.
+
+Every ``--sample-s`` seconds each long-lived process is sampled: the switch engines (a
+restarted engine is a new process: its series starts again) and this process, which runs
+the control plane. Its RSS and open descriptors after the warm-up (the first fifth of the
+soak) against the end give the growth. At the end the network is torn down and the machine
+checked for leftovers.
+
+Rows: one per job (``kind = "job"``) and one per process (``kind = "process"``: RSS and
+descriptors at warm-up and at the end, the growth). Targets: 0 wrong, 0 hung (a collective
+that timed out), RSS and descriptor growth <= 5 % after warm-up, engines' counters never
+going backwards between samples (a counter reset is only allowed across a restart), and 0
+leftovers. Not in the mix: NIC offload (SmartNIC nodes) and trimming (a trim stage), which
+need other networks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+from testbed.bench.protocol import Outcome
+from testbed.cleanup import leftovers
+from testbed.collectives import CollectiveSpec, run_collective
+from testbed.collectives.transport import CollectiveError, CollectiveTimeout
+from testbed.experiment.faults import FaultSchedule
+from testbed.experiment.spec import Fault
+from testbed.topologies import LeafSpine, TestbedNet
+
+MiB = 1 << 20
+MIX = ("ring", "hd", "ina", "ina_thc", "tenants")
+UPLINKS = [("tbl1", "tbsp1"), ("tbl1", "tbsp2"), ("tbl2", "tbsp1"), ("tbl2", "tbsp2")]
+ENGINES = ("tbl1", "tbl2", "tbsp1", "tbsp2")
+
+
+def _proc_sample(pid: int) -> dict | None:
+    """RSS (kB) and open descriptors of ``pid``; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return {"rss_kb": rss, "fds": fds}
+
+
+def _counter_total(counters: dict) -> int:
+    """Packets an engine received and sent, over all its ports (monotone while it lives)."""
+    return sum(p["rx_packets"] + p["tx_packets"] for p in counters.get("ports", {}).values())
+
+
+class _Watch:
+    """Samples of the long-lived processes, keyed by (name, pid)."""
+
+    def __init__(self, net):
+        self.net = net
+        self.series: dict[tuple[str, int], list[tuple[float, dict]]] = {}
+        self.counters: dict[tuple[str, int], int] = {}
+        self.backwards: list[str] = []
+
+    def sample(self, t: float) -> None:
+        procs = {"control": os.getpid()}
+        for name in ENGINES:
+            pid = self.net.mininet.get(name).engine_pid()
+            if pid is not None:
+                procs[name] = pid
+        for name, pid in procs.items():
+            s = _proc_sample(pid)
+            if s is not None:
+                self.series.setdefault((name, pid), []).append((t, s))
+        for name in ENGINES:
+            pid = procs.get(name)
+            if pid is None:
+                continue
+            try:
+                total = _counter_total(self.net.switch_client(name).counters())
+            except Exception:  # noqa: BLE001 - an engine between death and restart
+                continue
+            last = self.counters.get((name, pid))
+            if last is not None and total < last:
+                self.backwards.append(f"{name} (pid {pid}): {last} -> {total}")
+            self.counters[(name, pid)] = total
+
+    def rows(self, warm_s: float) -> list[dict]:
+        out = []
+        for (name, pid), pts in sorted(self.series.items()):
+            after = [s for t, s in pts if t >= warm_s]
+            if len(after) < 2:
+                continue  # a process that did not live past the warm-up (a restarted engine)
+            first, last = after[0], after[-1]
+            out.append({"kind": "process", "process": name, "pid": pid,
+                        "samples": len(after), "rss_kb_warm": first["rss_kb"],
+                        "rss_kb_end": last["rss_kb"],
+                        "rss_growth": round(last["rss_kb"] / first["rss_kb"] - 1, 4),
+                        "fds_warm": first["fds"], "fds_end": last["fds"],
+                        "fd_growth": round(last["fds"] / max(first["fds"], 1) - 1, 4)})
+        return out
+
+
+def _draw(rng: random.Random, n_job: int, with_faults: bool) -> tuple[str, list, list[Fault]]:
+    """(mix name, [(spec, None)], faults) of one job (its specs run at once)."""
+    kind = rng.choice(MIX)
+    nbytes = rng.choice((256 << 10, 1 * MiB, 2 * MiB))
+    job_id = 1 + n_job % 200
+    tree = {"tree": "auto"}
+    if kind == "ring" or kind == "hd":
+        runs = [(CollectiveSpec(algo=kind, nbytes=nbytes, timeout_s=30), None)]
+    elif kind == "ina":
+        runs = [(CollectiveSpec(algo="ina", nbytes=nbytes, timeout_s=30, job_id=job_id,
+                                placement=tree), None)]
+    elif kind == "ina_thc":
+        runs = [(CollectiveSpec(algo="ina", nbytes=nbytes, timeout_s=30, job_id=job_id,
+                                compressor="thc", placement=tree), None)]
+    else:  # two tenants: INA on one leaf's hosts, a ring on the other's
+        runs = [(CollectiveSpec(algo="ina", nbytes=nbytes, timeout_s=30, job_id=job_id,
+                                placement=tree, hosts=[0, 1]), None),
+                (CollectiveSpec(algo="ring", nbytes=nbytes, timeout_s=30, hosts=[2, 3]), None)]
+    faults: list[Fault] = []
+    if with_faults and rng.random() < 1 / 3:
+        at = round(rng.uniform(0.05, 0.3), 3)
+        if rng.random() < 0.5:
+            a, b = rng.choice(UPLINKS)
+            faults = [Fault(link=[a, b], at_s=at, down_s=round(rng.uniform(0.1, 0.5), 3))]
+        else:
+            faults = [Fault(switch=rng.choice(ENGINES), at_s=at)]
+    return kind, runs, faults
+
+
+def _run(net, runs: list) -> list[dict]:
+    """Run one job's collectives (at once when there are two); their rows."""
+    import threading
+
+    rows: list = [None] * len(runs)
+
+    def one(k: int) -> None:
+        try:
+            rows[k] = run_collective(net, runs[k][0])
+        except BaseException as e:  # noqa: BLE001 - classified by the caller
+            rows[k] = e
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def measure(emit, quick: bool, minutes: float = 60.0, seed: int = 0, faults: bool = True,
+            sample_s: float = 10.0, time_dilation: float = 1.0) -> Outcome:
+    """``testbed bench soak`` (:mod:`testbed.bench.protocol`)."""
+    if minutes <= 0 or sample_s <= 0:
+        raise ValueError("--minutes and --sample-s must be > 0")
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    wrong = hung = errors = 0
+    topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100, switch="programmable")
+    with TestbedNet(topo, time_dilation=time_dilation) as net:
+        watch = _Watch(net)
+        t0 = time.monotonic()
+        end = t0 + minutes * 60
+        next_sample = t0
+        n_job = 0
+        while time.monotonic() < end:
+            if time.monotonic() >= next_sample:
+                watch.sample(time.monotonic() - t0)
+                next_sample += sample_s
+            kind, runs, fs = _draw(rng, n_job, faults)
+            t = time.monotonic()
+            with FaultSchedule(net, fs) as sched:
+                outcomes = _run(net, runs)
+            for (spec, _), out in zip(runs, outcomes, strict=True):
+                row = {"kind": "job", "job": n_job, "mix": kind, "algo": spec.algo,
+                       "compressor": spec.compressor, "bytes": spec.nbytes,
+                       "t_s": round(t - t0, 2),
+                       "fault": "; ".join(f"{e['kind']} {e['target']}" for e in sched.events)
+                       or None}
+                if isinstance(out, BaseException):
+                    status = "hung" if isinstance(out, CollectiveTimeout) else "error"
+                    hung += status == "hung"
+                    errors += status == "error"
+                    row.update(status=status, correct=False,
+                               error=f"{type(out).__name__}: {out}"[:300])
+                    if not isinstance(out, CollectiveError):
+                        raise out  # not the collective's: a bug or Ctrl-C
+                else:
+                    ok = all(r["correct"] for r in out)
+                    wrong += not ok
+                    row.update(status="ok" if ok else "wrong", correct=ok,
+                               time_s=round(sum(r["time_s"] for r in out), 4),
+                               engine_restarts=len(out[0].get("engine_restarts") or []))
+                rows.append(row)
+                emit(row)
+            n_job += 1
+        watch.sample(time.monotonic() - t0)
+    left = leftovers()
+    n_left = sum(len(v) for v in left.values())
+    proc_rows = watch.rows(minutes * 60 * 0.2)
+    for r in proc_rows:
+        rows.append(r)
+        emit(r)
+    worst_rss = max((r["rss_growth"] for r in proc_rows), default=None)
+    worst_fd = max((r["fd_growth"] for r in proc_rows), default=None)
+    jobs = [r for r in rows if r["kind"] == "job"]
+    targets = {
+        "0 wrong": (wrong == 0, f"{wrong} of {len(jobs)} collectives wrong"),
+        "0 hung": (hung == 0, f"{hung} timed out; {errors} other errors"),
+        "RSS growth <= 5 %": (worst_rss is not None and worst_rss <= 0.05,
+                              f"worst {worst_rss} after warm-up over {len(proc_rows)} "
+                              "processes"),
+        "fd growth <= 5 %": (worst_fd is not None and worst_fd <= 0.05, f"worst {worst_fd}"),
+        "counters consistent": (not watch.backwards,
+                                "; ".join(watch.backwards) or "no engine counter went back"),
+        "0 leftovers": (n_left == 0, f"{n_left}: {left}" if n_left else "none"),
+    }
+    notes = {"quick": quick, "minutes": minutes, "seed": seed, "faults": faults,
+             "jobs": len(jobs), "errors": errors,
+             "faults_fired": sum(1 for r in jobs if r["fault"]),
+             "cpu": "see the rows' times: a 2-core machine runs engines, workers and the "
+                    "control plane on the same cores"}
+    return Outcome(rows, notes=notes, targets=targets,
+                   ok=all(met for met, _ in targets.values()))
