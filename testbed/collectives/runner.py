@@ -272,11 +272,13 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         if registration is not None or \
                 (spec.placement or {}).get("link_failure", "replan") != "replan":
             raise
+        e.aborted_s = (time.monotonic() - t0) / dilation
         return _rerun_around(net, spec, extra_pids, e)
     except EngineDied as e:
         _stop_pool(proc, jobdir, net, spec, agg_client)
         if not _rerun_on_engine_death(net, spec, registration):
             raise
+        e.aborted_s = (time.monotonic() - t0) / dilation
         return _rerun(net, spec, extra_pids, e)
     except BaseException:  # KeyboardInterrupt included: clean up, then re-raise it unchanged
         _stop_pool(proc, jobdir, net, spec, agg_client)
@@ -378,7 +380,7 @@ def _rerun(net, spec: CollectiveSpec, extra_pids, died: EngineDied, depth: int =
                   lambda e, d: _rerun(net, spec, extra_pids, e, d))
     for r in rows:
         r["engine_restarts"] = restarts + list(r.get("engine_restarts") or [])
-    return _rerun_rows(rows, fallback_s)
+    return _rerun_rows(rows, fallback_s, died)
 
 
 def _rerun_around(net, spec: CollectiveSpec, extra_pids, broken: TreeBroken,
@@ -389,7 +391,7 @@ def _rerun_around(net, spec: CollectiveSpec, extra_pids, broken: TreeBroken,
     fallback_s = time.monotonic() - broken.since
     rows = _again(net, spec, extra_pids, "link_failure", depth,
                   lambda e, d: _rerun_around(net, spec, extra_pids, e, d))
-    return _rerun_rows(rows, fallback_s)
+    return _rerun_rows(rows, fallback_s, broken)
 
 
 def _again(net, spec: CollectiveSpec, extra_pids, knob: str, depth: int, on_again
@@ -408,10 +410,14 @@ def _again(net, spec: CollectiveSpec, extra_pids, knob: str, depth: int, on_agai
         return on_again(again, depth + 1)
 
 
-def _rerun_rows(rows: list[dict], fallback_s: float) -> list[dict]:
-    """Mark the rows of a rerun: ``rerun`` and the time it fell back (added up over reruns)."""
+def _rerun_rows(rows: list[dict], fallback_s: float, why: CollectiveError) -> list[dict]:
+    """Mark the rows of a rerun: ``rerun``, the time it fell back and ``aborted_s``, the
+    undilated seconds of the attempts given up (each added up over reruns; ``time_s`` is the
+    last attempt's alone)."""
     for r in rows:
         r["fallback_s"] = round(fallback_s + float(r.get("fallback_s") or 0.0), 3)
+        r["aborted_s"] = round(getattr(why, "aborted_s", 0.0)
+                               + float(r.get("aborted_s") or 0.0), 4)
         r["rerun"] = True
     return rows
 
