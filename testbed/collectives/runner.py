@@ -192,6 +192,12 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         calibrate(net, [spec], run_collective)
     dilation = float(getattr(net, "time_dilation", 1.0))
     workers, servers, colocated = placement(net, spec)
+    # a switch that died between collectives (nobody's job was running on it) is started
+    # again before this one registers or sends a packet through it
+    before = getattr(net, "dead_engines", dict)()
+    if before and hasattr(net, "restart_engine") and registration is None and \
+            (spec.placement or {}).get("engine_death", "restart") == "restart":
+        _restart(net, before)
     n, m = len(workers), len(servers)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
     root = None
@@ -265,7 +271,9 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         # the pool may have ended first (its workers saw it)
         died = _engines_died(net, spec, starts if restarts is None else None,
                              {i.rsplit("-eth", 1)[0] for i in pinned} if pinned else None)
-        if died is not None:
+        if died is not None and restarts is not None and len(restarts) < MAX_ENGINE_RESTARTS:
+            restarts += _restart(net, died.nodes)  # TCP: its result stands, the switch is back
+        elif died is not None:
             raise died
     except TreeBroken as e:
         _stop_pool(proc, jobdir, net, spec, agg_client)

@@ -35,10 +35,13 @@ from dataclasses import dataclass, field
 
 from testbed.cleanup import job_dir
 from testbed.collectives import flowmodel, trimmed
+from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.runner import (  # the collective runner's process handling
+    MAX_ENGINE_RESTARTS,
     RUN_DIR,
     AdmissionRefused,
     _engine_pids,
+    _restart,
     _wait_group_gone,
     net_bandwidth,
     offload_job,
@@ -149,6 +152,8 @@ class _Job:
         self.offered: tuple[int, TrainingSpec] | None = None
         self.wanted: TrainingSpec | None = None
         self.current = spec
+        #: engines restarted while it ran ([node, exit status, seconds] each)
+        self.engine_restarts: list[list] = []
         self.planes: dict[int, contextlib.ExitStack] = {}
         self.switches: list[dict] = []
         self.plan_errors: list[str] = []
@@ -341,6 +346,7 @@ class _Job:
             "end_s": (self.t_end - self.t_start + self.offset_s) / spec.time_dilation,
             "error": res.get("error"),
             "plan_changes_applied": len(res.get("plan_switches") or []),
+            "engine_restarts": list(self.engine_restarts),
         })
         if self.replan:  # the plans in force and the collective each check was held to
             summary.update(plan_switches=res.get("plan_switches") or [],
@@ -430,6 +436,7 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
     refused: set[int] = set()
     running: list[_Job] = []
     results: dict[int, TrainingResult] = {}
+    restarts: list[list] = []  # engines started again during the trace
     t0 = time.monotonic()
 
     def fail(job: _Job, e: Exception) -> None:
@@ -500,7 +507,19 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
             if dead:
                 what = ", ".join(f"{node} (exit status {code})"
                                  for node, code in sorted(dead.items()))
-                raise TrainingError(f"the data-path engine of {what} died during training")
+                ina = [j.spec.label() for j in running if is_offloaded(j.current.algo)]
+                if ina or not hasattr(net, "restart_engine") or \
+                        len(restarts) >= MAX_ENGINE_RESTARTS:
+                    why = (f"; {ina} aggregate in the network, whose rounds died with it"
+                           if ina else "")
+                    raise TrainingError(f"the data-path engine of {what} died during "
+                                        f"training{why}")
+                # TCP jobs ride it out (their connections retransmit): start it again
+                done = _restart(net, dead)
+                restarts += done
+                for job in running:
+                    job.engine_restarts += done
+                say(f"engine of {what} restarted; the jobs go on")
             for job in running:
                 if time.monotonic() - job.t_start > job.limit_s:
                     raise TrainingError(f"job {job.index} ({job.spec.label()}) did not "

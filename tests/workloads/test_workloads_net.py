@@ -63,3 +63,58 @@ def test_trace_of_jobs_on_their_own_hosts(star):
         run_trace(star, [specs[0], TrainingSpec(name="b", hosts=[1, 2], job_id=4)])
     assert not leftovers()
 
+
+
+def _kill_engine_when(star, comm: str, delay_s: float):
+    """SIGKILL the switch's engine ``delay_s`` after a process named ``comm`` appears."""
+    import glob
+    import os
+    import signal
+    import threading
+    import time
+
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for path in glob.glob("/proc/[0-9]*/comm"):
+                try:
+                    with open(path) as f:
+                        if f.read().strip() != comm:
+                            continue
+                except OSError:
+                    continue
+                time.sleep(delay_s)
+                os.kill(star.mininet.get("tbs1").engine_pid(), signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=kill)
+    t.start()
+    return t
+
+
+def test_a_ring_training_job_rides_out_a_switch_restart_and_ina_is_named(star):
+    """A switch engine killed mid-training: the TCP ring's connections retransmit what it
+    lost while it is started again, and the job ends exact, the restart in its summary; an
+    INA job, whose rounds died with the switch, fails naming the engine and why."""
+    from testbed.workloads import TrainingError
+
+    spec = TrainingSpec(algo="ring", hosts=[0, 1], iterations=40, compute_ms=20.0, job_id=7)
+    t = _kill_engine_when(star, "tbw-tbh1", 0.3)
+    try:
+        res = run_training(star, spec)
+    finally:
+        t.join()
+    assert res.summary["correct"] and res.summary["iterations"] == 40, res.summary
+    (node, code, took), = res.summary["engine_restarts"]
+    assert node == "tbs1" and code == -9 and 0 < took < 10
+    ina = TrainingSpec(algo="ina", hosts=[0, 1], iterations=40, compute_ms=20.0, job_id=8)
+    t = _kill_engine_when(star, "tbw-tbh1", 0.3)
+    try:
+        with pytest.raises(TrainingError, match=r"tbs1 \(exit status -9\).*aggregate in the "
+                                                r"network"):
+            run_training(star, ina)
+    finally:
+        t.join()
+    if star.dead_engines():  # nothing restarts it after a failure: the next test needs it
+        star.restart_engine("tbs1")
