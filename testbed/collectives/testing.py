@@ -97,13 +97,14 @@ def check_rows(rows: list[dict], spec, n: int, bw_mbps: float | None = None) -> 
             assert abs(r["bw_mbps"] - bw_mbps) < 1e-6 * bw_mbps, r
 
 
-def kill_process_later(comm: str, delay_s: float, within_s: float = 30.0):
-    """Start a thread that SIGKILLs the first process named ``comm`` (e.g. ``tbw-tbh3``, a
-    worker) ``delay_s`` after it appears. Returns ``(thread, killed)``: join the thread, then
-    ``killed`` holds the pid it killed (empty if none appeared within ``within_s``)."""
-    killed: list[int] = []
+def when_process_appears(comm: str, delay_s: float, action, within_s: float = 30.0):
+    """Start a thread that calls ``action(pid)`` ``delay_s`` after the first process named
+    ``comm`` (e.g. ``tbw-tbh3``, a collective's rank) appears; a fault in the middle of a
+    run. Returns ``(thread, results)``: join the thread, then ``results`` holds what
+    ``action`` returned (empty if no such process appeared within ``within_s``)."""
+    results: list = []
 
-    def killer() -> None:
+    def watch() -> None:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             for path in glob.glob("/proc/[0-9]*/comm"):
@@ -111,18 +112,26 @@ def kill_process_later(comm: str, delay_s: float, within_s: float = 30.0):
                     with open(path) as f:
                         if f.read().strip() != comm:
                             continue
-                    time.sleep(delay_s)  # let the collective get going
-                    pid = int(path.split("/")[2])
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                    return
                 except OSError:
                     continue
-            time.sleep(0.05)
+                time.sleep(delay_s)  # let the collective get going
+                results.append(action(int(path.split("/")[2])))
+                return
+            time.sleep(0.02)
 
-    thread = threading.Thread(target=killer)
+    thread = threading.Thread(target=watch)
     thread.start()
-    return thread, killed
+    return thread, results
+
+
+def kill_process_later(comm: str, delay_s: float, within_s: float = 30.0):
+    """:func:`when_process_appears` that SIGKILLs the process; ``results`` holds its pid."""
+    def kill(pid: int) -> int:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return pid
+
+    return when_process_appears(comm, delay_s, kill, within_s)
 
 
 def run_direct(net, spec: CollectiveSpec, n: int, hosts=None) -> tuple[list, list, float]:

@@ -5,8 +5,6 @@ would cut a host off is refused. Every collective row is checked against the num
 
 from __future__ import annotations
 
-import glob
-import threading
 import time
 
 import pytest
@@ -136,40 +134,19 @@ def test_collectives_stay_exact_around_a_failed_link_and_use_it_again(net):
     assert _tx(net, port) > before  # the link carries traffic again
 
 
-def _fail_when_running(net, delay_s: float) -> tuple[threading.Thread, list]:
-    """A thread that fails ``DOWN`` ``delay_s`` after the collective's first rank process
-    (``tbw-*``) appears; its answer lands in the list."""
-    out: list = []
-
-    def fail() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for path in glob.glob("/proc/[0-9]*/comm"):
-                try:
-                    with open(path) as f:
-                        if not f.read().startswith("tbw-"):
-                            continue
-                except OSError:
-                    continue
-                time.sleep(delay_s)
-                out.append({**net.link_down(*DOWN), "t": time.monotonic()})
-                return
-            time.sleep(0.02)
-
-    t = threading.Thread(target=fail)
-    t.start()
-    return t, out
-
-
 @pytest.mark.mininet
 @pytest.mark.parametrize("algo", ["ring", "ina"])
 def test_a_link_failing_mid_collective_costs_time_not_correctness(net, algo):
-    # about a second of transfer at 100 Mb/s, the link failing 0.3 s after the pool starts
+    # about a second of transfer at 100 Mb/s
     spec = CollectiveSpec(algo=algo, nbytes=(16 if algo == "ina" else 8) << 20,
                           repetitions=1, timeout_s=60,
                           **({"window": 16, "placement": {"tree": "auto"}}
                              if algo == "ina" else {}))
-    thread, answers = _fail_when_running(net, 0.3)
+    from testbed.collectives.testing import when_process_appears
+
+    # the link fails 0.3 s after the collective's first rank process starts
+    thread, answers = when_process_appears(
+        "tbw-tbh1", 0.3, lambda _pid: {**net.link_down(*DOWN), "t": time.monotonic()})
     try:
         rows = _run_checked(net, spec)
         t_end = time.monotonic()

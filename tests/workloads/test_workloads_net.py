@@ -67,30 +67,14 @@ def test_trace_of_jobs_on_their_own_hosts(star):
 
 def _kill_engine_when(star, comm: str, delay_s: float):
     """SIGKILL the switch's engine ``delay_s`` after a process named ``comm`` appears."""
-    import glob
     import os
     import signal
-    import threading
-    import time
 
-    def kill() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for path in glob.glob("/proc/[0-9]*/comm"):
-                try:
-                    with open(path) as f:
-                        if f.read().strip() != comm:
-                            continue
-                except OSError:
-                    continue
-                time.sleep(delay_s)
-                os.kill(star.mininet.get("tbs1").engine_pid(), signal.SIGKILL)
-                return
-            time.sleep(0.02)
+    from testbed.collectives.testing import when_process_appears
 
-    t = threading.Thread(target=kill)
-    t.start()
-    return t
+    return when_process_appears(
+        comm, delay_s, lambda _pid: os.kill(star.mininet.get("tbs1").engine_pid(),
+                                            signal.SIGKILL))[0]
 
 
 def test_a_ring_training_job_rides_out_a_switch_restart_and_ina_is_named(star):
