@@ -147,8 +147,8 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "leaf-spine with links flapping and engines killed at random: 0 wrong, 0 hung, RSS and "
         "descriptors of the engines and the control plane flat after warm-up, 0 leftovers.",
         "testbed.bench.soak:measure", case=("kind", "mix", "process"),
-        columns=("kind", "job", "mix", "algo", "bytes", "fault", "status", "time_s",
-                 "process", "rss_growth", "fd_growth"),
+        columns=("kind", "t_s", "collectives", "ok", "wrong", "errors", "hung", "faults",
+                 "mix", "algo", "status", "process", "rss_growth", "fd_growth"),
         options=(Option("minutes", 60.0, "how long", quick=1.0),
                  Option("seed", 0, "the draw of jobs, sizes and faults"),
                  Option("faults", True, "inject faults into a third of the jobs"),

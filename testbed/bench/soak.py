@@ -11,12 +11,15 @@ the numpy sum.
 Every ``--sample-s`` seconds each long-lived process is sampled: the switch engines (a
 restarted engine is a new process: its series starts again) and this process, which runs
 the control plane. Its RSS and open descriptors after the warm-up (the first fifth of the
-soak) against the end give the growth. At the end the network is torn down and the machine
+soak, and at least until every mix and fault kind ran once: imports and first calls are done)
+against the end give the growth. At the end the network is torn down and the machine
 checked for leftovers.
 
-Rows: one per job (``kind = "job"``) and one per process (``kind = "process"``: RSS and
-descriptors at warm-up and at the end, the growth). Targets: 0 wrong, 0 hung (a collective
-that timed out), RSS and descriptor growth <= 5 % after warm-up, engines' counters never
+Rows: one per minute (``kind = "window"``: collectives, ok, wrong, failed, timed out, faults,
+median time), one per collective that was not ok (``kind = "job"``), and one per process
+(``kind = "process"``: RSS and descriptors at warm-up and at the end, the growth). Not a row
+per collective: the rows stay in this process, whose memory the soak watches. Targets: 0
+wrong, 0 hung or failed, RSS and descriptor growth <= 5 % after warm-up, engines' counters never
 going backwards between samples (a counter reset is only allowed across a restart), and 0
 leftovers. Not in the mix: NIC offload (SmartNIC nodes) and trimming (a trim stage), which
 need other networks.
@@ -155,65 +158,112 @@ def _run(net, runs: list) -> list[dict]:
     return rows
 
 
+class _Window:
+    """What the collectives of one minute did: one ``kind = "window"`` row each (a row per
+    collective would grow the very process whose memory the soak watches)."""
+
+    def __init__(self, t_s: float):
+        self.t_s = t_s
+        self.counts: dict[str, int] = {}
+        self.times: list[float] = []
+        self.faults = 0
+
+    def add(self, row: dict) -> None:
+        self.counts[row["status"]] = self.counts.get(row["status"], 0) + 1
+        if row.get("time_s") is not None:
+            self.times.append(row["time_s"])
+
+    def row(self, t_end: float) -> dict:
+        times = sorted(self.times)
+        return {"kind": "window", "t_s": round(self.t_s, 1), "until_s": round(t_end, 1),
+                "collectives": sum(self.counts.values()), "ok": self.counts.get("ok", 0),
+                "wrong": self.counts.get("wrong", 0), "errors": self.counts.get("error", 0),
+                "hung": self.counts.get("hung", 0), "faults": self.faults,
+                "median_time_s": round(times[len(times) // 2], 4) if times else None}
+
+
+def _job_row(n_job: int, kind: str, spec, out, t_s: float, events: list) -> dict:
+    """One collective's row: its status, time and the faults its job saw."""
+    row = {"kind": "job", "job": n_job, "mix": kind, "algo": spec.algo,
+           "compressor": spec.compressor, "bytes": spec.nbytes, "t_s": round(t_s, 2),
+           "fault": "; ".join(f"{e['kind']} {e['target']}" for e in events) or None}
+    if isinstance(out, BaseException):
+        status = "hung" if isinstance(out, CollectiveTimeout) else "error"
+        row.update(status=status, correct=False, error=f"{type(out).__name__}: {out}"[:300])
+    else:
+        ok = all(r["correct"] for r in out)
+        row.update(status="ok" if ok else "wrong", correct=ok,
+                   time_s=round(sum(r["time_s"] for r in out), 4),
+                   engine_restarts=len(out[0].get("engine_restarts") or []))
+    return row
+
+
 def measure(emit, quick: bool, minutes: float = 60.0, seed: int = 0, faults: bool = True,
             sample_s: float = 10.0, time_dilation: float = 1.0) -> Outcome:
-    """``testbed bench soak`` (:mod:`testbed.bench.protocol`)."""
+    """``testbed bench soak`` (:mod:`testbed.bench.protocol`). Rows: one per minute
+    (``window``), one per collective that was not ok (``job``), one per process."""
     if minutes <= 0 or sample_s <= 0:
         raise ValueError("--minutes and --sample-s must be > 0")
     rng = random.Random(seed)
     rows: list[dict] = []
-    wrong = hung = errors = 0
+    total: dict[str, int] = {}
     topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100, switch="programmable")
     with TestbedNet(topo, time_dilation=time_dilation) as net:
         watch = _Watch(net)
         t0 = time.monotonic()
         end = t0 + minutes * 60
         next_sample = t0
+        window = _Window(0.0)
         n_job = 0
+        seen: set[str] = set()  # mixes and fault kinds run so far
+        warm_s = None  # when the last of them first ran: imports and first calls are done
         while time.monotonic() < end:
-            if time.monotonic() >= next_sample:
-                watch.sample(time.monotonic() - t0)
+            now = time.monotonic() - t0
+            if now + t0 >= next_sample:
+                watch.sample(now)
                 next_sample += sample_s
+            if now - window.t_s >= 60:
+                rows.append(window.row(now))
+                emit(rows[-1])
+                window = _Window(now)
             kind, runs, fs = _draw(rng, n_job, faults)
             t = time.monotonic()
             with FaultSchedule(net, fs) as sched:
                 outcomes = _run(net, runs)
+            window.faults += bool(sched.events)
+            seen |= {kind} | {e["kind"] for e in sched.events}
+            if warm_s is None and seen >= set(MIX) | ({"link_down", "engine_kill"} if faults
+                                                       else set()):
+                warm_s = time.monotonic() - t0
             for (spec, _), out in zip(runs, outcomes, strict=True):
-                row = {"kind": "job", "job": n_job, "mix": kind, "algo": spec.algo,
-                       "compressor": spec.compressor, "bytes": spec.nbytes,
-                       "t_s": round(t - t0, 2),
-                       "fault": "; ".join(f"{e['kind']} {e['target']}" for e in sched.events)
-                       or None}
-                if isinstance(out, BaseException):
-                    status = "hung" if isinstance(out, CollectiveTimeout) else "error"
-                    hung += status == "hung"
-                    errors += status == "error"
-                    row.update(status=status, correct=False,
-                               error=f"{type(out).__name__}: {out}"[:300])
-                    if not isinstance(out, CollectiveError):
-                        raise out  # not the collective's: a bug or Ctrl-C
-                else:
-                    ok = all(r["correct"] for r in out)
-                    wrong += not ok
-                    row.update(status="ok" if ok else "wrong", correct=ok,
-                               time_s=round(sum(r["time_s"] for r in out), 4),
-                               engine_restarts=len(out[0].get("engine_restarts") or []))
-                rows.append(row)
-                emit(row)
+                if isinstance(out, BaseException) and not isinstance(out, CollectiveError):
+                    raise out  # not the collective's: a bug or Ctrl-C
+                row = _job_row(n_job, kind, spec, out, t - t0, sched.events)
+                window.add(row)
+                total[row["status"]] = total.get(row["status"], 0) + 1
+                if row["status"] != "ok":
+                    rows.append(row)
+                    emit(row)
             n_job += 1
+        rows.append(window.row(time.monotonic() - t0))
+        emit(rows[-1])
         watch.sample(time.monotonic() - t0)
     left = leftovers()
     n_left = sum(len(v) for v in left.values())
-    proc_rows = watch.rows(minutes * 60 * 0.2)
+    # warm-up: a fifth of the soak, and at least until every mix and fault kind ran once
+    warm = max(minutes * 60 * 0.2, warm_s if warm_s is not None else minutes * 60)
+    proc_rows = watch.rows(warm)
     for r in proc_rows:
         rows.append(r)
         emit(r)
+    wrong, hung, errors = (total.get(k, 0) for k in ("wrong", "hung", "error"))
+    n_coll = sum(total.values())
     worst_rss = max((r["rss_growth"] for r in proc_rows), default=None)
     worst_fd = max((r["fd_growth"] for r in proc_rows), default=None)
-    jobs = [r for r in rows if r["kind"] == "job"]
     targets = {
-        "0 wrong": (wrong == 0, f"{wrong} of {len(jobs)} collectives wrong"),
-        "0 hung": (hung == 0, f"{hung} timed out; {errors} other errors"),
+        "0 wrong": (wrong == 0, f"{wrong} of {n_coll} collectives wrong"),
+        "0 hung, 0 failed": (hung == 0 and errors == 0,
+                             f"{hung} timed out; {errors} failed otherwise"),
         "RSS growth <= 5 %": (worst_rss is not None and worst_rss <= 0.05,
                               f"worst {worst_rss} after warm-up over {len(proc_rows)} "
                               "processes"),
@@ -223,8 +273,9 @@ def measure(emit, quick: bool, minutes: float = 60.0, seed: int = 0, faults: boo
         "0 leftovers": (n_left == 0, f"{n_left}: {left}" if n_left else "none"),
     }
     notes = {"quick": quick, "minutes": minutes, "seed": seed, "faults": faults,
-             "jobs": len(jobs), "errors": errors,
-             "faults_fired": sum(1 for r in jobs if r["fault"]),
+             "jobs": n_job, "collectives": n_coll, "errors": errors,
+             "warm_up_s": round(warm, 1),
+             "faults_fired": sum(r["faults"] for r in rows if r["kind"] == "window"),
              "cpu": "see the rows' times: a 2-core machine runs engines, workers and the "
                     "control plane on the same cores"}
     return Outcome(rows, notes=notes, targets=targets,
