@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed import describe_error
+
 #: ``Option.quick`` when ``--quick`` leaves the option at its default
 UNCHANGED = object()
 
@@ -392,7 +394,7 @@ def run_benchmark(name: str, given: dict[str, Any] | None = None, *, quick: bool
     except KeyboardInterrupt:
         error, status = "interrupted", 130
     except Exception as e:  # noqa: BLE001 - report it; the rows measured so far are kept
-        error = f"{type(e).__name__}: {e}"
+        error = describe_error(e)
     if outcome is not None:
         rows = outcome.rows
         notes |= outcome.notes

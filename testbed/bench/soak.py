@@ -2,18 +2,22 @@
 random times, watching the long-lived processes for leaks.
 
 One leaf-spine (2 leaves x 2 hosts, 2 spines, programmable switches) stays up for the whole
-soak. Job after job, a seeded draw picks ring, halving-doubling, INA on a tree, INA with THC
-compression, or INA and a ring at once (two tenants on disjoint hosts), and a size; with
-``--faults`` a third of the jobs also get a fault at a random moment (an uplink flapping, or
-a switch engine SIGKILLed and restarted by the collective). Every result is checked against
-the numpy sum.
+soak; every switch port is a UET trimming queue (:data:`SOAK_DATAPATH`) and one spine drops,
+duplicates and reorders 0.2 % of what it receives. Job after job, a seeded draw picks ring,
+halving-doubling, a reduction server, the ring over the UET-like transport (trimmed, NACKed),
+INA on a tree, INA with THC compression, INA with 1 % loss at the workers, or INA and a ring
+at once (two tenants on disjoint hosts), and a size; with ``--faults`` a third of the jobs
+also get a fault at a random moment (an uplink flapping, or the engine of one leaf or one
+spine, :data:`KILLED`, SIGKILLed and restarted by the collective). Every result is checked
+against the numpy sum.
 
 Every ``--sample-s`` seconds each long-lived process is sampled: the switch engines (a
 restarted engine is a new process: its series starts again) and this process, which runs
 the control plane. Its RSS and open descriptors after the warm-up (the first fifth of the
-soak, and at least until every mix and fault kind ran once: imports and first calls are done)
-against the end give the growth. At the end the network is torn down and the machine
-checked for leftovers.
+soak, and at least until every mix and fault kind ran once: imports and first calls are done;
+for a restarted engine also its own first minute) against the end give the growth; a process
+is judged only over two minutes or more (engines killed every few dozen seconds are counted,
+not judged). At the end the network is torn down and the machine checked for leftovers.
 
 Rows: one per minute (``kind = "window"``: collectives, ok, wrong, failed, timed out, faults,
 median time), one per collective that was not ok (``kind = "job"``), and one per process
@@ -21,8 +25,9 @@ median time), one per collective that was not ok (``kind = "job"``), and one per
 per collective: the rows stay in this process, whose memory the soak watches. Targets: 0
 wrong, 0 hung or failed, RSS and descriptor growth <= 5 % after warm-up, engines' counters never
 going backwards between samples (a counter reset is only allowed across a restart), and 0
-leftovers. Not in the mix: NIC offload (SmartNIC nodes) and trimming (a trim stage), which
-need other networks.
+leftovers. Not in the mix: NIC offload. A host behind a ``nic_codec`` SmartNIC gets every
+INT32 result widened to float32 by its NIC, so it cannot also run the plain INA jobs; a NIC
+soak needs a network of its own.
 """
 
 from __future__ import annotations
@@ -38,11 +43,23 @@ from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.experiment.faults import FaultSchedule
 from testbed.experiment.spec import Fault
 from testbed.topologies import LeafSpine, TestbedNet
+from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
 
 MiB = 1 << 20
-MIX = ("ring", "hd", "ina", "ina_thc", "tenants")
+MIX = ("ring", "hd", "rs", "uet", "ina", "ina_thc", "ina_loss", "tenants")
 UPLINKS = [("tbl1", "tbsp1"), ("tbl1", "tbsp2"), ("tbl2", "tbsp1"), ("tbl2", "tbsp2")]
 ENGINES = ("tbl1", "tbl2", "tbsp1", "tbsp2")
+#: the engines faults kill: a leaf and a spine. The other two are never killed, so their memory
+#: and descriptors are watched over the whole soak (a killed engine lives too short to judge)
+KILLED = ("tbl2", "tbsp1")
+
+#: every switch port a UET trimming queue (UET packets cut above a BDP, the rest drop-tail),
+#: and one spine's ingress impaired: every job crosses queues that trim and drop, and some
+#: cross loss, duplication and reordering
+SOAK_DATAPATH = DatapathOptions(
+    trimming=(Trimming(node="*", mode="uet", threshold_bdp=1.0, rtt_us=2000, trim_bytes=256),),
+    impairments=(Impairment(node="tbsp2", direction="ingress", loss=0.002, dup=0.002,
+                            reorder=0.002, seed=7),))
 
 
 def _proc_sample(pid: int) -> dict | None:
@@ -59,6 +76,10 @@ def _proc_sample(pid: int) -> dict | None:
 def _counter_total(counters: dict) -> int:
     """Packets an engine received and sent, over all its ports (monotone while it lives)."""
     return sum(p["rx_packets"] + p["tx_packets"] for p in counters.get("ports", {}).values())
+
+
+PROC_WARM_S = 60.0  # a process's own warm-up: first jobs, first calls, arenas grown
+MIN_SPAN_S = 120.0  # judged for a leak only over at least this long after its warm-up
 
 
 class _Watch:
@@ -81,32 +102,38 @@ class _Watch:
             if s is not None:
                 self.series.setdefault((name, pid), []).append((t, s))
         for name in ENGINES:
-            pid = procs.get(name)
-            if pid is None:
-                continue
             try:
-                total = _counter_total(self.net.switch_client(name).counters())
+                counters = self.net.switch_client(name).counters()
             except Exception:  # noqa: BLE001 - an engine between death and restart
                 continue
+            # keyed by the pid of the engine that answered: it may have been restarted
+            # since engine_pid() was read, and a new engine counts from zero
+            pid = counters.get("pid", procs.get(name))
+            total = _counter_total(counters)
             last = self.counters.get((name, pid))
             if last is not None and total < last:
                 self.backwards.append(f"{name} (pid {pid}): {last} -> {total}")
             self.counters[(name, pid)] = total
 
-    def rows(self, warm_s: float) -> list[dict]:
-        out = []
+    def rows(self, warm_s: float, min_span_s: float) -> tuple[list[dict], int]:
+        """A row per process that lived at least ``min_span_s`` past both the soak's warm-up
+        and its own (``PROC_WARM_S`` after it was first seen: a restarted engine grows while
+        it serves its first jobs, which is not a leak); and how many lived too short."""
+        out, young = [], 0
         for (name, pid), pts in sorted(self.series.items()):
-            after = [s for t, s in pts if t >= warm_s]
-            if len(after) < 2:
-                continue  # a process that did not live past the warm-up (a restarted engine)
-            first, last = after[0], after[-1]
+            born = pts[0][0] if name != "control" else 0.0
+            after = [(t, s) for t, s in pts if t >= max(warm_s, born + PROC_WARM_S)]
+            if len(after) < 2 or after[-1][0] - after[0][0] < min_span_s:
+                young += 1
+                continue
+            (t1, first), (t2, last) = after[0], after[-1]
             out.append({"kind": "process", "process": name, "pid": pid,
-                        "samples": len(after), "rss_kb_warm": first["rss_kb"],
-                        "rss_kb_end": last["rss_kb"],
+                        "samples": len(after), "span_s": round(t2 - t1, 1),
+                        "rss_kb_warm": first["rss_kb"], "rss_kb_end": last["rss_kb"],
                         "rss_growth": round(last["rss_kb"] / first["rss_kb"] - 1, 4),
                         "fds_warm": first["fds"], "fds_end": last["fds"],
                         "fd_growth": round(last["fds"] / max(first["fds"], 1) - 1, 4)})
-        return out
+        return out, young
 
 
 def _draw(rng: random.Random, n_job: int, with_faults: bool) -> tuple[str, list, list[Fault]]:
@@ -115,8 +142,14 @@ def _draw(rng: random.Random, n_job: int, with_faults: bool) -> tuple[str, list,
     nbytes = rng.choice((256 << 10, 1 * MiB, 2 * MiB))
     job_id = 1 + n_job % 200
     tree = {"tree": "auto"}
-    if kind == "ring" or kind == "hd":
+    if kind in ("ring", "hd", "rs"):
         runs = [(CollectiveSpec(algo=kind, nbytes=nbytes, timeout_s=30), None)]
+    elif kind == "uet":  # the ring over the UET-like transport: sprayed UDP, NACKs, timeouts
+        runs = [(CollectiveSpec(algo="ring", nbytes=nbytes, timeout_s=30, transport="uet"),
+                 None)]
+    elif kind == "ina_loss":  # 1 % of the packets a worker receives dropped: retransmissions
+        runs = [(CollectiveSpec(algo="ina", nbytes=nbytes, timeout_s=30, job_id=job_id,
+                                loss=0.01, seed=n_job, placement=tree), None)]
     elif kind == "ina":
         runs = [(CollectiveSpec(algo="ina", nbytes=nbytes, timeout_s=30, job_id=job_id,
                                 placement=tree), None)]
@@ -134,7 +167,7 @@ def _draw(rng: random.Random, n_job: int, with_faults: bool) -> tuple[str, list,
             a, b = rng.choice(UPLINKS)
             faults = [Fault(link=[a, b], at_s=at, down_s=round(rng.uniform(0.1, 0.5), 3))]
         else:
-            faults = [Fault(switch=rng.choice(ENGINES), at_s=at)]
+            faults = [Fault(switch=rng.choice(KILLED), at_s=at)]
     return kind, runs, faults
 
 
@@ -208,7 +241,7 @@ def measure(emit, quick: bool, minutes: float = 60.0, seed: int = 0, faults: boo
     rows: list[dict] = []
     total: dict[str, int] = {}
     topo = LeafSpine(leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100, switch="programmable")
-    with TestbedNet(topo, time_dilation=time_dilation) as net:
+    with TestbedNet(topo, time_dilation=time_dilation, datapath=SOAK_DATAPATH) as net:
         watch = _Watch(net)
         t0 = time.monotonic()
         end = t0 + minutes * 60
@@ -252,7 +285,7 @@ def measure(emit, quick: bool, minutes: float = 60.0, seed: int = 0, faults: boo
     n_left = sum(len(v) for v in left.values())
     # warm-up: a fifth of the soak, and at least until every mix and fault kind ran once
     warm = max(minutes * 60 * 0.2, warm_s if warm_s is not None else minutes * 60)
-    proc_rows = watch.rows(warm)
+    proc_rows, young = watch.rows(warm, min(MIN_SPAN_S, (minutes * 60 - warm) / 2))
     for r in proc_rows:
         rows.append(r)
         emit(r)
@@ -266,7 +299,9 @@ def measure(emit, quick: bool, minutes: float = 60.0, seed: int = 0, faults: boo
                              f"{hung} timed out; {errors} failed otherwise"),
         "RSS growth <= 5 %": (worst_rss is not None and worst_rss <= 0.05,
                               f"worst {worst_rss} after warm-up over {len(proc_rows)} "
-                              "processes"),
+                              f"processes ({young} lived too short to judge)"
+                              if proc_rows else "no process lived long enough past the "
+                              "warm-up to judge: run longer (--minutes)"),
         "fd growth <= 5 %": (worst_fd is not None and worst_fd <= 0.05, f"worst {worst_fd}"),
         "counters consistent": (not watch.backwards,
                                 "; ".join(watch.backwards) or "no engine counter went back"),

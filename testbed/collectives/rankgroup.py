@@ -300,7 +300,10 @@ class RankGroup:
                             sel.unregister(key.fileobj)
                     else:
                         r = key.data
-                        msgs = self.lines[r].feed()
+                        try:
+                            msgs = self.lines[r].feed()
+                        except OSError:  # a rank killed with unread input resets the line
+                            msgs = None
                         if msgs is None:
                             sel.unregister(key.fileobj)
                             self._died(r, errors)

@@ -648,7 +648,10 @@ def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float,
             restarts += _restart(net, dead)
             continue
         if dead:
-            raise _engines_died(net, spec)
+            died = _engines_died(net, spec)
+            if died is not None:  # (None: another job restarted it since dead_fn looked)
+                raise died
+            continue
         if restarts is None and starts is not None:
             moved = _engines_died(net, spec, starts, tree)
             if moved is not None:

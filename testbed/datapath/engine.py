@@ -592,6 +592,7 @@ class Engine:
         cpu_s = time.process_time() - self._cpu0
         return {
             "node": self.node,
+            "pid": os.getpid(),  # which engine answered: a restarted one starts from zero
             "ports": ports,
             "drops": {names.get(r, str(r)): int(c) for r, c in enumerate(total) if c},
             "drops_generated": gen,

@@ -41,11 +41,11 @@ import shutil
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 from typing import Any
 
+from testbed import describe_error
 from testbed.cleanup import cleanup, leftovers
 from testbed.experiment.results import Results, ResultsStore, machine_info
 from testbed.experiment.runner import (
@@ -122,9 +122,7 @@ def run_point_here(experiment: dict, index: int, topic: str | None = None,
             try:
                 run_point(experiment, index, tmp, progress=False, doctor=doctor)
             except Exception as e:  # noqa: BLE001 - the client records it against the runs
-                tb = traceback.extract_tb(e.__traceback__)
-                at = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
-                error = f"{type(e).__name__}: {e}{at}"
+                error = describe_error(e)
             return {"rows": _read_rows(tmp), "files": _read_files(tmp),
                     "metadata": _read_json(tmp / "metadata.json"), "worker": where,
                     "stale_removed": stale, "error": error}

@@ -13,9 +13,11 @@ loses the run's rows: its error is recorded, not raised).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -60,10 +62,16 @@ class FaultSchedule:
         return answer
 
     def _kill_engine(self, node: str) -> dict:
-        pid = self.net.mininet.get(node).engine_pid()
+        """SIGKILL the node's engine and wait until it is gone: a kill at the very end of a
+        run must leave the next run a dead engine (restarted before it registers), not a
+        dying one that still looks alive."""
+        sw = self.net.mininet.get(node)
+        engine, pid = sw.engine, sw.engine_pid()  # (a restart may replace sw.engine)
         if pid is None:
             raise RuntimeError(f"{node}'s engine is not running")
         os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            engine.wait(timeout=10)
         return {"pid": pid}
 
     def _kill_worker(self, rank: int) -> dict:

@@ -31,7 +31,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from testbed import describe_error
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
 from testbed.collectives.spec import communication_of
@@ -296,7 +296,7 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                 except Exception as e:  # the network failed: every run of the group fails
                     if _interrupted(e):
                         raise KeyboardInterrupt from e
-                    err = _describe_error(e)
+                    err = describe_error(e)
                     rows = error_rows(group, run_idx, err)
                     for row in rows:
                         store.append(row)
@@ -338,7 +338,7 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                             if isinstance(outcome, (KeyboardInterrupt, SystemExit)) or \
                                     _interrupted(outcome):
                                 raise KeyboardInterrupt from outcome
-                            err = _describe_error(outcome)
+                            err = describe_error(outcome)
                             row = _error_row(run_idx, pi, params, pt, ji, job, size, err)
                             store.append({**row, **fault_cols})
                             failed = failed or (run_idx, err, outcome)
@@ -382,7 +382,7 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     except Exception as e:
         if _interrupted(e):
             raise KeyboardInterrupt from e
-        err = _describe_error(e)
+        err = describe_error(e)
         for k, job in enumerate(jobs):
             store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
         return
@@ -431,7 +431,7 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
         if _interrupted(e):
             raise KeyboardInterrupt from e
         store.append(_error_row(run_idx, pi, params, point, index, job, None,
-                                _describe_error(e)))
+                                describe_error(e)))
         return
     mine = [r for r in done.trace if r["rank"] == 0]
     offloaded = [r for r in mine if r["path"].startswith("testbed:")]
@@ -480,12 +480,6 @@ def _interrupted(e: BaseException) -> bool:
         seen.add(id(e))
         e = e.__context__
     return False
-
-
-def _describe_error(e: BaseException) -> str:
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"
 
 
 def _base_row(run_idx, pi, params, point: Experiment, ji: int, job: JobSpec) -> dict:
