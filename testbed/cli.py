@@ -226,51 +226,108 @@ def launch(
 
 @app.command()
 def replay(
-    prefix: str = typer.Argument(..., help="the trace: files PREFIX.0.et, PREFIX.1.et, ..."),
+    prefixes: list[str] = typer.Argument(..., metavar="PREFIX...", help="the trace: files "
+                                         "PREFIX.0.et, PREFIX.1.et, ...; several traces run "
+                                         "at once as tenants, each on hosts of its own"),
     experiment: str = typer.Option(None, "--experiment", "-e",
                                    help="an experiment file whose network to use (default: a "
                                         "star with a host per rank at 100 Mb/s)"),
     algo: str = typer.Option(None, "--algo", help="the testbed algorithm of its float32 "
-                             "allreduces (ring, hd, ina, nic, a plug-in; default: gloo)"),
+                             "allreduces (ring, hd, ina, nic, a plug-in; auto: the provider "
+                             "plans each trace from its hints; default: gloo)"),
+    policy: str = typer.Option("cooperative", "--policy", help="with --algo auto: the "
+                               "provider's policy (tenant_only, provider_only, cooperative, "
+                               "oracle)"),
+    tolerance: str = typer.Option(None, "--tolerance", metavar="exact|lossy|lossy_ef",
+                                  help="with --algo auto: every trace's hint (default: the "
+                                       "bytes and compute time its trace shows)"),
+    arrivals: str = typer.Option(None, "--arrivals", metavar="S,S,...", help="with several "
+                                 "traces: when each starts, undilated seconds (default: all "
+                                 "at 0)"),
     bw_mbps: float = typer.Option(None, "--bw-mbps", help="link rate of the default star"),
     scale: float = typer.Option(1.0, "--scale", help="factor on the compute durations"),
     time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
                                       help=DILATION_HELP),
     timeout: float = typer.Option(600.0, "--timeout", help="seconds before it is stopped"),
-    comm_groups: str = typer.Option(None, "--comm-groups", help="communicator groups as "
-                                    "ASTRA-sim's --comm-group-configuration JSON: "
-                                    '{"1": [0, 1], ...} (pg_name -> ranks)'),
-    json_out: bool = typer.Option(False, "--json", help="print the validation rows as JSON"),
+    comm_groups: list[str] = typer.Option(None, "--comm-groups", help="communicator groups as "
+                                          "ASTRA-sim's --comm-group-configuration JSON: "
+                                          '{"1": [0, 1], ...} (pg_name -> ranks); with '
+                                          "several traces, once per trace in order"),
+    json_out: bool = typer.Option(False, "--json", help="print the validation rows (with "
+                                  "several traces, the tenants' rows) as JSON"),
     out: str = typer.Option(None, help=OUT_HELP),
 ) -> None:
-    """Replay a Chakra execution trace on the emulated fabric and validate it against the
+    """Replay Chakra execution traces on the emulated fabric and validate them against the
     flow model (exit: 0 ok, 1 a rank failed, 2 a trace that cannot be replayed)."""
     from testbed.bench.store import print_rows
-    from testbed.replay import TraceError
-    from testbed.replay import replay as run_trace
+    from testbed.replay import TraceError, replay_tenants
 
     try:
-        res = run_trace(prefix, experiment=experiment, algo=algo, scale=scale,
-                        topology={"bw_mbps": bw_mbps} if bw_mbps else None,
-                        time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
-                        echo=lambda line: None, groups=comm_groups)
+        tenants = _replay_tenants(prefixes, algo, tolerance, arrivals, scale, comm_groups)
+        res = replay_tenants(tenants, experiment=experiment,
+                             topology={"bw_mbps": bw_mbps} if bw_mbps else None,
+                             time_dilation=_dilation(time_dilation), timeout_s=timeout,
+                             out=out, echo=lambda line: None, policy=policy)
     except (TraceError, ValueError) as e:
         print(f"testbed replay: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    for line in res.launched.failures:
-        print(f"testbed replay: {line}", file=sys.stderr)
+    for r in res.replayed:
+        for line in r.launched.failures:
+            print(f"testbed replay: {line}", file=sys.stderr)
+    for row in res.tenants:
+        if row.get("error"):
+            print(f"testbed replay: {row['tenant']}: {row['error']}", file=sys.stderr)
+    if len(tenants) > 1:
+        if json_out:
+            for row in res.tenants:
+                print(json.dumps(row, default=str))
+        else:
+            print_rows(res.tenants, f"replay of {len(tenants)} traces at once",
+                       ("tenant", "ranks", "arrival_s", "start_s", "jct_s", "model_jct_s",
+                        "slowdown", "algo", "planned", "failed"))
+        print(f"testbed replay: results: {res.folder}", file=sys.stderr)
+        raise typer.Exit(1 if any(row["failed"] for row in res.tenants) else 0)
+    one = res.replayed[0]
     if json_out:
-        for row in res.validation:
+        for row in one.validation:
             print(json.dumps(row, default=str))
     else:
-        print_rows(res.validation, f"replay of {prefix}: measured vs flow model",
+        print_rows(one.validation, f"replay of {prefixes[0]}: measured vs flow model",
                    ("op", "bytes", "path", "count", "measured_s", "predicted_s", "error_pct"))
-    geo = "n/a" if res.geomean_error_pct is None else f"{res.geomean_error_pct:.1f} %"
-    model = "n/a" if res.model_jct_s is None else f"{res.model_jct_s:.4g} s"
-    print(f"testbed replay: JCT {res.jct_s:.4g} s (model {model}), {len(res.collectives)} "
+    geo = "n/a" if one.geomean_error_pct is None else f"{one.geomean_error_pct:.1f} %"
+    model = "n/a" if one.model_jct_s is None else f"{one.model_jct_s:.4g} s"
+    print(f"testbed replay: JCT {one.jct_s:.4g} s (model {model}), {len(one.collectives)} "
           "collectives, "
-          f"geomean error {geo}; results: {res.folder}", file=sys.stderr)
-    raise typer.Exit(1 if res.launched.returncode else 0)
+          f"geomean error {geo}; results: {one.folder}", file=sys.stderr)
+    raise typer.Exit(1 if one.launched.returncode else 0)
+
+
+def _replay_tenants(prefixes: list[str], algo, tolerance, arrivals, scale, comm_groups):
+    """``testbed replay``'s tenants from its options; ValueError naming the bad one."""
+    from pathlib import Path
+
+    from testbed.replay import Tenant
+
+    if tolerance is not None and algo != "auto":
+        raise ValueError("--tolerance is a hint for --algo auto")
+    at = [0.0] * len(prefixes)
+    if arrivals is not None:
+        try:
+            at = [float(x) for x in arrivals.split(",")]
+        except ValueError:
+            raise ValueError(f"--arrivals {arrivals!r}: give seconds, comma-separated") \
+                from None
+        if len(at) != len(prefixes):
+            raise ValueError(f"--arrivals has {len(at)} times for {len(prefixes)} traces")
+    groups = list(comm_groups or [])
+    if groups and len(groups) != len(prefixes):
+        raise ValueError(f"--comm-groups given {len(groups)} times for {len(prefixes)} "
+                         "traces: once per trace, in order")
+    hints = {"tolerance": tolerance} if tolerance else None
+    return [Tenant(p, arrival_s=at[k], algo=algo, scale=scale,
+                   groups=groups[k] if groups else None,
+                   hints=hints, name=f"{k}-{Path(p).name}" if len(prefixes) > 1 else None)
+            for k, p in enumerate(prefixes)]
 
 
 @app.command()

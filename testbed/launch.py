@@ -202,20 +202,26 @@ def _check_plan_request(hints: dict | None, policy: str) -> None:
         raise ValueError(f"hints: {e}") from None
 
 
-def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "cooperative",
-                  job: str = "launch"):
-    """The plan the provider's ``policy`` gives a job on ``hosts`` of the running ``net`` with
-    the tenant's ``hints``: a :class:`testbed.provider.schema.Plan` from a fabric manager of
-    this network (its inventory, the static aggregator memory its engines report, the flow
-    model with the measured hop latency), the job its only tenant."""
+def fabric_manager(net, policy: str = "cooperative"):
+    """A provider's fabric manager of the running ``net``: its inventory, the static
+    aggregator memory its engines report, the flow model with the measured hop latency."""
     from testbed.provider.manager import FabricManager, inventory_of
     from testbed.provider.policies import PlanModel
-    from testbed.provider.schema import Hints, JobRequest
     from testbed.provider.service import engine_memory
 
     desc = net.describe()
     model = PlanModel(desc, hop_latency_s=net.hop_latency_s())
-    manager = FabricManager(inventory_of(desc, engine_memory(net)), policy, model)
+    return FabricManager(inventory_of(desc, engine_memory(net)), policy, model)
+
+
+def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "cooperative",
+                  job: str = "launch", manager=None):
+    """The plan the provider's ``policy`` gives a job on ``hosts`` of the running ``net`` with
+    the tenant's ``hints``: a :class:`testbed.provider.schema.Plan` admitted by ``manager``
+    (None: a fresh :func:`fabric_manager`, the job its only tenant)."""
+    from testbed.provider.schema import Hints, JobRequest
+
+    manager = manager if manager is not None else fabric_manager(net, policy)
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", job)[:64] or "launch"  # the schema's job names
     plan = manager.admit(JobRequest(job=name, hosts=hosts, hints=Hints(**(hints or {}))))
     if plan.trim_head_bits is not None:
@@ -224,17 +230,38 @@ def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "coop
     return plan
 
 
-def planned_settings(net, hosts: int | None, hints: dict | None, policy: str, job_id: int,
-                     name: str):
-    """(the testbed backend's settings, the provider's plan) of a job on the first ``hosts``
-    hosts of ``net`` (default: all) planned by ``policy`` from ``hints``."""
+def planned_settings(net, hosts: int | Sequence[int] | None, hints: dict | None, policy: str,
+                     job_id: int, name: str, manager=None):
+    """(the testbed backend's settings, the provider's plan) of a job on ``hosts`` of ``net``
+    (see :func:`job_hosts`) planned by ``policy`` from ``hints``; ``manager``: a
+    :func:`fabric_manager` of ``net`` the job is admitted to beside the jobs it holds (None: the
+    job is a fresh manager's only tenant)."""
     from testbed.collectives.spec import communication_of
 
-    workers = list(net.hosts)[:hosts or len(net.hosts)]
-    plan = provider_plan(net, [h.name for h in workers], hints, policy, job=name)
+    workers = job_hosts(net, hosts)
+    plan = provider_plan(net, [h.name for h in workers], hints, policy, job=name,
+                         manager=manager)
     tj = backend_settings(**communication_of(plan), job_id=job_id,
                           placement=plan_placement(plan))
     return tj, plan
+
+
+def job_hosts(net, hosts: int | Sequence[int] | None) -> list:
+    """The hosts of ``net`` a job runs on: the first ``hosts`` (an int; None: all), or those
+    of the given host ranks (0-based, each once). ``ValueError`` naming what the network
+    lacks."""
+    every = list(net.hosts)
+    if hosts is None or isinstance(hosts, int):
+        if hosts is not None and not 1 <= hosts <= len(every):
+            raise ValueError(f"hosts={hosts}, but the network has {len(every)} hosts")
+        return every[:hosts or len(every)]
+    ranks = list(hosts)
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)
+           or not 0 <= r < len(every)]
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"hosts={ranks}: host ranks must be distinct, in 0..{len(every) - 1}"
+                         f" (the network has {len(every)} hosts)")
+    return [every[r] for r in ranks]
 
 
 def plan_placement(plan) -> dict:
@@ -283,11 +310,12 @@ def backend_settings(algo: str | None, compressor: str | None,
 
 
 def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
-               hosts: int | None = None, timeout_s: float = 600.0, echo=None,
+               hosts: int | Sequence[int] | None = None, timeout_s: float = 600.0, echo=None,
                module: bool = False, extra: dict | None = None,
                nproc_per_host: int = 1, stop=None) -> Launched:
-    """Run ``script`` on the first ``hosts`` hosts of the running network ``net``
-    (``nproc_per_host`` ranks on each, consecutive ranks on one host), with the
+    """Run ``script`` on ``hosts`` of the running network ``net`` (the first ``hosts``, or
+    those host ranks: :func:`job_hosts`; ``nproc_per_host`` ranks on each, consecutive ranks
+    on one host), with the
     testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
     what it leaves goes to ``folder``. ``module``: ``script`` is a module name, run as
     ``python -m`` runs it (torchrun's ``--module``), not a file. ``extra``: more entries for
@@ -307,10 +335,7 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
         target = [str(script)]
     echo = echo or (lambda line: print(line, flush=True))
     check_nproc_per_host(nproc_per_host, tj.algo if tj is not None else None)
-    if hosts is not None and hosts > len(net.hosts):
-        raise ValueError(f"hosts={hosts}, but the network has {len(net.hosts)} hosts")
-    workers = [h for h in list(net.hosts)[:hosts or len(net.hosts)]
-               for _ in range(nproc_per_host)]  # one entry per rank
+    workers = [h for h in job_hosts(net, hosts) for _ in range(nproc_per_host)]  # per rank
     n = len(workers)
     if tj is not None:
         tj.validate(n)

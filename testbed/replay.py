@@ -54,6 +54,8 @@ import sys
 import time
 from pathlib import Path
 
+from testbed import describe_error
+
 #: Chakra's collective types that are replayed, by the name ``torch.distributed`` gives them.
 COLLECTIVES = {"ALL_REDUCE": "all_reduce", "ALL_GATHER": "all_gather",
                "REDUCE_SCATTER": "reduce_scatter", "ALL_TO_ALL": "all_to_all",
@@ -364,57 +366,268 @@ def replay(prefix: str | Path, *, algo: str | None = None,
            experiment: str | Path | None = None, topology: dict | None = None,
            time_dilation: float | str | None = None, scale: float = 1.0,
            out: str | Path | None = None, timeout_s: float = 600.0, echo=None,
-           stop=None, groups: dict[str, list[int]] | str | Path | None = None) -> Replayed:
+           stop=None, groups: dict[str, list[int]] | str | Path | None = None,
+           hints: dict | None = None, policy: str = "cooperative") -> Replayed:
     """Replay the trace ``prefix`` on an emulated network with a rank per host (the
     experiment file's first point's network, or a star of as many hosts as ranks at 100 Mb/s
     changed by ``topology``); ``algo``: the testbed algorithm of its float32 allreduces
-    (None: gloo); ``scale``: factor on compute durations; ``stop``: an event that stops the
-    ranks (:func:`testbed.launch.launch`), the replay then reports what they ran; ``groups``:
-    the communicator groups (name -> ranks, or ASTRA-sim's JSON file of them). TraceError
-    before anything is built when the trace cannot be replayed."""
+    (None: gloo; ``"auto"``: the provider's ``policy`` plans them from ``hints`` over what
+    :func:`trace_hints` finds); ``scale``: factor on compute durations; ``stop``: an event that
+    stops the ranks (:func:`testbed.launch.launch`), the replay then reports what they ran;
+    ``groups``: the communicator groups (name -> ranks, or ASTRA-sim's JSON file of them).
+    TraceError before anything is built when the trace cannot be replayed."""
+    return replay_tenants([Tenant(prefix, algo=algo, hints=hints, groups=groups, scale=scale)],
+                          experiment=experiment, topology=topology,
+                          time_dilation=time_dilation, out=out, timeout_s=timeout_s,
+                          echo=echo, stop=stop, policy=policy).replayed[0]
+
+
+@dataclasses.dataclass
+class Tenant:
+    """One trace of a multi-tenant replay (:func:`replay_tenants`): its ``prefix``, when it
+    arrives (``arrival_s``, undilated seconds after the first tenant's start), the testbed
+    ``algo`` of its float32 allreduces (None: gloo; ``"auto"``: the provider plans them from
+    ``hints``, over what :func:`trace_hints` finds), its communicator ``groups``, the ``scale`` of
+    its compute durations and a ``name`` (default: the prefix's file name)."""
+
+    prefix: str | Path
+    arrival_s: float = 0.0
+    algo: str | None = None
+    hints: dict | None = None
+    groups: dict[str, list[int]] | str | Path | None = None
+    scale: float = 1.0
+    name: str | None = None
+
+
+@dataclasses.dataclass
+class ReplayedTenants:
+    """What a multi-tenant replay measured: each tenant's :class:`Replayed` (in the order
+    given), a row per tenant (``tenants``: hosts, arrival, start and end on one clock, JCT
+    against the model's for the trace alone, the plan), the ``folder`` with everything."""
+
+    replayed: list[Replayed]
+    tenants: list[dict]
+    folder: Path
+
+
+def trace_hints(ranks: dict[int, list[Node]]) -> dict:
+    """A tenant's hints as its trace shows them (rank 0's graph), the trace taken as one
+    iteration: the bytes its world allreduces (``collective_bytes``) and its compute time
+    (``compute_s``); what a provider plans a replayed job with when the tenant says
+    nothing."""
+    nodes = ranks[min(ranks)]
+    coll = sum(x.bytes for x in nodes if x.kind == "coll" and x.op == "all_reduce"
+               and x.group is None)
+    comp = sum(x.duration_s for x in nodes if x.kind == "comp")
+    return {"iterations": 1, **({"collective_bytes": int(coll)} if coll else {}),
+            **({"compute_s": comp} if comp else {})}
+
+
+def _checked_tenants(tenants: list[Tenant], policy: str) -> list[tuple]:
+    """(tenant, name, groups, ranks) of each, everything checked before a network is built:
+    ValueError / TraceError naming the tenant."""
+    from testbed.launch import _check_plan_request
+
+    if not tenants:
+        raise ValueError("no traces to replay")
+    out, names = [], set()
+    for k, t in enumerate(tenants):
+        name = t.name or Path(t.prefix).name
+        if name in names:
+            raise ValueError(f"tenants {name!r}: two tenants of one name (give each a name)")
+        names.add(name)
+        for what, v in (("arrival_s", t.arrival_s), ("scale", t.scale)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 \
+                    or not math.isfinite(v):
+                raise ValueError(f"tenant {k} ({name}): {what}={v!r} must be a number >= 0")
+        if t.algo == "auto":
+            _check_plan_request(t.hints, policy)
+        elif t.hints:
+            raise ValueError(f"tenant {k} ({name}): hints are for algo 'auto' (the provider "
+                             "plans with them)")
+        groups = read_groups(t.groups) if isinstance(t.groups, str | Path) else \
+            dict(t.groups or {})
+        out.append((t, name, groups, load_trace(t.prefix, groups)))
+    return out
+
+
+def replay_tenants(tenants: list[Tenant], *, experiment: str | Path | None = None,
+                   topology: dict | None = None, time_dilation: float | str | None = None,
+                   out: str | Path | None = None, timeout_s: float = 600.0, echo=None,
+                   stop=None, policy: str = "cooperative") -> ReplayedTenants:
+    """Replay several traces at once on one network, each tenant on hosts of its own (a rank
+    per host, the tenants' hosts one after the other in the order given), each starting at
+    its ``arrival_s``. Tenants with ``algo="auto"`` are admitted at their arrival to one
+    provider (a fabric manager of this network running ``policy``), which plans each beside
+    the jobs it already holds, and released when they end; a plan a tenant cannot run fails
+    that tenant only. The network: the experiment file's first point's, or a star of as many
+    hosts as all the tenants' ranks at 100 Mb/s changed by ``topology``. ``echo(line)``: the
+    ranks' output, prefixed ``[tenant][rank]``. Every trace is checked before anything is
+    built (:class:`TraceError` naming it)."""
+    import threading
+
     from testbed.collectives.algorithms import is_offloaded
     from testbed.experiment import results
-    from testbed.launch import backend_settings, launch_network, run_script
+    from testbed.launch import backend_settings, fabric_manager, launch_network
 
-    if isinstance(groups, str | Path):
-        groups = read_groups(groups)
-    groups = dict(groups or {})
-    ranks = load_trace(prefix, groups)
+    checked = _checked_tenants(tenants, policy)
+    sizes = [len(ranks) for *_, ranks in checked]
+    total = sum(sizes)
+    offloaded = any(t.algo == "auto" or (t.algo and is_offloaded(t.algo))
+                    for t, *_ in checked)
+    topo = {**({"switch": "programmable"} if offloaded else {}), **(topology or {})}
+    network = launch_network(topo, experiment, total, "ina" if offloaded else None,
+                             time_dilation)
+    root = Path(results.results_root() if out is None else out)
+    single = len(checked) == 1
+    folder = results.unique_folder(root, f"replay-{checked[0][1]}" if single else
+                                   "replay-tenants")
+    folder.mkdir(parents=True, exist_ok=True)
+    done: list[Replayed | None] = [None] * len(checked)
+    rows: list[dict] = [{} for _ in checked]
+    errors: list[BaseException | None] = [None] * len(checked)
+    with network as net:
+        if len(net.hosts) < total:
+            what = f"{checked[0][0].prefix}: {total} ranks" if single else \
+                f"{len(checked)} traces: {total} ranks in all ({sizes})"
+            raise TraceError(f"{what}, but the network has {len(net.hosts)} hosts")
+        f = float(net.time_dilation)
+        manager = fabric_manager(net, policy) if any(t.algo == "auto" for t, *_ in checked) \
+            else None
+        lock = threading.Lock()  # the manager is not thread-safe
+        halt = stop if stop is not None else threading.Event()  # stops every tenant
+        t0 = time.time()
+
+        def one(k: int) -> None:
+            t, name, groups, ranks = checked[k]
+            hosts = list(range(sum(sizes[:k]), sum(sizes[:k + 1])))
+            row = rows[k]
+            row.update(tenant=name, prefix=str(t.prefix), ranks=len(ranks),
+                       hosts=[list(net.hosts)[h].name for h in hosts], arrival_s=t.arrival_s,
+                       algo=t.algo, plan=None, planned=None)
+            if halt.wait(t.arrival_s * f):
+                return
+            job_id = k + 1
+            sub = folder if single else folder / name
+            try:
+                if t.algo == "auto":
+                    tj, plan = _admit(net, manager, lock, hosts,
+                                      {**trace_hints(ranks), **(t.hints or {})}, policy,
+                                      job_id, name)
+                    row["plan"] = {"algo": plan.algo, "compressor": plan.compressor,
+                                   "tree": plan.tree, "reason": plan.reason}
+                    row["planned"] = plan.algo + (f"+{plan.compressor}" if plan.compressor
+                                                  else "")
+                else:
+                    tj = backend_settings(t.algo, None, None, False, job_id)
+                try:
+                    done[k] = _replay_on(net, t.prefix, ranks, groups, tj, hosts, sub, t.scale,
+                                         timeout_s, _prefixed(echo, name, single), halt, t0)
+                finally:
+                    if t.algo == "auto":
+                        with lock:
+                            manager.release(name)
+            except Exception as e:  # noqa: BLE001 - this tenant's; the others go on
+                errors[k] = e
+
+        if single:  # in this thread: a Ctrl-C reaches its ranks as before
+            one(0)
+        else:
+            threads = [threading.Thread(target=one, args=(k,), name=f"tenant-{k}")
+                       for k in range(len(checked))]
+            for th in threads:
+                th.start()
+            try:
+                for th in threads:
+                    th.join()
+            except KeyboardInterrupt:  # every tenant's ranks stopped before the teardown
+                halt.set()
+                for th in threads:
+                    th.join()
+                raise
+    if single and errors[0] is not None:
+        raise errors[0]
+    table = []
+    for k, row in enumerate(rows):
+        r = done[k]
+        if r is not None:
+            starts = [x["at_s"] for x in r.nodes]
+            row.update(start_s=min(starts, default=None),
+                       end_s=max((x["at_s"] + x["time_s"] for x in r.nodes), default=None),
+                       jct_s=r.jct_s, model_jct_s=r.model_jct_s,
+                       slowdown=r.jct_s / r.model_jct_s if r.model_jct_s else None,
+                       geomean_error_pct=r.geomean_error_pct,
+                       failed=bool(r.launched.returncode), folder=str(r.folder))
+        else:
+            row.update(failed=True, error=describe_error(errors[k]) if errors[k] else
+                       "stopped before it arrived")
+        table.append(row)
+    if not single:
+        _save_tenants(folder, table)
+    return ReplayedTenants([r for r in done if r is not None], table, folder)
+
+
+def _admit(net, manager, lock, hosts: list[int], hints: dict, policy: str, job_id: int,
+           name: str):
+    """(backend settings, plan) of a tenant admitted to ``manager`` beside the others; a
+    plan it cannot run releases it again."""
+    from testbed.launch import planned_settings
+
+    with lock:
+        try:
+            return planned_settings(net, hosts, hints, policy, job_id, name, manager=manager)
+        except ValueError:
+            if name in manager.jobs():
+                manager.release(name)
+            raise
+
+
+def _prefixed(echo, name: str, single: bool):
+    """``echo`` of one tenant's output lines (prefixed with its name when there are several)."""
+    if echo is None or single:
+        return echo
+    return lambda line: echo(f"[{name}]{line}")
+
+
+def _replay_on(net, prefix, ranks: dict[int, list[Node]], groups: dict[str, list[int]], tj,
+               hosts: list[int], folder: Path, scale: float, timeout_s: float, echo, stop,
+               t0: float) -> Replayed:
+    """Replay one checked trace on ``hosts`` (host ranks) of the running ``net`` into
+    ``folder``; node times from ``t0`` (wall clock, undilated)."""
+    from testbed.launch import run_script
+
     n = len(ranks)
-    if not (isinstance(scale, int | float) and scale >= 0 and math.isfinite(scale)):
-        raise ValueError(f"scale={scale!r} must be a number >= 0")
-    tj = backend_settings(algo, None, None, False, 1)
-    topo = {**({"switch": "programmable"} if algo and is_offloaded(algo) else {}),
-            **(topology or {})}
-    network = launch_network(topo, experiment, n, algo, time_dilation)
-    folder = results.unique_folder(results.results_root() if out is None else out,
-                                   f"replay-{Path(prefix).name}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "comm_groups.json").write_text(json.dumps(groups))
-    with network as net:
-        if len(net.hosts) < n:
-            raise TraceError(f"{prefix}: {n} ranks, but the network has {len(net.hosts)} "
-                             "hosts")
-        f = float(net.time_dilation)
-        done = run_script(net, __name__, [str(Path(prefix).resolve()), str(folder),
-                                          str(scale * f)],
-                          tj, folder, hosts=n, timeout_s=timeout_s, echo=echo, module=True,
-                          stop=stop)
-        rows = _node_rows(folder, n, f)
-        # which path each collective took, as the backend traced it (rank 0's calls in order)
-        paths = [r["path"] for r in sorted((r for r in done.trace if r["rank"] == 0),
-                                           key=lambda r: r["start_s"])
-                 if not r["op"].startswith(("send", "recv"))]
-        transfer_s = _transfer_model(net, n, f)
-        colls = _collective_rows(rows, net, n, tj, f, paths, transfer_s, groups)
-        model_jct = predict_jct(ranks, {c["seq"] if c["group"] is None else
-                                        (c["group"], c["seq"]): c["model_s"] for c in colls},
-                                transfer_s, scale, groups)
+    f = float(net.time_dilation)
+    names = [list(net.hosts)[h].name for h in hosts]
+    done = run_script(net, __name__, [str(Path(prefix).resolve()), str(folder),
+                                      str(scale * f)],
+                      tj, folder, hosts=hosts, timeout_s=timeout_s, echo=echo, module=True,
+                      stop=stop)
+    rows = _node_rows(folder, n, f, t0)
+    # which path each collective took, as the backend traced it (rank 0's calls in order)
+    paths = [r["path"] for r in sorted((r for r in done.trace if r["rank"] == 0),
+                                       key=lambda r: r["start_s"])
+             if not r["op"].startswith(("send", "recv"))]
+    transfer_s = _transfer_model(net, names, f)
+    colls = _collective_rows(rows, net, names, tj, f, paths, transfer_s, groups)
+    model_jct = predict_jct(ranks, {c["seq"] if c["group"] is None else
+                                    (c["group"], c["seq"]): c["model_s"] for c in colls},
+                            transfer_s, scale, groups)
     jct = (max((r["end_s"] for r in rows), default=0.0)
            - min((r["start_s"] for r in rows), default=0.0))
     validation, geo = _validation(colls)
     _save(folder, rows, colls, validation, jct, geo, done, model_jct)
     return Replayed(rows, colls, validation, jct, geo, folder, done, model_jct)
+
+
+def _save_tenants(folder: Path, table: list[dict]) -> None:
+    """``tenants.csv`` and ``tenants.json`` of a multi-tenant replay."""
+    import pandas as pd
+
+    pd.DataFrame(table).to_csv(folder / "tenants.csv", index=False)
+    (folder / "tenants.json").write_text(json.dumps(table, indent=2, default=str))
 
 
 def export(trace: list[dict], prefix: str | Path, n_ranks: int) -> list[Path]:
@@ -534,22 +747,25 @@ def _chakra_bytes(row: dict, n: int) -> int:
     return int(row["bytes"]) * (n if row["op"] == "allgather" else 1)
 
 
-def _node_rows(folder: Path, n: int, f: float) -> list[dict]:
+def _node_rows(folder: Path, n: int, f: float, t0: float) -> list[dict]:
+    """The ranks' node rows: undilated, from the trace's first node's start (``start_s``,
+    ``end_s``) and from ``t0`` (``at_s``: where tenants share one clock)."""
     from testbed.launch import collect_rank_rows
 
     rows = collect_rank_rows(folder, "nodes", n)
-    t0 = min((row["start_s"] for row in rows), default=0.0)
-    for row in rows:  # undilated, from the first node's start
-        row["start_s"], row["end_s"] = (row["start_s"] - t0) / f, (row["end_s"] - t0) / f
+    first = min((row["start_s"] for row in rows), default=0.0)
+    for row in rows:
+        row["at_s"] = (row["start_s"] - t0) / f
+        row["start_s"], row["end_s"] = (row["start_s"] - first) / f, (row["end_s"] - first) / f
         row["time_s"] = row["end_s"] - row["start_s"]
     return rows
 
 
-def _collective_rows(rows: list[dict], net, n: int, tj, f: float, paths: list[str],
+def _collective_rows(rows: list[dict], net, hosts: list[str], tj, f: float, paths: list[str],
                      transfer_s, groups: dict[str, list[int]] | None = None) -> list[dict]:
     """A row per collective (per communicator group, in its order): from the last member's
     arrival to the last member's finish, and the flow model's time for it on its members'
-    hosts; ``paths``: the path of each of the world's in order (``testbed:<algo>`` or
+    hosts (``hosts``: rank -> host name); ``paths``: the path of each of the world's in order (``testbed:<algo>`` or
     ``gloo``, from the backend's trace; none traced over plain gloo; a group's run over
     gloo); ``transfer_s``: :func:`_transfer_model`'s prices of point-to-point transfers."""
     from testbed.collectives import flowmodel
@@ -560,7 +776,7 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float, paths: list[st
         if row["kind"] == "coll":
             by_seq.setdefault((row.get("group") or "", row["seq"]), []).append(row)
     hop = net.hop_latency_s()
-    hosts = [h.name for h in list(net.hosts)[:n]]
+    n = len(hosts)
     out, cache = [], {}
     for (gname, seq), members in sorted(by_seq.items()):
         group = gname or None
@@ -590,16 +806,18 @@ def _collective_rows(rows: list[dict], net, n: int, tj, f: float, paths: list[st
                     "path": f"testbed:{algo}" if ours else "gloo",
                     "time_s": max(r["end_s"] for r in members)
                     - max(r["start_s"] for r in members),
-                    "model_s": cache[key], "ranks": len(members)})
+                    "model_s": cache[key], "ranks": len(members),
+                    "max_abs_err": max((r["max_abs_err"] for r in members
+                                        if r.get("max_abs_err") is not None), default=None)})
     return out
 
 
-def _transfer_model(net, n: int, f: float):
+def _transfer_model(net, hosts: list[str], f: float):
     """``fn([(rank, rank, bytes), ...])`` -> the flow model's time of those TCP transfers at
-    once between the first ``n`` hosts of ``net`` (undilated; None where it does not apply)."""
+    once between the ranks' ``hosts`` (rank -> host name) of ``net`` (undilated; None where
+    it does not apply)."""
     from testbed.collectives import flowmodel
 
-    hosts = [h.name for h in list(net.hosts)[:n]]
     hop = net.hop_latency_s()
 
     def fn(transfers: list[tuple[int, int, float]]) -> float | None:
@@ -753,7 +971,7 @@ def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
             elif x.kind == "coll":
                 pg, members = subgroups[x.group] if x.group is not None else \
                     (None, list(range(n)))
-                _collective(dist, torch, x, members, pg)
+                err = _collective(dist, torch, x, members, pg)
             elif x.kind == "send":
                 dist.send(_buffer(torch, x.bytes), dst=x.peer, tag=x.tag)
             elif x.kind == "recv":
@@ -762,6 +980,7 @@ def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
                    "bytes": x.bytes, "peer": x.peer, "start_s": t0, "end_s": time.time()}
             if x.kind == "coll":
                 row["group"], row["seq"] = x.group, seq.get(x.group, 0)
+                row["max_abs_err"] = err
                 seq[x.group] = row["seq"] + 1
             log.write(json.dumps(row) + "\n")
     dist.barrier()
@@ -775,13 +994,17 @@ def _buffer(torch, nbytes: int):
     return torch.ones(nbytes, dtype=torch.uint8)
 
 
-def _collective(dist, torch, x: Node, members: list[int], group=None) -> None:
-    """``x`` among ``members`` (global ranks) on process group ``group`` (None: the world)."""
+def _collective(dist, torch, x: Node, members: list[int], group=None) -> float | None:
+    """``x`` among ``members`` (global ranks) on process group ``group`` (None: the world);
+    an allreduce's largest error against the exact sum of its inputs (every rank sends ones:
+    the sum is the member count), None for the others."""
     n = len(members)
     if x.op == "barrier":
         dist.barrier(group=group)
     elif x.op == "all_reduce":
-        dist.all_reduce(_buffer(torch, x.bytes), group=group)
+        buf = _buffer(torch, x.bytes)
+        dist.all_reduce(buf, group=group)
+        return float((buf.double() - n).abs().max()) if buf.numel() else 0.0
     elif x.op == "broadcast":
         dist.broadcast(_buffer(torch, x.bytes), src=members[0], group=group)
     else:  # the size is the whole array: n equal parts (rounded up to whole elements)
@@ -795,6 +1018,7 @@ def _collective(dist, torch, x: Node, members: list[int], group=None) -> None:
             dist.reduce_scatter_tensor(mine, whole, group=group)
         else:  # all_to_all
             dist.all_to_all_single(torch.empty_like(whole), whole, group=group)
+    return None
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("faults", True, "inject faults into a third of the jobs"),
                  Option("sample_s", 10.0, "seconds between process samples", quick=5.0),
                  Option("time_dilation", 1.0, "run the network this many times slower")),
-        quick_help="1 minute, samples every 5 s"),
+        quick_help="1 minute, samples every 5 s; memory and descriptor growth not judged (a minute is all warm-up)"),
     Benchmark(
         "tenancy", "Aggregation trees on a fat-tree and two tenants sharing switch memory "
         "(static vs shared pool), against their targets.", "testbed.bench.tenancy:measure",

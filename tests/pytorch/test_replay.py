@@ -263,3 +263,77 @@ def test_pipeline_and_moe_trace_over_gloo(tmp_path):
     assert all(c["ranks"] == 3 and c["path"] == "gloo" for c in res.collectives)
     assert all(c["model_s"] > 0 for c in res.collectives)  # the all-to-all: its exchange
     assert res.model_jct_s >= 3 * 0.002 + sum(c["model_s"] for c in res.collectives)
+
+
+# -- several traces at once (tenants) -------------------------------------------------------
+
+def test_tenants_are_checked_before_anything_runs(tmp_path):
+    """Every tenant is checked (and named) before a network is built: these fail at once."""
+    from testbed.replay import Tenant, replay_tenants
+
+    a = write(tmp_path / "a", ddp(2))
+    for tenants, match in (
+            ([], "no traces"),
+            ([Tenant(a), Tenant(a)], "two tenants of one name"),
+            ([Tenant(a, arrival_s=-1)], r"arrival_s=-1 must be a number >= 0"),
+            ([Tenant(a, scale=float("nan"))], r"scale=nan"),
+            ([Tenant(a, algo="ring", hints={"tolerance": "exact"})],
+             "hints are for algo 'auto'"),
+            ([Tenant(a, algo="auto", hints={"tolerance": "sloppy"})], "hints: tolerance")):
+        with pytest.raises(ValueError, match=match):
+            replay_tenants(tenants, out=tmp_path / "out")
+    # a bad trace among good ones is named by its own file
+    g = {0: [coll(1, pb.ALL_REDUCE, 4096)], 1: [coll(1, pb.ALL_REDUCE, 8192)]}
+    bad = write(tmp_path / "bad", g)
+    with pytest.raises(TraceError, match=r"bad\.1\.et: its collective #0"):
+        replay_tenants([Tenant(a, name="a"), Tenant(bad, name="b")], out=tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_trace_hints_of_a_ddp_trace(tmp_path):
+    from testbed.replay import load_trace, trace_hints
+
+    ranks = load_trace(write(tmp_path / "ddp", ddp(2, sizes=(4096, 8192), compute_us=1000)))
+    assert trace_hints(ranks) == {"iterations": 1, "collective_bytes": 4096 + 8192,
+                                  "compute_s": pytest.approx(0.003)}
+
+
+def test_replay_cli_refuses_bad_tenant_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    a, b = write(tmp_path / "a", ddp(2)), write(tmp_path / "b", ddp(2))
+    for argv, match in (
+            ([str(a), str(b), "--arrivals", "0"], "--arrivals has 1 times for 2 traces"),
+            ([str(a), str(b), "--arrivals", "0,x"], "give seconds, comma-separated"),
+            ([str(a), "--tolerance", "exact"], "--tolerance is a hint for --algo auto"),
+            ([str(a), str(b), "--comm-groups", "g.json"], "once per trace")):
+        r = CliRunner().invoke(app, ["replay", *argv, "--out", str(tmp_path / "out")])
+        assert r.exit_code == 2 and match in r.output, (argv, r.output)
+
+
+@pytest.mark.mininet
+def test_two_traces_at_once_admitted_through_the_provider(tmp_path):
+    """Two DDP traces share a leaf-spine, the second arriving later; the provider plans each
+    on admission beside the other (INA, exact), and each runs on hosts of its own."""
+    from testbed.replay import Tenant, replay_tenants
+
+    a = write(tmp_path / "a", ddp(2, sizes=(64 << 10, 256 << 10), compute_us=2000))
+    b = write(tmp_path / "b", ddp(2, sizes=(128 << 10,), compute_us=2000))
+    res = replay_tenants(
+        [Tenant(a, algo="auto", name="first", hints={"tolerance": "exact"}),
+         Tenant(b, algo="auto", arrival_s=0.5, name="second", hints={"tolerance": "exact"})],
+        topology={"kind": "leaf_spine", "leaves": 2, "spines": 1, "hosts_per_leaf": 2,
+                  "bw_mbps": 100}, out=tmp_path / "out", echo=lambda line: None)
+    first, second = res.tenants
+    assert not first["failed"] and not second["failed"], res.tenants
+    assert set(first["hosts"]).isdisjoint(second["hosts"]) and len(first["hosts"]) == 2
+    assert first["plan"]["algo"] and second["plan"]["algo"]
+    assert second["start_s"] >= 0.5 and first["start_s"] >= 0  # on one clock, from arrival
+    for r in res.replayed:  # every allreduce exact (ones from each rank: the sum is 2)
+        assert r.collectives and all(c["max_abs_err"] == 0 for c in r.collectives)
+        assert r.model_jct_s is not None and r.jct_s > 0
+    assert [len(r.collectives) for r in res.replayed] == [2, 1]
+    assert (res.folder / "tenants.csv").exists()
+    assert {p.name for p in res.folder.iterdir()} >= {"first", "second"}
