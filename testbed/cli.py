@@ -43,6 +43,8 @@ OUT_HELP = ("results root: a folder <name>-<time>/ is created in it (default: $T
             "else results/ of the checkout, else ~/testbed-results)")
 BENCH_OUT_HELP = ("also store the rows (jsonl, csv, parquet), metadata and a plot in "
                   "DIR/bench-<name>-<time>/")
+POLICY_HELP = ("with --algo auto: the provider's policy (tenant_only, provider_only, "
+               "cooperative, oracle)")
 DILATION_HELP = ("run the network F times slower (links at bw/F, delays and timeouts times F) "
                  "and report undilated times; 'auto' calibrates the smallest F that keeps the "
                  "CPU unsaturated")
@@ -164,9 +166,7 @@ def launch(
     transport: str = typer.Option("tcp", "--transport", metavar="tcp|uet", help="with --algo: "
                                   "what carries ring/hd messages (uet: sprayed UDP that a UET "
                                   "switch trims, NACKed and resent; one rank per host)"),
-    policy: str = typer.Option("cooperative", "--policy", help="with --algo auto: the "
-                               "provider's policy (tenant_only, provider_only, cooperative, "
-                               "oracle)"),
+    policy: str = typer.Option("cooperative", "--policy", help=POLICY_HELP),
     tolerance: str = typer.Option(None, "--tolerance", metavar="exact|lossy|lossy_ef",
                                   help="with --algo auto: the job's hint (lossy allows "
                                        "compression within --error-budget)"),
@@ -235,9 +235,7 @@ def replay(
     algo: str = typer.Option(None, "--algo", help="the testbed algorithm of its float32 "
                              "allreduces (ring, hd, ina, nic, a plug-in; auto: the provider "
                              "plans each trace from its hints; default: gloo)"),
-    policy: str = typer.Option("cooperative", "--policy", help="with --algo auto: the "
-                               "provider's policy (tenant_only, provider_only, cooperative, "
-                               "oracle)"),
+    policy: str = typer.Option("cooperative", "--policy", help=POLICY_HELP),
     tolerance: str = typer.Option(None, "--tolerance", metavar="exact|lossy|lossy_ef",
                                   help="with --algo auto: every trace's hint (default: the "
                                        "bytes and compute time its trace shows)"),

@@ -468,7 +468,7 @@ def replay_tenants(tenants: list[Tenant], *, experiment: str | Path | None = Non
 
     from testbed.collectives.algorithms import is_offloaded
     from testbed.experiment import results
-    from testbed.launch import backend_settings, fabric_manager, launch_network
+    from testbed.launch import backend_settings, fabric_manager, job_hosts, launch_network
 
     checked = _checked_tenants(tenants, policy)
     sizes = [len(ranks) for *_, ranks in checked]
@@ -503,7 +503,7 @@ def replay_tenants(tenants: list[Tenant], *, experiment: str | Path | None = Non
             hosts = list(range(sum(sizes[:k]), sum(sizes[:k + 1])))
             row = rows[k]
             row.update(tenant=name, prefix=str(t.prefix), ranks=len(ranks),
-                       hosts=[list(net.hosts)[h].name for h in hosts], arrival_s=t.arrival_s,
+                       hosts=[h.name for h in job_hosts(net, hosts)], arrival_s=t.arrival_s,
                        algo=t.algo, plan=None, planned=None)
             if halt.wait(t.arrival_s * f):
                 return
@@ -594,13 +594,13 @@ def _replay_on(net, prefix, ranks: dict[int, list[Node]], groups: dict[str, list
                t0: float) -> Replayed:
     """Replay one checked trace on ``hosts`` (host ranks) of the running ``net`` into
     ``folder``; node times from ``t0`` (wall clock, undilated)."""
-    from testbed.launch import run_script
+    from testbed.launch import job_hosts, run_script
 
     n = len(ranks)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "comm_groups.json").write_text(json.dumps(groups))
     f = float(net.time_dilation)
-    names = [list(net.hosts)[h].name for h in hosts]
+    names = [h.name for h in job_hosts(net, hosts)]
     done = run_script(net, __name__, [str(Path(prefix).resolve()), str(folder),
                                       str(scale * f)],
                       tj, folder, hosts=hosts, timeout_s=timeout_s, echo=echo, module=True,

@@ -111,7 +111,7 @@ class _Watch:
                 continue
             # keyed by the pid of the engine that answered: it may have been restarted
             # since engine_pid() was read, and a new engine counts from zero
-            pid = counters.get("pid", procs.get(name))
+            pid = counters["pid"]
             key = (name, pid, start_ticks(pid))
             total = _counter_total(counters)
             last = self.counters.get(key)
