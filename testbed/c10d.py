@@ -10,17 +10,26 @@ on INA), and routes
 
 * ``allreduce`` of float32 with SUM or AVG (DDP's buckets, a hand-written ``all_reduce``)
   through the testbed's algorithm;
+* ``allreduce`` of the other dtypes and ops an algorithm cannot sum (float16, bfloat16,
+  int32, int64; MAX, MIN, PRODUCT) where a testbed algorithm can do them, else to gloo, each
+  call's route named in the trace (``note``): a TCP algorithm's job runs them on the ring of
+  its hosts in the tensor's own dtype (every hop combines and rounds to that dtype, as NCCL's
+  ring does: float16 sums rounded at each hop, maxima exact); an in-network job (ina, nic)
+  sums float16 and bfloat16 as float32 in the switch, as SwitchML converts them, and rounds
+  the sum once; its MAX, MIN, PRODUCT and integer sums go to gloo (a switch that sums cannot
+  take a maximum);
 * ``reduce_scatter_tensor`` (SUM, AVG) and ``all_gather_into_tensor`` of float32 (FSDP's
   gradient reduce-scatter and parameter all-gather) through it too when the algorithm runs
   them itself (ring, hd, a plug-in that declares them; uncompressed);
-* everything else (other dtypes and ops, broadcast, the list forms of allgather and
+* everything else (what no algorithm here does, broadcast, the list forms of allgather and
   reduce_scatter, all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
   exact answer from an algorithm that can give it, never a wrong one from one that cannot;
 * every collective of a subgroup (``new_group`` inheriting this backend) to gloo too: the
   testbed's communicator spans the world's hosts.
 
 Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``
-or ``gloo``, start and end), one JSON line per call in ``$TESTBED_TRACE`` when set.
+or ``gloo``, start and end, and ``note``: why it did not take the job's algorithm), one JSON
+line per call in ``$TESTBED_TRACE`` when set.
 
 The rank's job (hosts, addresses, the algorithm and, for INA, the switch's registration)
 comes from the file ``$TESTBED_JOB`` that ``testbed launch`` writes
@@ -43,11 +52,25 @@ from testbed.torch import TestbedComm, TorchJob
 
 BACKEND = "testbed"
 #: One trace row per collective call.
-TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s")
+TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s", "note")
 #: Whether this process built its world group's testbed communicator already.
 _WORLD_TAKEN = False
 #: What the testbed's algorithms reduce: float32 sums (and averages, a sum then a division).
 _OFFLOADED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+#: What the ring runs in a tensor's own dtype: the reduction's name -> how a hop combines.
+_RING_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
+                 "min": torch.minimum, "product": torch.mul}
+#: The dtypes the ring carries as they are; numpy has no bfloat16: it travels as its bits.
+_RING_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+_BITS = {torch.bfloat16: torch.int16}
+
+
+def _op_name(op) -> str:
+    """``dist.ReduceOp`` -> its lower-case name (``sum``, ``max``...)."""
+    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+        if hasattr(dist.ReduceOp, name) and op == getattr(dist.ReduceOp, name):
+            return name.lower()
+    return str(op)
 
 
 class _Done(dist._Work):
@@ -67,7 +90,8 @@ class _Done(dist._Work):
 
 class TestbedProcessGroup(dist.ProcessGroup):
     """A rank's process group: float32 SUM/AVG allreduce through the testbed's algorithm,
-    every other collective through gloo (see the module docstring)."""
+    other dtypes and reductions where a testbed algorithm can do them, every other collective
+    through gloo (see the module docstring)."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
@@ -94,40 +118,80 @@ class TestbedProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
-    def _record(self, op: str, tensors, path: str, t0: float) -> None:
+    def _record(self, op: str, tensors, path: str, t0: float, note: str | None = None) -> None:
         self.seq += 1
         if self._trace is None:
             return
         row = {"rank": self._rank, "seq": self.seq, "op": op,
                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
                "bytes": int(sum(t.numel() * t.element_size() for t in tensors)),
-               "path": path, "start_s": t0, "end_s": time.time()}
+               "path": path, "start_s": t0, "end_s": time.time(), "note": note}
         self._trace.write(json.dumps(row) + "\n")
         self._trace.flush()
 
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
         t0 = time.time()
-        op = opts.reduceOp
-        if (self.comm is None or len(tensors) != 1 or tensors[0].dtype != torch.float32
-                or not any(op == o for o in _OFFLOADED_OPS)):
+        op = _op_name(opts.reduceOp)
+        route, note = self._allreduce_route(tensors, op)
+        if route == "gloo":
             work = self.gloo.allreduce(tensors, opts)
             work.wait()
-            self._record("allreduce", tensors, "gloo", t0)
+            self._record("allreduce", tensors, "gloo", t0, note)
             return work
+        t = tensors[0]
+        if route == "ring":
+            bits = _BITS.get(t.dtype)
+            flat = t.detach().reshape(-1).clone()
+            buf = (flat.view(bits) if bits is not None else flat).numpy()
+            self.comm.ring_reduce(buf, _combiner(_RING_COMBINE[op], t.dtype))
+            if op == "avg":
+                flat /= self._size
+            t.copy_(flat.view(t.shape))
+            self._record("allreduce", tensors, "testbed:ring", t0, note)
+            return _Done([t])
+        # float32 through the job's algorithm (route "upcast": a 16-bit float summed as one)
         return self._testbed("allreduce", lambda x, out: self.comm.allreduce(x, out, 0),
-                             tensors[0], tensors[0], op == dist.ReduceOp.AVG, t0)
+                             t, t, op == "avg", t0, note)
 
-    def _testbed(self, op: str, run, input, output, avg: bool, t0: float):
+    def _allreduce_route(self, tensors, op: str) -> tuple[str, str | None]:
+        """Where an allreduce of ``tensors`` with reduction ``op`` runs, and why when it is
+        not the job's algorithm: ``algo`` (float32 sums), ``upcast`` (16-bit floats summed as
+        float32 by an in-network job), ``ring`` (the ring of a TCP job's hosts, in the
+        tensor's dtype) or ``gloo`` (see the module docstring)."""
+        if self.comm is None:
+            return "gloo", None  # a subgroup, or a single rank
+        if len(tensors) != 1:
+            return "gloo", "a list of tensors: gloo's"
+        dtype, algo = tensors[0].dtype, self.tj.algo
+        what = f"{op} of {str(dtype).removeprefix('torch.')}"
+        sums = op in ("sum", "avg")
+        if dtype == torch.float32 and sums:
+            return "algo", None
+        if self.comm.client is not None:  # the switch (or SmartNIC) sums fixed point
+            if sums and dtype in (torch.float16, torch.bfloat16):
+                return "upcast", f"{algo} sums float32: {what} summed as float32, rounded once"
+            return "gloo", f"{algo} sums in the network: {what} over gloo"
+        if op in _RING_COMBINE and dtype in _RING_DTYPES and (dtype.is_floating_point
+                                                              or op != "avg"):
+            if algo == "ring" and self.tj.compressor is None:
+                return "ring", None
+            return "ring", f"{algo} runs float32 sums: {what} on the ring"
+        return "gloo", f"{what}: no testbed algorithm does it"
+
+    def _testbed(self, op: str, run, input, output, avg: bool, t0: float,
+                 note: str | None = None):
         """``run(x, out)``, the testbed's algorithm, from ``input`` (flattened to float32)
-        into ``output`` (divided by the group's size for AVG), traced."""
+        into ``output`` (divided by the group's size for AVG, cast back to its dtype),
+        traced."""
         out = np.empty(output.numel(), dtype=np.float32)
         run(_flat(input), out)
         if avg:
             out /= self._size
         output.copy_(torch.from_numpy(out).view(output.shape))
-        self._record(op, [input], f"testbed:{self.tj.algo}", t0)
+        self._record(op, [input], f"testbed:{self.tj.algo}", t0, note)
         return _Done([output])
+
 
     # gloo's collectives, traced: every rank calls them in the same order, so waiting for
     # each is safe and times it
@@ -206,7 +270,20 @@ class TestbedProcessGroup(dist.ProcessGroup):
 
 
 def _flat(t) -> np.ndarray:
-    return np.ascontiguousarray(t.detach().numpy().reshape(-1), dtype=np.float32)
+    return np.ascontiguousarray(t.detach().float().numpy().reshape(-1), dtype=np.float32)
+
+
+def _combiner(fn, dtype):
+    """``combine(acc, piece)`` for the ring (numpy arrays; a bfloat16's as its int16 bits):
+    ``acc = fn(acc, piece)`` in place, computed by torch in ``dtype`` and rounded to it."""
+    bits = _BITS.get(dtype)
+
+    def combine(acc: np.ndarray, piece: np.ndarray) -> None:
+        a, b = torch.from_numpy(acc), torch.from_numpy(piece)
+        if bits is not None:
+            a, b = a.view(dtype), b.view(dtype)
+        fn(a, b, out=a)
+    return combine
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> TestbedProcessGroup:

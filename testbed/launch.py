@@ -129,7 +129,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     the tenant's ``hints``, :class:`testbed.provider.schema.Hints` fields such as
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
     result and ``launch.json``). ``chakra_out``: a folder where the job's collectives are
-    written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.replay.export`; needs
+    written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.workloads.chakra.export`; needs
     ``algo``, whose backend traces them, and the ``[traces]`` extra). ``echo(line)``: called
     with every ``[rank]: ...`` output line (default: print). ``out``: the results root
     (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad options before anything is
@@ -182,7 +182,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
                                  "hints": dict(hints or {})} if plan else None)
         done.plan = plan.model_dump() if plan else None
     if chakra_out is not None:
-        from testbed.replay import export
+        from testbed.workloads.chakra import export
 
         done.chakra = export(done.trace, Path(chakra_out) / stem, len(done.returncodes))
     return done
@@ -494,16 +494,27 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
     for row in trace:
         row["time_s"] = (row["end_s"] - row["start_s"]) / f
         row["model_s"] = None
-        if (row["path"] == f"testbed:{tj.algo}" and tj.algo != "trim"
-                and row["op"] in ("allreduce", "reduce_scatter", "allgather") and row["bytes"]
-                and len(set(names)) == len(names)):
-            # the whole array, as the model counts it (an allgather's row has one rank's part)
-            key = (row["op"], row["bytes"] * (len(names) if row["op"] == "allgather" else 1))
-            if key not in cache:
-                spec = dataclasses.replace(tj.collective(key[1]), op=key[0])
-                cache[key] = flowmodel.predict(net.routed_topo, spec, workers=names,
-                                               hop_latency_s=hop, time_dilation=f).time_s
-            row["model_s"] = cache[key]
+        algo = row["path"].removeprefix("testbed:")
+        if (not row["path"].startswith("testbed:") or algo == "trim"
+                or row["op"] not in ("allreduce", "reduce_scatter", "allgather")
+                or not row["bytes"] or len(set(names)) != len(names)):
+            continue
+        # the whole array, as the model counts it (an allgather's row has one rank's part);
+        # a 16-bit float that an in-network job summed as float32 crossed the links as one
+        nbytes = row["bytes"] * (len(names) if row["op"] == "allgather" else 1)
+        if algo != "ring" and row.get("dtype") in ("float16", "bfloat16"):
+            nbytes *= 2
+        if nbytes % 4:
+            continue  # the model counts float32 elements
+        key = (row["op"], nbytes, algo)
+        if key not in cache:
+            spec = dataclasses.replace(tj.collective(nbytes), op=row["op"])
+            if algo != tj.algo or row.get("note"):  # the ring of the job's hosts, as it is
+                spec = dataclasses.replace(spec, algo=algo, compressor=None,
+                                           compressor_params={}, error_feedback=False)
+            cache[key] = flowmodel.predict(net.routed_topo, spec, workers=names,
+                                           hop_latency_s=hop, time_dilation=f).time_s
+        row["model_s"] = cache[key]
 
 
 def _save_trace(trace: list[dict], folder: Path) -> None:

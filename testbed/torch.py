@@ -175,6 +175,18 @@ class TestbedComm:
             fn = peer_algorithm(self.tj.algo).rank_function("allreduce")
             fn(self.comm, x, out, self.n, 64 << 10)
 
+    def ring_reduce(self, buf: np.ndarray, combine) -> None:
+        """Allreduce ``buf`` in place on the ring of this job's hosts, in ``buf``'s own dtype:
+        ``combine(acc, piece)`` folds a received piece into the local one at every hop (a sum
+        rounded to float16 at each hop, as a framework's reduced-precision allreduce does; a
+        maximum, exact in any dtype). Every TCP algorithm's communicator holds the ring's
+        connections (trim's broadcast and the compressed allreduces run on it)."""
+        if self.comm is None:
+            raise ValueError(f"algorithm {self.tj.algo!r} has no ring of TCP connections")
+        self.calls += 1
+        ring.allreduce_inplace(self.comm, buf, self.n, max(1, (64 << 10) // buf.itemsize),
+                               combine)
+
     def shard_ops(self) -> tuple[str, ...]:
         """The sharded collectives (reduce_scatter, allgather: FSDP's) this job's algorithm
         runs itself: a peer algorithm's, uncompressed; others go to gloo."""

@@ -1,6 +1,7 @@
 """A hand-written collective loop, as users write one for torchrun: every rank all-reduces
-tensors of several sizes and dtypes, then broadcasts, all-gathers and all-to-alls, and
-checks every result against what the numbers must be (exit status 1 on a wrong one).
+tensors of several sizes and dtypes (sums, maxima, minima, products), then broadcasts,
+all-gathers and all-to-alls, and checks every result against what the numbers must be (exit
+status 1 on a wrong one).
 
     sudo .venv/bin/testbed launch --hosts 3 --algo ring examples/torch/allreduce_loop.py
 """
@@ -16,13 +17,14 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     wrong = []
     for it, n in enumerate([1, 1000, 65_537, 262_144]):
-        for dtype in (torch.float32, torch.int64, torch.float16):
+        for dtype in (torch.float32, torch.int64, torch.float16, torch.bfloat16, torch.int32):
             g = torch.Generator().manual_seed(1000 * it + 7)
             inputs = [(torch.randn(n, generator=g) * 8).to(dtype) for _ in range(world)]
             expect = sum(t.double() for t in inputs)
             t = inputs[rank].clone()
             dist.all_reduce(t)
-            tol = {torch.float32: 1e-4, torch.int64: 0.0, torch.float16: 0.05}[dtype]
+            tol = {torch.float32: 1e-4, torch.int64: 0.0, torch.float16: 0.05,
+                   torch.bfloat16: 0.05, torch.int32: 0.0}[dtype]
             err = (t.double() - expect).abs().max().item()
             if err > tol * (1 + expect.abs().max().item()):
                 wrong.append(f"all_reduce {dtype} n={n}: error {err}")
@@ -30,6 +32,22 @@ def main() -> int:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if not torch.equal(t, torch.arange(5, dtype=torch.float32) * world):
         wrong.append(f"all_reduce MAX: {t}")
+    # maxima, minima and products of small factors are exact in any dtype and order
+    folds = {dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum,
+             dist.ReduceOp.PRODUCT: torch.mul}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        for op, fold in folds.items():
+            g = torch.Generator().manual_seed(31)
+            inputs = [torch.randint(-2, 3, (70_001,), generator=g).to(dtype)
+                      if op == dist.ReduceOp.PRODUCT else
+                      (torch.randn(70_001, generator=g) * 50).to(dtype) for _ in range(world)]
+            expect = inputs[0]
+            for x in inputs[1:]:
+                expect = fold(expect, x)
+            t = inputs[rank].clone()
+            dist.all_reduce(t, op=op)
+            if not torch.equal(t, expect):
+                wrong.append(f"all_reduce {op} {dtype}: {(t != expect).sum().item()} differ")
     b = torch.full((4,), float(rank))
     dist.broadcast(b, src=world - 1)
     if not torch.equal(b, torch.full((4,), float(world - 1))):

@@ -1,7 +1,7 @@
 """``testbed bench replay``: Chakra traces of a data-parallel job and of a mixture-of-experts
 job replayed on an emulated leaf-spine, each collective against the flow model as ASTRA-sim
 publishes its validation (measured, predicted, error in %, geometric mean of |error|), and
-the whole trace's completion time against the model's (:func:`testbed.replay.predict_jct`).
+the whole trace's completion time against the model's (:func:`testbed.workloads.chakra.predict_jct`).
 
 Every iteration of a trace repeats its collectives, so each (op, size) is measured several
 times and its median compared (a single collective is measured on cold connections). The
@@ -29,7 +29,8 @@ def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes:
     (leaf_spine: two leaves, two spines; star) at ``bw`` Mb/s, its allreduces through the
     testbed's ``algo`` ('' or gloo: plain gloo)."""
     from testbed.collectives.algorithms import algorithm_names
-    from testbed.replay import ddp_graphs, moe_graphs, replay, write_trace
+    from testbed.replay import replay
+    from testbed.workloads.chakra import ddp_graphs, moe_graphs, write_trace
 
     sizes = parse_ints("buckets", buckets)
     names = [t.strip() for t in traces.split(",") if t.strip()]

@@ -72,6 +72,8 @@ from testbed.netlock import emulation_lock
 
 #: The "size" of a launched script's run in a plan (see :func:`plan_runs`).
 LAUNCH = "launch"
+#: The "size" of a point's replayed traces' run (all its ``[[replay]]`` at once).
+REPLAY = "replay"
 
 
 class RunAborted(RuntimeError):
@@ -158,13 +160,15 @@ def plan_runs(points: list[tuple[dict[str, Any], Experiment]]) -> list[tuple]:
     """Every run of an expanded sweep, in the order they run and are numbered:
     ``(point index, sweep values, point, job index, job, size)``; a training item has the
     item (a job, or a trace's list of jobs) as its job and ``None`` as its size, a launched
-    script :data:`LAUNCH`."""
+    script :data:`LAUNCH`, the point's replayed traces (one run, as tenants: their list as its
+    job, ``None`` as its index) :data:`REPLAY`."""
     return [(pi, params, point, ji, job, size)
             for pi, (params, point) in enumerate(points)
             for ji, job, size in [(ji, job, size) for ji, job in enumerate(point.jobs)
                                   for size in job.sizes()]
             + [(ti, item, None) for ti, item in train.plan_items(point)]
-            + [(li, job, LAUNCH) for li, job in enumerate(point.launch)]]
+            + [(li, job, LAUNCH) for li, job in enumerate(point.launch)]
+            + ([(None, list(point.replay), REPLAY)] if point.replay else [])]
 
 
 def run_metadata(exp: Experiment, plan: list[tuple], doctor: bool) -> dict[str, Any]:
@@ -312,6 +316,15 @@ def _execute(exp: Experiment, plan: list, store: ResultsStore, out: Path, advanc
                         raise KeyboardInterrupt
                     if stopped():
                         raise RunStopped
+                    if batch[0][5] == REPLAY:  # the point's traces, tenants of the fabric
+                        pi, params, pt, _, jobs, _ = batch[0]
+                        _run_replay(store, net, out, run_idx, pi, params, pt, jobs)
+                        failed = [r for r in store.rows[-len(jobs):] if r["status"] != "ok"]
+                        if exp.stop_on_error and failed:
+                            raise RunAborted(f"run {run_idx} failed: {failed[0]['error']}")
+                        run_idx += 1
+                        advance(_replay_text(store.rows[-len(jobs):], params))
+                        continue
                     if batch[0][5] == LAUNCH:  # a user's script, alone on the fabric
                         pi, params, pt, ji, job, _ = batch[0]
                         _run_launch(store, net, out, run_idx, pi, params, pt, ji, job)
@@ -380,11 +393,7 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
-        if _interrupted(e):
-            raise KeyboardInterrupt from e
-        err = describe_error(e)
-        for k, job in enumerate(jobs):
-            store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
+        _record_failure(store, e, run_idx, pi, params, point, jobs, first)
         return
     dp_cols = _counter_deltas(before, _counters(net), out, run_idx, net=net) if before else {}
     for k, (job, (summary, its, trace)) in enumerate(zip(jobs, results, strict=True)):
@@ -393,7 +402,7 @@ def _run_training(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
         if summary.get("error"):
             row["status"], row["error"] = "error", summary["error"]
         elif job.chakra_out and trace:  # what it ran, as a Chakra trace replay takes
-            from testbed.replay import export  # needs the [traces] extra: only when asked
+            from testbed.workloads.chakra import export  # needs the [traces] extra: only when asked
 
             name = re.sub(r"[^A-Za-z0-9_.+-]", "_", job.label())
             prefix = Path(job.chakra_out) / f"{name}-run{run_idx:04d}"
@@ -428,10 +437,7 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
-        if _interrupted(e):
-            raise KeyboardInterrupt from e
-        store.append(_error_row(run_idx, pi, params, point, index, job, None,
-                                describe_error(e)))
+        _record_failure(store, e, run_idx, pi, params, point, [job], index)
         return
     mine = [r for r in done.trace if r["rank"] == 0]
     offloaded = [r for r in mine if r["path"].startswith("testbed:")]
@@ -450,6 +456,72 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     if done.returncode != 0:
         row["status"], row["error"] = "error", " | ".join(done.failures)[:2000]
     store.append(row)
+
+
+def _run_replay(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
+                point: Experiment, jobs: list) -> None:
+    """A point's replayed traces at once (``testbed.replay.replay_on``): a row per trace with
+    its hosts, start and end on the run's clock, JCT against the model's for the trace alone,
+    the provider's plan, whether every allreduce was exact; each trace's node, collective and
+    validation tables and timeline under ``replay/run<NNNN>/<name>/``."""
+    # needs torch and the [traces] extra only when one runs
+    from testbed.replay import Tenant, replay_on
+
+    folder = out / "replay" / f"run{run_idx:04d}"
+    tenants = [Tenant(job.trace, arrival_s=job.arrival_s, algo=job.algo,
+                      hints=job.hints or None, groups=job.comm_groups, scale=job.scale,
+                      name=job.label()) for job in jobs]
+    policies = [job.policy for job in jobs if job.algo == "auto"]
+    try:
+        done = replay_on(net, tenants, folder, timeout_s=max(job.timeout_s for job in jobs),
+                         echo=lambda line: None,
+                         policy=policies[0] if policies else "cooperative")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:
+        _record_failure(store, e, run_idx, pi, params, point, jobs)
+        return
+    for k, (job, t) in enumerate(zip(jobs, done.tenants, strict=True)):
+        exact = t.get("max_abs_err") in (None, 0.0)
+        report = {"op": "replay", "algo": (t.get("plan") or {}).get("algo") or job.algo
+                  or "gloo", "compressor": (t.get("plan") or {}).get("compressor"),
+                  "error_feedback": False, "n": t["ranks"], "trace": job.trace,
+                  "hosts": ",".join(t["hosts"]), "arrival_s": t["arrival_s"],
+                  "start_s": t.get("start_s"), "end_s": t.get("end_s"),
+                  "time_s": t.get("jct_s"), "model_s": t.get("model_jct_s"),
+                  "slowdown": t.get("slowdown"), "geomean_error_pct": t.get("geomean_error_pct"),
+                  "collectives": t.get("collectives"), "max_abs_err": t.get("max_abs_err"),
+                  "planned_by": job.policy if job.algo == "auto" else None,
+                  "plan_reason": (t.get("plan") or {}).get("reason"),
+                  "correct": not t["failed"] and exact, "folder": t.get("folder"),
+                  "time_dilation": net.time_dilation}
+        row = _ok_row(run_idx, pi, params, point, k, job, None, report)
+        if t["failed"]:
+            row["status"], row["error"] = "error", t.get("error") or "failed"
+        elif not exact:
+            row["status"], row["error"] = "error", (f"an allreduce was off the exact sum by "
+                                                    f"{t['max_abs_err']:g}")
+        store.append(row)
+
+
+def _replay_text(rows: list[dict], params: dict) -> str:
+    sweep = " ".join(f"{k}={v}" for k, v in params.items())
+    return "; ".join(
+        f"{r.get('label')} {sweep}: FAILED {r.get('error')}" if r.get("status") != "ok" else
+        f"{r.get('label')} {sweep}: JCT {r['time_s']:.4g} s (model "
+        f"{r['model_s'] if r.get('model_s') is None else format(r['model_s'], '.4g')} s)"
+        for r in rows)
+
+
+def _record_failure(store: ResultsStore, e: Exception, run_idx: int, pi, params,
+                    point: Experiment, jobs: list, first: int = 0) -> None:
+    """A run of ``jobs`` (numbered from ``first``) that raised ``e``: an error row for each,
+    or a KeyboardInterrupt when ``e`` came while a Ctrl-C was being handled."""
+    if _interrupted(e):
+        raise KeyboardInterrupt from e
+    err = describe_error(e)
+    for k, job in enumerate(jobs):
+        store.append(_error_row(run_idx, pi, params, point, first + k, job, None, err))
 
 
 def _train_text(row: dict, params: dict) -> str:
@@ -498,8 +570,9 @@ def _ok_row(run_idx, pi, params, point, ji, job, size, report: dict) -> dict:
 def _error_row(run_idx, pi, params, point, ji, job, size, err: str) -> dict:
     row = _base_row(run_idx, pi, params, point, ji, job)
     row.update({"op": getattr(job, "op", "train"), "algo": job.algo, "bytes": size,
-                "compressor": job.compressor,
-                "error_feedback": job.error_feedback, "status": "error", "error": err})
+                "compressor": getattr(job, "compressor", None),
+                "error_feedback": getattr(job, "error_feedback", False), "status": "error",
+                "error": err})
     return row
 
 
@@ -512,7 +585,7 @@ def _calibrate(net, group: list):
         return None
 
     specs = [_collective_spec(job, size, pt) for (_pi, _params, pt, _ji, job, size) in group
-             if job.op != "incast"]
+             if isinstance(size, int) and job.op != "incast"]  # training, scripts: a ring
     return calibrate(net, specs or [CollectiveSpec(algo="ring", nbytes=4 << 20)], run_collective)
 
 

@@ -519,6 +519,29 @@ class TrainJob(_Communication):
                             seed=seed if self.seed is None else self.seed)
 
 
+def _allreducing_algo(v: str | None) -> str | None:
+    """A launched or replayed job's algorithm: one that allreduces gradients, or 'auto'."""
+    if v is not None and v != "auto" and v not in algorithm_names("allreduce", trains=True):
+        raise ValueError(f"{v!r} is not an algorithm that allreduces gradients: one of "
+                         f"{algorithm_names('allreduce', trains=True)}, or 'auto'")
+    return v
+
+
+def _checked_hints(v: dict[str, Any]) -> dict[str, Any]:
+    from testbed.provider.schema import check_hints  # on use (module docstring)
+
+    check_hints(v)  # a bad hint is an error naming it
+    return v
+
+
+def _known_policy(v: str) -> str:
+    from testbed.provider.policies import POLICIES  # on use (module docstring)
+
+    if v not in POLICIES:
+        raise ValueError(f"{v!r} is not a policy: one of {sorted(POLICIES)}")
+    return v
+
+
 class LaunchJob(_Communication):
     """A PyTorch script run unmodified on the emulated hosts (``testbed launch``): plain gloo
     (``algo`` unset, the baseline) or through the ``testbed`` backend with ``algo``."""
@@ -544,30 +567,9 @@ class LaunchJob(_Communication):
     def op(self) -> str:
         return "launch"
 
-    @field_validator("algo")
-    @classmethod
-    def _allreducing_algo(cls, v: str | None) -> str | None:
-        if v is not None and v != "auto" and v not in algorithm_names("allreduce", trains=True):
-            raise ValueError(f"{v!r} is not an algorithm that allreduces gradients: one of "
-                             f"{algorithm_names('allreduce', trains=True)}, or 'auto'")
-        return v
-
-    @field_validator("hints")
-    @classmethod
-    def _hints(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from testbed.provider.schema import check_hints  # on use (module docstring)
-
-        check_hints(v)  # a bad hint is an error naming it
-        return v
-
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        from testbed.provider.policies import POLICIES  # on use (module docstring)
-
-        if v not in POLICIES:
-            raise ValueError(f"{v!r} is not a policy: one of {sorted(POLICIES)}")
-        return v
+    _algo = field_validator("algo")(lambda v: _allreducing_algo(v))
+    _hints = field_validator("hints")(lambda v: _checked_hints(v))
+    _policy = field_validator("policy")(lambda v: _known_policy(v))
 
     @model_validator(mode="after")
     def _ranks_per_host(self) -> LaunchJob:
@@ -591,6 +593,53 @@ class LaunchJob(_Communication):
                 + (f"+{self.compressor}" if self.compressor else ""))
 
 
+class ReplayJob(_Strict):
+    """A Chakra execution trace replayed on the point's network (``testbed replay``). Every
+    ``[[replay]]`` of a point runs in one run, as tenants of the fabric: each on hosts of its
+    own (the first trace's ranks on the first hosts, the next ones after them), each from its
+    ``arrival_s``; with ``algo = "auto"`` each is admitted to one provider at its arrival."""
+
+    name: str | None = Field(None, description="label in tables (default: the trace's file "
+                                               "name)")
+    trace: str = Field(description="the trace's prefix: files <trace>.<rank>.et (a relative "
+                                   "path is taken from the working directory)")
+    arrival_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                             description="when it starts (undilated seconds after the run's "
+                                         "start)")
+    algo: str | None = Field(None, description="the testbed algorithm of its world float32 "
+                                               "allreduces (default: plain gloo; auto: the "
+                                               "provider plans it from hints)")
+    hints: dict[str, Any] = Field(default_factory=dict, description="with algo 'auto': what "
+                                  "the tenant tells the provider, over what its trace shows "
+                                  "(collective bytes, compute time)")
+    policy: str = Field("cooperative", description="with algo 'auto': the provider's policy "
+                                                   "(one provider: every tenant's the same)")
+    comm_groups: str | dict[str, list[int]] | None = Field(
+        None, description="communicator groups: ASTRA-sim's --comm-group-configuration JSON "
+                          "file, or a table name -> ranks")
+    scale: float = Field(1.0, ge=0, allow_inf_nan=False,
+                         description="factor on the trace's compute durations")
+    timeout_s: float = Field(600.0, gt=0, description="stop the replay after this long")
+
+    @property
+    def op(self) -> str:
+        return "replay"
+
+    _algo = field_validator("algo")(lambda v: _allreducing_algo(v))
+    _hints = field_validator("hints")(lambda v: _checked_hints(v))
+    _policy = field_validator("policy")(lambda v: _known_policy(v))
+
+    @model_validator(mode="after")
+    def _hints_for_auto(self) -> ReplayJob:
+        if self.hints and self.algo != "auto":
+            raise ValueError("hints are for algo 'auto' (the provider plans with them)")
+        return self
+
+    def label(self) -> str:
+        """Name shown in tables and plots."""
+        return self.name or Path(self.trace).name
+
+
 #: Communication settings a training job may set through ``options``.
 TRAIN_OPTIONS = ("window", "loss", "chunk_bytes", "bits", "idle_ms")
 
@@ -606,6 +655,8 @@ class Experiment(_Strict):
     jobs: list[JobSpec] = Field(default_factory=list)
     training: list[TrainJob] = Field(default_factory=list)
     launch: list[LaunchJob] = Field(default_factory=list)
+    replay: list[ReplayJob] = Field(default_factory=list, description="Chakra traces "
+                                    "replayed together, as tenants of the fabric")
     trace: bool = Field(False, description="run the training jobs at once, each from its "
                                            "start_s on its own hosts")
     impairments: list[Impairment] = Field(default_factory=list)
@@ -650,9 +701,9 @@ class Experiment(_Strict):
 
     @model_validator(mode="after")
     def _has_work(self) -> Experiment:
-        if not self.jobs and not self.training and not self.launch:
-            raise ValueError("give at least one job ([[jobs]]), training job ([[training]]) "
-                             "or launched script ([[launch]])")
+        if not self.jobs and not self.training and not self.launch and not self.replay:
+            raise ValueError("give at least one job ([[jobs]]), training job ([[training]]), "
+                             "launched script ([[launch]]) or trace ([[replay]])")
         return self
 
     @model_validator(mode="after")
@@ -777,8 +828,8 @@ def load_experiment(source: str | Path | dict | Experiment) -> Experiment:
 #: What an experiment file's top-level ``kind`` declares (default ``collectives``); the one
 #: runner, :func:`testbed.experiment.run`, runs each kind.
 EXPERIMENT_KINDS = {
-    "collectives": "collective jobs, training jobs and launched scripts on one network per "
-                   "sweep point (this module's Experiment)",
+    "collectives": "collective jobs, training jobs, launched scripts and replayed traces on "
+                   "one network per sweep point (this module's Experiment)",
     "cooperation": "tenants' training jobs arriving over time, admitted and planned by the "
                    "provider, the trace run once per policy "
                    "(testbed.experiment.cooperation.CooperationExperiment)",
@@ -999,7 +1050,8 @@ def _point_problems(point: Experiment, cache: dict[str, Any]) -> list[str]:
     return list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
                                     point.trimming, point.codec, point.cross_traffic,
                                     point.capture) + training_problems(point, topo) \
-        + launch_problems(point, topo) + fault_problems(point.faults, topo, point)
+        + launch_problems(point, topo) + replay_problems(point, topo) \
+        + fault_problems(point.faults, topo, point)
 
 
 def _partial_problems(data: Any) -> list[str]:
@@ -1046,9 +1098,10 @@ def fault_problems(faults: list[Fault], topo, point) -> list[str]:
     from testbed.topologies import routing  # on use (module docstring)
 
     problems = []
-    if getattr(point, "training", None) or getattr(point, "launch", None):
+    if getattr(point, "training", None) or getattr(point, "launch", None) \
+            or getattr(point, "replay", None):
         problems.append("faults: only collective jobs ([[jobs]]) run with faults; move the "
-                        "training or launched jobs to their own experiment")
+                        "training, launched or replayed jobs to their own experiment")
     for i, f in enumerate(faults):
         if f.link is not None:
             try:
@@ -1249,6 +1302,47 @@ def launch_problems(point, topo) -> list[str]:
             problem = _aggregator_problem(f"launch.{i}", job, point.topology, topo)
             if problem:
                 problems.append(problem)
+    return problems
+
+
+def replay_problems(point, topo) -> list[str]:
+    """What the replayed traces of ``point`` cannot do on ``topo``: a trace that cannot be
+    replayed (the format's own checks, naming file and node), two tenants of one name, more
+    ranks in all than hosts, an offload without an aggregator, tenants asking one provider for
+    different policies."""
+    if not point.replay:
+        return []
+    from testbed.workloads.chakra import TraceError, load_trace, read_groups  # on use
+
+    problems: list[str] = []
+    ranks = 0
+    names: dict[str, int] = {}
+    for i, job in enumerate(point.replay):
+        if job.label() in names:
+            problems.append(f"replay.{i}.name: {job.label()!r} is also replay."
+                            f"{names[job.label()]}'s name; give each trace a name")
+        names.setdefault(job.label(), i)
+        try:
+            groups = read_groups(job.comm_groups) if isinstance(job.comm_groups, str) \
+                else job.comm_groups
+        except (OSError, ValueError) as e:
+            problems.append(f"replay.{i}.comm_groups: {e}")
+            continue
+        try:
+            ranks += len(load_trace(job.trace, groups))
+        except (OSError, TraceError) as e:
+            problems.append(f"replay.{i}.trace: {e}")
+        if job.algo is not None and job.algo != "auto":
+            problem = _aggregator_problem(f"replay.{i}", job, point.topology, topo)
+            if problem:
+                problems.append(problem)
+    if topo is not None and ranks > topo.n_hosts:
+        problems.append(f"replay: the traces have {ranks} ranks in all (a rank per host), but "
+                        f"the topology has {topo.n_hosts} hosts")
+    policies = {job.policy for job in point.replay if job.algo == "auto"}
+    if len(policies) > 1:
+        problems.append(f"replay: tenants with algo 'auto' ask one provider for policies "
+                        f"{sorted(policies)}; give them one policy")
     return problems
 
 

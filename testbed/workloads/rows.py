@@ -72,7 +72,7 @@ def collective_trace(spec: TrainingSpec, logs: list[dict]) -> list[dict]:
     """Every worker's gradient allreduces as ``testbed.c10d`` traces a launched job's
     collectives (``rank, op, dtype, bytes, path, start_s, end_s``; seconds undilated, on the
     job's clock, evaluations taken out), so one writer turns both into a Chakra trace
-    (``testbed.replay.export``): the gaps between them are the iterations' compute and
+    (``testbed.workloads.chakra.export``): the gaps between them are the iterations' compute and
     updates. Empty for ``algo="trim"``, whose incast of trimmed packets is no collective a
     trace can name."""
     if spec.algo == "trim" or not logs:

@@ -59,8 +59,8 @@ def test_several_problems_reported_together():
 
 def test_missing_jobs():
     assert _problems({"name": "x"}) == [
-        "(top level): give at least one job ([[jobs]]), training job ([[training]]) or "
-        "launched script ([[launch]])"]
+        "(top level): give at least one job ([[jobs]]), training job ([[training]]), "
+        "launched script ([[launch]]) or trace ([[replay]])"]
 
 
 def test_sizes_with_units():
@@ -368,6 +368,8 @@ _FIELDS = {
     "training": ["algo", "iterations", "hidden", "batch_size", "compressor", "workers",
                  "hosts", "target_accuracy", "options", "chakra_out", "start_s"],
     "launch": ["script", "hosts", "algo", "nproc_per_host", "hints", "policy", "compressor"],
+    "replay": ["trace", "name", "arrival_s", "algo", "hints", "policy", "comm_groups", "scale",
+               "timeout_s"],
     "impairments": ["node", "ports", "loss_pct", "dup_pct", "reorder_pct", "delay_ms"],
 }
 
@@ -380,7 +382,7 @@ def _fuzzed_experiment(draw) -> dict:
     if draw(st.booleans()):
         topo["kind"] = draw(st.sampled_from(["star", "leaf_spine", "fat_tree", "dumbbell"]))
     data["topology"] = topo
-    for section in ("jobs", "training", "launch", "impairments"):
+    for section in ("jobs", "training", "launch", "replay", "impairments"):
         data[section] = [{k: draw(_ANY) for k in draw(st.lists(
             st.sampled_from(_FIELDS[section]), max_size=4, unique=True))}
             for _ in range(draw(st.integers(0, 2)))]

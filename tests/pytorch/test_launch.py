@@ -54,11 +54,14 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     assert sorted(x for x in lines if x.endswith((": ok", ": FAILED"))) == \
         [f"[{r}]:rank {r}: ok" for r in range(3)]
     paths = {(row["op"], row["dtype"], row["path"]) for row in done.trace}
-    assert ("allreduce", "float32", "testbed:ring") in paths
-    assert ("allreduce", "int64", "gloo") in paths and ("allreduce", "float16", "gloo") in paths
+    # every dtype's sums, maxima, minima and products on the testbed's ring, none on gloo
+    dtypes = {"float32", "float16", "bfloat16", "int32", "int64"}
+    assert {p[1] for p in paths if p[:1] == ("allreduce",) and p[2] == "testbed:ring"} == dtypes
+    assert not [p for p in paths if p[0] == "allreduce" and p[2] == "gloo"]
     assert {"broadcast", "allgather", "all_to_all", "barrier"} <= {p[0] for p in paths}
-    ring = [r for r in done.trace if r["path"] == "testbed:ring"]
-    assert {r["bytes"] for r in ring} == {4, 4000, 4 * 65_537, 4 * 262_144}
+    ring = [r for r in done.trace if r["path"] == "testbed:ring" and r["dtype"] == "float32"
+            and r["bytes"] != 4 * 70_001]
+    assert {r["bytes"] for r in ring} == {4, 20, 4000, 4 * 65_537, 4 * 262_144}
     assert all(r["end_s"] >= r["start_s"] and r["time_s"] >= 0 for r in done.trace)
     assert all(r["model_s"] > 0 for r in ring)  # the flow model of each, on this network
     assert all(r["model_s"] is None for r in done.trace if r["path"] == "gloo")
@@ -68,7 +71,8 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2}  # a track per rank
     # the export: the ranks' collectives in their order, replayed on a fresh network
     pytest.importorskip("chakra", reason="the [traces] extra is not installed")
-    from testbed.replay import load_trace, replay
+    from testbed.replay import replay
+    from testbed.workloads.chakra import load_trace
 
     assert done.chakra == [tmp_path / "et" / f"allreduce_loop.{r}.et" for r in range(3)]
     ops = {"allreduce": "all_reduce", "allgather": "all_gather", "all_to_all": "all_to_all",
@@ -81,6 +85,24 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
                  echo=lambda line: None)
     assert res.launched.returncode == 0, res.launched.failures
     assert [(c["op"], c["bytes"]) for c in res.collectives] == ran
+
+
+def test_collective_loop_through_in_network_aggregation_names_each_fallback(tmp_path):
+    """INA sums float32 in the switch, and float16 / bfloat16 as float32 (rounded once);
+    maxima, minima, products and integer sums go to gloo, each such call named in the trace
+    with why. The script checks every answer itself."""
+    done, lines = _run(tmp_path, "allreduce_loop.py", hosts=3, algo="ina",
+                       topology={"switch": "programmable"})
+    assert done.returncode == 0, done.failures + lines[-20:]
+    rows = [r for r in done.trace if r["op"] == "allreduce" and r["rank"] == 0]
+    ina = {r["dtype"] for r in rows if r["path"] == "testbed:ina"}
+    assert ina == {"float32", "float16", "bfloat16"}
+    assert all("summed as float32" in r["note"] for r in rows
+               if r["path"] == "testbed:ina" and r["dtype"] != "float32")
+    gloo = [r for r in rows if r["path"] == "gloo"]
+    assert {r["dtype"] for r in gloo} == {"float32", "float16", "bfloat16", "int32", "int64"}
+    assert all(r["note"].startswith("ina sums in the network: ") for r in gloo), gloo[:3]
+    assert any(r["note"].startswith("ina sums in the network: max of bfloat16") for r in gloo)
 
 
 def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):

@@ -4,6 +4,7 @@ before anything runs, and replayed on emulated networks (needs the ``[torch]`` a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ pb = pytest.importorskip("chakra.schema.protobuf.et_def_pb2",
                          reason="the [traces] extra (mlc-chakra) is not installed")
 protolib = pytest.importorskip("chakra.src.third_party.utils.protolib")
 
-from testbed.replay import TraceError, load_trace, replay  # noqa: E402
+from testbed.replay import replay  # noqa: E402
+from testbed.workloads.chakra import TraceError, load_trace  # noqa: E402
 
 
 def _attr(node, name, **value):
@@ -136,7 +138,7 @@ def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
 
 
 def test_communicator_groups_as_astra_sim_takes_them(tmp_path):
-    from testbed.replay import predict_jct, read_groups
+    from testbed.workloads.chakra import predict_jct, read_groups
 
     path = tmp_path / "groups.json"
     path.write_text('{"1": [0, 1], "2": [2, 3]}')
@@ -171,7 +173,7 @@ def tensor_parallel(n: int) -> dict:
 def test_the_models_completion_time_of_a_trace():
     """Compute lasts its duration (times the scale), a send and its receive start when both
     ranks reached them, a collective when every rank did; what has no prediction gives None."""
-    from testbed.replay import Node, predict_jct
+    from testbed.workloads.chakra import Node, predict_jct
 
     ranks = {0: [Node(1, "c", "comp", duration_s=0.010), Node(2, "s", "send", (1,), bytes=8,
                                                                peer=1),
@@ -291,7 +293,7 @@ def test_tenants_are_checked_before_anything_runs(tmp_path):
 
 
 def test_trace_hints_of_a_ddp_trace(tmp_path):
-    from testbed.replay import load_trace, trace_hints
+    from testbed.workloads.chakra import load_trace, trace_hints
 
     ranks = load_trace(write(tmp_path / "ddp", ddp(2, sizes=(4096, 8192), compute_us=1000)))
     assert trace_hints(ranks) == {"iterations": 1, "collective_bytes": 4096 + 8192,
@@ -337,3 +339,92 @@ def test_two_traces_at_once_admitted_through_the_provider(tmp_path):
     assert [len(r.collectives) for r in res.replayed] == [2, 1]
     assert (res.folder / "tenants.csv").exists()
     assert {p.name for p in res.folder.iterdir()} >= {"first", "second"}
+
+
+# -- [[replay]] in experiment files ----------------------------------------------------------
+
+def _replay_problems(entries: list[dict], **point) -> list[str]:
+    from testbed.experiment.spec import ExperimentError, parse_experiment
+
+    try:
+        parse_experiment({"topology": {"kind": "star", "n_hosts": 4}, **point,
+                          "replay": entries})
+    except ExperimentError as e:
+        return e.problems
+    return []
+
+
+def test_replay_entries_of_an_experiment_are_checked_before_anything_runs(tmp_path):
+    """``[[replay]]``: each trace loads and passes the format's checks (named by its entry
+    and file), the tenants' ranks fit the hosts, names differ, one provider means one policy,
+    an offload needs an aggregator; a valid file plans the point's traces as one run."""
+    from testbed.experiment.runner import REPLAY, plan_runs
+    from testbed.experiment.spec import expand_sweep, parse_experiment
+
+    a, b = write(tmp_path / "a", ddp(2)), write(tmp_path / "b", ddp(2))
+    bad = write(tmp_path / "bad", {0: [coll(1, pb.ALL_REDUCE, 4096)],
+                                   1: [coll(1, pb.ALL_REDUCE, 8192)]})
+    (tmp_path / "groups.json").write_text('{"1": [0, 7]}')
+    exp = parse_experiment({"topology": {"kind": "star", "n_hosts": 4},
+                            "replay": [{"trace": str(a)}, {"trace": str(b), "arrival_s": 1}],
+                            "sweep": {"replay.0.algo": ["ring", "hd"]}})
+    plan = plan_runs(expand_sweep(exp))
+    assert [(p[0], p[5], [j.label() for j in p[4]]) for p in plan] == \
+        [(0, REPLAY, ["a", "b"]), (1, REPLAY, ["a", "b"])]
+    assert [p[4][0].algo for p in plan] == ["ring", "hd"]
+    for entries, point, match in (
+            ([{"trace": str(tmp_path / "nope")}], {}, "replay.0.trace: no trace files"),
+            ([{"trace": str(a)}, {"trace": str(bad)}], {},
+             r"replay.1.trace: .*bad\.1\.et: its collective #0"),
+            ([{"trace": str(a)}, {"trace": str(b)}, {"trace": str(a), "name": "c"}], {},
+             "replay: the traces have 6 ranks in all (a rank per host), but the topology "
+             "has 4 hosts"),
+            ([{"trace": str(a)}, {"trace": str(a)}], {}, "replay.1.name: 'a' is also "
+                                                         "replay.0's name"),
+            ([{"trace": str(a), "algo": "auto"},
+              {"trace": str(b), "algo": "auto", "policy": "oracle"}], {},
+             "one provider for policies ['cooperative', 'oracle']"),
+            ([{"trace": str(a), "hints": {"tolerance": "exact"}}], {},
+             "hints are for algo 'auto'"),
+            ([{"trace": str(a), "algo": "ina"}], {"topology": {"kind": "star", "n_hosts": 4,
+                                                               "switch": "bridge"}},
+             "replay.0.algo: 'ina' aggregates in a programmable switch"),
+            ([{"trace": str(a), "comm_groups": str(tmp_path / "nogroups.json")}], {},
+             "replay.0.comm_groups: "),
+            ([{"trace": str(a), "comm_groups": str(tmp_path / "groups.json")}], {},
+             r"replay.0.trace: .*communicator group '1' names ranks \[7\]"),
+            ([{"trace": str(a), "arrival_s": -1}], {}, "replay.0.arrival_s"),
+            ([{"trace": str(a)}], {"faults": [{"switch": "tbs1",
+                                               "at_s": 0.1}]},
+             "faults: only collective jobs")):
+        problems = _replay_problems(entries, **point)
+        assert any(match in p or re.search(match, p) for p in problems), (match, problems)
+
+
+@pytest.mark.mininet
+def test_replay_entries_run_as_tenants_of_an_experiments_network(tmp_path):
+    """Two ``[[replay]]`` of one point: one run on the point's network, a row per trace
+    (hosts of its own, from its arrival, every allreduce exact, JCT against the model's),
+    each trace's tables under ``replay/run<NNNN>/<name>/`` with the table of tenants."""
+    from testbed.experiment import run
+
+    a = write(tmp_path / "a", ddp(2, sizes=(64 << 10, 256 << 10), compute_us=2000))
+    b = write(tmp_path / "b", ddp(2, sizes=(128 << 10,), compute_us=2000))
+    exp = {"name": "replay-tenants", "topology": {"kind": "star", "n_hosts": 4,
+                                                  "switch": "bridge", "bw_mbps": 100},
+           "replay": [{"trace": str(a), "algo": "ring", "name": "first"},
+                      {"trace": str(b), "arrival_s": 0.5, "name": "second"}]}
+    res = run(exp, out_dir=tmp_path / "r", progress=False, doctor=False)
+    df = res.df
+    assert list(df["label"]) == ["first", "second"] and (df["run"] == 0).all()
+    assert (df["status"] == "ok").all() and df["correct"].all(), df["error"].tolist()
+    assert list(df["algo"]) == ["ring", "gloo"] and list(df["collectives"]) == [2, 1]
+    assert (df["max_abs_err"] == 0).all()
+    assert df["hosts"].iloc[0] == "tbh1,tbh2" and df["hosts"].iloc[1] == "tbh3,tbh4"
+    assert df["start_s"].iloc[1] >= 0.5 and (df["time_s"] > 0).all()
+    assert (df["model_s"] > 0).all()
+    folder = tmp_path / "r" / "replay" / "run0000"
+    assert (folder / "tenants.csv").exists()
+    for name in ("first", "second"):
+        assert (folder / name / "validation.csv").exists()
+        assert (folder / name / "timeline.json").exists()

@@ -46,6 +46,8 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("testbed.warm", "testbed.datapath"): "as above: the data path's kernels",
     ("testbed.experiment.runner", "testbed.launch"): "the runner runs [[launch]] jobs with "
     "launch.run_script; launch itself reads experiment files (a layer below both)",
+    ("testbed.experiment.runner", "testbed.replay"): "the runner runs [[replay]] entries with "
+    "replay.replay_on, as it runs [[launch]] jobs (above)",
 }
 
 

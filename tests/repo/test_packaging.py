@@ -34,8 +34,8 @@ PLUGINS = {"pytest": {"testbed/experiment/pytest_plugin.py"},
                      "testbed/bench/torch_probe.py"},
            "distributed": {"testbed/experiment/distributed.py"},
            "dask": {"testbed/experiment/distributed.py"},
-           "mlc-chakra": {"testbed/replay.py"},
-           "protobuf": {"testbed/replay.py"},
+           "mlc-chakra": {"testbed/workloads/chakra.py"},
+           "protobuf": {"testbed/workloads/chakra.py"},
            "ipywidgets": {"testbed/experiment/live.py"}}
 #: Distributions of PLUGINS installed by an extra named otherwise (default: the same name).
 EXTRA_OF = {"dask": "distributed", "mlc-chakra": "traces", "protobuf": "traces",

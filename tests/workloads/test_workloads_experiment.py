@@ -63,7 +63,8 @@ def test_a_training_job_exported_as_chakra_replays_its_communication(tmp_path):
     pytest.importorskip("torch", reason="the [torch] extra is not installed")
     pytest.importorskip("chakra", reason="the [traces] extra is not installed")
     from testbed.experiment.cli import run_file
-    from testbed.replay import load_trace, replay
+    from testbed.replay import replay
+    from testbed.workloads.chakra import load_trace
 
     path = tmp_path / "t.toml"
     path.write_text(f"""

@@ -1,0 +1,81 @@
+"""The ``testbed`` backend's allreduce of the dtypes and reductions its algorithms do not sum
+as float32: the ring of the job's hosts in the tensor's own dtype (``testbed.c10d``), checked
+against torch's fold of the same inputs (its twin), on real TCP connections over the loopback
+(needs the ``[torch]`` extra; no root, no network)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the [torch] extra is not installed")
+
+from testbed.c10d import _BITS, _RING_COMBINE, _combiner  # noqa: E402
+from testbed.collectives import ring  # noqa: E402
+from testbed.collectives.testing import connected_mesh, loopback_ip  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+
+
+def _inputs(dtype, op: str, n: int, size: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    if op == "product":  # small factors: no overflow in any dtype, exact in every order
+        return [torch.randint(-2, 3, (size,), generator=g).to(dtype) for _ in range(n)]
+    return [(torch.randn(size, generator=g) * 50).to(dtype) for _ in range(n)]
+
+
+def _ring_allreduce(inputs: list, dtype, op: str, job: int, chunk: int) -> list:
+    """Every rank's result of the ring in ``dtype`` (a thread per rank, as ranks run)."""
+    n = len(inputs)
+    comms = connected_mesh(job, [loopback_ip()] * n)
+    outs, errors = [None] * n, []
+    bits = _BITS.get(dtype)
+
+    def rank(r: int) -> None:
+        try:
+            flat = inputs[r].clone()
+            buf = (flat.view(bits) if bits is not None else flat).numpy()
+            ring.allreduce_inplace(comms[r], buf, n, chunk, _combiner(_RING_COMBINE[op], dtype))
+            outs[r] = flat
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for c in comms:
+            c.close()
+    if errors:
+        raise errors[0]
+    return outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("op", ["max", "min", "product", "sum"])
+def test_ring_in_a_tensors_own_dtype_matches_its_twin(dtype, op):
+    """Maxima, minima and products of small factors are exact in any dtype and any order;
+    sums are exact for integers, and for floats the ring's hop-by-hop rounding in the dtype
+    stays within its unit roundoff per hop of torch's own float64 sum. Every rank gets the
+    same answer."""
+    n, size = 3, 10_007  # not a multiple of the ranks or the piece: ragged shards
+    inputs = _inputs(dtype, op, n, size, seed=17)
+    outs = _ring_allreduce(inputs, dtype, op, job=31, chunk=1000)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])  # bitwise: every rank
+    assert outs[0].dtype == dtype
+    fold = {"max": torch.maximum, "min": torch.minimum, "product": torch.mul}.get(op)
+    if fold is not None or not dtype.is_floating_point:
+        want = inputs[0].clone()
+        for x in inputs[1:]:
+            want = (fold or torch.add)(want, x)
+        assert torch.equal(outs[0], want)
+        return
+    exact = sum(x.double() for x in inputs)
+    eps = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    bound = n * eps * sum(x.double().abs() for x in inputs)  # one rounding per hop and result
+    assert ((outs[0].double() - exact).abs() <= bound).all()
