@@ -369,6 +369,11 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
 
 
 def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
+    """A rank's environment: torchrun's variables, and one thread for OpenMP as torchrun
+    gives each of several ranks on a machine. Numba's too: its OpenMP pool (started when the
+    testbed's kernels load) sets the thread count of the one OpenMP runtime torch shares, so
+    torch's own operations would run on two threads that spin between them, a rank's
+    tensor copies taking 10-40 ms instead of 1 on a loaded 2-core machine."""
     me, n, k = job["ranks"][r], len(job["ranks"]), job.get("nproc_per_host", 1)
     env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r % k),
            "LOCAL_WORLD_SIZE": str(k), "GROUP_RANK": str(r // k), "ROLE_RANK": str(r),
@@ -376,7 +381,8 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
            "MASTER_ADDR": job["ranks"][0]["ip"],
            "MASTER_PORT": str(MASTER_PORT + job["torch"]["job_id"]),
            "TORCHELASTIC_RUN_ID": f"testbed-{os.getpid()}", "GLOO_SOCKET_IFNAME": me["intf"],
-           "OMP_NUM_THREADS": "1", "TESTBED_JOB": str(folder / "job.json"),
+           "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+           "TESTBED_JOB": str(folder / "job.json"),
            "TESTBED_TRACE": str(folder / f"trace{r}.jsonl"), "PYTHONUNBUFFERED": "1",
            "TESTBED_LAUNCH_T0": str(job["t0"])}
     env.pop("TESTBED_BACKEND", None)

@@ -79,3 +79,23 @@ def test_ring_in_a_tensors_own_dtype_matches_its_twin(dtype, op):
     eps = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
     bound = n * eps * sum(x.double().abs() for x in inputs)  # one rounding per hop and result
     assert ((outs[0].double() - exact).abs() <= bound).all()
+
+
+def test_a_launched_rank_keeps_torch_on_one_thread_after_the_testbed_kernels_load(tmp_path):
+    """A launched rank's environment gives OpenMP one thread, as torchrun does for several
+    ranks on a machine; Numba's OpenMP pool, started when the testbed's kernels load, sets the
+    thread count of the OpenMP runtime torch shares, so it must get one too (with two, every
+    torch operation of a rank ran on two spinning threads: 10-40 ms tensor copies)."""
+    import subprocess
+    import sys
+
+    from testbed.launch import _rank_env
+
+    job = {"ranks": [{"ip": "10.0.0.1", "intf": "tbh1-eth0", "host": "tbh1"}],
+           "torch": {"job_id": 1}, "t0": 0.0}
+    env = _rank_env(job, 0, tmp_path, True)
+    code = "import torch, testbed.c10d; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1"
