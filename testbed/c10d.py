@@ -20,7 +20,9 @@ on INA), and routes
   take a maximum);
 * ``reduce_scatter_tensor`` (SUM, AVG) and ``all_gather_into_tensor`` of float32 (FSDP's
   gradient reduce-scatter and parameter all-gather) through it too when the algorithm runs
-  them itself (ring, hd, a plug-in that declares them; uncompressed);
+  them itself (ring, hd, a plug-in that declares them; uncompressed), and on the ring of the
+  job's hosts otherwise (a TCP job: other dtypes, MAX, MIN, PRODUCT, a compressed ring's
+  float32, as for allreduce above);
 * everything else (what no algorithm here does, broadcast, the list forms of allgather and
   reduce_scatter, all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
   exact answer from an algorithm that can give it, never a wrong one from one that cannot;
@@ -55,8 +57,6 @@ BACKEND = "testbed"
 TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s", "note")
 #: Whether this process built its world group's testbed communicator already.
 _WORLD_TAKEN = False
-#: What the testbed's algorithms reduce: float32 sums (and averages, a sum then a division).
-_OFFLOADED_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 #: What the ring runs in a tensor's own dtype: the reduction's name -> how a hop combines.
 _RING_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
                  "min": torch.minimum, "product": torch.mul}
@@ -133,51 +133,72 @@ class TestbedProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceOptions()
         t0 = time.time()
         op = _op_name(opts.reduceOp)
-        route, note = self._allreduce_route(tensors, op)
+        if len(tensors) != 1:
+            route, note = "gloo", None if self.comm is None else "a list of tensors: gloo's"
+        else:
+            route, note = self._route("allreduce", tensors[0], op)
         if route == "gloo":
             work = self.gloo.allreduce(tensors, opts)
             work.wait()
             self._record("allreduce", tensors, "gloo", t0, note)
             return work
-        t = tensors[0]
         if route == "ring":
-            bits = _BITS.get(t.dtype)
-            flat = t.detach().reshape(-1).clone()
-            buf = (flat.view(bits) if bits is not None else flat).numpy()
-            self.comm.ring_reduce(buf, _combiner(_RING_COMBINE[op], t.dtype))
-            if op == "avg":
-                flat /= self._size
-            t.copy_(flat.view(t.shape))
-            self._record("allreduce", tensors, "testbed:ring", t0, note)
-            return _Done([t])
+            return self._on_ring("allreduce", tensors[0], tensors[0], op, t0, note)
         # float32 through the job's algorithm (route "upcast": a 16-bit float summed as one)
         return self._testbed("allreduce", lambda x, out: self.comm.allreduce(x, out, 0),
-                             t, t, op == "avg", t0, note)
+                             tensors[0], tensors[0], op == "avg", t0, note)
 
-    def _allreduce_route(self, tensors, op: str) -> tuple[str, str | None]:
-        """Where an allreduce of ``tensors`` with reduction ``op`` runs, and why when it is
-        not the job's algorithm: ``algo`` (float32 sums), ``upcast`` (16-bit floats summed as
-        float32 by an in-network job), ``ring`` (the ring of a TCP job's hosts, in the
-        tensor's dtype) or ``gloo`` (see the module docstring)."""
+    def _route(self, op: str, tensor, reduction: str | None) -> tuple[str, str | None]:
+        """Where ``op`` (allreduce, reduce_scatter, allgather) of ``tensor`` combined by
+        ``reduction`` (None: an allgather) runs, and why when it is not the job's algorithm:
+        ``algo`` (float32 sums, shards through an algorithm that runs them), ``upcast`` (an
+        in-network job's 16-bit float sums, as float32), ``ring`` (the ring of a TCP job's
+        hosts, in the tensor's dtype) or ``gloo`` (see the module docstring)."""
         if self.comm is None:
             return "gloo", None  # a subgroup, or a single rank
-        if len(tensors) != 1:
-            return "gloo", "a list of tensors: gloo's"
-        dtype, algo = tensors[0].dtype, self.tj.algo
-        what = f"{op} of {str(dtype).removeprefix('torch.')}"
-        sums = op in ("sum", "avg")
-        if dtype == torch.float32 and sums:
+        dtype, algo = tensor.dtype, self.tj.algo
+        name = str(dtype).removeprefix("torch.")
+        what = f"{reduction} of {name}" if op == "allreduce" else \
+            f"{op} ({reduction}) of {name}" if reduction else f"{op} of {name}"
+        if op == "reduce_scatter" and tensor.numel() % self._size:
+            return "gloo", f"{what}: unequal shards, gloo's"
+        sums = reduction in (None, "sum", "avg")
+        if dtype == torch.float32 and sums and (op == "allreduce"
+                                                or op in self.comm.shard_ops()):
             return "algo", None
         if self.comm.client is not None:  # the switch (or SmartNIC) sums fixed point
-            if sums and dtype in (torch.float16, torch.bfloat16):
+            if op == "allreduce" and sums and dtype in (torch.float16, torch.bfloat16):
                 return "upcast", f"{algo} sums float32: {what} summed as float32, rounded once"
             return "gloo", f"{algo} sums in the network: {what} over gloo"
-        if op in _RING_COMBINE and dtype in _RING_DTYPES and (dtype.is_floating_point
-                                                              or op != "avg"):
+        if dtype in _RING_DTYPES and (reduction is None or (
+                reduction in _RING_COMBINE and (dtype.is_floating_point or reduction != "avg"))):
             if algo == "ring" and self.tj.compressor is None:
                 return "ring", None
             return "ring", f"{algo} runs float32 sums: {what} on the ring"
         return "gloo", f"{what}: no testbed algorithm does it"
+
+    def _on_ring(self, op: str, input, output, reduction: str | None, t0: float,
+                 note: str | None):
+        """``op`` on the ring of the job's hosts in the tensors' own dtype (a bfloat16 as
+        its bits), every hop combined by ``reduction``, into ``output``; traced."""
+        bits = _BITS.get(input.dtype)
+
+        def flat_copy(t):  # a flat copy and its numpy view
+            flat = t.detach().reshape(-1).clone()
+            return flat, (flat.view(bits) if bits is not None else flat).numpy()
+
+        combine = _combiner(_RING_COMBINE[reduction], input.dtype) if reduction else None
+        result, buf = flat_copy(input)
+        if op == "allreduce":
+            self.comm.ring_reduce(buf, combine)
+        else:
+            result, out = flat_copy(output)
+            self.comm.ring_sharded(op, buf, out, combine)
+        if reduction == "avg":
+            result /= self._size
+        output.copy_(result.view(output.shape))
+        self._record(op, [input], "testbed:ring", t0, note)
+        return _Done([output])
 
     def _testbed(self, op: str, run, input, output, avg: bool, t0: float,
                  note: str | None = None):
@@ -202,23 +223,31 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return self._gloo("allgather", inputs, self.gloo.allgather, outputs, inputs, opts)
 
     def _allgather_base(self, output, input, opts):
-        if self._offloads("allgather", input):
-            return self._testbed("allgather", partial(self.comm.sharded, "allgather"), input,
-                                 output, False, time.time())
-        return self._gloo("allgather", [input], self.gloo._allgather_base, output, input, opts)
+        return self._sharded("allgather", output, input, None, opts,
+                             self.gloo._allgather_base)
 
     def reduce_scatter(self, outputs, inputs, opts):
         return self._gloo("reduce_scatter", [t for ts in inputs for t in ts],
                           self.gloo.reduce_scatter, outputs, inputs, opts)
 
     def _reduce_scatter_base(self, output, input, opts):
-        if self._offloads("reduce_scatter", input) and any(opts.reduceOp == o
-                                                          for o in _OFFLOADED_OPS):
-            return self._testbed("reduce_scatter", partial(self.comm.sharded, "reduce_scatter"),
-                                 input, output, opts.reduceOp == dist.ReduceOp.AVG,
-                                 time.time())
-        return self._gloo("reduce_scatter", [input], self.gloo._reduce_scatter_base, output,
-                          input, opts)
+        return self._sharded("reduce_scatter", output, input, _op_name(opts.reduceOp), opts,
+                             self.gloo._reduce_scatter_base)
+
+    def _sharded(self, op: str, output, input, reduction: str | None, opts, gloo_fn):
+        """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (torch's layouts for equal
+        shards) where :meth:`_route` sends them."""
+        t0 = time.time()
+        route, note = self._route(op, input, reduction)
+        if route == "algo":
+            return self._testbed(op, partial(self.comm.sharded, op), input, output,
+                                 reduction == "avg", t0)
+        if route == "ring":
+            return self._on_ring(op, input, output, reduction, t0, note)
+        work = gloo_fn(output, input, opts)
+        work.wait()
+        self._record(op, [input], "gloo", t0, note)
+        return work
 
     # what torch.distributed's all_gather_into_tensor / reduce_scatter_tensor call since 2.12
     def all_gather_single(self, output, input, opts=None):
@@ -226,13 +255,6 @@ class TestbedProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
-
-    def _offloads(self, op: str, tensor) -> bool:
-        """Whether ``op`` on ``tensor`` runs through the testbed's algorithm: float32, an
-        algorithm that implements it (:meth:`TestbedComm.shard_ops`), equal shards."""
-        return (self.comm is not None and tensor.dtype == torch.float32
-                and op in self.comm.shard_ops()
-                and (op != "reduce_scatter" or tensor.numel() % self._size == 0))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._gloo("all_to_all", [input], self.gloo.alltoall_base, output, input,

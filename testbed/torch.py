@@ -187,6 +187,18 @@ class TestbedComm:
         ring.allreduce_inplace(self.comm, buf, self.n, max(1, (64 << 10) // buf.itemsize),
                                combine)
 
+    def ring_sharded(self, op: str, x: np.ndarray, out: np.ndarray, combine=None) -> None:
+        """``op`` (reduce_scatter, combined by ``combine``; allgather) on the ring of this
+        job's hosts in the arrays' own dtype, as :meth:`ring_reduce` runs an allreduce."""
+        if self.comm is None:
+            raise ValueError(f"algorithm {self.tj.algo!r} has no ring of TCP connections")
+        self.calls += 1
+        chunk = max(1, (64 << 10) // x.itemsize)
+        if op == "reduce_scatter":
+            ring.reduce_scatter(self.comm, x, out, self.n, chunk, combine)
+        else:
+            ring.allgather(self.comm, x, out, self.n, chunk)
+
     def shard_ops(self) -> tuple[str, ...]:
         """The sharded collectives (reduce_scatter, allgather: FSDP's) this job's algorithm
         runs itself: a peer algorithm's, uncompressed; others go to gloo."""

@@ -1,6 +1,7 @@
 """A hand-written collective loop, as users write one for torchrun: every rank all-reduces
-tensors of several sizes and dtypes (sums, maxima, minima, products), then broadcasts,
-all-gathers and all-to-alls, and checks every result against what the numbers must be (exit
+tensors of several sizes and dtypes (sums, maxima, minima, products), reduce-scatters and
+all-gathers tensors of every dtype, then broadcasts, all-gathers a list and all-to-alls, and
+checks every result against what the numbers must be (exit
 status 1 on a wrong one).
 
     sudo .venv/bin/testbed launch --hosts 3 --algo ring examples/torch/allreduce_loop.py
@@ -48,6 +49,18 @@ def main() -> int:
             dist.all_reduce(t, op=op)
             if not torch.equal(t, expect):
                 wrong.append(f"all_reduce {op} {dtype}: {(t != expect).sum().item()} differ")
+    # the tensor forms FSDP uses, in every dtype (small integers: exact in each)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        whole = (torch.arange(world * 6) + rank).to(dtype)
+        mine = torch.empty(6, dtype=dtype)
+        dist.reduce_scatter_tensor(mine, whole)
+        want = sum(torch.arange(world * 6) + r for r in range(world))[rank * 6:(rank + 1) * 6]
+        if not torch.equal(mine, want.to(dtype)):
+            wrong.append(f"reduce_scatter_tensor {dtype}: {mine}")
+        gathered = torch.empty(world * 3, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, torch.full((3,), rank, dtype=dtype))
+        if not torch.equal(gathered, torch.arange(world).repeat_interleave(3).to(dtype)):
+            wrong.append(f"all_gather_into_tensor {dtype}: {gathered}")
     b = torch.full((4,), float(rank))
     dist.broadcast(b, src=world - 1)
     if not torch.equal(b, torch.full((4,), float(world - 1))):

@@ -9,6 +9,7 @@ prints the loss of every step (``step N loss L``) and the held-out accuracy.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -59,6 +60,12 @@ def main() -> None:
         acc = (model(test_x).argmax(1) == test_y).float().mean().item()
     if rank == 0:
         print(f"accuracy {acc:.4f}", flush=True)
+    # the model's hooks hold the process group: release them first, or the group's gloo
+    # threads can be torn down at interpreter exit while still joinable (std::terminate,
+    # SIGABRT after the last step; seen over plain gloo as through the testbed backend)
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -74,11 +74,13 @@ def allreduce_inplace(comm: Comm, buf: np.ndarray, n: int, chunk: int, add=None)
     _ring(comm, buf, n, chunk, tmp, rs=True, ag=True, add=add)
 
 
-def reduce_scatter(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -> None:
-    """Ring reduce-scatter: ``out`` gets shard ``rank`` of the sum of every rank's ``x``."""
+def reduce_scatter(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int,
+                   add=None) -> None:
+    """Ring reduce-scatter: ``out`` gets shard ``rank`` of the sum of every rank's ``x``
+    (``add``: another combination, as :func:`allreduce_inplace` takes it)."""
     work = x.copy()
     tmp = np.empty(min(chunk, work.size), dtype=work.dtype)
-    _ring(comm, work, n, chunk, tmp, rs=True, ag=False)
+    _ring(comm, work, n, chunk, tmp, rs=True, ag=False, add=add)
     b = shard_bounds(x.size, n)
     out[:] = work[b[comm.rank]:b[comm.rank + 1]]
 

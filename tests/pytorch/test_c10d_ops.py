@@ -25,19 +25,34 @@ def _inputs(dtype, op: str, n: int, size: int, seed: int) -> list:
     return [(torch.randn(size, generator=g) * 50).to(dtype) for _ in range(n)]
 
 
-def _ring_allreduce(inputs: list, dtype, op: str, job: int, chunk: int) -> list:
-    """Every rank's result of the ring in ``dtype`` (a thread per rank, as ranks run)."""
+def _ring_allreduce(inputs: list, dtype, op: str, job: int, chunk: int,
+                    collective: str = "allreduce") -> list:
+    """Every rank's result of the ring in ``dtype`` (a thread per rank, as ranks run):
+    ``collective`` allreduce, reduce_scatter (a rank's shard) or allgather (of the inputs)."""
     n = len(inputs)
     comms = connected_mesh(job, [loopback_ip()] * n)
     outs, errors = [None] * n, []
     bits = _BITS.get(dtype)
 
+    def numpy(t):
+        return (t.view(bits) if bits is not None else t).numpy()
+
     def rank(r: int) -> None:
         try:
             flat = inputs[r].clone()
-            buf = (flat.view(bits) if bits is not None else flat).numpy()
-            ring.allreduce_inplace(comms[r], buf, n, chunk, _combiner(_RING_COMBINE[op], dtype))
-            outs[r] = flat
+            if collective == "allreduce":
+                ring.allreduce_inplace(comms[r], numpy(flat), n, chunk,
+                                       _combiner(_RING_COMBINE[op], dtype))
+                outs[r] = flat
+            elif collective == "reduce_scatter":
+                out = torch.empty(flat.numel() // n, dtype=dtype)
+                ring.reduce_scatter(comms[r], numpy(flat), numpy(out), n, chunk,
+                                    _combiner(_RING_COMBINE[op], dtype))
+                outs[r] = out
+            else:
+                out = torch.empty(flat.numel() * n, dtype=dtype)
+                ring.allgather(comms[r], numpy(flat), numpy(out), n, chunk)
+                outs[r] = out
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
@@ -79,6 +94,24 @@ def test_ring_in_a_tensors_own_dtype_matches_its_twin(dtype, op):
     eps = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
     bound = n * eps * sum(x.double().abs() for x in inputs)  # one rounding per hop and result
     assert ((outs[0].double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_sharded_collectives_in_a_tensors_own_dtype_match_their_twins(dtype):
+    """reduce_scatter_tensor's and all_gather_into_tensor's ring in the tensor's dtype: each
+    rank's shard of the maxima (exact in any dtype), and every rank's input gathered in rank
+    order, bitwise."""
+    n, shard = 3, 3_001
+    inputs = _inputs(dtype, "max", n, n * shard, seed=23)
+    want = torch.maximum(torch.maximum(inputs[0], inputs[1]), inputs[2])
+    outs = _ring_allreduce(inputs, dtype, "max", job=33, chunk=500,
+                           collective="reduce_scatter")
+    for r, out in enumerate(outs):
+        assert torch.equal(out, want[r * shard:(r + 1) * shard])
+    parts = [x[:shard].clone() for x in inputs]
+    outs = _ring_allreduce(parts, dtype, "max", job=35, chunk=500, collective="allgather")
+    for out in outs:
+        assert torch.equal(out, torch.cat(parts))
 
 
 def test_a_launched_rank_keeps_torch_on_one_thread_after_the_testbed_kernels_load(tmp_path):

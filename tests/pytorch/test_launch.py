@@ -58,8 +58,11 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     dtypes = {"float32", "float16", "bfloat16", "int32", "int64"}
     assert {p[1] for p in paths if p[:1] == ("allreduce",) and p[2] == "testbed:ring"} == dtypes
     assert not [p for p in paths if p[0] == "allreduce" and p[2] == "gloo"]
+    for op in ("reduce_scatter", "allgather"):  # the tensor forms, in every dtype
+        assert {p[1] for p in paths if p[0] == op and p[2] == "testbed:ring"} == dtypes, op
     assert {"broadcast", "allgather", "all_to_all", "barrier"} <= {p[0] for p in paths}
     ring = [r for r in done.trace if r["path"] == "testbed:ring" and r["dtype"] == "float32"
+            and r["op"] == "allreduce"
             and r["bytes"] != 4 * 70_001]
     assert {r["bytes"] for r in ring} == {4, 20, 4000, 4 * 65_537, 4 * 262_144}
     assert all(r["end_s"] >= r["start_s"] and r["time_s"] >= 0 for r in done.trace)
@@ -76,7 +79,7 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
 
     assert done.chakra == [tmp_path / "et" / f"allreduce_loop.{r}.et" for r in range(3)]
     ops = {"allreduce": "all_reduce", "allgather": "all_gather", "all_to_all": "all_to_all",
-           "broadcast": "broadcast", "barrier": "barrier"}
+           "broadcast": "broadcast", "barrier": "barrier", "reduce_scatter": "reduce_scatter"}
     ran = [(ops[r["op"]], r["bytes"] * (3 if r["op"] == "allgather" else 1))
            for r in done.trace if r["rank"] == 0]
     graph = load_trace(tmp_path / "et" / "allreduce_loop")
@@ -103,6 +106,9 @@ def test_collective_loop_through_in_network_aggregation_names_each_fallback(tmp_
     assert {r["dtype"] for r in gloo} == {"float32", "float16", "bfloat16", "int32", "int64"}
     assert all(r["note"].startswith("ina sums in the network: ") for r in gloo), gloo[:3]
     assert any(r["note"].startswith("ina sums in the network: max of bfloat16") for r in gloo)
+    sharded = [r for r in done.trace if r["op"] in ("reduce_scatter", "allgather")
+               and r["dtype"] == "float16" and r["rank"] == 0]
+    assert sharded and all(r["path"] == "gloo" and r["note"] for r in sharded)
 
 
 def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):
