@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from testbed import describe_error
+from testbed import at_once, describe_error
 from testbed.workloads.chakra import (
     Node,
     TraceError,
@@ -265,21 +265,8 @@ def _replay_checked(net, checked: list[tuple], folder: Path, single: bool, timeo
         except Exception as e:  # noqa: BLE001 - this tenant's; the others go on
             errors[k] = e
 
-    if single:  # in this thread: a Ctrl-C reaches its ranks as before
-        one(0)
-    else:
-        threads = [threading.Thread(target=one, args=(k,), name=f"tenant-{k}")
-                   for k in range(len(checked))]
-        for th in threads:
-            th.start()
-        try:
-            for th in threads:
-                th.join()
-        except KeyboardInterrupt:  # every tenant's ranks stopped before the teardown
-            halt.set()
-            for th in threads:
-                th.join()
-            raise
+    # a Ctrl-C stops every tenant's ranks before the teardown
+    at_once(one, len(checked), "tenant", on_interrupt=halt.set)
     if single and errors[0] is not None:
         raise errors[0]
     table = []

@@ -65,6 +65,27 @@ def connected_mesh(job: int, ips: list[str], timeout_s: float = 5.0,
     return comms
 
 
+def run_ranks(comms: list, fn, join_s: float = 60.0) -> None:
+    """``fn(rank, comm)`` for every rank of ``comms`` at once, a thread each (as a pool's
+    ranks run), waiting up to ``join_s`` for each; the first error is raised again. The
+    caller closes the comms."""
+    errors: list[BaseException] = []
+
+    def go(r: int) -> None:
+        try:
+            fn(r, comms[r])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    if errors:
+        raise errors[0]
+
+
 def leftovers(owner_pid: int | None = None) -> list[str]:
     """Collective processes (``tbw-*`` workers, ``tbr-*`` servers, ``tbf-*`` host fallback
     aggregators) still alive, and job folders of ``owner_pid`` (default: this process) still

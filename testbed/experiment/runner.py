@@ -42,7 +42,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from testbed import describe_error
+from testbed import at_once, describe_error
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.dilation import calibrate
 from testbed.collectives.spec import communication_of
@@ -702,15 +702,7 @@ def _run_batch(net, point: Experiment, runs: list[tuple[JobSpec, int]], out: Pat
         # entered last, left first: the links are back before the captures stop
         faults = stack.enter_context(FaultSchedule(net, point.faults)) if point.faults \
             else None
-        if len(runs) == 1:
-            one(0)
-        else:
-            threads = [threading.Thread(target=one, args=(k,), name=f"job-{k}")
-                       for k in range(len(runs))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        at_once(one, len(runs), "job")
         stack.close()  # stop tcpdump before reading its files
         cap_cols = _summarise_captures(captures, out, run_idx)
     after = _counters(net)

@@ -16,7 +16,7 @@ from testbed.collectives import flowmodel as fm
 from testbed.collectives import hd
 from testbed.collectives import spec as spec_mod
 from testbed.collectives.spec import CollectiveSpec
-from testbed.collectives.testing import connected_mesh
+from testbed.collectives.testing import connected_mesh, run_ranks
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout, Comm
 
 
@@ -85,25 +85,11 @@ def test_traced_rounds_move_the_bytes_the_model_charges(n, tmp_path, monkeypatch
     xs = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
     outs = [np.empty(count, np.float32) for _ in range(n)]
     comms = connected_mesh(63 + n, ["127.0.6.3"] * n)
-    errors: list[BaseException] = []
-
-    def go(r):
-        try:
-            hd.allreduce(comms[r], xs[r], outs[r], n, 4096)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
     try:
-        ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
+        run_ranks(comms, lambda r, comm: hd.allreduce(comm, xs[r], outs[r], n, 4096), join_s=30)
     finally:
         for c in comms:
             c.close()
-    if errors:
-        raise errors[0]
     want = np.sum(np.stack(xs).astype(np.float64), axis=0)
     for o in outs:
         np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-4)

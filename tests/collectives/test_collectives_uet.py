@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from testbed.collectives import hd, ring
+from testbed.collectives.testing import run_ranks
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.collectives.uet import UetComm
 from testbed.kernels.wire import TESTBED_UDP_PORT, pack_header
@@ -40,23 +40,6 @@ def mesh(n: int, job: int = 5, **kw) -> list[UetComm]:
     return comms
 
 
-def run_all(comms, fn) -> None:
-    errors = []
-
-    def go(r):
-        try:
-            fn(r, comms[r])
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-    ts = [threading.Thread(target=go, args=(r,)) for r in range(len(comms))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("algo", ["ring", "hd"])
 @pytest.mark.parametrize("loss", [0.0, 0.03])
 def test_allreduce_over_uet_equals_the_numpy_sum(algo, loss):
@@ -67,7 +50,7 @@ def test_allreduce_over_uet_equals_the_numpy_sum(algo, loss):
               for r in range(n)]
         outs = [np.full(m, np.nan, np.float32) for _ in range(n)]
         fn = ring.allreduce if algo == "ring" else hd.allreduce
-        run_all(comms, lambda r, c: fn(c, xs[r], outs[r], n, 1 << 15))
+        run_ranks(comms, lambda r, c: fn(c, xs[r], outs[r], n, 1 << 15))
         exact = np.sum(np.array(xs, np.float64), axis=0)
         for o in outs:
             np.testing.assert_allclose(o, exact, rtol=1e-5, atol=1e-5)

@@ -5,15 +5,13 @@ against torch's fold of the same inputs (its twin), on real TCP connections over
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="the [torch] extra is not installed")
 
 from testbed.c10d import _BITS, _RING_COMBINE, _combiner  # noqa: E402
 from testbed.collectives import ring  # noqa: E402
-from testbed.collectives.testing import connected_mesh, loopback_ip  # noqa: E402
+from testbed.collectives.testing import connected_mesh, loopback_ip, run_ranks  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 
@@ -31,42 +29,33 @@ def _ring_allreduce(inputs: list, dtype, op: str, job: int, chunk: int,
     ``collective`` allreduce, reduce_scatter (a rank's shard) or allgather (of the inputs)."""
     n = len(inputs)
     comms = connected_mesh(job, [loopback_ip()] * n)
-    outs, errors = [None] * n, []
+    outs = [None] * n
     bits = _BITS.get(dtype)
 
     def numpy(t):
         return (t.view(bits) if bits is not None else t).numpy()
 
-    def rank(r: int) -> None:
-        try:
-            flat = inputs[r].clone()
-            if collective == "allreduce":
-                ring.allreduce_inplace(comms[r], numpy(flat), n, chunk,
-                                       _combiner(_RING_COMBINE[op], dtype))
-                outs[r] = flat
-            elif collective == "reduce_scatter":
-                out = torch.empty(flat.numel() // n, dtype=dtype)
-                ring.reduce_scatter(comms[r], numpy(flat), numpy(out), n, chunk,
-                                    _combiner(_RING_COMBINE[op], dtype))
-                outs[r] = out
-            else:
-                out = torch.empty(flat.numel() * n, dtype=dtype)
-                ring.allgather(comms[r], numpy(flat), numpy(out), n, chunk)
-                outs[r] = out
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+    def rank(r: int, comm) -> None:
+        flat = inputs[r].clone()
+        if collective == "allreduce":
+            ring.allreduce_inplace(comm, numpy(flat), n, chunk,
+                                   _combiner(_RING_COMBINE[op], dtype))
+            outs[r] = flat
+        elif collective == "reduce_scatter":
+            out = torch.empty(flat.numel() // n, dtype=dtype)
+            ring.reduce_scatter(comm, numpy(flat), numpy(out), n, chunk,
+                                _combiner(_RING_COMBINE[op], dtype))
+            outs[r] = out
+        else:
+            out = torch.empty(flat.numel() * n, dtype=dtype)
+            ring.allgather(comm, numpy(flat), numpy(out), n, chunk)
+            outs[r] = out
 
     try:
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_ranks(comms, rank)
     finally:
         for c in comms:
             c.close()
-    if errors:
-        raise errors[0]
     return outs
 
 
