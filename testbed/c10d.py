@@ -189,11 +189,10 @@ class TestbedProcessGroup(dist.ProcessGroup):
 
         combine = _combiner(_RING_COMBINE[reduction], input.dtype) if reduction else None
         result, buf = flat_copy(input)
-        if op == "allreduce":
-            self.comm.ring_reduce(buf, combine)
-        else:
+        out = buf
+        if op != "allreduce":
             result, out = flat_copy(output)
-            self.comm.ring_sharded(op, buf, out, combine)
+        self.comm.on_ring(op, buf, out, combine)
         if reduction == "avg":
             result /= self._size
         output.copy_(result.view(output.shape))

@@ -175,26 +175,21 @@ class TestbedComm:
             fn = peer_algorithm(self.tj.algo).rank_function("allreduce")
             fn(self.comm, x, out, self.n, 64 << 10)
 
-    def ring_reduce(self, buf: np.ndarray, combine) -> None:
-        """Allreduce ``buf`` in place on the ring of this job's hosts, in ``buf``'s own dtype:
-        ``combine(acc, piece)`` folds a received piece into the local one at every hop (a sum
-        rounded to float16 at each hop, as a framework's reduced-precision allreduce does; a
-        maximum, exact in any dtype). Every TCP algorithm's communicator holds the ring's
-        connections (trim's broadcast and the compressed allreduces run on it)."""
-        if self.comm is None:
-            raise ValueError(f"algorithm {self.tj.algo!r} has no ring of TCP connections")
-        self.calls += 1
-        ring.allreduce_inplace(self.comm, buf, self.n, max(1, (64 << 10) // buf.itemsize),
-                               combine)
-
-    def ring_sharded(self, op: str, x: np.ndarray, out: np.ndarray, combine=None) -> None:
-        """``op`` (reduce_scatter, combined by ``combine``; allgather) on the ring of this
-        job's hosts in the arrays' own dtype, as :meth:`ring_reduce` runs an allreduce."""
+    def on_ring(self, op: str, x: np.ndarray, out: np.ndarray, combine=None) -> None:
+        """``op`` on the ring of this job's hosts in the arrays' own dtype: an allreduce of
+        ``x`` in place (``out`` is ``x``), a reduce_scatter into ``out`` (shard ``rank``), an
+        allgather of ``x`` into ``out``. ``combine(acc, piece)`` folds a received piece into
+        the local one at every hop (a sum rounded to float16 at each hop, as a framework's
+        reduced-precision allreduce does; a maximum, exact in any dtype). Every TCP
+        algorithm's communicator holds the ring's connections (trim's broadcast and the
+        compressed allreduces run on it)."""
         if self.comm is None:
             raise ValueError(f"algorithm {self.tj.algo!r} has no ring of TCP connections")
         self.calls += 1
         chunk = max(1, (64 << 10) // x.itemsize)
-        if op == "reduce_scatter":
+        if op == "allreduce":
+            ring.allreduce_inplace(self.comm, x, self.n, chunk, combine)
+        elif op == "reduce_scatter":
             ring.reduce_scatter(self.comm, x, out, self.n, chunk, combine)
         else:
             ring.allgather(self.comm, x, out, self.n, chunk)
