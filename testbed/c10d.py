@@ -23,8 +23,12 @@ on INA), and routes
   them itself (ring, hd, a plug-in that declares them; uncompressed), and on the ring of the
   job's hosts otherwise (a TCP job: other dtypes, MAX, MIN, PRODUCT, a compressed ring's
   float32, as for allreduce above);
+* ``all_to_all_single`` with equal parts, any dtype, in a TCP algorithm's job through the
+  testbed's all-to-all (:mod:`testbed.collectives.alltoall`: large parts by pairwise
+  exchange, every host link carrying one message at a time; gloo posts every pair's part at
+  once, which TCP shares unfairly behind FIFO switch queues);
 * everything else (what no algorithm here does, broadcast, the list forms of allgather and
-  reduce_scatter, all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
+  reduce_scatter, unequal all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
   exact answer from an algorithm that can give it, never a wrong one from one that cannot;
 * every collective of a subgroup (``new_group`` inheriting this backend) to gloo too: the
   testbed's communicator spans the world's hosts.
@@ -256,8 +260,36 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-        return self._gloo("all_to_all", [input], self.gloo.alltoall_base, output, input,
-                          output_split_sizes, input_split_sizes, opts)
+        t0 = time.time()
+        note = self._all_to_all_route(output, input, output_split_sizes, input_split_sizes)
+        if note is not None:
+            work = self.gloo.alltoall_base(output, input, output_split_sizes,
+                                           input_split_sizes, opts)
+            work.wait()
+            self._record("all_to_all", [input], "gloo", t0, note or None)
+            return work
+        # any dtype: the parts travel as their bytes
+        x = input.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        out = np.empty_like(x)
+        self.comm.all_to_all(x, out)
+        output.view(-1).view(torch.uint8).copy_(torch.from_numpy(out))
+        self._record("all_to_all", [input], f"testbed:{self.tj.algo}", t0)
+        return _Done([output])
+
+    def _all_to_all_route(self, output, input, output_splits, input_splits) -> str | None:
+        """None when ``all_to_all_single`` runs on the testbed's TCP connections (a TCP job's
+        world, equal parts: :mod:`testbed.collectives.alltoall`), else why gloo runs it
+        ("" for a subgroup or a single rank, as every gloo call of theirs)."""
+        if self.comm is None:
+            return ""
+        if not self.comm.can_all_to_all():
+            return f"{self.tj.algo} has no TCP connection between every pair: gloo's all_to_all"
+        n = self._size
+        equal = all(not s or len(set(s)) == 1 for s in (output_splits, input_splits))
+        if (not equal or input.numel() % n or output.numel() != input.numel()
+                or output.dtype != input.dtype or not output.is_contiguous()):
+            return "all_to_all of unequal parts: gloo's"
+        return None
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()

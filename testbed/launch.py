@@ -488,9 +488,9 @@ def collect_rank_rows(folder: Path, stem: str, n: int) -> list[dict]:
 
 def _add_model(trace: list[dict], net, workers: list, tj) -> None:
     """Give every row its undilated measured time (``time_s``) and, for the testbed's
-    allreduces, the flow model's prediction on this network (``model_s``, as
-    ``run_collective``'s rows have it; none for trim's incast, nor with several ranks on a
-    host: the model places one rank per host)."""
+    allreduces, sharded collectives and all-to-alls, the flow model's prediction on this
+    network (``model_s``, as ``run_collective``'s rows have it; none for trim's incast, nor
+    with several ranks on a host: the model places one rank per host)."""
     from testbed.collectives import flowmodel
 
     f = float(net.time_dilation)
@@ -501,9 +501,18 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
         row["time_s"] = (row["end_s"] - row["start_s"]) / f
         row["model_s"] = None
         algo = row["path"].removeprefix("testbed:")
-        if (not row["path"].startswith("testbed:") or algo == "trim"
-                or row["op"] not in ("allreduce", "reduce_scatter", "allgather")
-                or not row["bytes"] or len(set(names)) != len(names)):
+        if not row["path"].startswith("testbed:") or not row["bytes"] \
+                or len(set(names)) != len(names):
+            continue
+        if row["op"] == "all_to_all":  # the testbed's all-to-all, in any algorithm's job
+            key = ("all_to_all", row["bytes"], "")
+            if key not in cache:
+                cache[key] = flowmodel.all_to_all_s(net.routed_topo, names, row["bytes"],
+                                                    job_id=tj.job_id, hop_latency_s=hop,
+                                                    time_dilation=f)
+            row["model_s"] = cache[key]
+            continue
+        if algo == "trim" or row["op"] not in ("allreduce", "reduce_scatter", "allgather"):
             continue
         # the whole array, as the model counts it (an allgather's row has one rank's part);
         # a 16-bit float that an in-network job summed as float32 crossed the links as one

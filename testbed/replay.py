@@ -399,7 +399,11 @@ def _collective_rows(rows: list[dict], net, hosts: list[str], tj, f: float, path
             cache[key] = None
             op = MODEL_OPS.get(first["op"])
             k = len(ranks)
-            if first["op"] == "all_to_all" and k > 1:  # every pair's part at once, as gloo
+            if first["op"] == "all_to_all" and k > 1 and ours:  # the testbed's all-to-all
+                cache[key] = flowmodel.all_to_all_s(net.routed_topo, [hosts[r] for r in ranks],
+                                                    first["bytes"], job_id=tj.job_id,
+                                                    hop_latency_s=hop, time_dilation=f)
+            elif first["op"] == "all_to_all" and k > 1:  # every pair's part at once, as gloo
                 cache[key] = transfer_s([(a, b, first["bytes"] / k) for a in ranks
                                          for b in ranks if a != b])
             elif op and first["bytes"] >= 4 and first["bytes"] % 4 == 0 and k > 1:
@@ -531,7 +535,8 @@ def _buffer(torch, nbytes: int):
 def _collective(dist, torch, x: Node, members: list[int], group=None) -> float | None:
     """``x`` among ``members`` (global ranks) on process group ``group`` (None: the world);
     an allreduce's largest error against the exact sum of its inputs (every rank sends ones:
-    the sum is the member count), None for the others."""
+    the sum is the member count), an all-to-all's against the parts it should have received
+    (part j of member i holds i*n + j, modulo 251), None for the others."""
     n = len(members)
     if x.op == "barrier":
         dist.barrier(group=group)
@@ -551,7 +556,14 @@ def _collective(dist, torch, x: Node, members: list[int], group=None) -> float |
         elif x.op == "reduce_scatter":
             dist.reduce_scatter_tensor(mine, whole, group=group)
         else:  # all_to_all
-            dist.all_to_all_single(torch.empty_like(whole), whole, group=group)
+            me = members.index(dist.get_rank())
+            for j in range(n):
+                whole[j * part:(j + 1) * part] = (me * n + j) % 251
+            got = torch.empty_like(whole)
+            dist.all_to_all_single(got, whole, group=group)
+            want = torch.cat([torch.full((part,), (i * n + me) % 251, dtype=dtype)
+                              for i in range(n)])
+            return float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
     return None
 
 

@@ -40,7 +40,7 @@ import traceback
 import numpy as np
 
 from testbed.cleanup import job_dir
-from testbed.collectives import compress, ring, trimmed
+from testbed.collectives import alltoall, compress, ring, trimmed
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.model import tcp_window_clamp
 from testbed.collectives.ports import tcp_port
@@ -151,8 +151,8 @@ class TestbedComm:
             alg = peer_algorithm(tj.algo)
             for op in {"allreduce"} | set(self.shard_ops()):  # hd pairs differ per op
                 peers.update(alg.peers(rank, self.n, op))
-        addrs = {p: (r["ip"], tcp_port(tj.job_id, p, p)) for p, r in enumerate(job["ranks"])}
-        self.comm.connect(sorted(peers), addrs)
+        self.addrs = {p: (r["ip"], tcp_port(tj.job_id, p, p)) for p, r in enumerate(job["ranks"])}
+        self.comm.connect(sorted(peers), self.addrs)
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, index: int) -> None:
         """Sum ``x`` over the ranks into ``out`` (bucket ``index``: its own compressor state
@@ -193,6 +193,24 @@ class TestbedComm:
             ring.reduce_scatter(self.comm, x, out, self.n, chunk, combine)
         else:
             ring.allgather(self.comm, x, out, self.n, chunk)
+
+    def can_all_to_all(self) -> bool:
+        """Whether :meth:`all_to_all` runs here: a TCP job's ranks (the UET-like transport
+        and in-network jobs have no connection between every pair)."""
+        return isinstance(self.comm, Comm)
+
+    def all_to_all(self, x: np.ndarray, out: np.ndarray) -> None:
+        """``alltoall.all_to_all`` of ``x`` (n equal parts, any dtype) into ``out`` over TCP
+        connections to every rank: those the algorithm does not hold are made by the first
+        call, which every rank makes at the same point of the job."""
+        if not self.can_all_to_all():
+            raise ValueError(f"algorithm {self.tj.algo!r} over {self.tj.transport!r} has no "
+                             "TCP connection between every pair of ranks")
+        missing = sorted(set(range(self.n)) - set(self.comm.socks) - {self.rank})
+        if missing:
+            self.comm.connect(missing, self.addrs)
+        self.calls += 1
+        alltoall.all_to_all(self.comm, x, out, self.n, max(1, (64 << 10) // x.itemsize))
 
     def shard_ops(self) -> tuple[str, ...]:
         """The sharded collectives (reduce_scatter, allgather: FSDP's) this job's algorithm

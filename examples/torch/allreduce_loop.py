@@ -69,11 +69,17 @@ def main() -> int:
     dist.all_gather(parts, torch.full((3,), float(rank)))
     if any(not torch.equal(p, torch.full((3,), float(r))) for r, p in enumerate(parts)):
         wrong.append(f"all_gather: {parts}")
-    send = torch.arange(world, dtype=torch.float32) + 100 * rank
-    recv = torch.empty(world)
-    dist.all_to_all_single(recv, send)
-    if not torch.equal(recv, torch.arange(world, dtype=torch.float32) * 100 + rank):
-        wrong.append(f"all_to_all_single: {recv}")
+    # all-to-alls of small and large parts (MoE's dispatch), in every dtype: part j of
+    # rank r holds 100 * r + j (modulo 128: exact in each)
+    for part in (1, 20_000):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+            send = ((torch.arange(world).repeat_interleave(part) + 100 * rank) % 128).to(dtype)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send)
+            want = ((torch.arange(world).repeat_interleave(part) * 100 + rank) % 128).to(dtype)
+            if not torch.equal(recv, want):
+                wrong.append(f"all_to_all_single {dtype} part={part}: "
+                             f"{(recv != want).sum().item()} differ")
     dist.barrier()
     dist.destroy_process_group()
     for w in wrong:

@@ -73,7 +73,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from testbed.collectives import compress, hd
+from testbed.collectives import alltoall, compress, hd
 from testbed.collectives import model as ab
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple, uet_port
@@ -87,7 +87,8 @@ from testbed.topologies.base import TopologyError
 
 __all__ = ["Flow", "Phase", "Prediction", "predict", "predict_s", "phases", "max_min_rates",
            "ina_extra_s", "incast_s", "IncastPrediction", "InaTree", "ina_worker_port", "INA_AGG_PORT",
-           "tcp_port", "placement", "transfers_s", "TCP_WIRE", "TCP_ACK", "INA_WIRE", "DEFAULT_HOP_S"]
+           "tcp_port", "placement", "transfers_s", "all_to_all_s", "TCP_WIRE", "TCP_ACK",
+           "INA_WIRE", "DEFAULT_HOP_S"]
 
 #: Wire bytes per TCP payload byte on the data path, and of ACKs on the reverse path.
 TCP_WIRE = ab.TCP_FRAME / ab.TCP_MSS
@@ -856,6 +857,35 @@ def transfers_s(topology, transfers: list[tuple[str, str, float]], *,
     res = _run_phase(_Network(topo, f), Phase("transfers", flows),
                      _hop_s(topo, hop_latency_s, f))
     return res.time_s / f
+
+
+def all_to_all_phases(n: int, part_bytes: float, rk: _Ranks) -> list[Phase]:
+    """The testbed's all-to-all (``alltoall.all_to_all``) of ``part_bytes`` per pair: every
+    pair's part at once when parts are small, else n-1 pairwise steps (rank r to r+k), each
+    after a ready-to-receive trip. ``rk`` with ``itemsize`` 1."""
+    if n < 2:
+        return []
+    if not alltoall.pairwise(part_bytes):
+        return [Phase("all pairs", [rk.tcp(a, b, part_bytes) for a in range(n)
+                                    for b in range(n) if a != b])]
+    return [Phase(f"shift {k}", [rk.tcp(r, (r + k) % n, part_bytes) for r in range(n)],
+                  trips=2.0) for k in range(1, n)]
+
+
+def all_to_all_s(topology, workers: list[str], nbytes: float, *, job_id: int = 0,
+                 hop_latency_s: float | None = None, time_dilation: float = 1.0) -> float:
+    """Time of the testbed's all-to-all among ``workers`` (host names in rank order), each
+    rank's array ``nbytes`` (n equal parts) on job ``job_id``'s ports (undilated)."""
+    topo = routing.as_topology(topology)
+    bad = sorted(set(workers) - set(topo.host_names))
+    if bad:
+        raise ValueError(f"hosts {bad} are not hosts of this topology")
+    _check_dilation(time_dilation)
+    f = float(time_dilation)
+    n = len(workers)
+    net, hop = _Network(topo, f), _hop_s(topo, hop_latency_s, f)
+    phases_ = all_to_all_phases(n, nbytes / n, _Ranks(list(workers), job_id, 1))
+    return sum(_run_phase(net, ph, hop).time_s for ph in phases_) / f
 
 
 def predict_s(topology, spec: CollectiveSpec, **kw) -> float:

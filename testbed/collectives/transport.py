@@ -124,6 +124,7 @@ class Comm:
         self.job_id = job_id
         self.ip = ""
         self.socks: dict[int, socket.socket] = {}
+        self._early: dict[int, socket.socket] = {}  # accepted before a connect() asked
         self._senders: dict[int, ThreadPoolExecutor] = {}
         self._queued: dict[int, int] = {}  # sends a peer's sender thread has not finished
         self._queue_lock = threading.Lock()
@@ -168,6 +169,8 @@ class Comm:
             s.sendall(_HELLO.pack(self.rank))
             self._add(p, s)
         lower = {p for p in peers if p < self.rank}
+        for p in lower & set(self._early):
+            self._add(p, self._early.pop(p))
         while lower - set(self.socks):
             assert self.listener is not None
             try:
@@ -181,6 +184,11 @@ class Comm:
             buf = bytearray(_HELLO.size)
             self._recv_into(s, memoryview(buf), "hello")
             (p,) = _HELLO.unpack(buf)
+            if p not in lower and 0 <= p < self.rank and p not in self.socks | self._early:
+                # a peer already connecting for a later call (an all-to-all's missing pairs)
+                # while this rank still waits for this call's: kept for that call
+                self._early[p] = s
+                continue
             if p not in lower:
                 s.close()
                 raise CollectiveError(f"{self.who(self.rank)}: unexpected hello from rank {p}")
@@ -322,11 +330,12 @@ class Comm:
         """Close every connection and stop the sender threads."""
         for ex in self._senders.values():
             ex.shutdown(wait=False, cancel_futures=True)
-        for s in self.socks.values():
+        for s in [*self.socks.values(), *self._early.values()]:
             s.close()
         if self.listener is not None:
             self.listener.close()
         self.socks.clear()
+        self._early.clear()
 
 
 _SENT: Future = Future()  # what an inline send returns: done, no result

@@ -61,6 +61,10 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     for op in ("reduce_scatter", "allgather"):  # the tensor forms, in every dtype
         assert {p[1] for p in paths if p[0] == op and p[2] == "testbed:ring"} == dtypes, op
     assert {"broadcast", "allgather", "all_to_all", "barrier"} <= {p[0] for p in paths}
+    # all-to-alls of every dtype on the testbed's TCP connections, priced by the flow model
+    a2a = [r for r in done.trace if r["op"] == "all_to_all"]
+    assert {r["dtype"] for r in a2a if r["path"] == "testbed:ring"} == dtypes
+    assert all(r["path"] == "testbed:ring" and r["model_s"] > 0 for r in a2a)
     ring = [r for r in done.trace if r["path"] == "testbed:ring" and r["dtype"] == "float32"
             and r["op"] == "allreduce"
             and r["bytes"] != 4 * 70_001]
@@ -109,6 +113,9 @@ def test_collective_loop_through_in_network_aggregation_names_each_fallback(tmp_
     sharded = [r for r in done.trace if r["op"] in ("reduce_scatter", "allgather")
                and r["dtype"] == "float16" and r["rank"] == 0]
     assert sharded and all(r["path"] == "gloo" and r["note"] for r in sharded)
+    a2a = [r for r in done.trace if r["op"] == "all_to_all" and r["rank"] == 0]
+    assert a2a and all(r["path"] == "gloo" and "no TCP connection between every pair"
+                       in r["note"] for r in a2a)
 
 
 def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):
