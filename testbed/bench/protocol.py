@@ -203,6 +203,22 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                         "dilation factor is searched ('' for none)", quick="")),
         quick_help="2 and 4 workers, 1 MiB, no dilation search"),
     Benchmark(
+        "scale", "64 and 128 workers on one machine (programmable leaf-spine, fat-tree k=8): "
+        "set-up time, memory per emulated host, ring and INA exact and against the flow model.",
+        "testbed.bench.scale:measure", case=("topology", "workers", "case"),
+        columns=("topology", "workers", "case", "switches", "setup_s", "mb_per_host",
+                 "correct", "time_s", "model_s", "ratio", "cpu_bound", "wall_s"),
+        options=(Option("workers", "64,128", "worker counts (the leaf-spine: multiples of 4; "
+                        "the fat-tree: 128 only)", quick="16", metavar="N,M"),
+                 Option("topologies", "leaf_spine,fat_tree", "leaf_spine (4 leaves, 2 spines) "
+                        "and/or fat_tree", quick="leaf_spine", metavar="A,B"),
+                 Option("algos", "ring,ina", "ring and/or ina (on a tree, <= 32 members per "
+                        "switch)", metavar="A,B"),
+                 Option("mib", 1.0, "MiB per allreduce", quick=0.25),
+                 Option("bw", 100.0, "link rate (Mb/s)"),
+                 Option("time_dilation", 32.0, "emulation slow-down factor", quick=8.0)),
+        quick_help="16 workers on the leaf-spine, 256 KiB, dilation 8"),
+    Benchmark(
         "liveview", "The notebooks' live fabric view on a running INA experiment: updates per "
         "second, and the experiment's CPU with the view on against off (alternating).",
         "testbed.bench.liveview:measure", case=("pair", "view"),

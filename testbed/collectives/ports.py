@@ -18,6 +18,15 @@ one: a job's block holds ``MAX_RANKS * (MAX_RANKS + 1) / 2`` ports, the pairs ``
 first (triangular numbering), then one listening port per rank. Jobs ``job_id`` and
 ``job_id + TCP_JOB_SLOTS`` share a block: do not run them on the same hosts at once.
 
+Ranks ``MAX_RANKS`` .. ``MAX_BIG_RANKS - 1`` (a job of more than 64 ranks: 128 workers on one
+machine) take their ports from ``TCP_BIG_LO`` .. 65535, above the ephemeral range, in a block
+of ``MAX_BIG_RANKS`` per job (``TCP_BIG_SLOTS`` of them): a pair whose higher rank ``d`` is 64
+or more connects from port ``block + d``, and rank ``d`` listens on ``block + d``. That port is
+unique per *address* only (every rank connecting to ``d`` binds it), so such a job needs one
+rank per address, as in-network aggregation does anyway; a second rank on an address fails to
+bind with a clear error. Pairs of ranks below 64 keep the ports above, so a job of 64 ranks or
+fewer is unchanged.
+
 INA (UDP): a worker of job ``j`` binds ``ina_worker_port(j)`` (``20000 + j % 10000``) and
 sends to the aggregator's ``INA_AGG_PORT`` (41000).
 
@@ -46,10 +55,18 @@ INA_PORT_BASE = 20000
 INA_PORT_SPAN = 10000
 
 
+#: Ranks per job with deterministic ports at all (beyond MAX_RANKS: one rank per address).
+MAX_BIG_RANKS = 256
+#: First port of the large jobs' blocks (above Linux's ephemeral range, 32768-60999).
+TCP_BIG_LO = 61000
+#: Distinct large-job blocks in TCP_BIG_LO..65535.
+TCP_BIG_SLOTS = (65536 - TCP_BIG_LO) // MAX_BIG_RANKS
+
+
 def _check_rank(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_RANKS:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_BIG_RANKS:
         raise ValueError(f"{name}={v!r}: ranks with deterministic ports are integers "
-                         f"0..{MAX_RANKS - 1}; run at most {MAX_RANKS} ranks per job")
+                         f"0..{MAX_BIG_RANKS - 1}; run at most {MAX_BIG_RANKS} ranks per job")
 
 
 def tcp_port(job_id: int, src: int, dst: int) -> int:
@@ -62,6 +79,8 @@ def tcp_port(job_id: int, src: int, dst: int) -> int:
     if src > dst:
         raise ValueError(f"src={src} > dst={dst}: the lower rank opens the connection; its "
                          f"peer's end is the listening port tcp_port(job, {src}, {src})")
+    if dst >= MAX_RANKS:  # a large job's pair or listener: unique per address
+        return TCP_BIG_LO + (job_id % TCP_BIG_SLOTS) * MAX_BIG_RANKS + dst
     base = TCP_PORT_LO + (job_id % TCP_JOB_SLOTS) * _BLOCK
     if src == dst:
         return base + _PAIRS + src

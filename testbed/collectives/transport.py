@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from testbed.collectives.ports import TCP_JOB_SLOTS, tcp_port
+from testbed.collectives.ports import MAX_RANKS, TCP_JOB_SLOTS, tcp_port
 
 #: Largest message a rank hands to the kernel itself (when nothing is queued for that peer and
 #: its socket has room) instead of through the peer's sender thread. The thread's hand-off
@@ -205,7 +205,8 @@ class Comm:
                 f"{self.who(self.rank)}: cannot bind TCP port {port} on {self.ip}: {e}. Another "
                 f"job whose job_id equals {self.job_id} modulo {TCP_JOB_SLOTS} runs on this "
                 "host, or a process of an earlier run is still alive (testbed cleanup); give "
-                "concurrent jobs different job_id values") from None
+                "concurrent jobs different job_id values (a job of more than "
+                f"{MAX_RANKS} ranks needs one rank per address)") from None
 
     def _set_cc(self, s: socket.socket) -> None:
         try:

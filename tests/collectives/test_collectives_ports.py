@@ -10,7 +10,10 @@ import pytest
 from testbed.collectives import hd, ring
 from testbed.collectives.ports import (
     INA_AGG_PORT,
+    MAX_BIG_RANKS,
     MAX_RANKS,
+    TCP_BIG_LO,
+    TCP_BIG_SLOTS,
     TCP_JOB_SLOTS,
     TCP_PORT_HI,
     TCP_PORT_LO,
@@ -36,7 +39,7 @@ def test_ports_stay_out_of_reserved_ranges():
         with pytest.raises(ValueError, match="job_id"):
             tcp_port(bad, 0, 1)
     with pytest.raises(ValueError, match="ranks"):
-        tcp_port(1, MAX_RANKS, 0)
+        tcp_port(1, 0, MAX_BIG_RANKS)
     with pytest.raises(ValueError, match="itself"):
         tcp_tuple(1, 2, 2)
 
@@ -58,6 +61,23 @@ def test_every_port_of_a_job_is_its_own():
                       lambda r, n=n: hd.hd_peers(r, n, "allreduce")):
             bound = [tcp_port(job, r, p) for r in range(n) for p in peers(r) + [r] if p >= r]
             assert len(bound) == len(set(bound))
+
+
+def test_a_job_of_more_than_64_ranks_has_a_port_per_peer_on_each_address():
+    """Ranks 64..255 take ports above the ephemeral range, a block per job slot; every rank
+    of a 256-rank job, one per address, binds each port once on its address (its listener
+    and one per peer it connects to), and pairs below 64 keep their ports."""
+    n, job = MAX_BIG_RANKS, 7
+    big = {tcp_port(j, s, d) for j in range(TCP_BIG_SLOTS) for d in range(MAX_RANKS, n)
+           for s in range(d + 1)}
+    assert min(big) >= TCP_BIG_LO > 60999 and max(big) <= 65535
+    assert tcp_port(job, 3, 7) == tcp_port(job, 3, 7) < TCP_BIG_LO
+    for r in range(n):
+        mine = [tcp_port(job, r, r)] + [tcp_port(job, r, p) for p in range(r + 1, n)]
+        assert len(mine) == len(set(mine)), r
+    # both ends of a pair with rank 70 bind block + 70: on two addresses
+    assert tcp_tuple(job, 3, 70) == tcp_tuple(job, 70, 3)[::-1] == (tcp_port(job, 3, 70),
+                                                                    tcp_port(job, 70, 70))
 
 
 def _time_wait(ports: set[int]) -> list[str]:
