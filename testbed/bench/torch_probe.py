@@ -46,12 +46,14 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = torch.randn(8, width)
     steps = []
+    steps_from = time.time()
     for _ in range(args.steps + 2):
         t0 = time.perf_counter()
         opt.zero_grad()
         model(batch).square().mean().backward()
         opt.step()
         steps.append(time.perf_counter() - t0)
+    steps_to = time.time()
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -59,7 +61,8 @@ def main() -> None:
         print("RESULT " + json.dumps({
             "call_s": statistics.median(calls), "step_s": statistics.median(steps[2:]),
             "grad_bytes": width * width * 4, "to_first_collective_s": first - t_launch,
-            "max_rss_mib": float(rss[0])}), flush=True)
+            "max_rss_mib": float(rss[0]), "steps_from": steps_from,
+            "steps_to": steps_to}), flush=True)
     # DDP's reducer holds the process group: release it first, or the group's gloo threads
     # can be torn down at interpreter exit while still joinable (std::terminate, SIGABRT)
     del model, opt
