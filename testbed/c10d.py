@@ -23,8 +23,8 @@ on INA), and routes
   them itself (ring, hd, a plug-in that declares them; uncompressed), and on the ring of the
   job's hosts otherwise (a TCP job: other dtypes, MAX, MIN, PRODUCT, a compressed ring's
   float32, as for allreduce above);
-* ``all_to_all_single`` with equal parts, any dtype, in a TCP algorithm's job through the
-  testbed's all-to-all (:mod:`testbed.collectives.alltoall`: large parts by pairwise
+* ``all_to_all_single`` with equal parts, any dtype, through the testbed's all-to-all over
+  TCP connections of its own (any algorithm's job but the UET-like transport's) (:mod:`testbed.collectives.alltoall`: large parts by pairwise
   exchange, every host link carrying one message at a time; gloo posts every pair's part at
   once, which TCP shares unfairly behind FIFO switch queues);
 * everything else (what no algorithm here does, broadcast, the list forms of allgather and
@@ -283,7 +283,8 @@ class TestbedProcessGroup(dist.ProcessGroup):
         if self.comm is None:
             return ""
         if not self.comm.can_all_to_all():
-            return f"{self.tj.algo} has no TCP connection between every pair: gloo's all_to_all"
+            return ("no testbed all-to-all for this job (the UET-like transport, or an "
+                    "in-network job of more than 64 ranks): gloo's")
         n = self._size
         equal = all(not s or len(set(s)) == 1 for s in (output_splits, input_splits))
         if (not equal or input.numel() % n or output.numel() != input.numel()

@@ -43,7 +43,7 @@ from testbed.cleanup import job_dir
 from testbed.collectives import alltoall, compress, ring, trimmed
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.model import tcp_window_clamp
-from testbed.collectives.ports import tcp_port
+from testbed.collectives.ports import MAX_RANKS, a2a_port, tcp_port
 from testbed.collectives.runner import RUN_DIR, offload_job
 from testbed.collectives.spec import CollectiveSpec, Communication, communication_of
 from testbed.collectives.transport import CollectiveError, Comm
@@ -127,6 +127,9 @@ class TestbedComm:
         self.calls = 0
         self.memory: dict[tuple[int, int], tuple] = {}
         self.steps: dict[int, int] = {}
+        self.ranks = job["ranks"]
+        self.bw_bps = job.get("bw_bps")
+        self.a2a: Comm | None = None  # the all-to-all's own connections, made by its first call
         me = job["ranks"][rank]
         if is_offloaded(tj.algo):
             from testbed.collectives.ina import InaClient  # numba: INA jobs only
@@ -195,22 +198,43 @@ class TestbedComm:
             ring.allgather(self.comm, x, out, self.n, chunk)
 
     def can_all_to_all(self) -> bool:
-        """Whether :meth:`all_to_all` runs here: a TCP job's ranks (the UET-like transport
-        and in-network jobs have no connection between every pair)."""
-        return isinstance(self.comm, Comm)
+        """Whether :meth:`all_to_all` runs here: over TCP connections of its own in a job of
+        at most 64 ranks (not over the UET-like transport), over a TCP job's own beyond."""
+        if self.tj.transport == "uet":
+            return False
+        return self.n <= MAX_RANKS or isinstance(self.comm, Comm)
 
     def all_to_all(self, x: np.ndarray, out: np.ndarray) -> None:
         """``alltoall.all_to_all`` of ``x`` (n equal parts, any dtype) into ``out`` over TCP
-        connections to every rank: those the algorithm does not hold are made by the first
-        call, which every rank makes at the same point of the job."""
+        connections to every rank, made by the first call (every rank makes it at the same
+        point of the job): connections of its own with a small window
+        (``alltoall.window_bytes``), or in a job of more than 64 ranks the job's own, the
+        pairs its algorithm lacks added."""
         if not self.can_all_to_all():
             raise ValueError(f"algorithm {self.tj.algo!r} over {self.tj.transport!r} has no "
                              "TCP connection between every pair of ranks")
-        missing = sorted(set(range(self.n)) - set(self.comm.socks) - {self.rank})
-        if missing:
-            self.comm.connect(missing, self.addrs)
+        others = [p for p in range(self.n) if p != self.rank]
+        if self.n <= MAX_RANKS:
+            if self.a2a is None:
+                a2a = Comm(self.rank, [r["host"] for r in self.ranks], self.tj.timeout_s,
+                           job_id=self.tj.job_id, tcp_cc=self.spec.tcp_cc,
+                           window_clamp=alltoall.window_bytes(self.bw_bps), port_of=a2a_port)
+                try:
+                    a2a.listen(self.ranks[self.rank]["ip"])
+                    a2a.connect(others, {p: (r["ip"], a2a_port(self.tj.job_id, p, p))
+                                         for p, r in enumerate(self.ranks)})
+                except BaseException:
+                    a2a.close()
+                    raise
+                self.a2a = a2a
+            comm = self.a2a
+        else:
+            comm = self.comm
+            missing = sorted(set(others) - set(comm.socks))
+            if missing:
+                comm.connect(missing, self.addrs)
         self.calls += 1
-        alltoall.all_to_all(self.comm, x, out, self.n, max(1, (64 << 10) // x.itemsize))
+        alltoall.all_to_all(comm, x, out, self.n, max(1, (64 << 10) // x.itemsize))
 
     def shard_ops(self) -> tuple[str, ...]:
         """The sharded collectives (reduce_scatter, allgather: FSDP's) this job's algorithm
@@ -229,6 +253,8 @@ class TestbedComm:
 
     def close(self) -> None:
         """Close the sockets."""
+        if self.a2a is not None:
+            self.a2a.close()
         if self.comm is not None:
             self.comm.close()
         if self.client is not None:

@@ -76,7 +76,15 @@ from dataclasses import dataclass, field
 from testbed.collectives import alltoall, compress, hd
 from testbed.collectives import model as ab
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
-from testbed.collectives.ports import INA_AGG_PORT, ina_worker_port, tcp_port, tcp_tuple, uet_port
+from testbed.collectives.ports import (
+    INA_AGG_PORT,
+    MAX_RANKS,
+    a2a_port,
+    ina_worker_port,
+    tcp_port,
+    tcp_tuple,
+    uet_port,
+)
 from testbed.collectives.report import shard_bounds
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, CollectiveSpec
 from testbed.collectives.uet import ACK_EVERY
@@ -225,11 +233,13 @@ def placement(host_names: list[str], spec: CollectiveSpec) -> tuple[list[str], l
 class _Ranks:
     """Rank -> host and the TCP flow between two ranks (deterministic ports)."""
 
-    def __init__(self, hosts: list[str], job_id: int, itemsize: int, transport: str = "tcp"):
+    def __init__(self, hosts: list[str], job_id: int, itemsize: int, transport: str = "tcp",
+                 port_of=tcp_port):
         self.hosts = hosts
         self.job = job_id
         self.itemsize = itemsize
         self.transport = transport
+        self.port_of = port_of  # the connections' port map (an all-to-all's: a2a_port)
 
     def tcp(self, src: int, dst: int, elems: float) -> Flow:
         """The flow of a message between two ranks over the job's transport: TCP on its
@@ -238,7 +248,7 @@ class _Ranks:
             ports = tuple(uet_port(self.job, e) for e in range(UET_ENTROPIES))
             return Flow(self.hosts[src], self.hosts[dst], elems * self.itemsize, ports[0],
                         TESTBED_UDP_PORT, 17, UET_WIRE, UET_ACK, spray=ports)
-        sport, dport = tcp_tuple(self.job, src, dst)
+        sport, dport = tcp_tuple(self.job, src, dst, self.port_of)
         return Flow(self.hosts[src], self.hosts[dst], elems * self.itemsize, sport, dport)
 
 
@@ -884,7 +894,9 @@ def all_to_all_s(topology, workers: list[str], nbytes: float, *, job_id: int = 0
     f = float(time_dilation)
     n = len(workers)
     net, hop = _Network(topo, f), _hop_s(topo, hop_latency_s, f)
-    phases_ = all_to_all_phases(n, nbytes / n, _Ranks(list(workers), job_id, 1))
+    own = n <= MAX_RANKS  # its own connections (alltoall's window), else the job's
+    phases_ = all_to_all_phases(n, nbytes / n, _Ranks(list(workers), job_id, 1,
+                                                      port_of=a2a_port if own else tcp_port))
     return sum(_run_phase(net, ph, hop).time_s for ph in phases_) / f
 
 

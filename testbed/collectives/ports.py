@@ -18,6 +18,11 @@ one: a job's block holds ``MAX_RANKS * (MAX_RANKS + 1) / 2`` ports, the pairs ``
 first (triangular numbering), then one listening port per rank. Jobs ``job_id`` and
 ``job_id + TCP_JOB_SLOTS`` share a block: do not run them on the same hosts at once.
 
+A job's all-to-all (:mod:`testbed.collectives.alltoall`) runs on connections of its own, with
+a small window, in the same layout from ``TCP_BIG_LO`` (``a2a_port``; ``A2A_JOB_SLOTS``
+blocks): jobs ``job_id`` and ``job_id + A2A_JOB_SLOTS`` must not all-to-all on the same
+hosts at once, nor beside a job of more than 64 ranks.
+
 Ranks ``MAX_RANKS`` .. ``MAX_BIG_RANKS - 1`` (a job of more than 64 ranks: 128 workers on one
 machine) take their ports from ``TCP_BIG_LO`` .. 65535, above the ephemeral range, in a block
 of ``MAX_BIG_RANKS`` per job (``TCP_BIG_SLOTS`` of them): a pair whose higher rank ``d`` is 64
@@ -61,6 +66,8 @@ MAX_BIG_RANKS = 256
 TCP_BIG_LO = 61000
 #: Distinct large-job blocks in TCP_BIG_LO..65535.
 TCP_BIG_SLOTS = (65536 - TCP_BIG_LO) // MAX_BIG_RANKS
+#: Distinct blocks of the all-to-all's connections in TCP_BIG_LO..65535 (``a2a_port``).
+A2A_JOB_SLOTS = (65536 - TCP_BIG_LO) // _BLOCK
 
 
 def _check_rank(name: str, v) -> None:
@@ -69,9 +76,7 @@ def _check_rank(name: str, v) -> None:
                          f"0..{MAX_BIG_RANKS - 1}; run at most {MAX_BIG_RANKS} ranks per job")
 
 
-def tcp_port(job_id: int, src: int, dst: int) -> int:
-    """TCP port rank ``src`` of job ``job_id`` binds for its connection to rank ``dst``
-    (``src < dst``: it connects); ``src == dst``: the rank's listening port."""
+def _checked(job_id: int, src: int, dst: int, limit: int = MAX_BIG_RANKS) -> None:
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
         raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
     _check_rank("src", src)
@@ -79,23 +84,44 @@ def tcp_port(job_id: int, src: int, dst: int) -> int:
     if src > dst:
         raise ValueError(f"src={src} > dst={dst}: the lower rank opens the connection; its "
                          f"peer's end is the listening port tcp_port(job, {src}, {src})")
-    if dst >= MAX_RANKS:  # a large job's pair or listener: unique per address
-        return TCP_BIG_LO + (job_id % TCP_BIG_SLOTS) * MAX_BIG_RANKS + dst
-    base = TCP_PORT_LO + (job_id % TCP_JOB_SLOTS) * _BLOCK
+    if dst >= limit:
+        raise ValueError(f"dst={dst}: these ports take jobs of at most {limit} ranks")
+
+
+def _in_block(base: int, src: int, dst: int) -> int:
+    """A job block's port of the pair (src < dst), or of rank src's listener (src == dst)."""
     if src == dst:
         return base + _PAIRS + src
     return base + dst * (dst - 1) // 2 + src
 
 
-def tcp_tuple(job_id: int, src: int, dst: int) -> tuple[int, int]:
-    """(source port, destination port) of the bytes rank ``src`` sends to rank ``dst``.
+def tcp_port(job_id: int, src: int, dst: int) -> int:
+    """TCP port rank ``src`` of job ``job_id`` binds for its connection to rank ``dst``
+    (``src < dst``: it connects); ``src == dst``: the rank's listening port."""
+    _checked(job_id, src, dst)
+    if dst >= MAX_RANKS:  # a large job's pair or listener: unique per address
+        return TCP_BIG_LO + (job_id % TCP_BIG_SLOTS) * MAX_BIG_RANKS + dst
+    return _in_block(TCP_PORT_LO + (job_id % TCP_JOB_SLOTS) * _BLOCK, src, dst)
 
-    The lower rank opened the connection: its end has port ``tcp_port(j, low, high)``, the
+
+def a2a_port(job_id: int, src: int, dst: int) -> int:
+    """``tcp_port`` of a job's all-to-all connections (:mod:`testbed.collectives.alltoall`,
+    jobs of at most ``MAX_RANKS`` ranks): the same layout in blocks from ``TCP_BIG_LO``, which
+    only larger jobs' connections use (``A2A_JOB_SLOTS`` of them)."""
+    _checked(job_id, src, dst, MAX_RANKS)
+    return _in_block(TCP_BIG_LO + (job_id % A2A_JOB_SLOTS) * _BLOCK, src, dst)
+
+
+def tcp_tuple(job_id: int, src: int, dst: int, port_of=tcp_port) -> tuple[int, int]:
+    """(source port, destination port) of the bytes rank ``src`` sends to rank ``dst``
+    (``port_of``: ``tcp_port``, or ``a2a_port`` for the all-to-all's connections).
+
+    The lower rank opened the connection: its end has port ``port_of(j, low, high)``, the
     higher rank's end is its listening port."""
     if src == dst:
         raise ValueError(f"src == dst == {src}: a rank sends nothing to itself over TCP")
     lo, hi = min(src, dst), max(src, dst)
-    p_lo, p_hi = tcp_port(job_id, lo, hi), tcp_port(job_id, hi, hi)
+    p_lo, p_hi = port_of(job_id, lo, hi), port_of(job_id, hi, hi)
     return (p_lo, p_hi) if src == lo else (p_hi, p_lo)
 
 

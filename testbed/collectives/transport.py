@@ -113,10 +113,13 @@ class Comm:
     """Connections of one rank to its peers, plus per-peer sender threads."""
 
     def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0,
-                 tcp_cc: str | None = DEFAULT_TCP_CC, window_clamp: int | None = None):
+                 tcp_cc: str | None = DEFAULT_TCP_CC, window_clamp: int | None = None,
+                 port_of=tcp_port):
         """``window_clamp``: the most bytes a connection's receiver offers its sender
-        (``TCP_WINDOW_CLAMP``; None: the kernel's autotuned window)."""
+        (``TCP_WINDOW_CLAMP``; None: the kernel's autotuned window); ``port_of``: the port
+        map (``ports.tcp_port``, or ``ports.a2a_port`` for an all-to-all's connections)."""
         self.rank = rank
+        self.port_of = port_of
         self.tcp_cc = tcp_cc  # None: the host's default
         self.window_clamp = window_clamp
         self.names = names  # host name of every rank, for error messages
@@ -138,7 +141,7 @@ class Comm:
         """Open the listening socket on ``ip`` at the rank's own port; return the port."""
         self.ip = ip
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._bind(s, tcp_port(self.job_id, self.rank, self.rank))
+        self._bind(s, self.port_of(self.job_id, self.rank, self.rank))
         if self.tcp_cc:  # accepted connections start with the listener's algorithm
             self._set_cc(s)
         self._clamp(s)  # the window a SYN-ACK offers comes from the listener
@@ -156,7 +159,7 @@ class Comm:
             while True:
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 self._tune(s)
-                self._bind(s, tcp_port(self.job_id, self.rank, p))
+                self._bind(s, self.port_of(self.job_id, self.rank, p))
                 try:
                     s.connect(tuple(addrs[p]))
                     break

@@ -4,12 +4,14 @@ model (no root, no network)."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
 import pytest
 
 from testbed.collectives import alltoall, flowmodel, ring
+from testbed.collectives.ports import a2a_port, tcp_tuple
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES
 from testbed.collectives.testing import connected_mesh, loopback_ip, run_ranks
 from testbed.collectives.transport import Comm
@@ -64,8 +66,8 @@ def test_bad_shapes_are_refused_naming_them():
 
 def test_a_rank_communicator_completes_its_mesh_at_the_first_all_to_all():
     """A ring job's ranks hold connections to their neighbours only; the first all-to-all
-    connects every other pair, even while a late rank still waits for its neighbours (its
-    early peers' connections are kept for the all-to-all); the second reuses them; both
+    makes its own to every other rank (on the all-to-all's ports, with its small window),
+    even while a late rank still waits for its neighbours; the second reuses them; both
     exact."""
     pytest.importorskip("torch", reason="the [torch] extra is not installed")
     from testbed.launch import backend_settings
@@ -98,7 +100,17 @@ def test_a_rank_communicator_completes_its_mesh_at_the_first_all_to_all():
         for k in range(len(sizes)):
             for got, want in zip(outs[k], alltoall.reference(inputs[k]), strict=True):
                 np.testing.assert_array_equal(got, want)
-        assert all(set(c.comm.socks) == set(range(n)) - {r} for r, c in enumerate(comms))
+        assert all(set(c.a2a.socks) == set(range(n)) - {r} for r, c in enumerate(comms))
+        assert set(comms[0].comm.socks) == set(ring.ring_peers(0, n))  # the ring's, as before
+        sock = comms[1].a2a.socks[0]
+        assert (sock.getsockname()[1], sock.getpeername()[1]) == tcp_tuple(job_id, 1, 0,
+                                                                           a2a_port)
+        # the clamp set before the handshake: window scale 0, so never above 64 KiB (the
+        # kernel's autotuning may raise the clamp itself later, not the scale)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        assert info[6] >> 4 == 0  # tcpi_rcv_wscale
+        ring_sock = comms[0].comm.socks[1]
+        assert ring_sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)[6] >> 4 > 0
     finally:
         for c in comms:
             if c is not None:
@@ -106,8 +118,9 @@ def test_a_rank_communicator_completes_its_mesh_at_the_first_all_to_all():
 
 
 def test_a_connection_for_a_later_call_is_kept_until_that_call():
-    """Rank 0 finishes its ring connections and connects its missing pairs (the all-to-all's)
-    while ranks 2 and 3 are still late for their ring: rank 3's listener then holds rank 0's
+    """Rank 0 finishes its ring connections and connects its missing pairs (as a job of more
+    than 64 ranks completes its mesh for an all-to-all) while ranks 2 and 3 are still late for
+    their ring: rank 3's listener then holds rank 0's
     connection before rank 2's, and keeps it for its own later call instead of failing."""
     n, job_id = 5, next(_JOB)
     ip = loopback_ip()
