@@ -23,13 +23,15 @@ on INA), and routes
   them itself (ring, hd, a plug-in that declares them; uncompressed), and on the ring of the
   job's hosts otherwise (a TCP job: other dtypes, MAX, MIN, PRODUCT, a compressed ring's
   float32, as for allreduce above);
-* ``all_to_all_single`` with equal parts, any dtype, through the testbed's all-to-all over
-  TCP connections of its own (any algorithm's job but the UET-like transport's) (:mod:`testbed.collectives.alltoall`: large parts by pairwise
-  exchange, every host link carrying one message at a time; gloo posts every pair's part at
-  once, which TCP shares unfairly behind FIFO switch queues);
+* ``all_to_all_single`` with equal parts, any dtype, in any algorithm's job but the UET-like
+  transport's, through the testbed's all-to-all over TCP connections of its own
+  (:mod:`testbed.collectives.alltoall`: large parts by pairwise exchange, every host link
+  carrying one message at a time; gloo posts every pair's part at once, which TCP shares
+  unfairly behind FIFO switch queues);
 * everything else (what no algorithm here does, broadcast, the list forms of allgather and
-  reduce_scatter, unequal all_to_all, send/recv, barrier) to gloo, over the same emulated links: an
-  exact answer from an algorithm that can give it, never a wrong one from one that cannot;
+  reduce_scatter, unequal all_to_all, send/recv, barrier) to gloo, over the same emulated
+  links: an exact answer from an algorithm that can give it, never a wrong one from one that
+  cannot;
 * every collective of a subgroup (``new_group`` inheriting this backend) to gloo too: the
   testbed's communicator spans the world's hosts.
 
@@ -277,9 +279,9 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return _Done([output])
 
     def _all_to_all_route(self, output, input, output_splits, input_splits) -> str | None:
-        """None when ``all_to_all_single`` runs on the testbed's TCP connections (a TCP job's
-        world, equal parts: :mod:`testbed.collectives.alltoall`), else why gloo runs it
-        ("" for a subgroup or a single rank, as every gloo call of theirs)."""
+        """None when ``all_to_all_single`` runs on the testbed's all-to-all (the world of a
+        job that has one, equal parts: :mod:`testbed.collectives.alltoall`), else why gloo
+        runs it ("" for a subgroup or a single rank, as every gloo call of theirs)."""
         if self.comm is None:
             return ""
         if not self.comm.can_all_to_all():
