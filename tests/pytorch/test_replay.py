@@ -244,10 +244,13 @@ def test_tensor_parallel_groups_beside_a_data_parallel_world(tmp_path):
 
 
 @pytest.mark.mininet
-def test_pipeline_and_moe_trace_over_gloo(tmp_path):
+@pytest.mark.parametrize("algo", [None, "ring"], ids=["gloo", "ring"])
+def test_pipeline_and_moe_trace(tmp_path, algo):
     """Send/recv between pipeline stages, then an all-to-all (MoE), an all-gather, a
-    reduce-scatter and a broadcast, on 3 ranks."""
-    size = 3 * 4096
+    reduce-scatter and a broadcast, on 3 ranks: over gloo, or through the testbed (its
+    all-to-all by pairwise exchange: parts of 128 KiB), every all-to-all part where it
+    belongs."""
+    size = 3 * (128 << 10)
     g = {0: [comp(1, 2000), send(2, 1, 65536, [1])],
          1: [recv(2, 0, 65536), comp(3, 2000, [2]), send(4, 2, 65536, [3])],
          2: [recv(4, 1, 65536), comp(5, 2000, [4])]}
@@ -255,14 +258,21 @@ def test_pipeline_and_moe_trace_over_gloo(tmp_path):
         last = nodes[-1].id
         nodes += [coll(20, pb.ALL_TO_ALL, size, [last]), coll(21, pb.ALL_GATHER, size, [20]),
                   coll(22, pb.REDUCE_SCATTER, size, [21]), coll(23, pb.BROADCAST, size, [22])]
-    res = replay(write(tmp_path / "pp", g), out=tmp_path / "out", echo=lambda line: None)
+    res = replay(write(tmp_path / "pp", g), algo=algo, out=tmp_path / "out",
+                 echo=lambda line: None)
     assert res.launched.returncode == 0, res.launched.failures
     at = {(r["rank"], r["node"]): r for r in res.nodes}
     assert at[(1, 2)]["end_s"] >= at[(0, 1)]["end_s"] - 1e-6  # stage 1 waited for stage 0
     assert at[(2, 5)]["start_s"] >= at[(1, 3)]["end_s"] - 1e-6  # and stage 2 for stage 1
     assert [c["op"] for c in res.collectives] == ["all_to_all", "all_gather",
                                                   "reduce_scatter", "broadcast"]
-    assert all(c["ranks"] == 3 and c["path"] == "gloo" for c in res.collectives)
+    paths = [c["path"] for c in res.collectives]
+    if algo is None:
+        assert paths == ["gloo"] * 4
+    else:  # the broadcast is gloo's
+        assert paths == ["testbed:ring"] * 3 + ["gloo"]
+    assert all(c["ranks"] == 3 for c in res.collectives)
+    assert res.collectives[0]["max_abs_err"] == 0.0  # every part where it belongs
     assert all(c["model_s"] > 0 for c in res.collectives)  # the all-to-all: its exchange
     assert res.model_jct_s >= 3 * 0.002 + sum(c["model_s"] for c in res.collectives)
 
