@@ -43,7 +43,7 @@ from testbed.cleanup import job_dir
 from testbed.collectives import alltoall, compress, ring, trimmed
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.model import tcp_window_clamp
-from testbed.collectives.ports import MAX_RANKS, a2a_port, tcp_port
+from testbed.collectives.ports import a2a_port, tcp_port
 from testbed.collectives.runner import RUN_DIR, offload_job
 from testbed.collectives.spec import CollectiveSpec, Communication, communication_of
 from testbed.collectives.transport import CollectiveError, Comm
@@ -154,8 +154,7 @@ class TestbedComm:
             alg = peer_algorithm(tj.algo)
             for op in {"allreduce"} | set(self.shard_ops()):  # hd pairs differ per op
                 peers.update(alg.peers(rank, self.n, op))
-        self.addrs = {p: (r["ip"], tcp_port(tj.job_id, p, p)) for p, r in enumerate(job["ranks"])}
-        self.comm.connect(sorted(peers), self.addrs)
+        self.comm.connect(sorted(peers), self._listeners(tcp_port))
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, index: int) -> None:
         """Sum ``x`` over the ranks into ``out`` (bucket ``index``: its own compressor state
@@ -197,12 +196,16 @@ class TestbedComm:
         else:
             ring.allgather(self.comm, x, out, self.n, chunk)
 
+    def _listeners(self, port_of) -> dict[int, tuple[str, int]]:
+        """Every rank's listening address under the port map ``port_of``."""
+        return {p: (r["ip"], port_of(self.tj.job_id, p, p)) for p, r in enumerate(self.ranks)}
+
     def can_all_to_all(self) -> bool:
         """Whether :meth:`all_to_all` runs here: over TCP connections of its own in a job of
         at most 64 ranks (not over the UET-like transport), over a TCP job's own beyond."""
         if self.tj.transport == "uet":
             return False
-        return self.n <= MAX_RANKS or isinstance(self.comm, Comm)
+        return alltoall.own_connections(self.n) or isinstance(self.comm, Comm)
 
     def all_to_all(self, x: np.ndarray, out: np.ndarray) -> None:
         """``alltoall.all_to_all`` of ``x`` (n equal parts, any dtype) into ``out`` over TCP
@@ -214,15 +217,14 @@ class TestbedComm:
             raise ValueError(f"algorithm {self.tj.algo!r} over {self.tj.transport!r} has no "
                              "TCP connection between every pair of ranks")
         others = [p for p in range(self.n) if p != self.rank]
-        if self.n <= MAX_RANKS:
+        if alltoall.own_connections(self.n):
             if self.a2a is None:
                 a2a = Comm(self.rank, [r["host"] for r in self.ranks], self.tj.timeout_s,
                            job_id=self.tj.job_id, tcp_cc=self.spec.tcp_cc,
                            window_clamp=alltoall.window_bytes(self.bw_bps), port_of=a2a_port)
                 try:
                     a2a.listen(self.ranks[self.rank]["ip"])
-                    a2a.connect(others, {p: (r["ip"], a2a_port(self.tj.job_id, p, p))
-                                         for p, r in enumerate(self.ranks)})
+                    a2a.connect(others, self._listeners(a2a_port))
                 except BaseException:
                     a2a.close()
                     raise
@@ -232,7 +234,7 @@ class TestbedComm:
             comm = self.comm
             missing = sorted(set(others) - set(comm.socks))
             if missing:
-                comm.connect(missing, self.addrs)
+                comm.connect(missing, self._listeners(tcp_port))
         self.calls += 1
         alltoall.all_to_all(comm, x, out, self.n, max(1, (64 << 10) // x.itemsize))
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.collectives.ports import MAX_RANKS
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES
 from testbed.collectives.transport import CollectiveError, Comm, chunks, wait_all
 
@@ -51,6 +52,12 @@ def window_bytes(bw_bps: float | None = None) -> int:
     """``TCP_WINDOW_CLAMP`` of the all-to-all's connections: :data:`A2A_WINDOW_BYTES`, or
     2.5 ms of the link rate ``bw_bps`` where that is more."""
     return int(max(A2A_WINDOW_BYTES, (bw_bps or 0.0) / 8 * 0.0025))
+
+
+def own_connections(n: int) -> bool:
+    """Whether a job of ``n`` ranks all-to-alls on connections of its own (``ports.a2a_port``,
+    :func:`window_bytes`), not on the job's (beyond ``ports.MAX_RANKS`` ranks)."""
+    return n <= MAX_RANKS
 
 
 def pairwise(part_bytes: float) -> bool:

@@ -78,7 +78,6 @@ from testbed.collectives import model as ab
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
 from testbed.collectives.ports import (
     INA_AGG_PORT,
-    MAX_RANKS,
     a2a_port,
     ina_worker_port,
     tcp_port,
@@ -856,17 +855,24 @@ def transfers_s(topology, transfers: list[tuple[str, str, float]], *,
     all-to-all among n ranks is n(n-1) at once (what gloo's does: every pair's part posted
     together). Their ports are not known (gloo binds ephemeral ones), so on a multipath fabric
     the ECMP paths taken here are one draw of the hash, not necessarily the run's."""
+    flows = [Flow(s, d, float(b), sport=EPHEMERAL_PORT + i, dport=EPHEMERAL_PORT - 1 - i)
+             for i, (s, d, b) in enumerate(transfers)]
+    return _phases_s(topology, {h for s, d, _ in transfers for h in (s, d)},
+                     [Phase("transfers", flows)], hop_latency_s, time_dilation)
+
+
+def _phases_s(topology, hosts, phases_: list[Phase], hop_latency_s: float | None,
+              time_dilation: float) -> float:
+    """Undilated seconds of ``phases_`` one after another among ``hosts`` of ``topology``
+    (``ValueError`` naming hosts it lacks)."""
     topo = routing.as_topology(topology)
-    bad = sorted({h for s, d, _ in transfers for h in (s, d)} - set(topo.host_names))
+    bad = sorted(set(hosts) - set(topo.host_names))
     if bad:
         raise ValueError(f"hosts {bad} are not hosts of this topology")
     _check_dilation(time_dilation)
     f = float(time_dilation)
-    flows = [Flow(s, d, float(b), sport=EPHEMERAL_PORT + i, dport=EPHEMERAL_PORT - 1 - i)
-             for i, (s, d, b) in enumerate(transfers)]
-    res = _run_phase(_Network(topo, f), Phase("transfers", flows),
-                     _hop_s(topo, hop_latency_s, f))
-    return res.time_s / f
+    net, hop = _Network(topo, f), _hop_s(topo, hop_latency_s, f)
+    return sum(_run_phase(net, ph, hop).time_s for ph in phases_) / f
 
 
 def all_to_all_phases(n: int, part_bytes: float, rk: _Ranks) -> list[Phase]:
@@ -886,18 +892,12 @@ def all_to_all_s(topology, workers: list[str], nbytes: float, *, job_id: int = 0
                  hop_latency_s: float | None = None, time_dilation: float = 1.0) -> float:
     """Time of the testbed's all-to-all among ``workers`` (host names in rank order), each
     rank's array ``nbytes`` (n equal parts) on job ``job_id``'s ports (undilated)."""
-    topo = routing.as_topology(topology)
-    bad = sorted(set(workers) - set(topo.host_names))
-    if bad:
-        raise ValueError(f"hosts {bad} are not hosts of this topology")
-    _check_dilation(time_dilation)
-    f = float(time_dilation)
     n = len(workers)
-    net, hop = _Network(topo, f), _hop_s(topo, hop_latency_s, f)
-    own = n <= MAX_RANKS  # its own connections (alltoall's window), else the job's
-    phases_ = all_to_all_phases(n, nbytes / n, _Ranks(list(workers), job_id, 1,
-                                                      port_of=a2a_port if own else tcp_port))
-    return sum(_run_phase(net, ph, hop).time_s for ph in phases_) / f
+    port_of = a2a_port if alltoall.own_connections(n) else tcp_port
+    return _phases_s(topology, workers,
+                     all_to_all_phases(n, nbytes / n, _Ranks(list(workers), job_id, 1,
+                                                             port_of=port_of)),
+                     hop_latency_s, time_dilation)
 
 
 def predict_s(topology, spec: CollectiveSpec, **kw) -> float:

@@ -67,8 +67,9 @@ def connected_mesh(job: int, ips: list[str], timeout_s: float = 5.0,
 
 def run_ranks(comms: list, fn, join_s: float = 60.0) -> None:
     """``fn(rank, comm)`` for every rank of ``comms`` at once, a thread each (as a pool's
-    ranks run), waiting up to ``join_s`` for each; the first error is raised again. The
-    caller closes the comms."""
+    ranks run), waiting up to ``join_s`` for each; the first error is raised again, and ranks
+    still running after that are a ``TimeoutError`` naming them. The caller closes the comms
+    (which also ends a hung rank's blocking call)."""
     errors: list[BaseException] = []
 
     def go(r: int) -> None:
@@ -77,13 +78,17 @@ def run_ranks(comms: list, fn, join_s: float = 60.0) -> None:
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(comms))]
+    threads = [threading.Thread(target=go, args=(r,), daemon=True)
+               for r in range(len(comms))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(join_s)
     if errors:
         raise errors[0]
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        raise TimeoutError(f"ranks {hung} still running after {join_s} s")
 
 
 def leftovers(owner_pid: int | None = None) -> list[str]:
