@@ -311,6 +311,25 @@ def tcp_rto_min_cmd(intf: str, factor: float, per_netns: bool | None = None) -> 
     return sysctl if per_netns else routes
 
 
+def resolver_blackhole_cmd(keep: set[str] = frozenset(),
+                           resolv_conf: str = "/etc/resolv.conf") -> str:
+    """``ip route`` commands that make every IPv4 name server of ``resolv_conf`` unreachable
+    from an emulated host: a server inside the emulated addresses (a cloud VM's 10.x
+    resolver) would otherwise swallow the host's queries, and every name lookup there (gloo's
+    and torch's reverse lookups of their peers, one per connection) would wait out the
+    resolver's timeouts, 6 s each, instead of failing at once. An address in ``keep`` (an
+    emulated node's, which answers a query with a refusal at once) keeps its route; '' when
+    there is none left."""
+    try:
+        with open(resolv_conf) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    servers = re.findall(r"^\s*nameserver\s+(\d{1,3}(?:\.\d{1,3}){3})\s*$", text, re.M)
+    return "; ".join(f"ip route replace unreachable {ip}/32" for ip in dict.fromkeys(servers)
+                     if not ip.startswith("127.") and ip not in keep)
+
+
 def _clear_leftovers() -> None:
     """Remove what a dead earlier network left (its owner and guardian both died), saying so.
 
@@ -902,9 +921,12 @@ class TestbedNet(FabricRoutes):
 
     def _configure_hosts(self) -> None:
         """One shell round trip per host: IPv6 off, offloads off, static ARP (batch file), the
-        minimum TCP RTO for the network's dilation."""
+        minimum TCP RTO for the network's dilation, no route to the machine's name servers."""
         hosts = self.hosts
         ips = self.host_ips
+        blackhole = resolver_blackhole_cmd(
+            {*ips, AGGREGATOR_IP, *(switch_identity(self.topo, sw)[1]
+                                    for sw in aggregating_switches(self.topo))})
         shaped = self._shaped_ifaces()
         for rank, h in enumerate(hosts):
             intf = h.defaultIntf().name
@@ -930,6 +952,8 @@ class TestbedNet(FabricRoutes):
                     h.put_file(path, text)
                 parts.append(f"ip -batch {path}")
             parts.append(tcp_rto_min_cmd(intf, self.time_dilation))
+            if blackhole:
+                parts.append(blackhole)
             parts.append(f"tc qdisc show dev {intf}")
             out = h.cmd("; ".join(parts))
             if "rror" in out:

@@ -298,6 +298,39 @@ def test_every_kind_builds_pings_and_tears_down(kind, params, held_lock):
     _assert_gone(topo, pids)
 
 
+def test_name_servers_are_made_unreachable_except_emulated_addresses(tmp_path):
+    from testbed.topologies.net import resolver_blackhole_cmd
+
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("# a cloud VM's\nsearch example\nnameserver 10.255.255.53\n"
+                    "nameserver 127.0.0.53\nnameserver ::1\n nameserver 10.0.0.2 \n"
+                    "nameserver 10.255.255.53\noptions timeout:5\n")
+    assert resolver_blackhole_cmd({"10.0.0.2"}, str(conf)) == \
+        "ip route replace unreachable 10.255.255.53/32"
+    conf.write_text("nameserver 127.0.0.53\n")
+    assert resolver_blackhole_cmd(set(), str(conf)) == ""
+    assert resolver_blackhole_cmd(set(), str(tmp_path / "missing")) == ""
+
+
+@pytest.mark.mininet
+def test_peer_name_lookups_in_a_host_fail_at_once(held_lock):
+    """gloo and torch look their peers' names up, one lookup per connection: a host must not
+    send those queries into the emulated network, where a 10.x name server never answers
+    (each lookup waited 6 s, a launched job's rendezvous 7-9 s)."""
+    from testbed.topologies import TestbedNet
+    from testbed.topologies.net import resolver_blackhole_cmd
+
+    servers = re.findall(r"unreachable (\S+)/32", resolver_blackhole_cmd())
+    with TestbedNet(Star(2, bw_mbps=100)) as net:
+        h1 = net.hosts[0]
+        for ip in servers:
+            assert h1.cmd(f"ip route show {ip}").split() == ["unreachable", ip]
+        t0 = time.monotonic()
+        h1.cmd(f"getent hosts {net.host_ips[1]}")
+        took = time.monotonic() - t0
+    assert took < 4.0, f"a reverse lookup in an emulated host took {took:.1f} s"
+
+
 @pytest.mark.mininet
 def test_shaped_access_link_rate_is_what_was_asked(held_lock):
     from testbed.topologies import TestbedNet
