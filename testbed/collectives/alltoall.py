@@ -15,7 +15,10 @@ message has its links to itself, as the ring's and halving-doubling's do.
 
 Each step starts with the receiver's ready-to-receive (as ``hd``'s rendezvous): rank r tells
 r-k it may send and waits for r+k's word before sending to it, so a rank that finished step
-k early does not send step k+1 into a downlink still carrying step k. A step ends when this
+k early does not send step k+1 into a downlink still carrying step k. The word for step k+1
+leaves as soon as step k's part has arrived, before this rank waits for its own send to
+leave: its trip overlaps that wait (the all-to-all of the MoE replay went from 1.18 to 1.17
+of the model on average over four alternated runs at dilation 4). A step ends when this
 rank's part left the socket (``Comm.drain``), for the reason ``hd`` gives. The flow model
 prices the same steps (:func:`testbed.collectives.flowmodel.all_to_all_s`).
 
@@ -85,9 +88,9 @@ def all_to_all(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -
             comm.recv(src, out[part(src)])
         wait_all(futs)
         return
+    comm.send((r - 1) % n, _READY)
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
-        comm.send(src, _READY)  # src may send: our downlink is free of step k-1
         got = np.zeros(1, np.uint8)
         comm.recv(dst, got)
         if got[0] != 1:
@@ -97,6 +100,8 @@ def all_to_all(comm: Comm, x: np.ndarray, out: np.ndarray, n: int, chunk: int) -
         lo = src * m
         for a, z in chunks(lo, lo + m, chunk):
             comm.recv(src, out[a:z])
+        if k + 1 < n:  # our downlink is free of step k: the next step's source may send
+            comm.send((r - k - 1) % n, _READY)
         fut.result()
         comm.drain(dst)
 
