@@ -36,8 +36,11 @@ on INA), and routes
   testbed's communicator spans the world's hosts.
 
 Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``
-or ``gloo``, start and end, and ``note``: why it did not take the job's algorithm), one JSON
-line per call in ``$TESTBED_TRACE`` when set.
+or ``gloo``, start and end, ``note``: why it did not take the job's algorithm, and ``plan``:
+the plan it ran under), one JSON line per call in ``$TESTBED_TRACE`` when set.
+
+A job the launcher re-plans while it runs (``job["replan"]``, a provider's new plan) moves to
+the new plan at a collective boundary every rank agrees on (:class:`Replans`).
 
 The rank's job (hosts, addresses, the algorithm and, for INA, the switch's registration)
 comes from the file ``$TESTBED_JOB`` that ``testbed launch`` writes
@@ -51,16 +54,19 @@ import os
 import time
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from testbed.atomic import write_json
 from testbed.torch import TestbedComm, TorchJob
 
 BACKEND = "testbed"
 #: One trace row per collective call.
-TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s", "note")
+TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s", "note",
+                 "plan")
 #: Whether this process built its world group's testbed communicator already.
 _WORLD_TAKEN = False
 #: What the ring runs in a tensor's own dtype: the reduction's name -> how a hop combines.
@@ -94,6 +100,75 @@ class _Done(dist._Work):
         return self._future
 
 
+class Replans:
+    """A launched job's plan changes, applied by every rank at the same collective (the
+    launcher's side: :class:`testbed.launch.PlanFollower`).
+
+    The launcher registers a new plan (INA under a job id of its own, so the old registration
+    keeps serving the collectives still running on it) and writes it to ``plan.json`` in the
+    job's ``folder``. The *full* collectives (allreduce, reduce_scatter, allgather,
+    all_to_all, barrier: those whose result on every rank needs every rank's part) are
+    numbered alike on every rank. Rank 0 reads ``plan.json`` at the start of each and, before
+    it contributes to the one numbered ``s``, writes ``switch<k>.json``: plan ``e`` from
+    collective ``s + 1``. No rank can finish collective ``s`` without rank 0's part, so every
+    rank finds that file before it starts ``s + 1``: each looks for its next switch file at
+    the start of every full collective (a failed ``open`` while there is none) and switches
+    exactly there, then writes ``ack<rank>`` with the plan it runs, which tells the launcher
+    when the old plan's registration can go."""
+
+    def __init__(self, folder: str | Path, rank: int):
+        self.folder, self.rank = Path(folder), rank
+        self.full = 0  # full collectives started
+        self.switches = 0  # switch files applied
+        self.epoch = 0  # the launcher's plan in force
+        self.next: dict | None = None  # the next switch, read but not reached yet
+        self._plan_stamp = None
+
+    def boundary(self) -> dict | None:
+        """Called at the start of every full collective: the job (``job.json``'s form) to
+        switch to before it, else None."""
+        self.full += 1
+        if self.rank == 0 and self.next is None:
+            self._decide()
+        if self.next is None:
+            try:
+                self.next = json.loads((self.folder / f"switch{self.switches + 1}.json")
+                                       .read_text())
+            except FileNotFoundError:
+                return None
+        if self.next["at"] > self.full:
+            return None
+        if self.next["at"] < self.full:  # a rank missed its boundary: it would desynchronise
+            raise RuntimeError(f"rank {self.rank}: plan {self.next['epoch']} applies from "
+                               f"collective {self.next['at']}, read at {self.full}")
+        switch, self.next = self.next, None
+        self.switches += 1
+        self.epoch = switch["epoch"]
+        return switch["job"]
+
+    def _decide(self) -> None:
+        """Rank 0: schedule the launcher's newest plan, if newer than the one in force, from
+        the next full collective."""
+        path = self.folder / "plan.json"
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        if (st.st_mtime_ns, st.st_size) == self._plan_stamp:
+            return
+        self._plan_stamp = (st.st_mtime_ns, st.st_size)
+        plan = json.loads(path.read_text())
+        if plan["epoch"] > self.epoch:
+            write_json(self.folder / f"switch{self.switches + 1}.json",
+                                  {"epoch": plan["epoch"], "at": self.full + 1,
+                                   "job": plan["job"]})
+
+    def ack(self) -> None:
+        """Tell the launcher this rank runs plan :attr:`epoch` now."""
+        write_json(self.folder / f"ack{self.rank}", {"epoch": self.epoch,
+                                                                "at": self.full})
+
+
 class TestbedProcessGroup(dist.ProcessGroup):
     """A rank's process group: float32 SUM/AVG allreduce through the testbed's algorithm,
     other dtypes and reductions where a testbed algorithm can do them, every other collective
@@ -117,6 +192,9 @@ class TestbedProcessGroup(dist.ProcessGroup):
         world = size == len(job["ranks"]) and not _WORLD_TAKEN
         self.comm = TestbedComm(job, self.tj, rank) if size > 1 and world else None
         _WORLD_TAKEN = _WORLD_TAKEN or world
+        self.replans = Replans(job["replan"], rank) \
+            if job.get("replan") and self.comm is not None else None
+        self._retired: TestbedComm | None = None  # the plan before the one in force
         self.seq = 0
         path = os.environ.get("TESTBED_TRACE")
         self._trace = open(path, "a") if path else None  # noqa: SIM115 - closed in shutdown
@@ -131,12 +209,31 @@ class TestbedProcessGroup(dist.ProcessGroup):
         row = {"rank": self._rank, "seq": self.seq, "op": op,
                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
                "bytes": int(sum(t.numel() * t.element_size() for t in tensors)),
-               "path": path, "start_s": t0, "end_s": time.time(), "note": note}
+               "path": path, "start_s": t0, "end_s": time.time(), "note": note,
+               "plan": self.replans.epoch if self.replans is not None else 0}
         self._trace.write(json.dumps(row) + "\n")
         self._trace.flush()
 
+    def _full(self) -> None:
+        """At the start of a full collective of the world (see :class:`Replans`): move to
+        the launcher's new plan when this is the collective it applies from."""
+        if self.replans is None:
+            return
+        job = self.replans.boundary()
+        if job is None:
+            return
+        tj = TorchJob(**job["torch"])
+        new = TestbedComm(job, tj, self._rank)
+        new.take_all_to_all(self.comm)
+        # the communicator before the one retired now: no peer can still be reading from it
+        if self._retired is not None:
+            self._retired.close()
+        self._retired, self.comm, self.tj = self.comm, new, tj
+        self.replans.ack()
+
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
+        self._full()
         t0 = time.time()
         op = _op_name(opts.reduceOp)
         if len(tensors) != 1:
@@ -225,6 +322,7 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return self._gloo("broadcast", tensors, self.gloo.broadcast, tensors, opts)
 
     def allgather(self, outputs, inputs, opts):
+        self._full()
         return self._gloo("allgather", inputs, self.gloo.allgather, outputs, inputs, opts)
 
     def _allgather_base(self, output, input, opts):
@@ -232,6 +330,7 @@ class TestbedProcessGroup(dist.ProcessGroup):
                              self.gloo._allgather_base)
 
     def reduce_scatter(self, outputs, inputs, opts):
+        self._full()
         return self._gloo("reduce_scatter", [t for ts in inputs for t in ts],
                           self.gloo.reduce_scatter, outputs, inputs, opts)
 
@@ -242,6 +341,7 @@ class TestbedProcessGroup(dist.ProcessGroup):
     def _sharded(self, op: str, output, input, reduction: str | None, opts, gloo_fn):
         """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (torch's layouts for equal
         shards) where :meth:`_route` sends them."""
+        self._full()
         t0 = time.time()
         route, note = self._route(op, input, reduction)
         if route == "algo":
@@ -262,6 +362,7 @@ class TestbedProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        self._full()
         t0 = time.time()
         note = self._all_to_all_route(output, input, output_split_sizes, input_split_sizes)
         if note is not None:
@@ -296,6 +397,7 @@ class TestbedProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
+        self._full()
         return self._gloo("barrier", [], self.gloo.barrier, opts)
 
     # point to point: not waited for (a rank may isend before its peer posts the irecv)
@@ -316,6 +418,9 @@ class TestbedProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         global _WORLD_TAKEN
+        if self._retired is not None:
+            self._retired.close()
+            self._retired = None
         if self.comm is not None:
             self.comm.close()
             self.comm = None

@@ -207,6 +207,8 @@ def launch(
               + (f" + {p['compressor']}" if p["compressor"] else "")
               + (f" on {p['tree']}" if p["tree"] else "") + f": {p['reason']}",
               file=sys.stderr)
+    if done.replans:
+        print(f"testbed launch: re-planned while it ran: {done.replans}", file=sys.stderr)
     for line in done.failures:
         print(f"testbed launch: {line}", file=sys.stderr)
     if done.chakra:
@@ -282,7 +284,7 @@ def replay(
         else:
             print_rows(res.tenants, f"replay of {len(tenants)} traces at once",
                        ("tenant", "ranks", "arrival_s", "start_s", "jct_s", "model_jct_s",
-                        "slowdown", "algo", "planned", "failed"))
+                        "slowdown", "algo", "planned", "replans", "failed"))
         print(f"testbed replay: results: {res.folder}", file=sys.stderr)
         raise typer.Exit(1 if any(row["failed"] for row in res.tenants) else 0)
     one = res.replayed[0]

@@ -24,6 +24,8 @@ per-collective trace as rows, the results folder); the command line prints it.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -36,6 +38,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from testbed.atomic import write_json
 
 #: MASTER_PORT of launched jobs (torchrun's default), plus the job id.
 MASTER_PORT = 29500
@@ -62,6 +66,22 @@ class Launched:
     plan: dict | None = None
     #: the Chakra trace files written (``chakra_out``), one per rank
     chakra: list[Path] = dataclasses.field(default_factory=list)
+    #: the plans the job ran under when it was re-planned while it ran (``plans``): each
+    #: with its settings and the full collective it applied from (:class:`PlanFollower`)
+    plan_history: list[dict] = dataclasses.field(default_factory=list)
+    #: the hints the provider planned an ``algo="auto"`` job with at its end (those derived
+    #: from its first iterations included)
+    hints: dict | None = None
+
+    @property
+    def replans(self) -> str | None:
+        """The plans the running job moved to, in one line (``ring from collective 6``), None
+        when it kept its first."""
+        return " -> ".join(
+            f"{p['algo']}{'+' + p['compressor'] if p['compressor'] else ''} "
+            + (f"from collective {p['from_call']}" if p["from_call"] else
+               "(offered; the job ended before it applied)")
+            for p in self.plan_history[1:]) or None
 
     @property
     def returncode(self) -> int:
@@ -86,6 +106,7 @@ def launch_network(topology: dict | None, experiment: str | Path | None, hosts: 
     from testbed.experiment.spec import TopologySpec, format_errors, load_point
     from testbed.topologies import make_topology
     from testbed.topologies.net import TestbedNet
+    from testbed.topologies.pipeline import DatapathOptions
 
     if experiment is not None:
         point = load_point(experiment, 0)[1]
@@ -102,6 +123,7 @@ def launch_network(topology: dict | None, experiment: str | Path | None, hosts: 
     except ValidationError as e:
         raise ValueError("; ".join(f"topology.{p}" for p in format_errors(e))) from None
     return TestbedNet(make_topology(spec.kind, **spec.kwargs()),
+                      datapath=DatapathOptions(aggregate=spec.aggregate_settings()),
                       time_dilation=1.0 if time_dilation is None else time_dilation)
 
 
@@ -113,13 +135,16 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            timeout_s: float = 600.0, job_id: int = 1, echo=None,
            module: bool = False, hints: dict | None = None,
            policy: str = "cooperative", chakra_out: str | Path | None = None,
-           nproc_per_host: int = 1, stop=None, transport: str = "tcp") -> Launched:
+           nproc_per_host: int = 1, stop=None, transport: str = "tcp",
+           plans=None) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network), ``nproc_per_host`` ranks on each (torchrun's ``--nproc-per-node``: rank ``r``
     on host ``r // nproc_per_host``), and return what it did (see the module docstring).
     ``module``: ``script`` is a module name (``python -m``). ``stop``: an event (e.g. the
     live view's Stop button); once set, the ranks still running are stopped, as when one
-    fails, and the job returns what it did.
+    fails, and the job returns what it did. ``plans``: a callable polled while the job runs
+    that returns new backend settings (a :class:`testbed.torch.TorchJob`: your own policy)
+    or None; see :func:`run_script`.
 
     The network: ``experiment`` (a file; its first sweep point's topology, impairments...), or
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
@@ -128,7 +153,9 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     instead of TCP, one rank per host): what the ``testbed`` backend allreduces float32 with; ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
     the tenant's ``hints``, :class:`testbed.provider.schema.Hints` fields such as
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
-    result and ``launch.json``). ``chakra_out``: a folder where the job's collectives are
+    result and ``launch.json``; without ``collective_bytes`` the launcher derives the job's
+    hints from its first iterations (:func:`derive_hints`) and the provider may re-plan it,
+    each new plan applied while the script runs: :class:`PlanFollower`). ``chakra_out``: a folder where the job's collectives are
     written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.workloads.chakra.export`; needs
     ``algo``, whose backend traces them, and the ``[traces]`` extra). ``echo(line)``: called
     with every ``[rank]: ...`` output line (default: print). ``out``: the results root
@@ -159,11 +186,16 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
         if compressor is not None or error_feedback:
             raise ValueError("algo 'auto' lets the provider choose the compressor; give the "
                              "job's tolerance (hints) instead of --compressor/--error-feedback")
+        if plans is not None:
+            raise ValueError("algo 'auto' takes its plans from the provider, not from plans")
         _check_plan_request(hints, policy)
         tj = None
     else:
         if hints:
             raise ValueError("hints are for algo 'auto' (the provider plans with them)")
+        if plans is not None and algo is None:
+            raise ValueError("plans (re-plans of the running job) need --algo: plain gloo "
+                             "runs no testbed algorithm to change")
         tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id,
                               transport=transport)
     # a provider-planned job gets a fabric where every algorithm can run (programmable)
@@ -175,12 +207,19 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     with network as net:
         plan = None
         if planned:
-            tj, plan = planned_settings(net, hosts, hints, policy, job_id, f"launch-{stem}")
+            tj, plan, manager, plans = planned_job(net, hosts, hints, policy, job_id,
+                                                   f"launch-{stem}", folder)
         done = run_script(net, script, args, tj, folder, hosts=hosts, timeout_s=timeout_s,
                           echo=echo, module=module, nproc_per_host=nproc_per_host, stop=stop,
-                          extra={"plan": plan.model_dump(), "policy": policy,
+                          plans=plans, extra={"plan": plan.model_dump(), "policy": policy,
                                  "hints": dict(hints or {})} if plan else None)
         done.plan = plan.model_dump() if plan else None
+        if planned:
+            done.hints = manager.jobs()[plan.job]["hints"]
+            meta = json.loads((done.folder / "launch.json").read_text())
+            meta.update(hints_planned=done.hints, provider_log=[
+                c.to_json() for c in manager.log if c.job == plan.job])
+            (done.folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
     if chakra_out is not None:
         from testbed.workloads.chakra import export
 
@@ -244,6 +283,116 @@ def planned_settings(net, hosts: int | Sequence[int] | None, hints: dict | None,
     tj = backend_settings(**communication_of(plan), job_id=job_id,
                           placement=plan_placement(plan))
     return tj, plan
+
+
+def planned_job(net, hosts: int | Sequence[int] | None, hints: dict | None, policy: str,
+                job_id: int, name: str, folder: Path):
+    """A provider-planned launched job, the only tenant of a fresh :func:`fabric_manager` of
+    ``net``: (backend settings, plan, the manager, the ``plans`` source that brings its
+    re-plans to the running job, for :func:`run_script` into ``folder``). With no
+    ``collective_bytes`` among the ``hints`` the source derives them from the job's first
+    iterations (:func:`derived_hints_replans`)."""
+    manager = fabric_manager(net, policy)
+    tj, plan = planned_settings(net, hosts, hints, policy, job_id, name, manager=manager)
+    if (hints or {}).get("collective_bytes"):
+        plans = provider_replans(manager, plan.job)
+    else:
+        plans = derived_hints_replans(manager, plan.job, folder / "trace0.jsonl",
+                                      float(net.time_dilation))
+    return tj, plan, manager, plans
+
+
+def provider_replans(manager, job: str, lock=None):
+    """A ``plans`` source for :func:`run_script`: the backend settings of ``job``'s newest plan
+    at ``manager`` (a :func:`fabric_manager`) whenever its plan version rose since the last
+    call (or since admission), else None. ``lock``: held around each look at ``manager``,
+    which is not thread-safe. A plan that trims raises ``ValueError`` (the follower records
+    it as not applied: a launched script's allreduce does not trim)."""
+    from testbed.collectives.spec import communication_of
+
+    guard = lock if lock is not None else contextlib.nullcontext()
+    with guard:
+        seen = manager.plan_version(job)
+
+    def poll():
+        nonlocal seen
+        with guard:
+            version = manager.plan_version(job)
+            if version <= seen:
+                return None
+            seen = version
+            plan = manager.plans()[job]
+        if plan.trim_head_bits is not None:
+            raise ValueError(f"the provider planned trimming ({plan.reason}); a launched "
+                             "script's allreduce does not trim")
+        return backend_settings(**communication_of(plan), job_id=1,
+                                placement=plan_placement(plan))
+    return poll
+
+
+#: A launched job's iteration is taken as known once its pattern of collectives repeated
+#: this many times in a row (:func:`derive_hints`).
+DERIVE_REPEATS = 3
+
+
+def derive_hints(rows: list[dict], time_dilation: float = 1.0,
+                 repeats: int = DERIVE_REPEATS) -> dict | None:
+    """A job's hints from what rank 0 ran so far (``rows``: its trace rows in order,
+    :data:`testbed.c10d.TRACE_COLUMNS`), or None while they show no iteration yet.
+
+    An iteration is the shortest run of collectives (op and bytes; sends and receives left
+    out) that the last ``repeats`` x its length calls repeat ``repeats`` times: a DDP step's
+    buckets, a hand-written loop's calls. Its hints: ``collective_bytes`` (what it
+    allreduces), ``iteration_s`` (start to start, undilated by ``time_dilation``) and
+    ``compute_s`` (the iteration's time outside its collectives). A job that allreduces
+    nothing in its iteration gives None: the provider plans allreduces."""
+    calls = [r for r in rows if not r["op"].startswith(("send", "recv"))]
+    keys = [(r["op"], r["bytes"]) for r in calls]
+    for period in range(1, len(keys) // repeats + 1):
+        tail = keys[len(keys) - repeats * period:]
+        if any(tail[i] != tail[i % period] for i in range(len(tail))):
+            continue
+        first = len(calls) - repeats * period
+        last = calls[first + (repeats - 1) * period:]
+        nbytes = sum(r["bytes"] for r in last if r["op"] == "allreduce")
+        if not nbytes:
+            return None
+        f = float(time_dilation)
+        iteration = (last[0]["start_s"] - calls[first]["start_s"]) / (repeats - 1) / f
+        busy = sum(r["end_s"] - r["start_s"] for r in last) / f
+        return {"collective_bytes": int(nbytes), "iteration_s": max(iteration, 1e-6),
+                "compute_s": max(iteration - busy, 0.0)}
+    return None
+
+
+def derived_hints_replans(manager, job: str, trace: Path, time_dilation: float, lock=None):
+    """A ``plans`` source for an ``algo="auto"`` launch whose tenant stated no
+    ``collective_bytes``: it reads rank 0's trace as it grows (``trace``), and once
+    :func:`derive_hints` finds the job's iteration it gives the provider (``manager``) those
+    hints (:meth:`~testbed.provider.manager.FabricManager.update_hints`), once; the re-plan
+    that may follow, and any later one, comes from :func:`provider_replans`."""
+    replans = provider_replans(manager, job, lock)
+    rows: list[dict] = []
+    state = {"offset": 0, "derived": False}
+    guard = lock if lock is not None else contextlib.nullcontext()
+
+    def poll():
+        if not state["derived"] and trace.exists():
+            with open(trace) as f:
+                f.seek(state["offset"])
+                text = f.read()
+            done = text[:text.rfind("\n") + 1]  # whole lines only
+            state["offset"] += len(done.encode())
+            rows.extend(json.loads(line) for line in done.splitlines() if line)
+            hints = derive_hints(rows, time_dilation)
+            if hints is not None:
+                state["derived"] = True
+                with guard:
+                    manager.update_hints(job, hints, "hints derived from the job's first "
+                                         f"iterations ({hints['collective_bytes']:,} B "
+                                         f"allreduced every {hints['iteration_s']:.3g} s)")
+        return replans()
+    return poll
 
 
 def job_hosts(net, hosts: int | Sequence[int] | None) -> list:
@@ -312,18 +461,22 @@ def backend_settings(algo: str | None, compressor: str | None,
 def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *,
                hosts: int | Sequence[int] | None = None, timeout_s: float = 600.0, echo=None,
                module: bool = False, extra: dict | None = None,
-               nproc_per_host: int = 1, stop=None) -> Launched:
+               nproc_per_host: int = 1, stop=None, plans=None) -> Launched:
     """Run ``script`` on ``hosts`` of the running network ``net`` (the first ``hosts``, or
     those host ranks: :func:`job_hosts`; ``nproc_per_host`` ranks on each, consecutive ranks
     on one host), with the
     testbed backend's settings ``tj`` (a :class:`testbed.torch.TorchJob`, None: plain gloo);
     what it leaves goes to ``folder``. ``module``: ``script`` is a module name, run as
     ``python -m`` runs it (torchrun's ``--module``), not a file. ``extra``: more entries for
-    ``launch.json`` (e.g. the provider's plan). ``stop``: see :func:`launch`."""
+    ``launch.json`` (e.g. the provider's plan). ``stop``: see :func:`launch`. ``plans``: a
+    callable polled while the ranks run that returns the job's new backend settings (a
+    :class:`testbed.torch.TorchJob`, e.g. a provider's re-plan: :func:`provider_replans`) or
+    None when nothing changed; each new plan is applied at a collective boundary every rank
+    agrees on (:class:`PlanFollower`), and the trace's ``plan`` column says which plan each
+    call ran under."""
     import importlib.util
 
     from testbed.collectives.algorithms import check_nproc_per_host
-    from testbed.collectives.runner import offload_job
     from testbed.torch import TorchJob
 
     if module:
@@ -353,19 +506,23 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     if tj is None:
         codes, failed, failures = _run_ranks(workers, job, target, args, folder, False,
                                              timeout_s, echo, stop)
+        followed = None
     else:
-        with offload_job(net, tj.collective(), job, workers):
+        with PlanFollower(net, job, workers, tj, folder, plans) as followed:
             codes, failed, failures = _run_ranks(workers, job, target, args, folder, True,
-                                                 timeout_s, echo, stop)
+                                                 timeout_s, echo, stop, followed.tick)
     wall = time.monotonic() - t0
     trace = collect_rank_rows(folder, "trace", n)
     if tj is not None:
-        _add_model(trace, net, workers, tj)
+        _add_model(trace, net, workers, followed.settings)
     _save_trace(trace, folder)
     meta.update(returncodes=codes, failed_ranks=failed, failures=failures,
                 collectives=len(trace), wall_s=wall)
+    if followed is not None and plans is not None:
+        meta.update(plans=followed.history, plan_errors=followed.errors)
     (folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
-    return Launched(codes, trace, failures, folder, failed, wall / float(net.time_dilation))
+    return Launched(codes, trace, failures, folder, failed, wall / float(net.time_dilation),
+                    plan_history=followed.history if followed and plans is not None else [])
 
 
 def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
@@ -391,10 +548,167 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
     return env
 
 
+class PlanFollower:
+    """The launcher's side of a running job's plan changes (the ranks' side:
+    :class:`testbed.c10d.Replans`), as a context manager around the ranks' run.
+
+    On entry it registers the first plan's offload (:func:`~testbed.collectives.runner.offload_job`).
+    :meth:`tick`, polled while the ranks run, asks ``source()`` for a new plan; a new one
+    gets a job id of its own (:func:`~testbed.workloads.replan.epoch_job_id`), its INA
+    registration beside the old one (a switch that refuses it for memory the old plans still
+    hold is asked again until :data:`~testbed.workloads.runner.ADMISSION_WAIT_S` times the
+    dilation has passed; so is the first plan of a job with a ``source``, whose memory may be
+    held by a job just re-planned away from it) and is written to ``plan.json`` for rank 0 to
+    schedule. Once every
+    rank acknowledged a plan, the registrations of the plans before it are removed. On exit
+    every registration still held is. :attr:`settings` maps each plan's number to its
+    settings; :attr:`history` lists the plans (0: the first) with the full collective each
+    applied from (``from_call``, counted alike on every rank; None: the job ended before
+    every rank ran it) and when their registrations were released; :attr:`errors` names the
+    plans that could not be offered."""
+
+    def __init__(self, net, job: dict, workers: list, tj, folder: Path, source=None):
+        self.net, self.job, self.workers, self.folder = net, job, workers, folder
+        self.source = source
+        self.base = copy.deepcopy(job)  # a new plan's job starts from it
+        self.settings = {0: tj}
+        self.history: list[dict] = [self._entry(0, tj)]
+        self.errors: list[str] = []
+        self.epoch = 0  # the newest plan offered to the ranks
+        self._planes: dict[int, contextlib.ExitStack] = {}
+        self._wanted = None
+        self._refused_since: float | None = None
+
+    def __enter__(self) -> PlanFollower:
+        from testbed.collectives.runner import AdmissionRefused
+        from testbed.workloads.runner import ADMISSION_WAIT_S
+
+        if self.source is not None:
+            self.job["replan"] = str(self.folder)
+        # a provider's job may find its switch memory still held by a job the provider has
+        # just re-planned away from it: asked again until that job's ranks have left it
+        deadline = time.monotonic() + ADMISSION_WAIT_S * float(self.net.time_dilation)
+        while True:
+            try:
+                self._planes[0] = self._plane(self.settings[0], self.job)
+                return self
+            except AdmissionRefused:
+                if self.source is None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        planes, self._planes = self._planes, {}
+        for epoch in sorted(planes, reverse=True):
+            self._release(epoch, planes[epoch])
+        # the exchange's files: what they said goes to the history (a plan counts as applied
+        # once every rank ran it: a job may end before the call it was due from)
+        acked = min((self._acked(r) for r in range(len(self.workers))), default=0)
+        for k in range(1, len(self.history)):
+            path = self.folder / f"switch{k}.json"
+            if path.exists():
+                switch = json.loads(path.read_text())
+                if switch["epoch"] <= acked:
+                    self.history[switch["epoch"]]["from_call"] = switch["at"]
+        for path in [self.folder / "plan.json", *self.folder.glob("switch*.json"),
+                     *self.folder.glob("ack*"), *self.folder.glob(".*.tmp*")]:
+            path.unlink(missing_ok=True)
+
+    @staticmethod
+    def _entry(epoch: int, tj) -> dict:
+        return {"plan": epoch, "algo": tj.algo, "compressor": tj.compressor,
+                "placement": tj.placement, "job_id": tj.job_id, "offered_s": time.time(),
+                "from_call": 1 if epoch == 0 else None, "released_s": None}
+
+    def _release(self, epoch: int, plane: contextlib.ExitStack) -> None:
+        try:
+            plane.close()
+        except Exception as e:  # noqa: BLE001 - the others are released all the same
+            self.errors.append(f"plan {epoch}: its release failed: {e}")
+        self.history[epoch]["released_s"] = time.time()
+
+    def _plane(self, tj, job: dict) -> contextlib.ExitStack:
+        from testbed.collectives.runner import offload_job
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(offload_job(self.net, tj.collective(), job, self.workers))
+        return stack
+
+    def tick(self) -> None:
+        if self.source is None:
+            return
+        try:
+            wanted = self.source()
+        except ValueError as e:  # a plan this job cannot take
+            self.errors.append(f"plan {self.epoch + 1} not applied: {e}")
+            wanted = None
+        if wanted is not None:
+            self._wanted = wanted
+        if self._wanted is not None:
+            self._offer()
+        self._retire()
+
+    def _offer(self) -> None:
+        from testbed.collectives.runner import AdmissionRefused, CollectiveError
+        from testbed.workloads.replan import epoch_job_id
+        from testbed.workloads.runner import ADMISSION_WAIT_S
+
+        tj = self._wanted
+        now = self.settings[self.epoch]
+        if dataclasses.replace(tj, job_id=now.job_id) == now:
+            self._wanted = None
+            return  # the plan in force already
+        epoch = self.epoch + 1
+        label = f"plan {epoch} ({tj.algo}{'+' + tj.compressor if tj.compressor else ''})"
+        try:
+            tj = dataclasses.replace(tj, job_id=epoch_job_id(self.settings[0].job_id, epoch))
+            tj.validate(len(self.workers))
+            job = copy.deepcopy(self.base)
+            job["torch"] = dataclasses.asdict(tj)
+            plane = self._plane(tj, job)
+        except AdmissionRefused as e:  # memory the old plans hold: ask again while it may come
+            wall = time.monotonic()
+            self._refused_since = self._refused_since or wall
+            if wall - self._refused_since > ADMISSION_WAIT_S * float(self.net.time_dilation):
+                self._refused_since, self._wanted = None, None
+                self.errors.append(f"{label} not applied: refused for "
+                                   f"{wall - self._refused_since:.0f} s: {e}")
+            return
+        except (CollectiveError, ValueError, RuntimeError) as e:
+            self._wanted, self._refused_since = None, None
+            self.errors.append(f"{label} not applied: {e}")
+            return
+        self._wanted, self._refused_since = None, None
+        self.epoch = epoch
+        self.settings[epoch] = tj
+        self._planes[epoch] = plane
+        self.history.append(self._entry(epoch, tj))
+        write_json(self.folder / "plan.json", {"epoch": epoch, "job": job})
+
+    def _retire(self) -> None:
+        """Remove the registrations of the plans every rank has left."""
+        held = [e for e in self._planes if e < self.epoch]
+        if not held:
+            return
+        acked = min(self._acked(r) for r in range(len(self.workers)))
+        for e in held:
+            if e < acked:
+                self._release(e, self._planes.pop(e))
+
+    def _acked(self, rank: int) -> int:
+        """The newest plan ``rank`` runs (0 until it switched once)."""
+        try:
+            return json.loads((self.folder / f"ack{rank}").read_text())["epoch"]
+        except FileNotFoundError:
+            return 0
+
+
 def _run_ranks(workers: list, job: dict, target: list[str], args, folder: Path, offload: bool,
-               timeout_s: float, echo, stop=None) -> tuple[list[int], list[int], list[str]]:
+               timeout_s: float, echo, stop=None, tick=None
+               ) -> tuple[list[int], list[int], list[str]]:
     """Start every rank, relay its output, stop the others when one fails; (exit statuses,
-    the ranks that failed on their own, one line per failure)."""
+    the ranks that failed on their own, one line per failure). ``tick()``: called every
+    50 ms while they run."""
     job["t0"] = time.time()  # wall clock: a rank may time its start from it
     (folder / "job.json").write_text(json.dumps(job))
     procs, pumps, tails = [], [], []
@@ -410,7 +724,7 @@ def _run_ranks(workers: list, job: dict, target: list[str], args, folder: Path, 
             t = threading.Thread(target=_pump, args=(p, r, log, tails[-1], echo), daemon=True)
             t.start()
             pumps.append(t)
-        failed, failures = _wait(procs, workers, tails, timeout_s, stop)
+        failed, failures = _wait(procs, workers, tails, timeout_s, stop, tick)
     finally:
         for p in procs:
             _stop(p)
@@ -429,12 +743,14 @@ def _pump(p, r: int, log, tail: list, echo) -> None:
             echo(f"[{r}]:{line}")
 
 
-def _wait(procs: list, workers: list, tails: list, timeout_s: float, stop=None
+def _wait(procs: list, workers: list, tails: list, timeout_s: float, stop=None, tick=None
           ) -> tuple[list[int], list[str]]:
     """(the ranks that failed, a line each) once every rank ended, one failed or ``stop``
     was set."""
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
+        if tick is not None:
+            tick()
         if stop is not None and stop.is_set():
             left = [r for r, p in enumerate(procs) if p.poll() is None]
             return left, [f"stopped on request; ranks {left} were stopped"]
@@ -486,11 +802,12 @@ def collect_rank_rows(folder: Path, stem: str, n: int) -> list[dict]:
     return sorted(rows, key=lambda row: (row["start_s"], row["rank"]))
 
 
-def _add_model(trace: list[dict], net, workers: list, tj) -> None:
+def _add_model(trace: list[dict], net, workers: list, plans: dict) -> None:
     """Give every row its undilated measured time (``time_s``) and, for the testbed's
     allreduces, sharded collectives and all-to-alls, the flow model's prediction on this
     network (``model_s``, as ``run_collective``'s rows have it; none for trim's incast, nor
-    with several ranks on a host: the model places one rank per host)."""
+    with several ranks on a host: the model places one rank per host) under the plan the row
+    ran with (``plans``: the backend's settings per plan number)."""
     from testbed.collectives import flowmodel
 
     f = float(net.time_dilation)
@@ -498,6 +815,7 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
     names = [h.name for h in workers]
     cache: dict[tuple[str, int], float] = {}
     for row in trace:
+        tj = plans[row.get("plan") or 0]
         row["time_s"] = (row["end_s"] - row["start_s"]) / f
         row["model_s"] = None
         algo = row["path"].removeprefix("testbed:")
@@ -505,10 +823,11 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
                 or len(set(names)) != len(names):
             continue
         if row["op"] == "all_to_all":  # the testbed's all-to-all, in any algorithm's job
-            key = ("all_to_all", row["bytes"], "")
+            key = ("all_to_all", row["bytes"], "", 0)
             if key not in cache:
+                # on the first plan's connections, which every later plan takes over
                 cache[key] = flowmodel.all_to_all_s(net.routed_topo, names, row["bytes"],
-                                                    job_id=tj.job_id, hop_latency_s=hop,
+                                                    job_id=plans[0].job_id, hop_latency_s=hop,
                                                     time_dilation=f)
             row["model_s"] = cache[key]
             continue
@@ -521,7 +840,7 @@ def _add_model(trace: list[dict], net, workers: list, tj) -> None:
             nbytes *= 2
         if nbytes % 4:
             continue  # the model counts float32 elements
-        key = (row["op"], nbytes, algo)
+        key = (row["op"], nbytes, algo, row.get("plan") or 0)
         if key not in cache:
             spec = dataclasses.replace(tj.collective(nbytes), op=row["op"])
             if algo != tj.algo or row.get("note"):  # the ring of the job's hosts, as it is

@@ -214,7 +214,7 @@ def _replay_checked(net, checked: list[tuple], folder: Path, single: bool, timeo
     fill ``folder`` itself (the single-trace replay's layout), and whose error is raised."""
     import threading
 
-    from testbed.launch import backend_settings, fabric_manager, job_hosts
+    from testbed.launch import backend_settings, fabric_manager, job_hosts, provider_replans
 
     sizes = [len(ranks) for *_, ranks in checked]
     total = sum(sizes)
@@ -244,6 +244,7 @@ def _replay_checked(net, checked: list[tuple], folder: Path, single: bool, timeo
             return
         job_id = k + 1
         sub = folder if single else folder / name
+        plans = None
         try:
             if t.algo == "auto":
                 tj, plan = _admit(net, manager, lock, hosts,
@@ -253,11 +254,13 @@ def _replay_checked(net, checked: list[tuple], folder: Path, single: bool, timeo
                                "tree": plan.tree, "reason": plan.reason}
                 row["planned"] = plan.algo + (f"+{plan.compressor}" if plan.compressor
                                               else "")
+                plans = provider_replans(manager, name, lock)
             else:
                 tj = backend_settings(t.algo, None, None, False, job_id)
             try:
                 done[k] = _replay_on(net, t.prefix, ranks, groups, tj, hosts, sub, t.scale,
-                                     timeout_s, _prefixed(echo, name, single), halt, t0)
+                                     timeout_s, _prefixed(echo, name, single), halt, t0,
+                                     plans)
             finally:
                 if t.algo == "auto":
                     with lock:
@@ -281,6 +284,7 @@ def _replay_checked(net, checked: list[tuple], folder: Path, single: bool, timeo
                        slowdown=r.jct_s / r.model_jct_s if r.model_jct_s else None,
                        geomean_error_pct=r.geomean_error_pct,
                        collectives=len(r.collectives), max_abs_err=max(errs, default=None),
+                       replans=r.launched.replans,
                        failed=bool(r.launched.returncode),
                        error=" | ".join(r.launched.failures)[:2000] or None,
                        folder=str(r.folder))
@@ -317,7 +321,7 @@ def _prefixed(echo, name: str, single: bool):
 
 def _replay_on(net, prefix, ranks: dict[int, list[Node]], groups: dict[str, list[int]], tj,
                hosts: list[int], folder: Path, scale: float, timeout_s: float, echo, stop,
-               t0: float) -> Replayed:
+               t0: float, plans=None) -> Replayed:
     """Replay one checked trace on ``hosts`` (host ranks) of the running ``net`` into
     ``folder``; node times from ``t0`` (wall clock, undilated)."""
     from testbed.launch import job_hosts, run_script
@@ -330,7 +334,7 @@ def _replay_on(net, prefix, ranks: dict[int, list[Node]], groups: dict[str, list
     done = run_script(net, __name__, [str(Path(prefix).resolve()), str(folder),
                                       str(scale * f)],
                       tj, folder, hosts=hosts, timeout_s=timeout_s, echo=echo, module=True,
-                      stop=stop)
+                      stop=stop, plans=plans)
     rows = _node_rows(folder, n, f, t0)
     # which path each collective took, as the backend traced it (rank 0's calls in order)
     paths = [r["path"] for r in sorted((r for r in done.trace if r["rank"] == 0),
@@ -393,7 +397,8 @@ def _collective_rows(rows: list[dict], net, hosts: list[str], tj, f: float, path
         ranks = group_ranks(group, groups or {}, n)
         ours = group is None and tj is not None and seq < len(paths) and \
             paths[seq].startswith("testbed:")
-        algo = tj.algo if ours else "ring"  # gloo's collectives: predicted as the ring
+        # the algorithm it ran (a re-planned job's changes); gloo's: predicted as the ring
+        algo = paths[seq].removeprefix("testbed:") if ours else "ring"
         key = (first["op"], first["bytes"], algo, tuple(ranks))
         if key not in cache:
             cache[key] = None

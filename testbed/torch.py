@@ -39,6 +39,7 @@ import traceback
 
 import numpy as np
 
+from testbed.atomic import write_json
 from testbed.cleanup import job_dir
 from testbed.collectives import alltoall, compress, ring, trimmed
 from testbed.collectives.algorithms import is_offloaded, peer_algorithm
@@ -253,6 +254,12 @@ class TestbedComm:
         self.calls += 1
         peer_algorithm(self.tj.algo).rank_function(op)(self.comm, x, out, self.n, 64 << 10)
 
+    def take_all_to_all(self, old: TestbedComm) -> None:
+        """Take over ``old``'s all-to-all connections (a re-planned job's earlier plan): the
+        all-to-all does not depend on the plan, and a second set for the new plan's job id
+        would bind the same ports (``A2A_JOB_SLOTS`` blocks)."""
+        self.a2a, old.a2a = old.a2a, None
+
     def close(self) -> None:
         """Close the sockets."""
         if self.a2a is not None:
@@ -384,10 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
         res = {"rank": args.rank, "error": f"{type(e).__name__}: {e}\n"
                + traceback.format_exc(limit=6)}
-    path = os.path.join(os.path.dirname(args.job), f"rank{args.rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(res, f)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(os.path.dirname(args.job), f"rank{args.rank}.json"), res)
     return 0 if "error" not in res else 2
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testbed.atomic import write_json
 from testbed.cleanup import main as cleanup
 from testbed.datapath.control import RUN_DIR
 from testbed.experiment.spec import load_point
@@ -69,9 +70,7 @@ def read_state() -> dict[str, Any] | None:
 
 def _write_state(state: dict[str, Any]) -> None:
     STATE_PATH.parent.mkdir(parents=True, exist_ok=True)
-    tmp = STATE_PATH.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, STATE_PATH)
+    write_json(STATE_PATH, state, indent=1)
 
 
 def _remove_own_state() -> None:
@@ -218,9 +217,7 @@ def _serve_request(net, state: dict[str, Any]) -> None:
     except Exception as e:  # noqa: BLE001 - the requester reports it
         answer = {**req, "ok": False, "error": f"{type(e).__name__}: {e}"}
         said = f"{req.get('op', 'request')} failed: {answer['error']}"
-    tmp = ANSWER_PATH.with_suffix(".tmp")
-    tmp.write_text(json.dumps(answer))
-    os.replace(tmp, ANSWER_PATH)
+    write_json(ANSWER_PATH, answer)
     _say(f"up: {said}")
 
 

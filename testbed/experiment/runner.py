@@ -419,19 +419,19 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
     time and the model's on rank 0); the trace and the ranks' output under
     ``launch/run<NNNN>/``."""
     # needs torch only when one runs
-    from testbed.launch import backend_settings, planned_settings, run_script
+    from testbed.launch import backend_settings, planned_job, run_script
 
     folder = out / "launch" / f"run{run_idx:04d}"
-    plan = None
+    plan = plans = None
     try:
         if job.algo == "auto":
-            tj, plan = planned_settings(net, job.hosts, job.hints, job.policy, 1 + index,
-                                        job.label())
+            tj, plan, _, plans = planned_job(net, job.hosts, job.hints, job.policy, 1 + index,
+                                             job.label(), folder)
         else:
             tj = backend_settings(**communication_of(job), job_id=1 + index)
         done = run_script(net, job.script, job.args, tj, folder, hosts=job.hosts,
                           nproc_per_host=job.nproc_per_host,
-                          timeout_s=job.timeout_s, echo=lambda line: None,
+                          timeout_s=job.timeout_s, echo=lambda line: None, plans=plans,
                           extra={"plan": plan.model_dump(), "policy": job.policy,
                                  "hints": job.hints} if plan else None)
     except (KeyboardInterrupt, SystemExit):
@@ -447,6 +447,7 @@ def _run_launch(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
               "error_feedback": bool(tj and tj.error_feedback), "n": len(done.returncodes),
               "planned_by": job.policy if plan else None,
               "plan_reason": plan.reason if plan else None,
+              "replans": done.replans,
               "script": job.script, "returncode": done.returncode, "time_s": done.time_s,
               "collectives": len(mine), "offloaded_collectives": len(offloaded),
               "comm_s": sum(r["time_s"] for r in offloaded) if tj is not None else None,
@@ -493,6 +494,7 @@ def _run_replay(store: ResultsStore, net, out: Path, run_idx: int, pi, params,
                   "collectives": t.get("collectives"), "max_abs_err": t.get("max_abs_err"),
                   "planned_by": job.policy if job.algo == "auto" else None,
                   "plan_reason": (t.get("plan") or {}).get("reason"),
+                  "replans": t.get("replans"),
                   "correct": not t["failed"] and exact, "folder": t.get("folder"),
                   "time_dilation": net.time_dilation}
         row = _ok_row(run_idx, pi, params, point, k, job, None, report)

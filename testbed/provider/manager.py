@@ -42,6 +42,7 @@ from testbed.provider.policies import FabricView, PlanModel, make_policy, plan_m
 from testbed.provider.schema import (
     HINTS_VERSION,
     FabricSnapshot,
+    Hints,
     JobRequest,
     LinkState,
     Plan,
@@ -410,6 +411,28 @@ class FabricManager:
         except NoFeasiblePlan:
             return []  # keep the running plans: they fit, a re-plan that does not is no gain
         self._commit(new, now, {}, "; ".join(reasons))
+        return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
+
+    def update_hints(self, job: str, hints: dict, reason: str,
+                     now: float | None = None) -> list[str]:
+        """Replace fields of ``job``'s hints with ``hints`` (e.g. what its launcher measured
+        of its first iterations) and re-plan every job on them, logged with ``reason``; the
+        running plans stay when the policy finds none that fits. Returns the jobs whose plan
+        changed."""
+        now = time.monotonic() if now is None else float(now)
+        ls = self._lease(job)
+        try:
+            merged = Hints(**{**ls.req.hints.model_dump(), **hints})
+        except ValueError as e:
+            raise BadRequest(f"hints of {job!r}: {e}") from None
+        ls.req = ls.req.model_copy(update={"hints": merged})
+        self.version += 1
+        before = dict(self._plans)
+        try:
+            new = self._compute(self._requests())
+        except NoFeasiblePlan:
+            return []
+        self._commit(new, now, {}, reason)
         return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
 
     def _check_hints(self, snapshot: FabricSnapshot) -> list[str]:

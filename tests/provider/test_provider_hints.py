@@ -16,6 +16,7 @@ from testbed.provider.manager import (
     CHECK_ITERATIONS,
     HINT_FACTOR,
     FabricManager,
+    ProviderError,
     Quota,
     QuotaExceeded,
     inventory_of,
@@ -199,3 +200,22 @@ def test_hints_checked_against_a_running_fabric(tmp_path):
     assert cheat["verdict"] == "misreported" and cheat["ratio"] < 1 / HINT_FACTOR, cheat
     assert 0.7 < honest["ratio"] < 1.5 and 0.07 < cheat["ratio"] < 0.15, (honest, cheat)
     assert jobs["cheat"]["planned_hints"]["priority"] == 0
+
+
+def test_hints_derived_while_a_job_runs_re_plan_it_and_bad_ones_are_refused():
+    """A job admitted with its tolerance only gets the ring (nothing shows that switch memory
+    pays); the bytes its launcher measured move it to INA, logged with the reason given. A
+    hint the schema refuses changes nothing."""
+    m = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", PlanModel(TOPO))
+    m.admit(_req("job", ["tbh1", "tbh2", "tbh3"], tolerance="exact"), now=0)
+    assert m.plans()["job"].algo == "ring" and m.plan_version("job") == 1
+    with pytest.raises(ProviderError, match="collective_bytes"):
+        m.update_hints("job", {"collective_bytes": -5}, "measured", now=1)
+    assert m.jobs()["job"]["hints"]["collective_bytes"] is None
+    assert m.update_hints("job", {"collective_bytes": 4 << 20, "iteration_s": 0.2},
+                          "measured by its launcher", now=2) == ["job"]
+    assert m.plans()["job"].algo == "ina" and m.plan_version("job") == 2
+    assert m.jobs()["job"]["hints"]["tolerance"] == "exact"  # the stated hints stay
+    assert m.log[-1].reason.startswith("measured by its launcher: ")
+    with pytest.raises(ProviderError, match="no admitted job"):
+        m.update_hints("gone", {"collective_bytes": 1}, "measured")

@@ -275,3 +275,107 @@ def test_subgroups_of_the_testbed_backend_run_on_gloo_and_stay_exact(tmp_path):
         [f"[{r}]:rank {r}: ok" for r in range(4)]
     paths = {(row["op"], row["bytes"], row["path"]) for row in done.trace}
     assert ("allreduce", 4000, "testbed:ring") in paths and ("allreduce", 4000, "gloo") in paths
+
+
+REPLANNED = '''
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+wrong = []
+for step in range(int(sys.argv[1])):
+    g = torch.Generator().manual_seed(step)
+    inputs = [torch.randint(-1000, 1000, (50_000,), generator=g).float() for _ in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    err = (t - sum(inputs)).abs().max().item()
+    if err > 1e-3:
+        wrong.append(f"step {step}: all_reduce off by {err}")
+    parts = torch.arange(world * 4, dtype=torch.float32) + 100 * rank
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts)
+    want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * r
+                      for r in range(world)])
+    if not torch.equal(out, want):
+        wrong.append(f"step {step}: all_to_all {out.tolist()}")
+    time.sleep(0.03)
+print(f"rank {rank}: " + ("ok" if not wrong else "FAILED " + "; ".join(wrong[:3])))
+dist.destroy_process_group()
+sys.exit(1 if wrong else 0)
+'''
+
+
+def test_a_running_job_moves_to_each_new_plan_at_the_same_collective_on_every_rank(tmp_path):
+    """A job re-planned three times while it runs (ring -> ina -> hd -> ina, as a provider
+    would re-plan it): every rank switches at the same collective, each call runs the plan
+    in force (its path and its model), every sum stays right, and the launch records the
+    plans it applied."""
+    from testbed.launch import backend_settings
+
+    script = tmp_path / "replanned.py"
+    script.write_text(REPLANNED)
+    wanted = [(8, "ina"), (20, "hd"), (32, "ina")]  # (rank 0's calls so far, new algo)
+
+    def plans():
+        calls = sum(len(p.read_text().splitlines())
+                    for p in tmp_path.glob("launch-replanned*/trace0.jsonl"))
+        if wanted and calls >= wanted[0][0]:
+            return backend_settings(wanted.pop(0)[1], None, None, False, 1)
+        return None
+
+    done, lines = _run(tmp_path, str(script), ["30"], hosts=4, algo="ring", plans=plans,
+                       topology={"switch": "programmable"})
+    assert done.returncode == 0, done.failures
+    assert sorted(x for x in lines if x.endswith((": ok", "]"))) == \
+        [f"[{r}]:rank {r}: ok" for r in range(4)]
+    assert not wanted
+    meta = json.loads((done.folder / "launch.json").read_text())
+    assert [p["algo"] for p in meta["plans"]] == ["ring", "ina", "hd", "ina"]
+    assert meta["plan_errors"] == []
+    calls = [p["from_call"] for p in meta["plans"]]
+    assert calls == sorted(calls) and calls[0] == 1 and len(set(calls)) == 4
+    # each plan's switch registration went once every rank had left it, the last at the end
+    released = [p["released_s"] for p in meta["plans"]]
+    assert released[:3] == sorted(released[:3]) and released[2] < released[3]
+    assert not list(done.folder.glob("switch*")) and not list(done.folder.glob("ack*"))
+    # every rank ran each of its collectives under the same plan, each plan in turn
+    by_rank = {r: [(row["op"], row["plan"]) for row in done.trace if row["rank"] == r]
+               for r in range(4)}
+    assert all(by_rank[r] == by_rank[0] for r in range(4)), by_rank
+    order = [p for _, p in by_rank[0]]
+    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+    algo = {0: "ring", 1: "ina", 2: "hd", 3: "ina"}
+    for row in done.trace:
+        if row["op"] == "allreduce":
+            assert row["path"] == f"testbed:{algo[row['plan']]}", row
+            assert row["model_s"] is not None
+
+
+def test_a_provider_planned_job_that_states_no_bytes_gets_them_derived_from_its_iterations(
+        tmp_path):
+    """``algo="auto"`` with only a tolerance: the launcher finds the job's iteration in its
+    first collectives (an allreduce of 200,000 B and an all-to-all per step) and gives the
+    provider those bytes and times; whatever it plans then reaches the running job."""
+    script = tmp_path / "replanned.py"
+    script.write_text(REPLANNED)
+    done, lines = _run(tmp_path, str(script), ["25"], hosts=4, algo="auto",
+                       hints={"tolerance": "exact"})
+    assert done.returncode == 0, done.failures
+    assert done.hints["collective_bytes"] == 200_000 and done.hints["tolerance"] == "exact"
+    assert 0 < done.hints["compute_s"] < done.hints["iteration_s"]
+    meta = json.loads((done.folder / "launch.json").read_text())
+    assert meta["hints_planned"] == done.hints and meta["provider_log"]
+    # with no bytes stated nothing pays for switch memory: the ring; with 200,000 B every
+    # step INA does, and the job moves to it while it runs
+    assert [p["algo"] for p in meta["plans"]] == ["ring", "ina"] == \
+        [c["new"]["algo"] for c in meta["provider_log"]]
+    assert meta["provider_log"][1]["reason"].startswith("hints derived from the job's first")
+    switch = meta["plans"][1]["from_call"]
+    for r in done.trace:
+        if r["op"] == "allreduce":
+            assert r["path"] == f"testbed:{'ina' if r['plan'] else 'ring'}"
+    assert min(r["seq"] for r in done.trace if r["plan"] == 1) >= switch

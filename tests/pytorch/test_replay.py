@@ -4,6 +4,7 @@ before anything runs, and replayed on emulated networks (needs the ``[torch]`` a
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -352,6 +353,37 @@ def test_two_traces_at_once_admitted_through_the_provider(tmp_path):
     assert (res.folder / "tenants.csv").exists()
     assert {p.name for p in res.folder.iterdir()} >= {"first", "second"}
 
+
+@pytest.mark.mininet
+def test_a_tenant_the_provider_re_plans_moves_to_its_new_plan_while_it_runs(tmp_path):
+    """The switch's memory holds one job's INA: the first tenant gets it, and when a tenant
+    of higher priority arrives the provider gives it to the newcomer and re-plans the first
+    to the ring. The first moves to the ring at a collective every rank agrees on, gives its
+    switch memory back, and the newcomer's INA runs on it; every allreduce stays exact."""
+    from testbed.replay import Tenant, replay_tenants
+
+    a = write(tmp_path / "a", ddp(4, sizes=(256 << 10,) * 60, compute_us=20_000))
+    b = write(tmp_path / "b", ddp(4, sizes=(256 << 10,) * 20, compute_us=2000))
+    res = replay_tenants(
+        [Tenant(a, algo="auto", name="first", hints={"tolerance": "exact"}),
+         Tenant(b, algo="auto", arrival_s=4.5, name="second",
+                hints={"tolerance": "exact", "priority": 3})],
+        topology={"n_hosts": 8, "switch_memory": 150_000}, out=tmp_path / "out",
+        echo=lambda line: None)
+    first, second = res.tenants
+    assert not first["failed"] and not second["failed"], res.tenants
+    assert first["planned"] == "ina" and second["planned"] == "ina"
+    for r in res.replayed:  # every allreduce exact (ones from each rank: the sum is 4)
+        assert r.collectives and all(c["max_abs_err"] == 0 for c in r.collectives)
+    meta = json.loads((res.replayed[0].folder / "launch.json").read_text())
+    assert [p["algo"] for p in meta["plans"]] == ["ina", "ring"], meta["plans"]
+    switch = meta["plans"][1]["from_call"]
+    paths = [c["path"] for c in res.replayed[0].collectives]
+    assert 1 < switch <= len(paths)
+    assert set(paths[:switch - 1]) == {"testbed:ina"} and set(paths[switch - 1:]) == \
+        {"testbed:ring"}, (switch, paths)
+    assert {c["path"] for c in res.replayed[1].collectives} == {"testbed:ina"}
+    assert first["replans"] == f"ring from collective {switch}" and second["replans"] is None
 
 # -- [[replay]] in experiment files ----------------------------------------------------------
 
