@@ -102,7 +102,7 @@ class _Done(dist._Work):
 
 class Replans:
     """A launched job's plan changes, applied by every rank at the same collective (the
-    launcher's side: :class:`testbed.launch.PlanFollower`).
+    launcher's side: :class:`testbed.launch.JobPlans`).
 
     The launcher registers a new plan (INA under a job id of its own, so the old registration
     keeps serving the collectives still running on it) and writes it to ``plan.json`` in the

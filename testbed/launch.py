@@ -67,7 +67,7 @@ class Launched:
     #: the Chakra trace files written (``chakra_out``), one per rank
     chakra: list[Path] = dataclasses.field(default_factory=list)
     #: the plans the job ran under when it was re-planned while it ran (``plans``): each
-    #: with its settings and the full collective it applied from (:class:`PlanFollower`)
+    #: with its settings and the full collective it applied from (:class:`JobPlans`)
     plan_history: list[dict] = dataclasses.field(default_factory=list)
     #: the hints the provider planned an ``algo="auto"`` job with at its end (those derived
     #: from its first iterations included)
@@ -155,7 +155,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
     result and ``launch.json``; without ``collective_bytes`` the launcher derives the job's
     hints from its first iterations (:func:`derive_hints`) and the provider may re-plan it,
-    each new plan applied while the script runs: :class:`PlanFollower`). ``chakra_out``: a folder where the job's collectives are
+    each new plan applied while the script runs: :class:`JobPlans`). ``chakra_out``: a folder where the job's collectives are
     written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.workloads.chakra.export`; needs
     ``algo``, whose backend traces them, and the ``[traces]`` extra). ``echo(line)``: called
     with every ``[rank]: ...`` output line (default: print). ``out``: the results root
@@ -472,7 +472,7 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     callable polled while the ranks run that returns the job's new backend settings (a
     :class:`testbed.torch.TorchJob`, e.g. a provider's re-plan: :func:`provider_replans`) or
     None when nothing changed; each new plan is applied at a collective boundary every rank
-    agrees on (:class:`PlanFollower`), and the trace's ``plan`` column says which plan each
+    agrees on (:class:`JobPlans`), and the trace's ``plan`` column says which plan each
     call ran under."""
     import importlib.util
 
@@ -508,7 +508,7 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
                                              timeout_s, echo, stop)
         followed = None
     else:
-        with PlanFollower(net, job, workers, tj, folder, plans) as followed:
+        with JobPlans(net, job, workers, tj, folder, plans) as followed:
             codes, failed, failures = _run_ranks(workers, job, target, args, folder, True,
                                                  timeout_s, echo, stop, followed.tick)
     wall = time.monotonic() - t0
@@ -548,7 +548,7 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
     return env
 
 
-class PlanFollower:
+class JobPlans:
     """The launcher's side of a running job's plan changes (the ranks' side:
     :class:`testbed.c10d.Replans`), as a context manager around the ranks' run.
 
@@ -579,7 +579,7 @@ class PlanFollower:
         self._wanted = None
         self._refused_since: float | None = None
 
-    def __enter__(self) -> PlanFollower:
+    def __enter__(self) -> JobPlans:
         from testbed.collectives.runner import AdmissionRefused
         from testbed.workloads.runner import ADMISSION_WAIT_S
 

@@ -314,7 +314,8 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         columns=("trace", "op", "bytes", "path", "count", "measured_s", "model_s", "ratio",
                  "error_pct", "cpu_bound"),
         options=(Option("ranks", 8, "ranks, one per host", quick=4),
-                 Option("traces", "ddp,moe", "the traces: ddp, moe", metavar="A,B"),
+                 Option("traces", "ddp,moe,export", "the traces: ddp, moe, export (a "
+                        "training job's, exported and replayed)", metavar="A,B"),
                  Option("buckets", "1048576,4194304", "gradient buckets in bytes (the MoE "
                         "trace's dense gradient: the first)", quick="262144,1048576",
                         metavar="B,C"),
@@ -329,7 +330,11 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("bw", 100.0, "link rate (Mb/s)"),
                  # 8: at 4 the MoE trace's all-to-all measured 1.15-1.20 of the model (eight
                  # ranks' Python between lockstep steps), at 8 1.13-1.15, at 16 1.13
-                 Option("time_dilation", 8.0, "emulation slow-down factor", quick=2.0)),
+                 Option("time_dilation", 8.0, "emulation slow-down factor", quick=2.0),
+                 Option("export_hidden", 1024, "hidden units of the exported training job's "
+                        "MLP", quick=256),
+                 Option("export_iterations", 12, "steps of the exported training job",
+                        quick=6)),
         quick_help="4 ranks, smaller sizes, 2 iterations"),
 )}
 

@@ -1,7 +1,10 @@
 """``testbed bench replay``: Chakra traces of a data-parallel job and of a mixture-of-experts
 job replayed on an emulated leaf-spine, each collective against the flow model as ASTRA-sim
 publishes its validation (measured, predicted, error in %, geometric mean of |error|), and
-the whole trace's completion time against the model's (:func:`testbed.workloads.chakra.predict_jct`).
+the whole trace's completion time against the model's (:func:`testbed.workloads.chakra.predict_jct`);
+and the export round trip (trace ``export``): a training job run on the same fabric, written
+as a Chakra trace (``chakra_out``) and replayed, its communication time per iteration against
+the original run's.
 
 Every iteration of a trace repeats its collectives, so each (op, size) is measured several
 times and its median compared (a single collective is measured on cold connections). The
@@ -20,23 +23,31 @@ from testbed.collectives.cpumon import UTIL_SATURATED, CpuMonitor
 #: measured / model of every collective, and the trace's JCT, within these (issue 33's band)
 BAND = (0.90, 1.15)
 JCT_TOLERANCE = 0.15
+#: an exported job's replay: communication per iteration within this of the original run's
+EXPORT_TOLERANCE = 0.05
+TRACES = ("ddp", "moe", "export")
 
 
 def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes: int,
             layers: int, iterations: int, compute_us: int, algo: str, topology: str,
-            bw: float, time_dilation: float) -> Outcome:
-    """Replay each trace of ``traces`` (ddp, moe) on ``ranks`` hosts of ``topology``
-    (leaf_spine: two leaves, two spines; star) at ``bw`` Mb/s, its allreduces through the
-    testbed's ``algo`` ('' or gloo: plain gloo)."""
+            bw: float, time_dilation: float, export_hidden: int = 1024,
+            export_iterations: int = 12) -> Outcome:
+    """Replay each trace of ``traces`` (ddp, moe; export: a training job's, see the module
+    docstring, an MLP of ``export_hidden`` units trained ``export_iterations`` steps) on
+    ``ranks`` hosts of ``topology`` (leaf_spine: two leaves, two spines; star) at ``bw``
+    Mb/s, its allreduces through the testbed's ``algo`` ('' or gloo: plain gloo)."""
     from testbed.collectives.algorithms import algorithm_names
     from testbed.replay import replay
     from testbed.workloads.chakra import ddp_graphs, moe_graphs, write_trace
 
     sizes = parse_ints("buckets", buckets)
     names = [t.strip() for t in traces.split(",") if t.strip()]
-    bad = sorted(set(names) - {"ddp", "moe"})
+    bad = sorted(set(names) - set(TRACES))
     if bad or not names:
-        raise ValueError(f"traces: {bad or names} not among ddp, moe")
+        raise ValueError(f"traces: {bad or names} not among {', '.join(TRACES)}")
+    if "export" in names and algo in ("", "gloo"):
+        raise ValueError("traces: export runs a training job, whose allreduce is a testbed "
+                         "algorithm's: give algo")
     allreducing = algorithm_names("allreduce", trains=True)
     if algo not in ("", "gloo", *allreducing):
         raise ValueError(f"algo={algo!r}: one of {allreducing}, or gloo")
@@ -54,6 +65,11 @@ def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes:
     rows, notes, targets, ok = [], {"band": BAND}, {}, True
     with tempfile.TemporaryDirectory(prefix="tb-bench-replay-") as tmp:
         for name in names:
+            if name == "export":
+                ok &= _round_trip(emit, rows, targets, notes, Path(tmp), topo, ranks, algo,
+                                  time_dilation, export_hidden, export_iterations,
+                                  compute_us)
+                continue
             prefix = write_trace(Path(tmp) / name, graphs[name]())
             cores = CpuMonitor({})  # the machine's cores over the replay
             res = replay(prefix, algo=algo if algo not in ("", "gloo") else None,
@@ -99,3 +115,54 @@ def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes:
     notes["time_dilation"] = time_dilation
     return Outcome(rows, notes, targets, ok)
 
+
+
+def _round_trip(emit, rows: list, targets: dict, notes: dict, tmp: Path, topo: dict,
+                ranks: int, algo: str, time_dilation: float, hidden: int, iterations: int,
+                compute_us: int) -> bool:
+    """A training job (``algo``, an MLP of ``hidden`` units, ``iterations`` steps of
+    ``compute_us`` each) on ``topo``, exported as a Chakra trace and replayed on a network of
+    the same kind: its per-iteration communication (the median allreduce: the job
+    allreduces its gradient once per step) measured both ways. False when a run failed."""
+    import statistics
+
+    from testbed.launch import launch_network
+    from testbed.replay import replay
+    from testbed.workloads.chakra import export
+    from testbed.workloads.runner import run_training
+    from testbed.workloads.spec import TrainingSpec
+
+    spec = TrainingSpec(name="export", algo=algo, hidden=hidden, iterations=iterations,
+                        eval_every=iterations, compute_ms=compute_us / 1000.0,
+                        time_dilation=time_dilation, workers=ranks)
+    cores = CpuMonitor({})
+    with launch_network(topo, None, None, algo, time_dilation) as net:
+        res = run_training(net, spec)
+    trained_util = cores.stop().cpu_util
+    prefix = tmp / "export" / "job"
+    export(res.trace, prefix, ranks)
+    cores = CpuMonitor({})
+    replayed = replay(prefix, algo=algo, topology=topo,
+                      time_dilation=time_dilation, out=tmp / "out", echo=lambda line: None)
+    util = max(trained_util, cores.stop().cpu_util)
+    if replayed.launched.returncode != 0:
+        notes["export failed"] = replayed.launched.failures
+        return False
+    # the first step runs on cold connections in both: left out
+    original = statistics.median(r["comm_s"] for r in res.iterations[1:])
+    again = statistics.median(c["time_s"] for c in replayed.collectives[1:])
+    ratio = again / original
+    cpu_bound = util >= UTIL_SATURATED
+    row = {"trace": "export", "op": "all_reduce", "bytes": 4 * spec.n_params(),
+           "path": f"testbed:{algo}", "count": len(replayed.collectives) - 1,
+           "measured_s": again, "model_s": res.summary.get("model_comm_s"),
+           "original_s": original, "ratio": ratio, "error_pct": (ratio - 1) * 100,
+           "cpu_util": util, "cpu_bound": cpu_bound}
+    rows.append(row)
+    emit(row)
+    targets[f"export: replayed communication per iteration within {EXPORT_TOLERANCE:.0%} of "
+            "the original run's"] = (
+        abs(ratio - 1) <= EXPORT_TOLERANCE and not cpu_bound,
+        f"replayed/original {ratio:.3f} ({again * 1e3:.1f} ms vs {original * 1e3:.1f} ms)"
+        + ("; cpu_bound: the emulator was measured" if cpu_bound else ""))
+    return True
