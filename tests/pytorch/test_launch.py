@@ -121,26 +121,46 @@ def test_collective_loop_through_in_network_aggregation_names_each_fallback(tmp_
 def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):
     """The same DDP script: plain gloo (the baseline), then with its buckets through the
     testbed's ring (exact: the same losses), then as the provider plans them for a tenant
-    whose hints say exact: INA on the star's switch (fixed point: close losses)."""
+    whose hints say exact: INA on the star's switch (fixed point: close losses), then on the
+    ring re-planned to INA and back while it trains (the same losses as gloo's)."""
+    from testbed.launch import backend_settings
+
     runs = {}
-    for algo in (None, "ring", "auto"):
+    wanted = [(40, "ina"), (100, "ring")]  # (rank 0's calls so far, new algo)
+
+    def plans():
+        calls = sum(len(p.read_text().splitlines())
+                    for p in (tmp_path / "replanned").glob("launch-*/trace0.jsonl"))
+        if wanted and calls >= wanted[0][0]:
+            return backend_settings(wanted.pop(0)[1], None, None, False, 1)
+        return None
+
+    for name, algo in ((None, None), ("ring", "ring"), ("auto", "auto"),
+                       ("replanned", "ring")):
         hints = {"tolerance": "exact", "collective_bytes": 300_000} if algo == "auto" else None
-        done, lines = _run(tmp_path / str(algo), "ddp_digits.py", ["--steps", "8"], hosts=3,
-                           algo=algo, topology={"switch": "programmable"}, hints=hints)
+        steps = "200" if name in (None, "replanned") else "8"
+        done, lines = _run(tmp_path / str(name), "ddp_digits.py", ["--steps", steps],
+                           hosts=3, algo=algo, topology={"switch": "programmable"},
+                           hints=hints, plans=plans if name == "replanned" else None)
         assert done.returncode == 0, done.failures
-        runs[algo] = (_losses(lines), done.trace)
+        runs[name] = (_losses(lines), done.trace)
         if algo == "auto":
             plan = done.plan
             assert (plan["algo"], plan["compressor"], plan["tree"]) == ("ina", None, ["tbs1"])
             assert json.loads((done.folder / "launch.json").read_text())["plan"] == plan
+        if name == "replanned":
+            assert re.fullmatch(r"ina from collective \d+ -> ring from collective \d+",
+                                done.replans or ""), done.replans
     base, trace = runs[None]
-    assert len(base) == 8 and trace == []  # plain gloo: no testbed collective
+    assert len(base) == 200 and trace == []  # plain gloo: no testbed collective
     runs["ina"] = runs.pop("auto")
-    for algo, tol in (("ring", 1e-5), ("ina", 1e-3)):
-        losses, trace = runs[algo]
-        assert losses == pytest.approx(base, abs=tol), (algo, losses, base)
-        buckets = [r for r in trace if r["path"] == f"testbed:{algo}"]
-        assert len(buckets) >= 3 * 8  # every step's gradient, on every rank
+    for name, tol in (("ring", 1e-5), ("ina", 1e-3), ("replanned", 1e-3)):
+        losses, trace = runs[name]
+        assert losses == pytest.approx(base[:len(losses)], abs=tol), (name, losses, base)
+        paths = {"ring": ["testbed:ring"], "ina": ["testbed:ina"],
+                 "replanned": ["testbed:ring", "testbed:ina"]}[name]
+        for path in paths:  # every step's gradient, on every rank
+            assert len([r for r in trace if r["path"] == path]) >= 3 * 8, (name, path)
 
 
 def test_fsdp_script_shards_through_the_testbed_ring(tmp_path):
