@@ -31,7 +31,8 @@ CASES = {
     "07_tenant_provider_cooperation": ({"POLICIES": ["tenant_only", "cooperative"],
                                         "ITERATIONS": 4, "REPEATS": 1,
                                         "RUN_NO_HELP": False}, 1),
-    "08_your_own_pytorch_script": ({"HOSTS": 2, "STEPS": 4, "ALGOS": [None, "ina"]}, 2),
+    "08_your_own_pytorch_script": ({"HOSTS": 2, "STEPS": 4, "ALGOS": [None, "ina"],
+                                    "AUTO_STEPS": 20}, 3),
 }
 
 
