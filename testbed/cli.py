@@ -173,7 +173,9 @@ def launch(
     error_budget: float = typer.Option(None, "--error-budget", help="with --algo auto: "
                                        "relative L2 error one allreduce may have"),
     hint_bytes: int = typer.Option(None, "--hint-bytes", help="with --algo auto: bytes "
-                                   "allreduced per iteration (the gradient's size)"),
+                                   "allreduced per iteration (the gradient's size); without "
+                                   "it the launcher derives them from the job's first "
+                                   "iterations and the provider may re-plan the running job"),
     priority: int = typer.Option(None, "--priority", help="with --algo auto: 0-7, larger "
                                  "first"),
     chakra_out: str = typer.Option(None, "--chakra-out", metavar="DIR", help="also write the "
