@@ -552,16 +552,15 @@ class JobPlans:
     """The launcher's side of a running job's plan changes (the ranks' side:
     :class:`testbed.c10d.Replans`), as a context manager around the ranks' run.
 
-    On entry it registers the first plan's offload (:func:`~testbed.collectives.runner.offload_job`).
-    :meth:`tick`, polled while the ranks run, asks ``source()`` for a new plan; a new one
+    On entry it registers the first plan's offload
+    (:func:`~testbed.collectives.runner.offload_job`). :meth:`tick`, polled while the ranks run, asks ``source()`` for a new plan; a new one
     gets a job id of its own (:func:`~testbed.workloads.replan.epoch_job_id`), its INA
     registration beside the old one (a switch that refuses it for memory the old plans still
     hold is asked again until :data:`~testbed.workloads.runner.ADMISSION_WAIT_S` times the
     dilation has passed; so is the first plan of a job with a ``source``, whose memory may be
     held by a job just re-planned away from it) and is written to ``plan.json`` for rank 0 to
-    schedule. Once every
-    rank acknowledged a plan, the registrations of the plans before it are removed. On exit
-    every registration still held is. :attr:`settings` maps each plan's number to its
+    schedule. Once every rank acknowledged a plan, the registrations of the plans before it
+    are removed. On exit every registration still held is. :attr:`settings` maps each plan's number to its
     settings; :attr:`history` lists the plans (0: the first) with the full collective each
     applied from (``from_call``, counted alike on every rank; None: the job ended before
     every rank ran it) and when their registrations were released; :attr:`errors` names the
@@ -669,10 +668,10 @@ class JobPlans:
         except AdmissionRefused as e:  # memory the old plans hold: ask again while it may come
             wall = time.monotonic()
             self._refused_since = self._refused_since or wall
-            if wall - self._refused_since > ADMISSION_WAIT_S * float(self.net.time_dilation):
+            waited = wall - self._refused_since
+            if waited > ADMISSION_WAIT_S * float(self.net.time_dilation):
                 self._refused_since, self._wanted = None, None
-                self.errors.append(f"{label} not applied: refused for "
-                                   f"{wall - self._refused_since:.0f} s: {e}")
+                self.errors.append(f"{label} not applied: refused for {waited:.0f} s: {e}")
             return
         except (CollectiveError, ValueError, RuntimeError) as e:
             self._wanted, self._refused_since = None, None
