@@ -253,6 +253,7 @@ def test_launch_jobs_of_an_experiment_file(tmp_path):
     assert list(df["label"]) == ["ddp_digits:gloo", "ddp_digits:auto"]
     assert (df["status"] == "ok").all() and df["correct"].all(), df["error"].tolist()
     assert list(df["algo"]) == ["gloo", "ring"] and df["planned_by"].iloc[1] == "cooperative"
+    assert df["replans"].isna().all()  # bridges: nothing for the provider to move it to
     assert (df["returncode"] == 0).all() and (df["time_s"] > 0).all()
     gloo, ring = df.iloc[0], df.iloc[1]
     assert gloo["offloaded_collectives"] == 0
