@@ -124,6 +124,8 @@ TCP_RTO_MIN_US = 200_000
 _WATCHERS: list[tuple] = []
 _UP: list[TestbedNet] = []
 _WATCH_LOCK = threading.Lock()
+#: Held while a network measures its hop latency (once, through its first host's shell).
+_HOP_LATENCY_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -1124,11 +1126,16 @@ class TestbedNet(FabricRoutes):
         Measured once (10 pings between the first two hosts) and cached; with a single host,
         the configured per-link delay plus 20 us of forwarding.
         """
-        if self._hop_latency is not None:
+        # several threads may ask at once (a replay's tenants), and a node's shell runs one
+        # command at a time
+        with _HOP_LATENCY_LOCK:
+            if self._hop_latency is None:
+                self._hop_latency = self._measure_hop_latency_s()
             return self._hop_latency
+
+    def _measure_hop_latency_s(self) -> float:
         if self.n < 2:
-            self._hop_latency = self.topo.delay_ms * 1e-3 * self.time_dilation + 20e-6
-            return self._hop_latency
+            return self.topo.delay_ms * 1e-3 * self.time_dilation + 20e-6
         h1 = self.hosts[0]
         out = h1.cmd(f"ping -c 10 -i 0.01 -q {self.host_ips[1]}")
         m = re.search(r"= [\d.]+/([\d.]+)/", out)
@@ -1136,8 +1143,7 @@ class TestbedNet(FabricRoutes):
             raise RuntimeError(f"hop_latency_s: ping between tbh1 and tbh2 failed: {out!r}")
         hops = routing.path_hops(self.routed_topo, self.topo.host_names[0],
                                  self.topo.host_names[1])
-        self._hop_latency = float(m.group(1)) * 1e-3 / 2 / hops
-        return self._hop_latency
+        return float(m.group(1)) * 1e-3 / 2 / hops
 
     def describe(self) -> dict:
         """JSON-serialisable description for results metadata (topology + runtime choices)."""
