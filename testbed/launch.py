@@ -378,11 +378,11 @@ def derived_hints_replans(manager, job: str, trace: Path, time_dilation: float, 
 
     def poll():
         if not state["derived"] and trace.exists():
-            with open(trace) as f:
+            with open(trace, "rb") as f:  # bytes: the offset is a byte count
                 f.seek(state["offset"])
-                text = f.read()
-            done = text[:text.rfind("\n") + 1]  # whole lines only
-            state["offset"] += len(done.encode())
+                data = f.read()
+            done = data[:data.rfind(b"\n") + 1]  # whole lines only
+            state["offset"] += len(done)
             rows.extend(json.loads(line) for line in done.splitlines() if line)
             hints = derive_hints(rows, time_dilation)
             if hints is not None:

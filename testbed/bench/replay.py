@@ -116,7 +116,6 @@ def measure(emit, quick: bool, ranks: int, traces: str, buckets: str, a2a_bytes:
     return Outcome(rows, notes, targets, ok)
 
 
-
 def _round_trip(emit, rows: list, targets: dict, notes: dict, tmp: Path, topo: dict,
                 ranks: int, algo: str, time_dilation: float, hidden: int, iterations: int,
                 compute_us: int) -> bool:

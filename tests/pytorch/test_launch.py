@@ -31,6 +31,19 @@ def _losses(lines: list[str]) -> list[float]:
             if (m := re.fullmatch(r"\[0\]:step \d+ loss (\S+)", line))]
 
 
+def _scripted_plans(traces, wanted: list[tuple[int, str]]):
+    """A ``plans`` source that, once rank 0's trace (``traces``: a glob's paths) holds the
+    first ``wanted`` entry's number of calls, returns that entry's algorithm (then the next)."""
+    from testbed.launch import backend_settings
+
+    def plans():
+        calls = sum(len(p.read_text().splitlines()) for p in traces())
+        if wanted and calls >= wanted[0][0]:
+            return backend_settings(wanted.pop(0)[1], None, None, False, 1)
+        return None
+    return plans
+
+
 def test_collective_loop_over_the_uet_transport(tmp_path):
     """--transport uet: the same script's float32 sums go through the ring over the UET-like
     transport and check out; more than one rank per host is refused before anything runs."""
@@ -123,17 +136,10 @@ def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_pat
     testbed's ring (exact: the same losses), then as the provider plans them for a tenant
     whose hints say exact: INA on the star's switch (fixed point: close losses), then on the
     ring re-planned to INA and back while it trains (the same losses as gloo's)."""
-    from testbed.launch import backend_settings
-
     runs = {}
     wanted = [(40, "ina"), (100, "ring")]  # (rank 0's calls so far, new algo)
-
-    def plans():
-        calls = sum(len(p.read_text().splitlines())
-                    for p in (tmp_path / "replanned").glob("launch-*/trace0.jsonl"))
-        if wanted and calls >= wanted[0][0]:
-            return backend_settings(wanted.pop(0)[1], None, None, False, 1)
-        return None
+    plans = _scripted_plans(lambda: (tmp_path / "replanned").glob("launch-*/trace0.jsonl"),
+                            wanted)
 
     for name, algo in ((None, None), ("ring", "ring"), ("auto", "auto"),
                        ("replanned", "ring")):
@@ -335,18 +341,10 @@ def test_a_running_job_moves_to_each_new_plan_at_the_same_collective_on_every_ra
     would re-plan it): every rank switches at the same collective, each call runs the plan
     in force (its path and its model), every sum stays right, and the launch records the
     plans it applied."""
-    from testbed.launch import backend_settings
-
     script = tmp_path / "replanned.py"
     script.write_text(REPLANNED)
     wanted = [(8, "ina"), (20, "hd"), (32, "ina")]  # (rank 0's calls so far, new algo)
-
-    def plans():
-        calls = sum(len(p.read_text().splitlines())
-                    for p in tmp_path.glob("launch-replanned*/trace0.jsonl"))
-        if wanted and calls >= wanted[0][0]:
-            return backend_settings(wanted.pop(0)[1], None, None, False, 1)
-        return None
+    plans = _scripted_plans(lambda: tmp_path.glob("launch-replanned*/trace0.jsonl"), wanted)
 
     done, lines = _run(tmp_path, str(script), ["30"], hosts=4, algo="ring", plans=plans,
                        topology={"switch": "programmable"})
