@@ -223,11 +223,13 @@ class TestbedProcessGroup(dist.ProcessGroup):
         if job is None:
             return
         tj = TorchJob(**job["torch"])
-        new = TestbedComm(job, tj, self._rank)
-        new.take_all_to_all(self.comm)
-        # the communicator before the one retired now: no peer can still be reading from it
+        # the communicator before the one retired now: no peer can still be reading from it;
+        # closed first, for the new plan may take its ports (a provider's job id used again)
         if self._retired is not None:
             self._retired.close()
+            self._retired = None
+        new = TestbedComm(job, tj, self._rank)
+        new.take_all_to_all(self.comm)
         self._retired, self.comm, self.tj = self.comm, new, tj
         self.replans.ack()
 

@@ -167,17 +167,22 @@ def launch(
                                   "what carries ring/hd messages (uet: sprayed UDP that a UET "
                                   "switch trims, NACKed and resent; one rank per host)"),
     policy: str = typer.Option("cooperative", "--policy", help=POLICY_HELP),
+    provider: str = typer.Option(None, "--provider", metavar="ADDRESS|default",
+                                 help="run as a tenant of the provider that serves the "
+                                      "network 'testbed up' runs ('testbed provider serve "
+                                      "--attach'; default: its socket): admitted with the "
+                                      "hints below, planned and re-planned by it"),
     tolerance: str = typer.Option(None, "--tolerance", metavar="exact|lossy|lossy_ef",
-                                  help="with --algo auto: the job's hint (lossy allows "
-                                       "compression within --error-budget)"),
-    error_budget: float = typer.Option(None, "--error-budget", help="with --algo auto: "
-                                       "relative L2 error one allreduce may have"),
-    hint_bytes: int = typer.Option(None, "--hint-bytes", help="with --algo auto: bytes "
-                                   "allreduced per iteration (the gradient's size); without "
-                                   "it the launcher derives them from the job's first "
+                                  help="with --algo auto or --provider: the job's hint (lossy "
+                                       "allows compression within --error-budget)"),
+    error_budget: float = typer.Option(None, "--error-budget", help="with --algo auto or "
+                                       "--provider: relative L2 error one allreduce may have"),
+    hint_bytes: int = typer.Option(None, "--hint-bytes", help="with --algo auto or --provider: "
+                                   "bytes allreduced per iteration (the gradient's size); "
+                                   "without it the launcher derives them from the job's first "
                                    "iterations and the provider may re-plan the running job"),
-    priority: int = typer.Option(None, "--priority", help="with --algo auto: 0-7, larger "
-                                 "first"),
+    priority: int = typer.Option(None, "--priority", help="with --algo auto or --provider: "
+                                 "0-7, larger first"),
     chakra_out: str = typer.Option(None, "--chakra-out", metavar="DIR", help="also write the "
                                    "job's collectives as a Chakra trace, DIR/<script>.<rank>.et "
                                    "(needs --algo; testbed replay runs it)"),
@@ -199,13 +204,15 @@ def launch(
                           topology={"bw_mbps": bw_mbps} if bw_mbps else None,
                           time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
                           hints=hints or None, policy=policy, chakra_out=chakra_out,
-                          nproc_per_host=nproc_per_host, transport=transport)
+                          nproc_per_host=nproc_per_host, transport=transport,
+                          provider=True if provider == "default" else provider)
     except ValueError as e:
         print(f"testbed launch: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     if done.plan is not None:
         p = done.plan
-        print(f"testbed launch: the provider ({policy}) planned {p['algo']}"
+        who = f"at {provider}" if provider else f"({policy})"
+        print(f"testbed launch: the provider {who} planned {p['algo']}"
               + (f" + {p['compressor']}" if p["compressor"] else "")
               + (f" on {p['tree']}" if p["tree"] else "") + f": {p['reason']}",
               file=sys.stderr)
@@ -240,6 +247,11 @@ def replay(
                              "allreduces (ring, hd, ina, nic, a plug-in; auto: the provider "
                              "plans each trace from its hints; default: gloo)"),
     policy: str = typer.Option("cooperative", "--policy", help=POLICY_HELP),
+    provider: str = typer.Option(None, "--provider", metavar="ADDRESS|default",
+                                 help="run as a tenant of the provider that serves the "
+                                      "network 'testbed up' runs ('testbed provider serve "
+                                      "--attach'; default: its socket): admitted with the "
+                                      "hints below, planned and re-planned by it"),
     tolerance: str = typer.Option(None, "--tolerance", metavar="exact|lossy|lossy_ef",
                                   help="with --algo auto: every trace's hint (default: the "
                                        "bytes and compute time its trace shows)"),

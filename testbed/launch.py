@@ -136,7 +136,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            module: bool = False, hints: dict | None = None,
            policy: str = "cooperative", chakra_out: str | Path | None = None,
            nproc_per_host: int = 1, stop=None, transport: str = "tcp",
-           plans=None) -> Launched:
+           plans=None, provider: str | bool | None = None) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network), ``nproc_per_host`` ranks on each (torchrun's ``--nproc-per-node``: rank ``r``
     on host ``r // nproc_per_host``), and return what it did (see the module docstring).
@@ -155,7 +155,11 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
     result and ``launch.json``; without ``collective_bytes`` the launcher derives the job's
     hints from its first iterations (:func:`derive_hints`) and the provider may re-plan it,
-    each new plan applied while the script runs: :class:`JobPlans`). ``chakra_out``: a folder where the job's collectives are
+    each new plan applied while the script runs: :class:`JobPlans`). ``provider``: the
+    address of a provider serving the network ``testbed up`` runs (``testbed provider serve
+    --attach``; True: its default socket): the job runs on that network as one of its
+    tenants, planned by that provider from ``hints`` (:class:`testbed.served.ServedJob`;
+    ``experiment``, if given, must be the file ``up`` runs). ``chakra_out``: a folder where the job's collectives are
     written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.workloads.chakra.export`; needs
     ``algo``, whose backend traces them, and the ``[traces]`` extra). ``echo(line)``: called
     with every ``[rank]: ...`` output line (default: print). ``out``: the results root
@@ -167,6 +171,10 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
 
     if not module:
         script = _checked_script(script)
+    if provider:
+        _check_served(algo, topology, time_dilation, compressor, error_feedback, plans,
+                      nproc_per_host, transport)
+        algo = "auto"
     planned = algo == "auto"
     check_nproc_per_host(nproc_per_host, algo)  # before the network is built
     if transport == "uet" and nproc_per_host > 1:
@@ -198,10 +206,16 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
                              "runs no testbed algorithm to change")
         tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id,
                               transport=transport)
+    stem = str(script).rsplit(".", 1)[-1] if module else Path(script).stem
+    if provider:
+        done = _launch_served(provider, script, args, hosts, experiment, hints, out, stem,
+                              timeout_s=timeout_s, echo=echo, module=module, stop=stop,
+                              job_id=job_id)
+        return _chakra(done, chakra_out, stem)
+    _check_no_up()
     # a provider-planned job gets a fabric where every algorithm can run (programmable)
     network = launch_network(topology, experiment, hosts, "ina" if planned else algo,
                              time_dilation)
-    stem = str(script).rsplit(".", 1)[-1] if module else Path(script).stem
     folder = results.unique_folder(results.results_root() if out is None else out,
                                    f"launch-{stem}")
     with network as net:
@@ -220,10 +234,74 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
             meta.update(hints_planned=done.hints, provider_log=[
                 c.to_json() for c in manager.log if c.job == plan.job])
             (done.folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
+    return _chakra(done, chakra_out, stem)
+
+
+def _chakra(done: Launched, chakra_out: str | Path | None, stem: str) -> Launched:
     if chakra_out is not None:
         from testbed.workloads.chakra import export
 
         done.chakra = export(done.trace, Path(chakra_out) / stem, len(done.returncodes))
+    return done
+
+
+def _check_no_up() -> None:
+    """``ValueError`` when ``testbed up`` runs a network: the machine has one at a time, and
+    building another would wait for it to go down."""
+    from testbed.experiment.networks import up_state
+
+    state = up_state()
+    if state is not None and state["alive"]:
+        raise ValueError(f"a network is up ('testbed up {state.get('file')}', pid "
+                         f"{state.get('pid')}) and a machine runs one at a time: run the job "
+                         "on it with --provider beside 'testbed provider serve --attach', or "
+                         "'testbed down' first")
+
+
+def _check_served(algo, topology, time_dilation, compressor, error_feedback, plans,
+                  nproc_per_host: int, transport: str) -> None:
+    """``ValueError`` for options a job on a served provider's network cannot take."""
+    given = [name for name, v in (("algo", algo not in (None, "auto")),
+                                  ("topology", topology), ("time_dilation", time_dilation),
+                                  ("compressor", compressor),
+                                  ("error_feedback", error_feedback), ("plans", plans))
+             if v]
+    if given:
+        raise ValueError(f"provider: {', '.join(given)} cannot be given: the job runs on the "
+                         "network 'testbed up' runs, as its provider plans it (state the "
+                         "job's hints: tolerance, error budget, bytes, priority)")
+    if nproc_per_host != 1 or transport != "tcp":
+        raise ValueError("provider: a served job runs one rank per host over TCP (the "
+                         "provider plans per host)")
+
+
+def _launch_served(provider: str | bool, script, args, hosts, experiment, hints, out,
+                   stem: str, **kw) -> Launched:
+    """:func:`launch` of a job admitted to the provider at ``provider`` that serves the
+    network ``testbed up`` runs."""
+    from testbed.experiment import results
+    from testbed.experiment.networks import attach_up
+    from testbed.served import ServedJob
+
+    net = attach_up(None if experiment is None else str(experiment), what="provider")
+    with contextlib.closing(net):
+        workers = job_hosts(net, hosts)
+        folder = results.unique_folder(results.results_root() if out is None else out,
+                                       f"launch-{stem}")
+        with ServedJob(None if provider is True else provider, folder.name, workers, hints,
+                       folder / "trace0.jsonl", net.time_dilation, kw["job_id"]) as served:
+            done = run_script(net, script, args, served.first, folder, hosts=hosts,
+                              timeout_s=kw["timeout_s"], echo=kw["echo"], module=kw["module"],
+                              stop=kw["stop"], plans=served,
+                              extra={"plan": served.plan.model_dump(),
+                                     "provider": served.address, "provider_job": served.name,
+                                     "hints": dict(hints or {})})
+            done.plan = served.plan.model_dump()
+            done.hints = served.hints()
+            meta = json.loads((done.folder / "launch.json").read_text())
+            meta.update(hints_planned=done.hints, provider_log=served.log(),
+                        plan_errors=meta.get("plan_errors", []) + served.errors)
+            (done.folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
     return done
 
 
@@ -365,6 +443,35 @@ def derive_hints(rows: list[dict], time_dilation: float = 1.0,
     return None
 
 
+class HintsDeriver:
+    """Reads rank 0's trace (``trace``) as it grows; :meth:`poll` gives the job's hints once
+    :func:`derive_hints` finds its iteration (once; None before and after)."""
+
+    def __init__(self, trace: Path, time_dilation: float):
+        self.trace, self.time_dilation = trace, float(time_dilation)
+        self.rows: list[dict] = []
+        self.offset = 0
+        self.derived: dict | None = None
+
+    def poll(self) -> dict | None:
+        if self.derived is not None or not self.trace.exists():
+            return None
+        with open(self.trace, "rb") as f:  # bytes: the offset is a byte count
+            f.seek(self.offset)
+            data = f.read()
+        done = data[:data.rfind(b"\n") + 1]  # whole lines only
+        self.offset += len(done)
+        self.rows.extend(json.loads(line) for line in done.splitlines() if line)
+        self.derived = derive_hints(self.rows, self.time_dilation)
+        return self.derived
+
+    @staticmethod
+    def reason(hints: dict) -> str:
+        """What the provider's log says of derived hints."""
+        return (f"hints derived from the job's first iterations ({hints['collective_bytes']:,} B"
+                f" allreduced every {hints['iteration_s']:.3g} s)")
+
+
 def derived_hints_replans(manager, job: str, trace: Path, time_dilation: float, lock=None):
     """A ``plans`` source for an ``algo="auto"`` launch whose tenant stated no
     ``collective_bytes``: it reads rank 0's trace as it grows (``trace``), and once
@@ -372,25 +479,14 @@ def derived_hints_replans(manager, job: str, trace: Path, time_dilation: float, 
     hints (:meth:`~testbed.provider.manager.FabricManager.update_hints`), once; the re-plan
     that may follow, and any later one, comes from :func:`provider_replans`."""
     replans = provider_replans(manager, job, lock)
-    rows: list[dict] = []
-    state = {"offset": 0, "derived": False}
+    deriver = HintsDeriver(trace, time_dilation)
     guard = lock if lock is not None else contextlib.nullcontext()
 
     def poll():
-        if not state["derived"] and trace.exists():
-            with open(trace, "rb") as f:  # bytes: the offset is a byte count
-                f.seek(state["offset"])
-                data = f.read()
-            done = data[:data.rfind(b"\n") + 1]  # whole lines only
-            state["offset"] += len(done)
-            rows.extend(json.loads(line) for line in done.splitlines() if line)
-            hints = derive_hints(rows, time_dilation)
-            if hints is not None:
-                state["derived"] = True
-                with guard:
-                    manager.update_hints(job, hints, "hints derived from the job's first "
-                                         f"iterations ({hints['collective_bytes']:,} B "
-                                         f"allreduced every {hints['iteration_s']:.3g} s)")
+        hints = deriver.poll()
+        if hints is not None:
+            with guard:
+                manager.update_hints(job, hints, deriver.reason(hints))
         return replans()
     return poll
 
@@ -530,7 +626,11 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
     gives each of several ranks on a machine. Numba's too: its OpenMP pool (started when the
     testbed's kernels load) sets the thread count of the one OpenMP runtime torch shares, so
     torch's own operations would run on two threads that spin between them, a rank's
-    tensor copies taking 10-40 ms instead of 1 on a loaded 2-core machine."""
+    tensor copies taking 10-40 ms instead of 1 on a loaded 2-core machine. A rank follows
+    the launcher (``TESTBED_OWNER``): it ends when the launcher does, however it ends, also
+    on a network another process owns (``testbed up``)."""
+    from testbed.lifeline import OWNER_ENV, identity
+
     me, n, k = job["ranks"][r], len(job["ranks"]), job.get("nproc_per_host", 1)
     env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r % k),
            "LOCAL_WORLD_SIZE": str(k), "GROUP_RANK": str(r // k), "ROLE_RANK": str(r),
@@ -541,7 +641,7 @@ def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:
            "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
            "TESTBED_JOB": str(folder / "job.json"),
            "TESTBED_TRACE": str(folder / f"trace{r}.jsonl"), "PYTHONUNBUFFERED": "1",
-           "TESTBED_LAUNCH_T0": str(job["t0"])}
+           "TESTBED_LAUNCH_T0": str(job["t0"]), OWNER_ENV: identity()}
     env.pop("TESTBED_BACKEND", None)
     if offload:
         env["TESTBED_BACKEND"] = "testbed"
@@ -564,13 +664,20 @@ class JobPlans:
     settings; :attr:`history` lists the plans (0: the first) with the full collective each
     applied from (``from_call``, counted alike on every rank; None: the job ended before
     every rank ran it) and when their registrations were released; :attr:`errors` names the
-    plans that could not be offered."""
+    plans that could not be offered.
+
+    A ``source`` may also have ``registration(tj)``, the switch registration a provider made
+    for a plan it gave (``tj`` as it gave it; None: none), which that plan then runs on under
+    the registration's job id instead of one registered here, and ``running(tj)``, told once
+    every rank runs that plan (:class:`testbed.served.ServedJob`)."""
 
     def __init__(self, net, job: dict, workers: list, tj, folder: Path, source=None):
         self.net, self.job, self.workers, self.folder = net, job, workers, folder
         self.source = source
         self.base = copy.deepcopy(job)  # a new plan's job starts from it
         self.settings = {0: tj}
+        self._given = {0: tj}  # each plan as the source gave it
+        self._told = 0  # the newest plan the source was told every rank runs
         self.history: list[dict] = [self._entry(0, tj)]
         self.errors: list[str] = []
         self.epoch = 0  # the newest plan offered to the ranks
@@ -589,7 +696,8 @@ class JobPlans:
         deadline = time.monotonic() + ADMISSION_WAIT_S * float(self.net.time_dilation)
         while True:
             try:
-                self._planes[0] = self._plane(self.settings[0], self.job)
+                self._planes[0] = self._plane(self.settings[0], self.job,
+                                              self._registration(self.settings[0]))
                 return self
             except AdmissionRefused:
                 if self.source is None or time.monotonic() > deadline:
@@ -626,11 +734,16 @@ class JobPlans:
             self.errors.append(f"plan {epoch}: its release failed: {e}")
         self.history[epoch]["released_s"] = time.time()
 
-    def _plane(self, tj, job: dict) -> contextlib.ExitStack:
+    def _registration(self, given) -> dict | None:
+        ask = getattr(self.source, "registration", None)
+        return ask(given) if ask is not None else None
+
+    def _plane(self, tj, job: dict, registration: dict | None = None) -> contextlib.ExitStack:
         from testbed.collectives.runner import offload_job
 
         stack = contextlib.ExitStack()
-        stack.enter_context(offload_job(self.net, tj.collective(), job, self.workers))
+        stack.enter_context(offload_job(self.net, tj.collective(), job, self.workers,
+                                        registration=registration))
         return stack
 
     def tick(self) -> None:
@@ -646,13 +759,24 @@ class JobPlans:
         if self._wanted is not None:
             self._offer()
         self._retire()
+        self._report()
+
+    def _report(self) -> None:
+        """Tell the source which plan every rank runs now, once per plan."""
+        tell = getattr(self.source, "running", None)
+        if tell is None or self.epoch == self._told:
+            return
+        acked = min(self._acked(r) for r in range(len(self.workers)))
+        if acked > self._told:
+            self._told = acked
+            tell(self._given[acked])
 
     def _offer(self) -> None:
         from testbed.collectives.runner import AdmissionRefused, CollectiveError
         from testbed.workloads.replan import epoch_job_id
         from testbed.workloads.runner import ADMISSION_WAIT_S
 
-        tj = self._wanted
+        given = tj = self._wanted
         now = self.settings[self.epoch]
         if dataclasses.replace(tj, job_id=now.job_id) == now:
             self._wanted = None
@@ -660,11 +784,13 @@ class JobPlans:
         epoch = self.epoch + 1
         label = f"plan {epoch} ({tj.algo}{'+' + tj.compressor if tj.compressor else ''})"
         try:
-            tj = dataclasses.replace(tj, job_id=epoch_job_id(self.settings[0].job_id, epoch))
+            reg = self._registration(given)
+            tj = dataclasses.replace(tj, job_id=reg["job_id"] if reg else
+                                     epoch_job_id(self.settings[0].job_id, epoch))
             tj.validate(len(self.workers))
             job = copy.deepcopy(self.base)
             job["torch"] = dataclasses.asdict(tj)
-            plane = self._plane(tj, job)
+            plane = self._plane(tj, job, reg)
         except AdmissionRefused as e:  # memory the old plans hold: ask again while it may come
             wall = time.monotonic()
             self._refused_since = self._refused_since or wall
@@ -680,6 +806,7 @@ class JobPlans:
         self._wanted, self._refused_since = None, None
         self.epoch = epoch
         self.settings[epoch] = tj
+        self._given[epoch] = given
         self._planes[epoch] = plane
         self.history.append(self._entry(epoch, tj))
         write_json(self.folder / "plan.json", {"epoch": epoch, "job": job})

@@ -28,11 +28,11 @@ from typing import Any
 from testbed.atomic import write_json
 from testbed.cleanup import main as cleanup
 from testbed.datapath.control import RUN_DIR
+from testbed.experiment.networks import UP_STATE_PATH as STATE_PATH
+from testbed.experiment.networks import up_state as read_state
 from testbed.experiment.spec import load_point
 from testbed.lifeline import start_ticks
 
-#: Where the running network is described for ``down`` and ``switch``.
-STATE_PATH = Path(RUN_DIR) / "up.json"
 #: Output of a detached ``up`` (the network's own messages, errors included).
 LOG_PATH = Path(RUN_DIR) / "up.log"
 #: ``testbed switch NODE restart`` and ``testbed link down|up A B``: the request (JSON) and
@@ -55,17 +55,6 @@ def _say(msg: str) -> None:
 
 def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def read_state() -> dict[str, Any] | None:
-    """The running ``up``'s state, or None when no network is up (a stale file is reported
-    with ``alive: False``)."""
-    try:
-        state = json.loads(STATE_PATH.read_text())
-    except (OSError, ValueError):
-        return None
-    state["alive"] = start_ticks(int(state.get("pid", 0))) == state.get("start_ticks")
-    return state
 
 
 def _write_state(state: dict[str, Any]) -> None:

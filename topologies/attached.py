@@ -4,15 +4,18 @@
 --attach``) runs beside it as its own process, so that it can be stopped, killed and started
 again while the network and the tenants' jobs go on. :class:`AttachedNet` gives the provider
 what it uses of a :class:`~testbed.topologies.net.TestbedNet` — the topology, the hosts
-(name, shell pid, address), the engines' control clients, aggregation trees and routes —
+(name, shell pid, address; commands started in them with ``mnexec``), the engines' control
+clients, aggregation trees and routes, the hop latency —
 from the topology (which fixes addresses and routes) and the owner's node pids. It builds,
 changes and tears down nothing but the switch registrations its user makes.
 """
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from testbed.datapath.control import ControlError, DatapathClient
 
@@ -36,6 +39,22 @@ class AttachedHost:
     def MAC(self) -> str:  # noqa: N802 - as above
         """The host's MAC (fixed by its rank)."""
         return host_mac(self.rank)
+
+    def defaultIntf(self) -> SimpleNamespace:  # noqa: N802 - as above
+        """The host's one interface (Mininet names it ``<host>-eth0``)."""
+        return SimpleNamespace(name=f"{self.name}-eth0")
+
+    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
+        """``cmd`` started in the host's namespaces, in a session of its own (as Mininet's
+        ``Host.popen``: ``mnexec -da PID``); ``kw`` as :class:`subprocess.Popen` takes them."""
+        return subprocess.Popen(["mnexec", "-da", str(self.pid), *cmd], **kw)
+
+    def cmd(self, command: str) -> str:
+        """The output of the shell ``command`` run in the host (its own shell: the owner's
+        stays free)."""
+        out = subprocess.run(["mnexec", "-a", str(self.pid), "sh", "-c", command],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout + out.stderr
 
 
 class AttachedNet(FabricRoutes):

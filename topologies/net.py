@@ -125,7 +125,6 @@ _WATCHERS: list[tuple] = []
 _UP: list[TestbedNet] = []
 _WATCH_LOCK = threading.Lock()
 #: Held while a network measures its hop latency (once, through its first host's shell).
-_HOP_LATENCY_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -1119,31 +1118,6 @@ class TestbedNet(FabricRoutes):
         mbps = routing.bottleneck_mbps(self.routed_topo, self._host_names(hosts), pattern,
                                        aggregator)
         return None if mbps is None else mbps * 1e6
-
-    def hop_latency_s(self) -> float:
-        """Estimated one-way latency per link (s): measured RTT/2 over the path's links.
-
-        Measured once (10 pings between the first two hosts) and cached; with a single host,
-        the configured per-link delay plus 20 us of forwarding.
-        """
-        # several threads may ask at once (a replay's tenants), and a node's shell runs one
-        # command at a time
-        with _HOP_LATENCY_LOCK:
-            if self._hop_latency is None:
-                self._hop_latency = self._measure_hop_latency_s()
-            return self._hop_latency
-
-    def _measure_hop_latency_s(self) -> float:
-        if self.n < 2:
-            return self.topo.delay_ms * 1e-3 * self.time_dilation + 20e-6
-        h1 = self.hosts[0]
-        out = h1.cmd(f"ping -c 10 -i 0.01 -q {self.host_ips[1]}")
-        m = re.search(r"= [\d.]+/([\d.]+)/", out)
-        if not m:
-            raise RuntimeError(f"hop_latency_s: ping between tbh1 and tbh2 failed: {out!r}")
-        hops = routing.path_hops(self.routed_topo, self.topo.host_names[0],
-                                 self.topo.host_names[1])
-        return float(m.group(1)) * 1e-3 / 2 / hops
 
     def describe(self) -> dict:
         """JSON-serialisable description for results metadata (topology + runtime choices)."""

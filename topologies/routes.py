@@ -2,20 +2,32 @@
 
 :class:`FabricRoutes` is shared by :class:`~testbed.topologies.net.TestbedNet` (a network this
 process builds) and :class:`~testbed.topologies.attached.AttachedNet` (one another process
-runs): both have ``topo``, the routes' forwarding tables ``_tables`` and ``_host_names``.
+runs): both have ``topo``, ``hosts`` (whose ``cmd`` runs a shell command in the host),
+``time_dilation``, the routes' forwarding tables ``_tables`` and ``_host_names``.
 """
 
 from __future__ import annotations
 
-from . import aggtree
+import re
+import threading
+
+from . import aggtree, routing
 from .base import aggregating_switches, switch_identity
+
+#: Several threads may ask for the hop latency at once (a replay's tenants), and a node's shell
+#: runs one command at a time.
+_HOP_LATENCY_LOCK = threading.Lock()
 
 
 class FabricRoutes:
-    """Aggregation trees, first hops and aggregator identities of ``self.topo``."""
+    """Aggregation trees, first hops, aggregator identities and the hop latency of
+    ``self.topo``."""
 
     topo: object
+    hosts: list
+    time_dilation: float
     _tables: dict
+    _hop_latency: float | None = None
 
     def _host_names(self, hosts) -> list[str]:
         raise NotImplementedError
@@ -45,3 +57,26 @@ class FabricRoutes:
             mac, ip = switch_identity(self.topo, sw)
             out[sw] = {"ip": ip, "mac": mac}
         return out
+
+    def hop_latency_s(self) -> float:
+        """Estimated one-way latency per link (s): measured RTT/2 over the path's links.
+
+        Measured once (10 pings between the first two hosts) and cached; with a single host,
+        the configured per-link delay plus 20 us of forwarding.
+        """
+        with _HOP_LATENCY_LOCK:
+            if self._hop_latency is None:
+                self._hop_latency = self._measure_hop_latency_s()
+            return self._hop_latency
+
+    def _measure_hop_latency_s(self) -> float:
+        if len(self.hosts) < 2:
+            return self.topo.delay_ms * 1e-3 * self.time_dilation + 20e-6
+        h1, h2 = self.hosts[:2]
+        out = h1.cmd(f"ping -c 10 -i 0.01 -q {h2.IP()}")
+        m = re.search(r"= [\d.]+/([\d.]+)/", out)
+        if not m:
+            raise RuntimeError(f"hop_latency_s: ping between {h1.name} and {h2.name} failed: "
+                               f"{out!r}")
+        hops = routing.path_hops(self.routed_topo, h1.name, h2.name)
+        return float(m.group(1)) * 1e-3 / 2 / hops

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from testbed.provider.schema import FabricSnapshot, JobRequest, Plan
+from testbed.provider.schema import FabricSnapshot, JobRequest, MeasuredHints, Plan
 
 #: The service's default address (see ``testbed.provider.service.DEFAULT_SOCKET``).
 DEFAULT_ADDRESS = "unix:" + os.path.join(os.environ.get("TESTBED_RUN_DIR", "/run/testbed"),
@@ -127,11 +127,23 @@ class ProviderClient:
         """The job's current plan (poll it at iteration boundaries)."""
         return Plan.model_validate(self._call("GET", f"/v1/jobs/{job}/plan"))
 
-    def renew(self, job: str, iteration: int | None = None) -> float:
+    def renew(self, job: str, iteration: int | None = None, running: int | None = None
+              ) -> float:
         """Extend the lease; seconds until it expires again. ``iteration``: the last one the
-        job finished (plan changes are then scheduled from a later iteration)."""
-        params = {} if iteration is None else {"iteration": iteration}
+        job finished (plan changes are then scheduled from a later iteration). ``running``:
+        the plan version every worker of the job runs now (the switches then let go of the
+        registrations of older plans, which the service keeps for a job that reports it)."""
+        params = {k: v for k, v in (("iteration", iteration), ("running", running))
+                  if v is not None}
         return float(self._call("POST", f"/v1/jobs/{job}/renew", params=params)["expires_in_s"])
+
+    def measured(self, job: str, reason: str | None = None, **figures) -> dict:
+        """Tell the provider what was measured of the running job (``figures``:
+        :class:`~testbed.provider.schema.MeasuredHints` fields such as ``collective_bytes``,
+        ``iteration_s``); it re-plans on them. ``{"hints", "replanned", "version"}``."""
+        body = MeasuredHints(**figures, **({"reason": reason} if reason else {}))
+        return self._call("POST", f"/v1/jobs/{job}/hints", content=body.model_dump_json(),
+                          headers={"content-type": "application/json"})
 
     def next_plan(self, job: str, after: int = 0, wait_s: float = 30.0) -> dict:
         """Wait (long poll, at most ``wait_s``) until the job's plan version exceeds ``after``:

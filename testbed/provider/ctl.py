@@ -58,13 +58,13 @@ def serve(file: str | None, point: int = 0, policy: str = "cooperative",
     """CLI entry of ``serve``: 0 after a clean stop, 2 for a bad file or option, 1 when the
     network or the service cannot start, 130 on Ctrl-C."""
     # Function-level imports: the experiment runner loads Mininet and the data path.
-    from testbed.experiment.networks import network_for, topology_for
+    from testbed.experiment.networks import attach_up, network_for, running_up, topology_for
     from testbed.experiment.spec import load_point
     from testbed.provider.journal import JournalError
 
     try:
         if attach:
-            file, point, up_state = _running_network(file)
+            file, point, _state = running_up(file)
         elif file is None:
             raise ValueError("give the experiment FILE whose network to serve, or --attach to "
                              "serve the network 'testbed up' runs")
@@ -87,11 +87,7 @@ def serve(file: str | None, point: int = 0, policy: str = "cooperative",
           "quotas": tenant_quotas}
     try:
         if attach:
-            from testbed.topologies.attached import AttachedNet
-            from testbed.up import read_state
-
-            net = AttachedNet(topo, up_state["pids"], up_state.get("time_dilation", 1.0),
-                              links_down=lambda: (read_state() or {}).get("links_down", []))
+            net = attach_up(file)
             try:
                 svc = make_service(net, memory_bytes, policy, net=net, **kw)
                 return _serve_until(svc, socket_path, port, stop)
@@ -141,23 +137,6 @@ def load_quotas(path: str) -> dict:
         except (TypeError, ValueError) as e:
             raise ValueError(f"--quotas {path}: tenant {tenant!r}: {e}") from None
     return out
-
-
-def _running_network(file: str | None) -> tuple[str, int, dict]:
-    """(experiment file, point, ``up`` state) of the network ``testbed up`` runs;
-    ``ValueError`` saying what to do when none runs or ``file`` is another one."""
-    from pathlib import Path
-
-    from testbed.up import read_state
-
-    state = read_state()
-    if state is None or not state["alive"] or not state.get("ready"):
-        raise ValueError("--attach: no network is up; start one with 'testbed up FILE "
-                         "--detach' first")
-    if file is not None and Path(file).resolve() != Path(state["file"]):
-        raise ValueError(f"--attach: the network up is of {state['file']}, not {file}; leave "
-                         "FILE out or 'testbed down' first")
-    return state["file"], int(state.get("point", 0)), state
 
 
 def _serve_until(svc, socket_path: str | None, port: int | None, stop: threading.Event) -> int:

@@ -69,6 +69,19 @@ def check_hints(hints: dict | None) -> Hints:
                                    for x in e.errors())) from None
 
 
+class MeasuredHints(_Strict):
+    """What a running job's tenant measured of it (e.g. its launcher, from its first
+    iterations), to replace those of its :class:`Hints`: only figures of the job itself, not
+    its tolerance or priority, which its admission settled."""
+
+    collective_bytes: int | None = Field(default=None, gt=0)
+    iterations: int | None = Field(default=None, gt=0)
+    iteration_s: float | None = Field(default=None, gt=0)
+    compute_s: float | None = Field(default=None, ge=0)
+    #: what the provider's log says of the change
+    reason: str = Field(default="hints measured by the tenant", min_length=1, max_length=200)
+
+
 class JobRequest(_Strict):
     """A tenant's job as the provider sees it on admission: its hosts and optional hints."""
 

@@ -39,7 +39,11 @@ GET  /v1/jobs/{job}/plan/next?after=V&wait_s=T
                            long poll: the plan once its version exceeds V (or after T s), with
                            its version and the iteration it applies from
 POST /v1/jobs/{job}/renew  extend the lease by the job's lease_s (?iteration=K: the last
-                           iteration the job finished, from which changes are scheduled)
+                           iteration the job finished, from which changes are scheduled;
+                           ?running=V: the plan version every worker runs, see
+                           SwitchConfigurator)
+POST /v1/jobs/{job}/hints  MeasuredHints: what the tenant measured of its running job (bytes,
+                           times) replaces those hints, and the jobs are re-planned on them
 DELETE /v1/jobs/{job}      release the job (memory back, switches cleared, others re-planned)
 GET  /v1/log               every plan change with its time and reason
 GET  /v1/plan?policy=P     dry run: the plans policy P would give the admitted jobs now
@@ -70,13 +74,21 @@ from testbed.collectives.algorithms import is_offloaded
 from testbed.datapath.control import RUN_DIR, ControlError, DatapathClient
 from testbed.provider.journal import Journal
 from testbed.provider.manager import (
+    BadRequest,
     FabricManager,
     NoFeasiblePlan,
     ProviderError,
     UnknownJob,
 )
 from testbed.provider.policies import POLICIES, make_policy
-from testbed.provider.schema import FabricSnapshot, JobRequest, LinkState, Plan, SwitchState
+from testbed.provider.schema import (
+    FabricSnapshot,
+    JobRequest,
+    LinkState,
+    MeasuredHints,
+    Plan,
+    SwitchState,
+)
 
 #: Where tenants find the service: a Unix socket in the run directory, which every emulated
 #: host sees (hosts share the file system), while the switches' control channels stay in the
@@ -267,9 +279,16 @@ class SwitchConfigurator:
     again (a new prediction or reason alone leaves it alone); a
     job that left or no longer aggregates in the network is removed from its switches.
     :attr:`registrations` holds, per job, what its workers need to take part (job id, UDP
-    port, member ids, aggregator address), served by ``GET /v1/jobs/{job}``. A registration
-    a switch refuses is kept in :attr:`errors` (the job's workers then run their collective
-    on the hosts) and retried at the next change.
+    port, member ids, aggregator address, the plan ``version`` it is for), served by
+    ``GET /v1/jobs/{job}``. A registration a switch refuses is kept in :attr:`errors` (the
+    job's workers then run their collective on the hosts) and retried at the next change.
+
+    A job whose tenant reports the plan version its workers run (:meth:`running`, from
+    ``POST /v1/jobs/{job}/renew?running=V``; ``testbed launch --provider`` does) keeps its old
+    registration through a plan change: the new one goes beside it under a job id of its own,
+    and the old one (:attr:`retiring`) goes once every worker runs the new plan, for they may
+    be in a collective of the old one when the change comes. A tenant that never reports it
+    switches at the boundary the service gives it, and its registration is replaced at once.
     """
 
     def __init__(self, net):
@@ -278,34 +297,89 @@ class SwitchConfigurator:
         self.registrations: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
         self.registered_again: dict[str, int] = {}
+        #: per job, the plan version its workers run (jobs whose tenant reports it)
+        self.following: dict[str, int] = {}
+        #: per job, the registrations of plans it is leaving: (the plan version that replaced
+        #: it, handle, job id)
+        self.retiring: dict[str, list[tuple[int, Any, int]]] = {}
         self._ids: dict[str, int] = {}
+        self._last_id = FIRST_JOB_ID - 1
 
     def _job_id(self, job: str) -> int:
         if job not in self._ids:
-            used = set(self._ids.values())
-            free = (i for i in range(FIRST_JOB_ID, LAST_JOB_ID + 1) if i not in used)
+            used = set(self._ids.values()) | {jid for held in self.retiring.values()
+                                              for _v, _h, jid in held}
+            # in turn from the last one given: an id just let go is the last to come back, so
+            # a late packet of a removed registration never meets a new job of the same id
+            span = LAST_JOB_ID - FIRST_JOB_ID + 1
+            free = (i for i in (FIRST_JOB_ID + (self._last_id + 1 - FIRST_JOB_ID + k) % span
+                                for k in range(span)) if i not in used)
             self._ids[job] = next(free, None)
             if self._ids[job] is None:
                 del self._ids[job]
                 raise RuntimeError(f"every job id of the provider's range {FIRST_JOB_ID}.."
                                    f"{LAST_JOB_ID} is in use")
+            self._last_id = self._ids[job]
         return self._ids[job]
 
-    def sync(self, plans: dict[str, Plan], jobs: dict[str, dict]) -> None:
+    def sync(self, plans: dict[str, Plan], jobs: dict[str, dict],
+             versions: dict[str, int] | None = None) -> None:
         """Make the switches hold exactly the INA jobs of ``plans`` (``jobs``: the manager's
-        job table, for the hosts)."""
+        job table, for the hosts; ``versions``: each job's plan version), and the
+        registrations of the plans their workers may still run (:attr:`retiring`)."""
+        versions = versions or {}
         for job in list(self.handles):
             plan = plans.get(job)
             if plan is None or not _in_network(plan) or \
                     _switch_config(plan) != _switch_config(self.handles[job][0]):
-                self._remove(job)
+                if plan is not None and job in self.following:
+                    self._stage(job, versions.get(job, 0))
+                else:
+                    self._remove(job)
         for job, plan in plans.items():
             if _in_network(plan) and job not in self.handles:
-                self._register(job, plan, list(jobs[job]["hosts"]), jobs[job]["hints"])
+                self._register(job, plan, list(jobs[job]["hosts"]), jobs[job]["hints"],
+                               versions.get(job, 0))
         for job in list(self._ids):
             if job not in plans:
                 del self._ids[job]
                 self.errors.pop(job, None)
+        for job in [j for j in self.retiring if j not in plans]:  # the job ended: all go
+            self._retire(job, None)
+        for job in [j for j in self.following if j not in plans]:
+            del self.following[job]
+
+    def running(self, job: str, version: int) -> bool:
+        """Every worker of ``job`` runs its plan ``version`` now: the registrations of the
+        plans before it go. Returns whether any went (memory a refused registration may
+        take: :meth:`sync` again)."""
+        self.following[job] = max(version, self.following.get(job, 0))
+        return self._retire(job, version)
+
+    def _stage(self, job: str, version: int) -> None:
+        """Move ``job``'s registration to :attr:`retiring` (its workers may still use it);
+        its next one gets a job id of its own."""
+        _plan, handle, _entry = self.handles.pop(job)
+        self.registrations.pop(job, None)
+        self.retiring.setdefault(job, []).append((version, handle, self._ids.pop(job)))
+        if self.following.get(job, 0) >= version:
+            self._retire(job, self.following[job])
+
+    def _retire(self, job: str, version: int | None) -> bool:
+        """Remove ``job``'s retiring registrations replaced at ``version`` or before (None:
+        all of them)."""
+        from testbed.collectives.runner import CollectiveError  # see _register
+
+        held = self.retiring.pop(job, [])
+        keep = [h for h in held if version is not None and h[0] > version]
+        for _v, handle, _jid in (h for h in held if h not in keep):
+            try:
+                handle.release()
+            except CollectiveError as e:
+                self.errors[job] = str(e)
+        if keep:
+            self.retiring[job] = keep
+        return len(keep) < len(held)
 
     def _spec(self, job: str, plan: Plan, hints: dict):
         from testbed.collectives.spec import CollectiveSpec, communication_of  # see _register
@@ -316,7 +390,8 @@ class SwitchConfigurator:
             placement={"tree": plan.tree if plan.tree is not None else "single",
                        "slots": max(plan.slots, 1), "mode": plan.mode})
 
-    def _register(self, job: str, plan: Plan, hosts: list[str], hints: dict) -> None:
+    def _register(self, job: str, plan: Plan, hosts: list[str], hints: dict,
+                  version: int = 0) -> None:
         # Function-level imports: the collective runner loads the kernels (Numba), which only
         # a service that configures a running network needs.
         from testbed.collectives.ina import ina_lanes
@@ -337,10 +412,10 @@ class SwitchConfigurator:
                                    "seq0": entry.get("seq0"), "ranks": entry["ranks"],
                                    "fallbacks": entry.get("fallbacks", []),
                                    "slots": handle.spec.slots, "mode": plan.mode,
-                                   "lanes": ina_lanes(spec, len(nodes))}
+                                   "lanes": ina_lanes(spec, len(nodes)), "version": version}
 
     def reconcile(self, held: dict[str, set[int]], plans: dict[str, Plan],
-                  jobs: dict[str, dict]) -> list[str]:
+                  jobs: dict[str, dict], versions: dict[str, int] | None = None) -> list[str]:
         """Register again, under the same job id, every job a switch of its tree no longer
         holds (``held``: per switch, the job ids it holds now; a switch whose engine was
         restarted holds none): a new first round, which ``GET /v1/jobs/{job}`` shows.
@@ -351,7 +426,8 @@ class SwitchConfigurator:
         for job in lost:
             self._remove(job)  # from the switches that still hold it
             if job in plans:
-                self._register(job, plans[job], list(jobs[job]["hosts"]), jobs[job]["hints"])
+                self._register(job, plans[job], list(jobs[job]["hosts"]), jobs[job]["hints"],
+                               (versions or {}).get(job, 0))
             self.registered_again[job] = self.registered_again.get(job, 0) + 1
         return lost
 
@@ -373,7 +449,8 @@ class SwitchConfigurator:
         return out
 
     def adopt(self, saved: dict[str, dict], plans: dict[str, Plan],
-              jobs: dict[str, dict]) -> dict[str, list]:
+              jobs: dict[str, dict], versions: dict[str, int] | None = None
+              ) -> dict[str, list]:
         """Reconcile the switches with a journal (a restarted provider): a saved registration
         of a job whose plan still asks for it and which every switch of its tree still holds
         is adopted as is (its workers go on undisturbed); one a switch lost is registered
@@ -392,6 +469,7 @@ class SwitchConfigurator:
                     or not tree or any(s["job_id"] not in held.get(sw, ()) for sw in tree):
                 continue
             self._ids[job] = int(s["job_id"])
+            self._last_id = max(self._last_id, self._ids[job])
             spec = self._spec(job, plan, jobs[job]["hints"])
             clients = {sw: self.net.switch_client(sw) for sw in tree}
             handle = InaJob(spec, SimpleNamespace(tree=tree), clients, reg.get("fallbacks", []))
@@ -406,7 +484,7 @@ class SwitchConfigurator:
                     self.net.switch_client(sw).configure("aggregate", remove_jobs=[jid])
                     out["removed"].append([sw, jid])
         missing = {j for j, p in plans.items() if _in_network(p) and j not in self.handles}
-        self.sync(plans, jobs)
+        self.sync(plans, jobs, versions)
         out["restored"] = sorted(j for j in missing if j in self.handles)
         return out
 
@@ -424,6 +502,8 @@ class SwitchConfigurator:
         """Remove every job this configurator registered."""
         for job in list(self.handles):
             self._remove(job)
+        for job in list(self.retiring):
+            self._retire(job, None)
 
 
 def _in_network(plan: Plan) -> bool:
@@ -486,10 +566,18 @@ class ProviderService:
         if switches is not None:
             # registrations of a provider that died are adopted (journaled) or removed
             adopted = switches.adopt(saved[1] if saved else {}, self.manager.plans(),
-                                     self.manager.jobs())
+                                     self.manager.jobs(), self._versions())
             if self.resumed is not None or adopted["removed"]:
                 self.resumed = {**(self.resumed or {"jobs": [], "expired": []}), **adopted}
         self._save()
+
+    def _versions(self) -> dict[str, int]:
+        return {job: self.manager.plan_version(job) for job in self.manager.plans()}
+
+    def sync_switches(self) -> None:
+        """Bring the switches in line with the plans (call under :attr:`lock`)."""
+        if self.switches is not None:
+            self.switches.sync(self.manager.plans(), self.manager.jobs(), self._versions())
 
     def _save(self) -> None:
         """Journal the state when it changed since the last save."""
@@ -510,8 +598,8 @@ class ProviderService:
             try:
                 return fn(self.manager, self.clock())
             finally:
-                if self.switches is not None and self.manager.plans() != before:
-                    self.switches.sync(self.manager.plans(), self.manager.jobs())
+                if self.manager.plans() != before:
+                    self.sync_switches()
                 self._save()
 
     def reap(self) -> list[str]:
@@ -528,7 +616,7 @@ class ProviderService:
         if self.switches is not None:
             with self.lock:  # a switch whose engine restarted lost its jobs: register them
                 if self.switches.reconcile(self.telemetry.jobs_held, self.manager.plans(),
-                                           self.manager.jobs()):
+                                           self.manager.jobs(), self._versions()):
                     self._save()
         return changed
 
@@ -596,6 +684,8 @@ def create_app(service: ProviderService) -> FastAPI:
         if sw is not None:
             out["registration"] = sw.registrations.get(name)
             out["registered_again"] = sw.registered_again.get(name, 0)
+            # registrations of plans the job is leaving, kept until its workers left them
+            out["retiring"] = [jid for _v, _h, jid in sw.retiring.get(name, [])]
             if name in sw.errors:
                 out["registration_error"] = sw.errors[name]
         return out
@@ -684,10 +774,33 @@ def create_app(service: ProviderService) -> FastAPI:
     @app.post("/v1/jobs/{job}/renew")
     def renew(job: JobName, iteration: Annotated[
             int | None, Query(ge=0, description="the last iteration the job finished: plan "
-                              "changes apply from a later one")] = None) -> dict:
+                              "changes apply from a later one")] = None,
+              running: Annotated[
+            int | None, Query(ge=1, description="the plan version every worker of the job "
+                              "runs now: the switch registrations of older plans go (a job "
+                              "that reports it keeps them through a plan change until then)")
+              ] = None) -> dict:
         def do(m: FabricManager, now: float) -> dict:
+            if running is not None and running > m.plan_version(job) > 0:
+                raise BadRequest(f"running={running}: job {job!r} has had plan versions up to "
+                                 f"{m.plan_version(job)} only")
             expires = m.renew(job, now, iteration)
+            if running is not None and service.switches is not None and \
+                    service.switches.running(job, running):
+                service.sync_switches()  # a registration refused for memory may fit now
             return {"job": job, "expires_s": expires, "expires_in_s": round(expires - now, 3)}
+        return service.call(do)
+
+    @app.post("/v1/jobs/{job}/hints")
+    def measured(job: JobName, body: MeasuredHints) -> dict:
+        def do(m: FabricManager, now: float) -> dict:
+            figures = body.model_dump(exclude={"reason"}, exclude_none=True)
+            if not figures:
+                raise BadRequest("give at least one of collective_bytes, iterations, "
+                                 "iteration_s, compute_s")
+            changed = m.update_hints(job, figures, body.reason, now)
+            return {"job": job, "hints": m.jobs()[job]["hints"], "replanned": changed,
+                    "version": m.plan_version(job)}
         return service.call(do)
 
     @app.delete("/v1/jobs/{job}")

@@ -105,3 +105,53 @@ def test_collective_runs_on_the_providers_registration():
         finally:
             svc.stop()
         assert sw.counters()["stages"]["aggregate"]["jobs"] == {}
+
+
+def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it(tmp_path):
+    """A job whose tenant reports the plan version its workers run (``renew?running=V``, as
+    ``testbed launch --provider`` does) keeps its INA registration through a plan change
+    until they run the new plan (they may be inside a collective of the old one); a job id
+    let go is not the next one given."""
+    from testbed.provider.client import ProviderClient, ProviderRefused
+    from testbed.provider.service import Server
+    from testbed.topologies.net import TestbedNet
+
+    hosts = [f"tbh{i}" for i in range(1, 7)]
+    with TestbedNet(Star(6, bw_mbps=100, switch="programmable", aggregator="tbs1")) as net:
+        sw = net.mininet.get("tbs1").client()
+
+        def held() -> set[int]:
+            return {int(j) for j in sw.counters()["stages"]["aggregate"]["jobs"]}
+
+        # memory for one INA job: a bigger job's arrival moves the first to the ring
+        svc = make_service(net, 70_000, policy="cooperative", net=net)
+        with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \
+                ProviderClient(srv.url) as pc:
+            def admit(job, on, nbytes):
+                return pc.admit(JobRequest(job=job, hosts=on, lease_s=600,
+                                           hints=Hints(collective_bytes=nbytes)))
+
+            assert admit("a", hosts[:3], 200_000).algo == "ina"
+            first = pc.job("a")["registration"]
+            assert first["version"] == 1 and held() == {first["job_id"]}
+            pc.renew("a", running=1)
+            with pytest.raises(ProviderRefused, match="running=9"):
+                pc.renew("a", running=9)
+            assert admit("b", hosts[3:], 2_000_000).algo == "ina"
+            a, b = pc.job("a"), pc.job("b")
+            assert a["plan"]["algo"] == "ring" and a["registration"] is None
+            # a's workers have not said they left its INA plan: it stays on the switch
+            assert a["retiring"] == [first["job_id"]]
+            assert held() == {first["job_id"], b["registration"]["job_id"]}
+            version = pc.next_plan("a", after=1, wait_s=0.1)["version"]
+            pc.renew("a", running=version)
+            assert pc.job("a")["retiring"] == [] and held() == {b["registration"]["job_id"]}
+
+            pc.release("b")  # a aggregates in the network again, under an id not used yet
+            again = pc.job("a")["registration"]
+            assert again["version"] == version + 1
+            assert again["job_id"] not in (first["job_id"], b["registration"]["job_id"])
+            assert held() == {again["job_id"]}
+            pc.release("a")
+            assert held() == set()
+        svc.stop()

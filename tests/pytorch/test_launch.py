@@ -304,47 +304,14 @@ def test_subgroups_of_the_testbed_backend_run_on_gloo_and_stay_exact(tmp_path):
     assert ("allreduce", 4000, "testbed:ring") in paths and ("allreduce", 4000, "gloo") in paths
 
 
-REPLANNED = '''
-import sys
-import time
-
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-wrong = []
-for step in range(int(sys.argv[1])):
-    g = torch.Generator().manual_seed(step)
-    inputs = [torch.randint(-1000, 1000, (50_000,), generator=g).float() for _ in range(world)]
-    t = inputs[rank].clone()
-    dist.all_reduce(t)
-    err = (t - sum(inputs)).abs().max().item()
-    if err > 1e-3:
-        wrong.append(f"step {step}: all_reduce off by {err}")
-    parts = torch.arange(world * 4, dtype=torch.float32) + 100 * rank
-    out = torch.empty_like(parts)
-    dist.all_to_all_single(out, parts)
-    want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * r
-                      for r in range(world)])
-    if not torch.equal(out, want):
-        wrong.append(f"step {step}: all_to_all {out.tolist()}")
-    time.sleep(0.03)
-print(f"rank {rank}: " + ("ok" if not wrong else "FAILED " + "; ".join(wrong[:3])))
-dist.destroy_process_group()
-sys.exit(1 if wrong else 0)
-'''
-
-
 def test_a_running_job_moves_to_each_new_plan_at_the_same_collective_on_every_rank(tmp_path):
     """A job re-planned three times while it runs (ring -> ina -> hd -> ina, as a provider
     would re-plan it): every rank switches at the same collective, each call runs the plan
     in force (its path and its model), every sum stays right, and the launch records the
     plans it applied."""
-    script = tmp_path / "replanned.py"
-    script.write_text(REPLANNED)
+    script = SCRIPTS / "steps_loop.py"
     wanted = [(8, "ina"), (20, "hd"), (32, "ina")]  # (rank 0's calls so far, new algo)
-    plans = _scripted_plans(lambda: tmp_path.glob("launch-replanned*/trace0.jsonl"), wanted)
+    plans = _scripted_plans(lambda: tmp_path.glob("launch-steps_loop*/trace0.jsonl"), wanted)
 
     done, lines = _run(tmp_path, str(script), ["30"], hosts=4, algo="ring", plans=plans,
                        topology={"switch": "programmable"})
@@ -379,8 +346,7 @@ def test_a_provider_planned_job_that_states_no_bytes_gets_them_derived_from_its_
     """``algo="auto"`` with only a tolerance: the launcher finds the job's iteration in its
     first collectives (an allreduce of 200,000 B and an all-to-all per step) and gives the
     provider those bytes and times; whatever it plans then reaches the running job."""
-    script = tmp_path / "replanned.py"
-    script.write_text(REPLANNED)
+    script = SCRIPTS / "steps_loop.py"
     done, lines = _run(tmp_path, str(script), ["25"], hosts=4, algo="auto",
                        hints={"tolerance": "exact"})
     assert done.returncode == 0, done.failures

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("provider", ("testbed.provider",)),
     ("experiment files", ("testbed.experiment.spec", "testbed.experiment.networks",
                           "testbed.experiment.results", "testbed.experiment.plots")),
-    ("launch", ("testbed.launch", "testbed.replay")),
+    ("launch", ("testbed.launch", "testbed.replay", "testbed.served")),
     ("experiment", ("testbed.experiment",)),
     ("bench", ("testbed.bench",)),
     ("front ends", ("testbed.cli", "testbed.up", "testbed.demo", "testbed.lab",
