@@ -20,6 +20,11 @@ beside its honest twin (the same trace with every job's true bytes and the liars
 with the same repeats; one more row per job (policy ``cooperative``) compares its median JCT
 lying vs honest. Targets: the liar gains at most 5 % (lying / honest >= 0.95), the honest
 jobs lose at most 5 % to it (<= 1.05).
+
+A trace that runs ``cooperative`` beside ``cooperative_no_congestion`` (the same policy
+without congestion re-plans, e.g. ``cloud_congestion``, where another tenant's burst fills the
+spine a job crosses) has one more target: its median mean-JCT below the blind policy's
+(``vs_cooperative_no_congestion`` < 1): the congestion re-plans pay.
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def policy_rows(trace: str, rate: float, runs: list[dict]) -> list[dict]:
             "replans": replans})
     medians = {r["policy"]: r["mean_jct_median_s"] for r in out}
     for r in out:
-        for other in ("tenant_only", "provider_only", "oracle"):
+        for other in ("tenant_only", "provider_only", "oracle", "cooperative_no_congestion"):
             a, b = r["mean_jct_median_s"], medians.get(other)
             r[f"vs_{other}"] = _r(a / b) if a and b else None
     return out
@@ -194,6 +199,14 @@ def targets(rows: list[dict]) -> dict[str, tuple[bool, str]]:
                if r["vs_oracle"] is not None and r["vs_oracle"] > 1 + ORACLE_WITHIN]
         if any(r["vs_oracle"] is not None for r in coop):
             out["cooperative within 10 % of oracle"] = (not far, "; ".join(far) or "all")
+    blind = [r for r in coop if r.get("vs_cooperative_no_congestion") is not None]
+    if blind:  # a trace that runs the policy with and without congestion re-plans
+        lost = [f"{r['trace']}@{r['bw_mbps']:g}: {r['vs_cooperative_no_congestion']:.2f}x"
+                for r in blind if r["vs_cooperative_no_congestion"] >= 1]
+        out["congestion re-plans pay (cooperative < cooperative_no_congestion)"] = (
+            not lost, "; ".join(lost) or ", ".join(
+                f"{r['trace']}@{r['bw_mbps']:g}: {r['vs_cooperative_no_congestion']:.2f}x"
+                for r in blind))
     wide = [f"{r['trace']}@{r['bw_mbps']:g} {r['policy']}: {r['spread']:.2f}" for r in rows
             if r["spread"] is not None and r["spread"] > MAX_SPREAD]
     if any(r["repeats"] > 1 for r in rows):

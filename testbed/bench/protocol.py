@@ -283,9 +283,11 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "rates, repeated: median and spread of the mean JCT, against the co-operation targets.",
         "testbed.bench.cooperation:measure", case=("trace", "bw_mbps", "policy"),
         columns=("trace", "bw_mbps", "policy", "repeats", "mean_jct_median_s", "spread",
-                 "vs_tenant_only", "vs_provider_only", "vs_oracle", "lying_vs_honest", "failed",
-                 "cpu_bound_runs", "replans"),
-        options=(Option("traces", "cloud_cooperation,cloud_no_help,cloud_cheater",
+                 "vs_tenant_only", "vs_provider_only", "vs_oracle",
+                 "vs_cooperative_no_congestion", "lying_vs_honest", "failed", "cpu_bound_runs",
+                 "replans"),
+        options=(Option("traces", "cloud_cooperation,cloud_no_help,cloud_cheater,"
+                        "cloud_congestion",
                         "co-operation experiment "
                         "files (names in experiments/ or paths)", quick="cloud_cooperation",
                         metavar="A,B"),

@@ -109,6 +109,29 @@ class CoopJob(BaseModel):
     train: dict = Field(default_factory=dict, description="TrainingSpec fields")
 
 
+class Burst(BaseModel):
+    """Traffic of a tenant the provider does not plan: a UDP flow of ``mbps`` (iperf3; None:
+    the rate of the source host's link) from host ``src`` to host ``dst`` (indices), from
+    ``start_s`` for ``duration_s`` of trace time. ``via``: a switch its path must cross (its
+    source port is chosen so that the fabric's ECMP hash puts it there), so that a trace can
+    load one spine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    src: int = Field(ge=0)
+    dst: int = Field(ge=0)
+    start_s: float = Field(0.0, ge=0)
+    duration_s: float = Field(gt=0)
+    mbps: float | None = Field(None, gt=0)
+    via: str | None = Field(None, pattern=r"^tb")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Burst:
+        if self.src == self.dst:
+            raise ValueError("src and dst must be different hosts")
+        return self
+
+
 class CooperationExperiment(BaseModel):
     """A ``kind = "cooperation"`` experiment file (see the module docstring)."""
 
@@ -125,9 +148,12 @@ class CooperationExperiment(BaseModel):
     lease_s: float = Field(3600.0, gt=0, le=3600)
     repeats: int = Field(1, ge=1, le=20, description="runs of the trace per policy "
                          "(interleaved: repeat 0 of every policy, then repeat 1, ...)")
-    policies: list[str] = Field(default_factory=lambda: list(POLICIES), min_length=1)
+    policies: list[str] = Field(default_factory=lambda: [
+        n for n, c in POLICIES.items() if getattr(c, "congestion_replans", True)], min_length=1)
     topology: TopologySpec
     jobs: list[CoopJob] = Field(min_length=1)
+    bursts: list[Burst] = Field(default_factory=list, description="cross traffic no policy "
+                                "plans, in every run of the trace")
 
     @model_validator(mode="after")
     def _check(self) -> CooperationExperiment:
@@ -266,6 +292,7 @@ class _Trace:
             self.telemetry = Telemetry(net.topo.describe(),
                                        {s.name: s.memory_bytes for s in inv.switches},
                                        float(getattr(net, "time_dilation", 1.0) or 1.0))
+        self.bursts = _Bursts(exp.bursts, net)
         self.t0 = time.monotonic()
 
     def now(self) -> float:
@@ -295,6 +322,7 @@ class _Trace:
         running job whose plan changed since it was last told (applied at its next iteration
         boundary by the runner)."""
         now = self.now()
+        self.bursts.tick(now)
         for i, it in running.items():
             if it is not None and self.reqs[i].job in self.running:
                 with contextlib.suppress(ValueError):  # an earlier iteration: nothing new
@@ -323,6 +351,7 @@ class _Trace:
         return out
 
     def close(self) -> None:
+        self.bursts.close()
         if self.telemetry is not None:
             self.telemetry.close()
 
@@ -334,6 +363,83 @@ class _Trace:
             self.manager.release(self.reqs[i].job, now=self.now())
         self.running.discard(self.reqs[i].job)
         self._record()
+
+
+class _Bursts:
+    """The trace's bursts on ``net``: iperf3 servers from the start, each client from its
+    start time to its end (:meth:`tick` with the trace time), everything stopped by
+    :meth:`close`. A burst's rate is divided by the network's time dilation (a link's share
+    stays that of its undilated rate)."""
+
+    FIRST_PORT = 5401
+
+    def __init__(self, bursts: list[Burst], net):
+        self.net, self.bursts = net, bursts
+        self.procs: list = []
+        self.clients: dict[int, object] = {}
+        self.started = 0
+        hosts = net.hosts
+        self.ports = []
+        for k, b in enumerate(bursts):
+            if max(b.src, b.dst) >= len(hosts):
+                raise ValueError(f"bursts.{k}: host index {max(b.src, b.dst)} is out of range; "
+                                 f"the network has {len(hosts)} hosts (0..{len(hosts) - 1})")
+            dport = self.FIRST_PORT + k
+            self.ports.append((self._sport(k, b, dport), dport))
+        for k, b in enumerate(bursts):
+            self.procs.append(hosts[b.dst].popen(["iperf3", "-s", "-p", str(self.ports[k][1])],
+                                                 stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.DEVNULL))
+        if bursts:
+            time.sleep(0.3)  # the servers listen before a client connects
+
+    def _sport(self, k: int, b: Burst, dport: int) -> int:
+        """A UDP source port whose ECMP path crosses ``b.via`` (any without ``via``)."""
+        from testbed.topologies import routing
+
+        if b.via is None:
+            return 40000 + k
+        names = self.net.topo.host_names
+        tables = routing.forwarding_tables(self.net.topo)
+        for sport in range(40000, 41000):
+            if b.via in routing.flow_path(self.net.topo, names[b.src], names[b.dst], sport,
+                                          dport, 17, tables=tables):
+                return sport
+        raise ValueError(f"bursts.{k}.via: no path from {names[b.src]} to {names[b.dst]} "
+                         f"crosses {b.via}")
+
+    def _host_mbps(self, host: str) -> float:
+        return next(s.bw_mbps for s in self.net.topo.link_specs
+                    if host in (s.a, s.b) and s.bw_mbps) or 1000.0
+
+    def tick(self, now: float) -> None:
+        f = float(self.net.time_dilation)
+        hosts = self.net.hosts
+        for k, b in enumerate(self.bursts):
+            if k not in self.clients and b.start_s <= now < b.start_s + b.duration_s:
+                sport, dport = self.ports[k]
+                mbps = b.mbps or self._host_mbps(hosts[b.src].name)
+                self.clients[k] = hosts[b.src].popen(
+                    ["iperf3", "-c", hosts[b.dst].IP(), "-p", str(dport), "-u", "-l", "1400",
+                     "-b", f"{mbps / f:g}M", "-t", "86400", "--cport", str(sport)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.started += 1
+            elif k in self.clients and now >= b.start_s + b.duration_s:
+                _stop_proc(self.clients[k])
+
+    def close(self) -> None:
+        for p in [*self.clients.values(), *self.procs]:
+            _stop_proc(p)
+
+
+def _stop_proc(proc) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _core_roles(net) -> dict[str, str]:
@@ -431,6 +537,7 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
         "replans": replan_reasons([e for e in tr.manager.log
                                    if e.old is not None and e.new is not None]),
         "telemetry_snapshots": tr.snapshots, "congestion_episodes": tr.congestion_episodes,
+        "bursts": tr.bursts.started,
         "cpu_bound": any(bool(r["cpu_bound"]) for r in rows),
     }
     return rows, summary, log

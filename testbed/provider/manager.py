@@ -16,12 +16,16 @@ exactly.
   tenant that vanished) remove jobs, reclaim their memory and re-plan the others;
   :meth:`~FabricManager.renew` extends a lease by the job's ``lease_s``.
 * :meth:`~FabricManager.observe` takes telemetry. A directed link is **congested** in a
-  snapshot when its utilisation is at least :data:`CONGESTED_UTIL` or its drop or trim
-  counter grew since the previous snapshot; congestion is **sustained** after
-  :data:`SUSTAINED_SNAPSHOTS` consecutive congested snapshots. When a link on a job's paths
-  (its hosts' access links and the links between its edge switches and the switches that
-  join them) becomes sustained-congested, every job is re-planned on the new telemetry,
-  once per episode (the count restarts when the link is quiet again).
+  snapshot when its utilisation is at least :data:`CONGESTED_UTIL` with at least
+  :data:`FOREIGN_SHARE` of its rate not explained by any one admitted job's own traffic
+  (:func:`~testbed.provider.policies.own_traffic`: an allreduce fills its links itself), or
+  its drop or trim counter grew since the previous snapshot; congestion is **sustained**
+  after :data:`SUSTAINED_SNAPSHOTS` consecutive congested snapshots. When a link on a job's
+  paths (its hosts' access links and the links between its edge switches and the switches
+  that join them) becomes sustained-congested, every job is re-planned on the new telemetry,
+  once per episode (the count restarts when the link is quiet again); a policy with
+  ``congestion_replans = False`` (``cooperative_no_congestion``) counts the episodes and
+  keeps the plans.
 * Every plan change (admission, re-plan, departure) is appended to :attr:`FabricManager.log`
   with its time, job, old and new plan and the reason, and raises the job's plan version
   (:meth:`~FabricManager.plan_version`: what a tenant waiting for a pushed plan compares).
@@ -38,7 +42,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from testbed.provider.policies import FabricView, PlanModel, make_policy, plan_memory
+from testbed.provider.policies import (
+    FabricView,
+    PlanModel,
+    make_policy,
+    own_traffic,
+    plan_memory,
+)
 from testbed.provider.schema import (
     HINTS_VERSION,
     FabricSnapshot,
@@ -49,8 +59,12 @@ from testbed.provider.schema import (
     SwitchState,
 )
 
-#: A link at or above this utilisation (0..1) in a snapshot is congested.
+#: A link at or above this utilisation (0..1) in a snapshot is congested, when at least
+#: FOREIGN_SHARE of its rate is traffic that no one admitted job on it explains as its own
+#: (:func:`~testbed.provider.policies.own_traffic`): an allreduce fills its links itself,
+#: which is no reason to move it; a flow it shares them with is.
 CONGESTED_UTIL = 0.9
+FOREIGN_SHARE = 0.2
 #: Consecutive congested snapshots that make congestion sustained (a re-plan).
 SUSTAINED_SNAPSHOTS = 3
 #: A plan change applies this many iterations after the last one the tenant reported: one
@@ -378,11 +392,17 @@ class FabricManager:
         prev = {(lk.src, lk.dst): lk for lk in self.snapshot.links}
         newly: list[tuple[str, str]] = []
         hot: dict[tuple[str, str], int] = {}
+        explained: dict[tuple[str, str], float] = {}  # the largest share one job explains
+        for shares in self._own_traffic(snapshot).values():
+            for key, share in shares.items():
+                explained[key] = max(explained.get(key, 0.0), share)
         for lk in snapshot.links:
             key = (lk.src, lk.dst)
             p = prev.get(key)
             grew = p is not None and (lk.drops > p.drops or lk.trims > p.trims)
-            if lk.utilisation >= CONGESTED_UTIL or grew:
+            full = lk.utilisation >= CONGESTED_UTIL and \
+                lk.utilisation - explained.get(key, 0.0) >= FOREIGN_SHARE
+            if full or grew:
                 hot[key] = self._hot.get(key, 0) + 1
                 if hot[key] == SUSTAINED_SNAPSHOTS:
                     newly.append(key)
@@ -398,6 +418,8 @@ class FabricManager:
                 "figures with priority 0" for j in caught))
         hit = sorted({name for name, ls in self._jobs.items()
                       for key in newly if key in self._job_links(ls.req)})
+        if not getattr(self.policy, "congestion_replans", True):
+            hit = []  # counted as episodes (congested()), never a reason to re-plan
         if hit:
             links = ", ".join(f"{a}->{b}" for a, b in newly)
             reasons.append(f"sustained congestion on {links} ({SUSTAINED_SNAPSHOTS} snapshots "
@@ -556,6 +578,14 @@ class FabricManager:
             plans = {n: p if p.predicted_comm_s is not None else p.model_copy(update={
                 "predicted_comm_s": self.model.comm_s(by[n], p, snap)}) for n, p in plans.items()}
         return plans
+
+    def _own_traffic(self, snapshot: FabricSnapshot) -> dict[str, dict[tuple[str, str], float]]:
+        """Per admitted job with a plan, the share of each directed link its own traffic
+        explains in ``snapshot`` (none without a model)."""
+        if self.model is None:
+            return {}
+        running = [(ls.req, self._plans[n]) for n, ls in self._jobs.items() if n in self._plans]
+        return own_traffic(self.model, running, snapshot)
 
     def _within_quotas(self, reqs: list[JobRequest], plans: dict[str, Plan]) -> dict[str, Plan]:
         """``plans`` with every job that takes its tenant beyond its memory or tree quota

@@ -15,6 +15,9 @@ differ in what they may look at:
   flow-level model on the fabric's rates minus the load telemetry shows; switch memory goes
   to the jobs whose total communication time it shortens most (time saved per iteration x
   iterations x (1 + priority)), the others take their best plan that needs no memory.
+* :class:`CooperativeNoCongestion`: the cooperative policy without congestion re-plans (the
+  manager counts the episodes and keeps the plans): the baseline congestion re-plans are
+  measured against.
 * :class:`Oracle`: the best static plan per job, found offline: it knows every job of the
   trace in advance and searches every combination of candidate plans that fits the switches'
   memory for the smallest total predicted communication time; it never re-plans.
@@ -158,7 +161,9 @@ class PlanModel:
     """The flow-level model of a plan on the fabric (:func:`flowmodel.predict`): one
     iteration's communication time of a job alone, on the link rates minus the utilisation
     the snapshot's telemetry shows (the busier direction of each link; a utilisation that
-    includes the job's own traffic makes the estimate conservative)."""
+    includes the job's own traffic makes the estimate conservative). :meth:`link_bytes` says
+    where a plan's bytes go, which :func:`own_traffic` turns into what a job's own traffic
+    explains of each link."""
 
     def __init__(self, topology, hop_latency_s: float | None = None):
         from testbed.topologies import routing
@@ -167,6 +172,7 @@ class PlanModel:
         self.describe = topology if isinstance(topology, dict) else topo.describe()
         self.hop_latency_s = hop_latency_s
         self._cache: dict = {}
+        self._topo, self._tables = topo, None
 
     def _desc(self, snapshot: FabricSnapshot | None) -> tuple[dict, tuple]:
         util: dict[frozenset, float] = {}
@@ -209,20 +215,73 @@ class PlanModel:
         self._cache[pkey] = t
         return t
 
-
-    def sent_bytes(self, req: JobRequest, plan: Plan, nbytes: int) -> dict[str, float] | None:
-        """Wire bytes each host of ``req`` sends in one allreduce of ``nbytes`` under
-        ``plan``, as the model has it (None where the model does not apply)."""
+    def _alone(self, req: JobRequest, plan: Plan, nbytes: int):
+        """The model's prediction of one allreduce of ``nbytes`` by ``req``'s hosts under
+        ``plan`` on the idle fabric (None where the model does not apply)."""
         try:
             spec = CollectiveSpec(op="allreduce", nbytes=4 * -(-int(nbytes) // 4),
                                   **communication_of(plan), placement=_placement(plan),
                                   window=max(plan.slots, 1) if is_offloaded(plan.algo) else 64)
-            pred = flowmodel.predict(self.describe, spec, workers=list(req.hosts),
+            return flowmodel.predict(self.describe, spec, workers=list(req.hosts),
                                      hop_latency_s=self.hop_latency_s)
         except (ValueError, KeyError):
             return None
+
+    def link_bytes(self, req: JobRequest, plan: Plan) -> dict[tuple[str, str], float] | None:
+        """Wire bytes one allreduce of the job's ``collective_bytes`` under ``plan`` puts on
+        each directed link, as the model routes it (data, and TCP ACKs on their own path);
+        None without bytes or where the model does not apply."""
+        from testbed.topologies import routing
+
+        nbytes = req.hints.collective_bytes
+        pred = self._alone(req, plan, nbytes) if nbytes else None
+        if pred is None:
+            return None
+        if self._tables is None:
+            self._tables = routing.forwarding_tables(self._topo)
+        out: dict[tuple[str, str], float] = {}
+        for phase in pred.phases:
+            for f, _rate, path in phase.rates:
+                hops = [(path, f.wire)]
+                if f.ack:  # the ACKs' own 5-tuple, which ECMP may send another way
+                    hops.append((routing.flow_path(self._topo, f.dst, f.src, f.dport, f.sport,
+                                                   f.proto, tables=self._tables), f.ack))
+                for nodes, factor in hops:
+                    for a, b in zip(nodes, nodes[1:], strict=False):
+                        out[(a, b)] = out.get((a, b), 0.0) + f.nbytes * factor
+        return out
+
+    def sent_bytes(self, req: JobRequest, plan: Plan, nbytes: int) -> dict[str, float] | None:
+        """Wire bytes each host of ``req`` sends in one allreduce of ``nbytes`` under
+        ``plan``, as the model has it (None where the model does not apply)."""
+        pred = self._alone(req, plan, nbytes)
+        if pred is None:
+            return None
         sent = pred.sent_bytes()
         return {h: sent.get(h, 0.0) for h in req.hosts}
+
+
+def own_traffic(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
+                snapshot: FabricSnapshot) -> dict[str, dict[tuple[str, str], float]]:
+    """Per job of ``jobs`` (its request and the plan it runs), the share of each directed
+    link's rate its own traffic explains in ``snapshot``: the model's bytes per link of one
+    allreduce under its plan (:meth:`PlanModel.link_bytes`), times the allreduces per second
+    its hosts' uplinks carry now (their utilisation x rate over the model's bytes on them; a
+    host belongs to one job). A job whose hosts send nothing now, or that gives no bytes,
+    explains nothing."""
+    links = {(lk.src, lk.dst): lk for lk in snapshot.links}
+    out = {}
+    for req, plan in jobs:
+        per = model.link_bytes(req, plan)
+        up = [k for k in (per or {}) if k[0] in req.hosts and k in links]
+        model_sent = sum(per[k] for k in up) if per else 0.0
+        now_sent = sum(links[k].utilisation * links[k].rate_mbps for k in up)  # Mb/s
+        if model_sent <= 0 or now_sent <= 0:
+            continue
+        per_s = now_sent * 1e6 / 8 / model_sent  # allreduces a second, as the uplinks show
+        out[req.job] = {k: b * per_s * 8 / 1e6 / links[k].rate_mbps
+                        for k, b in per.items() if k in links}
+    return out
 
 
 def _placement(plan: Plan) -> dict:
@@ -372,6 +431,14 @@ class Cooperative(_Base):
         return {j.job: out[j.job] for j in jobs}
 
 
+class CooperativeNoCongestion(Cooperative):
+    """The cooperative policy that does not re-plan on congestion (arrivals, departures and
+    hints it still does): the baseline that shows what congestion re-plans are worth."""
+
+    name = "cooperative_no_congestion"
+    congestion_replans = False
+
+
 class Oracle(_Base):
     """The best static plan per job of a known trace (see the module docstring): computed
     once, on the first call, over every job of ``trace`` as if they all overlapped."""
@@ -424,7 +491,8 @@ class Oracle(_Base):
 
 
 #: Policies by name.
-POLICIES = {c.name: c for c in (TenantOnly, ProviderOnly, Cooperative, Oracle)}
+POLICIES = {c.name: c for c in (TenantOnly, ProviderOnly, Cooperative, CooperativeNoCongestion,
+                                 Oracle)}
 
 
 def make_policy(name: str, model: PlanModel | None = None, **kw):

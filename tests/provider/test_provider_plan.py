@@ -22,6 +22,7 @@ from testbed.provider.policies import (
     candidates,
     compressor_error,
     make_policy,
+    own_traffic,
     plan_memory,
 )
 from testbed.provider.schema import Hints, JobRequest, LinkState, Plan
@@ -236,3 +237,58 @@ def test_infeasible_plans_are_refused_with_nothing_changed(topo, model):
         fm.admit(BIG, now=1)  # 2 x 64 KiB > 96 KiB on the spine
     assert e.value.status == 503 and _state(fm) == before
     assert fm.plans()["small"].predicted_comm_s > 0  # the manager filled in the model's time
+
+
+def test_a_job_filling_its_own_links_is_not_congested_but_one_sharing_them_is_moved():
+    """Telemetry cannot tell whose bytes fill a link; a full link is congested only where
+    what each job's own traffic explains (the model's bytes per link under its plan, at the
+    rate its hosts' uplinks send now) leaves a fifth of it to others. A ring that fills its
+    spine's links itself stays where it is; the same links full of another tenant's burst,
+    the ring's hosts now sending at half its rate, move it to INA on the other spine."""
+    topo = make_topology("leaf_spine", leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=20,
+                         oversubscription=1.0, switch="programmable")
+    model = PlanModel(topo)
+    fm = FabricManager(inventory_of(topo, {"tbsp1": 96 * KIB, "tbsp2": 96 * KIB}),
+                       "cooperative", model)
+    req = JobRequest(job="a", hosts=["tbh1", "tbh2", "tbh3", "tbh4"],
+                     hints=Hints(collective_bytes=400_000, iterations=100))
+    first = fm.admit(req, now=0)
+    per_link = model.link_bytes(req, first)
+    assert first.algo == "ring" and per_link[("tbl1", "tbsp2")] > 0  # ECMP: via tbsp2
+    assert ("tbl1", "tbsp1") not in per_link
+
+    def snap(util):
+        return fm.inventory.model_copy(update={"links": [
+            lk.model_copy(update={"utilisation": util.get((lk.src, lk.dst), 0.0)})
+            for lk in fm.inventory.links]})
+
+    # its own traffic, 95 % of its busiest link: explained as its own, nothing to move
+    busiest = max(per_link.values())
+    own = snap({k: 0.95 * b / busiest for k, b in per_link.items()})
+    explained = own_traffic(model, [(req, first)], own)["a"]
+    assert explained[("tbl1", "tbsp2")] == pytest.approx(0.95)
+    for k in range(SUSTAINED_SNAPSHOTS + 2):
+        assert fm.observe(own, now=1 + k) == []
+    assert fm.plans()["a"] == first and len(fm.log) == 1
+    # a re-plan on that snapshot would have moved it (to INA): only the trigger keeps it
+    assert model.comm_s(req, Plan(job="a", algo="ina", tree=["tbsp1"], slots=32), own) < \
+        model.comm_s(req, first, own)
+
+    # another tenant's burst fills tbsp2's links; the ring's hosts send at half the rate
+    burst = {k: 0.475 * b / busiest for k, b in per_link.items()}
+    burst.update({("tbl1", "tbsp2"): 1.0, ("tbsp2", "tbl2"): 1.0})
+    for k in range(SUSTAINED_SNAPSHOTS - 1):
+        assert fm.observe(snap(burst), now=10 + k) == []
+    assert fm.observe(snap(burst), now=20) == ["a"]
+    moved = fm.plans()["a"]
+    assert moved.algo == "ina" and moved.tree == ["tbsp1"], moved
+    assert fm.log[-1].reason.startswith("sustained congestion on tbl1->tbsp2, tbsp2->tbl2")
+
+    # the same policy blind to congestion counts the episode and keeps the ring
+    blind = FabricManager(inventory_of(topo, {"tbsp1": 96 * KIB, "tbsp2": 96 * KIB}),
+                          "cooperative_no_congestion", PlanModel(topo))
+    assert blind.admit(req, now=0) == first
+    for k in range(SUSTAINED_SNAPSHOTS + 1):
+        assert blind.observe(snap(burst), now=10 + k) == []
+    assert blind.congested()["tbl1->tbsp2"] > SUSTAINED_SNAPSHOTS
+    assert blind.plans()["a"] == first and len(blind.log) == 1
