@@ -110,11 +110,12 @@ class CoopJob(BaseModel):
 
 
 class Burst(BaseModel):
-    """Traffic of a tenant the provider does not plan: a UDP flow of ``mbps`` (iperf3; None:
-    the rate of the source host's link) from host ``src`` to host ``dst`` (indices), from
-    ``start_s`` for ``duration_s`` of trace time. ``via``: a switch its path must cross (its
-    source port is chosen so that the fabric's ECMP hash puts it there), so that a trace can
-    load one spine."""
+    """Traffic of a tenant the provider does not plan: a UDP flow (iperf3) from host ``src``
+    to host ``dst`` (indices), from ``start_s`` for ``duration_s`` of trace time, at ``mbps``
+    or at ``share`` of the source host's link rate (default: all of it; a share follows the
+    link rate of a variant of the trace). ``via``: a switch its path must cross (its source
+    port is chosen so that the fabric's ECMP hash puts it there), so that a trace can load
+    one spine."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -123,12 +124,15 @@ class Burst(BaseModel):
     start_s: float = Field(0.0, ge=0)
     duration_s: float = Field(gt=0)
     mbps: float | None = Field(None, gt=0)
+    share: float | None = Field(None, gt=0, le=1)
     via: str | None = Field(None, pattern=r"^tb")
 
     @model_validator(mode="after")
     def _distinct(self) -> Burst:
         if self.src == self.dst:
             raise ValueError("src and dst must be different hosts")
+        if self.mbps is not None and self.share is not None:
+            raise ValueError("give mbps or share, not both")
         return self
 
 
@@ -418,7 +422,7 @@ class _Bursts:
         for k, b in enumerate(self.bursts):
             if k not in self.clients and b.start_s <= now < b.start_s + b.duration_s:
                 sport, dport = self.ports[k]
-                mbps = b.mbps or self._host_mbps(hosts[b.src].name)
+                mbps = b.mbps or (b.share or 1.0) * self._host_mbps(hosts[b.src].name)
                 self.clients[k] = hosts[b.src].popen(
                     ["iperf3", "-c", hosts[b.dst].IP(), "-p", str(dport), "-u", "-l", "1400",
                      "-b", f"{mbps / f:g}M", "-t", "86400", "--cport", str(sport)],

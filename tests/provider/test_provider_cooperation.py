@@ -242,7 +242,9 @@ def test_shipped_congestion_trace_loads_and_bad_bursts_are_refused():
     assert [(b.src, b.dst, b.via) for b in exp.bursts] == [(2, 5, "tbsp1")]
     for burst, words in (({"src": 1, "dst": 1, "duration_s": 1}, "different hosts"),
                          ({"src": 0, "dst": 1}, "duration_s"),
-                         ({"src": 0, "dst": 1, "duration_s": 1, "rate": 5}, "rate")):
+                         ({"src": 0, "dst": 1, "duration_s": 1, "rate": 5}, "rate"),
+                         ({"src": 0, "dst": 1, "duration_s": 1, "mbps": 5, "share": 0.5},
+                          "mbps or share")):
         with pytest.raises(ValueError, match=words):
             load_cooperation({**EXPERIMENT, "bursts": [burst]})
 
