@@ -231,10 +231,17 @@ class PlanModel:
         """Wire bytes one allreduce of the job's ``collective_bytes`` under ``plan`` puts on
         each directed link, as the model routes it (data, and TCP ACKs on their own path);
         None without bytes or where the model does not apply."""
+        nbytes = req.hints.collective_bytes
+        key = ("links", tuple(req.hosts), nbytes, plan.algo, str(plan.tree), plan.slots, plan.mode,
+               plan.compressor, tuple(sorted(plan.compressor_params.items())))
+        if key not in self._cache:  # asked at every telemetry snapshot, for every job
+            self._cache[key] = self._link_bytes(req, plan, nbytes) if nbytes else None
+        return self._cache[key]
+
+    def _link_bytes(self, req: JobRequest, plan: Plan, nbytes: int):
         from testbed.topologies import routing
 
-        nbytes = req.hints.collective_bytes
-        pred = self._alone(req, plan, nbytes) if nbytes else None
+        pred = self._alone(req, plan, nbytes)
         if pred is None:
             return None
         if self._tables is None:
