@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from testbed.collectives.algorithms import is_offloaded
+
 #: Seconds of one long poll for a plan change (the follower asks again at once after it).
 FOLLOW_WAIT_S = 5.0
 #: Seconds between two tries of what failed for now (a provider restarting, a registration
@@ -41,12 +43,6 @@ RETRY_S = 0.5
 
 class _Unregistered(ValueError):
     """An in-network plan the service has no registration for (yet)."""
-
-
-def _in_network(plan) -> bool:
-    from testbed.collectives.algorithms import is_offloaded
-
-    return is_offloaded(plan.algo)
 
 
 class ServedJob:
@@ -124,7 +120,7 @@ class ServedJob:
             raise ValueError(f"the provider planned trimming ({plan.reason}); a launched "
                              "script's allreduce does not trim")
         reg = None
-        if _in_network(plan):
+        if is_offloaded(plan.algo):
             info = self.client.job(self.name)
             reg = info.get("registration")
             if reg is None or reg.get("version") != version:

@@ -429,21 +429,17 @@ class _Bursts:
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 self.started += 1
             elif k in self.clients and now >= b.start_s + b.duration_s:
-                _stop_proc(self.clients[k])
+                _stop([self.clients[k]])
 
     def close(self) -> None:
-        for p in [*self.clients.values(), *self.procs]:
-            _stop_proc(p)
+        _stop([*self.clients.values(), *self.procs])
 
 
-def _stop_proc(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _stop(procs: list) -> None:
+    # Function-level import: the incast module loads the trimming kernels (Numba).
+    from testbed.experiment.incast import stop_processes
+
+    stop_processes(procs)
 
 
 def _core_roles(net) -> dict[str, str]:

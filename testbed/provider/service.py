@@ -368,15 +368,10 @@ class SwitchConfigurator:
     def _retire(self, job: str, version: int | None) -> bool:
         """Remove ``job``'s retiring registrations replaced at ``version`` or before (None:
         all of them)."""
-        from testbed.collectives.runner import CollectiveError  # see _register
-
         held = self.retiring.pop(job, [])
         keep = [h for h in held if version is not None and h[0] > version]
         for _v, handle, _jid in (h for h in held if h not in keep):
-            try:
-                handle.release()
-            except CollectiveError as e:
-                self.errors[job] = str(e)
+            self._release(job, handle)
         if keep:
             self.retiring[job] = keep
         return len(keep) < len(held)
@@ -489,10 +484,15 @@ class SwitchConfigurator:
         return out
 
     def _remove(self, job: str) -> None:
-        from testbed.collectives.runner import CollectiveError  # see _register
-
         _plan, handle, _entry = self.handles.pop(job)
         self.registrations.pop(job, None)
+        self._release(job, handle)
+
+    def _release(self, job: str, handle) -> None:
+        """Take one of ``job``'s registrations off its switches (a failure goes to
+        :attr:`errors`)."""
+        from testbed.collectives.runner import CollectiveError  # see _register
+
         try:
             handle.release()
         except CollectiveError as e:
