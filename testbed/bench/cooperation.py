@@ -24,7 +24,10 @@ jobs lose at most 5 % to it (<= 1.05).
 A trace that runs ``cooperative`` beside ``cooperative_no_congestion`` (the same policy
 without congestion re-plans, e.g. ``cloud_congestion``, where another tenant's burst fills the
 spine a job crosses) has one more target: its median mean-JCT below the blind policy's
-(``vs_cooperative_no_congestion`` < 1): the congestion re-plans pay.
+(``vs_cooperative_no_congestion`` < 1): the congestion re-plans pay. Likewise a trace that runs
+it beside ``cooperative_alone`` (its plans priced each alone, e.g. ``cloud_spines``): its
+median mean-JCT below that one's (``vs_cooperative_alone`` < 1): pricing the jobs together
+pays.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ NO_HELP = ("cloud_no_help",)
 WITHIN = 0.05
 ORACLE_WITHIN = 0.10
 MAX_SPREAD = 0.25
+#: a repeat whose mean JCT is beyond this factor of its policy's median (either way) is an
+#: outlier: its rows keep what each job ran (:func:`outlier`)
+OUTLIER = 1.25
+#: the cooperative policy with one of its parts switched off: what that part is worth
+BASELINES = {"cooperative_no_congestion": "congestion re-plans",
+             "cooperative_alone": "jobs priced together"}
 #: what a liar may gain, and an honest job lose to it (median JCT, lying vs honest twin)
 LIE_GAIN = 0.05
 
@@ -101,11 +110,14 @@ def policy_rows(trace: str, rate: float, runs: list[dict]) -> list[dict]:
     """One row per policy of a trace's runs (its per-repeat summary rows)."""
     by_policy: dict[str, list[dict]] = {}
     wrong: dict[str, int] = {}
+    job_rows: dict[tuple[str, int], list[dict]] = {}
     for r in runs:
         if r["row"] == "summary":
             by_policy.setdefault(r["policy"], []).append(r)
-        elif r["row"] == "job" and r.get("correct") is False:  # a sum numpy disagreed with
-            wrong[r["policy"]] = wrong.get(r["policy"], 0) + 1
+        elif r["row"] == "job":
+            job_rows.setdefault((r["policy"], r.get("repeat", 0)), []).append(r)
+            if r.get("correct") is False:  # a sum numpy disagreed with
+                wrong[r["policy"]] = wrong.get(r["policy"], 0) + 1
     out = []
     for policy, summaries in by_policy.items():
         jcts = [s["mean_jct_s"] for s in summaries if s["mean_jct_s"] is not None]
@@ -123,13 +135,32 @@ def policy_rows(trace: str, rate: float, runs: list[dict]) -> list[dict]:
             "all_accurate": all(s["all_accurate"] for s in summaries),
             "cpu_bound_runs": sum(bool(s["cpu_bound"]) for s in summaries),
             "congestion_episodes": sum(s.get("congestion_episodes") or 0 for s in summaries),
-            "replans": replans})
+            "replans": replans,
+            "outliers": [outlier(s, job_rows.get((policy, s.get("repeat", 0)), []))
+                         for s in summaries if med and s["mean_jct_s"] is not None
+                         and not 1 / OUTLIER <= s["mean_jct_s"] / med <= OUTLIER]})
     medians = {r["policy"]: r["mean_jct_median_s"] for r in out}
     for r in out:
-        for other in ("tenant_only", "provider_only", "oracle", "cooperative_no_congestion"):
+        for other in ("tenant_only", "provider_only", "oracle", *BASELINES):
             a, b = r["mean_jct_median_s"], medians.get(other)
             r[f"vs_{other}"] = _r(a / b) if a and b else None
     return out
+
+
+def outlier(summary: dict, jobs: list[dict]) -> dict:
+    """What a repeat far from its policy's median ran: per job its JCT, the time it waited
+    for memory, the plans it ran and when it switched (iteration), the provider's re-plans
+    by reason, and whether the emulator's CPU was saturated: the measured cause of a spread."""
+    return {"repeat": summary.get("repeat", 0), "mean_jct_s": _r(summary["mean_jct_s"]),
+            "cpu_bound": bool(summary.get("cpu_bound")),
+            "congestion_episodes": summary.get("congestion_episodes"),
+            "jobs": [{"job": j.get("job"), "jct_s": _r(j.get("jct_s")),
+                      "queued_s": _r(j.get("queued_s")),
+                      "plan": f"{j.get('algo')}" + (f" on {j['tree']}" if j.get("tree") else "")
+                      + (f" + {j['compressor']}" if j.get("compressor") else ""),
+                      "plan_switches": j.get("plan_switches") or [],
+                      "replans": j.get("replans") or {}, "cpu_bound": j.get("cpu_bound"),
+                      "error": j.get("error")} for j in jobs]}
 
 
 def honest_twin(exp):
@@ -199,16 +230,20 @@ def targets(rows: list[dict]) -> dict[str, tuple[bool, str]]:
                if r["vs_oracle"] is not None and r["vs_oracle"] > 1 + ORACLE_WITHIN]
         if any(r["vs_oracle"] is not None for r in coop):
             out["cooperative within 10 % of oracle"] = (not far, "; ".join(far) or "all")
-    blind = [r for r in coop if r.get("vs_cooperative_no_congestion") is not None]
-    if blind:  # a trace that runs the policy with and without congestion re-plans
-        lost = [f"{r['trace']}@{r['bw_mbps']:g}: {r['vs_cooperative_no_congestion']:.2f}x"
-                for r in blind if r["vs_cooperative_no_congestion"] >= 1]
-        out["congestion re-plans pay (cooperative < cooperative_no_congestion)"] = (
-            not lost, "; ".join(lost) or ", ".join(
-                f"{r['trace']}@{r['bw_mbps']:g}: {r['vs_cooperative_no_congestion']:.2f}x"
-                for r in blind))
-    wide = [f"{r['trace']}@{r['bw_mbps']:g} {r['policy']}: {r['spread']:.2f}" for r in rows
-            if r["spread"] is not None and r["spread"] > MAX_SPREAD]
+    for baseline, what in BASELINES.items():  # the policy with one of its parts switched off
+        ran = [r for r in coop if r.get(f"vs_{baseline}") is not None]
+        if not ran:
+            continue
+        ratios = [(f"{r['trace']}@{r['bw_mbps']:g}: {r[f'vs_{baseline}']:.2f}x",
+                   r[f"vs_{baseline}"] < 1) for r in ran]
+        out[f"{what} pay (cooperative < {baseline})"] = (
+            all(ok for _t, ok in ratios),
+            "; ".join(t for t, ok in ratios if not ok) or ", ".join(t for t, _ok in ratios))
+    wide = [f"{r['trace']}@{r['bw_mbps']:g} {r['policy']}: {r['spread']:.2f}"
+            + "".join(f" (repeat {o['repeat']}: {o['mean_jct_s']} s; " + ", ".join(
+                f"{j['job']} {j['jct_s']} s on {j['plan']}, {len(j['plan_switches'])} "
+                f"switches" for j in o["jobs"]) + ")" for o in r.get("outliers", []))
+            for r in rows if r["spread"] is not None and r["spread"] > MAX_SPREAD]
     if any(r["repeats"] > 1 for r in rows):
         out["spread (IQR / median) <= 0.25"] = (not wide, "; ".join(wide) or "all")
     return out

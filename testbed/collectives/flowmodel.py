@@ -748,9 +748,15 @@ class ConcurrentJob:
     start_s: float = 0.0
 
 
+#: At most this many rounds of a job's repetitions in ``predict_concurrent(until_each=...)``.
+MAX_CYCLES = 200
+
+
 def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
                        hop_latency_s: float | None = None,
-                       time_dilation: float = 1.0) -> list[float]:
+                       time_dilation: float = 1.0,
+                       rep_ends: list[list[float]] | None = None,
+                       until_each: int | None = None) -> list[float]:
     """Each job's completion time (from its own start, undilated) when ``jobs`` run at once
     and share the fabric's links: one fluid simulation of every job's phases in turn (a
     phase's flows, then its latency and pipelining fill, during which the job sends
@@ -758,13 +764,19 @@ def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
     recomputed whenever a flow or a wait ends or a job starts. What :func:`predict` adds to an
     INA job alone for its window and losses is added to its time here too. The fair sharing is
     the model's assumption (TCP against TCP; INA's UDP without ``ina_cc`` takes more in
-    practice: ``testbed bench ina-sharing`` measures by how much)."""
+    practice: ``testbed bench ina-sharing`` measures by how much). ``rep_ends``: a list that
+    gets, per job, the time each of its repetitions ended (from its start, undilated; an
+    INA job's window and loss time counted once per repetition). ``until_each``: every job
+    starts its repetitions over until each job has ended at least that many (at most
+    :data:`MAX_CYCLES` rounds of its repetitions), so that the repetitions ended until then
+    all ran beside every other job: a steady state's iteration times."""
     topo = routing.as_topology(topology)
     _check_dilation(time_dilation)
     f = float(time_dilation)
     hop_s = _hop_s(topo, hop_latency_s, f)
     net = _Network(topo, f)
     plan = []  # per job: its phases in order (repetitions unrolled), start, INA extra
+    per_rep: list[int] = []  # per job: phases in one repetition
     for j in jobs:
         spec = j.spec
         spec.validate(len(topo.host_names))
@@ -781,6 +793,7 @@ def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
             alone = _run_phase(net, phs[0], hop_s)
             extra = _ina_extra(spec, phs[0], alone, topo, hop_s, f)
         plan.append((phs * spec.repetitions, j.start_s * f, extra))
+        per_rep.append(len(phs))
     # per job: phase index, the flows of its phase still sending (flow, weights, bytes
     # left), the time its wait ends (latency/fill, or its start), when it finished
     state = [{"k": -1, "flows": [], "wait": start, "end": None, "first": None}
@@ -791,9 +804,17 @@ def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
             phs = plan[ji][0]
             while st["end"] is None and not st["flows"] and st["wait"] <= t + 1e-12:
                 st["k"] += 1
+                if st["k"] and st["k"] % max(per_rep[ji], 1) == 0:
+                    reps = st.setdefault("reps", [])
+                    reps.append((t - plan[ji][1] + plan[ji][2] * (len(reps) + 1)) / f)
                 if st["k"] >= len(phs):
-                    st["end"] = t
-                    break
+                    if until_each is not None and phs and len(st["reps"]) < MAX_CYCLES * max(
+                            len(phs) // max(per_rep[ji], 1), 1) and any(
+                            len(o.get("reps", ())) < until_each for o in state):
+                        st["k"] = 0  # others have not ended enough: this job goes on
+                    else:
+                        st["end"] = t
+                        break
                 ph = phs[st["k"]]
                 flows = [fl for fl in ph.flows if fl.src != fl.dst and fl.nbytes > 0]
                 st["flows"] = [[fl, net.weights(fl), float(fl.nbytes)] for fl in flows]
@@ -828,6 +849,8 @@ def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
                     fill = st["fill_bytes"] / st["first"] if st["fill_bytes"] and \
                         st["first"] else 0.0
                     st["wait"] = t + st["latency"] + fill
+    if rep_ends is not None:
+        rep_ends[:] = [st.get("reps", []) for st in state]
     return [(st["end"] - start + extra) / f
             for st, (_phs, start, extra) in zip(state, plan, strict=True)]
 

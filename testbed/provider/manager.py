@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from testbed.provider.policies import (
     FabricView,
     PlanModel,
+    background,
     make_policy,
     own_traffic,
     plan_memory,
@@ -312,6 +313,16 @@ class FabricManager:
                     for s in self.inventory.switches]
         return self.snapshot.model_copy(update={"switches": switches})
 
+    def planning_fabric(self) -> FabricSnapshot:
+        """What a policy plans on: :meth:`fabric` with each link's utilisation less what the
+        admitted jobs' own traffic explains (:func:`~testbed.provider.policies.background`;
+        the policies price those jobs themselves, together)."""
+        snap = self.fabric()
+        if self.model is None:
+            return snap
+        running = [(ls.req, self._plans[n]) for n, ls in self._jobs.items() if n in self._plans]
+        return background(self.model, running, snap)
+
     # ---------------------------------------------------------------- changes
 
     def admit(self, req: JobRequest, now: float | None = None) -> Plan:
@@ -550,7 +561,7 @@ class FabricManager:
         """The policy's plans for ``reqs``, checked; raises :class:`NoFeasiblePlan`."""
         if not reqs:
             return {}
-        snap = self.fabric()
+        snap = self.planning_fabric()
         try:
             plans = self.policy.plan(list(reqs), snap)
         except (ValueError, KeyError) as e:

@@ -14,13 +14,25 @@ differ in what they may look at:
   ``lossy_ef``; INA on a one-switch or hierarchical tree; INA + THC), each costed by the
   flow-level model on the fabric's rates minus the load telemetry shows; switch memory goes
   to the jobs whose total communication time it shortens most (time saved per iteration x
-  iterations x (1 + priority)), the others take their best plan that needs no memory.
+  iterations x (1 + priority)), the others take their best plan that needs no memory. Then
+  the plans are priced **together** (the jobs' allreduces sharing the links at once,
+  :meth:`PlanModel.joint_s`) and each job in turn moves to the candidate that lowers every
+  job's weighted time most: a plan priced alone does not see what it costs the jobs beside
+  it (a ring on a thin core slows every job crossing it; INA takes its bytes off).
+* :class:`CooperativeAlone`: the cooperative policy with every job's plans priced alone (no
+  joint refinement): the baseline pricing the jobs together is measured against.
 * :class:`CooperativeNoCongestion`: the cooperative policy without congestion re-plans (the
   manager counts the episodes and keeps the plans): the baseline congestion re-plans are
   measured against.
 * :class:`Oracle`: the best static plan per job, found offline: it knows every job of the
   trace in advance and searches every combination of candidate plans that fits the switches'
-  memory for the smallest total predicted communication time; it never re-plans.
+  memory for the smallest total communication time, the jobs priced together; it never
+  re-plans.
+
+Every policy's ``predicted_comm_s`` is the joint price: each job's time while all the jobs it
+is planned with run at once. The snapshot a :class:`~testbed.provider.manager.FabricManager`
+gives a policy is its telemetry less what the admitted jobs' own traffic explains
+(:func:`background`): the jobs are modelled themselves, so their bytes are not counted twice.
 
 A compressor is "within the error budget" when its relative L2 error, measured here on a
 standard normal vector (:func:`compressor_error`), is at most the job's ``error_budget``
@@ -62,6 +74,12 @@ INA_COMPRESSORS = (("thc", {"granularity": 16}), ("thc", {"granularity": 32}),
 #: A link's residual rate never drops below this share of its rate (telemetry may report a
 #: link as full; the model needs a positive rate).
 MIN_RESIDUAL = 0.05
+#: A joint prediction (:meth:`PlanModel.joint_s`) runs every job's allreduce over and over
+#: until each job has ended this many.
+JOINT_REPEATS = 2
+#: A job moves to another plan in the joint refinement only when that lowers the weighted
+#: total time of every job by more than this share (ties keep the plan priced alone best).
+JOINT_GAIN = 0.02
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,12 +176,13 @@ def _fits(view: FabricView, taken: dict[str, int], mem: dict[str, int]) -> bool:
 
 
 class PlanModel:
-    """The flow-level model of a plan on the fabric (:func:`flowmodel.predict`): one
-    iteration's communication time of a job alone, on the link rates minus the utilisation
-    the snapshot's telemetry shows (the busier direction of each link; a utilisation that
-    includes the job's own traffic makes the estimate conservative). :meth:`link_bytes` says
-    where a plan's bytes go, which :func:`own_traffic` turns into what a job's own traffic
-    explains of each link."""
+    """The flow-level model of plans on the fabric: one iteration's communication time of a
+    job alone (:meth:`comm_s`, :func:`flowmodel.predict`) or of jobs running at once and
+    sharing links (:meth:`joint_s`, :func:`flowmodel.predict_concurrent`), on the link rates
+    minus the utilisation the snapshot's telemetry shows (the busier direction of each link).
+    :meth:`link_bytes` says where a plan's bytes go, which :func:`own_traffic` turns into
+    what a job's own traffic explains of each link and :func:`background` takes out of a
+    snapshot, so that jobs priced together are not also counted as telemetry's load."""
 
     def __init__(self, topology, hop_latency_s: float | None = None):
         from testbed.topologies import routing
@@ -190,39 +209,88 @@ class PlanModel:
         key = tuple(sorted((tuple(sorted(k)), round(v, 3)) for k, v in util.items()))
         return {**self.describe, "links": links}, key
 
+    def _spec(self, req: JobRequest, plan: Plan, nbytes: int, job_id: int = 1,
+              repetitions: int = 1) -> CollectiveSpec:
+        """The collective one iteration of ``req`` runs under ``plan``: an allreduce of
+        ``nbytes`` (rounded up to whole float32), ``repetitions`` times back to back."""
+        place = _placement(plan)
+        return CollectiveSpec(op="allreduce", nbytes=4 * -(-int(nbytes) // 4),
+                              **communication_of(plan), placement=place, job_id=job_id,
+                              repetitions=repetitions,
+                              window=max(plan.slots, 1) if place else 64)
+
+    @staticmethod
+    def _plan_key(req: JobRequest, plan: Plan) -> tuple:
+        return (tuple(req.hosts), req.hints.collective_bytes, plan.algo, str(plan.tree),
+                plan.slots, plan.mode, plan.compressor,
+                tuple(sorted(plan.compressor_params.items())), plan.error_feedback)
+
     def comm_s(self, req: JobRequest, plan: Plan, snapshot: FabricSnapshot | None = None,
                job_id: int = 1) -> float | None:
-        """Predicted seconds of one iteration's allreduce of ``req`` under ``plan``; None when
-        the job gave no ``collective_bytes`` or the model does not apply."""
+        """Predicted seconds of one iteration's allreduce of ``req`` under ``plan`` alone on
+        the fabric; None when the job gave no ``collective_bytes`` or the model does not
+        apply."""
         nbytes = req.hints.collective_bytes
         if nbytes is None:
             return None
         desc, key = self._desc(snapshot)
-        pkey = (tuple(req.hosts), nbytes, plan.algo, str(plan.tree), plan.slots,
-                plan.compressor, tuple(sorted(plan.compressor_params.items())),
-                plan.error_feedback, key)
+        pkey = (self._plan_key(req, plan), job_id, key)
         if pkey in self._cache:
             return self._cache[pkey]
-        place = _placement(plan)
         try:
-            spec = CollectiveSpec(op="allreduce", nbytes=4 * -(-nbytes // 4),
-                                  **communication_of(plan), placement=place,
-                                  job_id=job_id, window=max(plan.slots, 1) if place else 64)
-            t = flowmodel.predict(desc, spec, workers=list(req.hosts),
+            t = flowmodel.predict(desc, self._spec(req, plan, nbytes, job_id),
+                                  workers=list(req.hosts),
                                   hop_latency_s=self.hop_latency_s).time_s
         except (ValueError, KeyError):
             t = None  # the model does not apply to this plan here (e.g. unshaped links)
         self._cache[pkey] = t
         return t
 
+    def joint_s(self, pairs: list[tuple[JobRequest, Plan]],
+                snapshot: FabricSnapshot | None = None) -> list[float | None]:
+        """Predicted seconds of one iteration's allreduce of each job of ``pairs`` (its
+        request and plan) while they all run at once and share the fabric's links
+        (:func:`flowmodel.predict_concurrent`, on the link rates less the utilisation of
+        ``snapshot``: traffic no job of ``pairs`` explains). The steady state of jobs that
+        each run allreduce after allreduce: every job starts its allreduce over until each
+        has ended :data:`JOINT_REPEATS` of them, and a job's time is the mean of those that
+        ended until then (all of them ran beside every other job). A job without bytes
+        (or where the model does not apply) is left out of the others' traffic and gets
+        None; a job alone gets :meth:`comm_s`."""
+        alone = [self.comm_s(req, plan, snapshot) for req, plan in pairs]
+        idx = [i for i, t in enumerate(alone) if t is not None and t > 0]
+        if len(idx) < 2:
+            return alone
+        desc, key = self._desc(snapshot)
+        jkey = ("joint", tuple(self._plan_key(*pairs[i]) for i in idx), key)
+        if jkey not in self._cache:
+            try:
+                # job id 1 each, as comm_s and link_bytes: the provider does not know the
+                # ports a tenant binds, and one job's ECMP paths must not change with the
+                # jobs it is priced beside
+                jobs = [flowmodel.ConcurrentJob(
+                    self._spec(pairs[i][0], pairs[i][1], pairs[i][0].hints.collective_bytes),
+                    list(pairs[i][0].hosts)) for i in idx]
+                ends: list[list[float]] = []
+                flowmodel.predict_concurrent(desc, jobs, hop_latency_s=self.hop_latency_s,
+                                             rep_ends=ends, until_each=JOINT_REPEATS)
+                # until every job ended JOINT_REPEATS allreduces, every job was sending
+                stop = max(e[min(JOINT_REPEATS, len(e)) - 1] for e in ends)
+                self._cache[jkey] = [inside[-1] / len(inside) for e in ends
+                                     for inside in [[x for x in e if x <= stop * (1 + 1e-9)]]]
+            except (ValueError, KeyError):
+                self._cache[jkey] = [alone[i] for i in idx]  # priced alone, as a last resort
+        out = list(alone)
+        for i, t in zip(idx, self._cache[jkey], strict=True):
+            out[i] = t
+        return out
+
     def _alone(self, req: JobRequest, plan: Plan, nbytes: int):
         """The model's prediction of one allreduce of ``nbytes`` by ``req``'s hosts under
         ``plan`` on the idle fabric (None where the model does not apply)."""
         try:
-            spec = CollectiveSpec(op="allreduce", nbytes=4 * -(-int(nbytes) // 4),
-                                  **communication_of(plan), placement=_placement(plan),
-                                  window=max(plan.slots, 1) if is_offloaded(plan.algo) else 64)
-            return flowmodel.predict(self.describe, spec, workers=list(req.hosts),
+            return flowmodel.predict(self.describe, self._spec(req, plan, nbytes),
+                                     workers=list(req.hosts),
                                      hop_latency_s=self.hop_latency_s)
         except (ValueError, KeyError):
             return None
@@ -232,8 +300,7 @@ class PlanModel:
         each directed link, as the model routes it (data, and TCP ACKs on their own path);
         None without bytes or where the model does not apply."""
         nbytes = req.hints.collective_bytes
-        key = ("links", tuple(req.hosts), nbytes, plan.algo, str(plan.tree), plan.slots, plan.mode,
-               plan.compressor, tuple(sorted(plan.compressor_params.items())))
+        key = ("links", self._plan_key(req, plan))
         if key not in self._cache:  # asked at every telemetry snapshot, for every job
             self._cache[key] = self._link_bytes(req, plan, nbytes) if nbytes else None
         return self._cache[key]
@@ -291,6 +358,23 @@ def own_traffic(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
     return out
 
 
+def background(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
+               snapshot: FabricSnapshot) -> FabricSnapshot:
+    """``snapshot`` with each link's utilisation less what the own traffic of ``jobs`` (each
+    job's request and the plan it runs) explains (:func:`own_traffic`, never below 0): the
+    load of everything else (another provider's tenants, bursts, jobs that gave no bytes),
+    on which :meth:`PlanModel.joint_s` prices ``jobs`` together."""
+    explained: dict[tuple[str, str], float] = {}
+    for shares in own_traffic(model, jobs, snapshot).values():
+        for k, v in shares.items():
+            explained[k] = explained.get(k, 0.0) + v
+    if not explained:
+        return snapshot
+    links = [lk.model_copy(update={"utilisation": max(
+        0.0, lk.utilisation - explained.get((lk.src, lk.dst), 0.0))}) for lk in snapshot.links]
+    return snapshot.model_copy(update={"links": links})
+
+
 def _placement(plan: Plan) -> dict:
     """``CollectiveSpec.placement`` of an offloaded plan (empty for the others)."""
     if not is_offloaded(plan.algo):
@@ -316,6 +400,25 @@ class _Base:
         t = self.model.comm_s(req, plan, snapshot) if self.model is not None else None
         return plan.model_copy(update={"predicted_comm_s": t})
 
+    def together(self, jobs: list[JobRequest], plans: dict[str, Plan],
+                 snapshot: FabricSnapshot | None) -> dict[str, Plan]:
+        """``plans`` (one per job of ``jobs``) with the model's times of the jobs running at
+        once (:meth:`PlanModel.joint_s`) as ``predicted_comm_s``."""
+        if self.model is None:
+            return {j.job: plans[j.job] for j in jobs}
+        times = self.model.joint_s([(j, plans[j.job]) for j in jobs], snapshot)
+        return {j.job: plans[j.job].model_copy(update={"predicted_comm_s": t})
+                for j, t in zip(jobs, times, strict=True)}
+
+    def weighted_s(self, jobs: list[JobRequest], plans: dict[str, Plan],
+                   snapshot: FabricSnapshot | None) -> float:
+        """The jobs' total communication time under ``plans`` priced together: each job's
+        joint time x its weight (iterations x (1 + priority)); a job with bytes whose plan
+        the model cannot price costs infinity, one without bytes nothing."""
+        priced = [j for j in jobs if j.hints.collective_bytes is not None]
+        times = self.model.joint_s([(j, plans[j.job]) for j in priced], snapshot)
+        return sum(_cost(t) * _weight(j) for j, t in zip(priced, times, strict=True))
+
 
 class TenantOnly(_Base):
     """Ring allreduce, no compression, for every job: the tenant sees no fabric."""
@@ -324,8 +427,8 @@ class TenantOnly(_Base):
 
     def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
         """Ring for every job."""
-        return {j.job: self.predicted(j, _ring(j.job, "tenant default: ring, no compression"),
-                                      snapshot) for j in jobs}
+        return self.together(jobs, {j.job: _ring(j.job, "tenant default: ring, no compression")
+                                    for j in jobs}, snapshot)
 
 
 class ProviderOnly(_Base):
@@ -348,8 +451,8 @@ class ProviderOnly(_Base):
                 if _fits(view, taken, mem):
                     taken, plan = _add(taken, mem), cand
                     break
-            out[j.job] = self.predicted(j, plan, snapshot)
-        return out
+            out[j.job] = plan
+        return self.together(jobs, out, snapshot)
 
 
 def candidates(req: JobRequest, view: FabricView) -> list[Plan]:
@@ -400,6 +503,8 @@ class Cooperative(_Base):
     within a job's error budget (see the module docstring)."""
 
     name = "cooperative"
+    #: refine the plans priced together (:meth:`_refine`)
+    joint = True
 
     def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
         """Best memory-free plan per job; then, by weighted time saved, the best plan that
@@ -407,8 +512,9 @@ class Cooperative(_Base):
         view = FabricView(snapshot)
         best_free: dict[str, Plan] = {}
         best_mem: dict[str, Plan] = {}
+        every: dict[str, list[Plan]] = {}
         for j in jobs:
-            cands = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
+            cands = every[j.job] = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
             free = [c for c in cands if not plan_memory(c, len(j.hosts))]
             best_free[j.job] = min(free, key=_key)
             mem = sorted((c for c in cands if plan_memory(c, len(j.hosts))), key=_key)
@@ -435,7 +541,52 @@ class Cooperative(_Base):
             if name in best_mem and out[name] is best_free[name]:
                 out[name] = p.model_copy(update={"reason": p.reason + "; no switch memory "
                                                  "left for its INA plans"})
-        return {j.job: out[j.job] for j in jobs}
+        return self.together(jobs, self._refine(jobs, out, every, view, snapshot), snapshot)
+
+    def _refine(self, jobs: list[JobRequest], out: dict[str, Plan], cands: dict[str, list[Plan]],
+                view: FabricView, snapshot: FabricSnapshot) -> dict[str, Plan]:
+        """Each job in turn (heaviest first, twice over) takes the candidate that lowers the
+        jobs' weighted total time priced together (:meth:`weighted_s`) most, where it fits
+        the memory the others hold, if by more than :data:`JOINT_GAIN`: plans priced alone
+        miss what one job's plan costs the others sharing its links (INA or compression
+        takes its bytes off a shared core)."""
+        if not self.joint or self.model is None or sum(
+                j.hints.collective_bytes is not None for j in jobs) < 2:
+            return out
+        by_job = {j.job: j for j in jobs}
+        best = self.weighted_s(jobs, out, snapshot)
+        for _ in range(2):
+            moved = False
+            for j in sorted(jobs, key=_weight, reverse=True):
+                if j.hints.collective_bytes is None:
+                    continue
+                taken: dict[str, int] = {}
+                for other, p in out.items():
+                    if other != j.job:
+                        taken = _add(taken, plan_memory(p, len(by_job[other].hosts)))
+                pick, pick_cost = None, best * (1 - JOINT_GAIN)
+                for c in cands[j.job]:
+                    if c.predicted_comm_s is None or c == out[j.job] or not _fits(view, taken, plan_memory(c, len(j.hosts))):
+                        continue
+                    cost = self.weighted_s(jobs, {**out, j.job: c}, snapshot)
+                    if cost < pick_cost:
+                        pick, pick_cost = c, cost
+                if pick is not None:
+                    out = {**out, j.job: pick.model_copy(update={
+                        "reason": pick.reason + f"; priced with the jobs sharing its links "
+                        f"(weighted total {best:.4g} s -> {pick_cost:.4g} s)"})}
+                    best, moved = pick_cost, True
+            if not moved:
+                break
+        return out
+
+
+class CooperativeAlone(Cooperative):
+    """The cooperative policy that prices each job's plans alone (no joint refinement): the
+    baseline that shows what pricing the jobs together is worth."""
+
+    name = "cooperative_alone"
+    joint = False
 
 
 class CooperativeNoCongestion(Cooperative):
@@ -478,8 +629,8 @@ class Oracle(_Base):
                 taken = _add(taken, mem)
             if not ok:
                 continue
-            cost = sum(_cost(c.predicted_comm_s) * _weight(j) for j, c in zip(jobs, combo,
-                                                                              strict=True))
+            plans = {j.job: c for j, c in zip(jobs, combo, strict=True)}
+            cost = self.weighted_s(jobs, plans, snapshot) if self.model is not None else 0.0
             if cost < best_cost:
                 best, best_cost = combo, cost
         chosen = best if best is not None else tuple(o[0] for o in options)
@@ -494,12 +645,12 @@ class Oracle(_Base):
         missing = [j for j in jobs if j.job not in self._plans]
         if missing:
             self._plans.update(self._search(missing, snapshot))
-        return {j.job: self._plans[j.job] for j in jobs}
+        return self.together(jobs, self._plans, snapshot)
 
 
 #: Policies by name.
-POLICIES = {c.name: c for c in (TenantOnly, ProviderOnly, Cooperative, CooperativeNoCongestion,
-                                 Oracle)}
+POLICIES = {c.name: c for c in (TenantOnly, ProviderOnly, Cooperative, CooperativeAlone,
+                                 CooperativeNoCongestion, Oracle)}
 
 
 def make_policy(name: str, model: PlanModel | None = None, **kw):

@@ -826,7 +826,7 @@ def create_app(service: ProviderService) -> FastAPI:
             reqs = [JobRequest(job=n, hosts=i["hosts"], hints=i["hints"], lease_s=i["lease_s"])
                     for n, i in m.jobs().items()]
             try:
-                plans = pol.plan(reqs, m.fabric()) if reqs else {}
+                plans = pol.plan(reqs, m.planning_fabric()) if reqs else {}
             except (ValueError, KeyError) as e:
                 raise NoFeasiblePlan(f"policy {policy!r} failed: {e}") from None
             return {"policy": policy, "plans": plans, "current": m.plans()}

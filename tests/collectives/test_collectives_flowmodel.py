@@ -509,6 +509,37 @@ def test_concurrent_jobs_share_the_links_they_cross():
     assert t2 == pytest.approx(both, rel=0.02)
 
 
+def test_concurrent_jobs_in_a_steady_state_repeat_until_each_ended_enough():
+    """until_each: a short ring starts over until the long one has ended its allreduces, so
+    every repetition the caller averages ran beside the other job; rep_ends lists each
+    repetition's end. Two equal rings across the bottleneck: every allreduce at half speed.
+    A ring 16x shorter than the other: its allreduces while both run take twice its time
+    alone, and it keeps going (more than 16 of them) until the long one ended 2."""
+    d = Dumbbell(2, 2, bw_mbps=100, bottleneck_mbps=10, switch="programmable")
+    r1 = CollectiveSpec(algo="ring", nbytes=1 << 20, job_id=1)
+    r2 = CollectiveSpec(algo="ring", nbytes=1 << 20, job_id=2)
+    alone = fm.predict(d, r1, workers=["tbh1", "tbh3"]).time_s
+    ends: list = []
+    fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"]),
+                              fm.ConcurrentJob(r2, ["tbh2", "tbh4"])],
+                          rep_ends=ends, until_each=3)
+    assert min(len(e) for e in ends) == 3  # (one may start a 4th as the other ends its 3rd)
+    assert np.diff([0.0, *ends[0][:3]]) == pytest.approx([2 * alone] * 3, rel=0.03)
+    short = CollectiveSpec(algo="ring", nbytes=64 << 10, job_id=2)
+    short_alone = fm.predict(d, short, workers=["tbh2", "tbh4"]).time_s
+    assert 12 < alone / short_alone < 20
+    fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"]),
+                              fm.ConcurrentJob(short, ["tbh2", "tbh4"])],
+                          rep_ends=ends, until_each=2)
+    long_ends, short_ends = ends
+    assert len(long_ends) == 2 and len(short_ends) > 16
+    during = [e for e in short_ends if e <= long_ends[-1]]
+    assert during[-1] / len(during) == pytest.approx(2 * short_alone, rel=0.1)
+    # without until_each the repetitions asked for, as before
+    fm.predict_concurrent(d, [fm.ConcurrentJob(r1, ["tbh1", "tbh3"])], rep_ends=ends)
+    assert ends[0] == pytest.approx([alone], rel=1e-9)
+
+
 def test_a_sprayed_transport_spreads_a_flow_over_every_ecmp_path():
     """transport='uet' sprays a message over 8 source ports: on a 4:1 leaf-spine with two
     spines the ring's leaf-crossing flows use both uplinks, so the model halves its time

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from testbed.provider import policies
 from testbed.provider.manager import (
     CONGESTED_UTIL,
     SUSTAINED_SNAPSHOTS,
@@ -19,6 +20,7 @@ from testbed.provider.policies import (
     POLICIES,
     FabricView,
     PlanModel,
+    background,
     candidates,
     compressor_error,
     make_policy,
@@ -292,3 +294,88 @@ def test_a_job_filling_its_own_links_is_not_congested_but_one_sharing_them_is_mo
         assert blind.observe(snap(burst), now=10 + k) == []
     assert blind.congested()["tbl1->tbsp2"] > SUSTAINED_SNAPSHOTS
     assert blind.plans()["a"] == first and len(blind.log) == 1
+
+
+def test_jobs_priced_together_pay_for_the_links_they_share(topo, model):
+    """The joint price (flowmodel.predict_concurrent) of jobs crossing the same thin core is
+    above each one's price alone; jobs on links of their own pay nothing for each other; a
+    job alone, or with jobs that give no bytes, gets its price alone."""
+    a = JobRequest(job="a", hosts=["tbh1", "tbh6"], hints=Hints(collective_bytes=400_000))
+    b = JobRequest(job="b", hosts=["tbh2", "tbh7"], hints=Hints(collective_bytes=400_000))
+    ring_a, ring_b = Plan(job="a"), Plan(job="b")
+    alone = [model.comm_s(a, ring_a), model.comm_s(b, ring_b)]
+    shared = model.joint_s([(a, ring_a), (b, ring_b)])
+    assert all(s > 1.5 * t for s, t in zip(shared, alone, strict=True)), (shared, alone)
+    # one leaf each: no link in common
+    c = JobRequest(job="c", hosts=["tbh1", "tbh2"], hints=Hints(collective_bytes=400_000))
+    d = JobRequest(job="d", hosts=["tbh6", "tbh7"], hints=Hints(collective_bytes=400_000))
+    apart = model.joint_s([(c, Plan(job="c")), (d, Plan(job="d"))])
+    assert apart == pytest.approx([model.comm_s(c, Plan(job="c")),
+                                   model.comm_s(d, Plan(job="d"))], rel=1e-6)
+    assert model.joint_s([(a, ring_a), (SILENT, Plan(job="silent"))]) == [alone[0], None]
+
+
+def test_background_leaves_what_no_job_explains(topo, model):
+    """Telemetry less the jobs' own traffic: the links a ring fills itself look idle to the
+    policies (they price the ring themselves); another tenant's load on them stays."""
+    req = JobRequest(job="a", hosts=["tbh1", "tbh6"], hints=Hints(collective_bytes=400_000))
+    plan = Plan(job="a")
+    per = model.link_bytes(req, plan)
+    busiest = max(per.values())
+    inv = _inv(topo)
+
+    def snap(extra=0.0):
+        return inv.model_copy(update={"links": [
+            lk.model_copy(update={"utilisation": 0.8 * per.get((lk.src, lk.dst), 0.0) / busiest
+                                  + (extra if (lk.src, lk.dst) == ("tbl1", "tbsp1") else 0)})
+            for lk in inv.links]})
+
+    util = {(lk.src, lk.dst): lk.utilisation for lk in background(model, [(req, plan)],
+                                                                  snap()).links}
+    assert max(util.values()) == pytest.approx(0.0, abs=1e-9)
+    util = {(lk.src, lk.dst): lk.utilisation for lk in background(model, [(req, plan)],
+                                                                  snap(0.15)).links}
+    assert util[("tbl1", "tbsp1")] == pytest.approx(0.15)
+    assert background(model, [], snap()) == snap()  # no job: the snapshot as it is
+    # the manager plans on it: the running ring's own bytes do not slow its own price
+    fm = FabricManager(inv, "cooperative", model)
+    fm.admit(req.model_copy(update={"hints": req.hints.model_copy(
+        update={"iterations": 10})}), now=0)
+    fm.observe(snap(), now=1)
+    assert max(lk.utilisation for lk in fm.planning_fabric().links) < 1e-9
+    assert max(lk.utilisation for lk in fm.fabric().links) == pytest.approx(0.8)
+
+
+def test_cooperative_plans_jobs_together_where_alone_prices_mislead(monkeypatch):
+    """Two spines: priced alone, INA on either spine costs the same and the policy takes the
+    first; priced together with the ring beside it, whose flows the fabric's ECMP hash puts
+    through one spine, INA goes through the other, and every job's weighted time drops. The
+    policy's predictions are the joint times; the oracle, which prices combinations
+    together too, agrees."""
+    topo = make_topology("leaf_spine", leaves=2, spines=2, hosts_per_leaf=4, bw_mbps=20,
+                         oversubscription=2.0, switch="programmable")
+    model = PlanModel(topo)
+    snap = inventory_of(topo, 96 * KIB)
+    ring = JobRequest(job="ring", hosts=["tbh3", "tbh8"],
+                      hints=Hints(collective_bytes=200_000, iterations=20))
+    ina = JobRequest(job="ina", hosts=["tbh7", "tbh1"],
+                     hints=Hints(collective_bytes=40_000, iterations=100, priority=1,
+                                 tolerance="lossy", error_budget=0.25))
+    jobs = [ring, ina]
+    spines = {a for a, _b in model.link_bytes(ring, Plan(job="ring")) if a.startswith("tbsp")}
+    assert len(spines) == 1  # the ring's flows cross one spine
+    pol = make_policy("cooperative", model)
+    together = pol.plan(jobs, snap)
+    monkeypatch.setattr(policies, "JOINT_GAIN", 1.0)  # the refinement off: priced alone
+    alone = pol.plan(jobs, snap)
+    assert together["ring"].algo == alone["ring"].algo == "ring"
+    assert alone["ina"].algo == together["ina"].algo == "ina"
+    assert alone["ina"].tree == ["tbsp1"]  # a tie alone: the first spine
+    assert together["ina"].tree[-1] not in spines, together["ina"]
+    assert "priced with the jobs sharing its links" in together["ina"].reason
+    assert pol.weighted_s(jobs, together, snap) < 0.9 * pol.weighted_s(jobs, alone, snap)
+    assert [together[j.job].predicted_comm_s for j in jobs] == \
+        model.joint_s([(j, together[j.job]) for j in jobs], snap)
+    monkeypatch.undo()
+    oracle = make_policy("oracle", model, trace=jobs).plan(jobs, snap)
+    assert oracle["ina"].tree[-1] not in spines
