@@ -35,6 +35,9 @@ create table if not exists plans (job text primary key, plan text not null,
 create table if not exists log (seq integer primary key, entry text not null);
 create table if not exists registrations (job text primary key, job_id integer not null,
     plan text not null, registration text not null);
+create table if not exists retiring (job_id integer primary key, job text not null,
+    version integer not null, registration text not null);
+create table if not exists following (job text primary key, version integer not null);
 """
 
 #: What the journal keeps of a job's hints check (``FabricManager``): the request with the
@@ -78,8 +81,11 @@ class Journal:
 
     def save(self, state: dict, registrations: dict[str, dict]) -> None:
         """Replace the journal's state by ``state`` (``FabricManager.state()``) and
-        ``registrations`` (per job: ``job_id``, ``plan``, ``registration``), appending the
-        log entries not yet saved, in one transaction."""
+        ``registrations`` (per job: ``job_id``, ``plan``, ``registration`` of the plan it
+        runs, when that one aggregates in the network; ``retiring``: the registrations of
+        plans its workers may still run, each with the plan ``version`` that replaced it, its
+        ``job_id`` and ``registration``; ``following``: the plan version its tenant said its
+        workers run), appending the log entries not yet saved, in one transaction."""
         db = self._db
         db.execute("begin immediate")
         try:
@@ -103,7 +109,15 @@ class Journal:
             db.execute("delete from registrations")
             db.executemany("insert into registrations values (?, ?, ?, ?)", [
                 (n, int(r["job_id"]), json.dumps(r["plan"]), json.dumps(r["registration"]))
-                for n, r in registrations.items()])
+                for n, r in registrations.items() if r.get("registration") is not None])
+            db.execute("delete from retiring")
+            db.executemany("insert into retiring values (?, ?, ?, ?)", [
+                (int(x["job_id"]), n, int(x["version"]), json.dumps(x["registration"]))
+                for n, r in registrations.items() for x in r.get("retiring", ())])
+            db.execute("delete from following")
+            db.executemany("insert into following values (?, ?)", [
+                (n, int(r["following"])) for n, r in registrations.items()
+                if r.get("following") is not None])
             db.execute("commit")
         except BaseException:
             db.execute("rollback")
@@ -132,8 +146,15 @@ class Journal:
             state["applies_at"][job] = applies
         state["log"] = [json.loads(e) for (e,) in
                         self._db.execute("select entry from log order by seq")]
-        regs = {job: {"job_id": jid, "plan": json.loads(plan), "registration": json.loads(reg)}
-                for job, jid, plan, reg in self._db.execute("select * from registrations")}
+        regs: dict[str, dict] = {
+            job: {"job_id": jid, "plan": json.loads(plan), "registration": json.loads(reg)}
+            for job, jid, plan, reg in self._db.execute("select * from registrations")}
+        for jid, job, version, reg in self._db.execute(
+                "select * from retiring order by version, job_id"):
+            regs.setdefault(job, {}).setdefault("retiring", []).append(
+                {"job_id": jid, "version": version, "registration": json.loads(reg)})
+        for job, version in self._db.execute("select * from following"):
+            regs.setdefault(job, {})["following"] = version
         return state, regs
 
     def close(self) -> None:

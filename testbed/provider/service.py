@@ -428,11 +428,34 @@ class SwitchConfigurator:
 
     # -- a restarted provider ---------------------------------------------------------------
     def saved(self) -> dict[str, dict]:
-        """What the journal keeps per registered job: its job id, the plan it was registered
-        for and the registration its workers use."""
-        return {job: {"job_id": self.registrations[job]["job_id"],
-                      "plan": _switch_config(plan), "registration": self.registrations[job]}
-                for job, (plan, _h, _e) in self.handles.items()}
+        """What the journal keeps per job (``Journal.save``): the job id, plan and
+        registration of the plan it runs, the registrations of the plans it is leaving
+        (``retiring``) and the plan version its workers run (``following``)."""
+        out: dict[str, dict] = {
+            job: {"job_id": self.registrations[job]["job_id"], "plan": _switch_config(plan),
+                  "registration": self.registrations[job]}
+            for job, (plan, _h, _e) in self.handles.items()}
+        for job, held in self.retiring.items():
+            out.setdefault(job, {})["retiring"] = [
+                {"job_id": jid, "version": v, "registration": _registration_of(handle)}
+                for v, handle, jid in held]
+        for job, version in self.following.items():
+            out.setdefault(job, {})["following"] = version
+        return out
+
+    def _handle(self, reg: dict, spec=None):
+        """A handle on the switches of a registration an earlier provider made (its
+        journal's ``reg``), with ``spec`` (None: one that knows only its job id, enough to
+        release it)."""
+        from testbed.collectives.runner import InaJob  # see _register
+        from testbed.collectives.spec import CollectiveSpec
+
+        if spec is None:
+            spec = CollectiveSpec(op="allreduce", algo="ina", nbytes=4,
+                                  job_id=int(reg["job_id"]))
+        clients = {sw: self.net.switch_client(sw) for sw in reg["tree"]}
+        return InaJob(spec, SimpleNamespace(tree=list(reg["tree"])), clients,
+                      reg.get("fallbacks", []))
 
     def _on_switches(self) -> dict[str, set[int]]:
         """Per programmable switch, the job ids its aggregate stage holds."""
@@ -450,13 +473,28 @@ class SwitchConfigurator:
         of a job whose plan still asks for it and which every switch of its tree still holds
         is adopted as is (its workers go on undisturbed); one a switch lost is registered
         again (a new registration); the service's job ids on the switches that no adopted
-        job owns are removed (stale). Returns what was ``adopted``, ``restored`` and
-        ``removed`` (``[switch, job id]``)."""
-        from testbed.collectives.runner import InaJob  # see _register
+        job owns are removed (stale). The registrations of plans a job's workers may still
+        run (:attr:`retiring`) are adopted too while its tree holds them, with the plan
+        version they reported (:attr:`following`). Returns what was ``adopted`` (jobs),
+        ``retiring`` (``[job, job id]`` adopted), ``restored`` and ``removed``
+        (``[switch, job id]``)."""
 
         held = self._on_switches()
-        out: dict[str, list] = {"adopted": [], "restored": [], "removed": []}
+        out: dict[str, list] = {"adopted": [], "retiring": [], "restored": [], "removed": []}
         for job, s in sorted(saved.items()):
+            if job not in plans:
+                continue
+            if s.get("following") is not None:
+                self.following[job] = int(s["following"])
+            for x in s.get("retiring", ()):  # plans its workers may still run
+                reg = x["registration"]
+                if reg["tree"] and all(x["job_id"] in held.get(sw, ()) for sw in reg["tree"]):
+                    self.retiring.setdefault(job, []).append(
+                        (int(x["version"]), self._handle(reg), int(x["job_id"])))
+                    self._last_id = max(self._last_id, int(x["job_id"]))
+                    out["retiring"].append([job, int(x["job_id"])])
+            if s.get("registration") is None:
+                continue
             plan = plans.get(job)
             reg = s["registration"]
             tree = list(reg.get("tree") or [])
@@ -465,14 +503,12 @@ class SwitchConfigurator:
                 continue
             self._ids[job] = int(s["job_id"])
             self._last_id = max(self._last_id, self._ids[job])
-            spec = self._spec(job, plan, jobs[job]["hints"])
-            clients = {sw: self.net.switch_client(sw) for sw in tree}
-            handle = InaJob(spec, SimpleNamespace(tree=tree), clients, reg.get("fallbacks", []))
-            self.handles[job] = (plan, handle,
+            self.handles[job] = (plan, self._handle(reg, self._spec(job, plan, jobs[job]["hints"])),
                                  {"n": len(reg["ranks"]), "ranks": reg["ranks"], "tree": tree})
             self.registrations[job] = reg
             out["adopted"].append(job)
-        owned = {self._ids[j] for j in self.handles}
+        owned = {self._ids[j] for j in self.handles} | {
+            jid for held_ in self.retiring.values() for _v, _h, jid in held_}
         for sw, ids in sorted(held.items()):
             for jid in sorted(ids):
                 if FIRST_JOB_ID <= jid <= LAST_JOB_ID and jid not in owned:
@@ -504,6 +540,12 @@ class SwitchConfigurator:
             self._remove(job)
         for job in list(self.retiring):
             self._retire(job, None)
+
+
+def _registration_of(handle) -> dict:
+    """What a journal keeps of a retiring registration: enough to adopt and release it."""
+    return {"job_id": int(handle.spec.job_id), "tree": list(handle.tree),
+            "fallbacks": list(handle.fallbacks)}
 
 
 def _in_network(plan: Plan) -> bool:

@@ -71,6 +71,32 @@ def test_state_round_trips_through_the_journal(tmp_path):
         "select count(*) from jobs").fetchone()[0] == 1
 
 
+def test_registrations_a_job_is_leaving_round_trip_through_the_journal(tmp_path):
+    """A job re-planned while its workers may still run its old plan keeps that plan's
+    registration (``retiring``, with the plan version that replaced it) and the version its
+    workers reported (``following``); the journal keeps both, also for a job whose current
+    plan has no registration, and drops them once saved without."""
+    reg = {"job_id": 1000, "tree": ["tbs1"], "seq0": 5, "ranks": [], "version": 1}
+    regs = {"a": {"retiring": [{"job_id": 1000, "version": 2,
+                                "registration": {"job_id": 1000, "tree": ["tbs1"],
+                                                 "fallbacks": []}}],
+                  "following": 1},
+            "b": {"job_id": 1001, "plan": {"algo": "ina"}, "registration": reg,
+                  "retiring": [{"job_id": 1003, "version": 4, "registration": {
+                      "job_id": 1003, "tree": ["tbs1"], "fallbacks": []}},
+                               {"job_id": 1002, "version": 3, "registration": {
+                                   "job_id": 1002, "tree": ["tbs1"], "fallbacks": []}}]}}
+    j = Journal(tmp_path / "p.db")
+    j.save(_manager().state(), regs)
+    _state, back = Journal(tmp_path / "p.db").load()
+    assert back["a"] == regs["a"]
+    assert back["b"]["registration"] == reg and [x["job_id"] for x in back["b"]["retiring"]] \
+        == [1002, 1003]  # in the order they were replaced
+    j.save(_manager().state(), {"b": {k: regs["b"][k] for k in ("job_id", "plan",
+                                                                "registration")}})
+    assert j.load()[1] == {"b": {k: regs["b"][k] for k in ("job_id", "plan", "registration")}}
+
+
 def test_a_journal_of_another_fabric_or_boot_is_refused(tmp_path):
     m = _manager()
     m.admit(_req("a", ["tbh1", "tbh2"]), now=1.0)

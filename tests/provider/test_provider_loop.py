@@ -107,11 +107,13 @@ def test_collective_runs_on_the_providers_registration():
         assert sw.counters()["stages"]["aggregate"]["jobs"] == {}
 
 
+@pytest.mark.mininet
 def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it(tmp_path):
     """A job whose tenant reports the plan version its workers run (``renew?running=V``, as
     ``testbed launch --provider`` does) keeps its INA registration through a plan change
-    until they run the new plan (they may be inside a collective of the old one); a job id
-    let go is not the next one given."""
+    until they run the new plan (they may be inside a collective of the old one), also
+    through a restart of the provider from its journal; a job id let go is not the next one
+    given."""
     from testbed.provider.client import ProviderClient, ProviderRefused
     from testbed.provider.service import Server
     from testbed.topologies.net import TestbedNet
@@ -124,7 +126,8 @@ def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it
             return {int(j) for j in sw.counters()["stages"]["aggregate"]["jobs"]}
 
         # memory for one INA job: a bigger job's arrival moves the first to the ring
-        svc = make_service(net, 70_000, policy="cooperative", net=net)
+        journal = tmp_path / "provider.db"
+        svc = make_service(net, 70_000, policy="cooperative", net=net, journal=journal)
         with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \
                 ProviderClient(srv.url) as pc:
             def admit(job, on, nbytes):
@@ -143,6 +146,15 @@ def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it
             # a's workers have not said they left its INA plan: it stays on the switch
             assert a["retiring"] == [first["job_id"]]
             assert held() == {first["job_id"], b["registration"]["job_id"]}
+        # the provider stops (as a kill would: its journal has every change) and starts
+        # again from its journal: a's old registration is still one its workers may use
+        svc.stop()
+        svc = make_service(net, 70_000, policy="cooperative", net=net, journal=journal)
+        assert svc.resumed["retiring"] == [["a", first["job_id"]]], svc.resumed
+        assert held() == {first["job_id"], b["registration"]["job_id"]}
+        with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \
+                ProviderClient(srv.url) as pc:
+            assert pc.job("a")["retiring"] == [first["job_id"]]
             version = pc.next_plan("a", after=1, wait_s=0.1)["version"]
             pc.renew("a", running=version)
             assert pc.job("a")["retiring"] == [] and held() == {b["registration"]["job_id"]}
