@@ -17,8 +17,9 @@ exactly.
   :meth:`~FabricManager.renew` extends a lease by the job's ``lease_s``.
 * :meth:`~FabricManager.observe` takes telemetry. A directed link is **congested** in a
   snapshot when its utilisation is at least :data:`CONGESTED_UTIL` with at least
-  :data:`FOREIGN_SHARE` of its rate not explained by any one admitted job's own traffic
-  (:func:`~testbed.provider.policies.own_traffic`: an allreduce fills its links itself), or
+  :data:`FOREIGN_SHARE` of its rate not explained by the admitted jobs' own traffic
+  (:func:`~testbed.provider.policies.own_traffic`: an allreduce fills its links itself, and
+  jobs sharing a link are priced together when they are planned), or
   its drop or trim counter grew since the previous snapshot; congestion is **sustained**
   after :data:`SUSTAINED_SNAPSHOTS` consecutive congested snapshots. When a link on a job's
   paths (its hosts' access links and the links between its edge switches and the switches
@@ -61,9 +62,10 @@ from testbed.provider.schema import (
 )
 
 #: A link at or above this utilisation (0..1) in a snapshot is congested, when at least
-#: FOREIGN_SHARE of its rate is traffic that no one admitted job on it explains as its own
+#: FOREIGN_SHARE of its rate is traffic that the admitted jobs do not explain as their own
 #: (:func:`~testbed.provider.policies.own_traffic`): an allreduce fills its links itself,
-#: which is no reason to move it; a flow it shares them with is.
+#: and jobs sharing links were priced together when they were planned, which is no reason
+#: to move them; a flow no policy planned is.
 CONGESTED_UTIL = 0.9
 FOREIGN_SHARE = 0.2
 #: Consecutive congested snapshots that make congestion sustained (a re-plan).
@@ -403,10 +405,10 @@ class FabricManager:
         prev = {(lk.src, lk.dst): lk for lk in self.snapshot.links}
         newly: list[tuple[str, str]] = []
         hot: dict[tuple[str, str], int] = {}
-        explained: dict[tuple[str, str], float] = {}  # the largest share one job explains
+        explained: dict[tuple[str, str], float] = {}  # the share the jobs' own bytes explain
         for shares in self._own_traffic(snapshot).values():
             for key, share in shares.items():
-                explained[key] = max(explained.get(key, 0.0), share)
+                explained[key] = explained.get(key, 0.0) + share
         for lk in snapshot.links:
             key = (lk.src, lk.dst)
             p = prev.get(key)

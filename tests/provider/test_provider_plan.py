@@ -379,3 +379,35 @@ def test_cooperative_plans_jobs_together_where_alone_prices_mislead(monkeypatch)
     monkeypatch.undo()
     oracle = make_policy("oracle", model, trace=jobs).plan(jobs, snap)
     assert oracle["ina"].tree[-1] not in spines
+
+
+def test_jobs_sharing_a_full_link_are_not_congested_by_each_other(topo, model):
+    """Two rings whose own traffic together fills the core (each half of it) were priced
+    together when planned: no congestion episode. The same rings at a third of it each and
+    another tenant's quarter on top: one."""
+    a = JobRequest(job="a", hosts=["tbh1", "tbh6"], hints=Hints(collective_bytes=400_000))
+    b = JobRequest(job="b", hosts=["tbh2", "tbh7"], hints=Hints(collective_bytes=400_000))
+    fm = FabricManager(_inv(topo), "tenant_only", model)
+    fm.admit(a, now=0)
+    fm.admit(b, now=0)
+    per = {j.job: model.link_bytes(j, fm.plans()[j.job]) for j in (a, b)}
+    core = ("tbl1", "tbsp1")
+    assert core in per["a"] and core in per["b"]
+
+    def snap(each: float, extra: float = 0.0):
+        util = {}
+        for p in per.values():
+            for k, v in p.items():
+                util[k] = util.get(k, 0.0) + each * v / p[core]
+        util[core] += extra
+        return fm.inventory.model_copy(update={"links": [lk.model_copy(update={
+            "utilisation": min(1.0, util.get((lk.src, lk.dst), 0.0))})
+            for lk in fm.inventory.links]})
+
+    assert {(lk.src, lk.dst): lk.utilisation for lk in snap(0.475).links}[core] == \
+        pytest.approx(0.95)
+    for k in range(SUSTAINED_SNAPSHOTS + 1):
+        fm.observe(snap(0.475), now=1 + k)
+    assert fm.congested() == {}
+    fm.observe(snap(0.35, 0.25), now=10)
+    assert fm.congested() == {"tbl1->tbsp1": 1}
