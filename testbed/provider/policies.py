@@ -18,7 +18,8 @@ differ in what they may look at:
   the plans are priced **together** (the jobs' allreduces sharing the links at once,
   :meth:`PlanModel.joint_s`) and each job in turn moves to the candidate that lowers every
   job's weighted time most: a plan priced alone does not see what it costs the jobs beside
-  it (a ring on a thin core slows every job crossing it; INA takes its bytes off).
+  it (INA through the spine a ring's flows take shares an uplink with them; through the
+  other spine it does not).
 * :class:`CooperativeAlone`: the cooperative policy with every job's plans priced alone (no
   joint refinement): the baseline pricing the jobs together is measured against.
 * :class:`CooperativeNoCongestion`: the cooperative policy without congestion re-plans (the
@@ -80,6 +81,8 @@ JOINT_REPEATS = 2
 #: A job moves to another plan in the joint refinement only when that lowers the weighted
 #: total time of every job by more than this share (ties keep the plan priced alone best).
 JOINT_GAIN = 0.02
+#: Predictions a PlanModel keeps (then it starts afresh).
+CACHE_ENTRIES = 20_000
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,7 +246,7 @@ class PlanModel:
                                   hop_latency_s=self.hop_latency_s).time_s
         except (ValueError, KeyError):
             t = None  # the model does not apply to this plan here (e.g. unshaped links)
-        self._cache[pkey] = t
+        self._keep(pkey, t)
         return t
 
     def joint_s(self, pairs: list[tuple[JobRequest, Plan]],
@@ -276,10 +279,10 @@ class PlanModel:
                                              rep_ends=ends, until_each=JOINT_REPEATS)
                 # until every job ended JOINT_REPEATS allreduces, every job was sending
                 stop = max(e[min(JOINT_REPEATS, len(e)) - 1] for e in ends)
-                self._cache[jkey] = [inside[-1] / len(inside) for e in ends
-                                     for inside in [[x for x in e if x <= stop * (1 + 1e-9)]]]
+                self._keep(jkey, [inside[-1] / len(inside) for e in ends
+                                  for inside in [[x for x in e if x <= stop * (1 + 1e-9)]]])
             except (ValueError, KeyError):
-                self._cache[jkey] = [alone[i] for i in idx]  # priced alone, as a last resort
+                self._keep(jkey, [alone[i] for i in idx])  # priced alone, as a last resort
         out = list(alone)
         for i, t in zip(idx, self._cache[jkey], strict=True):
             out[i] = t
@@ -302,8 +305,14 @@ class PlanModel:
         nbytes = req.hints.collective_bytes
         key = ("links", self._plan_key(req, plan))
         if key not in self._cache:  # asked at every telemetry snapshot, for every job
-            self._cache[key] = self._link_bytes(req, plan, nbytes) if nbytes else None
+            self._keep(key, self._link_bytes(req, plan, nbytes) if nbytes else None)
         return self._cache[key]
+
+    def _keep(self, key, value) -> None:
+        # keyed by plans and telemetry, which change all the time in a long-running service
+        if len(self._cache) >= CACHE_ENTRIES:
+            self._cache.clear()
+        self._cache[key] = value
 
     def _link_bytes(self, req: JobRequest, plan: Plan, nbytes: int):
         from testbed.topologies import routing
