@@ -153,7 +153,7 @@ class CooperationExperiment(BaseModel):
     repeats: int = Field(1, ge=1, le=20, description="runs of the trace per policy "
                          "(interleaved: repeat 0 of every policy, then repeat 1, ...)")
     policies: list[str] = Field(default_factory=lambda: [
-        n for n, c in POLICIES.items() if getattr(c, "congestion_replans", True)], min_length=1)
+        n for n, c in POLICIES.items() if not c.baseline], min_length=1)
     topology: TopologySpec
     jobs: list[CoopJob] = Field(min_length=1)
     bursts: list[Burst] = Field(default_factory=list, description="cross traffic no policy "
@@ -429,7 +429,7 @@ class _Bursts:
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 self.started += 1
             elif k in self.clients and now >= b.start_s + b.duration_s:
-                _stop([self.clients[k]])
+                _stop([self.clients.pop(k)])  # ended: not started again, not stopped twice
 
     def close(self) -> None:
         _stop([*self.clients.values(), *self.procs])

@@ -47,8 +47,8 @@ from testbed.provider.policies import (
     FabricView,
     PlanModel,
     background,
+    explained,
     make_policy,
-    own_traffic,
     plan_memory,
 )
 from testbed.provider.schema import (
@@ -320,10 +320,7 @@ class FabricManager:
         admitted jobs' own traffic explains (:func:`~testbed.provider.policies.background`;
         the policies price those jobs themselves, together)."""
         snap = self.fabric()
-        if self.model is None:
-            return snap
-        running = [(ls.req, self._plans[n]) for n, ls in self._jobs.items() if n in self._plans]
-        return background(self.model, running, snap)
+        return snap if self.model is None else background(self.model, self._running(), snap)
 
     # ---------------------------------------------------------------- changes
 
@@ -405,16 +402,14 @@ class FabricManager:
         prev = {(lk.src, lk.dst): lk for lk in self.snapshot.links}
         newly: list[tuple[str, str]] = []
         hot: dict[tuple[str, str], int] = {}
-        explained: dict[tuple[str, str], float] = {}  # the share the jobs' own bytes explain
-        for shares in self._own_traffic(snapshot).values():
-            for key, share in shares.items():
-                explained[key] = explained.get(key, 0.0) + share
+        # the share of each link the jobs' own bytes explain
+        own = explained(self.model, self._running(), snapshot) if self.model is not None else {}
         for lk in snapshot.links:
             key = (lk.src, lk.dst)
             p = prev.get(key)
             grew = p is not None and (lk.drops > p.drops or lk.trims > p.trims)
             full = lk.utilisation >= CONGESTED_UTIL and \
-                lk.utilisation - explained.get(key, 0.0) >= FOREIGN_SHARE
+                lk.utilisation - own.get(key, 0.0) >= FOREIGN_SHARE
             if full or grew:
                 hot[key] = self._hot.get(key, 0) + 1
                 if hot[key] == SUSTAINED_SNAPSHOTS:
@@ -592,13 +587,9 @@ class FabricManager:
                 "predicted_comm_s": self.model.comm_s(by[n], p, snap)}) for n, p in plans.items()}
         return plans
 
-    def _own_traffic(self, snapshot: FabricSnapshot) -> dict[str, dict[tuple[str, str], float]]:
-        """Per admitted job with a plan, the share of each directed link its own traffic
-        explains in ``snapshot`` (none without a model)."""
-        if self.model is None:
-            return {}
-        running = [(ls.req, self._plans[n]) for n, ls in self._jobs.items() if n in self._plans]
-        return own_traffic(self.model, running, snapshot)
+    def _running(self) -> list[tuple[JobRequest, Plan]]:
+        """Every admitted job with a plan: its request and that plan."""
+        return [(ls.req, self._plans[n]) for n, ls in self._jobs.items() if n in self._plans]
 
     def _within_quotas(self, reqs: list[JobRequest], plans: dict[str, Plan]) -> dict[str, Plan]:
         """``plans`` with every job that takes its tenant beyond its memory or tree quota

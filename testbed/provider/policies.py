@@ -367,20 +367,28 @@ def own_traffic(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
     return out
 
 
-def background(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
-               snapshot: FabricSnapshot) -> FabricSnapshot:
-    """``snapshot`` with each link's utilisation less what the own traffic of ``jobs`` (each
-    job's request and the plan it runs) explains (:func:`own_traffic`, never below 0): the
-    load of everything else (another provider's tenants, bursts, jobs that gave no bytes),
-    on which :meth:`PlanModel.joint_s` prices ``jobs`` together."""
-    explained: dict[tuple[str, str], float] = {}
+def explained(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
+              snapshot: FabricSnapshot) -> dict[tuple[str, str], float]:
+    """Per directed link, the share of its rate the own traffic of ``jobs`` (each job's
+    request and the plan it runs) explains together in ``snapshot`` (:func:`own_traffic`)."""
+    out: dict[tuple[str, str], float] = {}
     for shares in own_traffic(model, jobs, snapshot).values():
         for k, v in shares.items():
-            explained[k] = explained.get(k, 0.0) + v
-    if not explained:
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def background(model: PlanModel, jobs: list[tuple[JobRequest, Plan]],
+               snapshot: FabricSnapshot) -> FabricSnapshot:
+    """``snapshot`` with each link's utilisation less what the own traffic of ``jobs``
+    explains (:func:`explained`, never below 0): the load of everything else (another
+    provider's tenants, bursts, jobs that gave no bytes), on which :meth:`PlanModel.joint_s`
+    prices ``jobs`` together."""
+    explained_ = explained(model, jobs, snapshot)
+    if not explained_:
         return snapshot
     links = [lk.model_copy(update={"utilisation": max(
-        0.0, lk.utilisation - explained.get((lk.src, lk.dst), 0.0))}) for lk in snapshot.links]
+        0.0, lk.utilisation - explained_.get((lk.src, lk.dst), 0.0))}) for lk in snapshot.links]
     return snapshot.model_copy(update={"links": links})
 
 
@@ -400,6 +408,9 @@ class _Base:
     """Shared by the policies: the model (optional) and predicted times on plans."""
 
     name = ""
+    #: the cooperative policy with one of its parts switched off, for comparison (not run by
+    #: a co-operation trace that names no policies)
+    baseline = False
 
     def __init__(self, model: PlanModel | None = None):
         self.model = model
@@ -575,7 +586,8 @@ class Cooperative(_Base):
                         taken = _add(taken, plan_memory(p, len(by_job[other].hosts)))
                 pick, pick_cost = None, best * (1 - JOINT_GAIN)
                 for c in cands[j.job]:
-                    if c.predicted_comm_s is None or c == out[j.job] or not _fits(view, taken, plan_memory(c, len(j.hosts))):
+                    if c.predicted_comm_s is None or c == out[j.job] or \
+                            not _fits(view, taken, plan_memory(c, len(j.hosts))):
                         continue
                     cost = self.weighted_s(jobs, {**out, j.job: c}, snapshot)
                     if cost < pick_cost:
@@ -596,6 +608,7 @@ class CooperativeAlone(Cooperative):
 
     name = "cooperative_alone"
     joint = False
+    baseline = True
 
 
 class CooperativeNoCongestion(Cooperative):
@@ -604,6 +617,7 @@ class CooperativeNoCongestion(Cooperative):
 
     name = "cooperative_no_congestion"
     congestion_replans = False
+    baseline = True
 
 
 class Oracle(_Base):

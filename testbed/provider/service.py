@@ -478,7 +478,6 @@ class SwitchConfigurator:
         version they reported (:attr:`following`). Returns what was ``adopted`` (jobs),
         ``retiring`` (``[job, job id]`` adopted), ``restored`` and ``removed``
         (``[switch, job id]``)."""
-
         held = self._on_switches()
         out: dict[str, list] = {"adopted": [], "retiring": [], "restored": [], "removed": []}
         for job, s in sorted(saved.items()):
@@ -495,10 +494,10 @@ class SwitchConfigurator:
                     out["retiring"].append([job, int(x["job_id"])])
             if s.get("registration") is None:
                 continue
-            plan = plans.get(job)
+            plan = plans[job]
             reg = s["registration"]
             tree = list(reg.get("tree") or [])
-            if plan is None or not _in_network(plan) or _switch_config(plan) != s["plan"] \
+            if not _in_network(plan) or _switch_config(plan) != s["plan"] \
                     or not tree or any(s["job_id"] not in held.get(sw, ()) for sw in tree):
                 continue
             self._ids[job] = int(s["job_id"])

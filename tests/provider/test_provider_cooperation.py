@@ -51,6 +51,12 @@ def test_shipped_traces_load(name):
     assert len({j.start_s for j in exp.jobs}) == len(exp.jobs)  # different arrival times
 
 
+def test_a_trace_that_names_no_policies_runs_the_four_not_their_baselines():
+    """The cooperative policy's baselines (a part switched off) run only where named."""
+    exp = load_cooperation({k: v for k, v in EXPERIMENT.items() if k != "policies"})
+    assert exp.policies == ["tenant_only", "provider_only", "cooperative", "oracle"]
+
+
 @pytest.mark.parametrize("change, words", [
     ({"policies": ["greedy"]}, "greedy"),
     ({"jobs": [{"name": "a", "hosts": [0, 1], "train": {"algo": "ina"}}]}, "policy's plan"),
