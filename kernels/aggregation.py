@@ -125,10 +125,12 @@ COUNTER_NAMES = (
     "pool_releases",  # shared-pool entries given back (every member had the round's result)
     "pool_collisions",  # rounds sent to the host fallback: every entry they hash to was held
     "upward_coalesced",  # members' requests to resend a partial sum that one resend covered
+    "fallback_relayed",  # a host round's packets relayed between its host fallback and the tree
 )
 (C_CONTRIB, C_COMPLETED, C_RESULTS, C_ANSWERED, C_DUPLICATES, C_STALE, C_NOT_MEMBER, C_BAD_SEQ,
  C_ARP, C_OVERFLOW, C_DROPPED, C_UP_SENT, C_UP_RESENT, C_PARENT_RESULTS, C_FALLBACK,
- C_POOL_CLAIMS, C_POOL_RELEASES, C_POOL_COLLISIONS, C_UP_COALESCED) = range(len(COUNTER_NAMES))
+ C_POOL_CLAIMS, C_POOL_RELEASES, C_POOL_COLLISIONS, C_UP_COALESCED,
+ C_RELAYED) = range(len(COUNTER_NAMES))
 
 
 class Registers(NamedTuple):
@@ -172,6 +174,7 @@ class Jobs(NamedTuple):
     fb_ip: np.ndarray  # int64[J, W]
     fb_port: np.ndarray  # int64[J, W]
     fb_egress: np.ndarray  # int64[J, W]: port towards it
+    fb_ingress: np.ndarray  # int64[J, W]: port its packets arrive on
 
 
 class AdmissionError(ValueError):
@@ -213,7 +216,8 @@ def new_jobs() -> Jobs:
                 np.zeros((j, 6), np.uint8), z.copy(), np.full(j, -1, np.int64),
                 np.full(j, -1, np.int64), z.copy(),
                 z.copy(), np.zeros((j, w, 6), np.uint8), np.zeros((j, w), np.int64),
-                np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64))
+                np.zeros((j, w), np.int64), np.full((j, w), -1, np.int64),
+                np.full((j, w), -1, np.int64))
 
 
 def init_rounds(regs: Registers, lo: int, hi: int, seq0: int) -> None:
@@ -682,16 +686,39 @@ def to_fallback(f, jx, slot, jobs, agg):
     if jobs.fb_n[jx] <= 0:
         return -1
     k = slot % jobs.fb_n[jx]
+    readdress(f, agg, jobs.fb_mac[jx, k], jobs.fb_ip[jx, k], jobs.fb_port[jx, k])
+    return jobs.fb_egress[jx, k]
+
+
+@njit(cache=True, inline="always")
+def from_fallback(f, in_port, jx, slot, jobs):
+    """Whether ``f`` comes from job row ``jx``'s host fallback of slot ``slot`` (its address,
+    UDP port and the port its packets arrive on)."""
+    if jobs.fb_n[jx] <= 0:
+        return False
+    k = slot % jobs.fb_n[jx]
+    if in_port != jobs.fb_ingress[jx, k] or rd_u32be(f, OFF_IP_SRC) != jobs.fb_ip[jx, k] or \
+            rd_u16be(f, OFF_UDP_SPORT) != jobs.fb_port[jx, k]:
+        return False
     for j in range(6):
-        f[OFF_ETH_DST + j] = jobs.fb_mac[jx, k, j]
+        if f[OFF_ETH_SRC + j] != jobs.fb_mac[jx, k, j]:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def readdress(f, agg, dst_mac, dst_ip, dst_port):
+    """Make ``f`` a packet of this aggregator to ``dst_*`` (from the testbed port; no UDP
+    checksum, legal on IPv4, rather than a stale one)."""
+    for j in range(6):
+        f[OFF_ETH_DST + j] = dst_mac[j]
         f[OFF_ETH_SRC + j] = agg.mac[j]
     wr_u32be(f, OFF_IP_SRC, agg.ip)
-    wr_u32be(f, OFF_IP_DST, jobs.fb_ip[jx, k])
+    wr_u32be(f, OFF_IP_DST, dst_ip)
     wr_u16be(f, OFF_UDP_SPORT, TESTBED_UDP_PORT)
-    wr_u16be(f, OFF_UDP_DPORT, jobs.fb_port[jx, k])
-    wr_u16be(f, OFF_UDP_CSUM, 0)  # no UDP checksum (legal on IPv4) rather than a stale one
+    wr_u16be(f, OFF_UDP_DPORT, dst_port)
+    wr_u16be(f, OFF_UDP_CSUM, 0)
     set_ipv4_checksum(f)
-    return jobs.fb_egress[jx, k]
 
 
 class Batch4(NamedTuple):
@@ -769,11 +796,69 @@ def _drop(b, counters, i, r):
 
 
 @njit(cache=True, inline="always")
+def _send_to_fallback(b, i, jx, slot, jobs, agg, counters, counter):
+    """Readdress row ``i`` to the job's host fallback of ``slot``, counted under ``counter``
+    (dropped NO_ROUTE where the job has none)."""
+    port = to_fallback(b.buf[i], jx, slot, jobs, agg)
+    if port < 0:
+        _drop(b, counters, i, DropReason.NO_ROUTE)
+    else:
+        b.out_port[i] = port
+        counters[counter] += 1
+
+
+@njit(cache=True, inline="always")
+def _host_round(h, jx, regs, jobs):
+    """The global slot of the round in header ``h`` if this switch left that round to its host
+    fallback (HOST, the same round), else -1."""
+    g = jobs.base[jx] + h.slot
+    s = np.int64(h.seq & 1)
+    if regs.state[g, s] == HOST and serial_diff(np.int64(h.seq), regs.seq[g, s]) == 0:
+        return g
+    return -1
+
+
+@njit(cache=True, inline="always")
+def _from_host(b, i, jx, regs, jobs, agg, counters):
+    """A packet of the host fallback that summed a round of this tree node (F3): its partial
+    sum (DATA/RETRANSMIT) goes on to the parent, a RESULT for a member switch (the host
+    fallback of a node whose members are switches) down to that member, both as this switch's
+    own packets: the parent and the members check their peer's identity as ever."""
+    f = b.buf[i]
+    h = header(f)
+    if h.slot >= jobs.slots[jx] or h.slot_set != (h.seq & 1):
+        _drop(b, counters, i, DropReason.BAD_SLOT)
+        return
+    if _host_round(h, jx, regs, jobs) < 0:
+        _drop(b, counters, i, DropReason.STALE)  # not a round this switch left to the host
+        return
+    if h.msg_type == MsgType.RESULT:
+        w = np.int64(h.worker_id)
+        if w >= jobs.n_workers[jx]:
+            _drop(b, counters, i, DropReason.BAD_WORKER)
+            return
+        readdress(f, agg, jobs.mac[jx, w], jobs.ip[jx, w], jobs.port[jx, w])
+        b.out_port[i] = jobs.ingress[jx, w] if agg.via_ingress else PORT_UNSET
+    elif jobs.up_egress[jx] >= 0:
+        h.worker_id = jobs.up_index[jx]
+        readdress(f, agg, jobs.up_mac[jx], jobs.up_ip[jx], TESTBED_UDP_PORT)
+        b.out_port[i] = jobs.up_egress[jx]
+    else:
+        _drop(b, counters, i, DropReason.NO_ROUTE)  # the root has no parent to send to
+        return
+    counters[C_RELAYED] += 1
+
+
+@njit(cache=True, inline="always")
 def _parent_result(b, i, n_out, jx, regs, jobs, agg, counters):
-    """A RESULT addressed to this switch: its parent's sum, multicast down; return n_out."""
+    """A RESULT addressed to this switch: its parent's sum, multicast down (a round this
+    switch left to its host fallback: relayed there, F3); return n_out."""
     h = header(b.buf[i])
     if h.slot >= jobs.slots[jx] or h.slot_set != (h.seq & 1):
         _drop(b, counters, i, DropReason.BAD_SLOT)
+        return n_out
+    if _host_round(h, jx, regs, jobs) >= 0:
+        _send_to_fallback(b, i, jx, np.int64(h.slot), jobs, agg, counters, C_RELAYED)
         return n_out
     g = jobs.base[jx] + h.slot
     outcome = apply_parent_result(b.buf[i], jx, g, regs, jobs)
@@ -801,12 +886,7 @@ def _contribution(b, i, n_out, jx, regs, jobs, agg, counters):
     outcome = apply_contribution(f, jx, g, np.uint32(1) << np.uint32(w), regs, jobs, agg,
                                  counters)
     if outcome == FALLBACK:
-        port = to_fallback(f, jx, np.int64(h.slot), jobs, agg)
-        if port < 0:
-            _drop(b, counters, i, DropReason.NO_ROUTE)
-        else:
-            b.out_port[i] = port
-            counters[C_FALLBACK] += 1
+        _send_to_fallback(b, i, jx, np.int64(h.slot), jobs, agg, counters, C_FALLBACK)
         return n_out
     if outcome > 0:
         _drop(b, counters, i, outcome)
@@ -852,9 +932,15 @@ def aggregate_kernel(b, n, regs, jobs, agg, counters):
         if not addressed_to_aggregator(f, ln, agg):
             continue
         st = parse_frame(f, ln)
-        if st == DropReason.NONE and header(f).msg_type == MsgType.RESULT:
-            jx = jobs.row[header(f).job_id]
-            if jx >= 0 and from_parent(f, b.in_port[i], jx, jobs):
+        if st == DropReason.NONE:
+            h = header(f)
+            jx = jobs.row[h.job_id]
+            if jx >= 0 and jobs.mode[jx] == SHARED and from_fallback(
+                    f, b.in_port[i], jx, np.int64(h.slot), jobs):
+                _from_host(b, i, jx, regs, jobs, agg, counters)
+                continue
+            if jx >= 0 and h.msg_type == MsgType.RESULT and from_parent(f, b.in_port[i], jx,
+                                                                         jobs):
                 n_out = _parent_result(b, i, n_out, jx, regs, jobs, agg, counters)
                 continue
         r = check_contribution(f, ln, agg)
@@ -1045,7 +1131,7 @@ class Aggregation:
             J.mac[idx, m.worker] = np.frombuffer(m.mac, np.uint8)
             J.ip[idx, m.worker], J.port[idx, m.worker] = m.ip, m.port
             J.ingress[idx, m.worker] = m.ingress
-        J.up_egress[idx], J.up_ingress[idx], J.fb_egress[idx] = -1, -1, -1
+        J.up_egress[idx], J.up_ingress[idx], J.fb_egress[idx], J.fb_ingress[idx] = -1, -1, -1, -1
         J.fb_n[idx] = len(fallbacks)
         if parent is not None:
             J.up_mac[idx] = np.frombuffer(parent.mac, np.uint8)
@@ -1054,6 +1140,7 @@ class Aggregation:
         for k, fb in enumerate(fallbacks):
             J.fb_mac[idx, k] = np.frombuffer(fb.mac, np.uint8)
             J.fb_ip[idx, k], J.fb_egress[idx, k] = fb.ip, fb.egress
+            J.fb_ingress[idx, k] = fb.ingress
             J.fb_port[idx, k] = fb.index_or_port
         R.val_off[base:base + slots] = -1
         if not shared:

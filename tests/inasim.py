@@ -4,8 +4,9 @@ The workers are the real worker kernels (:mod:`testbed.collectives.inakernel`, o
 the switches are the real ``AggregateStage`` (or its twin ``AggregateReference``); frames are
 real Eth/IPv4/UDP bytes. Between any two nodes a seeded channel loses, duplicates and delays
 (reorders) packets. Layouts: one switch; a two-level aggregation tree (leaf switches of
-``fanout`` workers under a root); or one switch whose job runs in shared mode on a pool too
-small for it, with a host fallback aggregator (another aggregate stage, as on a host).
+``fanout`` workers under a root); one switch whose job runs in shared mode on a pool too
+small for it, with a host fallback aggregator (another aggregate stage, as on a host); or the
+tree with every switch in shared mode, each with a host fallback of its own.
 Deterministic for a seed, and fast: the protocol's invariants can be exercised under any
 impairment mix in a unit test.
 """
@@ -27,7 +28,7 @@ from testbed.datapath.reference.aggregate import AggregateReference
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors import get_compressor
 from testbed.kernels.reference.packets import udp_frame
-from testbed.kernels.wire import FIELD_OFFSETS, HEADER_OFFSET, TESTBED_UDP_PORT
+from testbed.kernels.wire import FIELD_OFFSETS, HEADER_OFFSET, TESTBED_UDP_PORT, MsgType
 
 PORT = 20001
 FB_PORT = TESTBED_UDP_PORT  # a host aggregator binds the testbed port on its host
@@ -45,12 +46,22 @@ def worker_addr(r: int) -> tuple[str, str]:
 FB_MAC, FB_IP = "02:54:42:0f:00:01", "10.253.0.1"
 
 
+def fb_identity(k: int) -> tuple[str, str, int]:
+    """(MAC, IP, UDP port) of the host fallback of tree switch ``k`` (0: the root): each binds
+    a port of its own, as the runner gives every tree level one."""
+    return f"02:54:42:0f:01:{k:02x}", f"10.253.1.{k + 1}", TESTBED_UDP_PORT + k
+
+
 def _raw_mac(s: str) -> bytes:
     return bytes(int(p, 16) for p in s.split(":"))
 
 
 def _raw_ip(s: str) -> bytes:
     return bytes(int(p) for p in s.split("."))
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
 
 
 class Switch:
@@ -64,9 +75,11 @@ class Switch:
             self.ports = [f"p{i}" for i in range(n_ports)]
             named = dict(job, members=[dict(m, ingress=self.ports[m["ingress"]])
                                        for m in job["members"]])
-            for key in ("parent", "fallback"):
-                if job.get(key):
-                    named[key] = dict(job[key], egress=self.ports[job[key]["egress"]])
+            if job.get("parent"):
+                named["parent"] = dict(job["parent"], egress=self.ports[job["parent"]["egress"]])
+            if job.get("fallback"):
+                named["fallback"] = [dict(fb, egress=self.ports[fb["egress"]])
+                                     for fb in _as_list(job["fallback"])]
             self.stage = AggregateStage(ports=self.ports, agg_ip=ip, agg_mac=mac,
                                         pool_slots=job["slots"] + 3,
                                         pool_bytes=pool_entries * 4 * pool_lanes,
@@ -103,7 +116,8 @@ class Sim:
     (granularity ``g``) or ``ik.MODE_NIC`` (each worker's packets cross the SmartNIC codec's
     real ``fixed32`` kernels). ``fanout``: leaf switches of that many workers under a root
     (None: one switch). ``pool``: the one switch's job runs in shared mode on a pool of that
-    many entries, with a host fallback aggregator; ``pool_taken``: entries another job holds.
+    many entries, with a host fallback aggregator (with ``fanout``: every switch of the tree,
+    each with its own); ``pool_taken``: entries another job holds (at the root).
     ``xs``: the inputs (default seeded random); ``step``: THC's repetition counter.
     """
 
@@ -137,6 +151,9 @@ class Sim:
         base = {"slots": W, "seq0": seq0, "lanes": self.E}
         self.nodes, self.links, self.up, self.member_id = {}, {}, {}, {}
         self.agg_of = {}
+        # host fallback node -> (its switch, the switch's identity, member id -> (mac, ip,
+        # port), whether its RESULTs go through the switch, its (mac, ip, port))
+        self.fb_of: dict[str, tuple] = {}
         self.rank_of_ip = {_raw_ip(worker_addr(r)[1]): r for r in range(n)}
 
         def wmember(r, mid, port):
@@ -156,6 +173,9 @@ class Sim:
                                           identity_=(FB_MAC, FB_IP))
                 self.links[("root", n)] = ("fb", 0)
                 self.links[("fb", 0)] = ("root", n)
+                self.fb_of["fb"] = ("root", identity(0), {r: (*worker_addr(r), PORT)
+                                                          for r in range(n)}, False,
+                                    (FB_MAC, FB_IP, FB_PORT))
             self.nodes["root"] = Switch(kind, 0, n + 1, self.job_id, job, pool_entries)
             if pool_taken:  # another job holds these pool entries
                 self._take_pool(pool_taken)
@@ -167,13 +187,17 @@ class Sim:
             return
         leaves = [list(range(i, min(i + fanout, n))) for i in range(0, n, fanout)]
         root_members = []
+        rmac, rip = identity(0)
         for li, ranks in enumerate(leaves):
             name = f"leaf{li}"
             lmac, lip = identity(li + 1)
             job = dict(base, members=[wmember(r, m, m) for m, r in enumerate(ranks)])
-            rmac, rip = identity(0)
             job["parent"] = {"mac": rmac, "ip": rip, "egress": len(ranks), "index": li}
-            self.nodes[name] = Switch(kind, li + 1, len(ranks) + 1, self.job_id, job)
+            if pool is not None:
+                self._fallback(kind, name, li + 1, job, len(ranks) + 1, {
+                    m: (*worker_addr(r), PORT) for m, r in enumerate(ranks)}, False, li)
+            self.nodes[name] = Switch(kind, li + 1, len(ranks) + 2, self.job_id, job,
+                                      pool or 0)
             for m, r in enumerate(ranks):
                 self.up[r] = (name, m)
                 self.links[(name, m)] = ("w", r)
@@ -183,8 +207,34 @@ class Sim:
             self.links[("root", li)] = (name, len(ranks))
             root_members.append({"worker": li, "mac": lmac, "ip": lip,
                                  "port": TESTBED_UDP_PORT, "ingress": li})
-        self.nodes["root"] = Switch(kind, 0, len(leaves), self.job_id,
-                                    dict(base, members=root_members))
+        job = dict(base, members=root_members)
+        if pool is not None:
+            self._fallback(kind, "root", 0, job, len(leaves), {
+                li: (*identity(li + 1), TESTBED_UDP_PORT) for li in range(len(leaves))}, True,
+                None)
+        self.nodes["root"] = Switch(kind, 0, len(leaves) + 1, self.job_id, job, pool or 0)
+        if pool_taken:
+            self._take_pool(pool_taken)
+
+    def _fallback(self, kind, switch, k, job, port, members, via_switch, index):
+        """Put ``switch``'s job (``job``, changed here) in shared mode with a host fallback on
+        its port ``port``; ``members``: the switch's, by member id; ``index``: the switch's
+        member id at its parent (None at the root)."""
+        mac, ip, fport = fb_identity(k)
+        job.update(mode="shared", fallback={"mac": mac, "ip": ip, "port": fport,
+                                            "egress": port})
+        fb_job = {key: v for key, v in job.items() if key in ("slots", "seq0", "lanes")}
+        fb_job.update(mode="fallback", members=[
+            {"worker": m, "mac": a[0], "ip": a[1], "port": a[2], "ingress": 0}
+            for m, a in members.items()])
+        if index is not None:  # the switch is the fallback's parent: it relays
+            smac, sip = identity(k)
+            fb_job["parent"] = {"mac": smac, "ip": sip, "egress": 0, "index": index}
+        name = f"fb-{switch}"
+        self.nodes[name] = Switch(kind, -1, 1, self.job_id, fb_job, identity_=(mac, ip))
+        self.links[(switch, port)] = (name, 0)
+        self.links[(name, 0)] = (switch, port)
+        self.fb_of[name] = (switch, identity(k), members, via_switch, (mac, ip, fport))
 
     def _take_pool(self, entries):
         """Mark pool entries as held by another job's rounds (they stay so)."""
@@ -244,28 +294,51 @@ class Sim:
         decision, reason, emitted, fwd = self.nodes[name].process(data, port)
         if decision == PORT_DROP:
             self.stats["switch_drops"][reason] = self.stats["switch_drops"].get(reason, 0) + 1
-        elif decision >= 0:  # a contribution forwarded (host fallback)
-            self.stats["fallback"] += 1
-            emitted = [(decision, self._as_host_sees(fwd))] + emitted
+        elif decision >= 0:  # forwarded to a host fallback, or relayed from one
+            peer = self.links[(name, decision)][0]
+            if peer in self.fb_of:
+                self.stats["fallback"] += 1
+                fwd = self._as_host_sees(peer, fwd)
+            else:
+                self.stats["relayed"] = self.stats.get("relayed", 0) + 1
+            emitted = [(decision, fwd)] + emitted
         else:
             assert decision in (PORT_HELD, PORT_UNSET), decision
         for out_port, frame in emitted:
             self.stats["results"] += 1
-            if name == "fb":  # the host's RESULTs cross the switch's forwarding to the worker
-                self._transmit(now, "w", self.rank_of_ip[frame[30:34]], frame)
-                continue
+            if name in self.fb_of:
+                frame = self._as_host_sends(name, frame)
+                if frame[30:34] in self.rank_of_ip:  # to a worker, across the fabric
+                    self._transmit(now, "w", self.rank_of_ip[frame[30:34]], frame)
+                    continue
             peer, peer_port = self.links[(name, out_port)]
             self._transmit(now, peer, peer_port, frame)
 
-    def _as_host_sees(self, frame: bytes) -> bytes:
+    def _as_host_sees(self, fb: str, frame: bytes) -> bytes:
         """What ``HostAggregator`` hands its kernel: a frame from its switch (checked here)
-        gets the registered address of the member its header names."""
+        gets the registered address of the member its header names, or, a RESULT (the
+        parent's, relayed), the switch's."""
+        switch, (smac, sip), members, _, _ = self.fb_of[fb]
         f = bytearray(frame)
-        assert f[26:30] == _raw_ip(identity(0)[1]) and f[34:36] == TESTBED_UDP_PORT.to_bytes(
+        assert f[26:30] == _raw_ip(sip) and f[34:36] == TESTBED_UDP_PORT.to_bytes(
             2, "big"), "the switch forwards to its fallback from its own identity"
-        r = int.from_bytes(f[HEADER_OFFSET + FIELD_OFFSETS["worker_id"]:][:2], "little")
-        mac, ip = worker_addr(r)
-        f[6:12], f[26:30], f[34:36] = _raw_mac(mac), _raw_ip(ip), PORT.to_bytes(2, "big")
+        f[36:38] = TESTBED_UDP_PORT.to_bytes(2, "big")  # its socket's port is its own
+        if f[HEADER_OFFSET + FIELD_OFFSETS["msg_type"]] == MsgType.RESULT:
+            return bytes(f)
+        m = int.from_bytes(f[HEADER_OFFSET + FIELD_OFFSETS["worker_id"]:][:2], "little")
+        mac, ip, port = members[m]
+        f[6:12], f[26:30], f[34:36] = _raw_mac(mac), _raw_ip(ip), port.to_bytes(2, "big")
+        return bytes(f)
+
+    def _as_host_sends(self, fb: str, frame: bytes) -> bytes:
+        """What leaves ``HostAggregator``'s socket: from its bound port; a RESULT for a member
+        switch addressed to its own switch, which relays it."""
+        _, (smac, sip), _, via_switch, (_, _, fport) = self.fb_of[fb]
+        f = bytearray(frame)
+        f[34:36] = fport.to_bytes(2, "big")
+        if via_switch and f[HEADER_OFFSET + FIELD_OFFSETS["msg_type"]] == MsgType.RESULT:
+            f[0:6], f[30:34] = _raw_mac(smac), _raw_ip(sip)
+            f[36:38] = TESTBED_UDP_PORT.to_bytes(2, "big")
         return bytes(f)
 
     # --- run -------------------------------------------------------------------------------------

@@ -12,6 +12,14 @@ datagrams from its switch only, gives each the registered address of the member 
 names (so the kernel's membership check holds as on the switch), and answers the workers
 directly; the workers accept RESULTs from their switch and from here. Exactly-once holds as at
 the switch: the same rounds, the same members.
+
+On a tree (every tree switch in shared mode, each with fallbacks of its own on the hosts below
+it) the fallback of a switch below the root is that switch for the rounds it could not hold:
+its job has the switch as parent, so a completed round's partial sum goes to the switch, which
+relays it up as its own, and the parent's RESULT comes back relayed by the switch (F3 in
+``docs/protocol.md``). The fallback of a switch whose members are switches sends its RESULTs to
+its switch too, which relays each to the member it names: a member switch takes RESULTs from
+its parent only.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import socket
 
 import numpy as np
 
-from testbed.kernels.aggregation import MAX_ELEMS_MTU, Aggregation, Batch4, Member
+from testbed.kernels.aggregation import MAX_ELEMS_MTU, Aggregation, Batch4, Member, Peer
 from testbed.kernels.packets import PORT_UNSET, write_eth_ip_udp
 from testbed.kernels.wire import (
     FIELD_OFFSETS,
@@ -30,10 +38,12 @@ from testbed.kernels.wire import (
     HEADER_OFFSET,
     TESTBED_UDP_PORT,
     Codec,
+    MsgType,
 )
 
 BURST = 64
 WORKER_ID = FIELD_OFFSETS["worker_id"]
+MSG_TYPE = FIELD_OFFSETS["msg_type"]
 
 
 def _mac(s: str) -> bytes:
@@ -62,7 +72,9 @@ def _batch(cap: int) -> Batch4:
 class HostAggregator:
     """The fallback aggregator of one job (``job["fallback"]`` of the collectives runner:
     ``ip``, ``mac``, ``port``, ``slots``, ``seq0``, ``lanes``, ``members``, and ``switch_ip``:
-    the switch whose pool it backs, the only source it takes datagrams from)."""
+    the switch whose pool it backs, the only source it takes datagrams from; on a tree also
+    ``switch_mac``, ``parent_index`` (below the root: the switch's member id at its parent)
+    and ``results_via_switch`` (its members are switches))."""
 
     def __init__(self, job_id: int, fb: dict):
         lanes, slots = int(fb["lanes"]), int(fb["slots"])
@@ -74,9 +86,15 @@ class HostAggregator:
         self.table.set_identity(mac=self.mac, ip=self.ip, codec_ok=ok, via_ingress=True)
         members = [Member(int(m["worker"]), _mac(m["mac"]), _ip(m["ip"]), int(m["port"]), 0)
                    for m in fb["members"]]
-        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes,
-                           fallback_host=True)
         self.switch_ip = _ip(fb["switch_ip"])
+        self.switch_mac = _mac(fb.get("switch_mac", "00:00:00:00:00:00"))
+        parent = None
+        if fb.get("parent_index") is not None:  # the switch is this job's parent (see above)
+            parent = Peer(self.switch_mac, self.switch_ip, 0, 0, int(fb["parent_index"]))
+        self.table.add_job(job_id, slots, members, int(fb["seq0"]), lanes=lanes,
+                           fallback_host=True, parent=parent)
+        self.via_switch = (socket.inet_ntoa(self.switch_ip.to_bytes(4, "big")),
+                           TESTBED_UDP_PORT) if fb.get("results_via_switch") else None
         self.member_addr = {m.worker: m for m in members}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -100,15 +118,21 @@ class HostAggregator:
                 break
             if size < HEADER_LEN or size > FRAME_MAX - HEADER_OFFSET:
                 continue
-            member = int.from_bytes(self.dgram[WORKER_ID:WORKER_ID + 2], "little")
-            m = self.member_addr.get(member) \
-                if _ip(src) == self.switch_ip and sport == TESTBED_UDP_PORT else None
-            if m is None:  # not from our switch, or no member of the job: never counted
-                self.foreign += 1
+            if _ip(src) != self.switch_ip or sport != TESTBED_UDP_PORT:
+                self.foreign += 1  # not from our switch: never counted
                 continue
-            b.length[k] = write_eth_ip_udp(b.buf[k], np.frombuffer(m.mac, np.uint8),
-                                           np.frombuffer(self.mac, np.uint8), m.ip, self.ip,
-                                           m.port, TESTBED_UDP_PORT, size - HEADER_LEN)
+            if self.dgram[MSG_TYPE] == MsgType.RESULT:  # the parent's, relayed by the switch
+                mac, ip, port = self.switch_mac, self.switch_ip, TESTBED_UDP_PORT
+            else:
+                member = int.from_bytes(self.dgram[WORKER_ID:WORKER_ID + 2], "little")
+                m = self.member_addr.get(member)
+                if m is None:  # no member of the job
+                    self.foreign += 1
+                    continue
+                mac, ip, port = m.mac, m.ip, m.port
+            b.length[k] = write_eth_ip_udp(b.buf[k], np.frombuffer(mac, np.uint8),
+                                           np.frombuffer(self.mac, np.uint8), ip, self.ip,
+                                           port, TESTBED_UDP_PORT, size - HEADER_LEN)
             b.buf[k, HEADER_OFFSET:HEADER_OFFSET + size] = np.frombuffer(view[:size], np.uint8)
             b.in_port[k], b.out_port[k], b.reason[k] = 0, PORT_UNSET, 0
             k += 1
@@ -117,10 +141,11 @@ class HostAggregator:
         n = self.table.process(b, k)
         for i in range(k, n):
             f = b.buf[i]
-            dst = socket.inet_ntoa(f[30:34].tobytes())
-            dport = (int(f[36]) << 8) | int(f[37])
+            to = (socket.inet_ntoa(f[30:34].tobytes()), (int(f[36]) << 8) | int(f[37]))
+            if self.via_switch is not None and f[HEADER_OFFSET + MSG_TYPE] == MsgType.RESULT:
+                to = self.via_switch  # the switch relays it to the member it names
             try:
-                self.sock.sendto(f[HEADER_OFFSET:b.length[i]].tobytes(), (dst, dport))
+                self.sock.sendto(f[HEADER_OFFSET:b.length[i]].tobytes(), to)
                 self.sent += 1
             except BlockingIOError:
                 pass  # the worker retransmits; its round is answered again

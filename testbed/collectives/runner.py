@@ -41,7 +41,7 @@ from testbed.collectives import cpumon, flowmodel, ports
 from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.dilation import calibrate
 from testbed.collectives.report import make_row
-from testbed.collectives.spec import SHARED_TREE_ERROR, CollectiveSpec
+from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels.wire import TESTBED_UDP_PORT
 
@@ -437,7 +437,8 @@ def _ina_columns(handle: InaJob, fallback: dict | None) -> dict:
     per_switch = handle.switch_counters()
     host_rounds = int((fallback or {}).get("completed", 0))
     spec = handle.spec
-    rounds = _ina().rounds(spec, len(handle.plan.workers)) * spec.repetitions
+    # a round is aggregated once at every tree switch (or that switch's host fallback)
+    rounds = _ina().rounds(spec, len(handle.plan.workers)) * spec.repetitions * len(handle.tree)
     return {"tree": handle.tree, "host_fallback_chunks": host_rounds,
             "placement_mode": (spec.placement or {}).get("mode", "static"),
             "in_network_fraction": round(1.0 - host_rounds / rounds, 4) if rounds else None,
@@ -488,6 +489,46 @@ class InaJob:
                                   f"{self.spec.job_id} failed: {'; '.join(errors)}")
 
 
+def _shared_fallbacks(net, plan, regs: dict, workers: list, rounds: dict) -> list[dict]:
+    """Put every switch of the job's tree in shared mode (``regs``: their registrations,
+    changed here) with host fallback aggregators of its own: one per worker host below it,
+    slot ``s`` overflowing to the ``(s % n)``-th, so the overflow is spread like a sharded
+    reduction server rather than onto one host's link. A host serves every tree level above
+    it, each level on a UDP port of its own (the root's ``TESTBED_UDP_PORT``, the next switch
+    in ``plan.tree`` one more, ...). Below the root a fallback's partial sums go to its switch,
+    which relays them up; a fallback whose switch has switches as members sends its RESULTs
+    through its switch too (``docs/protocol.md``, F3). Returns the fallbacks the workers'
+    pool starts (``HostAggregator``'s settings, with ``rounds``: slots, seq0, lanes)."""
+    aggs = net.aggregators()
+    below: dict[str, list] = {sw: [] for sw in plan.tree}
+    for host, w in zip(workers, plan.workers, strict=True):
+        sw = w["switch"]
+        while sw is not None:
+            below[sw].append(host)
+            parent = plan.nodes[sw]["parent"]
+            sw = parent["switch"] if parent else None
+    switch_members = {n["parent"]["switch"] for n in plan.nodes.values() if n["parent"]}
+    fallbacks = []
+    for level, sw in enumerate(plan.tree):
+        node, port = plan.nodes[sw], TESTBED_UDP_PORT + level
+        members = [{k: m[k] for k in ("worker", "mac", "ip", "port")} for m in node["members"]]
+        regs[sw]["mode"] = "shared"
+        regs[sw]["fallback"] = []
+        for host in dict.fromkeys(below[sw]):
+            regs[sw]["fallback"].append({"mac": host.MAC(), "ip": host.IP(), "port": port,
+                                         "egress": net.first_hop(sw, host.name,
+                                                                 TESTBED_UDP_PORT, port)})
+            fb = {"host": host.name, "pid": int(host.pid), "ip": host.IP(), "mac": host.MAC(),
+                  "port": port, "switch": sw, "switch_ip": aggs[sw]["ip"],
+                  "switch_mac": aggs[sw]["mac"], "members": members, **rounds}
+            if node["parent"]:
+                fb["parent_index"] = node["parent"]["index"]
+            if sw in switch_members:
+                fb["results_via_switch"] = True
+            fallbacks.append(fb)
+    return fallbacks
+
+
 def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> InaJob:
     """Control plane of an INA job: plan its aggregation tree (``spec.placement``), give every
     worker its UDP port, its switch and member id, and register the job (members, parent,
@@ -502,45 +543,36 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
         plan = net.ina_plan(workers, port, place.get("tree"))
     except ValueError as e:  # a TopologyError names what is wrong with the tree
         raise ValueError(f"CollectiveSpec.placement: {e}") from None
-    if place.get("mode") == "shared" and len(plan.tree) > 1:
-        raise ValueError(f"{SHARED_TREE_ERROR} (tree 'auto' gave {plan.tree})")
     if place.get("mode") == "shared":
         # the provider's pool policy: a window no larger than the job's fair share of the pool
-        agg = net.switch_client(plan.root).counters()["stages"]["aggregate"]
-        if agg["memory"].get("pool_fair_share", True):
-            others = sum(1 for jid, j in agg["jobs"].items()
-                         if j["mode"] == "shared" and jid != str(spec.job_id))
-            slots = _ina().fair_share_slots(spec.slots, agg["memory"]["pool_entries"], others)
-            if slots != spec.slots:  # the handle's spec says what the switch holds
-                spec = dataclasses.replace(spec, placement={**place, "slots": slots})
-                if "spec" in job:  # the pool's job file (a provider's entry has none)
-                    job["spec"] = {**job["spec"], "placement": spec.placement}
+        # of every tree switch
+        slots = spec.slots
+        for sw in plan.tree:
+            agg = net.switch_client(sw).counters()["stages"]["aggregate"]
+            if agg["memory"].get("pool_fair_share", True):
+                others = sum(1 for jid, j in agg["jobs"].items()
+                             if j["mode"] == "shared" and jid != str(spec.job_id))
+                slots = min(slots, _ina().fair_share_slots(
+                    spec.slots, agg["memory"]["pool_entries"], others))
+        if slots != spec.slots:  # the handle's spec says what the switches hold
+            spec = dataclasses.replace(spec, placement={**place, "slots": slots})
+            if "spec" in job:  # the pool's job file (a provider's entry has none)
+                job["spec"] = {**job["spec"], "placement": spec.placement}
     seq0 = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
     lanes = _ina().ina_lanes(spec, len(workers))
     regs = plan.registrations(spec.slots, seq0, lanes)
     fallbacks: list[dict] = []
     if place.get("mode") == "shared":
-        # one fallback aggregator per worker host; slot s overflows to the (s % n)-th, so the
-        # overflow is spread like a sharded reduction server rather than onto one host's link
-        regs[plan.root]["mode"] = "shared"
-        regs[plan.root]["fallback"] = []
-        members = [{"worker": i, "mac": h.MAC(), "ip": h.IP(), "port": port, "ingress": 0}
-                   for i, h in enumerate(workers)]
-        for host in dict.fromkeys(workers):
-            egress = net.first_hop(plan.root, host.name, TESTBED_UDP_PORT, TESTBED_UDP_PORT)
-            regs[plan.root]["fallback"].append({"mac": host.MAC(), "ip": host.IP(),
-                                                "port": TESTBED_UDP_PORT, "egress": egress})
-            fallbacks.append({"host": host.name, "pid": int(host.pid), "ip": host.IP(),
-                              "switch_ip": net.aggregators()[plan.root]["ip"],
-                              "mac": host.MAC(), "port": TESTBED_UDP_PORT, "slots": spec.slots,
-                              "seq0": seq0, "lanes": lanes, "members": members})
+        fallbacks = _shared_fallbacks(net, plan, regs, workers,
+                                      {"slots": spec.slots, "seq0": seq0, "lanes": lanes})
     job["seq0"] = seq0
     job["tree"] = plan.tree
     job["fallbacks"] = fallbacks
     for r, w in enumerate(plan.workers):
         job["ranks"][r].update(port=port, member=w["member"], aggregator={
             "ip": w["ip"], "mac": w["mac"], "switch": w["switch"],
-            "port": TESTBED_UDP_PORT, "fallback_ips": [f["ip"] for f in fallbacks]})
+            "port": TESTBED_UDP_PORT,
+            "fallback_ips": list(dict.fromkeys(f["ip"] for f in fallbacks))})
     clients: dict = {}
     handle = InaJob(spec, plan, clients, fallbacks)
     for sw in plan.tree:

@@ -49,9 +49,6 @@ PLACEMENT_KEYS = ("tree", "mode", "slots", "refused", "engine_death", "link_fail
 #: Members one aggregating switch takes (SwitchML's 32-bit bitmap): a job of more workers
 #: needs a tree, each switch of which aggregates at most this many.
 MAX_SWITCH_MEMBERS = 32
-SHARED_TREE_ERROR = ("CollectiveSpec.placement: mode 'shared' (host fallback) is implemented "
-                     "for single-switch placements; use tree='single' or one switch, or mode "
-                     "'static' for a tree")
 
 
 class FieldError(ValueError):
@@ -345,8 +342,6 @@ class CollectiveSpec(Communication):
         if p.get("mode", "static") not in ("static", "shared"):
             raise FieldError("placement", f"CollectiveSpec.placement.mode={p.get('mode')!r} must be "
                              "'static' or 'shared'")
-        if p.get("mode") == "shared" and isinstance(tree, list | tuple) and len(tree) > 1:
-            raise FieldError("placement", SHARED_TREE_ERROR)
         if p.get("refused", "fail") not in ("fail", "ring"):
             raise FieldError("placement", f"CollectiveSpec.placement.refused={p.get('refused')!r} must be "
                              "'fail' (an admission refusal is an error) or 'ring' (run the job "

@@ -254,10 +254,6 @@ class JobSpec(_Communication):
     def _placement_needs_ina(self) -> JobSpec:
         if self.placement is not None and not is_offloaded(self.algo):
             raise ValueError(f"placement applies to algo 'ina' or 'nic', not {self.algo!r}")
-        if self.placement is not None and self.placement.mode == "shared" and isinstance(
-                self.placement.tree, list) and len(self.placement.tree) > 1:
-            raise ValueError("placement mode 'shared' works on one switch; use tree 'single' "
-                             "or one switch name, or mode 'static' for a tree")
         if self.hosts is not None and (len(set(self.hosts)) != len(self.hosts)
                                        or min(self.hosts, default=0) < 0 or not self.hosts):
             raise ValueError(f"hosts={self.hosts!r} must be distinct host ranks >= 0")

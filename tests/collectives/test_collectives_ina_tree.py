@@ -67,17 +67,23 @@ def test_leaf_spine_tree_int32_and_thc(leaf_spine):
 
 
 def test_tree_exact_with_loss_dup_reorder_at_a_mid_tree_switch(leaf_spine):
-    net = leaf_spine
-    c = net.switch_client("tbl1")
-    c.configure("impair", loss=0.05, dup=0.05, reorder=0.2, seed=4)
+    spec = _spec(placement={"tree": "auto"}, repetitions=2, seed=5)
+    check_rows(impaired_run(leaf_spine, "tbl1", spec, loss=0.05, dup=0.05, reorder=0.2, seed=4),
+               spec, 4)
+
+
+def impaired_run(net, switch: str, spec: CollectiveSpec, **impair) -> list[dict]:
+    """Run ``spec`` while ``switch``'s ingress impair stage acts with ``impair`` (it is a zero
+    impairment otherwise); checks it did lose, duplicate and reorder; returns the rows."""
+    c = net.switch_client(switch)
+    c.configure("impair", **impair)
     try:
-        spec = _spec(placement={"tree": "auto"}, repetitions=2, seed=5)
         rows = run_collective(net, spec)
     finally:
         c.configure("impair", loss=0.0, dup=0.0, reorder=0.0)
-    check_rows(rows, spec, 4)
-    imp = net.counters()["datapath"]["tbl1"]["stages"]["impair"]["totals"]
+    imp = net.counters()["datapath"][switch]["stages"]["impair"]["totals"]
     assert imp["lost"] > 0 and imp["duplicated"] > 0 and imp["reordered"] > 0  # it did act
+    return rows
 
 
 def test_fat_tree_hierarchy_cuts_core_bytes():
@@ -224,4 +230,5 @@ def test_shared_jobs_window_is_capped_at_its_fair_share_of_the_pool(small_switch
             h.release()
         c.configure("aggregate", pool_fair_share=False)
     assert not _switch_stats(net, "tbs1")["jobs"]
+
 

@@ -801,6 +801,62 @@ def test_round_whose_entries_are_held_goes_to_the_host_for_that_round_only(two_f
     assert c["jobs"]["1"]["slots_at_host"] == 2  # both slots' round 11 went to the host
 
 
+def _shared_tree_pair(entries=1):
+    """A leaf switch (job 1: 2 members, 2 slots) in shared mode on a pool of ``entries``
+    entries, its host fallback FB2 behind port 6, its parent behind port 7 (UPLINK)."""
+    kj, rj = _jobs(True, {1: (2, 2, 10)}), _jobs(False, {1: (2, 2, 10)})
+    kj[1].update(mode="shared", fallback=dict(FB2, egress=PORTS[6]),
+                 parent=dict(PARENT, egress=PORTS[UPLINK]))
+    rj[1].update(mode="shared", fallback=dict(FB2, egress=6), parent=dict(PARENT, egress=UPLINK))
+    stage = AggregateStage(ports=PORTS, pool_slots=8, max_elems=16, jobs=kj,
+                           pool_bytes=entries * 4 * 256, memory_bytes=64 << 10)
+    ref = AggregateReference(DEFAULT_AGG_MAC, DEFAULT_AGG_IP, rj, max_elems=16,
+                             pool_entries=entries, pool_lanes=256)
+    return stage, ref
+
+
+FB2_SRC = (bytes.fromhex("0254420f0002"), bytes([10, 253, 0, 2]), 41001)
+
+
+def test_a_tree_node_relays_the_host_rounds_between_its_fallback_and_the_tree():
+    """F3: a leaf whose pool is held leaves round 10 of slot 1 to its host fallback; the
+    fallback's partial sum goes up as the leaf's own (its identity, its
+    member id at the parent), the parent's RESULT of that round back to the fallback; a RESULT
+    the fallback sends for a member (a fallback of switches) goes down as the leaf's. Packets
+    with the fallback's address from another port, or for a round the leaf holds itself, or
+    from the fallback of a round the leaf never left to it, are not relayed."""
+    stage, ref = _shared_tree_pair()
+    both(stage, ref, [frame(1, 0, 0, 10, [1] * 4)], [0])  # slot 0 holds the only entry
+    for w in (0, 1):
+        assert both_fwd(stage, ref, [frame(1, w, 1, 10, [w + 1] * 4)], [w])[0] == [(6, 0)]
+    up = frame(1, 1, 1, 10, [3] * 4, src=FB2_SRC)
+    dec, res, fwd = both_fwd(stage, ref, [up], [6])
+    assert dec == [(UPLINK, 0)] and res == []
+    h = unpack_header(fwd[0], HEADER_OFFSET)
+    assert (h["msg_type"], h["worker_id"], h["seq"]) == (MsgType.DATA, PARENT["index"], 10)
+    assert fwd[0][:6] == PARENT_MAC and fwd[0][6:12] == AGG_MAC and fwd[0][26:30] == AGG_IP
+    assert fwd[0][30:34] == PARENT_IP and values_of(fwd[0]).tolist() == [3] * 4
+    # the parent's RESULT of the host's round goes to the fallback, from the leaf
+    dec, res, fwd = both_fwd(stage, ref, [parent_result(10, [30] * 4, slot=1)], [UPLINK])
+    assert dec == [(6, 0)] and res == [] and fwd[0][30:34] == bytes([10, 253, 0, 2])
+    assert fwd[0][26:30] == AGG_IP and fwd[0][36:38] == (41001).to_bytes(2, "big")
+    # a RESULT the fallback addresses to member 1 through the leaf
+    down = frame(1, 1, 1, 10, [30] * 4, MsgType.RESULT, src=FB2_SRC)
+    dec, _, fwd = both_fwd(stage, ref, [down], [6])
+    assert dec == [(1, 0)] and fwd[0][30:34] == bytes([10, 1, 0, 2]) and fwd[0][26:30] == AGG_IP
+    assert fwd[0][36:38] == (5001).to_bytes(2, "big")
+    # not relayed: from another port (not a member either), a round the leaf holds, a round
+    # the fallback never had
+    assert both(stage, ref, [up], [2])[0] == [(PORT_DROP, R.NOT_MEMBER)]
+    assert both(stage, ref, [frame(1, 9, 0, 10, [3] * 4, src=FB2_SRC)], [6])[0] == \
+        [(PORT_DROP, R.STALE)]
+    assert both(stage, ref, [frame(1, 9, 1, 12, [3] * 4, src=FB2_SRC)], [6])[0] == \
+        [(PORT_DROP, R.STALE)]
+    assert both(stage, ref, [frame(1, 5, 1, 10, [3] * 4, MsgType.RESULT, src=FB2_SRC)],
+                [6])[0] == [(PORT_DROP, R.BAD_WORKER)]
+    assert stage.counters()["fallback_relayed"] == 3
+
+
 def test_released_entry_reclaimed_by_another_job_never_mixes_their_sums():
     """Job 1's round 10 leaves its sum in the one entry; job 2's round 21 reclaims the entry
     once job 1's members all sent round 11; a retransmission of job 1's round 10 is then STALE
@@ -910,14 +966,17 @@ def test_two_jobs_time_sharing_a_pool_agree_with_the_twin_and_never_mix(events, 
     flush()
 
 
-@pytest.mark.parametrize("layout", ["tree", "shared"])
+@pytest.mark.parametrize("layout", ["tree", "shared", "shared_tree"])
 @pytest.mark.parametrize("seed", range(3))
 def test_trees_and_shared_pool_exact_under_impairments_and_twin_agrees(layout, seed):
-    """A two-level tree (leaves of 3 workers), or a shared pool too small for the job (host
-    fallback for the rest), over a channel that loses, duplicates and reorders on every hop:
-    exact sums, twice in a row, and the kernels and the twins take the same decisions."""
+    """A two-level tree (leaves of 3 workers), a shared pool too small for the job (host
+    fallback for the rest), or that tree with every switch on a pool too small (each level's
+    host fallback for the rest, its packets relayed by its switch), over a channel that loses,
+    duplicates and reorders on every hop: exact sums, twice in a row, and the kernels and the
+    twins take the same decisions."""
     kw = dict(n=7, W=4, count=2500, seed=seed, loss=0.08, dup=0.08, reorder=0.3, reps=2)
-    kw.update(fanout=3) if layout == "tree" else kw.update(pool=4, pool_taken=(0, 1))
+    kw.update({"tree": dict(fanout=3), "shared": dict(pool=4, pool_taken=(0, 1)),
+               "shared_tree": dict(fanout=3, pool=2, pool_taken=(0,))}[layout])
     a, b = Sim(**kw), Sim(**kw, kernels=ik_ref, switch="reference")
     pa, pb = a.run(), b.run()
     want = a.expected_qsum(pa[0])
@@ -925,5 +984,7 @@ def test_trees_and_shared_pool_exact_under_impairments_and_twin_agrees(layout, s
     assert all(np.array_equal(x.qsum, y.qsum) for x, y in zip(pa, pb, strict=True))
     assert a.stats == b.stats or {k: v for k, v in a.stats.items() if k != "switch_drops"} == \
         {k: v for k, v in b.stats.items() if k != "switch_drops"}
-    if layout == "shared":
+    if layout != "tree":
         assert a.stats["fallback"] > 0
+    if layout == "shared_tree":  # partial sums and results of host rounds crossed the tree
+        assert a.stats["relayed"] > 0

@@ -93,7 +93,8 @@ class AggregateReference:
             "shared": mode == "shared", "follows": mode == "fallback",
             "parent": None if parent is None else (_mac(parent["mac"]), _ip(parent["ip"]),
                                                    int(parent["egress"]), int(parent["index"])),
-            "fallback": [(_mac(x["mac"]), _ip(x["ip"]), int(x["port"]), int(x["egress"]))
+            "fallback": [(_mac(x["mac"]), _ip(x["ip"]), int(x["port"]), int(x["egress"]),
+                          int(x.get("ingress", x["egress"])))
                          for x in ([] if fb is None else fb if isinstance(fb, list) else [fb])]}
         seq0 = int(spec.get("seq0", 0))
         for k in range(int(spec["slots"])):
@@ -111,6 +112,11 @@ class AggregateReference:
             return PORT_UNSET, 0, []
         status, _hdr = parse_frame(np.frombuffer(f, np.uint8), len(f))
         h = wire.unpack_header(f, wire.HEADER_OFFSET) if not status else None
+        if h is not None:
+            job = self.jobs.get(int(h["job_id"]))
+            if job is not None and job["shared"] and self._from_fallback(f, in_port, job,
+                                                                         int(h["slot"])):
+                return self._from_host(f, h, job)
         if h is not None and int(h["msg_type"]) == MsgType.RESULT:
             job = self.jobs.get(int(h["job_id"]))
             if job is not None and self._from_parent(f, in_port, job):
@@ -245,17 +251,54 @@ class AggregateReference:
         if self.rounds[(jid, slot, 1 - (r & 1))]["seq"] == (r - 1) % SEQ:
             self._release(jid, slot, 1 - (r & 1))
 
-    def _fallback(self, f: bytes, job: dict, slot: int):
-        if not job["fallback"]:
-            return PORT_DROP, R.NO_ROUTE, []
-        mac, ip, port, egress = job["fallback"][slot % len(job["fallback"])]
+    def _readdress(self, f: bytes, mac: bytes, ip: bytes, port: int) -> bytearray:
+        """``f`` as this aggregator's packet to ``mac``/``ip``/``port``."""
         g = bytearray(f)
         g[0:6], g[30:34] = mac, ip
-        g[6:12], g[26:30] = self.mac, self.ip  # from the switch: the member is in the header
+        g[6:12], g[26:30] = self.mac, self.ip
         g[34:36] = wire.TESTBED_UDP_PORT.to_bytes(2, "big")
         g[36:38], g[40:42] = port.to_bytes(2, "big"), b"\0\0"
         g[24:26] = b"\0\0"
         g[24:26] = ipv4_checksum(bytes(g[14:34])).to_bytes(2, "big")
+        return g
+
+    def _fallback(self, f: bytes, job: dict, slot: int):
+        if not job["fallback"]:
+            return PORT_DROP, R.NO_ROUTE, []
+        mac, ip, port, egress, _ = job["fallback"][slot % len(job["fallback"])]
+        # from the switch: the member is in the header
+        self.last_frame = bytes(self._readdress(f, mac, ip, port))
+        return egress, 0, []
+
+    def _from_fallback(self, f: bytes, in_port: int, job: dict, slot: int) -> bool:
+        if not job["fallback"]:
+            return False
+        mac, ip, port, _, ingress = job["fallback"][slot % len(job["fallback"])]
+        return (in_port, f[6:12], f[26:30], int.from_bytes(f[34:36], "big")) == (
+            ingress, mac, ip, port)
+
+    def _from_host(self, f: bytes, h, job: dict):
+        """The host fallback's packet of a round it summed for this node, relayed: a partial
+        sum up to the parent, a RESULT down to the member switch it names."""
+        jid, slot, r = int(h["job_id"]), int(h["slot"]), int(h["seq"])
+        if slot >= job["slots"] or int(h["slot_set"]) != r & 1:
+            return PORT_DROP, R.BAD_SLOT, []
+        here = self.rounds[(jid, slot, r & 1)]
+        if here["state"] != "host" or here["seq"] != r:
+            return PORT_DROP, R.STALE, []
+        if int(h["msg_type"]) == MsgType.RESULT:
+            w = int(h["worker_id"])
+            if w not in job["members"]:
+                return PORT_DROP, R.BAD_WORKER, []
+            mac, ip, port, ingress = job["members"][w]
+            self.last_frame = bytes(self._readdress(f, mac, ip, port))
+            return (ingress if self.via_ingress else PORT_UNSET), 0, []
+        if job["parent"] is None:
+            return PORT_DROP, R.NO_ROUTE, []
+        mac, ip, egress, index = job["parent"]
+        g = self._readdress(f, mac, ip, wire.TESTBED_UDP_PORT)
+        o = wire.HEADER_OFFSET + wire.FIELD_OFFSETS["worker_id"]
+        g[o:o + 2] = index.to_bytes(2, "little")
         self.last_frame = bytes(g)
         return egress, 0, []
 
@@ -269,6 +312,8 @@ class AggregateReference:
         if slot >= job["slots"] or int(h["slot_set"]) != r & 1:
             return PORT_DROP, R.BAD_SLOT, []
         here = self.rounds[(jid, slot, r & 1)]
+        if here["state"] == "host" and here["seq"] == r:  # summed by the host: its result
+            return self._fallback(f, job, slot)
         d = _diff(r, here["seq"])
         if d < 0:
             return PORT_DROP, R.STALE, []
