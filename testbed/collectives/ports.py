@@ -35,6 +35,12 @@ fewer is unchanged.
 INA (UDP): a worker of job ``j`` binds ``ina_worker_port(j)`` (``20000 + j % 10000``) and
 sends to the aggregator's ``INA_AGG_PORT`` (41000).
 
+Host fallback aggregators of shared-mode INA (UDP): the fallback of job ``j``'s tree switch
+at depth ``d`` below the root binds ``fallback_port(j, d)`` (42000-60999, eight depths per
+job): a host serves every tree switch on its path to the root, one per depth, and the jobs
+(or one job's plans, each registered under a job id of its own) on a host bind ports of their
+own, unless their ids differ by a multiple of ``FALLBACK_JOB_SLOTS``.
+
 UET-like transport (UDP, ``testbed.collectives.uet``): a rank receives on its address's
 testbed port (41000) and sprays its packets from ``uet_port(j, e)`` for entropy ``e`` (ports
 30000-32767, below the ephemeral range): one rank per address, so the ports need no rank.
@@ -145,3 +151,21 @@ def uet_port(job_id: int, entropy: int) -> int:
     if not 0 <= entropy < UET_MAX_ENTROPIES:
         raise ValueError(f"entropy={entropy!r} must be 0..{UET_MAX_ENTROPIES - 1}")
     return UET_PORT_BASE + (job_id % UET_JOB_SLOTS) * UET_MAX_ENTROPIES + entropy
+
+
+#: Host fallback aggregators' ports: ``FALLBACK_PORT_BASE + (job_id % FALLBACK_JOB_SLOTS) *
+#: MAX_TREE_DEPTH + depth``.
+FALLBACK_PORT_BASE = 42000
+MAX_TREE_DEPTH = 8
+FALLBACK_JOB_SLOTS = (TCP_BIG_LO - FALLBACK_PORT_BASE) // MAX_TREE_DEPTH
+
+
+def fallback_port(job_id: int, depth: int) -> int:
+    """UDP port the host fallback aggregators of job ``job_id``'s tree switch at ``depth``
+    (0: the root) bind."""
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
+        raise ValueError(f"job_id={job_id!r} must be an integer >= 0")
+    if not 0 <= depth < MAX_TREE_DEPTH:
+        raise ValueError(f"depth={depth}: shared-mode trees have at most {MAX_TREE_DEPTH} "
+                         "levels of switches")
+    return FALLBACK_PORT_BASE + (job_id % FALLBACK_JOB_SLOTS) * MAX_TREE_DEPTH + depth

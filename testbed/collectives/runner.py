@@ -489,13 +489,14 @@ class InaJob:
                                   f"{self.spec.job_id} failed: {'; '.join(errors)}")
 
 
-def _shared_fallbacks(net, plan, regs: dict, workers: list, rounds: dict) -> list[dict]:
+def _shared_fallbacks(net, plan, job_id: int, regs: dict, workers: list,
+                      rounds: dict) -> list[dict]:
     """Put every switch of the job's tree in shared mode (``regs``: their registrations,
     changed here) with host fallback aggregators of its own: one per worker host below it,
     slot ``s`` overflowing to the ``(s % n)``-th, so the overflow is spread like a sharded
-    reduction server rather than onto one host's link. A host serves every tree level above
-    it, each level on a UDP port of its own (the root's ``TESTBED_UDP_PORT``, the next switch
-    in ``plan.tree`` one more, ...). Below the root a fallback's partial sums go to its switch,
+    reduction server rather than onto one host's link. A host serves every tree switch on its
+    path to the root, each on the UDP port of its depth (``ports.fallback_port``). Below the
+    root a fallback's partial sums go to its switch,
     which relays them up; a fallback whose switch has switches as members sends its RESULTs
     through its switch too (``docs/protocol.md``, F3). Returns the fallbacks the workers'
     pool starts (``HostAggregator``'s settings, with ``rounds``: slots, seq0, lanes)."""
@@ -508,9 +509,14 @@ def _shared_fallbacks(net, plan, regs: dict, workers: list, rounds: dict) -> lis
             parent = plan.nodes[sw]["parent"]
             sw = parent["switch"] if parent else None
     switch_members = {n["parent"]["switch"] for n in plan.nodes.values() if n["parent"]}
+
+    def depth(sw: str) -> int:
+        parent = plan.nodes[sw]["parent"]
+        return 0 if parent is None else 1 + depth(parent["switch"])
+
     fallbacks = []
-    for level, sw in enumerate(plan.tree):
-        node, port = plan.nodes[sw], TESTBED_UDP_PORT + level
+    for sw in plan.tree:
+        node, port = plan.nodes[sw], ports.fallback_port(job_id, depth(sw))
         members = [{k: m[k] for k in ("worker", "mac", "ip", "port")} for m in node["members"]]
         regs[sw]["mode"] = "shared"
         regs[sw]["fallback"] = []
@@ -563,7 +569,7 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
     regs = plan.registrations(spec.slots, seq0, lanes)
     fallbacks: list[dict] = []
     if place.get("mode") == "shared":
-        fallbacks = _shared_fallbacks(net, plan, regs, workers,
+        fallbacks = _shared_fallbacks(net, plan, spec.job_id, regs, workers,
                                       {"slots": spec.slots, "seq0": seq0, "lanes": lanes})
     job["seq0"] = seq0
     job["tree"] = plan.tree

@@ -33,13 +33,14 @@ def small_pools():
 
 def test_shared_pools_on_a_tree_fall_back_per_level_and_stay_exact(small_pools):
     """Two jobs in shared mode on trees of the spine and both leaves (one by 'auto', one
-    given), at once, with pools too small at every level: each switch's rounds that find
-    its pool held go to that switch's host fallbacks, whose partial sums and results the
-    switch relays; every job is exact, also with loss, duplication and reordering at a leaf."""
+    given), at once and sharing two hosts, with pools too small at every level: each
+    switch's rounds that find its pool held go to that switch's host fallbacks (on a shared
+    host, each job's on ports of its own), whose partial sums and results the switch relays;
+    every job is exact, also with loss, duplication and reordering at a leaf."""
     net = small_pools
     specs = [_spec(job_id=20, hosts=[0, 1, 3, 4], placement={"tree": "auto", "mode": "shared",
                                                              "slots": 16}),
-             _spec(job_id=21, hosts=[2, 5], seed=1, placement={
+             _spec(job_id=21, hosts=[1, 2, 4, 5], seed=1, placement={
                  "tree": ["tbsp1", "tbl1", "tbl2"], "mode": "shared", "slots": 16})]
     before = {s: _switch_stats(net, s) for s in ("tbsp1", "tbl1", "tbl2")}
     out = _concurrent(net, specs)

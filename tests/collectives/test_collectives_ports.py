@@ -9,14 +9,17 @@ import pytest
 
 from testbed.collectives import hd, ring
 from testbed.collectives.ports import (
+    FALLBACK_JOB_SLOTS,
     INA_AGG_PORT,
     MAX_BIG_RANKS,
     MAX_RANKS,
+    MAX_TREE_DEPTH,
     TCP_BIG_LO,
     TCP_BIG_SLOTS,
     TCP_JOB_SLOTS,
     TCP_PORT_HI,
     TCP_PORT_LO,
+    fallback_port,
     ina_worker_port,
     tcp_port,
     tcp_tuple,
@@ -42,6 +45,20 @@ def test_ports_stay_out_of_reserved_ranges():
         tcp_port(1, 0, MAX_BIG_RANKS)
     with pytest.raises(ValueError, match="itself"):
         tcp_tuple(1, 2, 2)
+
+
+def test_host_fallbacks_bind_a_port_per_job_and_depth():
+    """A host serves one tree switch per depth of a job, and several jobs (or one job's plans,
+    each under a job id of its own): every (job, depth) has its UDP port, clear of the INA
+    workers', the aggregator's and the large jobs' TCP ports."""
+    got = {fallback_port(j, d) for j in range(FALLBACK_JOB_SLOTS) for d in range(MAX_TREE_DEPTH)}
+    assert len(got) == FALLBACK_JOB_SLOTS * MAX_TREE_DEPTH
+    assert min(got) > INA_AGG_PORT and max(got) < TCP_BIG_LO
+    assert fallback_port(5, 1) == fallback_port(5 + FALLBACK_JOB_SLOTS, 1)
+    with pytest.raises(ValueError, match="levels"):
+        fallback_port(1, MAX_TREE_DEPTH)
+    with pytest.raises(ValueError, match="job_id"):
+        fallback_port(-1, 0)
 
 
 def test_every_port_of_a_job_is_its_own():
