@@ -44,7 +44,8 @@ OUT_HELP = ("results root: a folder <name>-<time>/ is created in it (default: $T
 BENCH_OUT_HELP = ("also store the rows (jsonl, csv, parquet), metadata and a plot in "
                   "DIR/bench-<name>-<time>/")
 POLICY_HELP = ("with --algo auto: the provider's policy (tenant_only, provider_only, "
-               "cooperative, cooperative_alone, cooperative_no_congestion, oracle)")
+               "cooperative, cooperative_alone, cooperative_static, cooperative_no_congestion, "
+               "oracle)")
 DILATION_HELP = ("run the network F times slower (links at bw/F, delays and timeouts times F) "
                  "and report undilated times; 'auto' calibrates the smallest F that keeps the "
                  "CPU unsaturated")

@@ -321,14 +321,16 @@ def _check_plan_request(hints: dict | None, policy: str) -> None:
 
 def fabric_manager(net, policy: str = "cooperative"):
     """A provider's fabric manager of the running ``net``: its inventory, the static
-    aggregator memory its engines report, the flow model with the measured hop latency."""
+    aggregator memory and shared pools its engines report, the flow model with the measured
+    hop latency."""
     from testbed.provider.manager import FabricManager, inventory_of
     from testbed.provider.policies import PlanModel
-    from testbed.provider.service import engine_memory
+    from testbed.provider.service import engine_memory, engine_pool_entries
 
     desc = net.describe()
     model = PlanModel(desc, hop_latency_s=net.hop_latency_s())
-    return FabricManager(inventory_of(desc, engine_memory(net)), policy, model)
+    return FabricManager(inventory_of(desc, engine_memory(net), engine_pool_entries(net)),
+                         policy, model)
 
 
 def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "cooperative",

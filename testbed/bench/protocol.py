@@ -284,7 +284,8 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "testbed.bench.cooperation:measure", case=("trace", "bw_mbps", "policy"),
         columns=("trace", "bw_mbps", "policy", "repeats", "mean_jct_median_s", "spread",
                  "vs_tenant_only", "vs_provider_only", "vs_oracle",
-                 "vs_cooperative_no_congestion", "vs_cooperative_alone", "lying_vs_honest",
+                 "vs_cooperative_no_congestion", "vs_cooperative_alone",
+                 "vs_cooperative_static", "lying_vs_honest",
                  "failed", "cpu_bound_runs", "replans"),
         options=(Option("traces", "cloud_cooperation,cloud_no_help,cloud_cheater,"
                         "cloud_congestion,cloud_spines",

@@ -24,8 +24,11 @@ its parent only.
 
 from __future__ import annotations
 
+import json
+import os
 import selectors
 import socket
+import sys
 
 import numpy as np
 
@@ -178,3 +181,37 @@ class HostAggregator:
     def close(self) -> None:
         """Close the socket."""
         self.sock.close()
+
+
+def serve_main() -> int:
+    """``python -m testbed.collectives.fallback``: serve the host fallback aggregators of a
+    job whose ranks run outside the collectives' pool (a training job's, a launched one's:
+    :func:`testbed.collectives.runner.host_fallbacks`). Reads one JSON line from standard
+    input (``job_id``, ``timeout_s``, ``fallbacks``: the registration's), forks them as the
+    pool does (each in its host's namespace, dying with this process), says ``{"type":
+    "ready"}`` (or ``"error"``) on standard output, serves until standard input closes, then
+    writes their summed counters as one JSON line."""
+    from testbed.collectives.spec import CollectiveSpec
+    from testbed.collectives.worker import _start_fallbacks, _stop_fallbacks
+    from testbed.lifeline import follow_owner
+
+    follow_owner()  # the fallbacks go with this process: they hold PR_SET_PDEATHSIG
+    order = json.loads(sys.stdin.readline())
+    spec = CollectiveSpec(op="allreduce", algo="ina", nbytes=4, job_id=int(order["job_id"]),
+                          timeout_s=float(order.get("timeout_s", 30.0)))
+    job = {"fallbacks": order["fallbacks"], "_pool_pid": os.getpid()}
+    try:
+        started = _start_fallbacks(job, spec)
+    except Exception as e:  # noqa: BLE001 - reported to the control plane, which raises it
+        print(json.dumps({"type": "error", "error": str(e)}), flush=True)
+        return 2
+    print(json.dumps({"type": "ready"}), flush=True)
+    sys.stdin.read()  # until the control plane closes it (or dies)
+    result: dict = {}
+    _stop_fallbacks(started, result)
+    print(json.dumps({"type": "counters", "counters": result.get("fallback", {})}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import random
+import selectors
 import shlex
 import shutil
 import signal
@@ -562,8 +563,11 @@ def register_ina_job(net, spec: CollectiveSpec, job: dict, workers: list) -> Ina
                     spec.slots, agg["memory"]["pool_entries"], others))
         if slots != spec.slots:  # the handle's spec says what the switches hold
             spec = dataclasses.replace(spec, placement={**place, "slots": slots})
-            if "spec" in job:  # the pool's job file (a provider's entry has none)
-                job["spec"] = {**job["spec"], "placement": spec.placement}
+            # and so does the job file the ranks read (a collective's, a training job's, a
+            # launched job's; a provider's entry has none)
+            for key in ("spec", "train", "torch"):
+                if isinstance(job.get(key), dict):
+                    job[key] = {**job[key], "placement": spec.placement}
     seq0 = random.SystemRandom().getrandbits(32)  # late packets of earlier runs: STALE
     lanes = _ina().ina_lanes(spec, len(workers))
     regs = plan.registrations(spec.slots, seq0, lanes)
@@ -820,6 +824,56 @@ def adopt_registration(spec: CollectiveSpec, job: dict, workers: list,
                                aggregator=dict(reg["aggregator"]))
 
 
+#: Seconds the host fallbacks of a job outside the pool get to start (kernels load, sockets).
+FALLBACKS_START_S = 60
+
+
+@contextlib.contextmanager
+def host_fallbacks(job: dict, spec: CollectiveSpec):
+    """Serve ``job["fallbacks"]`` (a shared-mode INA registration's host fallback
+    aggregators) while the ``with`` block runs, for ranks that run outside the collectives'
+    pool (which serves them itself): one process (``python -m testbed.collectives.fallback``)
+    forks them into their hosts' namespaces; on exit their summed counters go to
+    ``job["fallback"]``. Nothing to do without fallbacks."""
+    if not job.get("fallbacks"):
+        yield
+        return
+    _refuse_remote_fallbacks(job)
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.collectives.fallback"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write(json.dumps({"job_id": spec.job_id, "timeout_s": spec.timeout_s,
+                                     "fallbacks": job["fallbacks"]}) + "\n")
+        proc.stdin.flush()
+        ready = _line_within(proc, FALLBACKS_START_S)
+        if ready.get("type") != "ready":
+            raise CollectiveError(f"{spec.op}/{spec.algo}: job {spec.job_id}'s host fallback "
+                                  f"aggregators did not start: {ready.get('error', ready)}")
+        yield
+    finally:
+        try:  # closing its standard input stops them; it then reaps them and reports
+            out, _ = proc.communicate(timeout=30)
+            last = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+            if last and last[-1].get("type") == "counters":
+                job["fallback"] = last[-1]["counters"]
+        except (subprocess.TimeoutExpired, OSError, ValueError):
+            proc.kill()  # its fallbacks die with it (PR_SET_PDEATHSIG)
+            proc.wait()
+
+
+def _line_within(proc: subprocess.Popen, timeout_s: float) -> dict:
+    """The next JSON line ``proc`` writes within ``timeout_s`` ({} if it exits or stays
+    silent, then it is killed)."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if sel.select(timeout_s):
+            line = proc.stdout.readline()
+            with contextlib.suppress(ValueError):
+                return json.loads(line)
+    proc.kill()
+    return {}
+
+
 @contextlib.contextmanager
 def offload_job(net, spec: CollectiveSpec, job: dict, workers: list,
                 registration: dict | None = None):
@@ -842,7 +896,8 @@ def offload_job(net, spec: CollectiveSpec, job: dict, workers: list,
                 _release(net, spec, client)
             raise
     try:
-        yield client
+        with host_fallbacks(job, spec):
+            yield client
     except BaseException:
         with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
             _release(net, spec, client)

@@ -80,7 +80,14 @@ from testbed.provider.manager import (
     inventory_of,
     same_offload,
 )
-from testbed.provider.policies import POLICIES, PlanModel, candidates, make_policy, plan_memory
+from testbed.provider.policies import (
+    INT32_LANES,
+    POLICIES,
+    PlanModel,
+    candidates,
+    make_policy,
+    plan_memory,
+)
 from testbed.provider.policies import FabricView as _View
 from testbed.provider.schema import Hints, JobRequest, Plan
 from testbed.workloads.spec import TrainingSpec
@@ -223,9 +230,18 @@ def apply_plan(spec: TrainingSpec, plan: Plan) -> TrainingSpec:
 
 def static_memory(topology: TopologySpec) -> int:
     """Bytes of static partitions per switch: its memory minus the shared pool."""
+    return _memory(topology)[0] - _memory(topology)[1]
+
+
+def pool_entries(topology: TopologySpec) -> int:
+    """Entries of the shared pool per switch (one round of 256 int32 lanes each)."""
+    return _memory(topology)[1] // (4 * INT32_LANES)
+
+
+def _memory(topology: TopologySpec) -> tuple[int, int]:
+    """(aggregator memory, shared pool) per switch, in bytes."""
     mem = int(topology.switch_memory) if topology.switch_memory is not None else DEFAULT_MEMORY
-    pool = int(topology.shared_pool) if topology.shared_pool is not None else mem // 4
-    return mem - pool
+    return mem, int(topology.shared_pool) if topology.shared_pool is not None else mem // 4
 
 
 def jain(xs: list[float]) -> float | None:
@@ -589,7 +605,7 @@ def _run_policies(exp: CooperationExperiment, net, meta: dict, rows: list, logs:
                   say) -> None:
     hop = net.hop_latency_s()
     model = PlanModel(net.topo, hop_latency_s=hop)
-    inv = inventory_of(net.topo, static_memory(exp.topology))
+    inv = inventory_of(net.topo, static_memory(exp.topology), pool_entries(exp.topology))
     meta.update(hop_latency_s=hop, describe=net.describe())
     summaries: dict[str, list[dict]] = {p: [] for p in exp.policies}
     for rep in range(exp.repeats):

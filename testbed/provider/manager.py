@@ -116,14 +116,19 @@ class NoFeasiblePlan(ProviderError):
     status = 503
 
 
-def inventory_of(topology, memory_bytes: int | dict[str, int]) -> FabricSnapshot:
+def inventory_of(topology, memory_bytes: int | dict[str, int],
+                 pool_entries: int | dict[str, int] = 0) -> FabricSnapshot:
     """The inventory of a topology (a ``TestbedTopo`` or its ``describe()`` dict): its hosts,
-    every switch (programmable ones with ``memory_bytes`` of static aggregator memory: one
-    number for all, or per switch name) and both directions of every shaped link."""
+    every switch (programmable ones with ``memory_bytes`` of static aggregator memory and
+    ``pool_entries`` entries of shared pool: one number for all, or per switch name) and both
+    directions of every shaped link."""
     desc = topology if isinstance(topology, dict) else topology.describe()
     prog = set(desc.get("programmable", []))
     mem = memory_bytes if isinstance(memory_bytes, dict) else dict.fromkeys(prog, memory_bytes)
+    pool = pool_entries if isinstance(pool_entries, dict) else dict.fromkeys(prog,
+                                                                              pool_entries)
     switches = [SwitchState(name=n, memory_bytes=int(mem.get(n, 0)) if n in prog else 0,
+                            pool_entries=int(pool.get(n, 0)) if n in prog else 0,
                             programmable=n in prog) for n in desc["switches"]]
     links = []
     for s in desc["links"]:
@@ -310,7 +315,7 @@ class FabricManager:
         """The latest snapshot with this manager's allocations in each switch's state."""
         alloc = self._allocations(self._plans)
         switches = [SwitchState(name=s.name, memory_bytes=s.memory_bytes,
-                                programmable=s.programmable,
+                                pool_entries=s.pool_entries, programmable=s.programmable,
                                 allocated_bytes=dict(alloc.get(s.name, {})))
                     for s in self.inventory.switches]
         return self.snapshot.model_copy(update={"switches": switches})

@@ -35,6 +35,15 @@ is planned with run at once. The snapshot a :class:`~testbed.provider.manager.Fa
 gives a policy is its telemetry less what the admitted jobs' own traffic explains
 (:func:`background`): the jobs are modelled themselves, so their bytes are not counted twice.
 
+Shared pools: where a tree's switches have a shared pool (``SwitchState.pool_entries``), the
+cooperative policy and the oracle may also plan INA in shared mode (ATP's best-effort
+aggregation): it takes no static memory, so it competes with the memory-free plans (ring,
+compression) on its predicted time; its window is the fair share of the smallest pool on its
+tree beside the other shared-mode jobs there (:func:`shared_windows`, the cap the data path's
+registration applies), and it is priced as the flow model's INA with that window times
+:data:`SHARED_MARGIN` (what the model misses of a small window and the host fallback's
+rounds, measured).
+
 A compressor is "within the error budget" when its relative L2 error, measured here on a
 standard normal vector (:func:`compressor_error`), is at most the job's ``error_budget``
 (default :data:`DEFAULT_BUDGET` of its tolerance). Trimming is not planned: the model prices
@@ -81,6 +90,13 @@ JOINT_REPEATS = 2
 #: A job moves to another plan in the joint refinement only when that lowers the weighted
 #: total time of every job by more than this share (ties keep the plan priced alone best).
 JOINT_GAIN = 0.02
+#: A shared-mode INA plan is priced at the flow model's time times this. The model
+#: underestimates a small INA allreduce (measured 1.28x at 150 packets on a 3-switch tree),
+#: and a shared plan's window (a fair share of a small pool: a few slots) meets round trips
+#: under load longer than the idle hop latency the model takes, plus the host fallback's
+#: rounds. Without it, on ``cloud_cheater`` at 50 Mb/s a shared plan the model priced even
+#: with the ring measured 1.20x the ring's JCT (``bench cooperation``).
+SHARED_MARGIN = 1.3
 #: Predictions a PlanModel keeps (then it starts afresh).
 CACHE_ENTRIES = 20_000
 
@@ -145,14 +161,16 @@ class FabricView:
             elif link.src in self.switches and link.dst in self.switches:
                 self.adj.setdefault(link.src, set()).add(link.dst)
 
-    def trees(self, hosts: list[str]) -> list[list[str]]:
+    def trees(self, hosts: list[str], pool: bool = False) -> list[list[str]]:
         """Candidate trees (root last) of ``hosts``: their one edge switch; else for each
         switch adjacent to all their edge switches, that switch alone and the hierarchical
-        tree (edge switches, then it). Only programmable switches with memory."""
+        tree (edge switches, then it). Only programmable switches with static memory (with
+        ``pool``: with a shared pool)."""
         if any(h not in self.edge for h in hosts):
             return []
         edges = sorted({self.edge[h] for h in hosts})
-        ok = {n for n, s in self.switches.items() if s.programmable and s.memory_bytes > 0}
+        ok = {n for n, s in self.switches.items()
+              if s.programmable and (s.pool_entries if pool else s.memory_bytes) > 0}
         if len(edges) == 1:
             return [edges] if edges[0] in ok else []
         roots = sorted(r for r in ok if all(r in self.adj.get(e, ()) for e in edges))
@@ -164,6 +182,37 @@ class FabricView:
     def free(self, taken: dict[str, int]) -> dict[str, int]:
         """Static memory left per switch once ``taken`` (switch -> bytes) is reserved."""
         return {n: s.memory_bytes - taken.get(n, 0) for n, s in self.switches.items()}
+
+
+def shared_slots(view: FabricView, tree: list[str], sharers: int) -> int:
+    """The window a shared-mode INA plan on ``tree`` gets with ``sharers`` shared-mode jobs on
+    its busiest switch, this one counted: the fair share of the smallest pool
+    (:func:`testbed.collectives.ina.fair_share_slots`, the cap the data path's registration
+    applies too)."""
+    # Function-level import: the INA client loads Numba kernels.
+    from testbed.collectives.ina import fair_share_slots
+
+    return min(fair_share_slots(SLOTS, view.switches[s].pool_entries, sharers - 1)
+               for s in tree)
+
+
+def shared_windows(plans: dict[str, Plan], snapshot: FabricSnapshot) -> dict[str, Plan]:
+    """``plans`` with each shared-mode INA plan's window at its fair share of the pools beside
+    the other shared-mode plans on its switches (a candidate is priced as if it shared with
+    one other job; once the plans are chosen their number is known)."""
+    shared = [p for p in plans.values() if p.mode == "shared" and isinstance(p.tree, list)]
+    if not shared:
+        return plans
+    view = FabricView(snapshot)
+    on = {s: sum(s in p.tree for p in shared) for s in view.switches}
+    out = dict(plans)
+    for p in shared:
+        slots = min(shared_slots(view, [s], on[s]) for s in p.tree)
+        if slots != p.slots:
+            out[p.job] = p.model_copy(update={"slots": slots, "reason": p.reason + (
+                f"; window {slots}: its fair share of the pools beside "
+                f"{max(on[s] for s in p.tree) - 1} other shared job(s)")})
+    return out
 
 
 def _add(taken: dict[str, int], mem: dict[str, int]) -> dict[str, int]:
@@ -246,6 +295,7 @@ class PlanModel:
                                   hop_latency_s=self.hop_latency_s).time_s
         except (ValueError, KeyError):
             t = None  # the model does not apply to this plan here (e.g. unshaped links)
+        t = _margin(plan, t)
         self._keep(pkey, t)
         return t
 
@@ -279,7 +329,8 @@ class PlanModel:
                                              rep_ends=ends, until_each=JOINT_REPEATS)
                 # until every job ended JOINT_REPEATS allreduces, every job was sending
                 stop = max(e[min(JOINT_REPEATS, len(e)) - 1] for e in ends)
-                self._keep(jkey, [inside[-1] / len(inside) for e in ends
+                self._keep(jkey, [_margin(pairs[i][1], inside[-1] / len(inside))
+                                  for i, e in zip(idx, ends, strict=True)
                                   for inside in [[x for x in e if x <= stop * (1 + 1e-9)]]])
             except (ValueError, KeyError):
                 self._keep(jkey, [alone[i] for i in idx])  # priced alone, as a last resort
@@ -424,6 +475,7 @@ class _Base:
                  snapshot: FabricSnapshot | None) -> dict[str, Plan]:
         """``plans`` (one per job of ``jobs``) with the model's times of the jobs running at
         once (:meth:`PlanModel.joint_s`) as ``predicted_comm_s``."""
+        plans = shared_windows(plans, snapshot)
         if self.model is None:
             return {j.job: plans[j.job] for j in jobs}
         times = self.model.joint_s([(j, plans[j.job]) for j in jobs], snapshot)
@@ -478,7 +530,9 @@ class ProviderOnly(_Base):
 def candidates(req: JobRequest, view: FabricView) -> list[Plan]:
     """Every plan a job's hints allow: ring; ring with each summable compressor within its
     error budget (error feedback for ``lossy_ef``); INA on each candidate tree; INA + THC
-    within the budget."""
+    within the budget; INA on the shared pools of each tree whose switches have one (no
+    static memory: its window is a fair share of the pools, the rounds they cannot hold go to
+    the job's host fallbacks; priced as INA with that window)."""
     job, b = req.job, budget(req.hints)
     ef = req.hints.tolerance == "lossy_ef"
     out = [_ring(job, "ring")]
@@ -499,6 +553,11 @@ def candidates(req: JobRequest, view: FabricView) -> list[Plan]:
                 out.append(Plan(job=job, algo="ina", tree=tree, slots=slots, compressor=name,
                                 compressor_params=params, reason=f"INA + {name} {params} on "
                                 f"{tree} (error {err:.3g} <= budget {b:g})"))
+    for tree in view.trees(req.hosts, pool=True):
+        out.append(Plan(job=job, algo="ina", tree=tree, mode="shared",
+                        slots=shared_slots(view, tree, 2),
+                        reason=f"INA on the shared pools of {tree} (no static memory; "
+                        "rounds the pools cannot hold: host fallback)"))
     return out
 
 
@@ -513,6 +572,16 @@ def _key(plan: Plan) -> tuple[float, float]:
     return _cost(plan.predicted_comm_s), err
 
 
+def _margin(plan: Plan, t: float | None) -> float | None:
+    """The model's time ``t`` of ``plan`` as a policy prices it (:data:`SHARED_MARGIN`)."""
+    return t * SHARED_MARGIN if t is not None and _shared(plan) else t
+
+
+def _shared(plan: Plan) -> bool:
+    """Whether ``plan`` aggregates on the shared pools (the tier after static memory)."""
+    return is_offloaded(plan.algo) and plan.mode == "shared"
+
+
 def _weight(req: JobRequest) -> float:
     """How much a second of a job's iteration is worth: its iterations x (1 + priority)."""
     return (req.hints.iterations or 1) * (1 + req.hints.priority)
@@ -525,6 +594,8 @@ class Cooperative(_Base):
     name = "cooperative"
     #: refine the plans priced together (:meth:`_refine`)
     joint = True
+    #: plan INA on the shared pools where a job gets no static memory
+    pools = True
 
     def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
         """Best memory-free plan per job; then, by weighted time saved, the best plan that
@@ -534,8 +605,9 @@ class Cooperative(_Base):
         best_mem: dict[str, Plan] = {}
         every: dict[str, list[Plan]] = {}
         for j in jobs:
-            cands = every[j.job] = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
-            free = [c for c in cands if not plan_memory(c, len(j.hosts))]
+            cands = every[j.job] = [self.predicted(j, c, snapshot) for c in candidates(j, view)
+                                    if self.pools or not _shared(c)]
+            free = [c for c in cands if not plan_memory(c, len(j.hosts)) and not _shared(c)]
             best_free[j.job] = min(free, key=_key)
             mem = sorted((c for c in cands if plan_memory(c, len(j.hosts))), key=_key)
             if mem and _cost(mem[0].predicted_comm_s) < _cost(best_free[j.job].predicted_comm_s):
@@ -561,6 +633,11 @@ class Cooperative(_Base):
             if name in best_mem and out[name] is best_free[name]:
                 out[name] = p.model_copy(update={"reason": p.reason + "; no switch memory "
                                                  "left for its INA plans"})
+        for name, p in list(out.items()):  # no static memory: the shared pools, if faster
+            if not plan_memory(p, len(by_job[name].hosts)):
+                pooled = sorted((c for c in every[name] if _shared(c)), key=_key)
+                if pooled and _cost(pooled[0].predicted_comm_s) < _cost(p.predicted_comm_s):
+                    out[name] = pooled[0]
         return self.together(jobs, self._refine(jobs, out, every, view, snapshot), snapshot)
 
     def _refine(self, jobs: list[JobRequest], out: dict[str, Plan], cands: dict[str, list[Plan]],
@@ -611,6 +688,15 @@ class CooperativeAlone(Cooperative):
     baseline = True
 
 
+class CooperativeStatic(Cooperative):
+    """The cooperative policy without the shared pools (static memory or none): the baseline
+    that shows what planning INA on the pools is worth."""
+
+    name = "cooperative_static"
+    pools = False
+    baseline = True
+
+
 class CooperativeNoCongestion(Cooperative):
     """The cooperative policy that does not re-plan on congestion (arrivals, departures and
     hints it still does): the baseline that shows what congestion re-plans are worth."""
@@ -636,10 +722,11 @@ class Oracle(_Base):
         options = []
         for j in jobs:
             cands = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
-            free = min((c for c in cands if not plan_memory(c, len(j.hosts))), key=_key)
-            mem = [c for c in cands if plan_memory(c, len(j.hosts))
-                   and _cost(c.predicted_comm_s) < _cost(free.predicted_comm_s)]
-            options.append([free] + sorted(mem, key=_key)[:4])
+            free = min((c for c in cands if not plan_memory(c, len(j.hosts))
+                        and not _shared(c)), key=_key)
+            better = [c for c in cands if (plan_memory(c, len(j.hosts)) or _shared(c))
+                      and _cost(c.predicted_comm_s) < _cost(free.predicted_comm_s)]
+            options.append([free] + sorted(better, key=_key)[:5])
         best, best_cost = None, math.inf
         for combo in itertools.product(*options):
             taken: dict[str, int] = {}
@@ -673,7 +760,7 @@ class Oracle(_Base):
 
 #: Policies by name.
 POLICIES = {c.name: c for c in (TenantOnly, ProviderOnly, Cooperative, CooperativeAlone,
-                                 CooperativeNoCongestion, Oracle)}
+                                 CooperativeStatic, CooperativeNoCongestion, Oracle)}
 
 
 def make_policy(name: str, model: PlanModel | None = None, **kw):

@@ -112,10 +112,13 @@ class Plan(communication_model(_Strict)):
 
 
 class SwitchState(_Strict):
-    """One programmable switch: aggregator memory configured and allocated, per job."""
+    """One programmable switch: aggregator memory configured and allocated, per job, and the
+    entries of its shared pool (one round of 256 int32 lanes each: the jobs in shared mode
+    take them round by round, the rest go to their host fallbacks)."""
 
     name: str
     memory_bytes: int = Field(ge=0)
+    pool_entries: int = Field(default=0, ge=0)
     allocated_bytes: dict[str, int] = Field(default_factory=dict)
     programmable: bool = True
 

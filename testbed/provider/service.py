@@ -946,12 +946,21 @@ def engine_memory(net) -> dict[str, int]:
     """Static aggregator memory per switch of a running ``TestbedNet``, as its engines'
     ``aggregate`` stages report it (configured minus the shared pool); switches without
     that stage are left out."""
+    return {name: int(mem["configured_bytes"]) - int(mem["pool_bytes"])
+            for name, mem in _engine_memories(net).items()}
+
+
+def engine_pool_entries(net) -> dict[str, int]:
+    """Shared-pool entries per switch of a running ``TestbedNet``, as its engines report."""
+    return {name: int(mem["pool_entries"]) for name, mem in _engine_memories(net).items()}
+
+
+def _engine_memories(net) -> dict[str, dict]:
     out = {}
     for name, client in sorted(net.datapath_clients().items()):
         agg = client.counters().get("stages", {}).get("aggregate")
         if agg is not None:
-            mem = agg["memory"]
-            out[name] = int(mem["configured_bytes"]) - int(mem["pool_bytes"])
+            out[name] = agg["memory"]
     return out
 
 
@@ -983,7 +992,8 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
         memory_bytes = engine_memory(net)
     topo = getattr(topology, "topo", topology)
     desc = topo if isinstance(topo, dict) else topo.describe()
-    inventory = inventory_of(desc, memory_bytes)
+    inventory = inventory_of(desc, memory_bytes,
+                             engine_pool_entries(net) if net is not None else 0)
     try:
         model = PlanModel(desc)
     except (ValueError, KeyError, TypeError):

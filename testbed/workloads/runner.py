@@ -283,10 +283,17 @@ class _Job:
                                     f"applied: {e}")
             return
         self.refused_since = None
+        try:
+            self.channel.send({"type": "plan", "epoch": epoch, "job": {
+                k: job[k] for k in ("train", "spec", "ranks", "bw_bps", "seq0", "tree",
+                                    "fallbacks") if k in job}})
+        except OSError:  # the pool has ended (its result says how): nobody to switch
+            self.channel = None
+            self._drop_plane(epoch)
+            self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
+                                    "applied: the job's pool had ended")
+            return
         self.epoch = epoch
-        self.channel.send({"type": "plan", "epoch": epoch, "job": {
-            k: job[k] for k in ("train", "spec", "ranks", "bw_bps", "seq0", "tree",
-                                "fallbacks") if k in job}})
         self.offered = (epoch, spec)
 
     def finished(self) -> bool:

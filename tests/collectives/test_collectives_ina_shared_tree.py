@@ -60,3 +60,38 @@ def test_shared_pools_on_a_tree_fall_back_per_level_and_stay_exact(small_pools):
     check_rows(rows, spec, 4)
     assert rows[0]["host_fallback_chunks"] > 0
     assert all(not _switch_stats(net, s)["jobs"] for s in ("tbsp1", "tbl1", "tbl2"))
+
+
+def test_a_training_job_on_the_shared_pools_serves_its_host_fallbacks(small_pools):
+    """A training job's ranks run outside the collectives' pool, so its control plane
+    (``offload_job``) serves its host fallbacks itself: exact, replicas agree, every tree
+    switch sent host rounds to them, and nothing of it is left running. With the fair share
+    on, the window the switches hold (capped at registration: 1 slot of a 4-entry pool) is
+    the one its ranks use (a rank sending on a slot the switches do not hold would stall)."""
+    import subprocess
+
+    from testbed.workloads import TrainingSpec, run_training
+
+    net = small_pools
+    spec = TrainingSpec(algo="ina", hosts=[0, 1, 3, 4], iterations=6, eval_every=3,
+                        target_accuracy=0.5, job_id=23,
+                        placement={"tree": "auto", "mode": "shared", "slots": 16})
+    before = {s: _switch_stats(net, s) for s in ("tbsp1", "tbl1", "tbl2")}
+    res = run_training(net, spec)
+    s = res.summary
+    assert res.error is None and s["correct"] and s["replicas_agree"], (res.error, s)
+    for sw in ("tbsp1", "tbl1", "tbl2"):
+        after = _switch_stats(net, sw)
+        assert after["fallback_forwarded"] > before[sw]["fallback_forwarded"], sw
+        assert not after["jobs"]
+    clients = [net.switch_client(s) for s in ("tbsp1", "tbl1", "tbl2")]
+    for c in clients:
+        c.configure("aggregate", pool_fair_share=True)
+    try:
+        res = run_training(net, dataclasses.replace(spec, iterations=3, job_id=24))
+    finally:
+        for c in clients:
+            c.configure("aggregate", pool_fair_share=False)
+    assert res.error is None and res.summary["correct"], res.error
+    ps = subprocess.run(["pgrep", "-f", "testbed.collectives.fallback"], capture_output=True)
+    assert ps.stdout == b""

@@ -209,6 +209,17 @@ def test_bench_cooperation_rows_medians_spread_ratios_and_targets():
             assert coop[f"vs_{baseline}"] == round(7 / blind_jct, 4)
             assert targets(rows)[name][0] is pays
             assert len([t for t in targets(rows) if " pay (" in t]) == 1
+    # the shared pools change only some jobs' plans: better on some case run, and never
+    # worse beyond 5 % (a case where they changed no plan measures the same plans twice)
+    name = ("INA on the shared pools pay (cooperative < cooperative_static somewhere, never "
+            "beyond +5%)")
+    for cases, pays in (((9, 7.2), True), ((7, 7), False), ((9, 6.5), False)):
+        rows = []
+        for rate, static_jct in zip((10.0, 20.0), cases, strict=True):
+            runs = [summary(p, j, k) for k in range(3)
+                    for p, j in (("cooperative_static", static_jct), ("cooperative", 7))]
+            rows += policy_rows("cloud_cheater", rate, runs)
+        assert targets(rows)[name][0] is pays, (cases, targets(rows)[name])
 
 
 def test_bench_cooperation_compares_a_liar_with_its_honest_twin():

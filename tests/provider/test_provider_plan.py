@@ -411,3 +411,29 @@ def test_jobs_sharing_a_full_link_are_not_congested_by_each_other(topo, model):
     assert fm.congested() == {}
     fm.observe(snap(0.35, 0.25), now=10)
     assert fm.congested() == {"tbl1->tbsp1": 1}
+
+
+def test_a_job_left_without_static_memory_aggregates_on_the_shared_pools(topo, model):
+    """Static memory for one INA job, a 64-entry pool on every switch: the cooperative policy
+    gives the memory to one aggregating job and puts the next on the shared pools of its tree
+    (window: its fair share beside the other shared jobs, as the data path's registration
+    caps it; priced at the model's time x SHARED_MARGIN, and only where that beats its
+    memory-free plan); without pools (or as cooperative_static) those jobs ring."""
+    big2 = BIG.model_copy(update={"job": "big2", "hosts": ["tbh4", "tbh5", "tbh9", "tbh10"]})
+    pools = inventory_of(topo, 96 * KIB, 64)
+    assert all(s.pool_entries == 64 for s in pools.switches)
+    shared = [c for c in candidates(big2, FabricView(pools)) if c.mode == "shared"]
+    assert [c.tree for c in shared] == [["tbsp1"], ["tbl1", "tbl2", "tbsp1"]]
+    assert all(c.algo == "ina" and c.slots == 8 and not plan_memory(c, 4) for c in shared)
+    assert not [c for c in candidates(big2, FabricView(_inv(topo))) if c.mode == "shared"]
+    co = make_policy("cooperative", model).plan([BIG, big2], pools)
+    static, pooled = sorted(co.values(), key=lambda p: p.mode != "static")
+    assert static.algo == pooled.algo == "ina" and pooled.mode == "shared"
+    assert static.mode == "static" and pooled.slots == 8 and "shared pools" in pooled.reason
+    ring = make_policy("cooperative_static", model).plan([BIG, big2], pools)[pooled.job]
+    assert ring.algo == "ring" and ring.predicted_comm_s > pooled.predicted_comm_s
+    assert pooled.predicted_comm_s > static.predicted_comm_s  # the margin, and its window
+    # three plans on the pools: every shared window shrinks to the fair share among three
+    three = {j: pooled.model_copy(update={"job": j}) for j in "abc"}
+    assert [p.slots for p in policies.shared_windows(three, pools).values()] == [5] * 3
+    assert "cooperative_static" in POLICIES and POLICIES["cooperative_static"].baseline
