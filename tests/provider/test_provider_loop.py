@@ -125,9 +125,10 @@ def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it
         def held() -> set[int]:
             return {int(j) for j in sw.counters()["stages"]["aggregate"]["jobs"]}
 
-        # memory for one INA job: a bigger job's arrival moves the first to the ring
+        # memory for one INA job and no plans on the shared pool: a bigger job's arrival
+        # moves the first to the ring
         journal = tmp_path / "provider.db"
-        svc = make_service(net, 70_000, policy="cooperative", net=net, journal=journal)
+        svc = make_service(net, 70_000, policy="cooperative_static", net=net, journal=journal)
         with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \
                 ProviderClient(srv.url) as pc:
             def admit(job, on, nbytes):
@@ -149,7 +150,7 @@ def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it
         # the provider stops (as a kill would: its journal has every change) and starts
         # again from its journal: a's old registration is still one its workers may use
         svc.stop()
-        svc = make_service(net, 70_000, policy="cooperative", net=net, journal=journal)
+        svc = make_service(net, 70_000, policy="cooperative_static", net=net, journal=journal)
         assert svc.resumed["retiring"] == [["a", first["job_id"]]], svc.resumed
         assert held() == {first["job_id"], b["registration"]["job_id"]}
         with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \

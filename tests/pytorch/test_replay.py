@@ -354,12 +354,9 @@ def test_two_traces_at_once_admitted_through_the_provider(tmp_path):
     assert {p.name for p in res.folder.iterdir()} >= {"first", "second"}
 
 
-@pytest.mark.mininet
-def test_a_tenant_the_provider_re_plans_moves_to_its_new_plan_while_it_runs(tmp_path):
-    """The switch's memory holds one job's INA: the first tenant gets it, and when a tenant
-    of higher priority arrives the provider gives it to the newcomer and re-plans the first
-    to the ring. The first moves to the ring at a collective every rank agrees on, gives its
-    switch memory back, and the newcomer's INA runs on it; every allreduce stays exact."""
+def _a_newcomer_takes_the_memory(tmp_path, policy: str):
+    """Two 4-rank tenants on a switch whose memory holds one job's INA: the first arrives
+    alone, the second (higher priority) 4.5 s later; the provider runs ``policy``."""
     from testbed.replay import Tenant, replay_tenants
 
     a = write(tmp_path / "a", ddp(4, sizes=(256 << 10,) * 60, compute_us=20_000))
@@ -369,21 +366,48 @@ def test_a_tenant_the_provider_re_plans_moves_to_its_new_plan_while_it_runs(tmp_
          Tenant(b, algo="auto", arrival_s=4.5, name="second",
                 hints={"tolerance": "exact", "priority": 3})],
         topology={"n_hosts": 8, "switch_memory": 150_000}, out=tmp_path / "out",
-        echo=lambda line: None)
+        echo=lambda line: None, policy=policy)
     first, second = res.tenants
     assert not first["failed"] and not second["failed"], res.tenants
     assert first["planned"] == "ina" and second["planned"] == "ina"
     for r in res.replayed:  # every allreduce exact (ones from each rank: the sum is 4)
         assert r.collectives and all(c["max_abs_err"] == 0 for c in r.collectives)
-    meta = json.loads((res.replayed[0].folder / "launch.json").read_text())
-    assert [p["algo"] for p in meta["plans"]] == ["ina", "ring"], meta["plans"]
-    switch = meta["plans"][1]["from_call"]
+    assert {c["path"] for c in res.replayed[1].collectives} == {"testbed:ina"}
+    return res, json.loads((res.replayed[0].folder / "launch.json").read_text())["plans"]
+
+
+@pytest.mark.mininet
+def test_a_tenant_the_provider_re_plans_moves_to_its_new_plan_while_it_runs(tmp_path):
+    """The switch's memory holds one job's INA (and the policy plans nothing on the shared
+    pool): the first tenant gets it, and when a tenant of higher priority arrives the
+    provider gives it to the newcomer and re-plans the first to the ring. The first moves to
+    the ring at a collective every rank agrees on, gives its switch memory back, and the
+    newcomer's INA runs on it; every allreduce stays exact."""
+    res, plans = _a_newcomer_takes_the_memory(tmp_path, "cooperative_static")
+    assert [p["algo"] for p in plans] == ["ina", "ring"], plans
+    switch = plans[1]["from_call"]
     paths = [c["path"] for c in res.replayed[0].collectives]
     assert 1 < switch <= len(paths)
     assert set(paths[:switch - 1]) == {"testbed:ina"} and set(paths[switch - 1:]) == \
         {"testbed:ring"}, (switch, paths)
-    assert {c["path"] for c in res.replayed[1].collectives} == {"testbed:ina"}
+    first, second = res.tenants
     assert first["replans"] == f"ring from collective {switch}" and second["replans"] is None
+
+
+@pytest.mark.mininet
+def test_a_tenant_left_without_switch_memory_moves_onto_the_shared_pool(tmp_path):
+    """As above with the cooperative policy and its shared pool: the first tenant, whose
+    static memory goes to the newcomer, is re-planned onto INA on the switch's shared pool
+    (its window a fair share of the pool, its overflow at host fallbacks its launcher
+    serves) rather than the ring; it moves at a collective every rank agrees on, and every
+    allreduce of both stays in the network and exact."""
+    res, plans = _a_newcomer_takes_the_memory(tmp_path, "cooperative")
+    assert {c["path"] for c in res.replayed[0].collectives} == {"testbed:ina"}
+    assert [(p["algo"], p["placement"]["mode"]) for p in plans] == [("ina", "static"),
+                                                                     ("ina", "shared")]
+    assert plans[1]["placement"]["slots"] < plans[0]["placement"]["slots"]
+    assert 1 < plans[1]["from_call"] <= len(res.replayed[0].collectives)
+
 
 # -- [[replay]] in experiment files ----------------------------------------------------------
 
