@@ -325,12 +325,11 @@ def fabric_manager(net, policy: str = "cooperative"):
     hop latency."""
     from testbed.provider.manager import FabricManager, inventory_of
     from testbed.provider.policies import PlanModel
-    from testbed.provider.service import engine_memory, engine_pool_entries
+    from testbed.provider.service import engine_memory
 
     desc = net.describe()
     model = PlanModel(desc, hop_latency_s=net.hop_latency_s())
-    return FabricManager(inventory_of(desc, engine_memory(net), engine_pool_entries(net)),
-                         policy, model)
+    return FabricManager(inventory_of(desc, *engine_memory(net)), policy, model)
 
 
 def provider_plan(net, hosts: list[str], hints: dict | None, policy: str = "cooperative",

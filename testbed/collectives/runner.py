@@ -497,10 +497,10 @@ def _shared_fallbacks(net, plan, job_id: int, regs: dict, workers: list,
     slot ``s`` overflowing to the ``(s % n)``-th, so the overflow is spread like a sharded
     reduction server rather than onto one host's link. A host serves every tree switch on its
     path to the root, each on the UDP port of its depth (``ports.fallback_port``). Below the
-    root a fallback's partial sums go to its switch,
-    which relays them up; a fallback whose switch has switches as members sends its RESULTs
-    through its switch too (``docs/protocol.md``, F3). Returns the fallbacks the workers'
-    pool starts (``HostAggregator``'s settings, with ``rounds``: slots, seq0, lanes)."""
+    root a fallback's partial sums go to its switch, which relays them up; a fallback whose
+    switch has switches as members sends its RESULTs through its switch too
+    (``docs/protocol.md``, F3). Returns the fallbacks the workers' pool starts
+    (``HostAggregator``'s settings, with ``rounds``: slots, seq0, lanes)."""
     aggs = net.aggregators()
     below: dict[str, list] = {sw: [] for sw in plan.tree}
     for host, w in zip(workers, plan.workers, strict=True):

@@ -230,7 +230,8 @@ def apply_plan(spec: TrainingSpec, plan: Plan) -> TrainingSpec:
 
 def static_memory(topology: TopologySpec) -> int:
     """Bytes of static partitions per switch: its memory minus the shared pool."""
-    return _memory(topology)[0] - _memory(topology)[1]
+    mem, pool = _memory(topology)
+    return mem - pool
 
 
 def pool_entries(topology: TopologySpec) -> int:

@@ -200,7 +200,7 @@ def shared_windows(plans: dict[str, Plan], snapshot: FabricSnapshot) -> dict[str
     """``plans`` with each shared-mode INA plan's window at its fair share of the pools beside
     the other shared-mode plans on its switches (a candidate is priced as if it shared with
     one other job; once the plans are chosen their number is known)."""
-    shared = [p for p in plans.values() if p.mode == "shared" and isinstance(p.tree, list)]
+    shared = [p for p in plans.values() if _shared(p) and isinstance(p.tree, list)]
     if not shared:
         return plans
     view = FabricView(snapshot)
@@ -724,9 +724,10 @@ class Oracle(_Base):
             cands = [self.predicted(j, c, snapshot) for c in candidates(j, view)]
             free = min((c for c in cands if not plan_memory(c, len(j.hosts))
                         and not _shared(c)), key=_key)
-            better = [c for c in cands if (plan_memory(c, len(j.hosts)) or _shared(c))
-                      and _cost(c.predicted_comm_s) < _cost(free.predicted_comm_s)]
-            options.append([free] + sorted(better, key=_key)[:5])
+            better = sorted((c for c in cands if _cost(c.predicted_comm_s)
+                             < _cost(free.predicted_comm_s)), key=_key)
+            mem = [c for c in better if plan_memory(c, len(j.hosts))]
+            options.append([free] + mem[:4] + [c for c in better if _shared(c)][:1])
         best, best_cost = None, math.inf
         for combo in itertools.product(*options):
             taken: dict[str, int] = {}

@@ -942,26 +942,18 @@ class Server:
         self.stop()
 
 
-def engine_memory(net) -> dict[str, int]:
-    """Static aggregator memory per switch of a running ``TestbedNet``, as its engines'
-    ``aggregate`` stages report it (configured minus the shared pool); switches without
-    that stage are left out."""
-    return {name: int(mem["configured_bytes"]) - int(mem["pool_bytes"])
-            for name, mem in _engine_memories(net).items()}
-
-
-def engine_pool_entries(net) -> dict[str, int]:
-    """Shared-pool entries per switch of a running ``TestbedNet``, as its engines report."""
-    return {name: int(mem["pool_entries"]) for name, mem in _engine_memories(net).items()}
-
-
-def _engine_memories(net) -> dict[str, dict]:
-    out = {}
+def engine_memory(net) -> tuple[dict[str, int], dict[str, int]]:
+    """Per switch of a running ``TestbedNet``, as its engines' ``aggregate`` stages report it
+    (one query each): the static aggregator memory (configured minus the shared pool) and
+    the shared pool's entries; switches without that stage are left out."""
+    static, pool = {}, {}
     for name, client in sorted(net.datapath_clients().items()):
         agg = client.counters().get("stages", {}).get("aggregate")
         if agg is not None:
-            out[name] = agg["memory"]
-    return out
+            mem = agg["memory"]
+            static[name] = int(mem["configured_bytes"]) - int(mem["pool_bytes"])
+            pool[name] = int(mem["pool_entries"])
+    return static, pool
 
 
 def make_service(topology, memory_bytes: int | dict[str, int] | None,
@@ -985,15 +977,13 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
 
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {sorted(POLICIES)}")
-    if memory_bytes is None:
-        if net is None:
-            raise ValueError("memory_bytes: give the switches' aggregator memory, or a running "
-                             "network (net=) whose engines report it")
-        memory_bytes = engine_memory(net)
+    if memory_bytes is None and net is None:
+        raise ValueError("memory_bytes: give the switches' aggregator memory, or a running "
+                         "network (net=) whose engines report it")
+    static, pool = engine_memory(net) if net is not None else ({}, 0)
     topo = getattr(topology, "topo", topology)
     desc = topo if isinstance(topo, dict) else topo.describe()
-    inventory = inventory_of(desc, memory_bytes,
-                             engine_pool_entries(net) if net is not None else 0)
+    inventory = inventory_of(desc, static if memory_bytes is None else memory_bytes, pool)
     try:
         model = PlanModel(desc)
     except (ValueError, KeyError, TypeError):
