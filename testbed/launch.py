@@ -938,7 +938,9 @@ def _add_model(trace: list[dict], net, workers: list, plans: dict) -> None:
     from testbed.collectives import flowmodel
 
     f = float(net.time_dilation)
-    hop = net.hop_latency_s() if any(r["path"].startswith("testbed:") for r in trace) else 0.0
+    ours = any(r["path"].startswith("testbed:") for r in trace)
+    hop = net.hop_latency_s() if ours else 0.0
+    impairments = net.link_impairments() if ours else []
     names = [h.name for h in workers]
     cache: dict[tuple[str, int], float] = {}
     for row in trace:
@@ -974,7 +976,8 @@ def _add_model(trace: list[dict], net, workers: list, plans: dict) -> None:
                 spec = dataclasses.replace(spec, algo=algo, compressor=None,
                                            compressor_params={}, error_feedback=False)
             cache[key] = flowmodel.predict(net.routed_topo, spec, workers=names,
-                                           hop_latency_s=hop, time_dilation=f).time_s
+                                           hop_latency_s=hop, time_dilation=f,
+                                           impairments=impairments).time_s
         row["model_s"] = cache[key]
 
 

@@ -389,6 +389,7 @@ def _collective_rows(rows: list[dict], net, hosts: list[str], tj, f: float, path
         if row["kind"] == "coll":
             by_seq.setdefault((row.get("group") or "", row["seq"]), []).append(row)
     hop = net.hop_latency_s()
+    impairments = net.link_impairments()
     n = len(hosts)
     out, cache = [], {}
     for (gname, seq), members in sorted(by_seq.items()):
@@ -416,7 +417,8 @@ def _collective_rows(rows: list[dict], net, hosts: list[str], tj, f: float, path
                 try:
                     cache[key] = flowmodel.predict(net.routed_topo, spec,
                                                    workers=[hosts[r] for r in ranks],
-                                                   hop_latency_s=hop, time_dilation=f).time_s
+                                                   hop_latency_s=hop, time_dilation=f,
+                                                   impairments=impairments).time_s
                 except ValueError:  # a size or rank count the model does not take
                     cache[key] = None
         out.append({"seq": seq, "group": group, "node": first["node"], "name": first["name"],

@@ -109,6 +109,29 @@ class LinkSpec:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LinkImpairment:
+    """What a data path's ``impair`` stage now does to the packets of one directed link
+    ``src -> dst`` (probabilities in [0, 1]): the models price it. ``direction``: where the
+    stage acts, ``"egress"`` at ``src`` (a duplicate crosses this link) or ``"ingress"`` at
+    ``dst`` (it does not: copies start on the next link). ``testbed_only``: only testbed
+    frames (INA's) are impaired. ``reorder_timeout_s``: how long a reordered packet waits at
+    most for the packets it lets pass (wall time on the running network)."""
+
+    src: str
+    dst: str
+    loss: float = 0.0
+    dup: float = 0.0
+    reorder: float = 0.0
+    direction: str = "egress"
+    testbed_only: bool = False
+    reorder_timeout_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form."""
+        return asdict(self)
+
+
 def _positive_number(name: str, value, *, allow_none: bool = False, maximum=None) -> None:
     if value is None and allow_none:
         return

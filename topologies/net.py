@@ -88,6 +88,7 @@ from .base import (
     AGGREGATOR_IP,
     AGGREGATOR_MAC,
     MAX_BW_MBPS,
+    LinkImpairment,
     TestbedTopo,
     TopologyError,
     aggregating_switches,
@@ -403,6 +404,8 @@ class TestbedNet(FabricRoutes):
         self._lock_cm = None
         self._tmpdir: str | None = None
         self._clients: dict = {}
+        #: node -> its engine's impair stages (link_impairments), found on first use
+        self._impair_nodes: dict[str, list[str]] | None = None
         self._hop_latency: float | None = None
         self._old_sigterm = None
         self._preexisting: set[str] = set()
@@ -1192,6 +1195,38 @@ class TestbedNet(FabricRoutes):
                         stats[key] = int(f.read())
             ports[name] = stats
         return {"datapath": dp, "ports": ports}
+
+    def link_impairments(self) -> list[LinkImpairment]:
+        """The impairments the engines' ``impair`` stages now apply, one record per impaired
+        directed link (what :func:`testbed.collectives.flowmodel.predict` prices): read from
+        the engines, so a stage configured at run time counts. Empty without such stages."""
+        self._require_running()
+        if self._impair_nodes is None:
+            self._impair_nodes = {node: [p for p, _ in stages if p in IMPAIR_STAGES]
+                                  for node, stages in self.programs_plan().items()}
+            self._impair_nodes = {n: st for n, st in self._impair_nodes.items() if st}
+        peers = {}
+        for spec in self.topo.link_specs:
+            peers[f"{spec.a}-eth{spec.port_a}"] = (spec.a, spec.b)
+            peers[f"{spec.b}-eth{spec.port_b}"] = (spec.b, spec.a)
+        out = []
+        for node, stages in self._impair_nodes.items():
+            data = self._clients[node].counters().get("stages", {})
+            for stage in stages:
+                c = data.get(stage, {})
+                settings = c.get("settings")
+                if not settings:
+                    continue
+                for port, v in settings["ports"].items():
+                    if port not in peers or not any(v.values()):
+                        continue
+                    me, peer = peers[port]
+                    src, dst = (me, peer) if c["direction"] == "egress" else (peer, me)
+                    out.append(LinkImpairment(
+                        src, dst, direction=c["direction"],
+                        testbed_only=settings["filter"] == "testbed",
+                        reorder_timeout_s=settings["reorder_timeout_ms"] / 1e3, **v))
+        return out
 
     def dead_engines(self) -> dict[str, int]:
         """Programmable nodes whose data-path engine has exited: node -> exit status

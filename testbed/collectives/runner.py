@@ -216,7 +216,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     model_s = flowmodel.predict(net.routed_topo, spec, workers=[h.name for h in workers],
                                 servers=[h.name for h in servers],
                                 hop_latency_s=net.hop_latency_s(),
-                                time_dilation=dilation).time_s
+                                time_dilation=dilation,
+                                impairments=getattr(net, "link_impairments", list)()).time_s
     # the pool runs in dilated time: its timeouts stretch with the network
     job = {"spec": {**spec.to_json(), "timeout_s": spec.timeout_s * dilation}, "n": n, "m": m,
            "ranks": ranks, "bw_bps": bw, "time_dilation": dilation,

@@ -371,8 +371,14 @@ class ImpairStage(Stage):
             c["held"] = int(self.r_used[p].sum())
             ports[name] = c
         totals = {k: int(self.counters_arr[:, j].sum()) for j, k in enumerate(COUNTER_NAMES)}
+        # what the stage does now (configure changes it at run time): the models read it
+        settings = {"filter": "testbed" if self.only_testbed else "all",
+                    "reorder_timeout_ms": self.reorder_timeout_ns / 1e6,
+                    "ports": {name: {"loss": float(self.loss[p]), "dup": float(self.dup[p]),
+                                     "reorder": float(self.reorder[p])}
+                              for p, name in enumerate(self.ports)}}
         return {"direction": self.direction, "seed": self.seed, "ports": ports,
-                "totals": totals}
+                "totals": totals, "settings": settings}
 
 
 class IngressImpairStage(ImpairStage):

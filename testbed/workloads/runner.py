@@ -387,7 +387,8 @@ def _model_s(net, spec: TrainingSpec, cspec, hosts: list) -> float | None:
     apply (e.g. unshaped links)."""
     try:
         t = flowmodel.predict(net.routed_topo, cspec, workers=[h.name for h in hosts],
-                              hop_latency_s=net.hop_latency_s()).time_s
+                              hop_latency_s=net.hop_latency_s(),
+                              impairments=net.link_impairments()).time_s
         if spec.algo != "trim" or t is None:
             return t
         inc = _incast_s(net, spec, [h.name for h in hosts])

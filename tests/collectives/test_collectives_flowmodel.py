@@ -561,3 +561,85 @@ def test_a_sprayed_transport_spreads_a_flow_over_every_ecmp_path():
     a = fm.predict(star, CollectiveSpec(algo="ring", nbytes=8 << 20)).time_s
     b = fm.predict(star, CollectiveSpec(algo="ring", nbytes=8 << 20, transport="uet")).time_s
     assert abs(b / a - 1) < 0.05
+
+
+# ------------------------------------------------------------------ impaired links
+
+def _every_uplink(topo, **kw) -> list:
+    """An ingress impairment at the switch on every host -> switch link of a star."""
+    sw = topo.fabric_switches()[0]
+    return [fm.LinkImpairment(h, sw, direction="ingress", **kw) for h in topo.host_names]
+
+
+def test_an_impair_stage_is_priced_like_the_same_loss_on_the_links():
+    """INA's loss term reads each edge's paths: records of loss p on every directed link of
+    a star give the time the topology's ``loss_pct`` gives (the two impair the same links),
+    and a loss only on the RESULTs' way costs less than on both ways."""
+    spec = CollectiveSpec(algo="ina", nbytes=1 * MB, window=16)
+    lossy = fm.predict(Star(4, bw_mbps=100, switch="programmable", loss_pct=2.0), spec,
+                       hop_latency_s=HOP)
+    topo = Star(4, bw_mbps=100, switch="programmable")
+    both = [fm.LinkImpairment(a, b, loss=0.02) for s in topo.link_specs
+            for a, b in ((s.a, s.b), (s.b, s.a))]
+    staged = fm.predict(topo, spec, hop_latency_s=HOP, impairments=both)
+    assert staged.ina_extra_s == pytest.approx(lossy.ina_extra_s) and staged.ina_extra_s > 0
+    down = [i for i in both if i.src == "tbs1"]
+    assert 0 < fm.predict(topo, spec, hop_latency_s=HOP,
+                          impairments=down).ina_extra_s < staged.ina_extra_s
+    # their dict form (rows, metadata) is taken too; a bad one is named
+    assert fm.predict(topo, spec, hop_latency_s=HOP, impairments=[i.to_dict() for i in both]
+                      ).time_s == pytest.approx(staged.time_s)
+    with pytest.raises(ValueError, match="impairment"):
+        fm.predict(topo, spec, hop_latency_s=HOP, impairments=[{"src": "tbh1", "loss": 0.1}])
+
+
+def test_duplicates_load_the_links_after_the_point_they_are_copied():
+    """A 10 % duplication at the switch's ingress from every host: the downlinks carry 1.1x
+    a ring's bytes, the uplinks not; at the hosts' egress the uplinks do. A stage that
+    impairs testbed frames only leaves TCP alone; an aggregating switch takes INA's copies."""
+    topo = Star(4, bw_mbps=100, switch="programmable")
+    ring = CollectiveSpec(algo="ring", nbytes=4 * MB)
+    base = fm.predict(topo, ring, hop_latency_s=0.0).time_s
+    ing = fm.predict(topo, ring, hop_latency_s=0.0,
+                     impairments=_every_uplink(topo, dup=0.1)).time_s
+    assert ing == pytest.approx(base * 1.1, rel=0.01)
+    net = fm._Network(routing.as_topology(topo), 1.0, _every_uplink(topo, dup=0.1))
+    flow = fm.Flow("tbh1", "tbh2", 1.0, 50000, 50001)
+    w = net.weights(flow)
+    assert w[("tbh1", "tbs1")] == pytest.approx(fm.TCP_WIRE)
+    assert w[("tbs1", "tbh2")] == pytest.approx(fm.TCP_WIRE * 1.1)
+    egress = [fm.LinkImpairment(h, "tbs1", dup=0.1) for h in topo.host_names]
+    assert fm._Network(routing.as_topology(topo), 1.0, egress).weights(flow)[
+        ("tbh1", "tbs1")] == pytest.approx(fm.TCP_WIRE * 1.1)
+    assert fm.predict(topo, ring, hop_latency_s=0.0, impairments=_every_uplink(
+        topo, dup=0.1, testbed_only=True)).time_s == pytest.approx(base)
+    ina = CollectiveSpec(algo="ina", nbytes=4 * MB)
+    assert fm.predict(topo, ina, hop_latency_s=HOP, impairments=_every_uplink(
+        topo, dup=0.1)).time_s == pytest.approx(fm.predict(topo, ina, hop_latency_s=HOP).time_s)
+
+
+def test_reordering_costs_ina_the_timeout_of_a_held_frame_in_the_last_window():
+    topo = Star(4, bw_mbps=100, switch="programmable")
+    spec = CollectiveSpec(algo="ina", nbytes=1 * MB, window=16)
+    base = fm.predict(topo, spec, hop_latency_s=HOP)
+    imps = _every_uplink(topo, reorder=0.1, reorder_timeout_s=0.01, testbed_only=True)
+    held = fm.predict(topo, spec, hop_latency_s=HOP, impairments=imps)
+    assert held.ina_extra_s - base.ina_extra_s == pytest.approx(0.01 * (1 - 0.9 ** 16))
+    # on a dilated network the stage's timeout is dilated wall time like the rest
+    dil = fm.predict(topo, spec, hop_latency_s=HOP * 4, time_dilation=4.0, impairments=[
+        dataclasses.replace(i, reorder_timeout_s=0.04) for i in imps])
+    assert dil.time_s == pytest.approx(held.time_s)
+
+
+def test_a_tcp_prediction_over_a_lossy_path_says_it_is_a_lower_bound():
+    topo = Star(4, bw_mbps=100, switch="programmable")
+    ring = CollectiveSpec(algo="ring", nbytes=1 * MB)
+
+    def notes(imps):
+        return " ".join(fm.predict(topo, ring, hop_latency_s=HOP, impairments=imps).notes)
+
+    assert "lower bound" not in notes([])
+    assert "lower bound" in notes(_every_uplink(topo, loss=0.01))
+    assert "lower bound" not in notes(_every_uplink(topo, loss=0.01, testbed_only=True))
+    assert "lower bound" in fm.predict(Star(4, bw_mbps=100, switch="programmable",
+                                            loss_pct=1.0), ring, hop_latency_s=HOP).notes[0]

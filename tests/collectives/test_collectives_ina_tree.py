@@ -86,6 +86,39 @@ def impaired_run(net, switch: str, spec: CollectiveSpec, **impair) -> list[dict]
     return rows
 
 
+def test_the_model_prices_the_impairments_the_engines_apply_now(leaf_spine):
+    """``net.link_impairments()`` reads what the leaf's impair stage does now (set at run
+    time), one record per link into the leaf; a run's model prices them (its ``model_s`` is
+    the model's with those records, longer than without), and none is left once they are
+    switched off."""
+    from testbed.collectives import flowmodel
+
+    net = leaf_spine
+    c = net.switch_client("tbl1")
+    c.configure("impair", loss=0.02, dup=0.05, reorder=0.2, seed=4)
+    try:
+        imps = net.link_impairments()
+        spec = _spec(placement={"tree": "auto"}, seed=2)
+        rows = run_collective(net, spec)
+    finally:
+        c.configure("impair", loss=0.0, dup=0.0, reorder=0.0)
+    check_rows(rows, spec, 4)
+    assert {(i.src, i.dst) for i in imps} == {(p, "tbl1") for p in ("tbh1", "tbh2", "tbsp1",
+                                                                   "tbsp2")}
+    assert all(i.testbed_only and i.direction == "ingress" and i.loss == 0.02 and
+               i.reorder_timeout_s > 0 for i in imps)
+    workers = [h.name for h in net.hosts]
+
+    def model(impairments):
+        return flowmodel.predict(net.routed_topo, spec, workers=workers,
+                                 hop_latency_s=net.hop_latency_s(),
+                                 time_dilation=net.time_dilation, impairments=impairments)
+
+    assert rows[0]["model_s"] == pytest.approx(model(imps).time_s)
+    assert model(imps).ina_extra_s > model([]).ina_extra_s
+    assert net.link_impairments() == []
+
+
 def test_fat_tree_hierarchy_cuts_core_bytes():
     """8 workers in two pods of a fat-tree: at the core, the tree carries one partial-sum
     stream per pod each way, the single aggregator one per worker."""

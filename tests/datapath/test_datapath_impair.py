@@ -406,3 +406,18 @@ def test_switch_impair_seeded_loss_is_reproducible_and_delay_adds_latency(tmp_pa
             c.configure("impair", delay_ms={p2: 20.0})  # one way: h1 -> h2 only
         lo, avg = _rtt(h1.cmd("ping -q -c 5 -i 0.2", h2.IP()))
         assert lo >= 20.0 and 18.0 <= avg - base <= 30.0, (base, lo, avg)
+
+
+def test_counters_say_what_the_stage_does_now():
+    """The counters carry the stage's current settings per port (what the models price), and
+    follow a change at run time."""
+    st = ImpairStage(ports=["s1-eth1", "s1-eth2"], loss=0.01, filter="testbed",
+                     reorder_timeout_ms=5.0)
+    s = st.counters()["settings"]
+    assert s["filter"] == "testbed" and s["reorder_timeout_ms"] == 5.0
+    assert s["ports"]["s1-eth2"] == {"loss": 0.01, "dup": 0.0, "reorder": 0.0}
+    st.configure(dup={"s1-eth2": 0.25}, reorder=0.5, filter="all")
+    s = st.counters()["settings"]
+    assert s["filter"] == "all"
+    assert s["ports"]["s1-eth1"] == {"loss": 0.01, "dup": 0.0, "reorder": 0.5}
+    assert s["ports"]["s1-eth2"] == {"loss": 0.01, "dup": 0.25, "reorder": 0.5}
