@@ -109,6 +109,15 @@ class LinkSpec:
         return asdict(self)
 
 
+#: The kernel's minimum TCP retransmission timeout (``TCP_RTO_MIN``), which a dilated network
+#: stretches on every host like its other times (``TestbedNet``; the flow model prices it).
+#: Unstretched, it fired on queueing delay: a dilated queue holds f times more wall time, and on the star of 8 at f=12 the reduction
+#: server's round trips reached 300-600 ms, past the kernel's 200 ms floor (10-21 spurious
+#: timeouts per 4 MiB run, every retransmission a D-SACKed duplicate; none with the floor at
+#: 2.4 s).
+TCP_RTO_MIN_US = 200_000
+
+
 @dataclass(frozen=True)
 class LinkImpairment:
     """What a data path's ``impair`` stage now does to the packets of one directed link
@@ -130,6 +139,52 @@ class LinkImpairment:
     def to_dict(self) -> dict:
         """JSON-serialisable form."""
         return asdict(self)
+
+    def combined(self, other: LinkImpairment) -> LinkImpairment:
+        """This and ``other`` (of the same link) as one: independent effects one after the
+        other, a copy counted from the earlier point, testbed frames only if both are."""
+        def both(x: float, y: float) -> float:
+            return 1.0 - (1.0 - x) * (1.0 - y)
+
+        return LinkImpairment(self.src, self.dst, both(self.loss, other.loss),
+                              both(self.dup, other.dup), both(self.reorder, other.reorder),
+                              "egress" if "egress" in (self.direction, other.direction)
+                              else "ingress", self.testbed_only and other.testbed_only,
+                              max(self.reorder_timeout_s, other.reorder_timeout_s))
+
+
+#: program names of the data path's ``impair`` stage (egress or ingress; a node impaired in
+#: both directions runs an ``impair_ingress`` stage beside its ``impair``)
+IMPAIR_STAGES = ("impair", "impair_ingress")
+
+
+def link_impairments(link_specs: Iterable[LinkSpec], counters: dict[str, dict]
+                     ) -> list[LinkImpairment]:
+    """What the ``impair`` stages whose engines' ``counters`` (node -> the engine's answer to
+    ``counters``) are given now do to each directed link of ``link_specs``: one record per
+    impaired link, the stages at both of its ends combined. An egress stage's port acts on
+    the link leaving it, an ingress stage's on the link arriving there."""
+    peers = {}
+    for spec in link_specs:
+        peers[f"{spec.a}-eth{spec.port_a}"] = (spec.a, spec.b)
+        peers[f"{spec.b}-eth{spec.port_b}"] = (spec.b, spec.a)
+    out: dict[tuple[str, str], LinkImpairment] = {}
+    for data in counters.values():
+        for stage in IMPAIR_STAGES:
+            c = (data.get("stages") or {}).get(stage) or {}
+            settings = c.get("settings")
+            if not settings:  # no such stage, or an engine from before stages said what they do
+                continue
+            for port, v in settings["ports"].items():
+                if port not in peers or not any(v.values()):
+                    continue
+                me, peer = peers[port]
+                link = (me, peer) if c["direction"] == "egress" else (peer, me)
+                imp = LinkImpairment(*link, direction=c["direction"],
+                                     testbed_only=settings["filter"] == "testbed",
+                                     reorder_timeout_s=settings["reorder_timeout_ms"] / 1e3, **v)
+                out[link] = imp if link not in out else out[link].combined(imp)
+    return [out[k] for k in sorted(out)]
 
 
 def _positive_number(name: str, value, *, allow_none: bool = False, maximum=None) -> None:

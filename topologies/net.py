@@ -87,13 +87,16 @@ from . import cluster, routing
 from .base import (
     AGGREGATOR_IP,
     AGGREGATOR_MAC,
+    IMPAIR_STAGES,
     MAX_BW_MBPS,
+    TCP_RTO_MIN_US,
     LinkImpairment,
     TestbedTopo,
     TopologyError,
     aggregating_switches,
     host_ip,
     host_mac,
+    link_impairments,
     netem_available,
     switch_identity,
 )
@@ -101,7 +104,6 @@ from .pipeline import (
     DILATED_RATES,
     DILATED_TIMES,
     FULL_FRAME_BYTES,
-    IMPAIR_STAGES,
     QUEUE_STAGES,
     DatapathOptions,
     check_time_dilation,
@@ -112,14 +114,6 @@ from .pipeline import (
     queue_bytes,
 )
 from .routes import FabricRoutes
-
-#: The kernel's minimum TCP retransmission timeout (``TCP_RTO_MIN``), which a dilated network
-#: stretches on every host like its other times. Unstretched, it fired on queueing delay: a
-#: dilated queue holds f times more wall time, and on the star of 8 at f=12 the reduction
-#: server's round trips reached 300-600 ms, past the kernel's 200 ms floor (10-21 spurious
-#: timeouts per 4 MiB run, every retransmission a D-SACKed duplicate; none with the floor at
-#: 2.4 s).
-TCP_RTO_MIN_US = 200_000
 
 #: ``(up, down)`` of every :func:`watch_networks` block now open, and the networks now up
 _WATCHERS: list[tuple] = []
@@ -404,8 +398,8 @@ class TestbedNet(FabricRoutes):
         self._lock_cm = None
         self._tmpdir: str | None = None
         self._clients: dict = {}
-        #: node -> its engine's impair stages (link_impairments), found on first use
-        self._impair_nodes: dict[str, list[str]] | None = None
+        #: nodes whose engines run an impair stage (link_impairments), found on first use
+        self._impair_nodes: list[str] | None = None
         self._hop_latency: float | None = None
         self._old_sigterm = None
         self._preexisting: set[str] = set()
@@ -1201,32 +1195,11 @@ class TestbedNet(FabricRoutes):
         directed link (what :func:`testbed.collectives.flowmodel.predict` prices): read from
         the engines, so a stage configured at run time counts. Empty without such stages."""
         self._require_running()
-        if self._impair_nodes is None:
-            self._impair_nodes = {node: [p for p, _ in stages if p in IMPAIR_STAGES]
-                                  for node, stages in self.programs_plan().items()}
-            self._impair_nodes = {n: st for n, st in self._impair_nodes.items() if st}
-        peers = {}
-        for spec in self.topo.link_specs:
-            peers[f"{spec.a}-eth{spec.port_a}"] = (spec.a, spec.b)
-            peers[f"{spec.b}-eth{spec.port_b}"] = (spec.b, spec.a)
-        out = []
-        for node, stages in self._impair_nodes.items():
-            data = self._clients[node].counters().get("stages", {})
-            for stage in stages:
-                c = data.get(stage, {})
-                settings = c.get("settings")
-                if not settings:
-                    continue
-                for port, v in settings["ports"].items():
-                    if port not in peers or not any(v.values()):
-                        continue
-                    me, peer = peers[port]
-                    src, dst = (me, peer) if c["direction"] == "egress" else (peer, me)
-                    out.append(LinkImpairment(
-                        src, dst, direction=c["direction"],
-                        testbed_only=settings["filter"] == "testbed",
-                        reorder_timeout_s=settings["reorder_timeout_ms"] / 1e3, **v))
-        return out
+        if self._impair_nodes is None:  # which engines have such a stage (fixed at start)
+            self._impair_nodes = [node for node, stages in self.programs_plan().items()
+                                  if any(p in IMPAIR_STAGES for p, _ in stages)]
+        return link_impairments(self.topo.link_specs, {
+            node: self._clients[node].counters() for node in self._impair_nodes})
 
     def dead_engines(self) -> dict[str, int]:
         """Programmable nodes whose data-path engine has exited: node -> exit status

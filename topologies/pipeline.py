@@ -75,10 +75,14 @@ from typing import Any
 from testbed.datapath.programs import normalize_programs
 
 from . import routing
-from .base import TestbedTopo, TopologyError, aggregating_switches, switch_identity
+from .base import (
+    IMPAIR_STAGES,
+    TestbedTopo,
+    TopologyError,
+    aggregating_switches,
+    switch_identity,
+)
 
-#: names of the impair stages (an override with one conflicts with impairments added here)
-IMPAIR_STAGES = ("impair", "impair_ingress")
 #: trim threshold of the ports a trimming entry does not name: only a full queue drops
 NO_TRIM_BYTES = 1 << 40
 #: stages that are egress queues drained at link rates (time dilation divides their rates)

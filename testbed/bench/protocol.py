@@ -132,6 +132,21 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  "status", "time_s", "slowdown"),
         quick_help="each impairment alone at its worst and all combined, 1 MiB (minutes)"),
     Benchmark(
+        "impairments", "Ring, halving-doubling and INA under seeded loss, duplication and "
+        "reordering at a switch, against the flow model with the impairments priced and "
+        "without (every row checked against numpy).",
+        "testbed.bench.impairments:measure", case=("network", "algo", "loss_pct", "dup_pct",
+                                                   "reorder_pct"),
+        columns=("network", "algo", "loss_pct", "dup_pct", "reorder_pct", "time_s", "model_s",
+                 "unpriced_s", "ratio", "unpriced_ratio", "correct", "cpu_bound"),
+        options=(Option("networks", "star4,leafspine", "star4 and/or leafspine",
+                        quick="star4", metavar="A,B"),
+                 Option("algos", "ring,hd,ina", "ring, hd and/or ina", quick="ring,ina",
+                        metavar="A,B"),
+                 Option("mib", 4.0, "MiB per allreduce", quick=1.0),
+                 Option("reps", 3, "allreduces per case (the median is reported)", quick=1)),
+        quick_help="the star, ring and INA, no loss and 1 % loss, 1 MiB once"),
+    Benchmark(
         "faults", "Ring, halving-doubling and INA on a leaf-spine while an uplink fails, a "
         "switch engine or a worker is killed: one row per fault and algorithm against the "
         "fault-free run (exact, the worker named, the switch back within 2 s).",

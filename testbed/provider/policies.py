@@ -57,6 +57,7 @@ plans and one-switch trees only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -231,7 +232,8 @@ class PlanModel:
     """The flow-level model of plans on the fabric: one iteration's communication time of a
     job alone (:meth:`comm_s`, :func:`flowmodel.predict`) or of jobs running at once and
     sharing links (:meth:`joint_s`, :func:`flowmodel.predict_concurrent`), on the link rates
-    minus the utilisation the snapshot's telemetry shows (the busier direction of each link).
+    minus the utilisation the snapshot's telemetry shows (the busier direction of each link)
+    and with the loss, duplication and reordering it shows (``LinkState.impairment``).
     :meth:`link_bytes` says where a plan's bytes go, which :func:`own_traffic` turns into
     what a job's own traffic explains of each link and :func:`background` takes out of a
     snapshot, so that jobs priced together are not also counted as telemetry's load."""
@@ -245,21 +247,26 @@ class PlanModel:
         self._cache: dict = {}
         self._topo, self._tables = topo, None
 
-    def _desc(self, snapshot: FabricSnapshot | None) -> tuple[dict, tuple]:
+    def _desc(self, snapshot: FabricSnapshot | None) -> tuple[dict, tuple, list]:
+        """(the topology with each link's rate less its telemetry's utilisation, a key of
+        that load for the cache, the links' impairments)."""
         util: dict[frozenset, float] = {}
-        for link in (snapshot.links if snapshot is not None else []):
+        links_now = snapshot.links if snapshot is not None else []
+        for link in links_now:
             if link.utilisation > 0:
                 k = frozenset((link.src, link.dst))
                 util[k] = max(util.get(k, 0.0), min(link.utilisation, 1.0))
+        imps = [lk.impairment for lk in links_now if lk.impairment is not None]
+        ikey = tuple(sorted(dataclasses.astuple(i) for i in imps))
         if not util:
-            return self.describe, ()
+            return self.describe, ikey, imps
         links = []
         for s in self.describe["links"]:
             u = util.get(frozenset((s["a"], s["b"])), 0.0)
             bw = s["bw_mbps"]
             links.append({**s, "bw_mbps": bw if bw is None else bw * max(1 - u, MIN_RESIDUAL)})
         key = tuple(sorted((tuple(sorted(k)), round(v, 3)) for k, v in util.items()))
-        return {**self.describe, "links": links}, key
+        return {**self.describe, "links": links}, key + ikey, imps
 
     def _spec(self, req: JobRequest, plan: Plan, nbytes: int, job_id: int = 1,
               repetitions: int = 1) -> CollectiveSpec:
@@ -285,14 +292,14 @@ class PlanModel:
         nbytes = req.hints.collective_bytes
         if nbytes is None:
             return None
-        desc, key = self._desc(snapshot)
+        desc, key, imps = self._desc(snapshot)
         pkey = (self._plan_key(req, plan), job_id, key)
         if pkey in self._cache:
             return self._cache[pkey]
         try:
             t = flowmodel.predict(desc, self._spec(req, plan, nbytes, job_id),
-                                  workers=list(req.hosts),
-                                  hop_latency_s=self.hop_latency_s).time_s
+                                  workers=list(req.hosts), hop_latency_s=self.hop_latency_s,
+                                  impairments=imps).time_s
         except (ValueError, KeyError):
             t = None  # the model does not apply to this plan here (e.g. unshaped links)
         t = _margin(plan, t)
@@ -314,7 +321,7 @@ class PlanModel:
         idx = [i for i, t in enumerate(alone) if t is not None and t > 0]
         if len(idx) < 2:
             return alone
-        desc, key = self._desc(snapshot)
+        desc, key, imps = self._desc(snapshot)
         jkey = ("joint", tuple(self._plan_key(*pairs[i]) for i in idx), key)
         if jkey not in self._cache:
             try:
@@ -326,7 +333,8 @@ class PlanModel:
                     list(pairs[i][0].hosts)) for i in idx]
                 ends: list[list[float]] = []
                 flowmodel.predict_concurrent(desc, jobs, hop_latency_s=self.hop_latency_s,
-                                             rep_ends=ends, until_each=JOINT_REPEATS)
+                                             rep_ends=ends, until_each=JOINT_REPEATS,
+                                             impairments=imps)
                 # until every job ended JOINT_REPEATS allreduces, every job was sending
                 stop = max(e[min(JOINT_REPEATS, len(e)) - 1] for e in ends)
                 self._keep(jkey, [_margin(pairs[i][1], inside[-1] / len(inside))

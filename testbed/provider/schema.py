@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from testbed.collectives.algorithms import algorithm_names
 from testbed.collectives.spec import communication_model
+from testbed.topologies.base import LinkImpairment
 
 #: Version of the hints schema; a tenant sending another major version is refused (4xx).
 HINTS_VERSION = 1
@@ -126,7 +127,8 @@ class SwitchState(_Strict):
 class LinkState(_Strict):
     """One directed link: its rate, and live telemetry (utilisation 0..1, queue, drops;
     ``bytes``: bytes carried in that direction since its counters started, of which
-    utilisation is the recent rate)."""
+    utilisation is the recent rate; ``impairment``: the loss, duplication and reordering the
+    engines' ``impair`` stages apply to it now, which the policies' model prices)."""
 
     src: str
     dst: str
@@ -136,6 +138,7 @@ class LinkState(_Strict):
     drops: int = Field(default=0, ge=0)
     trims: int = Field(default=0, ge=0)
     bytes: int = Field(default=0, ge=0)
+    impairment: LinkImpairment | None = None
 
 
 class FabricSnapshot(_Strict):

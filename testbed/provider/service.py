@@ -89,6 +89,7 @@ from testbed.provider.schema import (
     Plan,
     SwitchState,
 )
+from testbed.topologies.base import LinkSpec, link_impairments
 
 #: Where tenants find the service: a Unix socket in the run directory, which every emulated
 #: host sees (hosts share the file system), while the switches' control channels stay in the
@@ -140,7 +141,8 @@ class Telemetry:
     byte-counter delta since the previous collection over the interval and the link rate; queue
     depth and queue drops come from a ``trim`` or ``shape`` stage on the source's egress port
     (trims from the former), drops from the port's drop counters, ``bytes`` from its byte
-    counter; a switch's allocated
+    counter; a link's impairment from the ``impair`` stages at its ends (what they do now,
+    :func:`testbed.topologies.base.link_impairments`); a switch's allocated
     memory per job from its ``aggregate`` stage. A node that does not answer is reported in
     :attr:`errors` and contributes nothing (its links read as idle).
     """
@@ -153,6 +155,7 @@ class Telemetry:
         self.memory_bytes = dict(memory_bytes)
         self.nodes = sorted(desc.get("programmable", []))
         self.ports = _port_map(desc)
+        self.link_specs = [LinkSpec(**s) for s in desc.get("links", [])]
         self._clients: dict[str, Any] = {}
         self._prev: dict[str, tuple[float, dict]] = {}
         self.errors: dict[str, str] = {}
@@ -194,7 +197,9 @@ class Telemetry:
                             max(p["tx_bytes"] - q["tx_bytes"], 0) * 8 / (t1 - prev[0]),
                             max(p["rx_bytes"] - q["rx_bytes"], 0) * 8 / (t1 - prev[0]))
             self._prev[node] = (t1, data.get("ports", {}))
-        links = [self._link(src, dst, rate, counters, rates)
+        impaired = {(i.src, i.dst): i for i in link_impairments(self.link_specs, counters)}
+        links = [self._link(src, dst, rate, counters, rates).model_copy(
+                     update={"impairment": impaired.get((src, dst))})
                  for (src, dst), (_n, _p, rate) in sorted(self.ports.items())]
         switches = []
         for name in self.desc.get("switches", {}):

@@ -15,7 +15,7 @@ from testbed.collectives import flowmodel as fm
 from testbed.collectives import model as ab
 from testbed.collectives.ports import tcp_tuple
 from testbed.topologies import Dumbbell, FatTree, LeafSpine, Star, routing
-from testbed.topologies.base import AGGREGATOR_MAC, host_mac
+from testbed.topologies.base import AGGREGATOR_MAC, TCP_RTO_MIN_US, host_mac
 
 MB = 1 << 20
 HOP = 50e-6
@@ -631,15 +631,73 @@ def test_reordering_costs_ina_the_timeout_of_a_held_frame_in_the_last_window():
     assert dil.time_s == pytest.approx(held.time_s)
 
 
-def test_a_tcp_prediction_over_a_lossy_path_says_it_is_a_lower_bound():
+def test_tcp_loss_is_priced_where_the_flows_frames_are_lost():
+    """A ring's loss term: on a path with loss (an impair stage or the topology's
+    ``loss_pct``), not where only testbed frames are impaired or nothing is."""
     topo = Star(4, bw_mbps=100, switch="programmable")
     ring = CollectiveSpec(algo="ring", nbytes=1 * MB)
 
-    def notes(imps):
-        return " ".join(fm.predict(topo, ring, hop_latency_s=HOP, impairments=imps).notes)
+    def loss_s(imps, t=topo):
+        return fm.predict(t, ring, hop_latency_s=HOP, impairments=imps).tcp_loss_s
 
-    assert "lower bound" not in notes([])
-    assert "lower bound" in notes(_every_uplink(topo, loss=0.01))
-    assert "lower bound" not in notes(_every_uplink(topo, loss=0.01, testbed_only=True))
-    assert "lower bound" in fm.predict(Star(4, bw_mbps=100, switch="programmable",
-                                            loss_pct=1.0), ring, hop_latency_s=HOP).notes[0]
+    assert loss_s([]) == 0
+    assert loss_s(_every_uplink(topo, loss=0.01)) > 0
+    assert loss_s(_every_uplink(topo, loss=0.01, testbed_only=True)) == 0
+    assert loss_s([], Star(4, bw_mbps=100, switch="programmable", loss_pct=1.0)) > 0
+
+
+def test_tcp_loss_stalls_a_flow_a_round_trip_loaded_with_the_queue_before_its_acks():
+    """The TCP loss term by hand on a ring of two (each step: h1 -> h2 and h2 -> h1 at once),
+    only h1 -> h2's data lossy: h2 -> h1 keeps its whole window in flight, so h2's uplink
+    queues what the base round trip does not hold, and h1 -> h2's ACKs wait behind it;
+    h1 -> h2's own window is Reno's under loss. Each step that loses anything waits
+    k = max(1, min(N p, T / rtt)) of those round trips."""
+    p, nbytes = 0.01, 2 * MB
+    topo = Star(2, bw_mbps=100, switch="programmable")
+    spec = CollectiveSpec(algo="ring", nbytes=nbytes)
+    pred = fm.predict(topo, spec, hop_latency_s=HOP,
+                      impairments=[fm.LinkImpairment("tbs1", "tbh2", loss=p)])
+    cap = 100e6 / 8
+    rate = cap / (fm.TCP_WIRE + fm.TCP_ACK)  # both flows' data and the other's ACKs per link
+    base = 2 * 2 * HOP
+    window = ab.tcp_window_clamp("ring", cap * 8)
+    ack_wait = (window - rate * base) * fm.TCP_WIRE / cap
+    rtt = base + ack_wait
+    step = nbytes / 2
+    packets = step / ab.TCP_MSS
+    k = max(1.0, min(packets * p, step / rate / rtt))
+    per_step = (1 - (1 - p) ** packets) * k * rtt
+    assert pred.tcp_loss_s == pytest.approx(2 * per_step, rel=1e-6)  # reduce-scatter, allgather
+    # reordering on the path too: a lost retransmission waits out the retransmission timeout
+    # (the kernel's floor, dilated with the network: the undilated time is the same)
+    for f in (1.0, 4.0):
+        held = fm.predict(topo, spec, hop_latency_s=HOP * f, time_dilation=f, impairments=[
+            fm.LinkImpairment("tbs1", "tbh2", loss=p, reorder=0.05)])
+        timeout = max(TCP_RTO_MIN_US / 1e6, 2 * rtt)
+        assert held.tcp_loss_s - pred.tcp_loss_s == pytest.approx(
+            2 * (1 - (1 - p) ** packets) * k * p * timeout, rel=1e-6)
+    clean = fm.predict(topo, spec, hop_latency_s=HOP)
+    assert pred.time_s == pytest.approx(clean.time_s + pred.tcp_loss_s)
+    assert clean.tcp_loss_s == 0
+    # the UET-like transport's resends are not priced: a lower bound, and it says so
+    uet = fm.predict(topo, dataclasses.replace(spec, transport="uet"), hop_latency_s=HOP,
+                     impairments=[fm.LinkImpairment("tbs1", "tbh2", loss=p)])
+    assert uet.tcp_loss_s == 0 and "lower bound" in " ".join(uet.notes)
+
+
+def test_concurrent_prediction_adds_the_loss_terms_of_every_repetition():
+    """A job alone in ``predict_concurrent`` takes its repetitions' times as ``predict`` gives
+    them, INA's window and loss and TCP's loss included once per repetition."""
+    topo = Star(4, bw_mbps=100, switch="programmable")
+    imps = [fm.LinkImpairment(h, "tbs1", loss=0.01, direction="ingress")
+            for h in topo.host_names]
+    for spec in (CollectiveSpec(algo="ring", nbytes=MB), CollectiveSpec(algo="ina", nbytes=MB)):
+        one = fm.predict(topo, spec, hop_latency_s=HOP, impairments=imps)
+        assert one.tcp_loss_s + one.ina_extra_s > 0
+        ends: list = []
+        both = fm.predict_concurrent(
+            topo, [fm.ConcurrentJob(dataclasses.replace(spec, repetitions=3),
+                                    topo.host_names)],
+            hop_latency_s=HOP, impairments=imps, rep_ends=ends)[0]
+        assert both == pytest.approx(3 * one.time_s, rel=1e-6)
+        assert ends[0][-1] == pytest.approx(both)

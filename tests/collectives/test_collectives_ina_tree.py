@@ -88,10 +88,11 @@ def impaired_run(net, switch: str, spec: CollectiveSpec, **impair) -> list[dict]
 
 def test_the_model_prices_the_impairments_the_engines_apply_now(leaf_spine):
     """``net.link_impairments()`` reads what the leaf's impair stage does now (set at run
-    time), one record per link into the leaf; a run's model prices them (its ``model_s`` is
-    the model's with those records, longer than without), and none is left once they are
-    switched off."""
+    time), one record per link into the leaf, and so does the provider's telemetry; a run's
+    model prices them (its ``model_s`` is the model's with those records, longer than
+    without), and none is left once they are switched off."""
     from testbed.collectives import flowmodel
+    from testbed.provider.service import Telemetry
 
     net = leaf_spine
     c = net.switch_client("tbl1")
@@ -100,8 +101,15 @@ def test_the_model_prices_the_impairments_the_engines_apply_now(leaf_spine):
         imps = net.link_impairments()
         spec = _spec(placement={"tree": "auto"}, seed=2)
         rows = run_collective(net, spec)
+        # the provider's telemetry sees the same on the same links
+        seen = Telemetry(net.topo.describe(), {})
+        try:
+            snap = seen.collect()
+        finally:
+            seen.close()
     finally:
         c.configure("impair", loss=0.0, dup=0.0, reorder=0.0)
+    assert {lk.impairment for lk in snap.links if lk.impairment} == set(imps)
     check_rows(rows, spec, 4)
     assert {(i.src, i.dst) for i in imps} == {(p, "tbl1") for p in ("tbh1", "tbh2", "tbsp1",
                                                                    "tbsp2")}

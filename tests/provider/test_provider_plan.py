@@ -437,3 +437,31 @@ def test_a_job_left_without_static_memory_aggregates_on_the_shared_pools(topo, m
     three = {j: pooled.model_copy(update={"job": j}) for j in "abc"}
     assert [p.slots for p in policies.shared_windows(three, pools).values()] == [5] * 3
     assert "cooperative_static" in POLICIES and POLICIES["cooperative_static"].baseline
+
+
+def test_the_policies_price_the_loss_telemetry_shows(topo, model):
+    """Telemetry that shows loss on a job's links (``LinkState.impairment``) raises what its
+    ring costs (TCP's loss recovery) more than what INA costs: two equal two-host jobs run
+    rings on the clean fabric (INA moves the same bytes, with more headers), and the one
+    whose links lose 2 % of their packets moves to INA, whichever came first."""
+    from testbed.topologies.base import LinkImpairment
+
+    a = JobRequest(job="a", hosts=["tbh1", "tbh6"],
+                   hints=Hints(collective_bytes=400_000, iterations=100, tolerance="exact"))
+    b = a.model_copy(update={"job": "b", "hosts": ["tbh2", "tbh7"]})
+    clean = _inv(topo)
+    lossy = clean.model_copy(update={"links": [
+        lk.model_copy(update={"impairment": LinkImpairment(lk.src, lk.dst, loss=0.02)})
+        if lk.src in b.hosts else lk for lk in clean.links]})
+    ring = Plan(job="b", algo="ring")
+    ina = next(p for p in candidates(b, FabricView(clean)) if p.algo == "ina")
+    ring_more = model.comm_s(b, ring, lossy) - model.comm_s(b, ring, clean)
+    ina_more = model.comm_s(b, ina, lossy) - model.comm_s(b, ina, clean)
+    assert ring_more > 0.1 * model.comm_s(b, ring, clean) and 0 < ina_more < ring_more
+    for order in ([a, b], [b, a]):
+        policy = make_policy("cooperative", model)
+        assert {p.algo for p in policy.plan(order, clean).values()} == {"ring"}
+        plans = policy.plan(order, lossy)
+        assert plans["b"].algo == "ina" and plans["a"].algo == "ring", plans
+        # its price is the one with the loss
+        assert plans["b"].predicted_comm_s > model.comm_s(b, plans["b"], clean)
