@@ -90,13 +90,11 @@ from .base import (
     IMPAIR_STAGES,
     MAX_BW_MBPS,
     TCP_RTO_MIN_US,
-    LinkImpairment,
     TestbedTopo,
     TopologyError,
     aggregating_switches,
     host_ip,
     host_mac,
-    link_impairments,
     netem_available,
     switch_identity,
 )
@@ -398,8 +396,6 @@ class TestbedNet(FabricRoutes):
         self._lock_cm = None
         self._tmpdir: str | None = None
         self._clients: dict = {}
-        #: nodes whose engines run an impair stage (link_impairments), found on first use
-        self._impair_nodes: list[str] | None = None
         self._hop_latency: float | None = None
         self._old_sigterm = None
         self._preexisting: set[str] = set()
@@ -1189,17 +1185,6 @@ class TestbedNet(FabricRoutes):
                         stats[key] = int(f.read())
             ports[name] = stats
         return {"datapath": dp, "ports": ports}
-
-    def link_impairments(self) -> list[LinkImpairment]:
-        """The impairments the engines' ``impair`` stages now apply, one record per impaired
-        directed link (what :func:`testbed.collectives.flowmodel.predict` prices): read from
-        the engines, so a stage configured at run time counts. Empty without such stages."""
-        self._require_running()
-        if self._impair_nodes is None:  # which engines have such a stage (fixed at start)
-            self._impair_nodes = [node for node, stages in self.programs_plan().items()
-                                  if any(p in IMPAIR_STAGES for p, _ in stages)]
-        return link_impairments(self.topo.link_specs, {
-            node: self._clients[node].counters() for node in self._impair_nodes})
 
     def dead_engines(self) -> dict[str, int]:
         """Programmable nodes whose data-path engine has exited: node -> exit status

@@ -3,7 +3,8 @@
 :class:`FabricRoutes` is shared by :class:`~testbed.topologies.net.TestbedNet` (a network this
 process builds) and :class:`~testbed.topologies.attached.AttachedNet` (one another process
 runs): both have ``topo``, ``hosts`` (whose ``cmd`` runs a shell command in the host),
-``time_dilation``, the routes' forwarding tables ``_tables`` and ``_host_names``.
+``time_dilation``, the routes' forwarding tables ``_tables``, ``_host_names`` and the engines'
+control clients ``datapath_clients()``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import re
 import threading
 
 from . import aggtree, routing
-from .base import aggregating_switches, switch_identity
+from .base import (
+    IMPAIR_STAGES,
+    LinkImpairment,
+    aggregating_switches,
+    link_impairments,
+    switch_identity,
+)
 
 #: Several threads may ask for the hop latency at once (a replay's tenants), and a node's shell
 #: runs one command at a time.
@@ -28,9 +35,25 @@ class FabricRoutes:
     time_dilation: float
     _tables: dict
     _hop_latency: float | None = None
+    #: nodes whose engines run an impair stage (:meth:`link_impairments`), found on first use
+    _impair_nodes: list[str] | None = None
 
     def _host_names(self, hosts) -> list[str]:
         raise NotImplementedError
+
+    def datapath_clients(self) -> dict:
+        raise NotImplementedError
+
+    def link_impairments(self) -> list[LinkImpairment]:
+        """The impairments the engines' ``impair`` stages now apply, one record per impaired
+        directed link (what :func:`testbed.collectives.flowmodel.predict` prices): read from
+        the engines, so a stage configured at run time counts. Empty without such stages."""
+        clients = self.datapath_clients()
+        if self._impair_nodes is None:  # an engine's stages are fixed when it starts
+            self._impair_nodes = [node for node, c in clients.items()
+                                  if set(c.config().get("stages", ())) & set(IMPAIR_STAGES)]
+        return link_impairments(self.topo.link_specs,
+                                {n: clients[n].counters() for n in self._impair_nodes})
 
     @property
     def routed_topo(self):
