@@ -384,14 +384,24 @@ def test_a_tenant_the_provider_re_plans_moves_to_its_new_plan_while_it_runs(tmp_
     the ring at a collective every rank agrees on, gives its switch memory back, and the
     newcomer's INA runs on it; every allreduce stays exact."""
     res, plans = _a_newcomer_takes_the_memory(tmp_path, "cooperative_static")
-    assert [p["algo"] for p in plans] == ["ina", "ring"], plans
+    assert [p["algo"] for p in plans[:2]] == ["ina", "ring"], plans
+    _back_to_static_once_it_left(plans)
     switch = plans[1]["from_call"]
     paths = [c["path"] for c in res.replayed[0].collectives]
+    until = plans[2]["from_call"] - 1 if len(plans) > 2 and plans[2]["from_call"] else len(paths)
     assert 1 < switch <= len(paths)
-    assert set(paths[:switch - 1]) == {"testbed:ina"} and set(paths[switch - 1:]) == \
+    assert set(paths[:switch - 1]) == {"testbed:ina"} and set(paths[switch - 1:until]) == \
         {"testbed:ring"}, (switch, paths)
     first, second = res.tenants
-    assert first["replans"] == f"ring from collective {switch}" and second["replans"] is None
+    assert first["replans"].startswith(f"ring from collective {switch}")
+    assert second["replans"] is None
+
+
+def _back_to_static_once_it_left(plans: list[dict]) -> None:
+    """A first tenant still running when the newcomer has ended (a slow machine) gets the
+    switch's memory back: any plan after its second is INA on static memory again."""
+    assert all((p["algo"], (p.get("placement") or {}).get("mode")) == ("ina", "static")
+               for p in plans[2:]), plans
 
 
 @pytest.mark.mininet
@@ -403,8 +413,9 @@ def test_a_tenant_left_without_switch_memory_moves_onto_the_shared_pool(tmp_path
     allreduce of both stays in the network and exact."""
     res, plans = _a_newcomer_takes_the_memory(tmp_path, "cooperative")
     assert {c["path"] for c in res.replayed[0].collectives} == {"testbed:ina"}
-    assert [(p["algo"], p["placement"]["mode"]) for p in plans] == [("ina", "static"),
-                                                                     ("ina", "shared")]
+    assert [(p["algo"], p["placement"]["mode"]) for p in plans[:2]] == [("ina", "static"),
+                                                                         ("ina", "shared")]
+    _back_to_static_once_it_left(plans)
     assert plans[1]["placement"]["slots"] < plans[0]["placement"]["slots"]
     assert 1 < plans[1]["from_call"] <= len(res.replayed[0].collectives)
 
