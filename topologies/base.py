@@ -111,10 +111,10 @@ class LinkSpec:
 
 #: The kernel's minimum TCP retransmission timeout (``TCP_RTO_MIN``), which a dilated network
 #: stretches on every host like its other times (``TestbedNet``; the flow model prices it).
-#: Unstretched, it fired on queueing delay: a dilated queue holds f times more wall time, and on the star of 8 at f=12 the reduction
-#: server's round trips reached 300-600 ms, past the kernel's 200 ms floor (10-21 spurious
-#: timeouts per 4 MiB run, every retransmission a D-SACKed duplicate; none with the floor at
-#: 2.4 s).
+#: Unstretched, it fired on queueing delay: a dilated queue holds f times more wall time, and
+#: on the star of 8 at f=12 the reduction server's round trips reached 300-600 ms, past the
+#: kernel's 200 ms floor (10-21 spurious timeouts per 4 MiB run, every retransmission a
+#: D-SACKed duplicate; none with the floor at 2.4 s).
 TCP_RTO_MIN_US = 200_000
 
 
@@ -154,7 +154,8 @@ class LinkImpairment:
 
 
 #: program names of the data path's ``impair`` stage (egress or ingress; a node impaired in
-#: both directions runs an ``impair_ingress`` stage beside its ``impair``)
+#: both directions runs an ``impair_ingress`` stage beside its ``impair``; a node's program
+#: override with one conflicts with the impairments ``pipeline.compose`` adds)
 IMPAIR_STAGES = ("impair", "impair_ingress")
 
 

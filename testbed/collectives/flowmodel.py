@@ -582,9 +582,8 @@ class _Network:
         self._paths: dict = {}
         # directed link -> its impairments, for every frame / for testbed frames (INA's)
         self.impaired: dict[bool, dict[tuple[str, str], LinkImpairment]] = {False: {}, True: {}}
-        links = [LinkImpairment(s.a, s.b, loss=s.loss_pct / 100.0) for s in topo.link_specs
-                 if s.loss_pct] + [LinkImpairment(s.b, s.a, loss=s.loss_pct / 100.0)
-                                   for s in topo.link_specs if s.loss_pct]
+        links = [LinkImpairment(a, b, loss=s.loss_pct / 100.0) for s in topo.link_specs
+                 if s.loss_pct for a, b in ((s.a, s.b), (s.b, s.a))]
         for imp in links + as_impairments(impairments):
             for testbed in (False, True):
                 if testbed or not imp.testbed_only:
@@ -635,8 +634,8 @@ class _Network:
                         w[(a, b)] = w.get((a, b), 0.0) + x * share
             return w
         w = {}
+        table = self.impaired[_testbed_frames(f)]
         for path, x in ((self.flow_path(f), f.wire), (self.ack_path(f) if f.ack else [], f.ack)):
-            table = self.impaired[_testbed_frames(f)]
             copies = 1.0  # duplicated frames load every link after the point they appear
             for link in zip(path, path[1:], strict=False):
                 imp = table.get(link)
@@ -800,10 +799,10 @@ def _tcp_loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: fl
     ``flow_window_bytes``), or where its path loses a share p of its packets Reno's window
     under loss if that is less (``MSS x sqrt(3 / 2p)``, Mathis et al.), so the queue of the
     link it is bottlenecked on holds what the base round trip does not: ``window - rate x
-    rtt_base``, at most the queue's limit. A loss
-    stalls its flow until the retransmission is acknowledged, a round trip loaded with the
-    queues its ACKs wait in and the other flows' queues on its data path (its own data keeps
-    its link busy meanwhile); losses within one round trip are recovered together. So a flow
+    rtt_base``, at most the queue's limit. A loss stalls its flow until the retransmission is
+    acknowledged, a round trip loaded with the queues its ACKs wait in and the other flows'
+    queues on its data path (its own data keeps its link busy meanwhile); losses within one
+    round trip are recovered together. So a flow
     of N packets with loss probability p on its path, lasting T at its rate, is stalled
     ``k = max(1, min(N p, T / rtt))`` loaded round trips when it loses any (probability
     ``1 - (1 - p)^N``), and the phase, which ends with its last flow, waits for the worst::
@@ -832,13 +831,12 @@ def _tcp_loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: fl
         for link, x in net.weights(f).items():
             load[link] = load.get(link, 0.0) + x * r
     queued: dict = {}  # link -> (bytes queued there, per flow)
-    for f, r, path in flows:
+    for f, r, path, p in lossy:
         links = list(zip(path, path[1:], strict=False))
         cap = min((net.capacity[k] for k in links if k in net.capacity), default=None)
         if cap is None:
             continue
         window = ab.tcp_window_clamp(spec.algo, cap * 8) or ab.flow_window_bytes(cap * 8)
-        p = net.path_loss(f)
         if p > 0:  # Reno's window under random loss (Mathis et al.): 1.22 / sqrt(p) segments
             window = min(window, ab.TCP_MSS * math.sqrt(1.5 / p))
         full = [k for k in links if k in net.capacity and

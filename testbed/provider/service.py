@@ -89,7 +89,8 @@ from testbed.provider.schema import (
     Plan,
     SwitchState,
 )
-from testbed.topologies.base import LinkSpec, link_impairments
+from testbed.topologies import routing
+from testbed.topologies.base import LinkImpairment, link_impairments
 
 #: Where tenants find the service: a Unix socket in the run directory, which every emulated
 #: host sees (hosts share the file system), while the switches' control channels stay in the
@@ -155,7 +156,7 @@ class Telemetry:
         self.memory_bytes = dict(memory_bytes)
         self.nodes = sorted(desc.get("programmable", []))
         self.ports = _port_map(desc)
-        self.link_specs = [LinkSpec(**s) for s in desc.get("links", [])]
+        self.link_specs = routing.as_topology(desc).link_specs
         self._clients: dict[str, Any] = {}
         self._prev: dict[str, tuple[float, dict]] = {}
         self.errors: dict[str, str] = {}
@@ -198,8 +199,7 @@ class Telemetry:
                             max(p["rx_bytes"] - q["rx_bytes"], 0) * 8 / (t1 - prev[0]))
             self._prev[node] = (t1, data.get("ports", {}))
         impaired = {(i.src, i.dst): i for i in link_impairments(self.link_specs, counters)}
-        links = [self._link(src, dst, rate, counters, rates).model_copy(
-                     update={"impairment": impaired.get((src, dst))})
+        links = [self._link(src, dst, rate, counters, rates, impaired.get((src, dst)))
                  for (src, dst), (_n, _p, rate) in sorted(self.ports.items())]
         switches = []
         for name in self.desc.get("switches", {}):
@@ -219,12 +219,12 @@ class Telemetry:
                               switches=switches, links=links,
                               hosts=list(self.desc.get("hosts", [])))
 
-    def _link(self, src: str, dst: str, rate_mbps: float, counters: dict,
-              rates: dict) -> LinkState:
+    def _link(self, src: str, dst: str, rate_mbps: float, counters: dict, rates: dict,
+              impairment: LinkImpairment | None) -> LinkState:
         node, port, _ = self.ports[(src, dst)]
         data = counters.get(node)
         if data is None:
-            return LinkState(src=src, dst=dst, rate_mbps=rate_mbps)
+            return LinkState(src=src, dst=dst, rate_mbps=rate_mbps, impairment=impairment)
         egress = node == src  # the counters are the source's egress port
         tx_bps, rx_bps = rates.get(node, {}).get(port, (0.0, 0.0))
         bps = tx_bps if egress else rx_bps
@@ -245,7 +245,8 @@ class Telemetry:
         carried = data.get("ports", {}).get(port, {}).get("tx_bytes" if egress else "rx_bytes")
         return LinkState(src=src, dst=dst, rate_mbps=rate_mbps,
                          utilisation=round(bps * self.time_dilation / (rate_mbps * 1e6), 4),
-                         queue_bytes=queue, drops=drops, trims=trims, bytes=int(carried or 0))
+                         queue_bytes=queue, drops=drops, trims=trims, bytes=int(carried or 0),
+                         impairment=impairment)
 
     def close(self) -> None:
         """Close the control connections."""
