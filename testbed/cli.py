@@ -166,7 +166,9 @@ def launch(
     error_feedback: bool = typer.Option(False, "--error-feedback"),
     transport: str = typer.Option("tcp", "--transport", metavar="tcp|uet", help="with --algo: "
                                   "what carries ring/hd messages (uet: sprayed UDP that a UET "
-                                  "switch trims, NACKed and resent; one rank per host)"),
+                                  "switch trims, NACKed and resent; one rank per host); with "
+                                  "--algo auto or --provider: the provider may plan the ring "
+                                  "over uet, with trimming on its ports"),
     policy: str = typer.Option("cooperative", "--policy", help=POLICY_HELP),
     provider: str = typer.Option(None, "--provider", metavar="ADDRESS|default",
                                  help="run as a tenant of the provider that serves the "

@@ -150,7 +150,9 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     a star of ``hosts`` hosts at 100 Mb/s changed by ``topology`` (experiment-file topology
     fields). ``algo`` (ring, hd, ina, nic or a plug-in; None: plain gloo) with ``compressor``,
     ``compressor_params``, ``error_feedback``, ``transport`` ("uet": the UET-like transport
-    instead of TCP, one rank per host): what the ``testbed`` backend allreduces float32 with; ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
+    instead of TCP, one rank per host): what the ``testbed`` backend allreduces float32 with
+    (with ``algo="auto"`` or ``provider``, ``transport="uet"`` says the workers *may* run it:
+    the provider may plan their ring over UET, with trimming on its ports); ``algo="auto"``: the provider plans them (:func:`provider_plan` with ``policy`` and
     the tenant's ``hints``, :class:`testbed.provider.schema.Hints` fields such as
     ``tolerance``, ``error_budget``, ``collective_bytes``, ``priority``; the plan is in the
     result and ``launch.json``; without ``collective_bytes`` the launcher derives the job's
@@ -181,6 +183,9 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
         raise ValueError(f"nproc_per_host={nproc_per_host} with transport 'uet': the UET-like "
                          "transport takes one rank per host (its receive port is the host's "
                          "testbed port); use one rank per host or transport 'tcp'")
+    if planned and transport == "uet":
+        # the workers may run UET: the provider may plan their ring over it, with trimming
+        hints = {**(hints or {}), "transports": ["tcp", "uet"]}
     if chakra_out is not None:
         import importlib.util
 
@@ -270,9 +275,9 @@ def _check_served(algo, topology, time_dilation, compressor, error_feedback, pla
         raise ValueError(f"provider: {', '.join(given)} cannot be given: the job runs on the "
                          "network 'testbed up' runs, as its provider plans it (state the "
                          "job's hints: tolerance, error budget, bytes, priority)")
-    if nproc_per_host != 1 or transport != "tcp":
-        raise ValueError("provider: a served job runs one rank per host over TCP (the "
-                         "provider plans per host)")
+    if nproc_per_host != 1:
+        raise ValueError("provider: a served job runs one rank per host (the provider plans "
+                         "per host)")
 
 
 def _launch_served(provider: str | bool, script, args, hosts, experiment, hints, out,

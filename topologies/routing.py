@@ -314,6 +314,13 @@ def _flow_paths(adj, src: str, dst: str) -> dict[tuple[str, str], float]:
     return load
 
 
+def ecmp_links(topo, src: str, dst: str) -> set[tuple[str, str]]:
+    """The directed links some equal-cost shortest path from ``src`` to ``dst`` takes (every
+    link a flow sprayed over all of them may cross)."""
+    return {link for link, f in _flow_paths(adjacency(as_topology(topo)), src, dst).items()
+            if f > 0}
+
+
 def flows_for(pattern: str, hosts: list[str], aggregator: str | None) -> list[tuple[str, str]]:
     """The (src, dst) flows a collective pattern puts on the network at once.
 

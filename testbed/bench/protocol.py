@@ -303,7 +303,7 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  "vs_cooperative_static", "lying_vs_honest",
                  "failed", "cpu_bound_runs", "replans"),
         options=(Option("traces", "cloud_cooperation,cloud_no_help,cloud_cheater,"
-                        "cloud_congestion,cloud_spines",
+                        "cloud_congestion,cloud_spines,cloud_trimming",
                         "co-operation experiment "
                         "files (names in experiments/ or paths)", quick="cloud_cooperation",
                         metavar="A,B"),

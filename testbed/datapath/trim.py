@@ -264,7 +264,7 @@ def _due(p, now, ns_per_byte, burst_bytes, next_free, q_cnt):
 
 
 @njit(cache=True)
-def _drain(p, now, mode, hdr_prio, share, deficit, ns_per_byte, burst_bytes, next_free, q_buf,
+def _drain(p, now, modes, hdr_prio, share, deficit, ns_per_byte, burst_bytes, next_free, q_buf,
            q_len, q_ring, q_head, q_cnt, q_bytes, buf, length, base, room, k, emit_port, emitted,
            counters):
     """Emit port ``p``'s queued frames whose departure time has come (control first, then the
@@ -282,7 +282,7 @@ def _drain(p, now, mode, hdr_prio, share, deficit, ns_per_byte, burst_bytes, nex
         elif not (has_h and has_d):
             deficit[p] = 0.0  # a queue that empties loses its credit (DRR)
             c = Q_TRIMMED if has_h else Q_DATA
-        elif mode == MODE_UET:
+        elif modes[p] == MODE_UET:
             c = Q_TRIMMED if deficit[p] >= 0.0 else Q_DATA
         else:
             c = Q_TRIMMED if hdr_prio else Q_DATA
@@ -322,8 +322,8 @@ def _push(q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, c, p, frame, ln):
 
 
 @njit(cache=True)
-def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_prio, thr_bytes,
-                thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, q_buf, q_len, q_ring,
+def trim_kernel(buf, length, out_port, reason, n, base, room, now, modes, hdr_prio, thr_bytes,
+                trim_thr, thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, q_buf, q_len, q_ring,
                 q_head, q_cnt, q_bytes, dscp, trim_bytes, last_hop, share, deficit, counters,
                 emit_port, emitted):
     """One burst of the trim stage: drain what is due, admit/trim/drop the batch's egress
@@ -332,8 +332,9 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
 
     The queues of every port share ``q_buf`` / ``q_len``: class ``c`` (``Q_DATA``,
     ``Q_TRIMMED``, ``Q_CONTROL``) owns the ``q_ring[c, 1]`` slots from ``q_ring[c, 0]``, with
-    ``q_head`` / ``q_cnt`` / ``q_bytes[c, port]``. ``dscp``, ``trim_bytes``, ``last_hop``,
-    ``share`` and the control ring serve ``mode == MODE_UET`` only."""
+    ``q_head`` / ``q_cnt`` / ``q_bytes[c, port]``. ``modes`` is each port's mode; ``dscp``,
+    ``trim_bytes``, ``trim_thr``, ``last_hop``, ``share`` and the control ring serve its
+    ``MODE_UET`` ports only."""
     n_ports = next_free.shape[0]
     nq = q_ring[Q_DATA, 1]
     nc = q_ring[Q_CONTROL, 1]
@@ -342,7 +343,7 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
     k = 0
     for p in range(n_ports):
         if _due(p, now, ns_per_byte, burst_bytes, next_free, q_cnt):
-            k = _drain(p, now, mode, hdr_prio, share, deficit, ns_per_byte, burst_bytes,
+            k = _drain(p, now, modes, hdr_prio, share, deficit, ns_per_byte, burst_bytes,
                        next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, buf, length,
                        base, room, k, emit_port, emitted, counters)
     for i in range(n):
@@ -362,6 +363,7 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
             next_free[p] = max(next_free[p], now) + ln * ns_per_byte[p]
             counters[p, C_PASSED] += 1
             continue
+        mode = modes[p]
         d = frame_dscp(buf[i], ln) if mode == MODE_UET else -1
         if d >= 0 and d == dscp[D_CONTROL]:
             if q_cnt[Q_CONTROL, p] < nc:
@@ -380,7 +382,11 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
         # the trimmed class: cut upstream (arrives so marked) or here (below); a full ring drops
         trimmed = d >= 0 and (d == dscp[D_TRIMMED] or d == dscp[D_TRIMMED_LH])
         if not trimmed:
-            full = q_bytes[Q_DATA, p] + ln > thr_bytes[p] or dq_cnt >= nq
+            # a trimmable frame meets the port's trim threshold where it has one; every other
+            # class keeps the drop-tail limit (TCP beside a UET job is not cut short)
+            thr = trim_thr[p] if trim_thr[p] > 0 and d >= 0 and d == dscp[D_TRIMMABLE] \
+                else thr_bytes[p]
+            full = q_bytes[Q_DATA, p] + ln > thr or dq_cnt >= nq
             if thr_pkts[p] > 0 and dq_cnt >= thr_pkts[p]:
                 full = True
             if not full:
@@ -441,7 +447,7 @@ def trim_kernel(buf, length, out_port, reason, n, base, room, now, mode, hdr_pri
         counters[p, C_DROPPED] += 1
     for p in range(n_ports):
         if _due(p, now, ns_per_byte, burst_bytes, next_free, q_cnt):
-            k = _drain(p, now, mode, hdr_prio, share, deficit, ns_per_byte, burst_bytes,
+            k = _drain(p, now, modes, hdr_prio, share, deficit, ns_per_byte, burst_bytes,
                        next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, buf, length,
                        base, room, k, emit_port, emitted, counters)
     return k
@@ -458,6 +464,12 @@ def _check_trim_bytes(v):
                          f"{PAYLOAD_OFFSET} (the minimum: Ethernet, IPv4, UDP and testbed "
                          f"headers) to {FRAME_MAX}, got {v!r}")
     return int(v)
+
+
+def _check_mode(v):
+    if v not in MODES:
+        raise ValueError(f"trim: mode must be one of {MODES}, got {v!r}")
+    return MODES.index(v)
 
 
 def _check_bool(name: str):
@@ -486,9 +498,12 @@ class TrimStage(Stage):
     * ``threshold_pkts`` (per port, 0 = no packet limit): the same in packets;
     * ``ecn_threshold_bytes`` (per port, 0 = off): mark ``Flags.ECN`` from this depth on;
     * ``burst_bytes`` (per port, default 0): how far a port may run ahead of its drain clock;
-    * ``mode``: ``"trim"``, ``"drop_tail"`` or ``"uet"``; ``header_priority``: serve trimmed
-      headers first (``trim`` mode);
-    * ``uet`` mode: ``trim_bytes`` (per port, frame length after a cut, default 128),
+    * ``mode`` (per port): ``"trim"``, ``"drop_tail"`` or ``"uet"``; ``header_priority``:
+      serve trimmed headers first (``trim`` mode);
+    * ``uet`` mode: ``trim_threshold_bytes`` (per port, 0 = off, the default): the data-queue
+      depth above which a *trimmable* frame is cut, while every other class keeps
+      ``threshold_bytes`` (a port trimming one job's UET packets at a BDP need not drop the
+      TCP beside it at that depth); ``trim_bytes`` (per port, frame length after a cut, default 128),
       ``trimmed_share`` (in (0, 1], default 0.5), ``dscp_control`` (46), ``dscp_trimmable``
       (8), ``dscp_trimmed`` (26), ``dscp_trimmed_lasthop`` (28) (values 0..63).
 
@@ -505,7 +520,8 @@ class TrimStage(Stage):
                  queue_slots: int = 256, header_slots: int = 256, burst_bytes=0,
                  control_slots: int = 64, threshold_bdp=None, rtt_us=None, last_hop=None,
                  lasthop_factor=None, trim_bytes=None, trimmed_share=None, dscp_control=None,
-                 dscp_trimmable=None, dscp_trimmed=None, dscp_trimmed_lasthop=None):
+                 dscp_trimmable=None, dscp_trimmed=None, dscp_trimmed_lasthop=None,
+                 trim_threshold_bytes=None):
         self.ports = resolve_ports(ports, n_ports, "trim")
         n = len(self.ports)
         q = check_number("queue_slots", 1, 65536, integer=True)(queue_slots)
@@ -525,6 +541,7 @@ class TrimStage(Stage):
         self.ns_per_byte = np.full(n, 8000.0 / 100.0, np.float64)  # 100 Mb/s unless given
         self.burst_bytes = np.zeros(n, np.float64)
         self.thr_bytes = np.full(n, 64 * 1024, np.int64)
+        self.trim_thr = np.zeros(n, np.int64)  # 0: the trimmable class meets thr_bytes too
         self.thr_bdp = np.zeros(n, np.float64)  # 0: the port's threshold is thr_bytes as given
         self.rtt_us = np.zeros(n, np.float64)  # 0: not given
         self.last_hop = np.zeros(n, np.bool_)
@@ -539,7 +556,7 @@ class TrimStage(Stage):
         self._emit = np.zeros(0, np.int16)  # sized to the batch on first use
         self._emitted = np.zeros(n, np.bool_)
         self._epoch: int | None = None
-        self.mode = MODE_TRIM
+        self.modes = np.full(n, MODE_TRIM, np.int64)
         self.header_priority = True
         if threshold_bytes is not None and threshold is not None:
             raise ValueError("trim: give threshold_bytes or its alias threshold, not both")
@@ -551,21 +568,28 @@ class TrimStage(Stage):
                        lasthop_factor=lasthop_factor, trim_bytes=trim_bytes,
                        trimmed_share=trimmed_share, dscp_control=dscp_control,
                        dscp_trimmable=dscp_trimmable, dscp_trimmed=dscp_trimmed,
-                       dscp_trimmed_lasthop=dscp_trimmed_lasthop)
+                       dscp_trimmed_lasthop=dscp_trimmed_lasthop,
+                       trim_threshold_bytes=trim_threshold_bytes)
+
+    @property
+    def mode(self) -> int:
+        """The ports' mode (an index of ``MODES``) where they all have one, else -1."""
+        return int(self.modes[0]) if (self.modes == self.modes[0]).all() else -1
 
     def configure(self, rate_mbps=None, threshold_bytes=None, threshold=None,
                   threshold_pkts=None, ecn_threshold_bytes=None, mode=None,
                   header_priority=None, burst_bytes=None, threshold_bdp=None, rtt_us=None,
                   last_hop=None, lasthop_factor=None, trim_bytes=None, trimmed_share=None,
                   dscp_control=None, dscp_trimmable=None, dscp_trimmed=None,
-                  dscp_trimmed_lasthop=None, **unknown) -> None:
+                  dscp_trimmed_lasthop=None, trim_threshold_bytes=None, **unknown) -> None:
         """Change rates, thresholds, mode or the UET settings at run time (see the class doc).
         A setting that is refused changes nothing."""
         if unknown:
             raise ValueError(f"trim: unknown settings {sorted(unknown)}; use rate_mbps, "
                              "threshold_bytes (or threshold), threshold_bdp, rtt_us, last_hop, "
                              "lasthop_factor, threshold_pkts, ecn_threshold_bytes, burst_bytes, "
-                             "mode, header_priority, trim_bytes, trimmed_share, "
+                             "mode, header_priority, trim_bytes, trim_threshold_bytes, "
+                             "trimmed_share, "
                              f"{', '.join(DSCP_SETTINGS)}")
         if threshold is not None:
             if threshold_bytes is not None:
@@ -623,6 +647,12 @@ class TrimStage(Stage):
             updates.append((self.burst_bytes, per_port(
                 burst_bytes, self.ports, "trim: burst_bytes",
                 check_number("burst_bytes", 0, 2**30, integer=True))))
+        if trim_threshold_bytes is not None:
+            updates.append((self.trim_thr, per_port(
+                trim_threshold_bytes, self.ports, "trim: trim_threshold_bytes",
+                check_number("trim_threshold_bytes", 0, 2**40, integer=True))))
+        if mode is not None:
+            updates.append((self.modes, per_port(mode, self.ports, "trim: mode", _check_mode)))
         if trim_bytes is not None:
             updates.append((self.trim_bytes, per_port(trim_bytes, self.ports,
                                                       "trim: trim_bytes", _check_trim_bytes)))
@@ -641,8 +671,6 @@ class TrimStage(Stage):
                 raise ValueError(f"trim: {classes[a]} and {DSCP_SETTINGS[b]} are both "
                                  f"{dscp[a]}; each class needs its own DSCP value (only "
                                  "dscp_trimmed and dscp_trimmed_lasthop may be equal)")
-        if mode is not None and mode not in MODES:
-            raise ValueError(f"trim: mode must be one of {MODES}, got {mode!r}")
         for arr, vals in updates:
             for p, v in vals.items():
                 arr[p] = v
@@ -651,8 +679,6 @@ class TrimStage(Stage):
         self.lasthop_factor, self.trimmed_share = factor, share
         self.dscp[:] = dscp
         self._bdp_thresholds()
-        if mode is not None:
-            self.mode = MODES.index(mode)
         if header_priority is not None:
             self.header_priority = bool(header_priority)
 
@@ -672,8 +698,8 @@ class TrimStage(Stage):
         if self._emit.shape[0] < batch.capacity:
             self._emit = np.zeros(batch.capacity, np.int16)
         k = trim_kernel(batch.buf, batch.length, batch.out_port, batch.reason, batch.n, base,
-                        batch.capacity - base, now, self.mode, self.header_priority,
-                        self.thr_bytes, self.thr_pkts, self.ecn_bytes, self.ns_per_byte,
+                        batch.capacity - base, now, self.modes, self.header_priority,
+                        self.thr_bytes, self.trim_thr, self.thr_pkts, self.ecn_bytes, self.ns_per_byte,
                         self.burst_bytes, self.next_free, self.q_buf, self.q_len, self.q_ring,
                         self.q_head, self.q_cnt, self.q_bytes, self.dscp, self.trim_bytes,
                         self.last_hop, self.trimmed_share, self.deficit, self.counters_arr,
@@ -700,16 +726,23 @@ class TrimStage(Stage):
         ports = {}
         for p, name in enumerate(self.ports):
             c = {k: int(v) for k, v in zip(COUNTER_NAMES, self.counters_arr[p], strict=True)}
+            c["mode"] = MODES[self.modes[p]]
             c["depth_bytes"] = int(self.q_bytes[:, p].sum())
             c["depth_pkts"] = int(self.q_cnt[:, p].sum())
             ports[name] = c
         totals = {k: int(self.counters_arr[:, j].sum()) for j, k in enumerate(COUNTER_NAMES)
                   if "hwm" not in k}
-        return {"mode": MODES[self.mode], "ports": ports, "totals": totals}
+        # "mode": the ports' one mode, or "mixed" (each port's is in its counters)
+        mode = MODES[self.mode] if self.mode >= 0 else "mixed"
+        return {"mode": mode, "ports": ports, "totals": totals}
 
 
 #: a kernel qdisc's default limit (``txqueuelen``), the ``shape`` stage's default queue
 TXQUEUELEN = 1000
+#: frames a ``shape`` port's trimmed and control queues hold (used once the port trims as UET
+#: does; unused slots cost no resident memory)
+SHAPE_TRIMMED_SLOTS = 128
+SHAPE_CONTROL_SLOTS = 32
 #: the ``shape`` stage's default burst: the one Mininet gives an HTB class (``burst 15k``)
 HTB_BURST_BYTES = 15_000
 
@@ -723,8 +756,14 @@ class ShapeStage(TrimStage):
     and ``threshold_pkts`` (drop above either; by default the kernel's ``txqueuelen`` of 1000
     frames), ``burst_bytes`` (by default HTB's 15 000 B as Mininet sets it: an engine woken
     for a queued frame sends up to that much ahead of the port's clock, not one frame per
-    wake-up), ``ecn_threshold_bytes`` and, at construction only, ``queue_slots``. It never
-    trims: ``mode`` can only be ``"drop_tail"``.
+    wake-up), ``ecn_threshold_bytes`` and, at construction only, ``queue_slots``.
+
+    A port may trim as a UET switch does (``mode={port: "uet"}`` with a
+    ``trim_threshold_bytes``, and the ``trim`` stage's UET settings): the provider turns the
+    ports a UET job's traffic crosses into trimming ports while it runs
+    (``testbed.provider.trimming``). Its trimmable packets are then cut above that threshold,
+    its control packets overtake the data, and every other class keeps the drop-tail limits
+    above. ``mode="trim"`` (NDP) is the ``trim`` stage's alone.
     """
 
     name = "shape"
@@ -735,14 +774,20 @@ class ShapeStage(TrimStage):
                  mode: str = "drop_tail"):
         super().__init__(ports, n_ports, threshold_bytes=threshold_bytes,
                          threshold_pkts=threshold_pkts, mode=mode, queue_slots=queue_slots,
-                         header_slots=1, control_slots=1, burst_bytes=burst_bytes)
+                         header_slots=SHAPE_TRIMMED_SLOTS, control_slots=SHAPE_CONTROL_SLOTS,
+                         burst_bytes=burst_bytes)
         self.ns_per_byte[:] = 0.0  # no drain time: the kernel passes every frame at once
         if rate_mbps is not None:
             self.configure(rate_mbps=rate_mbps)
 
     def configure(self, mode=None, **settings) -> None:
-        """Change rates or thresholds at run time (see the class doc)."""
-        if mode not in (None, "drop_tail"):
-            raise ValueError(f"shape: mode={mode!r}; a shaping queue only drops its tail "
-                             "(a trimming queue is the 'trim' stage)")
+        """Change rates, thresholds or a port's mode at run time (see the class doc)."""
+        if mode is not None:
+            modes = mode.values() if isinstance(mode, dict) else \
+                mode if isinstance(mode, (list, tuple)) else [mode]
+            bad = [m for m in modes if m not in ("drop_tail", "uet")]
+            if bad:
+                raise ValueError(f"shape: mode={bad[0]!r}; a shaping port drops its tail or "
+                                 "trims as UET does ('drop_tail' or 'uet'; NDP trimming is "
+                                 "the 'trim' stage)")
         super().configure(mode=mode, **settings)

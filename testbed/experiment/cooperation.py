@@ -12,8 +12,9 @@ For each policy the trace runs on the same emulated network (:func:`run_cooperat
 :class:`~testbed.provider.manager.FabricManager` runs in this process (in-process: the
 experiment measures the policies, not the service's transport), costs plans with the flow
 model on the network's measured hop latency, admits each job when it arrives, and the job's
-workers train with the admitted plan (algorithm, compressor, error feedback, tree and slots);
-when a job ends the manager releases it and re-plans the others.
+workers train with the admitted plan (algorithm, transport, compressor, error feedback, tree
+and slots; a job whose ``transports`` include ``"uet"`` may get its ring over UET, and while
+that plan runs the switch ports it crosses trim: ``testbed.provider.trimming``); when a job ends the manager releases it and re-plans the others.
 
 Re-plans of running jobs are applied. Every ``telemetry_period_s`` (trace time) the data-path
 engines' counters are read (:class:`~testbed.provider.service.Telemetry`) and fed to
@@ -29,14 +30,15 @@ target_accuracy, accuracy_ok, plan_changes`` (plan changes the job applied while
 ``replans``: those by reason, ``arrival``/``departure``/``congestion``; ``plan_switches``:
 iteration and communication of each applied change; ``plan_errors``: changes that could not
 be applied, e.g. a switch that refused the new registration) and the admission plan
-(``algo, compressor, tree, predicted_comm_s``) plus the training summary (``comm_s``,
+(``algo, transport, compressor, tree, predicted_comm_s``; ``trimming_ports``: the switch
+ports its UET plans made trim) plus the training summary (``comm_s``,
 ``cpu_bound``, ...). One summary
 row per policy (``row = "summary"``): mean and p99 JCT, Jain fairness of slowdowns (JCT over
 the model's ideal JCT: iterations x (compute + the fastest candidate plan's communication
 alone on the fabric)), switch memory utilisation over time (``mem_series``: trace time and
 the allocated share of the static memory) and its time-weighted mean, bytes on core links
 (rx + tx at the spine switches' ports: every byte that crossed a leaf-spine link, counted
-once per link), whether any job was CPU-bound, the re-plans by reason (``replans``) and
+once per link), the packets the switches' ports cut (``trimmed``), whether any job was CPU-bound, the re-plans by reason (``replans``) and
 the telemetry fed to the manager (``telemetry_snapshots``; ``congestion_episodes``: times a
 link became sustained-congested, whether or not the policy then changed a plan). With ``repeats`` > 1 the trace runs that
 many times per policy (interleaved, so a change in the machine's load hits every policy),
@@ -113,6 +115,9 @@ class CoopJob(BaseModel):
     hints: bool = Field(True, description="whether the tenant gives hints at all")
     overstate: float = Field(1.0, gt=0, le=1000, description="the factor by which the "
                              "tenant's hints misstate its bytes per iteration (1: honest)")
+    transports: list[Literal["tcp", "uet"]] = Field(default_factory=lambda: ["tcp"],
+                                                    description="what the job's workers "
+                                                    "carry their ring over (Hints.transports)")
     train: dict = Field(default_factory=dict, description="TrainingSpec fields")
 
 
@@ -176,11 +181,13 @@ class CooperationExperiment(BaseModel):
             raise ValueError(f"job names {names} repeat; give every job its own name")
         for j in self.jobs:
             forbidden = {"hosts", "start_s", "job_id", "name", "algo", "compressor",
-                         "compressor_params", "error_feedback", "placement"} & set(j.train)
+                         "compressor_params", "error_feedback", "placement",
+                         "transport"} & set(j.train)
             if forbidden:
                 raise ValueError(f"jobs.{j.name}.train: {sorted(forbidden)} are set by the "
                                  "trace (hosts, start_s, name) or by the policy's plan; "
-                                 "remove them")
+                                 "remove them (a job's transports field says what its "
+                                 "workers may run)")
             try:
                 spec = self.spec(j, 0)
                 spec.validate()
@@ -213,7 +220,8 @@ def request(job: CoopJob, spec: TrainingSpec, host_names: list[str],
         hints = Hints(collective_bytes=max(1, round(4 * spec.n_params() * job.overstate)),
                       iterations=spec.iterations,
                       compute_s=spec.compute_ms / 1000.0, tolerance=job.tolerance,
-                      error_budget=job.error_budget, priority=job.priority)
+                      error_budget=job.error_budget, priority=job.priority,
+                      transports=tuple(job.transports))
     return JobRequest(job=job.name, hosts=[host_names[h] for h in job.hosts], hints=hints,
                       lease_s=lease_s)
 
@@ -314,10 +322,26 @@ class _Trace:
                                        {s.name: s.memory_bytes for s in inv.switches},
                                        float(getattr(net, "time_dilation", 1.0) or 1.0))
         self.bursts = _Bursts(exp.bursts, net)
+        # the ports a UET plan's ring crosses trim while it runs (function-level import: as
+        # Telemetry's)
+        from testbed.provider.trimming import PortTrimmer
+
+        self.trimmer = PortTrimmer(net) if net.topo.programmable else None
+        #: per job, the ports (per switch) its UET plans made trim
+        self.trimmed_ports: dict[str, dict[str, set[str]]] = {}
         self.t0 = time.monotonic()
 
     def now(self) -> float:
         return (time.monotonic() - self.t0) / self.net.time_dilation
+
+    def _trim(self) -> None:
+        """Trimming on the ports the admitted jobs' UET plans cross, and only there."""
+        if self.trimmer is not None:
+            self.trimmer.sync(self.manager.plans(), self.manager.jobs())
+            for job, ports in self.trimmer.by_job.items():
+                mine = self.trimmed_ports.setdefault(job, {})
+                for sw, p in ports.items():
+                    mine.setdefault(sw, set()).update(p)
 
     def _record(self) -> None:
         """Memory in use by the running jobs' current plans (a re-plan counts from the moment
@@ -332,6 +356,7 @@ class _Trace:
         self.sent[self.reqs[i].job] = plan
         self.running.add(self.reqs[i].job)
         self._record()
+        self._trim()
         self.say(f"[{self.policy}] {self.reqs[i].job}: {plan.algo}"
                  + (f"+{plan.compressor}" if plan.compressor else "")
                  + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
@@ -369,10 +394,13 @@ class _Trace:
                          + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
         if out:
             self._record()
+            self._trim()
         return out
 
     def close(self) -> None:
         self.bursts.close()
+        if self.trimmer is not None:
+            self.trimmer.close()
         if self.telemetry is not None:
             self.telemetry.close()
 
@@ -384,6 +412,7 @@ class _Trace:
             self.manager.release(self.reqs[i].job, now=self.now())
         self.running.discard(self.reqs[i].job)
         self._record()
+        self._trim()
 
 
 class _Bursts:
@@ -488,11 +517,14 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
         tr.close()
     after = _counters(net)
     end_s = tr.now()
-    core = None
+    core = trimmed = None
     if before is not None and after is not None:
         b, a = flatten_counters(before), flatten_counters(after)
         delta = {k: a[k] - b.get(k, 0.0) for k in a}
         core = port_bytes_by_role(delta, _core_roles(net)).get("port_bytes_core")
+        # packets the switches' shaping ports cut (ports a UET plan made trim)
+        trimmed = int(sum(v for k, v in delta.items()
+                          if k.endswith(".stages.shape.totals.trimmed")))
     log = [{"policy": policy, **e.to_json()} for e in tr.manager.log]
     rows = []
     for i, (job, res) in enumerate(zip(exp.jobs, out, strict=True)):
@@ -515,6 +547,8 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
             "plan_changes_logged": len(replans), "replans": replan_reasons(replans),
             "plan_switches": s.get("plan_switches", []), "plan_errors": s.get("plan_errors", []),
             "algo": plan.algo if plan else None,
+            "transport": plan.transport if plan else None,
+            "trimming_ports": sum(len(p) for p in tr.trimmed_ports.get(job.name, {}).values()),
             "compressor": plan.compressor if plan else None,
             "compressor_params": plan.compressor_params if plan else None,
             "error_feedback": plan.error_feedback if plan else None,
@@ -547,7 +581,7 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
         "jain_slowdown": jain([r["slowdown"] for r in rows if r["status"] == "ok"]),
         "mem_util_mean": weighted / span if span > 0 else None,
         "mem_util_max": max((u for _t, u in mem), default=None), "mem_series": mem,
-        "core_bytes": core,
+        "core_bytes": core, "trimmed": trimmed,
         "all_accurate": all(r["accuracy_ok"] is not False for r in rows),
         "plan_changes": sum(r["plan_changes"] for r in rows),
         "plan_changes_logged": sum(r["plan_changes_logged"] for r in rows),

@@ -132,6 +132,10 @@ class TopologySpec(_Strict):
 
     @model_validator(mode="after")
     def _pool_fits(self) -> TopologySpec:
+        if self.switch_memory is not None and not 1 <= int(self.switch_memory) <= 4 << 30:
+            raise ValueError(f"switch_memory ({int(self.switch_memory)} B) must be 1 B to "
+                             "4 GiB (a switch without static memory: give it less than one "
+                             "INA job's slots, e.g. '1KiB')")
         if self.shared_pool is not None and int(self.shared_pool) > int(
                 self.switch_memory if self.switch_memory is not None else 16 << 20):
             raise ValueError(f"shared_pool ({int(self.shared_pool)} B) exceeds switch_memory")

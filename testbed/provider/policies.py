@@ -46,8 +46,16 @@ rounds, measured).
 
 A compressor is "within the error budget" when its relative L2 error, measured here on a
 standard normal vector (:func:`compressor_error`), is at most the job's ``error_budget``
-(default :data:`DEFAULT_BUDGET` of its tolerance). Trimming is not planned: the model prices
-the trimmed exchange only through a port with a trim stage, which a plan cannot add.
+(default :data:`DEFAULT_BUDGET` of its tolerance).
+
+Trimming: a job whose tenant says its workers run the UET-like transport
+(``Hints.transports``) may get its ring over UET, with trimming on the programmable switch
+ports its packets cross (:mod:`testbed.provider.trimming` turns those ports into UET trimming
+ports while the plan runs). The sum stays exact (a cut packet is NACKed and resent), so any
+tolerance allows it; the model prices the ring's packets sprayed over every ECMP path (where
+a TCP ring's flows may collide on one), times :data:`UET_MARGIN`. The trimmed exchange
+(``trim_head_bits``, trimming as lossy compression) is not planned: through one port it moves
+every worker's gradient and loses to the ring for every job the policies see.
 
 The topology view (which switch each host hangs off, which switches join them) is read from
 the snapshot's links, so it holds for star and leaf-spine fabrics (a host's edge switch and
@@ -98,6 +106,11 @@ JOINT_GAIN = 0.02
 #: rounds. Without it, on ``cloud_cheater`` at 50 Mb/s a shared plan the model priced even
 #: with the ring measured 1.20x the ring's JCT (``bench cooperation``).
 SHARED_MARGIN = 1.3
+#: A ring over the UET-like transport is priced at the flow model's time times this: its
+#: sender is Python, packet by packet, and on these 2-core machines it runs CPU-bound
+#: (measured 1.20-1.24x the model on a 4:1 leaf-spine of 8 hosts at dilation 4, where TCP's
+#: ring measured 1.06-1.08x), so a UET plan must win by more than that to be chosen.
+UET_MARGIN = 1.25
 #: Predictions a PlanModel keeps (then it starts afresh).
 CACHE_ENTRIES = 20_000
 
@@ -179,6 +192,13 @@ class FabricView:
         if all(e in ok for e in edges):
             out += [edges + [r] for r in roots]
         return out
+
+    def can_trim(self, hosts: list[str]) -> bool:
+        """Whether a UET ring of ``hosts`` may be planned: one rank per host (the transport's
+        receive port is the host's) and every host's edge switch programmable (its ports can
+        trim; a fabric switch that cannot only forwards the sprayed packets)."""
+        return len(set(hosts)) == len(hosts) and all(
+            h in self.edge and self.switches[self.edge[h]].programmable for h in hosts)
 
     def free(self, taken: dict[str, int]) -> dict[str, int]:
         """Static memory left per switch once ``taken`` (switch -> bytes) is reserved."""
@@ -282,7 +302,8 @@ class PlanModel:
     def _plan_key(req: JobRequest, plan: Plan) -> tuple:
         return (tuple(req.hosts), req.hints.collective_bytes, plan.algo, str(plan.tree),
                 plan.slots, plan.mode, plan.compressor,
-                tuple(sorted(plan.compressor_params.items())), plan.error_feedback)
+                tuple(sorted(plan.compressor_params.items())), plan.error_feedback,
+                plan.transport)
 
     def comm_s(self, req: JobRequest, plan: Plan, snapshot: FabricSnapshot | None = None,
                job_id: int = 1) -> float | None:
@@ -382,12 +403,23 @@ class PlanModel:
         if self._tables is None:
             self._tables = routing.forwarding_tables(self._topo)
         out: dict[tuple[str, str], float] = {}
+
+        def path(src, dst, sport, dport, proto):
+            return routing.flow_path(self._topo, src, dst, sport, dport, proto,
+                                     tables=self._tables)
+
         for phase in pred.phases:
-            for f, _rate, path in phase.rates:
-                hops = [(path, f.wire)]
-                if f.ack:  # the ACKs' own 5-tuple, which ECMP may send another way
-                    hops.append((routing.flow_path(self._topo, f.dst, f.src, f.dport, f.sport,
-                                                   f.proto, tables=self._tables), f.ack))
+            for f, _rate, fpath in phase.rates:
+                if f.spray:  # an equal share on the path of each port it is sprayed from
+                    share = 1.0 / len(f.spray)
+                    hops = [(path(f.src, f.dst, sp, f.dport, f.proto), f.wire * share)
+                            for sp in f.spray]
+                    hops += [(path(f.dst, f.src, f.dport, sp, f.proto), f.ack * share)
+                             for sp in f.spray]
+                else:
+                    hops = [(fpath, f.wire)]
+                    if f.ack:  # the ACKs' own 5-tuple, which ECMP may send another way
+                        hops.append((path(f.dst, f.src, f.dport, f.sport, f.proto), f.ack))
                 for nodes, factor in hops:
                     for a, b in zip(nodes, nodes[1:], strict=False):
                         out[(a, b)] = out.get((a, b), 0.0) + f.nbytes * factor
@@ -536,14 +568,18 @@ class ProviderOnly(_Base):
 
 
 def candidates(req: JobRequest, view: FabricView) -> list[Plan]:
-    """Every plan a job's hints allow: ring; ring with each summable compressor within its
-    error budget (error feedback for ``lossy_ef``); INA on each candidate tree; INA + THC
-    within the budget; INA on the shared pools of each tree whose switches have one (no
-    static memory: its window is a fair share of the pools, the rounds they cannot hold go to
-    the job's host fallbacks; priced as INA with that window)."""
+    """Every plan a job's hints allow: ring; ring over UET with trimming where its workers run
+    that transport and its edge switches are programmable; ring with each summable compressor
+    within its error budget (error feedback for ``lossy_ef``); INA on each candidate tree;
+    INA + THC within the budget; INA on the shared pools of each tree whose switches have one
+    (no static memory: its window is a fair share of the pools, the rounds they cannot hold go
+    to the job's host fallbacks; priced as INA with that window)."""
     job, b = req.job, budget(req.hints)
     ef = req.hints.tolerance == "lossy_ef"
     out = [_ring(job, "ring")]
+    if "uet" in req.hints.transports and view.can_trim(req.hosts):
+        out.append(Plan(job=job, algo="ring", transport="uet", reason="ring over UET, "
+                        "trimming on the ports its packets cross (sprayed over every path)"))
     for name, params in RING_COMPRESSORS if b is not None else ():
         err = compressor_error(name, tuple(sorted(params.items())))
         if err <= b:
@@ -581,8 +617,13 @@ def _key(plan: Plan) -> tuple[float, float]:
 
 
 def _margin(plan: Plan, t: float | None) -> float | None:
-    """The model's time ``t`` of ``plan`` as a policy prices it (:data:`SHARED_MARGIN`)."""
-    return t * SHARED_MARGIN if t is not None and _shared(plan) else t
+    """The model's time ``t`` of ``plan`` as a policy prices it (:data:`SHARED_MARGIN`,
+    :data:`UET_MARGIN`)."""
+    if t is None:
+        return t
+    if _shared(plan):
+        return t * SHARED_MARGIN
+    return t * UET_MARGIN if plan.transport == "uet" else t
 
 
 def _shared(plan: Plan) -> bool:

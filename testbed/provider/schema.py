@@ -22,6 +22,15 @@ from testbed.topologies.base import LinkImpairment
 HINTS_VERSION = 1
 
 Tolerance = Literal["exact", "lossy", "lossy_ef"]
+#: what may carry a job's ring (``Communication.transport``): TCP, or the UET-like transport
+Transport = Literal["tcp", "uet"]
+
+
+def _with_tcp(transports: tuple) -> tuple:
+    if "tcp" not in transports:
+        raise ValueError("every job's workers run TCP (the tenant's own ring); list the "
+                         "transports they run besides it, e.g. ['tcp', 'uet']")
+    return tuple(dict.fromkeys(transports))
 
 
 def _registered(algo: str) -> str:
@@ -46,7 +55,11 @@ class Hints(_Strict):
     collectives. ``tolerance``: ``"exact"`` (no lossy compression or trimming), ``"lossy"``
     (within ``error_budget``, relative L2 error of one allreduce), ``"lossy_ef"`` (lossy with
     error feedback, the tenant keeps the residual). ``priority``: larger first. ``deadline_s``:
-    wanted job completion time from arrival.
+    wanted job completion time from arrival. ``transports``: what the job's workers can carry
+    their ring over: TCP always; ``"uet"`` as well when they run the UET-like transport (one
+    rank per host): the job tolerates **trimming**, and the provider may plan its ring over
+    UET with trimming on the switch ports its packets cross (a cut packet is NACKed and resent
+    within a round trip, so the sum stays exact: any tolerance allows it).
     """
 
     version: int = HINTS_VERSION
@@ -58,6 +71,7 @@ class Hints(_Strict):
     error_budget: float | None = Field(default=None, gt=0, le=1)
     priority: int = Field(default=0, ge=0, le=7)
     deadline_s: float | None = Field(default=None, gt=0)
+    transports: Annotated[tuple[Transport, ...], AfterValidator(_with_tcp)] = ("tcp",)
 
 
 def check_hints(hints: dict | None) -> Hints:

@@ -238,6 +238,7 @@ class Telemetry:
         shape = stages.get("shape", {}).get("ports", {}).get(port)
         if egress and shape is not None:  # a port its engine shapes queues there
             queue += int(shape.get("depth_bytes", 0))
+            trims += int(shape.get("trimmed", 0))  # a port a UET plan made trim
             drops += int(shape.get("dropped", 0))
         if not egress:  # packets that arrived over this link and were dropped at its end
             drops += sum(int(v) for v in data.get("ports", {}).get(port, {})
@@ -295,10 +296,18 @@ class SwitchConfigurator:
     and the old one (:attr:`retiring`) goes once every worker runs the new plan, for they may
     be in a collective of the old one when the change comes. A tenant that never reports it
     switches at the boundary the service gives it, and its registration is replaced at once.
+
+    A job whose plan runs its ring over UET gets trimming on the ports its packets cross
+    (:attr:`trimmer`, :class:`~testbed.provider.trimming.PortTrimmer`), at every sync; the
+    ports go back to drop-tail when no such plan needs them.
     """
 
     def __init__(self, net):
+        # function-level import: see _register
+        from testbed.provider.trimming import PortTrimmer
+
         self.net = net
+        self.trimmer = PortTrimmer(net)
         self.handles: dict[str, tuple[Plan, Any, dict]] = {}
         self.registrations: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
@@ -354,6 +363,7 @@ class SwitchConfigurator:
             self._retire(job, None)
         for job in [j for j in self.following if j not in plans]:
             del self.following[job]
+        self.trimmer.sync(plans, jobs)
 
     def running(self, job: str, version: int) -> bool:
         """Every worker of ``job`` runs its plan ``version`` now: the registrations of the
@@ -540,11 +550,12 @@ class SwitchConfigurator:
             self.errors[job] = str(e)
 
     def close(self) -> None:
-        """Remove every job this configurator registered."""
+        """Remove every job this configurator registered, and every port's trimming."""
         for job in list(self.handles):
             self._remove(job)
         for job in list(self.retiring):
             self._retire(job, None)
+        self.trimmer.close()
 
 
 def _registration_of(handle) -> dict:
@@ -735,6 +746,8 @@ def create_app(service: ProviderService) -> FastAPI:
             out["retiring"] = [jid for _v, _h, jid in sw.retiring.get(name, [])]
             if name in sw.errors:
                 out["registration_error"] = sw.errors[name]
+            if name in sw.trimmer.by_job:  # a UET plan: the ports that trim its packets
+                out["trimming"] = sw.trimmer.by_job[name]
         return out
 
     def one_job(m: FabricManager, now: float, name: str) -> dict:

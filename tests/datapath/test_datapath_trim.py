@@ -199,8 +199,10 @@ def test_shape_stage_is_a_drop_tail_link_on_the_ports_it_names():
     assert len(sent(b)) == first
     stage.configure(rate_mbps={"a": 5.0}, threshold_pkts=3)  # a time-dilated or resized link
     assert stage.ns_per_byte[0] == pytest.approx(8000 / 5.0)
-    with pytest.raises(ValueError, match="only drops its tail"):
+    with pytest.raises(ValueError, match="drops its tail or trims as UET does"):
         stage.configure(mode="trim")
+    with pytest.raises(ValueError, match="mode='ndp'"):
+        stage.configure(mode={"b": "ndp"})
     with pytest.raises(ValueError, match="threshold_pkts"):
         ShapeStage(n_ports=1, queue_slots=10, threshold_pkts=20)
 

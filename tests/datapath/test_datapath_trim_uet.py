@@ -22,7 +22,7 @@ from test_datapath_trim import (
 )
 
 from testbed.datapath.batch import FRAME_MAX, PORT_DROP, PORT_HELD, Batch, DropReason
-from testbed.datapath.trim import TrimStage, uet_trim_frame
+from testbed.datapath.trim import ShapeStage, TrimStage, uet_trim_frame
 from testbed.kernels import packets, trimming, wire
 from testbed.kernels.reference import packets as ref_packets
 from testbed.kernels.wire import PAYLOAD_OFFSET, Codec, Dscp, Flags, MsgType
@@ -223,6 +223,38 @@ def test_untrimmable_and_other_classes_are_dropped_above_the_threshold():
     assert (c["trimmed"], c["dropped"], c["enqueued"]) == (0, 4, 1)
 
 
+def test_a_shaping_port_turned_uet_cuts_only_trimmable_packets_at_its_own_threshold():
+    """A ``shape`` port the provider turns into a UET trimming port (per port, at run time):
+    its trimmable packets are cut above the trimmable-only threshold while a TCP-like packet
+    still queues up to the port's drop-tail limit; the other port does not trim; back to
+    drop-tail, nothing is cut."""
+    ln = len(i32(256))
+    stage = ShapeStage(ports=["a", "b"], rate_mbps=1.0, burst_bytes=0)
+    stage.configure(mode={"b": "uet"}, trim_threshold_bytes={"b": 2 * ln},
+                    last_hop={"b": True})
+    assert stage.counters()["mode"] == "mixed"
+    assert [stage.counters()["ports"][p]["mode"] for p in "ab"] == ["drop_tail", "uet"]
+    b = Batch(64)
+    tcp = i32(256, dscp=Dscp.BEST_EFFORT)
+    load(b, [i32(256, seq=k) for k in range(4)] + [tcp] * 4 + [i32(256)] * 4, [1] * 8 + [0] * 4)
+    stage.process(b, T0)
+    # port b: one leaves, two queue, the fourth is cut (last hop); TCP queues past the
+    # threshold (drop-tail's 1000 frames); port a: one leaves, the rest queue, none cut
+    assert list(b.out_port[:12]) == [1] + [PORT_HELD] * 7 + [0] + [PORT_HELD] * 3
+    c = stage.counters()["ports"]
+    assert (c["b"]["trimmed"], c["b"]["trimmed_lasthop"], c["b"]["dropped"]) == (1, 1, 0)
+    assert (c["a"]["trimmed"], c["b"]["depth_pkts"]) == (0, 7)
+    cut = [f for f, p in drain_all(stage, T0, step=10**8) if len(f) < ln and p == 1]
+    assert len(cut) == 1 and dscp_of(cut[0]) == Dscp.TRIMMED_LASTHOP
+    stage.configure(mode="drop_tail", trim_threshold_bytes=0, last_hop=False)
+    b.reset()
+    load(b, [i32(256)] * 5, [1] * 5)
+    stage.process(b, T0 + 10**12)
+    assert stage.counters()["ports"]["b"]["trimmed"] == 1  # none more
+    with pytest.raises(ValueError, match="trim_threshold_bytes"):
+        stage.configure(trim_threshold_bytes={"b": -1})
+
+
 # ---------------------------------------------------------------------------------------------
 # scheduling
 
@@ -364,8 +396,12 @@ class UetTwin:
     """Three deques per port: control (strict), trimmed and data sharing the port by bytes."""
 
     def __init__(self, n_ports, nspb, thr_bytes, thr_pkts, ecn, trim_bytes, share, last_hop,
-                 slots, burst=0, dscp=(46, 26, 28, 8)):
+                 slots, burst=0, dscp=(46, 26, 28, 8), modes=None, trim_thr=None):
         self.slack = burst * nspb
+        # per port: "uet" or "drop_tail" (no classes, no cuts), and the trimmable class's
+        # own threshold (0: thr_bytes)
+        self.modes = modes or ["uet"] * n_ports
+        self.trim_thr = trim_thr or [0] * n_ports
         self.nspb, self.thr_bytes, self.thr_pkts, self.ecn = nspb, thr_bytes, thr_pkts, ecn
         self.trim_bytes, self.share, self.last_hop = trim_bytes, share, last_hop
         self.qslots, self.hslots, self.cslots = slots
@@ -423,7 +459,7 @@ class UetTwin:
             self.next_free[p] = max(self.next_free[p], now) + len(f) * self.nspb
             c["passed"] += 1
             return ("pass", f)
-        d = dscp_of(f)
+        d = dscp_of(f) if self.modes[p] == "uet" else None
         if d == self.d_ctl:
             if len(self.cq[p]) < self.cslots:
                 self.cq[p].append(f)
@@ -442,7 +478,8 @@ class UetTwin:
             c["dropped"] += 1
             return ("drop", None)
         dqb = sum(len(x) for x in self.dq[p])
-        full = dqb + len(f) > self.thr_bytes or len(self.dq[p]) >= self.qslots or (
+        thr = self.trim_thr[p] if self.trim_thr[p] and d == self.d_trimmable else self.thr_bytes
+        full = dqb + len(f) > thr or len(self.dq[p]) >= self.qslots or (
             self.thr_pkts > 0 and len(self.dq[p]) >= self.thr_pkts)
         if not full:
             if self.ecn > 0 and dqb >= self.ecn and ref_valid(f):
@@ -504,22 +541,28 @@ step = st.tuples(st.integers(0, 3_000_000),
                           max_size=10))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rate=st.sampled_from([1.0, 10.0, 100.0, None]), thr_bytes=st.sampled_from([0, 1500, 4000]),
        thr_pkts=st.sampled_from([0, 2, 5]), ecn=st.sampled_from([0, 600]),
        trim_bytes=st.sampled_from([PAYLOAD_OFFSET, 100, 128, 301]),
        share=st.sampled_from([1.0, 0.5, 0.25, 0.3]), burst=st.sampled_from([0, 1500]),
-       room=st.sampled_from([4, 64]), steps=st.lists(step, min_size=1, max_size=12))
+       room=st.sampled_from([4, 64]), steps=st.lists(step, min_size=1, max_size=12),
+       modes=st.sampled_from([("uet", "uet"), ("drop_tail", "uet"), ("uet", "drop_tail")]),
+       trim_thr=st.sampled_from([(0, 0), (1000, 0), (0, 3000), (2500, 2500)]))
 def test_uet_kernel_matches_plain_python_twin(rate, thr_bytes, thr_pkts, ecn, trim_bytes, share,
-                                              burst, room, steps):
+                                              burst, room, steps, modes, trim_thr):
+    """Kernel and twin agree frame by frame, per-port modes (a shaping port turned into a UET
+    one beside a drop-tail one) and trimmable-only thresholds included."""
     stage = TrimStage(n_ports=2, rate_mbps=rate or 1.0, threshold_bytes=thr_bytes,
-                      threshold_pkts=thr_pkts, ecn_threshold_bytes=ecn, mode="uet",
+                      threshold_pkts=thr_pkts, ecn_threshold_bytes=ecn, mode=list(modes),
                       queue_slots=6, header_slots=4, control_slots=2, burst_bytes=burst,
-                      trim_bytes=trim_bytes, trimmed_share=share, last_hop=[False, True])
+                      trim_bytes=trim_bytes, trimmed_share=share, last_hop=[False, True],
+                      trim_threshold_bytes=list(trim_thr))
     if rate is None:  # an unshaped port: no drain time at all
         stage.ns_per_byte[:] = 0.0
     twin = UetTwin(2, 8000.0 / rate if rate else 0.0, thr_bytes, thr_pkts, ecn, trim_bytes,
-                   share, [False, True], (6, 4, 2), burst)
+                   share, [False, True], (6, 4, 2), burst, modes=list(modes),
+                   trim_thr=list(trim_thr))
     now = T0
     for dt, pk in steps:
         now += dt

@@ -19,6 +19,7 @@ from testbed.experiment.cooperation import (
     table,
 )
 from testbed.experiment.results import Results
+from testbed.experiment.spec import ExperimentError
 from testbed.provider.schema import Plan
 from testbed.topologies import make_topology
 
@@ -193,7 +194,7 @@ def test_bench_cooperation_rows_medians_spread_ratios_and_targets():
     assert "congestion re-plans pay (cooperative < cooperative_no_congestion)" not in met
     assert trace_path("cloud_no_help").name == "cloud_no_help.toml"
     with pytest.raises(ValueError, match="shipped: cloud_cheater, cloud_congestion, "
-                       "cloud_cooperation, cloud_no_help, cloud_spines"):
+                       "cloud_cooperation, cloud_no_help, cloud_spines, cloud_trimming"):
         trace_path("cloud_nowhere")
     # a trace run with and without congestion re-plans (or the plans priced alone): the
     # part switched off must pay
@@ -363,3 +364,61 @@ def test_a_burst_is_pinned_on_the_spine_it_names():
     with pytest.raises(ValueError, match="no path from tbh1 to tbh2 crosses tbsp1"):
         _Bursts._sport(SimpleNamespace(net=net), 0, Burst(src=0, dst=1, duration_s=1,
                                                             via="tbsp1"), 5401)
+
+
+def test_shipped_trimming_trace_sprays_the_uet_job_and_leaves_the_tcp_one_alone():
+    """experiments/cloud_trimming.toml, planned as its runner admits it (no network): the job
+    whose workers run UET gets its ring over UET (its cross-leaf steps take both spines),
+    whose ports would trim; the TCP-only job keeps its ring over TCP, and a job row says so.
+    (On Mininet: ``testbed bench cooperation --traces cloud_trimming``.)"""
+    from testbed.experiment.cooperation import request, static_memory
+    from testbed.provider.manager import FabricManager, inventory_of
+    from testbed.provider.policies import PlanModel
+    from testbed.provider.trimming import trim_ports
+
+    exp = load_cooperation(EXPERIMENTS / "cloud_trimming.toml")
+    assert exp.policies == ["tenant_only", "cooperative"]
+    t = exp.topology
+    topo = make_topology("leaf_spine", leaves=t.leaves, spines=t.spines,
+                         hosts_per_leaf=t.hosts_per_leaf, bw_mbps=t.bw_mbps,
+                         oversubscription=t.oversubscription, switch="programmable")
+    model = PlanModel(topo)
+    fm = FabricManager(inventory_of(topo, static_memory(t)), "cooperative", model)
+    reqs = {}
+    for i, job in enumerate(exp.jobs):
+        reqs[job.name] = request(job, exp.spec(job, i), list(topo.host_names), 600)
+        fm.admit(reqs[job.name], now=0)
+    plans = fm.plans()
+    assert (plans["sprayed"].algo, plans["sprayed"].transport) == ("ring", "uet")
+    assert (plans["tcp_only"].algo, plans["tcp_only"].transport) == ("ring", "tcp")
+    tcp = model.comm_s(reqs["sprayed"], plans["sprayed"].model_copy(update={"transport": "tcp"}))
+    assert plans["sprayed"].predicted_comm_s < 0.85 * tcp
+    # its ports trim at both spines; the TCP job's (one leaf) are not among them
+    ports = trim_ports(topo, reqs["sprayed"].hosts)
+    assert {"tbsp1", "tbsp2"} <= set(ports)
+    assert not set(trim_ports(topo, reqs["tcp_only"].hosts)["tbl1"]) & set(ports["tbl1"])
+    bad = exp.model_dump()
+    bad["jobs"][0]["train"]["transport"] = "uet"
+    with pytest.raises(ExperimentError, match="transport.*transports field"):
+        load_cooperation(bad)
+
+
+@pytest.mark.mininet
+def test_shipped_trimming_trace_runs_the_uet_plan_with_its_ports_trimming(tmp_path):
+    """The shipped trimming trace, cut short, on Mininet under the cooperative policy: the
+    UET-capable job trains over UET (exact sums), its plan made ports at both spines trim,
+    the TCP-only job trains over TCP; the summary counts the packets the ports cut."""
+    import tomllib
+
+    data = tomllib.loads((EXPERIMENTS / "cloud_trimming.toml").read_text())
+    data.update(policies=["cooperative"], repeats=1)
+    for job in data["jobs"]:
+        job["train"].update(iterations=6, eval_every=3, hidden=64)
+    rows = run_cooperation(load_cooperation(data), tmp_path, say=lambda *_: None)
+    jobs = {r["job"]: r for r in rows if r["row"] == "job"}
+    (summary,) = [r for r in rows if r["row"] == "summary"]
+    for r in jobs.values():
+        assert r["status"] == "ok" and r["correct"] is True, r.get("error")
+    assert (jobs["sprayed"]["transport"], jobs["tcp_only"]["transport"]) == ("uet", "tcp")
+    assert jobs["sprayed"]["trimming_ports"] >= 8 and jobs["tcp_only"]["trimming_ports"] == 0
+    assert summary["trimmed"] is not None and summary["trimmed"] >= 0

@@ -465,3 +465,55 @@ def test_the_policies_price_the_loss_telemetry_shows(topo, model):
         assert plans["b"].algo == "ina" and plans["a"].algo == "ring", plans
         # its price is the one with the loss
         assert plans["b"].predicted_comm_s > model.comm_s(b, plans["b"], clean)
+
+
+def test_a_job_whose_workers_run_uet_gets_its_ring_sprayed_with_trimming_where_it_pays():
+    """Trimming as a plan: a job that declares the UET-like transport gets its ring over UET
+    on a two-spine fabric, where a TCP ring's cross-leaf flows each take one spine and UET's
+    packets take both (priced with UET_MARGIN); the same job without the transport, or on one
+    spine (nothing to spray over), keeps TCP; a job on a host twice or behind a switch that
+    cannot trim is never offered it."""
+    from testbed.collectives import flowmodel
+    from testbed.provider.trimming import trim_ports
+
+    two = make_topology("leaf_spine", leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100,
+                        oversubscription=2.0, switch="programmable")
+    m2 = PlanModel(two)
+    hosts = ["tbh1", "tbh2", "tbh3", "tbh4"]
+
+    def plan(topo, model, transports, policy="cooperative"):
+        req = JobRequest(job="j", hosts=hosts, hints=Hints(
+            collective_bytes=4 << 20, tolerance="exact", transports=transports))
+        return FabricManager(inventory_of(topo, 0), make_policy(policy, model), model).admit(
+            req, now=0.0), req
+
+    uet, req = plan(two, m2, ["tcp", "uet"])
+    tcp, _ = plan(two, m2, ["tcp"])
+    assert (uet.algo, uet.transport, tcp.transport) == ("ring", "uet", "tcp")
+    assert "trimming" in uet.reason
+    alone = m2.comm_s(req, tcp)
+    raw = flowmodel.predict(two.describe(), m2._spec(req, uet, 4 << 20), workers=hosts).time_s
+    assert uet.predicted_comm_s == pytest.approx(policies.UET_MARGIN * raw)
+    assert uet.predicted_comm_s < 0.8 * alone  # the cross-leaf flows get both spines
+    assert plan(two, m2, ["tcp", "uet"], "oracle")[0].transport == "uet"
+    assert plan(two, m2, ["tcp", "uet"], "tenant_only")[0].transport == "tcp"
+    one = make_topology("leaf_spine", leaves=2, spines=1, hosts_per_leaf=2, bw_mbps=100,
+                        oversubscription=2.0, switch="programmable")
+    assert plan(one, PlanModel(one), ["tcp", "uet"])[0].transport == "tcp"
+    view = FabricView(inventory_of(two, 0))
+    twice = JobRequest(job="t", hosts=["tbh1", "tbh1", "tbh3"],
+                       hints=Hints(transports=["tcp", "uet"]))
+    assert not any(c.transport == "uet" for c in candidates(twice, view))
+    bridged = make_topology("leaf_spine", leaves=2, spines=2, hosts_per_leaf=2, bw_mbps=100,
+                            switch="bridge")
+    assert not FabricView(inventory_of(bridged, 0)).can_trim(hosts)
+    with pytest.raises(ValueError, match="every job's workers run TCP"):
+        Hints(transports=["uet"])
+    # the ports that trim: every path of the ring's messages one way and of its ACKs the
+    # other, at every switch, host-facing ports marked as UET's last hop
+    ports = trim_ports(two, hosts)
+    assert sorted(ports) == ["tbl1", "tbl2", "tbsp1", "tbsp2"]
+    assert ports["tbl1"] == {"tbl1-eth1": True, "tbl1-eth2": True, "tbl1-eth3": False,
+                             "tbl1-eth4": False}
+    assert trim_ports(two, ["tbh1", "tbh2"]) == {"tbl1": {"tbl1-eth1": True,
+                                                          "tbl1-eth2": True}}
