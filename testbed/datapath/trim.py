@@ -323,9 +323,9 @@ def _push(q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, c, p, frame, ln):
 
 @njit(cache=True)
 def trim_kernel(buf, length, out_port, reason, n, base, room, now, modes, hdr_prio, thr_bytes,
-                trim_thr, thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, q_buf, q_len, q_ring,
-                q_head, q_cnt, q_bytes, dscp, trim_bytes, last_hop, share, deficit, counters,
-                emit_port, emitted):
+                trim_thr, thr_pkts, ecn_bytes, ns_per_byte, burst_bytes, next_free, q_buf,
+                q_len, q_ring, q_head, q_cnt, q_bytes, dscp, trim_bytes, last_hop, share,
+                deficit, counters, emit_port, emitted):
     """One burst of the trim stage: drain what is due, admit/trim/drop the batch's egress
     packets, drain again. Emitted frames go to rows ``base..base+k-1`` (at most ``room``) with
     their port in ``emit_port[:k]``; returns ``k``.
@@ -503,9 +503,10 @@ class TrimStage(Stage):
     * ``uet`` mode: ``trim_threshold_bytes`` (per port, 0 = off, the default): the data-queue
       depth above which a *trimmable* frame is cut, while every other class keeps
       ``threshold_bytes`` (a port trimming one job's UET packets at a BDP need not drop the
-      TCP beside it at that depth); ``trim_bytes`` (per port, frame length after a cut, default 128),
-      ``trimmed_share`` (in (0, 1], default 0.5), ``dscp_control`` (46), ``dscp_trimmable``
-      (8), ``dscp_trimmed`` (26), ``dscp_trimmed_lasthop`` (28) (values 0..63).
+      TCP beside it at that depth); ``trim_bytes`` (per port, frame length after a cut,
+      default 128), ``trimmed_share`` (in (0, 1], default 0.5), ``dscp_control`` (46),
+      ``dscp_trimmable`` (8), ``dscp_trimmed`` (26), ``dscp_trimmed_lasthop`` (28) (values
+      0..63).
 
     Construction only: ``queue_slots`` / ``header_slots`` (256) / ``control_slots`` (64):
     frames the data, header (trimmed) and control queues can hold per port.
@@ -699,11 +700,11 @@ class TrimStage(Stage):
             self._emit = np.zeros(batch.capacity, np.int16)
         k = trim_kernel(batch.buf, batch.length, batch.out_port, batch.reason, batch.n, base,
                         batch.capacity - base, now, self.modes, self.header_priority,
-                        self.thr_bytes, self.trim_thr, self.thr_pkts, self.ecn_bytes, self.ns_per_byte,
-                        self.burst_bytes, self.next_free, self.q_buf, self.q_len, self.q_ring,
-                        self.q_head, self.q_cnt, self.q_bytes, self.dscp, self.trim_bytes,
-                        self.last_hop, self.trimmed_share, self.deficit, self.counters_arr,
-                        self._emit, self._emitted)
+                        self.thr_bytes, self.trim_thr, self.thr_pkts, self.ecn_bytes,
+                        self.ns_per_byte, self.burst_bytes, self.next_free, self.q_buf,
+                        self.q_len, self.q_ring, self.q_head, self.q_cnt, self.q_bytes, self.dscp,
+                        self.trim_bytes, self.last_hop, self.trimmed_share, self.deficit,
+                        self.counters_arr, self._emit, self._emitted)
         if k:
             append_emitted(batch, k, self._emit, batch.out_port)
 

@@ -14,7 +14,8 @@ experiment measures the policies, not the service's transport), costs plans with
 model on the network's measured hop latency, admits each job when it arrives, and the job's
 workers train with the admitted plan (algorithm, transport, compressor, error feedback, tree
 and slots; a job whose ``transports`` include ``"uet"`` may get its ring over UET, and while
-that plan runs the switch ports it crosses trim: ``testbed.provider.trimming``); when a job ends the manager releases it and re-plans the others.
+that plan runs the switch ports it crosses trim: ``testbed.provider.trimming``); when a job
+ends the manager releases it and re-plans the others.
 
 Re-plans of running jobs are applied. Every ``telemetry_period_s`` (trace time) the data-path
 engines' counters are read (:class:`~testbed.provider.service.Telemetry`) and fed to

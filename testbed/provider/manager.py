@@ -271,13 +271,14 @@ class FabricManager:
 
     def jobs(self) -> dict[str, dict]:
         """Admitted jobs: hosts, hints, lease times."""
-        return {name: {"hosts": list(ls.req.hosts), "hints": ls.req.hints.model_dump(),
+        return {name: {"hosts": list(ls.req.hosts),
+                       "hints": ls.req.hints.model_dump(mode="json"),
                        "lease_s": ls.req.lease_s, "admitted_s": ls.admitted_s,
                        "expires_s": ls.expires_s, "iteration": ls.iteration,
                        "plan_version": self._plan_versions.get(name, 0),
                        "applies_at": self._applies_at.get(name), "tenant": ls.tenant,
                        "hints_check": ls.check,
-                       "planned_hints": ls.planned.hints.model_dump()}
+                       "planned_hints": ls.planned.hints.model_dump(mode="json")}
                 for name, ls in self._jobs.items()}
 
     def quota(self, tenant: str) -> Quota:

@@ -76,6 +76,7 @@ from testbed.collectives import flowmodel
 from testbed.collectives.algorithms import is_offloaded
 from testbed.collectives.spec import CollectiveSpec, communication_of
 from testbed.provider.schema import FabricSnapshot, Hints, JobRequest, Plan
+from testbed.topologies.base import LinkImpairment
 
 #: Aggregator slots a policy reserves per tree switch (the job's INA window).
 SLOTS = 32
@@ -111,6 +112,9 @@ SHARED_MARGIN = 1.3
 #: (measured 1.20-1.24x the model on a 4:1 leaf-spine of 8 hosts at dilation 4, where TCP's
 #: ring measured 1.06-1.08x), so a UET plan must win by more than that to be chosen.
 UET_MARGIN = 1.25
+#: A link's queue drops (``LinkState.drop_rate``) are priced as loss from this share of its
+#: packets on (fewer are noise: a burst that overflowed once).
+MIN_DROP_RATE = 1e-4
 #: Predictions a PlanModel keeps (then it starts afresh).
 CACHE_ENTRIES = 20_000
 
@@ -253,7 +257,9 @@ class PlanModel:
     job alone (:meth:`comm_s`, :func:`flowmodel.predict`) or of jobs running at once and
     sharing links (:meth:`joint_s`, :func:`flowmodel.predict_concurrent`), on the link rates
     minus the utilisation the snapshot's telemetry shows (the busier direction of each link)
-    and with the loss, duplication and reordering it shows (``LinkState.impairment``).
+    and with the loss, duplication and reordering it shows (``LinkState.impairment``) and the
+    share of packets its queues drop (``LinkState.drop_rate``, priced as loss: a TCP ring
+    through a dropping queue stalls, a UET ring through trimming ports does not).
     :meth:`link_bytes` says where a plan's bytes go, which :func:`own_traffic` turns into
     what a job's own traffic explains of each link and :func:`background` takes out of a
     snapshot, so that jobs priced together are not also counted as telemetry's load."""
@@ -277,6 +283,11 @@ class PlanModel:
                 k = frozenset((link.src, link.dst))
                 util[k] = max(util.get(k, 0.0), min(link.utilisation, 1.0))
         imps = [lk.impairment for lk in links_now if lk.impairment is not None]
+        # a queue that drops loses packets as an impairment does (the model combines the
+        # records of a link; its direction kept, so the impairment's duplicates count alike)
+        imps += [LinkImpairment(lk.src, lk.dst, loss=lk.drop_rate, direction=getattr(
+            lk.impairment, "direction", "egress")) for lk in links_now
+            if lk.drop_rate >= MIN_DROP_RATE]
         ikey = tuple(sorted(dataclasses.astuple(i) for i in imps))
         if not util:
             return self.describe, ikey, imps

@@ -141,8 +141,11 @@ class SwitchState(_Strict):
 class LinkState(_Strict):
     """One directed link: its rate, and live telemetry (utilisation 0..1, queue, drops;
     ``bytes``: bytes carried in that direction since its counters started, of which
-    utilisation is the recent rate; ``impairment``: the loss, duplication and reordering the
-    engines' ``impair`` stages apply to it now, which the policies' model prices)."""
+    utilisation is the recent rate; ``drop_rate``: the share of its packets its egress queue
+    dropped since the previous snapshot (a full queue: congestion); ``impairment``: the loss,
+    duplication and reordering the engines' ``impair`` stages apply to it now. The policies'
+    model prices both as loss: a TCP flow through them stalls, a UET flow through trimming
+    ports has its packets cut instead of dropped)."""
 
     src: str
     dst: str
@@ -152,6 +155,7 @@ class LinkState(_Strict):
     drops: int = Field(default=0, ge=0)
     trims: int = Field(default=0, ge=0)
     bytes: int = Field(default=0, ge=0)
+    drop_rate: float = Field(default=0.0, ge=0, le=1)
     impairment: LinkImpairment | None = None
 
 

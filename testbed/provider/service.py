@@ -159,6 +159,9 @@ class Telemetry:
         self.link_specs = routing.as_topology(desc).link_specs
         self._clients: dict[str, Any] = {}
         self._prev: dict[str, tuple[float, dict]] = {}
+        #: per directed link measured at its source's egress queue: (engine pid, queue drops,
+        #: packets sent) at the previous collection
+        self._prev_drops: dict[tuple[str, str], tuple[int, int, int]] = {}
         self.errors: dict[str, str] = {}
         self.engines: dict[str, dict] = {}
         self.jobs_held: dict[str, set[int]] = {}
@@ -228,18 +231,28 @@ class Telemetry:
         egress = node == src  # the counters are the source's egress port
         tx_bps, rx_bps = rates.get(node, {}).get(port, (0.0, 0.0))
         bps = tx_bps if egress else rx_bps
-        queue = drops = trims = 0
+        queue = drops = trims = qdrops = 0
         stages = data.get("stages", {})
         trim = stages.get("trim", {}).get("ports", {}).get(port)
         if egress and trim is not None:
             queue = int(trim.get("depth_bytes", 0))
             trims = int(trim.get("trimmed", 0))
-            drops += int(trim.get("dropped", 0))
+            qdrops += int(trim.get("dropped", 0))
         shape = stages.get("shape", {}).get("ports", {}).get(port)
         if egress and shape is not None:  # a port its engine shapes queues there
             queue += int(shape.get("depth_bytes", 0))
             trims += int(shape.get("trimmed", 0))  # a port a UET plan made trim
-            drops += int(shape.get("dropped", 0))
+            qdrops += int(shape.get("dropped", 0))
+        drops += qdrops
+        drop_rate = 0.0
+        if egress:  # of the packets that reached the queue since the last collection
+            sent = int(data.get("ports", {}).get(port, {}).get("tx_packets", 0))
+            now = (int(data.get("pid", 0)), qdrops, sent)
+            prev = self._prev_drops.get((src, dst))
+            self._prev_drops[(src, dst)] = now
+            if prev is not None and prev[0] == now[0]:  # the same engine: deltas hold
+                d, n = max(qdrops - prev[1], 0), max(sent - prev[2], 0)
+                drop_rate = round(d / (d + n), 6) if d else 0.0
         if not egress:  # packets that arrived over this link and were dropped at its end
             drops += sum(int(v) for v in data.get("ports", {}).get(port, {})
                          .get("drops", {}).values())
@@ -247,7 +260,7 @@ class Telemetry:
         return LinkState(src=src, dst=dst, rate_mbps=rate_mbps,
                          utilisation=round(bps * self.time_dilation / (rate_mbps * 1e6), 4),
                          queue_bytes=queue, drops=drops, trims=trims, bytes=int(carried or 0),
-                         impairment=impairment)
+                         drop_rate=drop_rate, impairment=impairment)
 
     def close(self) -> None:
         """Close the control connections."""

@@ -517,3 +517,36 @@ def test_a_job_whose_workers_run_uet_gets_its_ring_sprayed_with_trimming_where_i
                              "tbl1-eth4": False}
     assert trim_ports(two, ["tbh1", "tbh2"]) == {"tbl1": {"tbl1-eth1": True,
                                                           "tbl1-eth2": True}}
+
+
+def test_queue_drops_telemetry_shows_move_a_uet_capable_ring_onto_trimming_ports():
+    """Congestion that drops packets (``LinkState.drop_rate`` at a queue) is priced as loss:
+    a TCP ring through it stalls on its recoveries, a UET ring through ports that trim does
+    not (its packets are cut and resent within a round trip). On one spine, where spraying
+    gains nothing, a UET-capable job keeps TCP on a quiet fabric and moves to UET with
+    trimming once the spine's queues drop a few packets in a thousand; a TCP-only job's ring
+    is priced slower there."""
+    one = make_topology("leaf_spine", leaves=2, spines=1, hosts_per_leaf=2, bw_mbps=100,
+                        oversubscription=2.0, switch="programmable")
+    m = PlanModel(one)
+    inv = inventory_of(one, 0)
+    hosts = ["tbh1", "tbh2", "tbh3", "tbh4"]
+
+    def plan(rate, transports):
+        links = [lk.model_copy(update={"drop_rate": rate if "tbsp1" in (lk.src, lk.dst)
+                                       else 0.0}) for lk in inv.links]
+        req = JobRequest(job="j", hosts=hosts, hints=Hints(
+            collective_bytes=4 << 20, tolerance="exact", transports=transports))
+        return make_policy("cooperative", m).plan(
+            [req], inv.model_copy(update={"links": links}))["j"]
+
+    quiet, dropping = plan(0.0, ["tcp", "uet"]), plan(0.005, ["tcp", "uet"])
+    assert (quiet.transport, dropping.transport) == ("tcp", "uet")
+    assert dropping.predicted_comm_s == pytest.approx(quiet.predicted_comm_s
+                                                      * policies.UET_MARGIN, rel=0.02)
+    tcp_quiet, tcp_dropping = plan(0.0, ["tcp"]), plan(0.005, ["tcp"])
+    assert tcp_dropping.transport == "tcp"
+    assert tcp_dropping.predicted_comm_s > 1.25 * tcp_quiet.predicted_comm_s
+    # below MIN_DROP_RATE a drop is noise: nothing priced
+    assert plan(policies.MIN_DROP_RATE / 2, ["tcp"]).predicted_comm_s == pytest.approx(
+        tcp_quiet.predicted_comm_s)

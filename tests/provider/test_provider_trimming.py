@@ -61,6 +61,22 @@ def test_the_provider_trims_the_ports_a_uet_plan_crosses_and_the_sum_stays_exact
             assert row["correct"] and row["transport"] == "uet"
             assert _trimmed(net) > before  # cut, NACKed, resent: still exact
             assert row["uet_trimmed"] > 0 and row["uet_nack_retransmits"] > 0
+            # a queue that drops: telemetry says what share of its packets it dropped, and the
+            # model prices that as loss (a TCP ring through it is slower than on a quiet one)
+            for sw in ("tbl1", "tbl2"):  # two frames of queue on every port of the leaves
+                net.switch_client(sw).configure("shape", threshold_pkts=2)
+            svc.telemetry.collect()
+            tcp = CollectiveSpec(op="allreduce", nbytes=1 << 20, hosts=[0, 1, 2, 3],
+                                 timeout_s=60, seed=4)
+            assert run_collective(net, tcp)[0]["correct"]
+            snap = svc.telemetry.collect()
+            dropping = [lk for lk in snap.links if lk.drop_rate > 0]
+            assert dropping and all(lk.src in ("tbl1", "tbl2") for lk in dropping), dropping
+            assert all(lk.drop_rate <= 1 for lk in snap.links)
+            model, ring = svc.manager.model, plan.model_copy(update={"transport": "tcp"})
+            assert model.comm_s(req, ring, snap) > model.comm_s(req, ring, None)
+            for sw in ("tbl1", "tbl2"):
+                net.switch_client(sw).configure("shape", threshold_pkts=1000)
             svc.call(lambda m, now: m.release("uet", now))
             assert set(np.concatenate([list(p.values()) for p in _modes(net).values()])) \
                 == {"drop_tail"}
