@@ -217,6 +217,8 @@ def _plan_text(p: dict | None) -> str:
         parts.append("error feedback")
     if p.get("trim_head_bits"):
         parts.append(f"trim {p['trim_head_bits']} head bits")
+    if p.get("transport", "tcp") != "tcp":  # a UET ring: its ports trim while it runs
+        parts.append(f"over {p['transport']}, ports trimming")
     return ", ".join(parts)
 
 

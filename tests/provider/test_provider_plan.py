@@ -491,6 +491,10 @@ def test_a_job_whose_workers_run_uet_gets_its_ring_sprayed_with_trimming_where_i
     tcp, _ = plan(two, m2, ["tcp"])
     assert (uet.algo, uet.transport, tcp.transport) == ("ring", "uet", "tcp")
     assert "trimming" in uet.reason
+    from testbed.provider.ctl import _plan_text  # what `testbed provider jobs` shows
+
+    assert _plan_text(uet.model_dump()) == "ring, over uet, ports trimming"
+    assert _plan_text(tcp.model_dump()) == "ring"
     alone = m2.comm_s(req, tcp)
     raw = flowmodel.predict(two.describe(), m2._spec(req, uet, 4 << 20), workers=hosts).time_s
     assert uet.predicted_comm_s == pytest.approx(policies.UET_MARGIN * raw)
