@@ -314,11 +314,12 @@ def _flow_paths(adj, src: str, dst: str) -> dict[tuple[str, str], float]:
     return load
 
 
-def ecmp_links(topo, src: str, dst: str) -> set[tuple[str, str]]:
+def ecmp_links(topo, src: str, dst: str, adj=None) -> set[tuple[str, str]]:
     """The directed links some equal-cost shortest path from ``src`` to ``dst`` takes (every
-    link a flow sprayed over all of them may cross)."""
-    return {link for link, f in _flow_paths(adjacency(as_topology(topo)), src, dst).items()
-            if f > 0}
+    link a flow sprayed over all of them may cross). ``adj``: ``adjacency(topo)`` when the
+    caller has it (saves building it per pair)."""
+    adj = adjacency(as_topology(topo)) if adj is None else adj
+    return {link for link, f in _flow_paths(adj, src, dst).items() if f > 0}
 
 
 def flows_for(pattern: str, hosts: list[str], aggregator: str | None) -> list[tuple[str, str]]:

@@ -177,6 +177,9 @@ class PhaseResult:
     fill_s: float
     rates: list[tuple[Flow, float, list[str]]]
     bottleneck: tuple[str, str] | None
+    #: wire bytes the phase puts on each directed link (its flows' data on their paths,
+    #: sprayed flows spread over theirs, TCP ACKs on their own 5-tuple's path)
+    link_bytes: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,6 +207,14 @@ class Prediction:
         for p in self.phases:
             for f, _rate, _path in p.rates:
                 out[f.src] = out.get(f.src, 0.0) + f.nbytes * f.wire
+        return out
+
+    def link_bytes(self) -> dict[tuple[str, str], float]:
+        """Wire bytes the collective puts on each directed link, every phase together."""
+        out: dict[tuple[str, str], float] = {}
+        for p in self.phases:
+            for link, b in p.link_bytes.items():
+                out[link] = out.get(link, 0.0) + b
         return out
 
     def summary(self) -> str:
@@ -681,7 +692,11 @@ def _run_phase(net: _Network, ph: Phase, hop_s: float) -> PhaseResult:
     util = {k: v / net.capacity[k] for k, v in load.items() if k in net.capacity}
     bneck = max(util, key=util.get) if util else None
     rates = [(f, ri, net.flow_path(f)) for f, ri in zip(flows, first, strict=True)]
-    return PhaseResult(ph.name, t + latency + fill, t, latency, fill, rates, bneck)
+    carried: dict = {}
+    for f, w in zip(flows, weights, strict=True):
+        for link, x in w.items():
+            carried[link] = carried.get(link, 0.0) + f.nbytes * x
+    return PhaseResult(ph.name, t + latency + fill, t, latency, fill, rates, bneck, carried)
 
 
 # ------------------------------------------------------------------------------ INA window, loss

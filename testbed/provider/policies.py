@@ -271,7 +271,6 @@ class PlanModel:
         self.describe = topology if isinstance(topology, dict) else topo.describe()
         self.hop_latency_s = hop_latency_s
         self._cache: dict = {}
-        self._topo, self._tables = topo, None
 
     def _desc(self, snapshot: FabricSnapshot | None) -> tuple[dict, tuple, list]:
         """(the topology with each link's rate less its telemetry's utilisation, a key of
@@ -406,35 +405,8 @@ class PlanModel:
         self._cache[key] = value
 
     def _link_bytes(self, req: JobRequest, plan: Plan, nbytes: int):
-        from testbed.topologies import routing
-
         pred = self._alone(req, plan, nbytes)
-        if pred is None:
-            return None
-        if self._tables is None:
-            self._tables = routing.forwarding_tables(self._topo)
-        out: dict[tuple[str, str], float] = {}
-
-        def path(src, dst, sport, dport, proto):
-            return routing.flow_path(self._topo, src, dst, sport, dport, proto,
-                                     tables=self._tables)
-
-        for phase in pred.phases:
-            for f, _rate, fpath in phase.rates:
-                if f.spray:  # an equal share on the path of each port it is sprayed from
-                    share = 1.0 / len(f.spray)
-                    hops = [(path(f.src, f.dst, sp, f.dport, f.proto), f.wire * share)
-                            for sp in f.spray]
-                    hops += [(path(f.dst, f.src, f.dport, sp, f.proto), f.ack * share)
-                             for sp in f.spray]
-                else:
-                    hops = [(fpath, f.wire)]
-                    if f.ack:  # the ACKs' own 5-tuple, which ECMP may send another way
-                        hops.append((path(f.dst, f.src, f.dport, f.sport, f.proto), f.ack))
-                for nodes, factor in hops:
-                    for a, b in zip(nodes, nodes[1:], strict=False):
-                        out[(a, b)] = out.get((a, b), 0.0) + f.nbytes * factor
-        return out
+        return None if pred is None else pred.link_bytes()
 
     def sent_bytes(self, req: JobRequest, plan: Plan, nbytes: int) -> dict[str, float] | None:
         """Wire bytes each host of ``req`` sends in one allreduce of ``nbytes`` under

@@ -46,7 +46,7 @@ def trim_ports(topo, hosts: list[str]) -> dict[str, dict[str, bool]]:
     for i in range(n if n > 2 else n - 1):
         a, b = hosts[i], hosts[(i + 1) % n]
         for src, dst in ((a, b), (b, a)):  # the data one way, its ACKs and NACKs the other
-            for u, v in routing.ecmp_links(topo, src, dst):
+            for u, v in routing.ecmp_links(topo, src, dst, adj):
                 if u in prog:
                     out.setdefault(u, {})[f"{u}-eth{adj[u][v][0]}"] = v in host_names
     return out
