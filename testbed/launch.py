@@ -598,7 +598,8 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
              for h in workers]
     settings = tj if tj is not None else TorchJob(comm="gloo")
     job = {"torch": dataclasses.asdict(settings), "n": n, "m": 0, "ranks": ranks,
-           "nproc_per_host": nproc_per_host}
+           "nproc_per_host": nproc_per_host,
+           "time_dilation": float(net.time_dilation)}
     meta = {"script": str(script), "args": list(args), "hosts": [r["host"] for r in ranks],
             "nproc_per_host": nproc_per_host,
             "algo": tj.algo if tj else None, "compressor": tj.compressor if tj else None,

@@ -144,7 +144,8 @@ class TestbedComm:
                                         resend_trimmed=tj.transport == "uet")
         names = [r["host"] for r in job["ranks"]]
         if tj.transport == "uet" and tj.algo != "trim":  # trim: the gather is UET's
-            self.comm = UetComm(rank, names, tj.timeout_s, job_id=tj.job_id)
+            self.comm = UetComm(rank, names, tj.timeout_s, job_id=tj.job_id,
+                                time_dilation=float(job.get("time_dilation", 1.0)))
         else:
             self.comm = Comm(rank, names, tj.timeout_s, job_id=tj.job_id,
                              tcp_cc=self.spec.tcp_cc,
@@ -406,7 +407,8 @@ def run_ddp(net, tj: TorchJob, workers: int | None = None) -> list[dict]:
     tj.validate(n)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(), "intf": h.defaultIntf().name}
              for h in hosts]
-    job = {"torch": dataclasses.asdict(tj), "n": n, "m": 0, "ranks": ranks}
+    job = {"torch": dataclasses.asdict(tj), "n": n, "m": 0, "ranks": ranks,
+           "time_dilation": float(getattr(net, "time_dilation", 1.0))}
     jobdir = job_dir(RUN_DIR, "torch", time.monotonic_ns())
     os.makedirs(jobdir, exist_ok=True)
     procs = []

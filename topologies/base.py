@@ -125,7 +125,10 @@ class LinkImpairment:
     stage acts, ``"egress"`` at ``src`` (a duplicate crosses this link) or ``"ingress"`` at
     ``dst`` (it does not: copies start on the next link). ``testbed_only``: only testbed
     frames (INA's) are impaired. ``reorder_timeout_s``: how long a reordered packet waits at
-    most for the packets it lets pass (wall time on the running network)."""
+    most for the packets it lets pass (wall time on the running network). ``cuts_trimmable``:
+    the loss is a full queue's, at a port that cuts the UET-like transport's trimmable
+    packets instead of dropping them (a provider's trimming plan): those are NACKed and resent
+    within a round trip, so the loss is not theirs."""
 
     src: str
     dst: str
@@ -135,6 +138,7 @@ class LinkImpairment:
     direction: str = "egress"
     testbed_only: bool = False
     reorder_timeout_s: float = 0.0
+    cuts_trimmable: bool = False
 
     def to_dict(self) -> dict:
         """JSON-serialisable form."""
@@ -142,7 +146,8 @@ class LinkImpairment:
 
     def combined(self, other: LinkImpairment) -> LinkImpairment:
         """This and ``other`` (of the same link) as one: independent effects one after the
-        other, a copy counted from the earlier point, testbed frames only if both are."""
+        other, a copy counted from the earlier point, testbed frames only if both are, the
+        trimmable ones cut only if both cut them."""
         def both(x: float, y: float) -> float:
             return 1.0 - (1.0 - x) * (1.0 - y)
 
@@ -150,7 +155,8 @@ class LinkImpairment:
                               both(self.dup, other.dup), both(self.reorder, other.reorder),
                               "egress" if "egress" in (self.direction, other.direction)
                               else "ingress", self.testbed_only and other.testbed_only,
-                              max(self.reorder_timeout_s, other.reorder_timeout_s))
+                              max(self.reorder_timeout_s, other.reorder_timeout_s),
+                              self.cuts_trimmable and other.cuts_trimmable)
 
 
 #: program names of the data path's ``impair`` stage (egress or ingress; a node impaired in

@@ -46,10 +46,9 @@ How a prediction is made:
 7. **Impairments** (``loss_pct`` and a running network's ``impair`` stages,
    ``predict(..., impairments=net.link_impairments())``): a duplicated frame loads every
    link after the point it is copied (an aggregating switch takes INA's copies in).
-8. **TCP under loss** (:func:`_tcp_loss_s`): a window-bound flow that loses a packet stalls
-   for a round trip loaded with the queues in front of its ACKs; a phase waits for its
-   worst flow. The UET-like transport's resends are not priced (its time under loss is a
-   lower bound, and its prediction says so).
+8. **TCP and the UET-like transport under loss** (:func:`_loss_s`): a window-bound flow that
+   loses a packet stalls for a round trip loaded with the queues in front of its ACKs; a
+   phase waits for its worst flow.
 
 The closed-form alpha-beta model (:func:`testbed.collectives.model.predict`) is the special
 case of one switch where every phase's flows cross distinct links and every link carries data
@@ -97,6 +96,7 @@ from testbed.collectives.report import shard_bounds
 from testbed.collectives.spec import HD_RENDEZVOUS_BYTES, CollectiveSpec
 from testbed.collectives.uet import ACK_EVERY
 from testbed.collectives.uet import DEFAULT_ENTROPIES as UET_ENTROPIES
+from testbed.collectives.uet import MAX_WINDOW as UET_MAX_WINDOW
 from testbed.kernels.wire import MTU_PAYLOAD, PAYLOAD_OFFSET, TESTBED_UDP_PORT
 from testbed.topologies import aggtree, routing
 from testbed.topologies.base import TCP_RTO_MIN_US, LinkImpairment, TopologyError
@@ -192,8 +192,9 @@ class Prediction:
     #: INA: time its window and losses add (:func:`ina_extra_s`), included in ``time_s``
     ina_extra_s: float = 0.0
     time_dilation: float = 1.0
-    #: TCP: time its flows' losses add (:func:`_tcp_loss_s`), included in ``time_s``
-    tcp_loss_s: float = 0.0
+    #: TCP or the UET-like transport: time its flows' losses add (:func:`_loss_s`), included
+    #: in ``time_s``
+    loss_s: float = 0.0
 
     @property
     def applies(self) -> bool:
@@ -227,7 +228,7 @@ class Prediction:
         total = "n/a" if self.time_s is None else f"{self.time_s:.4f} s"
         lines.append(f"total {total}" + (f" (INA window/loss {self.ina_extra_s:.4f} s)"
                                           if self.ina_extra_s else "")
-                     + (f" (TCP loss {self.tcp_loss_s:.4f} s)" if self.tcp_loss_s else "")
+                     + (f" (transport loss {self.loss_s:.4f} s)" if self.loss_s else "")
                      + "".join(f"\n  note: {n}" for n in self.notes))
         return "\n".join(lines)
 
@@ -570,9 +571,13 @@ def as_impairments(impairments) -> list[LinkImpairment]:
     return out
 
 
-def _testbed_frames(f: Flow) -> bool:
-    """Whether ``f``'s frames are testbed frames (INA's: UDP to or from the aggregation
-    port), which an impairment with ``filter="testbed"`` acts on (and no other)."""
+def _frames(f: Flow) -> bool | str:
+    """Which impairments act on ``f``'s frames: every frame's (``False``), or testbed
+    frames' (``True``: INA's, UDP to or from the aggregation port, which an impairment with
+    ``filter="testbed"`` acts on too), or ``"uet"``: the UET-like transport's (testbed frames
+    too), which a queue that cuts trimmable packets does not lose."""
+    if f.spray:
+        return "uet"
     return f.proto == 17 and INA_AGG_PORT in (f.sport, f.dport)
 
 
@@ -591,30 +596,47 @@ class _Network:
                 self.capacity[(s.a, s.b)] = c
                 self.capacity[(s.b, s.a)] = c
         self._paths: dict = {}
-        # directed link -> its impairments, for every frame / for testbed frames (INA's)
-        self.impaired: dict[bool, dict[tuple[str, str], LinkImpairment]] = {False: {}, True: {}}
+        # directed link -> its impairments, per kind of frame (:func:`_frames`)
+        self.impaired: dict[bool | str, dict[tuple[str, str], LinkImpairment]] = {
+            False: {}, True: {}, "uet": {}}
         links = [LinkImpairment(a, b, loss=s.loss_pct / 100.0) for s in topo.link_specs
                  if s.loss_pct for a, b in ((s.a, s.b), (s.b, s.a))]
         for imp in links + as_impairments(impairments):
-            for testbed in (False, True):
-                if testbed or not imp.testbed_only:
-                    key = (imp.src, imp.dst)
-                    have = self.impaired[testbed].get(key)
-                    self.impaired[testbed][key] = imp if have is None else have.combined(imp)
+            for kind in (False, True, "uet"):
+                if kind is False and imp.testbed_only:
+                    continue
+                act = imp
+                if kind == "uet" and imp.cuts_trimmable:  # cut and resent, not lost
+                    act = dataclasses.replace(imp, loss=0.0)
+                key = (imp.src, imp.dst)
+                have = self.impaired[kind].get(key)
+                self.impaired[kind][key] = act if have is None else have.combined(act)
 
     def impairments_of(self, f: Flow, path: list[str]) -> list[LinkImpairment]:
         """The impairments on the directed links of ``path`` that act on ``f``'s frames."""
-        table = self.impaired[_testbed_frames(f)]
+        table = self.impaired[_frames(f)]
         if not table:
             return []
         return [table[k] for k in zip(path, path[1:], strict=False) if k in table]
 
     def path_loss(self, f: Flow) -> float:
-        """Probability that a frame of ``f`` is lost somewhere on its path."""
-        keep = 1.0
-        for imp in self.impairments_of(f, self.flow_path(f)):
-            keep *= 1.0 - imp.loss
-        return 1.0 - keep
+        """Probability that a frame of ``f`` is lost somewhere on its path (a sprayed flow's
+        frames: on the path each takes, spread evenly over them)."""
+        losses = []
+        for path, _ack in self.routes(f):
+            keep = 1.0
+            for imp in self.impairments_of(f, path):
+                keep *= 1.0 - imp.loss
+            losses.append(1.0 - keep)
+        return sum(losses) / len(losses)
+
+    def routes(self, f: Flow) -> list[tuple[list[str], list[str]]]:
+        """(data path, ACK path) of each route ``f``'s packets take: one, or one per source
+        port a sprayed flow uses."""
+        if f.spray:
+            return [(self.path(f.src, f.dst, sport, f.dport, f.proto),
+                     self.path(f.dst, f.src, f.dport, sport, f.proto)) for sport in f.spray]
+        return [(self.flow_path(f), self.ack_path(f))]
 
     def path(self, src: str, dst: str, sport: int, dport: int, proto: int) -> list[str]:
         key = (src, dst, sport, dport, proto)
@@ -645,7 +667,7 @@ class _Network:
                         w[(a, b)] = w.get((a, b), 0.0) + x * share
             return w
         w = {}
-        table = self.impaired[_testbed_frames(f)]
+        table = self.impaired[_frames(f)]
         for path, x in ((self.flow_path(f), f.wire), (self.ack_path(f) if f.ack else [], f.ack)):
             copies = 1.0  # duplicated frames load every link after the point they appear
             for link in zip(path, path[1:], strict=False):
@@ -805,60 +827,72 @@ def _queue_limit(topo, capacity_bps: float, dilation: float) -> float:
     return max(ab.TCP_FRAME, capacity_bps * dilation / 8 * float(q_ms) / 1e3)
 
 
-def _tcp_loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float) -> float:
-    """Time a TCP phase loses to its flows' losses, to first order (wall time of the
-    network as modelled).
+def _loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float) -> float:
+    """Time a phase of host transfers (TCP, or the UET-like transport) loses to its flows'
+    losses, to first order (wall time of the network as modelled).
 
-    Each flow is window-bound: it keeps ``tcp_window_clamp`` bytes of its algorithm in flight
-    (:func:`testbed.collectives.model.tcp_window_clamp`, else the testbed's
-    ``flow_window_bytes``), or where its path loses a share p of its packets Reno's window
-    under loss if that is less (``MSS x sqrt(3 / 2p)``, Mathis et al.), so the queue of the
-    link it is bottlenecked on holds what the base round trip does not: ``window - rate x
-    rtt_base``, at most the queue's limit. A loss stalls its flow until the retransmission is
-    acknowledged, a round trip loaded with the queues its ACKs wait in and the other flows'
-    queues on its data path (its own data keeps its link busy meanwhile); losses within one
-    round trip are recovered together. So a flow
+    Each flow is window-bound: a TCP flow keeps ``tcp_window_clamp`` bytes of its algorithm in
+    flight (:func:`testbed.collectives.model.tcp_window_clamp`, else the testbed's
+    ``flow_window_bytes``), a UET flow its largest congestion window
+    (``testbed.collectives.uet.MAX_WINDOW`` packets); where its path loses a share p of its
+    packets, Reno's window under loss if that is less (``MSS x sqrt(3 / 2p)``, Mathis et al.:
+    the UET-like sender halves its window per loss and grows it a packet per round trip too).
+    So the queue of the link it is bottlenecked on holds what the base round trip does not:
+    ``window - rate x rtt_base``, at most the queue's limit. A loss stalls its flow until the
+    resent packet is acknowledged, a round trip loaded with the queues its ACKs wait in and the
+    other flows' queues on its data path (its own data keeps its link busy meanwhile); losses
+    within one round trip are recovered together. So a flow
     of N packets with loss probability p on its path, lasting T at its rate, is stalled
     ``k = max(1, min(N p, T / rtt))`` loaded round trips when it loses any (probability
     ``1 - (1 - p)^N``), and the phase, which ends with its last flow, waits for the worst::
 
         extra = (1 - prod_f (1 - p_f)^N_f) * max_f k_f * rtt_f
 
+    A sprayed flow's loss, queues and round trip are the means over the paths its packets
+    take.
+
     Why (measured on the emulated fabrics, ``testbed bench impairments``): a lone flow's rate
     and a lone 256 KiB or 1 MiB message's time hardly change under 0.5-2 % loss, while a
     ring's steps do, most where a lossless neighbour's full window queues in front of a
     lossy flow's ACKs (a ring of 4 with 0.5-2 % loss at one leaf of a leaf-spine: 1.8-2.0x
-    the lossless time). The worst flow, not the sum of the flows' stalls, is an
-    underestimate where the stalls of a ring's flows chain through its steps (a star whose
-    every flow loses).
+    the lossless time; over the UET-like transport, 1 % loss: 1.6-1.8x). The worst flow, not
+    the sum of the flows' stalls, is an underestimate where the stalls of a ring's flows chain
+    through its steps (a star whose every flow loses).
 
-    Where the path also reorders, a lost retransmission is no longer found by the reordering
-    window: it waits out the retransmission timeout (``max(TCP_RTO_MIN, 2 rtt)``, the floor
-    dilated with the network), once per episode with probability p, and any flow's timeout
-    stalls the phase (measured on a star of 4 with 1 % loss: no timeouts; with 5 %
-    reordering too, 8-12 in 3 runs of a 4 MiB ring, 1.7-2.2x the loss-only time)."""
-    flows = [(f, r, path) for f, r, path in res.rates if f.proto == 6 and not f.spray and r > 0]
-    lossy = [(f, r, path, net.path_loss(f)) for f, r, path in flows]
+    Where a TCP flow's path also reorders, a lost retransmission is no longer found by the
+    reordering window: it waits out the retransmission timeout (``max(TCP_RTO_MIN, 2 rtt)``,
+    the floor dilated with the network), once per episode with probability p, and any flow's
+    timeout stalls the phase (measured on a star of 4 with 1 % loss: no timeouts; with 5 %
+    reordering too, 8-12 in 3 runs of a 4 MiB ring, 1.7-2.2x the loss-only time). The
+    UET-like transport places packets by offset, so reordering costs it nothing."""
+    flows = [(f, r) for f, r, _path in res.rates if (f.proto == 6 or f.spray) and r > 0]
+    lossy = [(f, r, net.path_loss(f)) for f, r in flows]
     if not any(p > 0 for *_x, p in lossy):
         return 0.0
     load: dict = {}
-    for f, r, _path in flows:
+    for f, r in flows:
         for link, x in net.weights(f).items():
             load[link] = load.get(link, 0.0) + x * r
     queued: dict = {}  # link -> (bytes queued there, per flow)
-    for f, r, path, p in lossy:
-        links = list(zip(path, path[1:], strict=False))
+    for f, r, p in lossy:
+        routes = net.routes(f)
+        links = list(dict.fromkeys(k for path, _ack in routes
+                                   for k in zip(path, path[1:], strict=False)))
         cap = min((net.capacity[k] for k in links if k in net.capacity), default=None)
         if cap is None:
             continue
-        window = ab.tcp_window_clamp(spec.algo, cap * 8) or ab.flow_window_bytes(cap * 8)
+        if f.spray:
+            window = UET_MAX_WINDOW * MTU_PAYLOAD
+        else:
+            window = ab.tcp_window_clamp(spec.algo, cap * 8) or ab.flow_window_bytes(cap * 8)
         if p > 0:  # Reno's window under random loss (Mathis et al.): 1.22 / sqrt(p) segments
             window = min(window, ab.TCP_MSS * math.sqrt(1.5 / p))
         full = [k for k in links if k in net.capacity and
                 load.get(k, 0.0) >= net.capacity[k] * (1 - 1e-6)]
         if not full:
             continue
-        base = 2 * (len(path) - 1) * hop_s
+        hops = sum(len(path) - 1 for path, _ack in routes) / len(routes)
+        base = 2 * hops * hop_s
         limit = _queue_limit(net.topo, net.capacity[full[0]] * 8, net.dilation)
         here = queued.setdefault(full[0], {})
         here[f] = max(0.0, window - r * base) * f.wire
@@ -867,28 +901,30 @@ def _tcp_loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: fl
             for g in here:
                 here[g] *= limit / total
 
-    def delay(link, without=None) -> float:
-        q = queued.get(link)
-        if not q:
-            return 0.0
-        return sum(b for g, b in q.items() if g is not without) / net.capacity[link]
+    def delay(path, without=None) -> float:
+        """Queueing delay along ``path``, less ``without``'s own queue."""
+        out = 0.0
+        for link in zip(path, path[1:], strict=False):
+            q = queued.get(link)
+            if q:
+                out += sum(b for g, b in q.items() if g is not without) / net.capacity[link]
+        return out
 
     keep, worst, timeouts = 1.0, 0.0, 0.0
     rto_min = TCP_RTO_MIN_US / 1e6 * net.dilation
-    for f, r, path, p in lossy:
+    for f, r, p in lossy:
         if p <= 0:
             continue
         packets = f.nbytes / ab.TCP_MSS
-        ack = net.ack_path(f)
-        rtt = (2 * (len(path) - 1) * hop_s
-               + sum(delay(k, f) for k in zip(path, path[1:], strict=False))
-               + sum(delay(k) for k in zip(ack, ack[1:], strict=False)))
+        routes = net.routes(f)
+        rtt = sum(2 * (len(path) - 1) * hop_s + delay(path, f) + delay(ack)
+                  for path, ack in routes) / len(routes)
         keep *= (1.0 - p) ** packets
         if rtt <= 0:
             continue
         episodes = max(1.0, min(packets * p, f.nbytes / r / rtt))
         worst = max(worst, episodes * rtt)
-        if any(i.reorder > 0 for i in net.impairments_of(f, path)):
+        if not f.spray and any(i.reorder > 0 for i in net.impairments_of(f, routes[0][0])):
             # a lost retransmission among reordered frames waits out the timeout
             timeouts += (1.0 - (1.0 - p) ** packets) * episodes * p * max(rto_min, 2 * rtt)
     return (1.0 - keep) * worst + timeouts
@@ -910,7 +946,7 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     ``impairments``: :class:`LinkImpairment` records of the links' ``impair`` stages beyond
     the topology's ``loss_pct`` (a running network's ``net.link_impairments()``): their
     duplicates load the links after them, and INA's losses and reordering are priced
-    (:func:`_ina_extra`); TCP's loss recovery is not (a note says so).
+    (:func:`_ina_extra`), and so is the host transports' loss recovery (:func:`_loss_s`).
     """
     if not isinstance(spec, CollectiveSpec):
         raise TypeError(f"spec must be a CollectiveSpec, got {type(spec).__name__}")
@@ -946,13 +982,9 @@ def predict(topology, spec: CollectiveSpec, *, workers: list[str] | None = None,
     if is_offloaded(spec.algo):
         extra_s = _ina_extra(spec, phs[0], results[0], net, hop_s, float(time_dilation))
         total += extra_s
-    elif spec.transport == "tcp":
-        loss_s = sum(_tcp_loss_s(spec, r, net, hop_s) for r in results)
+    else:
+        loss_s = sum(_loss_s(spec, r, net, hop_s) for r in results)
         total += loss_s
-    elif any(net.path_loss(f) > 0 for r in results for f, _r, _p in r.rates):
-        notes.append("links on the flows' paths drop packets (loss_pct or an impair stage) "
-                     "and the UET-like transport's resends are not modelled: the time is a "
-                     "lower bound")
     f = float(time_dilation)
     return Prediction(total / f, results, notes, extra_s / f, f, loss_s / f)
 
@@ -1013,8 +1045,8 @@ def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
         if is_offloaded(spec.algo):
             alone = _run_phase(net, phs[0], hop_s)
             extra = _ina_extra(spec, phs[0], alone, net, hop_s, f)
-        elif spec.transport == "tcp" and net.impaired[False]:
-            extra = sum(_tcp_loss_s(spec, _run_phase(net, ph, hop_s), net, hop_s)
+        elif net.impaired[False]:
+            extra = sum(_loss_s(spec, _run_phase(net, ph, hop_s), net, hop_s)
                         for ph in phs)
         plan.append((phs * spec.repetitions, j.start_s * f, extra))
         per_rep.append(len(phs))

@@ -85,6 +85,8 @@ MAX_BACKOFF = 8
 ACK_EVERY = 4
 #: source ports a message is sprayed over unless told otherwise
 DEFAULT_ENTROPIES = 8
+#: the largest congestion window (packets) unless told otherwise
+MAX_WINDOW = 64
 #: transports a CollectiveSpec can name
 TRANSPORTS = ("tcp", "uet")
 
@@ -148,13 +150,16 @@ class UetComm:
     ``entropies``: source ports a message is sprayed over; ``init_window`` / ``min_window`` /
     ``max_window``: the congestion window in packets; ``rto_min_s``: the shortest
     retransmission timeout (Linux TCP's 200 ms by default: the two transports then differ only
-    in what a trim does; shorter ones fire on a busy machine's scheduling stalls); ``loss``: seeded drop probability applied on receive of data
-    packets (a client-side impairment for tests where no switch drops)."""
+    in what a trim does; shorter ones fire on a busy machine's scheduling stalls);
+    ``time_dilation``: the network's factor (the job's ``time_dilation``), which stretches that
+    floor as the hosts' TCP floor is stretched (a dilated queue's round trip outgrows the
+    undilated 200 ms: spurious timeouts); ``loss``: seeded drop probability applied on receive
+    of data packets (a client-side impairment for tests where no switch drops)."""
 
     def __init__(self, rank: int, names: list[str], timeout_s: float, job_id: int = 0,
                  entropies: int = DEFAULT_ENTROPIES, init_window: int = 16, min_window: int = 1,
-                 max_window: int = 64, rto_min_s: float = 0.2, loss: float = 0.0,
-                 seed: int = 0):
+                 max_window: int = MAX_WINDOW, rto_min_s: float = 0.2, loss: float = 0.0,
+                 seed: int = 0, time_dilation: float = 1.0):
         if not 1 <= entropies <= 64:
             raise ValueError(f"entropies={entropies!r}: spray over 1..64 source ports")
         if not 1 <= min_window <= init_window <= max_window:
@@ -168,7 +173,11 @@ class UetComm:
         self.init_window = init_window
         self.min_window = min_window
         self.max_window = max_window
-        self.rto_min_s = rto_min_s
+        if not time_dilation >= 1.0:
+            raise ValueError(f"time_dilation={time_dilation!r}: need a factor >= 1")
+        self.rto_min_s = rto_min_s * time_dilation
+        #: the timeout before a round trip is measured (TCP's initial 200 ms floor)
+        self.rto_initial_s = max(rto_min_s, 0.2) * time_dilation
         self.loss = float(loss)
         self._rng = random.Random(hash((seed, job_id, rank)))
         self.ip = ""
@@ -566,7 +575,7 @@ class UetComm:
 
     def _rto(self, out: _Outbound) -> float:
         if out.srtt is None:
-            return max(self.rto_min_s, 0.2)
+            return self.rto_initial_s
         return max(self.rto_min_s, out.srtt + 4 * out.rttvar)
 
     def _pump(self, now: float) -> float:

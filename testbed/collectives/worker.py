@@ -170,7 +170,8 @@ def connect_rank(job: dict, spec: CollectiveSpec, rank: int, ctl: ControlLine, x
         ctl.recv()
         return (lambda step: client.allreduce(x, out)), client.close
     if spec.transport == "uet":
-        comm = UetComm(rank, names, spec.timeout_s, job_id=spec.job_id)
+        comm = UetComm(rank, names, spec.timeout_s, job_id=spec.job_id,
+                       time_dilation=float(job.get("time_dilation", 1.0)))
     else:
         comm = Comm(rank, names, spec.timeout_s, job_id=spec.job_id, tcp_cc=spec.tcp_cc,
                     window_clamp=tcp_window_clamp(spec.algo, job.get("bw_bps")))

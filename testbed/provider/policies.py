@@ -259,7 +259,9 @@ class PlanModel:
     minus the utilisation the snapshot's telemetry shows (the busier direction of each link)
     and with the loss, duplication and reordering it shows (``LinkState.impairment``) and the
     share of packets its queues drop (``LinkState.drop_rate``, priced as loss: a TCP ring
-    through a dropping queue stalls, a UET ring through trimming ports does not).
+    through a dropping queue stalls, a UET ring through trimming ports does not: its packets
+    are cut and resent within a round trip, ``LinkImpairment.cuts_trimmable``; an ``impair``
+    stage's random loss stalls either).
     :meth:`link_bytes` says where a plan's bytes go, which :func:`own_traffic` turns into
     what a job's own traffic explains of each link and :func:`background` takes out of a
     snapshot, so that jobs priced together are not also counted as telemetry's load."""
@@ -285,7 +287,7 @@ class PlanModel:
         # a queue that drops loses packets as an impairment does (the model combines the
         # records of a link; its direction kept, so the impairment's duplicates count alike)
         imps += [LinkImpairment(lk.src, lk.dst, loss=lk.drop_rate, direction=getattr(
-            lk.impairment, "direction", "egress")) for lk in links_now
+            lk.impairment, "direction", "egress"), cuts_trimmable=True) for lk in links_now
             if lk.drop_rate >= MIN_DROP_RATE]
         ikey = tuple(sorted(dataclasses.astuple(i) for i in imps))
         if not util:

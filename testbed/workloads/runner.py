@@ -170,7 +170,8 @@ class _Job:
         except ValueError:  # unshaped links: nothing in a training job needs the rate
             bw = None
         return {"train": spec.to_json(), "spec": spec.collective().to_json(),
-                "n": len(ranks), "m": 0, "ranks": ranks, "bw_bps": bw}
+                "n": len(ranks), "m": 0, "ranks": ranks, "bw_bps": bw,
+                "time_dilation": spec.time_dilation}
 
     def _plane(self, epoch: int, spec: TrainingSpec, job: dict) -> None:
         """Register the control plane of ``spec``'s plan (its INA job on the switches) as
@@ -285,8 +286,8 @@ class _Job:
         self.refused_since = None
         try:
             self.channel.send({"type": "plan", "epoch": epoch, "job": {
-                k: job[k] for k in ("train", "spec", "ranks", "bw_bps", "seq0", "tree",
-                                    "fallbacks") if k in job}})
+                k: job[k] for k in ("train", "spec", "ranks", "bw_bps", "time_dilation", "seq0",
+                                    "tree", "fallbacks") if k in job}})
         except OSError:  # the pool has ended (its result says how): nobody to switch
             self.channel = None
             self._drop_plane(epoch)

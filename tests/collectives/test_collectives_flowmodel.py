@@ -14,6 +14,8 @@ from testbed.collectives import CollectiveSpec, hd, ring
 from testbed.collectives import flowmodel as fm
 from testbed.collectives import model as ab
 from testbed.collectives.ports import tcp_tuple
+from testbed.collectives.uet import MAX_WINDOW as UET_MAX_WINDOW
+from testbed.kernels.wire import MTU_PAYLOAD
 from testbed.topologies import Dumbbell, FatTree, LeafSpine, Star, routing
 from testbed.topologies.base import AGGREGATOR_MAC, TCP_RTO_MIN_US, host_mac
 
@@ -638,7 +640,7 @@ def test_tcp_loss_is_priced_where_the_flows_frames_are_lost():
     ring = CollectiveSpec(algo="ring", nbytes=1 * MB)
 
     def loss_s(imps, t=topo):
-        return fm.predict(t, ring, hop_latency_s=HOP, impairments=imps).tcp_loss_s
+        return fm.predict(t, ring, hop_latency_s=HOP, impairments=imps).loss_s
 
     assert loss_s([]) == 0
     assert loss_s(_every_uplink(topo, loss=0.01)) > 0
@@ -667,22 +669,42 @@ def test_tcp_loss_stalls_a_flow_a_round_trip_loaded_with_the_queue_before_its_ac
     packets = step / ab.TCP_MSS
     k = max(1.0, min(packets * p, step / rate / rtt))
     per_step = (1 - (1 - p) ** packets) * k * rtt
-    assert pred.tcp_loss_s == pytest.approx(2 * per_step, rel=1e-6)  # reduce-scatter, allgather
+    assert pred.loss_s == pytest.approx(2 * per_step, rel=1e-6)  # reduce-scatter, allgather
     # reordering on the path too: a lost retransmission waits out the retransmission timeout
     # (the kernel's floor, dilated with the network: the undilated time is the same)
     for f in (1.0, 4.0):
         held = fm.predict(topo, spec, hop_latency_s=HOP * f, time_dilation=f, impairments=[
             fm.LinkImpairment("tbs1", "tbh2", loss=p, reorder=0.05)])
         timeout = max(TCP_RTO_MIN_US / 1e6, 2 * rtt)
-        assert held.tcp_loss_s - pred.tcp_loss_s == pytest.approx(
+        assert held.loss_s - pred.loss_s == pytest.approx(
             2 * (1 - (1 - p) ** packets) * k * p * timeout, rel=1e-6)
     clean = fm.predict(topo, spec, hop_latency_s=HOP)
-    assert pred.time_s == pytest.approx(clean.time_s + pred.tcp_loss_s)
-    assert clean.tcp_loss_s == 0
-    # the UET-like transport's resends are not priced: a lower bound, and it says so
-    uet = fm.predict(topo, dataclasses.replace(spec, transport="uet"), hop_latency_s=HOP,
+    assert pred.time_s == pytest.approx(clean.time_s + pred.loss_s)
+    assert clean.loss_s == 0
+    # the UET-like transport's flows stall the same way, on its own window (its largest
+    # congestion window, or the same AIMD bound under loss) and frames; it ignores reordering
+    uet_spec = dataclasses.replace(spec, transport="uet")
+    uet = fm.predict(topo, uet_spec, hop_latency_s=HOP,
                      impairments=[fm.LinkImpairment("tbs1", "tbh2", loss=p)])
-    assert uet.tcp_loss_s == 0 and "lower bound" in " ".join(uet.notes)
+    rate = cap / (fm.UET_WIRE + fm.UET_ACK)
+    lossless_window = UET_MAX_WINDOW * MTU_PAYLOAD
+    rtt = base + (lossless_window - rate * base) * fm.UET_WIRE / cap
+    k = max(1.0, min(packets * p, step / rate / rtt))
+    assert uet.loss_s == pytest.approx(2 * (1 - (1 - p) ** packets) * k * rtt, rel=1e-6)
+    assert not uet.notes
+    reordered = fm.predict(topo, uet_spec, hop_latency_s=HOP, impairments=[
+        fm.LinkImpairment("tbs1", "tbh2", loss=p, reorder=0.05)])
+    assert reordered.loss_s == pytest.approx(uet.loss_s)
+    # a full queue that cuts trimmable packets instead (a trimming plan's port) loses TCP's
+    # frames, not UET's: those are NACKed and resent within a round trip
+    cut = [fm.LinkImpairment("tbs1", "tbh2", loss=p, cuts_trimmable=True)]
+    assert fm.predict(topo, uet_spec, hop_latency_s=HOP, impairments=cut).loss_s == 0
+    assert fm.predict(topo, spec, hop_latency_s=HOP, impairments=cut).loss_s == pytest.approx(
+        pred.loss_s)
+    # ... while a random loss on the same link still stalls it
+    both = cut + [fm.LinkImpairment("tbs1", "tbh2", loss=p)]
+    assert fm.predict(topo, uet_spec, hop_latency_s=HOP, impairments=both).loss_s == (
+        pytest.approx(uet.loss_s))
 
 
 def test_concurrent_prediction_adds_the_loss_terms_of_every_repetition():
@@ -693,7 +715,7 @@ def test_concurrent_prediction_adds_the_loss_terms_of_every_repetition():
             for h in topo.host_names]
     for spec in (CollectiveSpec(algo="ring", nbytes=MB), CollectiveSpec(algo="ina", nbytes=MB)):
         one = fm.predict(topo, spec, hop_latency_s=HOP, impairments=imps)
-        assert one.tcp_loss_s + one.ina_extra_s > 0
+        assert one.loss_s + one.ina_extra_s > 0
         ends: list = []
         both = fm.predict_concurrent(
             topo, [fm.ConcurrentJob(dataclasses.replace(spec, repetitions=3),

@@ -140,3 +140,16 @@ def test_bad_windows_are_refused():
         UetComm(0, ["h0"], 1.0, min_window=8, init_window=4)
     with pytest.raises(ValueError, match="entropies"):
         UetComm(0, ["h0"], 1.0, entropies=0)
+    with pytest.raises(ValueError, match="time_dilation"):
+        UetComm(0, ["h0"], 1.0, time_dilation=0.5)
+
+
+def test_the_timeout_floor_is_stretched_with_the_networks_dilation():
+    """A dilated network's round trips are that much longer in wall time: the timer floor
+    and the timeout before a round trip is measured are too (as the hosts' TCP floor)."""
+    plain, dilated = UetComm(0, ["h0"], 1.0), UetComm(0, ["h0"], 1.0, time_dilation=4)
+    assert (plain.rto_min_s, plain.rto_initial_s) == (0.2, 0.2)
+    assert dilated.rto_min_s == pytest.approx(0.8)
+    assert dilated.rto_initial_s == pytest.approx(0.8)
+    short = UetComm(0, ["h0"], 1.0, rto_min_s=0.05, time_dilation=2)
+    assert (short.rto_min_s, short.rto_initial_s) == (pytest.approx(0.1), pytest.approx(0.4))

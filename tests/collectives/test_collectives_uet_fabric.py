@@ -1,7 +1,7 @@
 """The UET-like transport on fabrics of its own (Mininet, root): an incast through a UET
-trimming port against the same port in drop-tail mode, and one flow sprayed over both spines of
-a leaf-spine. (Own module: the star of test_collectives_uet_net stays up for its whole module,
-and these networks reuse its switch name.)"""
+trimming port against the same port in drop-tail mode, one flow sprayed over both spines of a
+leaf-spine, a dilated network's timer. (Own module: the star of test_collectives_uet_net
+stays up for its whole module, and these networks reuse its switch name.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.experiment.flows import run_flows
-from testbed.topologies import LeafSpine, TestbedNet
+from testbed.topologies import LeafSpine, Star, TestbedNet
 from testbed.topologies.dumbbell import Incast
 from testbed.topologies.pipeline import DatapathOptions, Trimming
 
@@ -55,3 +55,17 @@ def test_one_flow_is_sprayed_over_both_spines():
                 assert min(moved) > 1000, moved
             else:  # one path per direction: the two directions may or may not share a spine
                 assert max(moved) > 2000, moved
+
+
+def test_a_dilated_network_stretches_the_uet_retransmission_timer():
+    """The sender's timeout floor (200 ms, TCP's) is stretched with the network's time
+    dilation, as the hosts' TCP floor is: a window queued on a slow dilated link takes longer
+    than 200 ms of wall time to drain, and an unstretched timer fired on it (a 2 MiB ring of
+    a leaf-spine at dilation 12: 14-20 timeouts per run and 1.3-1.5x the model, 0 and 1.04x
+    stretched). Here a window of 64 packets queues about 0.6 s on a 10 Mb/s link at
+    dilation 8."""
+    with TestbedNet(Star(2, bw_mbps=10, switch="programmable"), time_dilation=8) as net:
+        (row,) = run_collective(net, CollectiveSpec(algo="ring", nbytes=1 << 20,
+                                                    transport="uet", timeout_s=60))
+    assert row["correct"], row["max_abs_err"]
+    assert row["uet_timeouts"] == 0

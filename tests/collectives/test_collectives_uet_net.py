@@ -52,3 +52,4 @@ def test_tcp_through_a_uet_switch_is_best_effort_never_cut(uet_star):
     after = _trim_totals(uet_star, "tbs1")
     assert row["correct"]
     assert after["trimmed"] == before["trimmed"]  # DSCP 0: not trimmable
+
