@@ -394,21 +394,21 @@ def _compressed_phases(spec: CollectiveSpec, workers: list[str]) -> list[Phase]:
     """The compressed ring allreduce as ``compress.allreduce`` runs it (same
     :func:`compress.wire_plan`): a summable payload reduce-scattered and allgathered in its
     wire type (THC first agrees on a norm: n-1 steps of one 8-byte scalar), or every
-    worker's blob (8 B length prefix + payload) allgathered."""
+    worker's blob (8 B length prefix + payload) allgathered; over the job's transport."""
     n = len(workers)
     kind, elems, itemsize = compress.wire_plan(spec.compressor, spec.compressor_params,
                                                spec.count, n)
     if kind == "allgather":
-        rk = _Ranks(workers, spec.job_id, 1)
+        rk = _Ranks(workers, spec.job_id, 1, spec.transport)
         return [Phase(f"ag step {k}", [rk.tcp(r, (r + 1) % n, elems) for r in range(n)])
                 for k in range(n - 1)]
     out = []
     if compress.ring_carrier(spec.compressor) == "levels":
-        rk8 = _Ranks(workers, spec.job_id, 8)
+        rk8 = _Ranks(workers, spec.job_id, 8, spec.transport)
         out += [Phase(f"norm step {k}", [rk8.tcp(r, (r + 1) % n, 1) for r in range(n)])
                 for k in range(n - 1)]
-    return out + _ring_steps(_Ranks(workers, spec.job_id, itemsize), n, _sizes(elems, n),
-                             rs=True, ag=True)
+    return out + _ring_steps(_Ranks(workers, spec.job_id, itemsize, spec.transport), n,
+                             _sizes(elems, n), rs=True, ag=True)
 
 
 def _thc_wire(spec: CollectiveSpec, n: int) -> tuple[int, float, float, float, float]:

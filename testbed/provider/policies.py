@@ -555,22 +555,28 @@ class ProviderOnly(_Base):
 def candidates(req: JobRequest, view: FabricView) -> list[Plan]:
     """Every plan a job's hints allow: ring; ring over UET with trimming where its workers run
     that transport and its edge switches are programmable; ring with each summable compressor
-    within its error budget (error feedback for ``lossy_ef``); INA on each candidate tree;
+    within its error budget (error feedback for ``lossy_ef``), over UET too where the plain
+    ring may be; INA on each candidate tree;
     INA + THC within the budget; INA on the shared pools of each tree whose switches have one
     (no static memory: its window is a fair share of the pools, the rounds they cannot hold go
     to the job's host fallbacks; priced as INA with that window)."""
     job, b = req.job, budget(req.hints)
     ef = req.hints.tolerance == "lossy_ef"
     out = [_ring(job, "ring")]
-    if "uet" in req.hints.transports and view.can_trim(req.hosts):
+    uet = "uet" in req.hints.transports and view.can_trim(req.hosts)
+    if uet:
         out.append(Plan(job=job, algo="ring", transport="uet", reason="ring over UET, "
                         "trimming on the ports its packets cross (sprayed over every path)"))
     for name, params in RING_COMPRESSORS if b is not None else ():
         err = compressor_error(name, tuple(sorted(params.items())))
         if err <= b:
+            why = f"ring + {name} {params} (error {err:.3g} <= budget {b:g})"
             out.append(Plan(job=job, algo="ring", compressor=name, compressor_params=params,
-                            error_feedback=ef, reason=f"ring + {name} {params} (error "
-                            f"{err:.3g} <= budget {b:g})"))
+                            error_feedback=ef, reason=why))
+            if uet:
+                out.append(Plan(job=job, algo="ring", compressor=name,
+                                compressor_params=params, error_feedback=ef, transport="uet",
+                                reason=f"{why} over UET, trimming on its ports"))
     for tree in view.trees(req.hosts):
         out.append(Plan(job=job, algo="ina", tree=tree, slots=SLOTS, reason=f"INA on {tree}"))
         for name, params in INA_COMPRESSORS if b is not None else ():

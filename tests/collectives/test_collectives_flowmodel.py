@@ -563,6 +563,13 @@ def test_a_sprayed_transport_spreads_a_flow_over_every_ecmp_path():
     a = fm.predict(star, CollectiveSpec(algo="ring", nbytes=8 << 20)).time_s
     b = fm.predict(star, CollectiveSpec(algo="ring", nbytes=8 << 20, transport="uet")).time_s
     assert abs(b / a - 1) < 0.05
+    # a compressed ring over UET is sprayed too (its reduce-scatter in the wire type, or the
+    # allgather of its blobs): it gains what the uncompressed one gains
+    for comp, params in (("bf16", {}), ("thc", {"granularity": 16}), ("topk", {"ratio": 0.01})):
+        t, u = (fm.predict(ls, CollectiveSpec(algo="ring", nbytes=32 << 20, transport=x,
+                                              compressor=comp, compressor_params=params))
+                for x in ("tcp", "uet"))
+        assert 0.45 < u.time_s / t.time_s < 0.62, (comp, u.time_s, t.time_s)
 
 
 # ------------------------------------------------------------------ impaired links

@@ -521,6 +521,24 @@ def test_a_job_whose_workers_run_uet_gets_its_ring_sprayed_with_trimming_where_i
                              "tbl1-eth4": False}
     assert trim_ports(two, ["tbh1", "tbh2"]) == {"tbl1": {"tbl1-eth1": True,
                                                           "tbl1-eth2": True}}
+    # a job that tolerates compression: its compressed rings are offered over UET as well,
+    # sprayed alike, and the best of them is chosen over the same ring on TCP
+    lossy = JobRequest(job="c", hosts=hosts, hints=Hints(
+        collective_bytes=4 << 20, tolerance="lossy", transports=["tcp", "uet"]))
+    offered = candidates(lossy, view)
+    for c in (c for c in offered if c.compressor and c.transport == "tcp"):
+        assert any(u.transport == "uet" and (u.compressor, u.compressor_params)
+                   == (c.compressor, c.compressor_params) for u in offered), c
+        over = next(u for u in offered if u.transport == "uet" and u.compressor ==
+                    c.compressor and u.compressor_params == c.compressor_params)
+        assert m2.comm_s(lossy, over) < 0.8 * m2.comm_s(lossy, c)
+    best = FabricManager(inventory_of(two, 0), make_policy("cooperative", m2), m2).admit(
+        lossy, now=0.0)
+    assert best.compressor is not None and best.transport == "uet", best
+    assert _plan_text(best.model_dump()).endswith("over uet, ports trimming")
+    assert not any(c.transport == "uet" for c in candidates(
+        lossy.model_copy(update={"hints": lossy.hints.model_copy(
+            update={"transports": ("tcp",)})}), view))
 
 
 def test_queue_drops_telemetry_shows_move_a_uet_capable_ring_onto_trimming_ports():
