@@ -139,8 +139,10 @@ class TestbedComm:
             return
         if tj.algo == "trim":
             trimmed.warm()
+            # the silence before a NACK is wall time: stretched with the network
             self.gather = TrimmedGather(job["ranks"], rank, tj.bits, tj.job_id, tj.seed,
-                                        tj.timeout_s, tj.idle_ms / 1000.0,
+                                        tj.timeout_s, tj.idle_ms / 1000.0
+                                        * float(job.get("time_dilation", 1.0)),
                                         resend_trimmed=tj.transport == "uet")
         names = [r["host"] for r in job["ranks"]]
         if tj.transport == "uet" and tj.algo != "trim":  # trim: the gather is UET's

@@ -129,8 +129,10 @@ def _child(job: dict, spec: TrainingSpec, data, rank: int, ctl: ControlLine,
         grad, out = sh.grad[rank], sh.out[rank]
         if spec.algo == "trim":
             # incast of trimmable packets to rank 0, then the ring's broadcast of the sum
+            # the silence before a NACK is wall time: stretched with the network
             gather = TrimmedGather(job["ranks"], rank, spec.bits, spec.job_id, spec.seed,
-                                   spec.timeout_s, spec.idle_ms / 1000.0,
+                                   spec.timeout_s, spec.idle_ms / 1000.0
+                                   * float(job.get("time_dilation", 1.0)),
                                    resend_trimmed=spec.transport == "uet")
             broadcast, close = connect_rank(job, cspec, rank, ctl, out, out)
 
