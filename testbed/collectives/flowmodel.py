@@ -827,6 +827,11 @@ def _queue_limit(topo, capacity_bps: float, dilation: float) -> float:
     return max(ab.TCP_FRAME, capacity_bps * dilation / 8 * float(q_ms) / 1e3)
 
 
+def _segment(f: Flow) -> int:
+    """Payload bytes per packet of a host transfer: TCP's MSS, or the UET-like transport's."""
+    return MTU_PAYLOAD if f.spray else ab.TCP_MSS
+
+
 def _loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float) -> float:
     """Time a phase of host transfers (TCP, or the UET-like transport) loses to its flows'
     losses, to first order (wall time of the network as modelled).
@@ -886,7 +891,7 @@ def _loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float)
         else:
             window = ab.tcp_window_clamp(spec.algo, cap * 8) or ab.flow_window_bytes(cap * 8)
         if p > 0:  # Reno's window under random loss (Mathis et al.): 1.22 / sqrt(p) segments
-            window = min(window, ab.TCP_MSS * math.sqrt(1.5 / p))
+            window = min(window, _segment(f) * math.sqrt(1.5 / p))
         full = [k for k in links if k in net.capacity and
                 load.get(k, 0.0) >= net.capacity[k] * (1 - 1e-6)]
         if not full:
@@ -915,7 +920,7 @@ def _loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float)
     for f, r, p in lossy:
         if p <= 0:
             continue
-        packets = f.nbytes / ab.TCP_MSS
+        packets = f.nbytes / _segment(f)
         routes = net.routes(f)
         rtt = sum(2 * (len(path) - 1) * hop_s + delay(path, f) + delay(ack)
                   for path, ack in routes) / len(routes)
@@ -1045,7 +1050,7 @@ def predict_concurrent(topology, jobs: list[ConcurrentJob], *,
         if is_offloaded(spec.algo):
             alone = _run_phase(net, phs[0], hop_s)
             extra = _ina_extra(spec, phs[0], alone, net, hop_s, f)
-        elif net.impaired[False]:
+        elif net.impaired["uet" if spec.transport == "uet" else False]:
             extra = sum(_loss_s(spec, _run_phase(net, ph, hop_s), net, hop_s)
                         for ph in phs)
         plan.append((phs * spec.repetitions, j.start_s * f, extra))

@@ -694,8 +694,9 @@ def test_tcp_loss_stalls_a_flow_a_round_trip_loaded_with_the_queue_before_its_ac
     uet = fm.predict(topo, uet_spec, hop_latency_s=HOP,
                      impairments=[fm.LinkImpairment("tbs1", "tbh2", loss=p)])
     rate = cap / (fm.UET_WIRE + fm.UET_ACK)
-    lossless_window = UET_MAX_WINDOW * MTU_PAYLOAD
-    rtt = base + (lossless_window - rate * base) * fm.UET_WIRE / cap
+    # h2 -> h1 (lossless) keeps the sender's largest window in flight ahead of the ACKs
+    rtt = base + (UET_MAX_WINDOW * MTU_PAYLOAD - rate * base) * fm.UET_WIRE / cap
+    packets = step / MTU_PAYLOAD  # the transport's own packets
     k = max(1.0, min(packets * p, step / rate / rtt))
     assert uet.loss_s == pytest.approx(2 * (1 - (1 - p) ** packets) * k * rtt, rel=1e-6)
     assert not uet.notes
@@ -716,11 +717,15 @@ def test_tcp_loss_stalls_a_flow_a_round_trip_loaded_with_the_queue_before_its_ac
 
 def test_concurrent_prediction_adds_the_loss_terms_of_every_repetition():
     """A job alone in ``predict_concurrent`` takes its repetitions' times as ``predict`` gives
-    them, INA's window and loss and TCP's loss included once per repetition."""
+    them, INA's window and loss and the host transports' loss included once per repetition
+    (a UET ring's too where only testbed frames, its own among them, are impaired)."""
     topo = Star(4, bw_mbps=100, switch="programmable")
-    imps = [fm.LinkImpairment(h, "tbs1", loss=0.01, direction="ingress")
-            for h in topo.host_names]
-    for spec in (CollectiveSpec(algo="ring", nbytes=MB), CollectiveSpec(algo="ina", nbytes=MB)):
+    every = [fm.LinkImpairment(h, "tbs1", loss=0.01, direction="ingress")
+             for h in topo.host_names]
+    testbed_only = [dataclasses.replace(i, testbed_only=True) for i in every]
+    for spec, imps in ((CollectiveSpec(algo="ring", nbytes=MB), every),
+                       (CollectiveSpec(algo="ina", nbytes=MB), every),
+                       (CollectiveSpec(algo="ring", nbytes=MB, transport="uet"), testbed_only)):
         one = fm.predict(topo, spec, hop_latency_s=HOP, impairments=imps)
         assert one.loss_s + one.ina_extra_s > 0
         ends: list = []
