@@ -660,9 +660,8 @@ class _Network:
         if f.spray:  # an equal share of the bytes (and of the ACKs) on each sprayed path
             w: dict = {}
             share = 1.0 / len(f.spray)
-            for sport in f.spray:
-                for path, x in ((self.path(f.src, f.dst, sport, f.dport, f.proto), f.wire),
-                                (self.path(f.dst, f.src, f.dport, sport, f.proto), f.ack)):
+            for data, ack in self.routes(f):
+                for path, x in ((data, f.wire), (ack, f.ack)):
                     for a, b in zip(path, path[1:], strict=False):
                         w[(a, b)] = w.get((a, b), 0.0) + x * share
             return w
@@ -871,16 +870,15 @@ def _loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float)
     reordering too, 8-12 in 3 runs of a 4 MiB ring, 1.7-2.2x the loss-only time). The
     UET-like transport places packets by offset, so reordering costs it nothing."""
     flows = [(f, r) for f, r, _path in res.rates if (f.proto == 6 or f.spray) and r > 0]
-    lossy = [(f, r, net.path_loss(f)) for f, r in flows]
-    if not any(p > 0 for *_x, p in lossy):
+    lossy = [(f, r, net.path_loss(f), net.routes(f)) for f, r in flows]
+    if not any(p > 0 for _f, _r, p, _routes in lossy):
         return 0.0
     load: dict = {}
     for f, r in flows:
         for link, x in net.weights(f).items():
             load[link] = load.get(link, 0.0) + x * r
     queued: dict = {}  # link -> (bytes queued there, per flow)
-    for f, r, p in lossy:
-        routes = net.routes(f)
+    for f, r, p, routes in lossy:
         links = list(dict.fromkeys(k for path, _ack in routes
                                    for k in zip(path, path[1:], strict=False)))
         cap = min((net.capacity[k] for k in links if k in net.capacity), default=None)
@@ -917,11 +915,10 @@ def _loss_s(spec: CollectiveSpec, res: PhaseResult, net: _Network, hop_s: float)
 
     keep, worst, timeouts = 1.0, 0.0, 0.0
     rto_min = TCP_RTO_MIN_US / 1e6 * net.dilation
-    for f, r, p in lossy:
+    for f, r, p, routes in lossy:
         if p <= 0:
             continue
         packets = f.nbytes / _segment(f)
-        routes = net.routes(f)
         rtt = sum(2 * (len(path) - 1) * hop_s + delay(path, f) + delay(ack)
                   for path, ack in routes) / len(routes)
         keep *= (1.0 - p) ** packets
