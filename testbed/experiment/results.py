@@ -169,12 +169,13 @@ class ResultsStore:
         tmp = self.path / "results.csv.tmp"
         df.to_csv(tmp, index=False)
         os.replace(tmp, self.path / "results.csv")
+        tmp = self.path / "results.parquet.tmp"
         try:
-            tmp = self.path / "results.parquet.tmp"
-            df.to_parquet(tmp, index=False)
+            parquet_frame(df).to_parquet(tmp, index=False)
             os.replace(tmp, self.path / "results.parquet")
-        except Exception as e:  # noqa: BLE001 - mixed-type columns, empty structs, no pyarrow:
+        except Exception as e:  # noqa: BLE001 - no pyarrow, a type arrow cannot write:
             # rows.jsonl and results.csv hold every row; parquet is a convenience
+            tmp.unlink(missing_ok=True)
             self.metadata["parquet_error"] = f"{type(e).__name__}: {e}"
 
     def write_metadata(self) -> None:
@@ -190,6 +191,21 @@ class ResultsStore:
         if error:
             self.metadata["error"] = error
         self.write_metadata()
+
+
+def parquet_frame(df):
+    """``df`` as parquet can hold it: a column of nested values (dicts, lists: an empty
+    dict is a struct arrow cannot write) or of mixed types holds them as JSON text."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype != object:
+            continue
+        kinds = {type(v) for v in out[col] if v is not None and not (isinstance(v, float)
+                                                                     and v != v)}
+        if len(kinds) > 1 or kinds & {dict, list, tuple}:
+            out[col] = [None if v is None else json.dumps(v, default=_json_default)
+                        for v in out[col]]
+    return out
 
 
 def rows_to_frame(rows: list[dict[str, Any]]):

@@ -186,3 +186,23 @@ def test_progress_lines_say_the_time_left(capsys):
     assert re.fullmatch(r"\[sweep 1/4 +0\.\d s, ~0 s left\] ok", first), first
     assert second.startswith("[sweep 2/4 ") and second.endswith(" left] ok")
     assert (_duration(42), _duration(600), _duration(7200)) == ("42 s", "10 min", "2.0 h")
+
+
+def test_parquet_holds_nested_and_mixed_columns_and_a_failure_leaves_no_temporary(tmp_path):
+    """An empty dict (a struct arrow cannot write), nested values and a column mixing types
+    reach results.parquet as JSON text; a value arrow cannot write at all leaves rows.jsonl
+    and results.csv whole, the error in the metadata, and no half-written file."""
+    store = ResultsStore(tmp_path / "r", {"name": "t"})
+    store.append({"run": 0, "status": "ok", "params": {}, "trees": [["a", "b"]], "x": 1.5})
+    store.append({"run": 1, "status": "ok", "params": {"k": 2}, "trees": None, "x": "auto"})
+    pq = pd.read_parquet(tmp_path / "r" / "results.parquet")
+    assert [json.loads(v) for v in pq["params"]] == [{}, {"k": 2}]
+    assert json.loads(pq["trees"][0]) == [["a", "b"]] and pd.isna(pq["trees"][1])
+    assert [json.loads(v) for v in pq["x"]] == [1.5, "auto"]
+    assert "parquet_error" not in store.metadata
+
+    bad = ResultsStore(tmp_path / "bad", {"name": "t"})
+    bad.append({"run": 0, "status": "ok", "thing": object()})
+    assert sorted(p.name for p in (tmp_path / "bad").iterdir()) == [
+        "metadata.json", "results.csv", "rows.jsonl"]
+    assert "parquet_error" in bad.metadata
