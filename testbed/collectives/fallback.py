@@ -196,7 +196,11 @@ def serve_main() -> int:
     from testbed.lifeline import follow_owner
 
     follow_owner()  # the fallbacks go with this process: they hold PR_SET_PDEATHSIG
-    order = json.loads(sys.stdin.readline())
+    warm_up()  # before the order: a process started ahead of need is ready when it comes
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # a spare never used (its control plane closed it)
+    order = json.loads(line)
     spec = CollectiveSpec(op="allreduce", algo="ina", nbytes=4, job_id=int(order["job_id"]),
                           timeout_s=float(order.get("timeout_s", 30.0)))
     job = {"fallbacks": order["fallbacks"], "_pool_pid": os.getpid()}
@@ -210,7 +214,8 @@ def serve_main() -> int:
     result: dict = {}
     _stop_fallbacks(started, result)
     print(json.dumps({"type": "counters", "counters": result.get("fallback", {})}), flush=True)
-    return 0
+    sys.stdout.close()
+    os._exit(0)  # its fallbacks are reaped: no interpreter teardown for the caller to wait on
 
 
 if __name__ == "__main__":

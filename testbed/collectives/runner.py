@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 from testbed.cleanup import job_dir
 from testbed.collectives import cpumon, flowmodel, ports
@@ -830,18 +831,19 @@ FALLBACKS_START_S = 60
 
 
 @contextlib.contextmanager
-def host_fallbacks(job: dict, spec: CollectiveSpec):
+def host_fallbacks(job: dict, spec: CollectiveSpec,
+                   server: Callable[[], subprocess.Popen] | None = None):
     """Serve ``job["fallbacks"]`` (a shared-mode INA registration's host fallback
     aggregators) while the ``with`` block runs, for ranks that run outside the collectives'
     pool (which serves them itself): one process (``python -m testbed.collectives.fallback``)
-    forks them into their hosts' namespaces; on exit their summed counters go to
-    ``job["fallback"]``. Nothing to do without fallbacks."""
+    forks them into their hosts' namespaces (``server``: gives that process, e.g. a
+    :class:`SpareFallbackServer`'s ``take``; default: start one); on exit their summed
+    counters go to ``job["fallback"]``. Nothing to do without fallbacks."""
     if not job.get("fallbacks"):
         yield
         return
     _refuse_remote_fallbacks(job)
-    proc = subprocess.Popen([sys.executable, "-m", "testbed.collectives.fallback"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = server() if server is not None else _start_fallback_server()
     try:
         proc.stdin.write(json.dumps({"job_id": spec.job_id, "timeout_s": spec.timeout_s,
                                      "fallbacks": job["fallbacks"]}) + "\n")
@@ -862,6 +864,50 @@ def host_fallbacks(job: dict, spec: CollectiveSpec):
             proc.wait()
 
 
+def _start_fallback_server() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "testbed.collectives.fallback"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+class SpareFallbackServer:
+    """A fallback server (``python -m testbed.collectives.fallback``) kept started ahead of
+    need: Python started and the aggregation kernel loaded, about a second on a loaded 2-core
+    machine, which a running job moved to shared-pool INA would otherwise wait for before it
+    can switch. :meth:`take` hands the ready one over (for :func:`offload_job`'s
+    ``fallback_server``) and starts the next. A context manager: its end stops the spare; the
+    spare is a child of this process and dies with it."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> SpareFallbackServer:
+        self.proc = _start_fallback_server()
+        return self
+
+    def take(self) -> subprocess.Popen:
+        proc = self.proc
+        if proc is None:  # outside its block: nothing is kept ahead
+            return _start_fallback_server()
+        self.proc = _start_fallback_server()
+        if proc.poll() is not None:  # it died: start one now
+            return _start_fallback_server()
+        return proc
+
+    def __exit__(self, *exc) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # an unused spare exits on the end of its input
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            proc.stdout.close()
+
+
 def _line_within(proc: subprocess.Popen, timeout_s: float) -> dict:
     """The next JSON line ``proc`` writes within ``timeout_s`` ({} if it exits or stays
     silent, then it is killed)."""
@@ -877,13 +923,15 @@ def _line_within(proc: subprocess.Popen, timeout_s: float) -> dict:
 
 @contextlib.contextmanager
 def offload_job(net, spec: CollectiveSpec, job: dict, workers: list,
-                registration: dict | None = None):
+                registration: dict | None = None,
+                fallback_server: Callable[[], subprocess.Popen] | None = None):
     """The control plane around a job whose ranks run outside :func:`run_collective` (a
     training job's pool): for ``algo`` ina/nic, register the job's members with the
     aggregating switch (filling ``job["aggregator"]`` and the ranks' ports and MACs) and set
     the SmartNICs' offload, and give both back on exit, failures included. Yields the
     switch's control client (None for host algorithms). ``registration``: a registration the
-    provider made (:func:`adopt_registration`): used as it is and left on the switches."""
+    provider made (:func:`adopt_registration`): used as it is and left on the switches.
+    ``fallback_server``: what :func:`host_fallbacks` starts its process with."""
     client = None
     if registration is not None:
         adopt_registration(spec, job, workers, registration)
@@ -897,7 +945,7 @@ def offload_job(net, spec: CollectiveSpec, job: dict, workers: list,
                 _release(net, spec, client)
             raise
     try:
-        with host_fallbacks(job, spec):
+        with host_fallbacks(job, spec, fallback_server):
             yield client
     except BaseException:
         with contextlib.suppress(CollectiveError, ValueError, RuntimeError):

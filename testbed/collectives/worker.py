@@ -332,9 +332,11 @@ def _start_fallbacks(job: dict, spec: CollectiveSpec) -> list[tuple[int, Control
 def _stop_fallbacks(fallbacks: list[tuple[int, ControlLine]], result: dict) -> None:
     """Stop the fallback aggregators; their summed counters go to ``result["fallback"]``."""
     total: dict[str, int] = {}
+    for _pid, line in fallbacks:  # all told first: they drain and report side by side
+        with contextlib.suppress(OSError):
+            line.send({"type": "stop"})
     for pid, line in fallbacks:
         with contextlib.suppress(OSError, EOFError, ValueError):
-            line.send({"type": "stop"})
             msg = line.recv()
             if msg.get("type") == "counters":
                 for k, v in msg["counters"].items():

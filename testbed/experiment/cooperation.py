@@ -309,6 +309,9 @@ class _Trace:
         self.mem: list[tuple[float, float]] = []
         self.total_mem = sum(s.memory_bytes for s in inv.switches) or 1
         self.sent: dict[str, Plan] = {}  # the plan each running job was last told to use
+        #: per job, the specs it was told to move to with their plan versions (the manager
+        #: hears which one its workers run when they do: on_switch)
+        self.versions: dict[str, list[tuple[TrainingSpec, int]]] = {}
         self.checks: dict[str, dict | None] = {}  # the manager's hints check of each job
         self.telemetry = None
         self.snapshots = 0
@@ -356,6 +359,9 @@ class _Trace:
         self.plans[self.reqs[i].job] = plan
         self.sent[self.reqs[i].job] = plan
         self.running.add(self.reqs[i].job)
+        # the job starts on the plan it was admitted with
+        self.manager.renew(self.reqs[i].job, now=self.now(),
+                           running=self.manager.plan_version(self.reqs[i].job))
         self._record()
         self._trim()
         self.say(f"[{self.policy}] {self.reqs[i].job}: {plan.algo}"
@@ -369,11 +375,15 @@ class _Trace:
         running job whose plan changed since it was last told (applied at its next iteration
         boundary by the runner)."""
         now = self.now()
-        self.bursts.tick(now)
         for i, it in running.items():
             if it is not None and self.reqs[i].job in self.running:
                 with contextlib.suppress(ValueError):  # an earlier iteration: nothing new
                     self.manager.renew(self.reqs[i].job, now=now, iteration=it)
+        pending = self.manager.hints_pending() if self.telemetry is not None else {}
+        if pending:  # judged on counters read as the iterations are reported
+            self.manager.check_hints(self.telemetry.uplink_bytes(
+                {h for hosts in pending.values() for h in hosts}), now=now)
+        self.bursts.tick(now)  # after: starting a burst's processes takes a while
         if self.telemetry is not None and now - self.last_obs >= self.exp.telemetry_period_s:
             self.last_obs = now
             self.manager.observe(self.telemetry.collect(now), now=now)
@@ -390,6 +400,8 @@ class _Trace:
             if plan is not None and not same_offload(plan, self.sent.get(name)):
                 self.sent[name] = plan
                 out[i] = apply_plan(self.specs[i], plan)
+                self.versions.setdefault(name, []).append(
+                    (out[i], self.manager.plan_version(name)))
                 self.say(f"[{self.policy}] {name}: re-planned to {plan.algo}"
                          + (f"+{plan.compressor}" if plan.compressor else "")
                          + (f" on {plan.tree}" if plan.tree else "") + f" ({plan.reason})")
@@ -397,6 +409,18 @@ class _Trace:
             self._record()
             self._trim()
         return out
+
+    def on_switch(self, i: int, spec: TrainingSpec) -> None:
+        """Every worker of job ``i`` runs ``spec`` (one :meth:`on_tick` returned) now: the
+        manager hears its plan version (its hints are judged on that plan's iterations)."""
+        name = self.reqs[i].job
+        told = self.versions.get(name, [])
+        version = next((v for s, v in told if s is spec), None)
+        self.versions[name] = [(s, v) for s, v in told if v is not None and
+                               (version is None or v > version)]
+        if version is not None and name in self.running:
+            with contextlib.suppress(ValueError):  # released meanwhile
+                self.manager.renew(name, now=self.now(), running=version)
 
     def close(self) -> None:
         self.bursts.close()
@@ -504,8 +528,10 @@ def _counters(net):
 
 
 def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, inv,
-               say=print) -> tuple[list[dict], dict, list[dict]]:
-    """Run the trace once under ``policy`` on ``net``: (job rows, summary row, plan log)."""
+               say=print, fallback_spare=None) -> tuple[list[dict], dict, list[dict]]:
+    """Run the trace once under ``policy`` on ``net``: (job rows, summary row, plan log).
+    ``fallback_spare``: the host fallback server kept started ahead
+    (``testbed.collectives.runner.SpareFallbackServer``; default: the trace's own)."""
     from testbed.workloads import run_trace
 
     tr = _Trace(exp, policy, net, model, inv, say)
@@ -513,7 +539,8 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
     tr.t0 = time.monotonic()
     try:
         out = run_trace(net, tr.specs, progress=say, on_start=tr.on_start, on_end=tr.on_end,
-                        on_tick=tr.on_tick)
+                        on_tick=tr.on_tick, on_switch=tr.on_switch,
+                        fallback_spare=fallback_spare)
     finally:
         tr.close()
     after = _counters(net)
@@ -611,6 +638,7 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
     """Run the trace once per policy (one network for all, built here under the emulation
     lock); returns the rows, summary rows after each policy's job rows. ``out_dir``: where
     ``rows.jsonl``, ``plan_log.jsonl`` and ``metadata.json`` go (None: nowhere)."""
+    from testbed.collectives.runner import SpareFallbackServer
     from testbed.netlock import emulation_lock
 
     rows: list[dict] = []
@@ -623,9 +651,10 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
     with emulation_lock(timeout=LOCK_WAIT_S):
         meta["lock_wait_s"] = round(time.monotonic() - t0, 2)
         t0 = time.monotonic()
-        with build_network(exp) as net:
+        # the host fallback server started ahead warms up while the network is built
+        with SpareFallbackServer() as spare, build_network(exp) as net:
             meta["setup_s"] = round(time.monotonic() - t0, 2)
-            _run_policies(exp, net, meta, rows, logs, say)
+            _run_policies(exp, net, meta, rows, logs, say, spare)
     meta["uptime_after"] = _uptime()
     if out_dir is not None:  # a results folder like every experiment's (Results.load reads it)
         store = results.ResultsStore(out_dir, meta | {"planned_runs": len(rows)})
@@ -638,7 +667,7 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
 
 
 def _run_policies(exp: CooperationExperiment, net, meta: dict, rows: list, logs: list,
-                  say) -> None:
+                  say, spare=None) -> None:
     hop = net.hop_latency_s()
     model = PlanModel(net.topo, hop_latency_s=hop)
     inv = inventory_of(net.topo, static_memory(exp.topology), pool_entries(exp.topology))
@@ -647,7 +676,7 @@ def _run_policies(exp: CooperationExperiment, net, meta: dict, rows: list, logs:
     for rep in range(exp.repeats):
         for policy in exp.policies:
             t0 = time.monotonic()
-            jobs, summary, log = run_policy(exp, policy, net, model, inv, say)
+            jobs, summary, log = run_policy(exp, policy, net, model, inv, say, spare)
             summary["wall_s"] = round(time.monotonic() - t0, 2)
             for r in jobs + [summary] + log:
                 r["repeat"] = rep

@@ -73,8 +73,10 @@ SUSTAINED_SNAPSHOTS = 3
 #: A plan change applies this many iterations after the last one the tenant reported: one
 #: iteration for the change to reach every rank, which then switch at the same boundary.
 APPLY_AFTER_ITERATIONS = 2
-#: Hints are judged once a job reported this many iterations since telemetry first saw it.
-CHECK_ITERATIONS = 3
+#: Hints are judged on the bytes a job's hosts sent over this many of its iterations under
+#: one plan (counters read as it reports them: an iteration of lag at either end is within
+#: HINT_FACTOR's margin at this length).
+CHECK_ITERATIONS = 5
 #: A job whose hosts send more than this factor above or below what its hints make the model
 #: expect (per iteration, under its plan) has misreported its hints.
 HINT_FACTOR = 3.0
@@ -194,8 +196,14 @@ class _Lease:
     effective: JobRequest | None = None
     #: the hints check: declared and observed bytes, their ratio, the verdict
     check: dict | None = None
-    #: (bytes its hosts had sent, iteration) when telemetry first saw the job report
-    baseline: tuple[int, int] | None = None
+    #: (bytes its hosts had sent, iteration, plan version) when its counters were first read
+    #: under its current plan
+    baseline: tuple[int, int, int] | None = None
+    #: the plan version the job said all its workers run (renew ``running``), if it says
+    running: int | None = None
+    #: (plan version, iteration) of the job's first report under a plan it was given before
+    #: it reported any iteration: that plan is in force from a few iterations later
+    first_seen: tuple[int, int] | None = None
 
     @property
     def planned(self) -> JobRequest:
@@ -218,6 +226,13 @@ def same_offload(a: Plan | None, b: Plan | None) -> bool:
         return a is b
     skip = {"reason", "predicted_comm_s"}
     return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+def uplink_bytes(snapshot: FabricSnapshot, view: FabricView) -> dict[str, int]:
+    """Per host, the bytes its uplink (host -> edge switch) carried so far in ``snapshot``
+    (a host telemetry cannot read is left out)."""
+    up = {(lk.src, lk.dst): lk.bytes for lk in snapshot.links}
+    return {h: up[(h, e)] for h, e in view.edge.items() if (h, e) in up}
 
 
 class FabricManager:
@@ -367,12 +382,21 @@ class FabricManager:
         self._commit(new, now, {req.job: "admitted"}, f"re-plan on arrival of {req.job}")
         return self._plans[req.job]
 
-    def renew(self, job: str, now: float | None = None, iteration: int | None = None) -> float:
+    def renew(self, job: str, now: float | None = None, iteration: int | None = None,
+              running: int | None = None) -> float:
         """Extend ``job``'s lease to ``now + lease_s``; returns the new expiry time.
         ``iteration``: the last iteration the job finished (plan changes then apply
-        :data:`APPLY_AFTER_ITERATIONS` later)."""
+        :data:`APPLY_AFTER_ITERATIONS` later). ``running``: the plan version every worker
+        of the job runs now (its hints are then judged only on iterations of the plan
+        version they run)."""
         now = time.monotonic() if now is None else float(now)
         ls = self._lease(job)
+        if running is not None:
+            if isinstance(running, bool) or not isinstance(running, int) or \
+                    not 1 <= running <= self._plan_versions.get(job, 0):
+                raise BadRequest(f"running={running!r}: job {job!r} has had plan versions 1 "
+                                 f"to {self._plan_versions.get(job, 0)}")
+            ls.running = running
         if iteration is not None:
             if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
                 raise BadRequest(f"iteration must be an integer >= 0, got {iteration!r}")
@@ -423,13 +447,9 @@ class FabricManager:
         self._hot = hot
         self.snapshot = snapshot
         reasons = []
-        caught = self._check_hints(snapshot)
+        caught = self._judge_hints(uplink_bytes(snapshot, FabricView(self.inventory)))
         if caught:
-            reasons.append("hints disagree with telemetry: " + "; ".join(
-                f"{j} declared {self._jobs[j].check['declared_bytes']:,} B/iteration, "
-                f"observed {self._jobs[j].check['observed_bytes']:,} "
-                f"({self._jobs[j].check['ratio']:.3g}x), re-planned on the observed "
-                "figures with priority 0" for j in caught))
+            reasons.append(self._caught_reason(caught))
         hit = sorted({name for name, ls in self._jobs.items()
                       for key in newly if key in self._job_links(ls.req)})
         if not getattr(self.policy, "congestion_replans", True):
@@ -441,13 +461,7 @@ class FabricManager:
                            f"{', '.join(hit)}")
         if not reasons:
             return []
-        before = dict(self._plans)
-        try:
-            new = self._compute(self._requests())
-        except NoFeasiblePlan:
-            return []  # keep the running plans: they fit, a re-plan that does not is no gain
-        self._commit(new, now, {}, "; ".join(reasons))
-        return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
+        return self._replan(now, "; ".join(reasons))
 
     def update_hints(self, job: str, hints: dict, reason: str,
                      now: float | None = None) -> list[str]:
@@ -463,6 +477,28 @@ class FabricManager:
             raise BadRequest(f"hints of {job!r}: {e}") from None
         ls.req = ls.req.model_copy(update={"hints": merged})
         self.version += 1
+        return self._replan(now, reason)
+
+    def hints_pending(self) -> dict[str, list[str]]:
+        """Jobs whose hints the manager would judge on fresh counters now (each reported an
+        iteration, declared its bytes, has a plan and was not judged yet): job -> its hosts,
+        whose uplink counters :meth:`check_hints` wants."""
+        return {name: list(ls.req.hosts) for name, ls in self._jobs.items()
+                if ls.check is None and ls.iteration is not None and name in self._plans
+                and ls.req.hints.collective_bytes is not None}
+
+    def check_hints(self, sent: dict[str, int], now: float | None = None) -> list[str]:
+        """Judge hints on ``sent`` (per host, the bytes its uplink carried so far, read now:
+        e.g. when a job reported an iteration) and re-plan every job when one is caught,
+        logged as a disagreement with telemetry. Returns the jobs whose plan changed."""
+        now = time.monotonic() if now is None else float(now)
+        caught = self._judge_hints(sent)
+        return self._replan(now, self._caught_reason(caught)) if caught else []
+
+    def _replan(self, now: float, reason: str) -> list[str]:
+        """Re-plan every job, logged with ``reason``; the running plans stay when the policy
+        finds none that fits (they fit: a re-plan that does not is no gain). Returns the jobs
+        whose plan changed."""
         before = dict(self._plans)
         try:
             new = self._compute(self._requests())
@@ -471,33 +507,54 @@ class FabricManager:
         self._commit(new, now, {}, reason)
         return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
 
-    def _check_hints(self, snapshot: FabricSnapshot) -> list[str]:
+    def _caught_reason(self, caught: list[str]) -> str:
+        return "hints disagree with telemetry: " + "; ".join(
+            f"{j} declared {self._jobs[j].check['declared_bytes']:,} B/iteration, "
+            f"observed {self._jobs[j].check['observed_bytes']:,} "
+            f"({self._jobs[j].check['ratio']:.3g}x), re-planned on the observed "
+            "figures with priority 0" for j in caught)
+
+    def _judge_hints(self, sent_by_host: dict[str, int]) -> list[str]:
         """Judge the hints of every job that reported :data:`CHECK_ITERATIONS` iterations
-        since telemetry first saw it: the bytes its hosts sent per iteration (their uplinks'
-        counters) against what the model expects of its declared ``collective_bytes`` under
-        its plan. A job off by more than :data:`HINT_FACTOR` either way is re-planned on the
-        observed figures (``collective_bytes`` scaled by the ratio) with priority 0: nothing
-        observable backs a priority claim of a job shown to misreport. Returns the jobs
-        caught now; each job is judged once."""
+        under its current plan since its counters were first read (``sent_by_host``: per
+        host, the bytes its uplink carried so far): the bytes its hosts sent per iteration
+        against what the model expects of its declared ``collective_bytes`` under that plan.
+        The count starts again when the plan changes (its bytes differ), from the iteration
+        the new plan applies at. A job off by more than :data:`HINT_FACTOR` either way is
+        re-planned on the observed figures (``collective_bytes`` scaled by the ratio) with
+        priority 0: nothing observable backs a priority claim of a job shown to misreport.
+        Returns the jobs caught now; each job is judged once."""
         if self.model is None:
             return []
-        up = {(lk.src, lk.dst): lk.bytes for lk in snapshot.links}
-        view = FabricView(self.inventory)
         caught = []
-        for name, ls in self._jobs.items():
-            declared = ls.req.hints.collective_bytes
-            if ls.check is not None or ls.iteration is None or declared is None:
-                continue
-            links = [(h, view.edge.get(h)) for h in ls.req.hosts]
-            if any(k not in up for k in links):
+        for name, hosts in self.hints_pending().items():
+            ls = self._jobs[name]
+            if any(h not in sent_by_host for h in hosts):
                 continue  # an uplink telemetry cannot read: no check
-            sent = sum(up[k] for k in links)
-            if ls.baseline is None or sent < ls.baseline[0]:  # first look, or counters reset
-                ls.baseline = (sent, ls.iteration)
+            sent = sum(int(sent_by_host[h]) for h in hosts)
+            version = self._plan_versions.get(name, 0)
+            if ls.running is not None and ls.running != version:
+                ls.baseline = None  # it says it runs another plan still
+                continue
+            start = 0 if ls.running is not None else self._applies_at.get(name)
+            if start is None and version > 1:  # changed before the job reported an
+                # iteration: in force a few iterations after its first report
+                if ls.first_seen is None or ls.first_seen[0] != version:
+                    ls.first_seen = (version, ls.iteration)
+                start = ls.first_seen[1] + APPLY_AFTER_ITERATIONS
+            if start is None:
+                start = 0  # the plan it was admitted with: its first from the start
+            if ls.iteration < start:
+                ls.baseline = None  # (maybe) still under the previous plan
+                continue
+            if ls.baseline is None or len(ls.baseline) < 3 or sent < ls.baseline[0] \
+                    or ls.baseline[2] != version:  # first look, counters reset, a new plan
+                ls.baseline = (sent, ls.iteration, version)
                 continue
             iters = ls.iteration - ls.baseline[1]
-            if iters < CHECK_ITERATIONS or name not in self._plans:
+            if iters < CHECK_ITERATIONS:
                 continue
+            declared = ls.req.hints.collective_bytes
             expected = self.model.sent_bytes(ls.req, self._plans[name], declared)
             if not expected or sum(expected.values()) <= 0:
                 continue
@@ -649,7 +706,8 @@ class FabricManager:
                              "expires_s": ls.expires_s, "iteration": ls.iteration,
                              "effective": None if ls.effective is None
                              else ls.effective.model_dump(),
-                             "check": ls.check, "baseline": ls.baseline}
+                             "check": ls.check, "baseline": ls.baseline,
+                             "running": ls.running}
                          for n, ls in self._jobs.items()},
                 "plans": {n: p.model_dump() for n, p in self._plans.items()},
                 "plan_versions": dict(self._plan_versions),
@@ -670,7 +728,8 @@ class FabricManager:
                           None if j.get("effective") is None
                           else JobRequest.model_validate(j["effective"]),
                           j.get("check"),
-                          None if j.get("baseline") is None else tuple(j["baseline"]))
+                          None if j.get("baseline") is None else tuple(j["baseline"]),
+                          j.get("running"))
                 for n, j in state["jobs"].items()}
         plans = {n: Plan.model_validate(p) for n, p in state["plans"].items()}
         if set(plans) != set(jobs):

@@ -163,22 +163,26 @@ class Telemetry:
         #: packets sent) at the previous collection
         self._prev_drops: dict[tuple[str, str], tuple[int, int, int]] = {}
         self.errors: dict[str, str] = {}
+        #: one question at a time on the control connections (the service's collector and
+        #: its hints checks run in different threads)
+        self._lock = threading.Lock()
         self.engines: dict[str, dict] = {}
         self.jobs_held: dict[str, set[int]] = {}
         self.collected_s: float | None = None
 
     def _counters(self, node: str) -> dict | None:
-        c = self._clients.get(node)
-        try:
-            if c is None:
-                c = self._clients[node] = DatapathClient(node)
-            data = c.counters()
-        except (ControlError, OSError) as e:
-            self._clients.pop(node, None)
-            self.errors[node] = str(e)
-            return None
-        self.errors.pop(node, None)
-        return data
+        with self._lock:
+            c = self._clients.get(node)
+            try:
+                if c is None:
+                    c = self._clients[node] = DatapathClient(node)
+                data = c.counters()
+            except (ControlError, OSError) as e:
+                self._clients.pop(node, None)
+                self.errors[node] = str(e)
+                return None
+            self.errors.pop(node, None)
+            return data
 
     def collect(self, now: float | None = None) -> FabricSnapshot:
         """One snapshot of the fabric now (``now``: the snapshot's time, default monotonic)."""
@@ -221,6 +225,22 @@ class Telemetry:
         return FabricSnapshot(topology=str(self.desc.get("kind", "")), time_s=now,
                               switches=switches, links=links,
                               hosts=list(self.desc.get("hosts", [])))
+
+    def uplink_bytes(self, hosts) -> dict[str, int]:
+        """Per host of ``hosts``, the bytes its uplink carried so far, read now (the counter
+        :meth:`collect` reports as the link's ``bytes``), asking only the engines of those
+        uplinks: what the manager judges hints on when a job reports an iteration. A host
+        whose uplink no answering engine counts is left out."""
+        hosts = set(hosts)
+        where = {src: (node, port) for (src, _dst), (node, port, _r) in self.ports.items()
+                 if src in hosts and node != src}
+        counters = {node: self._counters(node) for node in {n for n, _p in where.values()}}
+        out = {}
+        for h, (node, port) in where.items():
+            carried = (counters[node] or {}).get("ports", {}).get(port, {}).get("rx_bytes")
+            if carried is not None:
+                out[h] = int(carried)
+        return out
 
     def _link(self, src: str, dst: str, rate_mbps: float, counters: dict, rates: dict,
               impairment: LinkImpairment | None) -> LinkState:
@@ -673,6 +693,20 @@ class ProviderService:
                     self.sync_switches()
                 self._save()
 
+    def check_hints(self) -> list[str]:
+        """Judge the hints of the jobs awaiting a check (:meth:`FabricManager.hints_pending`)
+        on their hosts' uplink counters read now (outside the lock), as a job reports an
+        iteration: a job is judged after CHECK_ITERATIONS of its own iterations, not at
+        the collector's pace. Returns the jobs whose plan changed."""
+        if self.telemetry is None:
+            return []
+        with self.lock:
+            pending = self.manager.hints_pending()
+        if not pending:
+            return []
+        sent = self.telemetry.uplink_bytes({h for hosts in pending.values() for h in hosts})
+        return self.call(lambda m, now: m.check_hints(sent, now))
+
     def reap(self) -> list[str]:
         """Expire the jobs whose lease ran out now; returns their names."""
         return self.call(lambda m, now: m.expire(now))
@@ -854,15 +888,15 @@ def create_app(service: ProviderService) -> FastAPI:
                               "that reports it keeps them through a plan change until then)")
               ] = None) -> dict:
         def do(m: FabricManager, now: float) -> dict:
-            if running is not None and running > m.plan_version(job) > 0:
-                raise BadRequest(f"running={running}: job {job!r} has had plan versions up to "
-                                 f"{m.plan_version(job)} only")
-            expires = m.renew(job, now, iteration)
+            expires = m.renew(job, now, iteration, running)
             if running is not None and service.switches is not None and \
                     service.switches.running(job, running):
                 service.sync_switches()  # a registration refused for memory may fit now
             return {"job": job, "expires_s": expires, "expires_in_s": round(expires - now, 3)}
-        return service.call(do)
+        out = service.call(do)
+        if iteration is not None:
+            service.check_hints()
+        return out
 
     @app.post("/v1/jobs/{job}/hints")
     def measured(job: JobName, body: MeasuredHints) -> dict:

@@ -40,6 +40,7 @@ from testbed.collectives.runner import (  # the collective runner's process hand
     MAX_ENGINE_RESTARTS,
     RUN_DIR,
     AdmissionRefused,
+    SpareFallbackServer,
     _engine_pids,
     _restart,
     _wait_group_gone,
@@ -149,13 +150,18 @@ class _Job:
         self.channel: ControlLine | None = None
         self.replan = False
         self.epoch = 0
-        self.offered: tuple[int, TrainingSpec] | None = None
+        #: the trace's fallback server started ahead (None: none kept)
+        self.spare: SpareFallbackServer | None = None
+        #: (epoch, spec as offered, spec as asked for: what on_switch is given)
+        self.offered: tuple[int, TrainingSpec, TrainingSpec] | None = None
         self.wanted: TrainingSpec | None = None
         self.current = spec
         #: engines restarted while it ran ([node, exit status, seconds] each)
         self.engine_restarts: list[list] = []
         self.planes: dict[int, contextlib.ExitStack] = {}
         self.switches: list[dict] = []
+        #: specs asked for (on_tick) that every rank now runs, not yet passed to on_switch
+        self.in_force: list[TrainingSpec] = []
         self.plan_errors: list[str] = []
         self.iteration: int | None = None  # the last one rank 0 reported finished
         self.queued_s = 0.0  # waiting for switch memory before the start (s, wall clock)
@@ -177,7 +183,9 @@ class _Job:
         """Register the control plane of ``spec``'s plan (its INA job on the switches) as
         plan ``epoch``; released by :meth:`_drop_plane` or when the job ends."""
         plane = contextlib.ExitStack()
-        plane.enter_context(offload_job(self.net, spec.collective(), job, self.hosts))
+        plane.enter_context(offload_job(
+            self.net, spec.collective(), job, self.hosts,
+            fallback_server=self.spare.take if self.spare is not None else None))
         self.stack.enter_context(plane)
         self.planes[epoch] = plane
 
@@ -244,6 +252,7 @@ class _Job:
                 old = max(e for e in self.planes if e != m["epoch"]) if len(self.planes) > 1 \
                     else None
                 self.current = self.offered[1]
+                self.in_force.append(self.offered[2])
                 self.switches.append({"epoch": m["epoch"], "at": m["at"],
                                       "t_s": time.monotonic() - self.t_start})
                 self.offered = None
@@ -253,10 +262,12 @@ class _Job:
             self._offer()
 
     def _offer(self) -> None:
-        spec, self.wanted = self.wanted, None
+        asked = spec = self.wanted
+        self.wanted = None
         spec = dataclasses.replace(spec, job_id=self.current.job_id,
                                    time_dilation=self.spec.time_dilation)
         if spec.collective().to_json() == self.current.collective().to_json():
+            self.in_force.append(asked)
             return  # the plan in force already
         if self.epoch >= MAX_SWITCHES:
             self.plan_errors.append(f"plan change {self.epoch + 1} not applied: at most "
@@ -273,7 +284,7 @@ class _Job:
             since = self.refused_since = self.refused_since or now
             if now - since <= ADMISSION_WAIT_S * self.spec.time_dilation:
                 if self.wanted is None:  # a newer wish wins
-                    self.wanted = spec
+                    self.wanted = asked
                 return
             self.refused_since = None
             self.plan_errors.append(f"plan change to {spec.label()} ({spec.algo}) not "
@@ -295,7 +306,7 @@ class _Job:
                                     "applied: the job's pool had ended")
             return
         self.epoch = epoch
-        self.offered = (epoch, spec)
+        self.offered = (epoch, spec, asked)
 
     def finished(self) -> bool:
         """Whether the pool exited (its process group is reaped by then)."""
@@ -421,7 +432,8 @@ def _incast_s(net, spec: TrainingSpec, hosts: list[str]) -> float | None:
 
 
 def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
-              on_end=None, on_tick=None) -> list[TrainingResult]:
+              on_end=None, on_tick=None, on_switch=None,
+              fallback_spare: SpareFallbackServer | None = None) -> list[TrainingResult]:
     """Run every job of ``specs`` on ``net``, each started ``start_s`` after the trace began
     on its own hosts; returns their results in the order of ``specs``.
 
@@ -430,12 +442,23 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
     plan for the job; an exception fails the job's start). ``on_end(index, result)``: called
     once a job ended or failed to start. ``on_tick(running)``: called every
     :data:`POLL_S` with ``{index: last finished iteration or None}`` of the running jobs
-    (rank 0 reports each iteration); it returns ``{index: spec}`` for the
-    jobs to move to a new plan (communication fields of ``spec``), which they apply at an
-    iteration boundary (``replan.py``; without ``on_tick`` a job keeps its plan). A job whose
+    (rank 0 reports each iteration; read just before the call, so that a provider reading
+    the network's counters in it pairs them with the iterations they carried); it returns
+    ``{index: spec}`` for the jobs to move to a new plan (communication fields of ``spec``),
+    which they apply at an
+    iteration boundary (``replan.py``; without ``on_tick`` a job keeps its plan). Jobs whose
+    start time comes in the same poll all pass through ``on_start`` before any is launched,
+    then through ``on_tick`` (iteration None): a spec it returns for one of them is the one
+    launched (an earlier arrival's plan may have changed with a later one's).
+    ``on_switch(index, spec)``: called when every rank of a running job moved to the plan of
+    ``spec`` (one ``on_tick`` returned), before the next ``on_tick``. A job whose
     INA registration a switch refuses for memory waits for it (retried every :data:`POLL_S`,
     up to :data:`ADMISSION_WAIT_S` times its dilation; ``queued_s`` in its summary) while the
-    others run, and fails to start with the switch's refusal after that. Raises
+    others run, and fails to start with the switch's refusal after that. Shared-pool INA
+    plans start host fallbacks from ``fallback_spare`` (a :class:`SpareFallbackServer` the
+    caller keeps across traces; by default, with ``on_tick`` on a programmable fabric, the
+    trace keeps its own), so that neither the job nor the loop re-planning the others waits
+    for a Python process to start. Raises
     ``ValueError`` for bad specs (nothing is started then)."""
     check_trace(specs, len(net.hosts))
     say = progress or (lambda text: None)
@@ -455,7 +478,16 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
         if on_end is not None:
             on_end(job.index, results[job.index])
 
+    # shared-pool INA plans start host fallbacks, which a job (and the loop that re-plans
+    # running jobs) would wait for: one fallback server is kept started ahead
+    spares = contextlib.ExitStack()
+    keep = fallback_spare
+    if keep is None and on_tick is not None and \
+            getattr(getattr(net, "topo", None), "programmable", False):
+        keep = spares.enter_context(SpareFallbackServer())
+
     def start(job: _Job, arrival: float) -> None:
+        job.spare = keep
         try:
             job.launch(t0, replan=on_tick is not None)
         except AdmissionRefused as e:
@@ -485,6 +517,7 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
             for job, arrival in retry:
                 start(job, arrival)
             now = time.monotonic()
+            due: list[_Job | None] = []
             while waiting and now - t0 >= waiting[0].spec.start_s * waiting[0].spec.time_dilation:
                 job = waiting.pop(0)
                 try:
@@ -495,7 +528,32 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                 except (CollectiveError, ValueError, RuntimeError, OSError) as e:
                     fail(job, e)
                     continue
-                start(job, time.monotonic())
+                due.append(job)
+            if on_tick is not None and len(due) > 1:
+                # jobs arriving together are planned together: a later one's admission may
+                # have changed an earlier one's plan, and launched on the old one that job
+                # would hold (e.g. switch memory) what its newer plan gave away
+                for job in running:
+                    job.poll()
+                wanted = on_tick({**{j.index: j.iteration for j in running},
+                                  **{j.index: None for j in due}}) or {}
+                for job in running:
+                    if job.index in wanted:
+                        job.want(wanted[job.index])
+                for k, job in enumerate(due):
+                    if job.index in wanted:
+                        try:
+                            wanted[job.index].validate(len(net.hosts))
+                            due[k] = _Job(job.index, wanted[job.index], net)
+                        except ValueError as e:
+                            fail(job, e)
+                            due[k] = None
+                            continue
+                        if on_switch is not None:  # it starts on that plan
+                            on_switch(job.index, wanted[job.index])
+            for job in due:
+                if job is not None:
+                    start(job, time.monotonic())
             for job in [j for j in running if j.finished()]:
                 running.remove(job)
                 results[job.index] = res = job.result()
@@ -506,12 +564,18 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
                        f"done: accuracy {res.summary['final_accuracy']}, "
                        f"{res.summary['jct_s']:.3g} s"))
             if on_tick is not None and running:
+                for job in running:  # may register a plan or drop one: slow at times
+                    job.poll()
+                for job in running:  # so again: the iterations reported up to the tick
+                    job.poll()
+                    while job.in_force:
+                        applied = job.in_force.pop(0)
+                        if on_switch is not None:
+                            on_switch(job.index, applied)
                 wanted = on_tick({j.index: j.iteration for j in running}) or {}
                 for job in running:
                     if job.index in wanted:
                         job.want(wanted[job.index])
-                    else:
-                        job.poll()
             dead = getattr(net, "dead_engines", dict)()
             if dead:
                 what = ", ".join(f"{node} (exit status {code})"
@@ -538,4 +602,6 @@ def run_trace(net, specs: list[TrainingSpec], progress=None, on_start=None,
         for job in running + [q for q, _ in queued]:
             job.kill()
         raise
+    finally:
+        spares.close()
     return [results[k] for k in range(len(jobs))]

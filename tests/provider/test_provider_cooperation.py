@@ -259,8 +259,8 @@ def test_bench_cooperation_compares_a_liar_with_its_honest_twin():
 def test_shipped_cheater_is_caught_by_telemetry_on_mininet(tmp_path):
     """experiments/cloud_cheater.toml as shipped: rank 0 of each job reports its iterations
     through the pool, the manager compares the uplinks' bytes with the hints, and the liar is
-    re-planned as misreported (about a tenth of its claim) while the honest job is found
-    consistent; every sum agrees with numpy."""
+    re-planned as misreported (about a tenth of its claim) within a few of its 150
+    iterations while the honest job is found consistent; every sum agrees with numpy."""
     rows = run_cooperation(load_cooperation(EXPERIMENTS / "cloud_cheater.toml"), tmp_path,
                            say=lambda text: None)
     jobs = {r["job"]: r for r in rows if r["row"] == "job"}
@@ -270,6 +270,9 @@ def test_shipped_cheater_is_caught_by_telemetry_on_mininet(tmp_path):
     assert 0.05 < jobs["liar"]["hints_ratio"] < 1 / 3
     assert jobs["honest"]["hints_check"] == "consistent", jobs["honest"]
     assert summary["replans"]["hints"] >= 1
+    # judged on counters read as it reports its iterations, not at the 0.5 s snapshots
+    # (tens of its ~20 ms iterations): it moves off the partition it lied for within a few
+    assert jobs["liar"]["plan_switches"][0]["at"] <= 20, jobs["liar"]["plan_switches"]
 
 
 def test_shipped_congestion_trace_loads_and_bad_bursts_are_refused():

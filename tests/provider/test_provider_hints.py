@@ -13,6 +13,7 @@ import pytest
 
 from testbed.provider.client import ProviderClient, ProviderRefused
 from testbed.provider.manager import (
+    APPLY_AFTER_ITERATIONS,
     CHECK_ITERATIONS,
     HINT_FACTOR,
     FabricManager,
@@ -68,7 +69,7 @@ def test_a_job_overstating_its_traffic_and_priority_is_replanned_on_what_it_send
         m.observe(tel.snapshot(), now=it)
         tel.iterate("cheat", cheat, it)
         tel.iterate("honest", honest, it)
-    changed = m.observe(tel.snapshot(), now=10)
+    changed = m.observe(tel.snapshot(), now=100)
     jobs = m.jobs()
     assert jobs["cheat"]["hints_check"]["verdict"] == "misreported"
     assert jobs["cheat"]["hints_check"]["ratio"] == pytest.approx(0.1, rel=0.05)
@@ -82,8 +83,8 @@ def test_a_job_overstating_its_traffic_and_priority_is_replanned_on_what_it_send
     reason = m.log[-1].reason
     assert "hints disagree with telemetry" in reason and "cheat declared" in reason
     # judged once: nothing more happens on later snapshots
-    tel.iterate("cheat", cheat, 10)
-    assert m.observe(tel.snapshot(), now=11) == []
+    tel.iterate("cheat", cheat, 100)
+    assert m.observe(tel.snapshot(), now=101) == []
     # the verdict survives a restart of the provider
     again = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model)
     again.restore(m.state())
@@ -101,10 +102,106 @@ def test_hints_within_the_factor_and_unchecked_jobs_are_left_alone():
         m.observe(tel.snapshot(), now=it)
         tel.iterate("a", int((1 << 20) * HINT_FACTOR * 0.9), it)
         m.renew("nohints", iteration=it)
-    m.observe(tel.snapshot(), now=10)
+    m.observe(tel.snapshot(), now=100)
     jobs = m.jobs()
     assert jobs["a"]["hints_check"]["verdict"] == "consistent"
     assert jobs["quiet"]["hints_check"] is None and jobs["nohints"]["hints_check"] is None
+
+
+def test_hints_are_judged_at_iteration_reports_and_the_count_restarts_with_a_new_plan():
+    """Counters read as the iterations are reported judge a job after CHECK_ITERATIONS of
+    its own iterations, whatever the snapshot period; bytes sent under an earlier plan, or
+    before the iteration a new plan applies at, never enter the judgment."""
+    model = PlanModel(TOPO)
+    m = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model)
+    cheat = 1 << 20
+    m.admit(_req("cheat", ["tbh1", "tbh2", "tbh3"], collective_bytes=10 * cheat, priority=7,
+                 iterations=100, tolerance="exact"), now=0)
+    assert m.hints_pending() == {}  # no iteration reported yet
+    tel = Uplinks(m)
+    tel.iterate("cheat", cheat, 0)
+    assert m.hints_pending() == {"cheat": ["tbh1", "tbh2", "tbh3"]}
+    # the plan it was admitted with is its plan from the start: the first report is the
+    # baseline, and CHECK_ITERATIONS - 1 iterations later it is one short
+    for it in range(0, CHECK_ITERATIONS):
+        if it:
+            tel.iterate("cheat", cheat, it)
+        assert m.check_hints(tel.sent, now=0.1 + it / 100) == []
+    assert m.jobs()["cheat"]["hints_check"] is None
+    it0 = CHECK_ITERATIONS - 1
+    # a plan change (a job of higher priority takes the switch memory) restarts the count,
+    # from the iteration it applies at; the old plan's iterations are not the new plan's
+    m.admit(_req("big", ["tbh4", "tbh5", "tbh6"], collective_bytes=40 << 20, priority=7,
+                 iterations=100, tolerance="exact"), now=0.2)
+    version, start = m.plan_version("cheat"), m.applies_at("cheat")
+    assert version == 2 and start == it0 + APPLY_AFTER_ITERATIONS and \
+        m.plans()["cheat"].algo == "ring"
+    it = it0
+    while it < start + CHECK_ITERATIONS - 1:  # the baseline at start, then one short
+        it += 1
+        for h in ("tbh1", "tbh2", "tbh3"):
+            tel.sent[h] += 50 * cheat if it < start else 0  # wildly off under the old plan
+        tel.iterate("cheat", cheat, it)
+        assert m.check_hints(tel.sent, now=0.3 + it / 100) == []
+    assert m.jobs()["cheat"]["hints_check"] is None and m.plan_version("cheat") == version
+    tel.iterate("cheat", cheat, it + 1)
+    m.check_hints(tel.sent, now=1.0)
+    check = m.jobs()["cheat"]["hints_check"]
+    assert check["verdict"] == "misreported" and check["ratio"] == pytest.approx(0.1, rel=0.05)
+    assert check["iterations"] == CHECK_ITERATIONS
+    assert m.jobs()["cheat"]["planned_hints"]["priority"] == 0
+    assert m.hints_pending() == {}  # judged once
+    # a plan changed before the job reported any iteration is in force from
+    # APPLY_AFTER_ITERATIONS after its first report: the iterations before are not judged
+    m3 = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model)
+    m3.admit(_req("cheat", ["tbh1", "tbh2", "tbh3"], collective_bytes=10 * cheat, priority=7,
+                  iterations=100, tolerance="exact"), now=0)
+    m3.admit(_req("big", ["tbh4", "tbh5", "tbh6"], collective_bytes=40 << 20, priority=7,
+                  iterations=100, tolerance="exact"), now=0)
+    assert m3.plan_version("cheat") == 2 and m3.applies_at("cheat") is None
+    tel3 = Uplinks(m3)
+    last = APPLY_AFTER_ITERATIONS + CHECK_ITERATIONS
+    for it in range(last):
+        tel3.iterate("cheat", cheat, it)
+        if it < APPLY_AFTER_ITERATIONS:  # the old plan's iterations: wildly off
+            for h in ("tbh1", "tbh2", "tbh3"):
+                tel3.sent[h] += 50 * cheat
+        m3.check_hints(tel3.sent, now=it)
+    assert m3.jobs()["cheat"]["hints_check"] is None
+    tel3.iterate("cheat", cheat, last)
+    m3.check_hints(tel3.sent, now=last)
+    assert m3.jobs()["cheat"]["hints_check"]["ratio"] == pytest.approx(0.1, rel=0.05)
+    # a job that says which plan version its workers run (renew running=V) is judged on
+    # that version's iterations only, however long its move to a new plan takes
+    m4 = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model)
+    m4.admit(_req("cheat", ["tbh1", "tbh2", "tbh3"], collective_bytes=10 * cheat, priority=7,
+                  iterations=100, tolerance="exact"), now=0)
+    m4.renew("cheat", now=0, running=1)
+    m4.admit(_req("big", ["tbh4", "tbh5", "tbh6"], collective_bytes=40 << 20, priority=7,
+                  iterations=100, tolerance="exact"), now=0)
+    with pytest.raises(ProviderError, match="running=3"):
+        m4.renew("cheat", now=0, running=3)
+    tel4 = Uplinks(m4)
+    for it in range(3 * CHECK_ITERATIONS):  # still on version 1: wildly off, not judged
+        for h in ("tbh1", "tbh2", "tbh3"):
+            tel4.sent[h] += 50 * cheat
+        m4.renew("cheat", now=it, iteration=it)
+        m4.check_hints(tel4.sent, now=it)
+    assert m4.jobs()["cheat"]["hints_check"] is None
+    m4.renew("cheat", now=50, running=2)
+    for it in range(3 * CHECK_ITERATIONS, 4 * CHECK_ITERATIONS + 1):
+        tel4.iterate("cheat", cheat, it)
+        m4.check_hints(tel4.sent, now=it)
+    check = m4.jobs()["cheat"]["hints_check"]
+    assert check["iterations"] == CHECK_ITERATIONS
+    assert check["ratio"] == pytest.approx(0.1, rel=0.05)
+    # a host whose uplink cannot be read leaves the job unjudged
+    m2 = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model)
+    m2.admit(_req("x", ["tbh1", "tbh2"], collective_bytes=cheat), now=0)
+    for it in range(APPLY_AFTER_ITERATIONS + CHECK_ITERATIONS + 2):
+        m2.renew("x", now=it, iteration=it)
+        m2.check_hints({"tbh1": 10 ** 9 * it}, now=it)
+    assert m2.jobs()["x"]["hints_check"] is None
 
 
 def test_tenant_quotas_refuse_or_move_to_the_hosts():
@@ -166,40 +263,46 @@ def test_quotas_file_errors_name_the_tenant(tmp_path):
 
 @pytest.mark.mininet
 def test_hints_checked_against_a_running_fabric(tmp_path):
-    """On a real network: two ring jobs allreduce 1 MiB per iteration; the one that declared
-    1 MiB is found consistent from the engines' port counters, the one that declared 10 MiB
-    is found misreported at about a tenth, and the log says why."""
+    """On a real network: two ring jobs allreduce 1 MiB per iteration and report their
+    iterations in HTTP renews; at those reports the service reads their hosts' uplink
+    counters from the engines: the one that declared 1 MiB is found consistent, the one
+    that declared 10 MiB misreported at about a tenth. The counters
+    read at a report are those a telemetry snapshot shows."""
     from testbed.collectives.runner import run_collective
     from testbed.collectives.spec import CollectiveSpec
+    from testbed.provider.manager import uplink_bytes
+    from testbed.provider.policies import FabricView
     from testbed.topologies.net import TestbedNet
 
-    true_bytes, reps = 1 << 20, CHECK_ITERATIONS + 1
-    with TestbedNet(Star(6, bw_mbps=100, switch="programmable", aggregator="tbs1")) as net:
-        svc = make_service(net, 1 << 20, policy="tenant_only", net=net)
-        try:
-            for job, hosts, declared in (("honest", [0, 1, 2], true_bytes),
-                                         ("cheat", [3, 4, 5], 10 * true_bytes)):
-                names = [net.topo.host_names[h] for h in hosts]
-                svc.call(lambda m, now, j=job, n=names, d=declared: m.admit(
-                    _req(j, n, collective_bytes=d), now))
-                svc.call(lambda m, now, j=job: m.renew(j, now, iteration=0))
-            svc.observe()  # the baselines
-            svc.observe()
-            for job, hosts, _declared in (("honest", [0, 1, 2], 0), ("cheat", [3, 4, 5], 0)):
-                rows = run_collective(net, CollectiveSpec(algo="ring", nbytes=true_bytes,
-                                                          hosts=hosts, repetitions=reps))
-                assert all(r["correct"] for r in rows), rows
-                svc.call(lambda m, now, j=job: m.renew(j, now, iteration=reps))
-            svc.observe()
-            jobs = svc.call(lambda m, now: m.jobs())
-        finally:
-            svc.stop()
+    true_bytes, reps = 1 << 20, CHECK_ITERATIONS
+    with TestbedNet(Star(6, bw_mbps=100, switch="programmable", aggregator="tbs1")) as net, \
+            Server(svc := make_service(net, 1 << 20, policy="tenant_only", net=net,
+                                       telemetry_period_s=3600),  # no snapshot judges
+                   socket_path=str(tmp_path / "p.sock")) as srv, \
+            ProviderClient(srv.url) as pc:
+        jobs_hosts = {"honest": [0, 1, 2], "cheat": [3, 4, 5]}
+        for job, hosts in jobs_hosts.items():
+            names = [net.topo.host_names[h] for h in hosts]
+            pc.admit(_req(job, names,
+                          collective_bytes=true_bytes * (10 if job == "cheat" else 1)))
+            pc.renew(job, iteration=0)  # the baseline: its counters read now
+        assert all(j["hints_check"] is None for j in pc.jobs().values())
+        for job, hosts in jobs_hosts.items():
+            rows = run_collective(net, CollectiveSpec(algo="ring", nbytes=true_bytes,
+                                                      hosts=hosts, repetitions=reps))
+            assert all(r["correct"] for r in rows), rows
+            pc.renew(job, iteration=reps)
+        jobs = pc.jobs()
+        names = [net.topo.host_names[h] for h in range(6)]
+        snap = uplink_bytes(svc.telemetry.collect(), FabricView(svc.manager.inventory))
+        assert svc.telemetry.uplink_bytes(names) == {h: snap[h] for h in names}
     honest, cheat = jobs["honest"]["hints_check"], jobs["cheat"]["hints_check"]
     print(f"observed/expected: honest {honest['ratio']}, cheat {cheat['ratio']}")
     assert honest["verdict"] == "consistent", honest
     assert cheat["verdict"] == "misreported" and cheat["ratio"] < 1 / HINT_FACTOR, cheat
     assert 0.7 < honest["ratio"] < 1.5 and 0.07 < cheat["ratio"] < 0.15, (honest, cheat)
     assert jobs["cheat"]["planned_hints"]["priority"] == 0
+    assert cheat["iterations"] == honest["iterations"] == reps  # judged at the reports
 
 
 def test_hints_derived_while_a_job_runs_re_plan_it_and_bad_ones_are_refused():
