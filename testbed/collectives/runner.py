@@ -900,8 +900,8 @@ class SpareFallbackServer:
         with contextlib.suppress(OSError):
             proc.stdin.close()  # an unused spare exits on the end of its input
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # still loading its kernel: it holds nothing yet
             proc.kill()
             proc.wait()
         with contextlib.suppress(OSError):

@@ -259,8 +259,9 @@ def test_bench_cooperation_compares_a_liar_with_its_honest_twin():
 def test_shipped_cheater_is_caught_by_telemetry_on_mininet(tmp_path):
     """experiments/cloud_cheater.toml as shipped: rank 0 of each job reports its iterations
     through the pool, the manager compares the uplinks' bytes with the hints, and the liar is
-    re-planned as misreported (about a tenth of its claim) early in its 150 iterations while
-    the honest job is found consistent; every sum agrees with numpy."""
+    re-planned as misreported (about a tenth of its claim) while the honest job is found
+    consistent; every sum agrees with numpy. (When it is judged, in iterations:
+    ``test_provider_hints.py``; what the lie gains: ``bench cooperation``.)"""
     rows = run_cooperation(load_cooperation(EXPERIMENTS / "cloud_cheater.toml"), tmp_path,
                            say=lambda text: None)
     jobs = {r["job"]: r for r in rows if r["row"] == "job"}
@@ -270,11 +271,6 @@ def test_shipped_cheater_is_caught_by_telemetry_on_mininet(tmp_path):
     assert 0.05 < jobs["liar"]["hints_ratio"] < 1 / 3
     assert jobs["honest"]["hints_check"] == "consistent", jobs["honest"]
     assert summary["replans"]["hints"] >= 1
-    # judged on counters read as it reports its iterations (5 of them), not at the 0.5 s
-    # snapshots (25 or more of its ~20 ms iterations each): it leaves the partition it lied
-    # for early in its 150 iterations (13-20 measured on a 2-core VM; the bound leaves room
-    # for a loaded machine)
-    assert jobs["liar"]["plan_switches"][0]["at"] <= 30, jobs["liar"]["plan_switches"]
 
 
 def test_shipped_congestion_trace_loads_and_bad_bursts_are_refused():
