@@ -593,11 +593,8 @@ class FabricManager:
             self._applies_at.pop(name, None)
             self.log.append(PlanChange(now, name, old, None, why))
         self.version += 1
-        try:
-            new = self._compute(self._requests())
-        except NoFeasiblePlan:
-            return  # the remaining plans fitted before and still do
-        self._commit(new, now, {}, f"re-plan on departure of {', '.join(names)}")
+        # the remaining plans fitted before and still do if the policy finds none now
+        self._replan(now, f"re-plan on departure of {', '.join(names)}")
 
     def _job_links(self, req: JobRequest) -> set[tuple[str, str]]:
         """Directed links a job's traffic may cross: its hosts' access links and the links
