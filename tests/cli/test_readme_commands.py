@@ -54,7 +54,6 @@ def test_every_readme_command_answers_help(path):
     assert "Usage" in r.output
 
 
-@pytest.mark.mininet
 def check_bench_rows(rows: list[dict], notes: dict) -> None:
     """A quick run of the real benchmark (its ``--quick`` options, run by ``testbed bench all
     --quick``): every program row has every anchor measured in the same
@@ -81,6 +80,7 @@ def check_bench_rows(rows: list[dict], notes: dict) -> None:
     assert next(r["kpps"] for r in rows if r["program"] == "aggregate") == best["sent_kpps"]
 
 
+@pytest.mark.mininet  # the benchmarks build networks: one at a time, on a quiet machine
 def test_bench_all_quick_runs_benchmarks_in_turn_and_stores_each(tmp_path):
     """``testbed bench all --quick --only ...`` (``make bench``'s quick form, on the
     benchmarks quick enough for a test): each measured against its anchor in the same run,
