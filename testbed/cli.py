@@ -521,6 +521,9 @@ def provider_serve(
                                 "registrations in, and to resume from on the next start"),
     quotas: str = typer.Option(None, help="TOML/JSON file of per-tenant quotas (jobs, priority, "
                                "memory_bytes, trees_per_switch; tenant \"*\": everyone else)"),
+    trust_hints: bool = typer.Option(False, "--trust-hints", help="rank jobs for switch "
+                                     "memory on their hints at once (default: only once "
+                                     "telemetry confirmed them; a liar is still caught)"),
 ) -> None:
     """Build the file's network (or --attach to the one up) and run the fabric manager on it
     until Ctrl-C."""
@@ -530,7 +533,8 @@ def provider_serve(
     raise typer.Exit(ctl.serve(file, point=point, policy=policy, memory_bytes=memory_bytes,
                                socket_path=socket or DEFAULT_SOCKET, port=port,
                                telemetry_period_s=telemetry_period, network=network,
-                               attach=attach, journal=journal, quotas=quotas))
+                               attach=attach, journal=journal, quotas=quotas,
+                               trust_hints=trust_hints))
 
 
 def _provider_verb(verb: str, json_out: bool, *args) -> None:

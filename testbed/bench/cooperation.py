@@ -16,10 +16,12 @@ spread (IQR / median) at most 0.25 per policy. A target that is missed is report
 rows it comes from; the benchmark's exit status says only whether every run was right.
 
 A trace with a lying tenant (a job whose ``overstate`` is not 1, e.g. ``cloud_cheater``) runs
-beside its honest twin (the same trace with every job's true bytes and the liars' priority 0),
-with the same repeats; one more row per job (policy ``cooperative``) compares its median JCT
-lying vs honest. Targets: the liar gains at most 5 % (lying / honest >= 0.95), the honest
-jobs lose at most 5 % to it (<= 1.05).
+beside its honest twin (the same trace with every job's true bytes and the liars' priority 0,
+policy ``cooperative``), alternated with it repeat by repeat on the same network; one more row
+per job (policy ``cooperative``) compares its median JCT lying vs honest, with each repeat's
+JCTs, and one row (policy ``cooperative (honest_twin)``) has the twin's mean JCT. Targets:
+the liar gains at most 5 % (lying / honest >= 0.95), the honest jobs lose at most 5 % to it
+(<= 1.05).
 
 A trace that runs ``cooperative`` beside ``cooperative_no_congestion`` (the same policy
 without congestion re-plans, e.g. ``cloud_congestion``, where another tenant's burst fills the
@@ -60,6 +62,8 @@ BASELINES = {"cooperative_no_congestion": ("congestion re-plans", True),
              "cooperative_static": ("INA on the shared pools", False)}
 #: what a liar may gain, and an honest job lose to it (median JCT, lying vs honest twin)
 LIE_GAIN = 0.05
+#: the variant name of a lying trace's honest twin in :func:`run_cooperation`'s rows
+TWIN = "honest_twin"
 
 
 def trace_path(name: str) -> Path:
@@ -101,11 +105,18 @@ def measure(emit, quick: bool, traces: str, rates: str, repeats: int, policies: 
                 exp.model_copy(update={**update, "topology": topo}).model_dump())))
     rows: list[dict] = []
     for trace, rate, exp in experiments:
-        runs = run_cooperation(exp, None, say=lambda text: None)
-        out = policy_rows(trace, rate or exp.topology.bw_mbps, runs)
-        if any(j.overstate != 1 for j in exp.jobs):
-            twin = run_cooperation(honest_twin(exp), None, say=lambda text: None)
-            out += honesty_rows(trace, rate or exp.topology.bw_mbps, runs, twin)
+        # a trace with a liar runs beside its honest twin, repeat by repeat on one network
+        lies = any(j.overstate != 1 for j in exp.jobs) and "cooperative" in exp.policies
+        runs = run_cooperation(exp, None, say=lambda text: None,
+                               variants={TWIN: honest_twin(exp)} if lies else None)
+        main = [r for r in runs if "variant" not in r]
+        out = policy_rows(trace, rate or exp.topology.bw_mbps, main)
+        if lies:
+            twin = [r for r in runs if r.get("variant") == TWIN]
+            out += honesty_rows(trace, rate or exp.topology.bw_mbps, main, twin)
+            # the twin's own mean JCT: what every job pays when nobody lies
+            out += [r | {"policy": f"{r['policy']} ({TWIN})"} for r in policy_rows(
+                trace, rate or exp.topology.bw_mbps, twin)]
         for row in out:
             emit(row)
             rows.append(row)
@@ -171,8 +182,9 @@ def outlier(summary: dict, jobs: list[dict]) -> dict:
 
 
 def honest_twin(exp):
-    """``exp`` with every tenant honest: true bytes, and priority 0 for those that lied."""
-    return exp.model_copy(update={"jobs": [
+    """``exp`` with every tenant honest (true bytes, and priority 0 for those that lied),
+    run with the ``cooperative`` policy only: the one the lying-vs-honest rows compare."""
+    return exp.model_copy(update={"policies": ["cooperative"], "jobs": [
         j if j.overstate == 1 else j.model_copy(update={"overstate": 1.0, "priority": 0})
         for j in exp.jobs]})
 
@@ -198,6 +210,7 @@ def honesty_rows(trace: str, rate: float, lying: list[dict], honest: list[dict])
                     "overstate": mine[0].get("overstate"), "repeats": len(lie),
                     "jct_lying_median_s": _r(a), "jct_honest_median_s": _r(b),
                     "lying_vs_honest": _r(a / b) if a and b else None,
+                    "jcts_lying_s": [_r(x) for x in lie], "jcts_honest_s": [_r(x) for x in true],
                     "verdicts": [r.get("hints_check") for r in mine],
                     "hints_ratios": [r.get("hints_ratio") for r in mine],
                     "mean_jct_median_s": None, "spread": None, "failed": sum(

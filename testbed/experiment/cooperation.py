@@ -274,13 +274,13 @@ def ideal_jct_s(req: JobRequest, spec: TrainingSpec, model: PlanModel, inv) -> f
 
 def replan_reasons(changes) -> dict[str, int]:
     """How many of the plan log's re-plans (``PlanChange`` entries with an old and a new
-    plan) had which cause: ``arrival``, ``departure``, ``hints`` (found wrong by telemetry),
-    ``congestion`` (else ``other``)."""
+    plan) had which cause: ``arrival``, ``departure``, ``hints`` (judged by telemetry: found
+    wrong, or confirmed while claims were on probation), ``congestion`` (else ``other``)."""
     out = {"arrival": 0, "departure": 0, "hints": 0, "congestion": 0, "other": 0}
     for e in changes:
         key = ("arrival" if e.reason.startswith("re-plan on arrival") else
                "departure" if e.reason.startswith("re-plan on departure") else
-               "hints" if e.reason.startswith("hints disagree") else
+               "hints" if e.reason.startswith(("hints disagree", "hints confirmed")) else
                "congestion" if e.reason.startswith("sustained congestion") else "other")
         out[key] += 1
     return out
@@ -302,7 +302,9 @@ class _Trace:
         self.reqs = [request(j, s, names, exp.lease_s) for j, s in zip(exp.jobs, self.specs,
                                                                         strict=True)]
         kw = {"trace": self.reqs} if policy == "oracle" else {}
-        self.manager = FabricManager(inv, make_policy(policy, model, **kw), model)
+        # hints are judged where telemetry reads the counters: claims on probation till then
+        self.manager = FabricManager(inv, make_policy(policy, model, **kw), model,
+                                     probation=exp.telemetry_period_s > 0)
         self.policy = policy
         self.plans: dict[str, Plan] = {}
         self.running: set[str] = set()
@@ -634,10 +636,22 @@ def build_network(exp: CooperationExperiment):
 
 
 def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = None,
-                    say=print) -> list[dict]:
+                    say=print, variants: dict[str, CooperationExperiment] | None = None
+                    ) -> list[dict]:
     """Run the trace once per policy (one network for all, built here under the emulation
     lock); returns the rows, summary rows after each policy's job rows. ``out_dir``: where
-    ``rows.jsonl``, ``plan_log.jsonl`` and ``metadata.json`` go (None: nowhere)."""
+    ``rows.jsonl``, ``plan_log.jsonl`` and ``metadata.json`` go (None: nowhere).
+
+    ``variants``: other versions of the trace on the same topology (e.g. its honest twin),
+    by name. Each runs its own policies after ``exp``'s in every repeat, on the same network,
+    its rows marked ``"variant": name``: a comparison of the two is then paired repeat by
+    repeat, not taken between two networks built minutes apart (two batches of one trace on
+    a shared 2-core VM measured medians 25 % apart, each batch within 5 %)."""
+    variants = variants or {}
+    for name, v in variants.items():
+        if v.topology != exp.topology:
+            raise ValueError(f"variant {name!r}: its topology differs from the trace's; a "
+                             "variant runs on the trace's network")
     from testbed.collectives.runner import SpareFallbackServer
     from testbed.netlock import emulation_lock
 
@@ -654,7 +668,7 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
         # the host fallback server started ahead warms up while the network is built
         with SpareFallbackServer() as spare, build_network(exp) as net:
             meta["setup_s"] = round(time.monotonic() - t0, 2)
-            _run_policies(exp, net, meta, rows, logs, say, spare)
+            _run_policies(exp, net, meta, rows, logs, say, spare, variants)
     meta["uptime_after"] = _uptime()
     if out_dir is not None:  # a results folder like every experiment's (Results.load reads it)
         store = results.ResultsStore(out_dir, meta | {"planned_runs": len(rows)})
@@ -667,24 +681,29 @@ def run_cooperation(exp: CooperationExperiment, out_dir: str | Path | None = Non
 
 
 def _run_policies(exp: CooperationExperiment, net, meta: dict, rows: list, logs: list,
-                  say, spare=None) -> None:
+                  say, spare=None, variants: dict | None = None) -> None:
     hop = net.hop_latency_s()
     model = PlanModel(net.topo, hop_latency_s=hop)
     inv = inventory_of(net.topo, static_memory(exp.topology), pool_entries(exp.topology))
     meta.update(hop_latency_s=hop, describe=net.describe())
-    summaries: dict[str, list[dict]] = {p: [] for p in exp.policies}
+    runs = [(None, exp), *(variants or {}).items()]
+    summaries: dict[tuple, list[dict]] = {(v, p): [] for v, e in runs for p in e.policies}
     for rep in range(exp.repeats):
-        for policy in exp.policies:
-            t0 = time.monotonic()
-            jobs, summary, log = run_policy(exp, policy, net, model, inv, say, spare)
-            summary["wall_s"] = round(time.monotonic() - t0, 2)
-            for r in jobs + [summary] + log:
-                r["repeat"] = rep
-            rows += jobs + [summary]
-            logs += log
-            summaries[policy].append(summary)
+        for variant, trace in runs:
+            for policy in trace.policies:
+                t0 = time.monotonic()
+                jobs, summary, log = run_policy(trace, policy, net, model, inv, say, spare)
+                summary["wall_s"] = round(time.monotonic() - t0, 2)
+                for r in jobs + [summary] + log:
+                    r["repeat"] = rep
+                    if variant is not None:
+                        r["variant"] = variant
+                rows += jobs + [summary]
+                logs += log
+                summaries[variant, policy].append(summary)
     if exp.repeats > 1:
-        rows += [overall(p, s) for p, s in summaries.items()]
+        rows += [overall(p, s) | ({"variant": v} if v is not None else {})
+                 for (v, p), s in summaries.items()]
 
 
 def overall(policy: str, summaries: list[dict]) -> dict:

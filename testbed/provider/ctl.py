@@ -54,7 +54,7 @@ def serve(file: str | None, point: int = 0, policy: str = "cooperative",
           memory_bytes: int | None = None, socket_path: str | None = DEFAULT_SOCKET,
           port: int | None = None, telemetry_period_s: float = DEFAULT_TELEMETRY_PERIOD_S,
           network: bool = True, attach: bool = False, journal: str | None = None,
-          quotas: str | None = None) -> int:
+          quotas: str | None = None, trust_hints: bool = False) -> int:
     """CLI entry of ``serve``: 0 after a clean stop, 2 for a bad file or option, 1 when the
     network or the service cannot start, 130 on Ctrl-C."""
     # Function-level imports: the experiment runner loads Mininet and the data path.
@@ -84,7 +84,7 @@ def serve(file: str | None, point: int = 0, policy: str = "cooperative",
 
     old = signal.signal(signal.SIGTERM, on_term)
     kw = {"telemetry_period_s": telemetry_period_s, "journal": journal,
-          "quotas": tenant_quotas}
+          "quotas": tenant_quotas, "probation": False if trust_hints else None}
     try:
         if attach:
             net = attach_up(file)

@@ -243,10 +243,19 @@ class FabricManager:
     (:data:`testbed.provider.policies.POLICIES`). ``model``: the flow model plans are costed
     with (:class:`~testbed.provider.policies.PlanModel`; None: no predictions), handed to a
     policy given by name and used to fill ``predicted_comm_s`` a policy left empty.
+
+    ``probation``: the caller judges hints against telemetry (:meth:`check_hints` or
+    :meth:`observe`), so a job's claims rank it for static memory only once they were judged
+    (:meth:`unverified`): until then a policy that honours probation (``policy.probation``)
+    hands static memory out in admission order, whatever the claims say. A claim nobody
+    checked yet is worth nothing against another job: with it, a tenant claiming ten times
+    its bytes and the top priority held the partition an honest job arriving with it would
+    have had until the lie was caught, and the honest job lost 13 % of its completion time
+    (``testbed bench cooperation --traces cloud_cheater --rates 50``).
     """
 
     def __init__(self, inventory: FabricSnapshot, policy, model: PlanModel | None = None,
-                 quotas: dict[str, Quota] | None = None):
+                 quotas: dict[str, Quota] | None = None, probation: bool = False):
         if not isinstance(inventory, FabricSnapshot):
             raise TypeError(f"inventory must be a FabricSnapshot, got {type(inventory).__name__}")
         self.inventory = inventory
@@ -255,6 +264,7 @@ class FabricManager:
         self.quotas = {t: q if isinstance(q, Quota) else Quota(**q)
                        for t, q in (quotas or {}).items()}
         self.policy = make_policy(policy, model) if isinstance(policy, str) else policy
+        self.probation = probation
         self.snapshot = inventory
         self.log: list[PlanChange] = []
         self._jobs: dict[str, _Lease] = {}
@@ -447,9 +457,9 @@ class FabricManager:
         self._hot = hot
         self.snapshot = snapshot
         reasons = []
-        caught = self._judge_hints(uplink_bytes(snapshot, FabricView(self.inventory)))
-        if caught:
-            reasons.append(self._caught_reason(caught))
+        judged = self._judge_hints(uplink_bytes(snapshot, FabricView(self.inventory)))
+        if self._replans_on(judged):
+            reasons.append(self._judged_reason(judged))
         hit = sorted({name for name, ls in self._jobs.items()
                       for key in newly if key in self._job_links(ls.req)})
         if not getattr(self.policy, "congestion_replans", True):
@@ -489,11 +499,13 @@ class FabricManager:
 
     def check_hints(self, sent: dict[str, int], now: float | None = None) -> list[str]:
         """Judge hints on ``sent`` (per host, the bytes its uplink carried so far, read now:
-        e.g. when a job reported an iteration) and re-plan every job when one is caught,
-        logged as a disagreement with telemetry. Returns the jobs whose plan changed."""
+        e.g. when a job reported an iteration) and re-plan every job when one is caught
+        (logged as a disagreement with telemetry) or, on :attr:`probation`, when one is
+        judged at all (its claims now rank it). Returns the jobs whose plan changed."""
         now = time.monotonic() if now is None else float(now)
-        caught = self._judge_hints(sent)
-        return self._replan(now, self._caught_reason(caught)) if caught else []
+        judged = self._judge_hints(sent)
+        return self._replan(now, self._judged_reason(judged)) if self._replans_on(judged) \
+            else []
 
     def _replan(self, now: float, reason: str) -> list[str]:
         """Re-plan every job, logged with ``reason``; the running plans stay when the policy
@@ -507,12 +519,42 @@ class FabricManager:
         self._commit(new, now, {}, reason)
         return [j for j in self._plans if not same_offload(before.get(j), self._plans[j])]
 
-    def _caught_reason(self, caught: list[str]) -> str:
-        return "hints disagree with telemetry: " + "; ".join(
-            f"{j} declared {self._jobs[j].check['declared_bytes']:,} B/iteration, "
-            f"observed {self._jobs[j].check['observed_bytes']:,} "
-            f"({self._jobs[j].check['ratio']:.3g}x), re-planned on the observed "
-            "figures with priority 0" for j in caught)
+    def unverified(self, reqs: list[JobRequest] | None = None) -> list[str]:
+        """The jobs of ``reqs`` (default: the admitted ones; a request not admitted yet
+        included) on probation: they declared their bytes and were not judged yet. In the
+        order they may take static memory: those whose plan holds some first (no other
+        unchecked claim takes it from them), then in admission order."""
+        out = [r.job for r in (self._requests() if reqs is None else reqs)
+               if r.hints.collective_bytes is not None
+               and (r.job not in self._jobs or self._jobs[r.job].check is None)]
+        holds = {j for j in out if j in self._plans and plan_memory(
+            self._plans[j], len(self._jobs[j].req.hosts))}
+        return sorted(out, key=lambda j: j not in holds)
+
+    def _probation(self) -> bool:
+        return self.probation and getattr(self.policy, "probation", False)
+
+    def _replans_on(self, judged: list[str]) -> bool:
+        """Whether the verdicts just reached on ``judged`` change what the policy plans on:
+        a job caught misreporting, or any verdict while claims on probation rank nothing."""
+        return any(self._jobs[j].check["verdict"] == "misreported" for j in judged) or (
+            bool(judged) and self._probation())
+
+    def _judged_reason(self, judged: list[str]) -> str:
+        caught = [j for j in judged if self._jobs[j].check["verdict"] == "misreported"]
+        kept = [j for j in judged if j not in caught]
+        parts = []
+        if caught:
+            parts.append("hints disagree with telemetry: " + "; ".join(
+                f"{j} declared {self._jobs[j].check['declared_bytes']:,} B/iteration, "
+                f"observed {self._jobs[j].check['observed_bytes']:,} "
+                f"({self._jobs[j].check['ratio']:.3g}x), re-planned on the observed "
+                "figures with priority 0" for j in caught))
+        if kept and self._probation():
+            parts.append("hints confirmed by telemetry: " + "; ".join(
+                f"{j} ({self._jobs[j].check['ratio']:.3g}x its declared bytes)"
+                for j in kept) + ", its claims now rank it for switch memory")
+        return "; ".join(parts)
 
     def _judge_hints(self, sent_by_host: dict[str, int]) -> list[str]:
         """Judge the hints of every job that reported :data:`CHECK_ITERATIONS` iterations
@@ -523,10 +565,11 @@ class FabricManager:
         the new plan applies at. A job off by more than :data:`HINT_FACTOR` either way is
         re-planned on the observed figures (``collective_bytes`` scaled by the ratio) with
         priority 0: nothing observable backs a priority claim of a job shown to misreport.
-        Returns the jobs caught now; each job is judged once."""
+        Returns the jobs judged now (``check["verdict"]`` says how); each job is judged
+        once."""
         if self.model is None:
             return []
-        caught = []
+        judged = []
         for name, hosts in self.hints_pending().items():
             ls = self._jobs[name]
             if any(h not in sent_by_host for h in hosts):
@@ -568,10 +611,10 @@ class FabricManager:
                 hints = ls.req.hints.model_copy(update={"collective_bytes": observed,
                                                         "priority": 0})
                 ls.effective = ls.req.model_copy(update={"hints": hints})
-                caught.append(name)
-        if caught:
+            judged.append(name)
+        if judged:
             self.version += 1
-        return caught
+        return judged
 
     # ---------------------------------------------------------------- internals
 
@@ -620,7 +663,10 @@ class FabricManager:
             return {}
         snap = self.planning_fabric()
         try:
-            plans = self.policy.plan(list(reqs), snap)
+            if self._probation():
+                plans = self.policy.plan(list(reqs), snap, unverified=self.unverified(reqs))
+            else:
+                plans = self.policy.plan(list(reqs), snap)
         except (ValueError, KeyError) as e:
             raise NoFeasiblePlan(f"policy {self.policy.name!r} failed: {e}") from None
         names = {r.job for r in reqs}

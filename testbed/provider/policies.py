@@ -19,7 +19,9 @@ differ in what they may look at:
   :meth:`PlanModel.joint_s`) and each job in turn moves to the candidate that lowers every
   job's weighted time most: a plan priced alone does not see what it costs the jobs beside
   it (INA through the spine a ring's flows take shares an uplink with them; through the
-  other spine it does not).
+  other spine it does not). Where the manager judges hints against telemetry, claims not
+  judged yet rank nothing (probation: such jobs take memory after the judged ones, in
+  admission order, at priority 0).
 * :class:`CooperativeAlone`: the cooperative policy with every job's plans priced alone (no
   joint refinement): the baseline pricing the jobs together is measured against.
 * :class:`CooperativeNoCongestion`: the cooperative policy without congestion re-plans (the
@@ -69,6 +71,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Collection
 
 import numpy as np
 
@@ -636,10 +639,19 @@ class Cooperative(_Base):
     joint = True
     #: plan INA on the shared pools where a job gets no static memory
     pools = True
+    #: honours the manager's probation (``plan(..., unverified=)``)
+    probation = True
 
-    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot) -> dict[str, Plan]:
+    def plan(self, jobs: list[JobRequest], snapshot: FabricSnapshot,
+             unverified: Collection[str] = ()) -> dict[str, Plan]:
         """Best memory-free plan per job; then, by weighted time saved, the best plan that
-        needs memory, where it still fits."""
+        needs memory, where it still fits. ``unverified``: jobs on probation (their hints
+        not judged against telemetry yet), in the order they may take memory
+        (:meth:`~testbed.provider.manager.FabricManager.unverified`): after every judged
+        job, whatever their claims say, and their priority counts as 0."""
+        if unverified:
+            jobs = [j.model_copy(update={"hints": j.hints.model_copy(update={"priority": 0})})
+                    if j.job in unverified else j for j in jobs]
         view = FabricView(snapshot)
         best_free: dict[str, Plan] = {}
         best_mem: dict[str, Plan] = {}
@@ -661,7 +673,8 @@ class Cooperative(_Base):
 
         taken: dict[str, int] = {}
         out = dict(best_free)
-        for name in sorted(best_mem, key=saving, reverse=True):
+        order = sorted((n for n in best_mem if n not in unverified), key=saving, reverse=True)
+        for name in order + [n for n in unverified if n in best_mem]:
             for c in best_mem[name]:  # type: ignore[union-attr]
                 if _cost(c.predicted_comm_s) >= _cost(best_free[name].predicted_comm_s):
                     break

@@ -1028,7 +1028,7 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
                  reap_period_s: float = DEFAULT_REAP_PERIOD_S,
                  clock: Callable[[], float] = time.monotonic,
                  journal: str | os.PathLike | None = None,
-                 quotas: dict | None = None) -> ProviderService:
+                 quotas: dict | None = None, probation: bool | None = None) -> ProviderService:
     """A service for ``topology`` (a ``TestbedTopo``, a ``TestbedNet`` or a ``describe()``
     dict) whose programmable switches have ``memory_bytes`` of static aggregator memory each
     (or per switch; None: what the engines of ``net`` report, :func:`engine_memory`),
@@ -1036,7 +1036,10 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
     the ``AttachedNet`` of a network another process runs) it collects telemetry from its
     engines and configures its switches. ``journal``: an SQLite file the service keeps its
     state in and resumes from (``testbed.provider.journal``). ``quotas``: per tenant (``"*"``
-    for every other one), a :class:`~testbed.provider.manager.Quota` or its fields."""
+    for every other one), a :class:`~testbed.provider.manager.Quota` or its fields.
+    ``probation``: claims rank a job for switch memory only once telemetry judged them
+    (:class:`~testbed.provider.manager.FabricManager`); default: where there is telemetry to
+    judge them with (``net``); False takes hints on trust."""
     # Function-level import: the manager and policies load the flow model and its kernels.
     from testbed.provider.manager import inventory_of
     from testbed.provider.policies import PlanModel
@@ -1054,7 +1057,9 @@ def make_service(topology, memory_bytes: int | dict[str, int] | None,
         model = PlanModel(desc)
     except (ValueError, KeyError, TypeError):
         model = None  # e.g. unshaped links: plans without predictions
-    manager = FabricManager(inventory, policy, model, quotas)
+    # hints are judged on a network's counters: there, claims are on probation till then
+    manager = FabricManager(inventory, policy, model, quotas,
+                            probation=net is not None if probation is None else probation)
     mem = {s.name: s.memory_bytes for s in inventory.switches}
     telemetry = Telemetry(desc, mem, float(getattr(net, "time_dilation", 1.0) or 1.0)) \
         if net is not None else None

@@ -233,6 +233,13 @@ def test_bench_cooperation_compares_a_liar_with_its_honest_twin():
     twin = {j.name: j for j in honest_twin(exp).jobs}
     assert twin[liar.name].overstate == 1 and twin[liar.name].priority == 0
     assert all(twin[j.name] == j for j in exp.jobs if j.overstate == 1)
+    assert honest_twin(exp).policies == ["cooperative"]  # the one the rows compare
+    # the twin runs on the trace's own network, alternated with it: a variant on another
+    # topology is refused before anything is built
+    other = exp.model_copy(update={"topology": exp.topology.model_copy(
+        update={"bw_mbps": 7.0})})
+    with pytest.raises(ValueError, match="variant 'twin': its topology differs"):
+        run_cooperation(exp, None, say=lambda text: None, variants={"twin": other})
 
     def job(name, jct, over, verdict):
         return {"row": "job", "policy": "cooperative", "job": name, "jct_s": jct,
@@ -247,6 +254,8 @@ def test_bench_cooperation_compares_a_liar_with_its_honest_twin():
     assert rows["liar"]["lying_vs_honest"] == 1.0 and rows["liar"]["verdicts"] == [
         "misreported", "misreported"]
     assert rows["honest"]["lying_vs_honest"] == round(5.2 / 5.0, 4)
+    assert rows["honest"]["jcts_lying_s"] == [5.0, 5.4] and \
+        rows["honest"]["jcts_honest_s"] == [5.0, 5.0]
     met = targets(list(rows.values()))
     assert met["a liar gains <= 5 %"][0] and met["honest jobs lose <= 5 % to a liar"][0]
     honest[0]["jct_s"] = honest[1]["jct_s"] = 3.0  # honesty would have cost the liar

@@ -92,6 +92,79 @@ def test_a_job_overstating_its_traffic_and_priority_is_replanned_on_what_it_send
     assert again.plans() == m.plans()
 
 
+def _run_until_judged(m: FabricManager, tel: Uplinks, jobs: dict[str, int], first_it: int,
+                      now: float) -> list[str]:
+    """Report iterations of ``jobs`` (name -> true bytes per iteration), reading the counters
+    at each report, until each is judged; returns every job whose plan changed."""
+    changed, it = [], first_it
+    while any(m.jobs()[j]["hints_check"] is None for j in jobs):
+        for j, b in jobs.items():
+            tel.iterate(j, b, it)
+        changed += m.check_hints(tel.sent, now=now + it / 100)
+        it += 1
+        assert it < first_it + 3 * CHECK_ITERATIONS
+    return changed
+
+
+def test_on_probation_no_unchecked_claim_takes_switch_memory_from_another_job():
+    """Where hints are judged (``probation=True``), a job's claims rank it for static memory
+    only once telemetry confirmed them: until then memory goes in admission order and its
+    priority counts as 0. So a tenant that lies gets nothing its lie claimed, and an honest
+    job beside it gets the memory when its own figures are confirmed, as beside an honest
+    twin of the liar."""
+    model = PlanModel(TOPO)
+    small, big = 256 << 10, 4 << 20  # true bytes per iteration
+    # without probation the claims rank at once: the big job takes the memory on arrival
+    m0 = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model)
+    m0.admit(_req("small", ["tbh1", "tbh2", "tbh3"], collective_bytes=small, iterations=100,
+                  tolerance="exact"), now=0)
+    m0.admit(_req("big", ["tbh4", "tbh5", "tbh6"], collective_bytes=big, iterations=100,
+                  tolerance="exact"), now=0)
+    assert m0.plans()["big"].algo == "ina" and m0.plans()["small"].algo == "ring"
+    for liar in (False, True):
+        m = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model, probation=True)
+        m.admit(_req("small", ["tbh1", "tbh2", "tbh3"], iterations=100, tolerance="exact",
+                     collective_bytes=small * (40 if liar else 1), priority=7 if liar else 0),
+                now=0)
+        m.admit(_req("big", ["tbh4", "tbh5", "tbh6"], collective_bytes=big, iterations=100,
+                     tolerance="exact"), now=0)
+        assert m.unverified() == ["small", "big"]
+        # first come, first served: the claims of either rank nothing yet
+        assert m.plans()["small"].algo == "ina" and m.plans()["big"].algo == "ring"
+        tel = Uplinks(m)
+        # the small job is judged first (the big one reports nothing yet): judged or caught,
+        # it keeps the memory, which no unchecked claim takes from it
+        _run_until_judged(m, tel, {"small": small}, 0, 0.0)
+        assert m.jobs()["small"]["hints_check"]["verdict"] == (
+            "misreported" if liar else "consistent")
+        assert m.unverified() == ["big"]
+        assert m.plans()["small"].algo == "ina" and m.plans()["big"].algo == "ring"
+        # once the big job's figures are confirmed they rank: the memory goes where it saves
+        # the most, logged with why
+        changed = _run_until_judged(m, tel, {"big": big, "small": small}, CHECK_ITERATIONS + 2,
+                                    1.0)
+        assert m.jobs()["big"]["hints_check"]["verdict"] == "consistent"
+        assert set(changed) == {"small", "big"} and m.unverified() == []
+        assert m.plans()["big"].algo == "ina" and m.plans()["small"].algo == "ring"
+        assert "hints confirmed by telemetry: big" in m.log[-1].reason
+    # a priority claim on probation counts as 0: the job admitted first keeps the memory
+    m = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model, probation=True)
+    m.admit(_req("big", ["tbh4", "tbh5", "tbh6"], collective_bytes=big, iterations=100,
+                 tolerance="exact"), now=0)
+    m.admit(_req("loud", ["tbh1", "tbh2", "tbh3"], collective_bytes=big, iterations=100,
+                 tolerance="exact", priority=7), now=0)
+    assert m.plans()["big"].algo == "ina" and m.plans()["loud"].algo == "ring"
+    # nor does an earlier job's claim, made once a later one holds the memory
+    m = FabricManager(inventory_of(TOPO, ONE_INA), "cooperative", model, probation=True)
+    m.admit(_req("early", ["tbh1", "tbh2", "tbh3"], iterations=100, tolerance="exact"), now=0)
+    m.admit(_req("later", ["tbh4", "tbh5", "tbh6"], collective_bytes=small, iterations=100,
+                 tolerance="exact"), now=0)
+    assert m.plans()["later"].algo == "ina" and m.plans()["early"].algo == "ring"
+    m.update_hints("early", {"collective_bytes": big}, "measured", now=1)
+    assert m.unverified() == ["later", "early"]
+    assert m.plans()["later"].algo == "ina" and m.plans()["early"].algo == "ring"
+
+
 def test_hints_within_the_factor_and_unchecked_jobs_are_left_alone():
     m = FabricManager(inventory_of(TOPO, 1 << 20), "cooperative", PlanModel(TOPO))
     m.admit(_req("a", ["tbh1", "tbh2"], collective_bytes=1 << 20), now=0)

@@ -126,9 +126,10 @@ def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it
             return {int(j) for j in sw.counters()["stages"]["aggregate"]["jobs"]}
 
         # memory for one INA job and no plans on the shared pool: a bigger job's arrival
-        # moves the first to the ring
+        # moves the first to the ring (hints on trust: its claim ranks before any judgment)
         journal = tmp_path / "provider.db"
-        svc = make_service(net, 70_000, policy="cooperative_static", net=net, journal=journal)
+        svc = make_service(net, 70_000, policy="cooperative_static", net=net, journal=journal,
+                           probation=False)
         with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \
                 ProviderClient(srv.url) as pc:
             def admit(job, on, nbytes):
@@ -150,7 +151,8 @@ def test_a_job_that_reports_its_plan_keeps_the_old_registration_until_it_left_it
         # the provider stops (as a kill would: its journal has every change) and starts
         # again from its journal: a's old registration is still one its workers may use
         svc.stop()
-        svc = make_service(net, 70_000, policy="cooperative_static", net=net, journal=journal)
+        svc = make_service(net, 70_000, policy="cooperative_static", net=net, journal=journal,
+                           probation=False)
         assert svc.resumed["retiring"] == [["a", first["job_id"]]], svc.resumed
         assert held() == {first["job_id"], b["registration"]["job_id"]}
         with Server(svc, socket_path=str(tmp_path / "p.sock")) as srv, \
