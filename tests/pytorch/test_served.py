@@ -61,9 +61,9 @@ def test_a_launched_job_is_a_tenant_of_the_served_provider(tmp_path):
             launch(script, ["1"], hosts=2, algo="ring", out=tmp_path)
         # the provider `testbed provider serve --attach` runs, in this process: memory for
         # one INA job and no plans on the shared pool, so that a bigger job's arrival moves
-        # the launched one to the ring
+        # the launched one to the ring (hints on trust: its claim ranks before any judgment)
         net = attach_up()
-        svc = make_service(net, 70_000, policy="cooperative_static", net=net)
+        svc = make_service(net, 70_000, policy="cooperative_static", net=net, probation=False)
         with Server(svc, socket_path=str(tmp_path / "p.sock")), ProviderClient(sock) as pc:
             with pytest.raises(ValueError, match="algo, time_dilation cannot be given"):
                 launch(script, ["1"], provider=sock, algo="ring", time_dilation=2.0)
