@@ -457,9 +457,10 @@ class FabricManager:
         self._hot = hot
         self.snapshot = snapshot
         reasons = []
-        judged = self._judge_hints(uplink_bytes(snapshot, FabricView(self.inventory)))
-        if self._replans_on(judged):
-            reasons.append(self._judged_reason(judged))
+        judged = self._judged_reason(
+            self._judge_hints(uplink_bytes(snapshot, FabricView(self.inventory))))
+        if judged:
+            reasons.append(judged)
         hit = sorted({name for name, ls in self._jobs.items()
                       for key in newly if key in self._job_links(ls.req)})
         if not getattr(self.policy, "congestion_replans", True):
@@ -503,9 +504,8 @@ class FabricManager:
         (logged as a disagreement with telemetry) or, on :attr:`probation`, when one is
         judged at all (its claims now rank it). Returns the jobs whose plan changed."""
         now = time.monotonic() if now is None else float(now)
-        judged = self._judge_hints(sent)
-        return self._replan(now, self._judged_reason(judged)) if self._replans_on(judged) \
-            else []
+        reason = self._judged_reason(self._judge_hints(sent))
+        return self._replan(now, reason) if reason else []
 
     def _replan(self, now: float, reason: str) -> list[str]:
         """Re-plan every job, logged with ``reason``; the running plans stay when the policy
@@ -534,13 +534,10 @@ class FabricManager:
     def _probation(self) -> bool:
         return self.probation and getattr(self.policy, "probation", False)
 
-    def _replans_on(self, judged: list[str]) -> bool:
-        """Whether the verdicts just reached on ``judged`` change what the policy plans on:
-        a job caught misreporting, or any verdict while claims on probation rank nothing."""
-        return any(self._jobs[j].check["verdict"] == "misreported" for j in judged) or (
-            bool(judged) and self._probation())
-
     def _judged_reason(self, judged: list[str]) -> str:
+        """Why the verdicts just reached on ``judged`` re-plan, '' when they change nothing the
+        policy plans on: a job caught misreporting, or any verdict while claims on probation
+        rank nothing."""
         caught = [j for j in judged if self._jobs[j].check["verdict"] == "misreported"]
         kept = [j for j in judged if j not in caught]
         parts = []
