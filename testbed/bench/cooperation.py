@@ -168,14 +168,20 @@ def policy_rows(trace: str, rate: float, runs: list[dict]) -> list[dict]:
 def outlier(summary: dict, jobs: list[dict]) -> dict:
     """What a repeat far from its policy's median ran: per job its JCT, the time it waited
     for memory, the plans it ran and when it switched (iteration), the provider's re-plans
-    by reason, and whether the emulator's CPU was saturated: the measured cause of a spread."""
+    by reason, and whether the emulator's CPU was saturated: the measured cause of a spread.
+    ``ran``: the plan each job started on, then each plan it switched to (at its iteration)."""
+    def label(p: dict) -> str:
+        return f"{p.get('algo')}" + (f" on {p['tree']}" if p.get("tree") else "") \
+            + (f" + {p['compressor']}" if p.get("compressor") else "")
+
     return {"repeat": summary.get("repeat", 0), "mean_jct_s": _r(summary["mean_jct_s"]),
             "cpu_bound": bool(summary.get("cpu_bound")),
             "congestion_episodes": summary.get("congestion_episodes"),
             "jobs": [{"job": j.get("job"), "jct_s": _r(j.get("jct_s")),
                       "queued_s": _r(j.get("queued_s")),
-                      "plan": f"{j.get('algo')}" + (f" on {j['tree']}" if j.get("tree") else "")
-                      + (f" + {j['compressor']}" if j.get("compressor") else ""),
+                      "plan": label(j),
+                      "ran": " -> ".join([label(j), *(f"{label(p)} (iteration {p['at']})"
+                                                      for p in j.get("plan_switches") or [])]),
                       "plan_switches": j.get("plan_switches") or [],
                       "replans": j.get("replans") or {}, "cpu_bound": j.get("cpu_bound"),
                       "error": j.get("error")} for j in jobs]}
@@ -264,8 +270,8 @@ def targets(rows: list[dict]) -> dict[str, tuple[bool, str]]:
             met, "; ".join(t for t, ok in ratios if not ok) or ", ".join(t for t, _ok in ratios))
     wide = [f"{r['trace']}@{r['bw_mbps']:g} {r['policy']}: {r['spread']:.2f}"
             + "".join(f" (repeat {o['repeat']}: {o['mean_jct_s']} s; " + ", ".join(
-                f"{j['job']} {j['jct_s']} s on {j['plan']}, {len(j['plan_switches'])} "
-                f"switches" for j in o["jobs"]) + ")" for o in r.get("outliers", []))
+                f"{j['job']} {j['jct_s']} s on {j['ran']}" for j in o["jobs"]) + ")"
+                for o in r.get("outliers", []))
             for r in rows if r["spread"] is not None and r["spread"] > MAX_SPREAD]
     if any(r["repeats"] > 1 for r in rows):
         out["spread (IQR / median) <= 0.25"] = (not wide, "; ".join(wide) or "all")

@@ -30,8 +30,9 @@ target_accuracy, accuracy_ok, plan_changes`` (plan changes the job applied while
 ``plan_changes_logged``: the manager's re-plans of the job while admitted, applied or not;
 ``replans``: those by reason, ``arrival``/``departure``/``congestion``; ``plan_switches``:
 iteration and communication of each applied change; ``plan_errors``: changes that could not
-be applied, e.g. a switch that refused the new registration) and the admission plan
-(``algo, transport, compressor, tree, predicted_comm_s``; ``trimming_ports``: the switch
+be applied, e.g. a switch that refused the new registration) and the plan the job started
+on (``algo, transport, compressor, tree, predicted_comm_s``: its admission plan, or the joint
+plan of the jobs that arrived with it; ``trimming_ports``: the switch
 ports its UET plans made trim) plus the training summary (``comm_s``,
 ``cpu_bound``, ...). One summary
 row per policy (``row = "summary"``): mean and p99 JCT, Jain fairness of slowdowns (JCT over
@@ -306,7 +307,9 @@ class _Trace:
         self.manager = FabricManager(inv, make_policy(policy, model, **kw), model,
                                      probation=exp.telemetry_period_s > 0)
         self.policy = policy
-        self.plans: dict[str, Plan] = {}
+        #: per job, the plan its workers started on: the admission plan, or the joint plan
+        #: of jobs that arrived together (:meth:`on_tick` before the job's launch)
+        self.launched: dict[str, Plan] = {}
         self.running: set[str] = set()
         self.mem: list[tuple[float, float]] = []
         self.total_mem = sum(s.memory_bytes for s in inv.switches) or 1
@@ -352,13 +355,13 @@ class _Trace:
     def _record(self) -> None:
         """Memory in use by the running jobs' current plans (a re-plan counts from the moment
         the manager made it; the job applies it within an iteration or two)."""
-        used = sum(sum(plan_memory(self.plans[j.job], len(j.hosts)).values())
+        used = sum(sum(plan_memory(self.sent[j.job], len(j.hosts)).values())
                    for j in self.reqs if j.job in self.running)
         self.mem.append((round(self.now(), 3), used / self.total_mem))
 
     def on_start(self, i: int, spec: TrainingSpec) -> TrainingSpec:
         plan = self.manager.admit(self.reqs[i], now=self.now())
-        self.plans[self.reqs[i].job] = plan
+        self.launched[self.reqs[i].job] = plan
         self.sent[self.reqs[i].job] = plan
         self.running.add(self.reqs[i].job)
         # the job starts on the plan it was admitted with
@@ -401,6 +404,8 @@ class _Trace:
             plan = plans.get(name)
             if plan is not None and not same_offload(plan, self.sent.get(name)):
                 self.sent[name] = plan
+                if running[i] is None:  # not launched yet: it starts on this plan
+                    self.launched[name] = plan
                 out[i] = apply_plan(self.specs[i], plan)
                 self.versions.setdefault(name, []).append(
                     (out[i], self.manager.plan_version(name)))
@@ -559,7 +564,7 @@ def run_policy(exp: CooperationExperiment, policy: str, net, model: PlanModel, i
     rows = []
     for i, (job, res) in enumerate(zip(exp.jobs, out, strict=True)):
         s, req = res.summary, tr.reqs[i]
-        plan = tr.plans.get(job.name)
+        plan = tr.launched.get(job.name)
         replans = [e for e in tr.manager.log
                    if e.job == job.name and e.old is not None and e.new is not None]
         ideal = ideal_jct_s(req, tr.specs[i], model, inv)
