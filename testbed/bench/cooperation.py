@@ -21,7 +21,11 @@ policy ``cooperative``), alternated with it repeat by repeat on the same network
 per job (policy ``cooperative``) compares its median JCT lying vs honest, with each repeat's
 JCTs, and one row (policy ``cooperative (honest_twin)``) has the twin's mean JCT. Targets:
 the liar gains at most 5 % (lying / honest >= 0.95), the honest jobs lose at most 5 % to it
-(<= 1.05).
+(<= 1.05). Where the claims are on probation (the trace has telemetry and does not take hints
+on trust), the twin also runs with ``trust_hints`` (variant ``honest_twin_trusted``, alternated
+with the others): per job and for the mean JCT, its median JCT on probation vs on trust
+(``probation_vs_trusted``): what the rule that a lie buys nothing costs when nobody lies,
+reported, not a target.
 
 A trace that runs ``cooperative`` beside ``cooperative_no_congestion`` (the same policy
 without congestion re-plans, e.g. ``cloud_congestion``, where another tenant's burst fills the
@@ -64,6 +68,8 @@ BASELINES = {"cooperative_no_congestion": ("congestion re-plans", True),
 LIE_GAIN = 0.05
 #: the variant name of a lying trace's honest twin in :func:`run_cooperation`'s rows
 TWIN = "honest_twin"
+#: the honest twin with the claims ranked at once (``trust_hints``): what probation costs
+TRUSTED = "honest_twin_trusted"
 
 
 def trace_path(name: str) -> Path:
@@ -107,16 +113,26 @@ def measure(emit, quick: bool, traces: str, rates: str, repeats: int, policies: 
     for trace, rate, exp in experiments:
         # a trace with a liar runs beside its honest twin, repeat by repeat on one network
         lies = any(j.overstate != 1 for j in exp.jobs) and "cooperative" in exp.policies
-        runs = run_cooperation(exp, None, say=lambda text: None,
-                               variants={TWIN: honest_twin(exp)} if lies else None)
+        twin = honest_twin(exp)
+        probation = lies and exp.telemetry_period_s > 0 and not exp.trust_hints
+        variants = {TWIN: twin} if lies else {}
+        if probation:  # and without probation: what it costs when nobody lies
+            variants[TRUSTED] = twin.model_copy(update={"trust_hints": True})
+        runs = run_cooperation(exp, None, say=lambda text: None, variants=variants)
+        bw = rate or exp.topology.bw_mbps
         main = [r for r in runs if "variant" not in r]
-        out = policy_rows(trace, rate or exp.topology.bw_mbps, main)
+        out = policy_rows(trace, bw, main)
         if lies:
-            twin = [r for r in runs if r.get("variant") == TWIN]
-            out += honesty_rows(trace, rate or exp.topology.bw_mbps, main, twin)
+            honest = [r for r in runs if r.get("variant") == TWIN]
+            out += honesty_rows(trace, bw, main, honest)
             # the twin's own mean JCT: what every job pays when nobody lies
-            out += [r | {"policy": f"{r['policy']} ({TWIN})"} for r in policy_rows(
-                trace, rate or exp.topology.bw_mbps, twin)]
+            out += [r | {"policy": f"{r['policy']} ({TWIN})"}
+                    for r in policy_rows(trace, bw, honest)]
+        if probation:
+            trusted = [r for r in runs if r.get("variant") == TRUSTED]
+            out += [r | {"policy": f"{r['policy']} ({TRUSTED})"}
+                    for r in policy_rows(trace, bw, trusted)]
+            out += probation_rows(trace, bw, honest, trusted)
         for row in out:
             emit(row)
             rows.append(row)
@@ -222,6 +238,41 @@ def honesty_rows(trace: str, rate: float, lying: list[dict], honest: list[dict])
                     "mean_jct_median_s": None, "spread": None, "failed": sum(
                         r["status"] != "ok" for r in mine),
                     "wrong_sums": sum(r.get("correct") is False for r in mine)})
+    return out
+
+
+def probation_rows(trace: str, rate: float, probation: list[dict], trusted: list[dict]
+                   ) -> list[dict]:
+    """What probation costs when nobody lies: per job of the honest twin (``cooperative``),
+    its median JCT with the claims on probation vs ranked at once (``trust_hints``), paired
+    repeat by repeat on one network, and one row for the twin's mean JCT. Reported, not a
+    target: the issue asks that a lie buy nothing, and this is what that rule costs."""
+    def jcts(runs, name):
+        return [r["jct_s"] for r in runs if r["row"] == "job" and r["job"] == name
+                and r["jct_s"] is not None]
+
+    def means(runs):
+        return [r["mean_jct_s"] for r in runs if r["row"] == "summary"
+                and r["mean_jct_s"] is not None]
+
+    names = list(dict.fromkeys(r["job"] for r in probation if r["row"] == "job"))
+    out = []
+    for name, a, b in [(n, jcts(probation, n), jcts(trusted, n)) for n in names] + [
+            (None, means(probation), means(trusted))]:
+        pa = float(np.median(a)) if a else None
+        pb = float(np.median(b)) if b else None
+        out.append({"trace": f"{trace} probation vs trust", "bw_mbps": rate,
+                    "policy": f"cooperative: {name}" if name else "cooperative: mean JCT",
+                    "role": "probation", "repeats": len(a),
+                    "jct_probation_median_s": _r(pa), "jct_trusted_median_s": _r(pb),
+                    "probation_vs_trusted": _r(pa / pb) if pa and pb else None,
+                    "jcts_probation_s": [_r(x) for x in a], "jcts_trusted_s": [_r(x) for x in b],
+                    "mean_jct_median_s": None, "spread": None, "failed": sum(
+                        r["status"] != "ok" for r in probation + trusted
+                        if r["row"] == "job" and (name is None or r["job"] == name)),
+                    "wrong_sums": sum(r.get("correct") is False for r in probation + trusted
+                                      if r["row"] == "job"
+                                      and (name is None or r["job"] == name))})
     return out
 
 

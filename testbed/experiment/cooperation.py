@@ -163,6 +163,9 @@ class CooperationExperiment(BaseModel):
     telemetry_period_s: float = Field(1.0, ge=0, le=60, description="seconds of trace time "
                                       "between two telemetry snapshots fed to the manager "
                                       "(0: none)")
+    trust_hints: bool = Field(False, description="rank the jobs' claims at once, before "
+                              "telemetry judged them (no probation; a liar is still caught "
+                              "and re-planned): what probation costs honest jobs")
     lease_s: float = Field(3600.0, gt=0, le=3600)
     repeats: int = Field(1, ge=1, le=20, description="runs of the trace per policy "
                          "(interleaved: repeat 0 of every policy, then repeat 1, ...)")
@@ -304,8 +307,10 @@ class _Trace:
                                                                         strict=True)]
         kw = {"trace": self.reqs} if policy == "oracle" else {}
         # hints are judged where telemetry reads the counters: claims on probation till then
+        # (unless the trace takes them on trust)
         self.manager = FabricManager(inv, make_policy(policy, model, **kw), model,
-                                     probation=exp.telemetry_period_s > 0)
+                                     probation=exp.telemetry_period_s > 0
+                                     and not exp.trust_hints)
         self.policy = policy
         #: per job, the plan its workers started on: the admission plan, or the joint plan
         #: of jobs that arrived together (:meth:`on_tick` before the job's launch)

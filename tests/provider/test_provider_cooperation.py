@@ -268,6 +268,48 @@ def test_bench_cooperation_compares_a_liar_with_its_honest_twin():
     assert not met["a liar gains <= 5 %"][0] and not met["honest jobs lose <= 5 % to a liar"][0]
 
 
+def test_bench_cooperation_reports_what_probation_costs_when_nobody_lies():
+    """The honest twin runs twice, claims on probation and on trust (``trust_hints``): per
+    job and for the mean JCT, the ratio of their medians, paired on one network; a report,
+    not one of the targets."""
+    from types import SimpleNamespace
+
+    from testbed.bench.cooperation import honest_twin, probation_rows, targets, trace_path
+    from testbed.experiment.cooperation import _Trace
+    from testbed.provider.manager import inventory_of
+    from testbed.provider.policies import PlanModel
+
+    exp = load_cooperation(trace_path("cloud_cheater"))
+    assert exp.telemetry_period_s > 0 and not exp.trust_hints
+    topo = make_topology("star", n_hosts=6, switch="programmable")
+    net = SimpleNamespace(topo=topo, hosts=[SimpleNamespace(name=h) for h in topo.host_names],
+                          time_dilation=1.0, datapath_clients=dict)
+    for trust, probation in ((False, True), (True, False)):
+        twin = honest_twin(exp).model_copy(update={"trust_hints": trust})
+        tr = _Trace(twin, "cooperative", net, PlanModel(topo), inventory_of(topo, 1 << 17),
+                    say=lambda text: None)
+        assert tr.manager.probation is probation
+        tr.close()
+    with pytest.raises(ValueError, match="trust_hints"):
+        load_cooperation({**EXPERIMENT, "trust_hints": "sometimes"})
+
+    def run(policy_jcts, rep):
+        rows = [{"row": "job", "job": j, "jct_s": t, "status": "ok", "correct": True,
+                 "repeat": rep} for j, t in policy_jcts.items()]
+        return rows + [{"row": "summary", "mean_jct_s": sum(policy_jcts.values()) / 2}]
+
+    on_probation = run({"small": 1.8, "big": 1.8}, 0) + run({"small": 1.7, "big": 1.9}, 1)
+    trusted = run({"small": 1.5, "big": 1.7}, 0) + run({"small": 1.6, "big": 1.7}, 1)
+    rows = {r["policy"]: r for r in probation_rows("cloud_cheater", 50.0, on_probation,
+                                                   trusted)}
+    assert set(rows) == {"cooperative: small", "cooperative: big", "cooperative: mean JCT"}
+    assert rows["cooperative: small"]["probation_vs_trusted"] == round(1.75 / 1.55, 4)
+    assert rows["cooperative: big"]["jcts_trusted_s"] == [1.7, 1.7]
+    assert rows["cooperative: mean JCT"]["probation_vs_trusted"] == round(1.8 / 1.625, 4)
+    assert all(r["failed"] == 0 and r["wrong_sums"] == 0 for r in rows.values())
+    assert targets(list(rows.values())) == {}  # reported, no target of its own
+
+
 @pytest.mark.mininet
 def test_shipped_cheater_is_caught_by_telemetry_on_mininet(tmp_path):
     """experiments/cloud_cheater.toml as shipped: rank 0 of each job reports its iterations
