@@ -113,11 +113,10 @@ def measure(emit, quick: bool, traces: str, rates: str, repeats: int, policies: 
     for trace, rate, exp in experiments:
         # a trace with a liar runs beside its honest twin, repeat by repeat on one network
         lies = any(j.overstate != 1 for j in exp.jobs) and "cooperative" in exp.policies
-        twin = honest_twin(exp)
         probation = lies and exp.telemetry_period_s > 0 and not exp.trust_hints
-        variants = {TWIN: twin} if lies else {}
+        variants = {TWIN: honest_twin(exp)} if lies else {}
         if probation:  # and without probation: what it costs when nobody lies
-            variants[TRUSTED] = twin.model_copy(update={"trust_hints": True})
+            variants[TRUSTED] = variants[TWIN].model_copy(update={"trust_hints": True})
         runs = run_cooperation(exp, None, say=lambda text: None, variants=variants)
         bw = rate or exp.topology.bw_mbps
         main = [r for r in runs if "variant" not in r]
@@ -261,18 +260,17 @@ def probation_rows(trace: str, rate: float, probation: list[dict], trusted: list
             (None, means(probation), means(trusted))]:
         pa = float(np.median(a)) if a else None
         pb = float(np.median(b)) if b else None
+        mine = [r for r in probation + trusted
+                if r["row"] == "job" and (name is None or r["job"] == name)]
         out.append({"trace": f"{trace} probation vs trust", "bw_mbps": rate,
                     "policy": f"cooperative: {name}" if name else "cooperative: mean JCT",
                     "role": "probation", "repeats": len(a),
                     "jct_probation_median_s": _r(pa), "jct_trusted_median_s": _r(pb),
                     "probation_vs_trusted": _r(pa / pb) if pa and pb else None,
                     "jcts_probation_s": [_r(x) for x in a], "jcts_trusted_s": [_r(x) for x in b],
-                    "mean_jct_median_s": None, "spread": None, "failed": sum(
-                        r["status"] != "ok" for r in probation + trusted
-                        if r["row"] == "job" and (name is None or r["job"] == name)),
-                    "wrong_sums": sum(r.get("correct") is False for r in probation + trusted
-                                      if r["row"] == "job"
-                                      and (name is None or r["job"] == name))})
+                    "mean_jct_median_s": None, "spread": None,
+                    "failed": sum(r["status"] != "ok" for r in mine),
+                    "wrong_sums": sum(r.get("correct") is False for r in mine)})
     return out
 
 
