@@ -31,6 +31,10 @@ MAX_INA_WORKERS = 32
 MAX_IFNAME = 15
 #: Highest link rate we shape (HTB on a veth); Mininet's own guard is 1000 Mb/s, we lift it.
 MAX_BW_MBPS = 100_000.0
+#: Most hosts, and most switches of one tier, a topology may plan: far beyond what one
+#: machine's namespaces and processes emulate, and checked before the graph is built (a
+#: mistyped count would otherwise build millions of nodes until memory runs out).
+MAX_NODES = 4096
 SWITCH_KINDS = ("programmable", "bridge")
 
 
@@ -287,6 +291,10 @@ class TestbedTopo(Topo):
         self._smartnic_opt = smartnic
         self.aggregator_option = aggregator
         self._n_hosts_planned = self.planned_hosts()
+        if self._n_hosts_planned > MAX_NODES:
+            raise TopologyError(f"{self.kind} with {self.params()} plans "
+                                f"{self._n_hosts_planned:,} hosts; at most {MAX_NODES} "
+                                "(each is a network namespace and processes on this machine)")
         self._nic_ranks = self._resolve_smartnic(smartnic, self._n_hosts_planned)
 
         super().__init__()  # calls build()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .base import MAX_BW_MBPS, TestbedTopo, TopologyError, check_int
+from .base import MAX_BW_MBPS, MAX_NODES, TestbedTopo, TopologyError, check_int
 
 
 class LeafSpine(TestbedTopo):
@@ -33,6 +33,8 @@ class LeafSpine(TestbedTopo):
         check_int("leaves", leaves, 1)
         check_int("spines", spines, 1)
         check_int("hosts_per_leaf", hosts_per_leaf, 1)
+        if spines > MAX_NODES:  # the hosts are bounded by the base, the spines are not
+            raise TopologyError(f"spines must be at most {MAX_NODES}, got {spines:,}")
         if isinstance(oversubscription, bool) or not isinstance(oversubscription, (int, float)) \
                 or not math.isfinite(oversubscription) or oversubscription <= 0:
             raise TopologyError(

@@ -189,6 +189,9 @@ class TrainingSpec(Communication):
                 raise FieldError("workers", f"TrainingSpec.workers={self.workers} exceeds the "
                                  f"{len(self.hosts)} hosts listed in hosts")
         if n_hosts is not None:
+            if self.hosts is None and self.workers is not None and self.workers > n_hosts:
+                raise FieldError("workers", f"TrainingSpec.workers={self.workers:,} exceeds the "
+                                 f"{n_hosts} hosts of the network")
             idx = self.host_indices(n_hosts)
             bad = [h for h in idx if h >= n_hosts]
             if bad:

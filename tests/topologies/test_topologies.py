@@ -39,6 +39,20 @@ from testbed.topologies.base import host_ip, host_mac
 # ----- graph, naming, validation (no network) --------------------------------------------
 
 
+@pytest.mark.parametrize("kind, params", [
+    ("star", {"n_hosts": 5000}),
+    ("leaf_spine", {"leaves": 1 << 40}),
+    ("leaf_spine", {"hosts_per_leaf": 1 << 40}),
+    ("leaf_spine", {"spines": 1 << 40, "bw_mbps": None}),  # no uplink rate refuses it first
+    ("fat_tree", {"k": 1 << 20}),
+])
+def test_a_count_beyond_what_one_machine_emulates_is_refused_before_building(kind, params):
+    """A mistyped count (found by the experiment-file fuzz test: 2**40 leaves) is refused at
+    once, naming the limit, instead of building nodes until memory runs out."""
+    with pytest.raises(TopologyError, match="at most 4096"):
+        make_topology(kind, **params)
+
+
 def test_star_naming_addresses_and_links():
     t = Star(3, bw_mbps=50)
     assert t.host_names == ["tbh1", "tbh2", "tbh3"]

@@ -123,6 +123,8 @@ def test_batches_cover_an_epoch_without_replacement():
     ({"algo": "ina", "compressor": "topk"}, "compressor"),
     ({"dataset": "synthetic", "features": 2, "classes": 9}, "classes"),
     ({"time_dilation": 0.5}, "time_dilation"),
+    ({"workers": 5}, "workers"),
+    ({"workers": 1 << 40}, "workers"),  # refused before a list of that many ranks is made
 ])
 def test_bad_specs_name_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"TrainingSpec\.{field}\b"):
