@@ -78,8 +78,9 @@ from mininet.nodelib import LinuxBridge
 
 from testbed import warm
 from testbed.cleanup import cleanup, leftovers, remove_job_dirs, temp_dir
+from testbed.datapath import forks
 from testbed.datapath.control import RUN_DIR, DatapathClient
-from testbed.datapath.engine import DEFAULT_COALESCE_US, MAX_COALESCE_US
+from testbed.datapath.engine import DEFAULT_COALESCE_US, MAX_COALESCE_US, rx_ring_frames
 from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
 from testbed.netlock import emulation_lock, is_held
 
@@ -413,6 +414,9 @@ class TestbedNet(FabricRoutes):
         #: node -> how many times its engine was restarted (a job's registration on it is
         #: gone once this changes)
         self.engine_starts: dict[str, int] = {}
+        #: the fork server of this network's engines while it runs (None: each engine is
+        #: started as a process of its own)
+        self.engine_server: forks.EngineServer | None = None
         self._check_switch_nodes()
         # bad overrides and options fail here, before anything is built
         self._engine_shaped = engine_shaped_ports(topo, self.programs_plan())
@@ -519,6 +523,7 @@ class TestbedNet(FabricRoutes):
             # compile the same kernels each take 10x longer than one, past their timeout)
             warm.ensure_stages(sorted({name for sw in prog
                                       for name, _ in getattr(sw, "programs", ())}))
+            self._start_engine_server(prog)
             # Node start-up touches neighbours' shells too (offloads on the peer end): make
             # every node's cmd() exclusive while the threads run.
             for node in mn.hosts + mn.switches:
@@ -527,15 +532,37 @@ class TestbedNet(FabricRoutes):
                 for fut in [ex.submit(sw.start, []) for sw in prog]:
                     fut.result()
 
+    def _start_engine_server(self, prog: list) -> None:
+        """Start the fork server the engines of ``prog`` start from
+        (:mod:`testbed.datapath.forks`), loading their stages and port counts once; nothing
+        with ``TESTBED_ENGINE_START=exec``."""
+        if forks.start_mode() != "fork":
+            return
+        os.makedirs(RUN_DIR, exist_ok=True)
+        self.engine_server = forks.EngineServer(
+            stages={name for sw in prog for name, _ in getattr(sw, "programs", ())},
+            port_counts={len(sw.port_names()) for sw in prog},
+            log_path=os.path.join(RUN_DIR, f"forks.{os.getpid()}.{id(self):x}.log"))
+        for sw in prog:
+            sw.spawner = self.engine_server
+
     def _stop_engines(self) -> None:
-        """Stop all engines in parallel, keeping their final counters."""
+        """Stop all engines in parallel, keeping their final counters, then their fork
+        server."""
         mn = self.mininet
         prog = [sw for sw in mn.switches if hasattr(sw, "stop_engine")]
-        if not prog:
-            return
-        with ThreadPoolExecutor(max_workers=min(8, len(prog))) as ex:
-            results = list(ex.map(lambda sw: (sw.name, sw.stop_engine()), prog))
-        self.final_counters = dict(results)
+        try:
+            if prog:
+                with ThreadPoolExecutor(max_workers=min(8, len(prog))) as ex:
+                    results = list(ex.map(lambda sw: (sw.name, sw.stop_engine()), prog))
+                self.final_counters = dict(results)
+        finally:
+            server, self.engine_server = self.engine_server, None
+            if server is not None:
+                server.close()
+                if server.proc.returncode == 0:
+                    with contextlib.suppress(OSError):
+                        os.unlink(server.log_path)
 
     def _teardown(self) -> None:
         t = time.monotonic()
@@ -755,6 +782,8 @@ class TestbedNet(FabricRoutes):
                 info["flood_ports"] = self._flood_ports(name)
             info.update(self.engine_opts)
             info["coalesce_us"] = self._coalesce_us(self.time_dilation)
+            if "rx_ring_frames" not in self.engine_opts:
+                info["rx_ring_frames"] = self._rx_ring_frames(name)
             topo.setNodeInfo(name, info)
         self._assign_servers()
 
@@ -845,6 +874,16 @@ class TestbedNet(FabricRoutes):
         800 µs, fidelity 1.03-1.07 either way)."""
         base = float(self.engine_opts.get("coalesce_us", DEFAULT_COALESCE_US))
         return min(base * factor, MAX_COALESCE_US)
+
+    def _rx_ring_frames(self, node: str) -> int:
+        """RX ring slots of ``node``'s ports: sized for its fastest link at the dilation the
+        network is built with (``engine.rx_ring_frames``; an unshaped link gets the most). A
+        later, smaller factor keeps them: frames a full ring refused show as the port's
+        ``rx_kernel_drops``."""
+        rates = [s.bw_mbps for s in self.topo.link_specs if node in (s.a, s.b)]
+        fastest = None if not rates or None in rates else max(rates)
+        return rx_ring_frames(fastest, self.time_dilation,
+                              self._coalesce_us(self.time_dilation))
 
     def _dilated_stage_updates(self, factor: float) -> dict[str, list[tuple[str, dict]]]:
         """Node -> ``[(stage, settings), ...]`` that re-time its engine for ``factor``: the

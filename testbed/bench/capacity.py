@@ -52,6 +52,13 @@ the host allows it, :func:`testbed.collectives.ina.udp_gso_usable`, the default;
 before; the ring's TCP is unaffected).
 ``time_dilation`` runs the whole sweep at that factor (links at ``bw_mbps / f``, times
 reported undilated, the rows' CPU per packet then what the dilated run spent).
+
+``fabric``: ``star`` (the sweep above) or ``fat_tree``: a programmable fat-tree of ``n``
+hosts (16: k=4, 128: k=8), where a packet crosses up to five switches. Its engine figures
+sum every switch's engine, and the figure to compare is then ``cpu_s_per_kpkt_delivered``
+(an extra key, on stars too): the machine's CPU-seconds per thousand packets the hosts'
+interfaces *received*, i.e. per emulated packet delivered end to end, however many hops it
+crossed (on a star it equals the machine figure but for drops).
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from testbed.collectives.cpumon import kernel_events
 from testbed.collectives.dilation import MAX_AUTO_FACTOR, calibrate
 from testbed.datapath.engine import SCHED_POLICIES
 from testbed.experiment.results import cpu_model
-from testbed.topologies import Star, TestbedNet
+from testbed.topologies import FatTree, Star, TestbedNet
 from testbed.topologies.pipeline import DatapathOptions
 
 MiB = 1 << 20
@@ -78,13 +85,17 @@ DILATE_WORKERS = (8, 16)
 SHAPING = ("engine", "qdisc")
 #: how INA workers send: UDP GSO runs or one datagram per sendmmsg entry (``TESTBED_INA_GSO``)
 WORKER_SEND = ("gso", "mmsg")
+#: what is emulated: a star of n hosts, or a fat-tree of n hosts (its k by FAT_TREE_K)
+FABRICS = ("star", "fat_tree")
+FAT_TREE_K = {16: 4, 128: 8}
 #: the shortest timed run whose machine-wide CPU is reported: ``/proc/stat`` counts in ticks
 #: of 10 ms, so a 2-core machine's 0.5 s is 100 ticks (a 50 ms run read 0 busy ticks)
 MACHINE_MIN_WALL_S = 0.5
 ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
-              "ctx_switches_per_pkt", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
+              "ctx_switches_per_pkt", "cpu_s_per_kpkt_delivered", "delivered_kpkts",
+              "fabric", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
               "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "sched",
               "worker_send", "bytes", "time_dilation", "dilation_note", "cpu_model",
               "speed_probe_s", "speed_probe_end_s")
@@ -92,15 +103,16 @@ HEADERS = ("algo", "n", "Mb/s", "cpu_bound", "engine s/kpkt", "worker s/kpkt", "
            "min f", "time s", "model s", "correct", "cores", "wait", "engine", "machine s/kpkt")
 
 
-def iface_packets(host) -> int:
-    """Packets sent plus received by ``host``'s data interfaces (kernel counters)."""
+def iface_packets(host, sent: bool = True) -> int:
+    """Packets received (and, with ``sent``, sent) by ``host``'s data interfaces (kernel
+    counters)."""
     total = 0
     for line in host.cmd("cat /proc/net/dev").splitlines():
         name, sep, rest = line.partition(":")
         if not sep or name.strip() == "lo" or not rest.split()[0].isdigit():
             continue
         f = rest.split()
-        total += int(f[1]) + int(f[9])
+        total += int(f[1]) + (int(f[9]) if sent else 0)
     return total
 
 
@@ -110,20 +122,32 @@ def engine_totals(counters: dict) -> tuple[int, float]:
             float(counters["cpu_seconds"]))
 
 
+def _engines_totals(net) -> tuple[int, float]:
+    """:func:`engine_totals` summed over every engine of ``net``."""
+    pk, cpu = 0, 0.0
+    for client in net.datapath_clients().values():
+        p, c = engine_totals(client.counters())
+        pk, cpu = pk + p, cpu + c
+    return pk, cpu
+
+
 def measure_once(net, algo: str, nbytes: int, window: int, timeout_s: float) -> dict:
-    """Run ``algo`` once on ``net`` (a star with its engine on ``tbs1``); one row (no
-    ``max_workers_not_cpu_bound`` yet)."""
+    """Run ``algo`` once on ``net`` (a star, or any fabric of programmable switches); one
+    row (no ``max_workers_not_cpu_bound`` yet)."""
     hosts = net.hosts
     n = len(hosts)
-    client = net.switch_client("tbs1")
-    pk0, cpu0 = engine_totals(client.counters())
+    pk0, cpu0 = _engines_totals(net)
     if0 = sum(iface_packets(h) for h in hosts)
+    rx0 = sum(iface_packets(h, sent=False) for h in hosts)
     ev0 = kernel_events()
-    spec = CollectiveSpec(algo=algo, nbytes=nbytes, window=window, timeout_s=timeout_s)
+    spec = CollectiveSpec(algo=algo, nbytes=nbytes, window=window, timeout_s=timeout_s,
+                          placement={"tree": "auto"} if algo == "ina" and
+                          len(net.datapath_clients()) > 1 else {})
     r = run_collective(net, spec)[0]
     ev1 = kernel_events()
-    pk1, cpu1 = engine_totals(client.counters())
+    pk1, cpu1 = _engines_totals(net)
     worker_pkts = sum(iface_packets(h) for h in hosts) - if0
+    delivered = sum(iface_packets(h, sent=False) for h in hosts) - rx0
     engine_pkts = pk1 - pk0
     # the cores' busy time over the timed run: its busy fraction x cores x wall time, from
     # the kernel's ticks, so only for a run long enough for them (None below)
@@ -142,6 +166,9 @@ def measure_once(net, algo: str, nbytes: int, window: int, timeout_s: float) -> 
         "max_workers_not_cpu_bound": None,
         "cpu_s_per_kpkt_machine": round(machine_s / (engine_pkts / 1e3), 5)
         if engine_pkts and machine_s is not None else None,
+        "cpu_s_per_kpkt_delivered": round(machine_s / (delivered / 1e3), 5)
+        if delivered and machine_s is not None else None,
+        "delivered_kpkts": round(delivered / 1e3, 1),
         "time_s": round(r["time_s"], 4), "model_s": round(r["model_s"], 4),
         "correct": r["correct"], "cpu_util": r["cpu_util"], "cpu_wait": r["cpu_wait"],
         "cpu_engine": r["cpu_engine"], "cpu_max": r["cpu_max"],
@@ -191,8 +218,14 @@ def speed_probe_s(reps: int = 5) -> float:
 def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * MiB,
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
         time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS, shaping: str = "engine",
-        sched: str = "fifo", worker_send: str = "gso", log=sys.stderr) -> list[dict]:
+        sched: str = "fifo", worker_send: str = "gso", fabric: str = "star",
+        log=sys.stderr) -> list[dict]:
     """The sweep (see the module docstring); rows in (algo, n) order."""
+    if fabric not in FABRICS:
+        raise ValueError(f"fabric must be one of {FABRICS}, got {fabric!r}")
+    if fabric == "fat_tree" and any(int(n) not in FAT_TREE_K for n in workers):
+        raise ValueError(f"workers: a fat-tree holds {sorted(FAT_TREE_K)} hosts (k="
+                         f"{sorted(FAT_TREE_K.values())}), got {list(workers)}")
     if isinstance(time_dilation, bool) or not isinstance(time_dilation, int | float) \
             or not 1 <= time_dilation <= MAX_AUTO_FACTOR:
         raise ValueError(f"time_dilation must be a number in 1..{MAX_AUTO_FACTOR:g}, got "
@@ -216,7 +249,7 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
     os.environ["TESTBED_INA_GSO"] = "1" if worker_send == "gso" else "0"
     try:
         return _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation,
-                      dilate_workers, shaping, sched, worker_send, log)
+                      dilate_workers, shaping, sched, worker_send, fabric, log)
     finally:
         if saved is None:
             os.environ.pop("TESTBED_INA_GSO", None)
@@ -225,13 +258,14 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
 
 
 def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation,
-           dilate_workers, shaping, sched, worker_send, log) -> list[dict]:
+           dilate_workers, shaping, sched, worker_send, fabric, log) -> list[dict]:
     options = DatapathOptions(shape_in_engine=shaping == "engine")
     cpu = cpu_model()
     probe = speed_probe_s()
     rows: list[dict] = []
     for n in sorted({int(n) for n in workers}):
-        topo = Star(n, bw_mbps=bw_mbps, switch="programmable")
+        topo = (Star(n, bw_mbps=bw_mbps, switch="programmable") if fabric == "star" else
+                FatTree(k=FAT_TREE_K[n], bw_mbps=bw_mbps, switch="programmable"))
         with TestbedNet(topo, engine_opts={"io": io, "sched": sched},
                         time_dilation=time_dilation, datapath=options) as net:
             for algo in algos:
@@ -247,13 +281,14 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
                            "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
                 row.setdefault("min_time_dilation", None)
                 row.update(io=io, shaping=shaping, sched=sched, worker_send=worker_send,
-                           time_dilation=time_dilation,
+                           fabric=fabric, time_dilation=time_dilation,
                            cpu_model=cpu, speed_probe_s=probe)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
                       f"{row['cpu_s_per_kpkt_engine']} s/kpkt, worker "
                       f"{row['cpu_s_per_kpkt_worker']} s/kpkt, machine "
-                      f"{row.get('cpu_s_per_kpkt_machine')} s/kpkt, time {row.get('time_s')} s "
+                      f"{row.get('cpu_s_per_kpkt_machine')} s/kpkt (delivered: "
+                      f"{row.get('cpu_s_per_kpkt_delivered')}), time {row.get('time_s')} s "
                       f"(model {row.get('model_s')} s), correct={row['correct']}"
                       + (f" ERROR {row['error']}" if "error" in row else ""), file=log)
     probe_end = speed_probe_s()
@@ -267,13 +302,13 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
 
 
 def measure(emit, quick: bool, workers: str, io: str, shaping: str, sched: str,
-            worker_send: str, mib: int, bw: float, time_dilation: float, dilate: str
-            ) -> Outcome:
+            worker_send: str, mib: int, bw: float, time_dilation: float, dilate: str,
+            fabric: str) -> Outcome:
     """``testbed bench capacity`` (:mod:`testbed.bench.protocol`); ok when every run
     completed correctly."""
     rows = run(workers=parse_ints("workers", workers), io=io, nbytes=mib * MiB, bw_mbps=bw,
                time_dilation=time_dilation, dilate_workers=parse_ints("dilate", dilate),
-               shaping=shaping, sched=sched, worker_send=worker_send)
+               shaping=shaping, sched=sched, worker_send=worker_send, fabric=fabric)
     notes = {"speed_probe_s": rows[0]["speed_probe_s"] if rows else None,
              "speed_probe_end_s": rows[0]["speed_probe_end_s"] if rows else None,
              "speed_probe": "a pure-Python loop of 3 M additions before and after: larger = "

@@ -202,7 +202,8 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "packet, and the smallest time dilation that keeps them below saturation.",
         "testbed.bench.capacity:measure", case=("algo", "n"),
         columns=("algo", "n", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
-                 "cpu_engine", "cpu_s_per_kpkt_machine", "cpu_bound"),
+                 "cpu_engine", "cpu_s_per_kpkt_machine", "cpu_s_per_kpkt_delivered",
+                 "cpu_bound"),
         options=(Option("workers", "2,4,8,16", "host counts of the sweep", quick="2,4"),
                  Option("io", "ring", "engine packet I/O: ring or mmsg"),
                  Option("shaping", "engine", "who shapes the switch's ports: engine (its shape "
@@ -215,7 +216,9 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("bw", 100.0, "link rate (Mb/s)"),
                  Option("time_dilation", 1.0, "run the sweep at this factor (>= 1)"),
                  Option("dilate", "8,16", "host counts at which the smallest non-saturating "
-                        "dilation factor is searched ('' for none)", quick="")),
+                        "dilation factor is searched ('' for none)", quick=""),
+                 Option("fabric", "star", "star (the sweep of host counts) or fat_tree (16 "
+                        "hosts: k=4, 128: k=8; compare cpu_s_per_kpkt_delivered)")),
         quick_help="2 and 4 workers, 1 MiB, no dilation search"),
     Benchmark(
         "scale", "64 and 128 workers on one machine (programmable leaf-spine, fat-tree k=8): "

@@ -27,10 +27,13 @@ SETUP_KEYS = ("build_s", "start_s", "configure_s")
 
 
 def _network_pss_mb(net) -> float:
-    """PSS (MB) of the network's node shells and data-path engines."""
+    """PSS (MB) of the network's node shells and data-path engines (and the fork server
+    they share their loaded code with)."""
     mn = net.mininet
     pids = {node.pid for node in mn.hosts + mn.switches if node.pid}
     pids.update(net.engine_pids())
+    if net.engine_server is not None:
+        pids.add(net.engine_server.pid)
     return sum(pss_mb(p) for p in pids)
 
 
@@ -80,6 +83,7 @@ def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: f
                        "switches": len(net.mininet.switches), "setup_s": round(setup_s, 2),
                        "up_wall_s": round(time.monotonic() - t0, 2),
                        "fabric_pss_mb": round(fabric_mb, 1),
+                       "engine_start": "fork" if net.engine_server else "exec",
                        "time_dilation": time_dilation}
             peak_workers_mb = 0.0
             algo_rows = []

@@ -26,6 +26,10 @@ order, then one Numba call tallies the batch and sorts rows per egress port (``P
 flows the loop does not poll at all. SIGTERM/SIGINT (or the control command ``stop``) end it
 cleanly; final counters go to ``--counters-out``.
 
+``python -m testbed.datapath.engine --fork-server FD --stages ... --port-counts ...`` is the
+engines' fork server instead (:mod:`testbed.datapath.forks`): a network's engines are forked
+from it, with their kernels already loaded, and run :func:`main` as above.
+
 Stages are looked up by name in :data:`testbed.datapath.programs.STAGES` (``"module:Class"``
 strings, imported lazily) or given directly as ``"package.module:Class"``. A stage class is built with its settings as
 keyword arguments, plus ``ports=[names]`` if its ``__init__`` accepts ``ports`` (or ``**kw``).
@@ -38,6 +42,7 @@ together with its callers).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -59,7 +64,15 @@ from testbed.datapath.batch import (
     Stage,
 )
 from testbed.datapath.control import ControlServer
-from testbed.datapath.io import RingPort, disable_offloads, open_port, rings_rx, rings_tx
+from testbed.datapath.io import (
+    RING_FRAME,
+    RingPort,
+    disable_offloads,
+    load_port_kernels,
+    open_port,
+    rings_rx,
+    rings_tx,
+)
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
 from testbed.lifeline import follow_owner
@@ -86,6 +99,28 @@ COALESCE_IDLE = 0.25
 #: a CPU (4 ms at 500 kpps); TX holds a burst plus what a shaped port's qdisc still queues
 RX_RING_FRAMES = 2048
 TX_RING_FRAMES = 1024
+#: sizing an RX ring by its port's rate (:func:`rx_ring_frames`): the smallest frame, the
+#: CPU wait a ring absorbs (2048 slots of 64 B frames at 100 Mb/s: 10 ms) and the fewest slots
+MIN_FRAME_BYTES = 64
+RX_ABSORB_S = 0.010
+MIN_RX_RING_FRAMES = 256
+
+
+def rx_ring_frames(bw_mbps: float | None, time_dilation: float = 1.0,
+                   coalesce_us: float = DEFAULT_COALESCE_US) -> int:
+    """RX ring slots for ports of at most ``bw_mbps`` (None: unshaped) on a network dilated
+    by ``time_dilation`` whose engines wait ``coalesce_us`` (already dilated): what arrives
+    in smallest frames at the dilated rate while the engine waits out its longest coalescing
+    wait and a CPU wait of :data:`RX_ABSORB_S`, in a power of two from
+    :data:`MIN_RX_RING_FRAMES` to :data:`RX_RING_FRAMES`. A fat-tree k=8 switch at 100 Mb/s
+    and dilation 64 needs 256 of the 2048 slots (3.5 MB of mapped ring a port less: 2.2 GB
+    over its 80 switches)."""
+    if bw_mbps is None:
+        return RX_RING_FRAMES
+    pps = bw_mbps * 1e6 / time_dilation / (8 * MIN_FRAME_BYTES)
+    wait_s = COALESCE_MAX_FACTOR * coalesce_us * 1e-6 + RX_ABSORB_S
+    need = max(MIN_RX_RING_FRAMES, int(pps * wait_s) + 1)
+    return min(RX_RING_FRAMES, 1 << (need - 1).bit_length())
 
 
 def adapt_hold(hold_s: float, cpu_frac: float, base_s: float) -> float:
@@ -318,9 +353,14 @@ class Engine:
         self._tx_base = np.array([p.tx_base for p in self.io], np.int64)
         self._tx_done = np.zeros(n, np.int64)
         self._rx_start = 0
+        self._load_ring_kernels()
+
+    def _load_ring_kernels(self) -> None:
+        """Compile (first time for this number of ports) or load the kernels of the rings
+        set up, calling them on nothing; one engine at a time: engines of other port counts
+        starting at once would race Numba's cache."""
+        n = len(self._rings[0])
         b = self.batch
-        # compile (first time for this number of ports) or load the kernels now, one engine
-        # at a time: engines of other port counts starting at once would race Numba's cache
         with compile_lock():
             rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length,
                      b.in_port, b.out_port, b.reason, 0, 0)
@@ -470,6 +510,23 @@ class Engine:
         if self.control is not None:
             for fd in self.control.fds():
                 poller.register(fd, self.control.events(fd))
+        # a signal (SIGTERM: stop) wakes the idle wait at once; without this the wait runs
+        # on after the handler (PEP 475), up to IDLE_POLL_MS per engine at every teardown
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread (a test's engine): signals are not ours
+            old_wake = None
+        poller.register(wake_r, select.POLLIN)
+        try:
+            self._serve(poller, port_fds, wake_r)
+        finally:
+            if old_wake is not None:
+                signal.set_wakeup_fd(old_wake)
+            os.close(wake_r)
+            os.close(wake_w)
+
+    def _serve(self, poller, port_fds: dict, wake_r: int) -> None:
         self.running = True
         busy = False
         while self.running:
@@ -479,6 +536,10 @@ class Engine:
             else:
                 events = self._idle_wait(poller)
             for fd, ev in events:
+                if fd == wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_r, 512)
+                    continue
                 if fd in port_fds:
                     if ev & select.POLLERR:  # a link that went down: else poll spins on it
                         port_fds[fd].clear_error()
@@ -622,16 +683,54 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Process entry point (see the module docstring)."""
+def preload_kernels(stages: list[str], port_counts: list[int]) -> None:
+    """Load (or compile) the kernels an engine with each of ``stages`` and each number of
+    ports in ``port_counts`` calls, on empty rings: what the engines' fork server
+    (:mod:`testbed.datapath.forks`) holds for its children. A stage that fails is reported
+    and left to the engines that run it (their logs then say why)."""
+    for name in stages:
+        try:
+            Engine({"ports": ["p0", "p1"], "programs": [name]}).warm_up()
+        except Exception:  # noqa: BLE001 - reported; the engines meet it again
+            print(f"stage {name!r} did not load:\n{traceback.format_exc()}", flush=True)
+    for n in port_counts:
+        eng = Engine({"ports": [f"p{i}" for i in range(n)], "programs": ["forward"]})
+        rings = tuple(np.zeros(RING_FRAME, np.uint8) for _ in range(n))
+        eng._rings = (rings, tuple(r.view("<u4") for r in rings))
+        eng._heads = np.zeros((n, 2), np.int64)
+        eng._rx_nframes = eng._tx_nframes = np.ones(n, np.int64)
+        eng._tx_base = np.zeros(n, np.int64)
+        eng._tx_done = np.zeros(n, np.int64)
+        eng._load_ring_kernels()
+    if port_counts:
+        load_port_kernels(np.zeros(RING_FRAME, np.uint8), Batch(1).buf)
+
+
+def main(argv: list[str] | None = None, control_fd: int | None = None) -> int:
+    """Process entry point (see the module docstring). ``control_fd``: the listening
+    control socket, when this engine was forked with it (its config names the owner's
+    descriptor number)."""
     ap = argparse.ArgumentParser(description="testbed data-path engine")
-    ap.add_argument("--config", required=True, help="JSON config file")
+    ap.add_argument("--config", help="JSON config file")
     ap.add_argument("--counters-out", help="write final counters (JSON) here on exit")
+    ap.add_argument("--fork-server", type=int, metavar="FD",
+                    help="serve forked engines on socket FD (testbed.datapath.forks)")
+    ap.add_argument("--stages", default="", help="with --fork-server: stages to load")
+    ap.add_argument("--port-counts", default="", help="with --fork-server: port counts")
     ap.add_argument("marker", nargs="*", help="testbed-node=<name> (for cleanup)")
     a = ap.parse_args(argv)
+    if a.fork_server is not None:
+        from testbed.datapath.forks import serve
+
+        return serve(a.fork_server, [s for s in a.stages.split(",") if s],
+                     [int(n) for n in a.port_counts.split(",") if n])
+    if not a.config:
+        ap.error("--config is required")
     follow_owner()  # first: a run that dies while this engine compiles takes it along
     with open(a.config) as fh:
         config = json.load(fh)
+    if control_fd is not None:
+        config["control_fd"] = control_fd
     eng = Engine(config)
 
     stopped = []

@@ -503,6 +503,21 @@ def _ring_req(frames: int, frame_size: int = RING_FRAME, block: int = RING_BLOCK
     return struct.pack("IIII", block, blocks, frame_size, blocks * per_block)
 
 
+def load_port_kernels(ring: np.ndarray, buf: np.ndarray, rx_frames: int = 1, tx_base: int = 0,
+                      tx_frames: int = 1) -> None:
+    """Load (or compile) one port's ring kernels by calling them on nothing: at a port's
+    opening, not with its first packet (``ring``: its mapping as uint8; a zeroed array of
+    one frame stands in for it in the engines' fork server)."""
+    ring32 = ring.view("<u4")
+    one_len = np.zeros(1, np.int32)
+    if rx_frames:
+        ring_rx(ring, ring32, RING_FRAME, rx_frames, 0, buf, 0, 0, one_len)
+    if tx_frames:
+        ring_tx(ring, ring32, tx_base, RING_FRAME, tx_frames, 0,
+                np.zeros((1, buf.shape[1]), np.uint8), np.zeros(1, np.int64), one_len, 0)
+        ring_tx_pending(ring32, tx_base, RING_FRAME, tx_frames, 0, 0)
+
+
 class RingPort:
     """One AF_PACKET socket bound to ``ifname`` with a mapped RX ring (TPACKET_V2) and either a
     mapped TX ring (``tx_frames`` > 0) or ``sendmmsg`` (``tx_frames=0``) to send.
@@ -578,14 +593,7 @@ class RingPort:
         self._one = np.zeros((1, buf.shape[1]), np.uint8)
         self._one_len = np.zeros(1, np.int32)
         self._row0 = np.zeros(1, np.int64)
-        # load the kernels now, not with the first packet
-        if self.rx_frames:
-            ring_rx(self.ring, self.ring32, self.frame_size, self.rx_frames, 0, buf, 0, 0,
-                    self._one_len)
-        if self.tx_frames:
-            ring_tx(self.ring, self.ring32, self.tx_base, self.frame_size, self.tx_frames, 0,
-                    self._one, self._row0, self._one_len, 0)
-            ring_tx_pending(self.ring32, self.tx_base, self.frame_size, self.tx_frames, 0, 0)
+        load_port_kernels(self.ring, buf, self.rx_frames, self.tx_base, self.tx_frames)
 
     @property
     def tx_errors(self) -> int:

@@ -43,6 +43,7 @@ from testbed.datapath.control import (
     socket_path,
 )
 from testbed.datapath.engine import COMPILING
+from testbed.datapath.forks import EngineProcess, EngineServer
 from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
@@ -88,7 +89,10 @@ class ProgrammableSwitch(Switch):
         self.engine_settings = {k: params.pop(k) for k in ENGINE_KEYS if k in params}
         self.flood_ports = flood_ports
         self.ready_timeout = ready_timeout
-        self.engine: subprocess.Popen | None = None
+        self.engine: subprocess.Popen | EngineProcess | None = None
+        #: the fork server that starts this node's engine (set by the network that starts
+        #: it; None: the engine is started as a process of its own)
+        self.spawner: EngineServer | None = None
         self.final_counters: dict | None = None
         Switch.__init__(self, name, **params)
         self._files = {k: os.path.join(RUN_DIR, f"{name}.{k}")
@@ -155,7 +159,7 @@ class ProgrammableSwitch(Switch):
         finally:
             client.close()
 
-    def _launch_engine(self, log) -> subprocess.Popen:
+    def _launch_engine(self, log) -> subprocess.Popen | EngineProcess:
         """Write the config and start the engine in this node's namespace, output to ``log``
         (a remote node starts it on its server instead). The control socket listens in this
         (root) network namespace and is inherited by the engine, which runs in the node's:
@@ -167,12 +171,13 @@ class ProgrammableSwitch(Switch):
             config = dict(self.config_dict(), control_fd=ctl.fileno(), control_netns=netns_id())
             with open(self._files["json"], "w") as fh:
                 json.dump(config, fh, indent=1)
-            return self.popen(
-                [sys.executable, "-m", "testbed.datapath.engine", "--config",
-                 self._files["json"], "--counters-out", self._files["counters.json"],
-                 f"testbed-node={self.name}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=(ctl.fileno(),))
+            argv = ["--config", self._files["json"], "--counters-out",
+                    self._files["counters.json"], f"testbed-node={self.name}"]
+            if self.spawner is not None and self.spawner.alive():
+                return self.spawner.spawn(argv, self.pid, log, ctl)
+            return self.popen([sys.executable, "-m", "testbed.datapath.engine", *argv],
+                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              pass_fds=(ctl.fileno(),))
         finally:
             ctl.close()  # the engine holds it now; when it exits, the address is free again
 

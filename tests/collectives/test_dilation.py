@@ -14,7 +14,7 @@ from testbed.collectives import CollectiveSpec
 from testbed.collectives import inakernel as ik
 from testbed.collectives.dilation import Calibration, search
 from testbed.collectives.reference import inakernel as ref
-from testbed.datapath.engine import DEFAULT_COALESCE_US
+from testbed.datapath.engine import DEFAULT_COALESCE_US, rx_ring_frames
 from testbed.experiment.spec import ExperimentError, parse_experiment
 from testbed.testing import shaped_rate_mbps
 from testbed.topologies import Star, TopologyError
@@ -265,6 +265,9 @@ def test_dilated_network_slows_links_stretches_delays_and_reports_undilated_time
         assert net.describe()["time_dilation"] == 2.0
         sw = net.switch_client(next(iter(topo.programmable)))
         assert sw.config()["coalesce_us"] == 2 * DEFAULT_COALESCE_US  # a time like the others
+        # its RX rings sized for the dilated rate: 40 Mb/s at f=2 needs 512 slots, not 2048
+        assert sw.config()["rx_ring_frames"] == rx_ring_frames(40, 2, 2 * DEFAULT_COALESCE_US)
+        assert sw.config()["rx_ring_frames"] == 512
         got2 = shaped_rate_mbps(net.hosts[0], net.hosts[1], net.host_ips[1], 16.0, port=5298)
         hop2 = net.hop_latency_s()
         net.set_time_dilation(4)

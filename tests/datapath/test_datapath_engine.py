@@ -18,7 +18,19 @@ from hypothesis import strategies as st
 from testbed.datapath.aggclient import udp_frame
 from testbed.datapath.batch import PORT_DROP, PORT_FLOOD, PORT_UNSET, Batch, Stage
 from testbed.datapath.control import ControlError, socket_path
-from testbed.datapath.engine import Engine, make_stage, normalize_programs
+from testbed.datapath.engine import (
+    COALESCE_MAX_FACTOR,
+    DEFAULT_COALESCE_US,
+    MAX_COALESCE_US,
+    MIN_FRAME_BYTES,
+    MIN_RX_RING_FRAMES,
+    RX_ABSORB_S,
+    RX_RING_FRAMES,
+    Engine,
+    make_stage,
+    normalize_programs,
+    rx_ring_frames,
+)
 from testbed.datapath.forward import ForwardStage, forward_reference, mac_to_int
 
 PY = [sys.executable, "-m", "testbed.datapath.bench"]
@@ -132,6 +144,26 @@ def test_bad_config_errors_name_the_parameter():
         Engine({"ports": ["a"], "programs": ["forward"], "coalesce_us": -1})
     with pytest.raises(ValueError, match="sched must be one of"):
         Engine({"ports": ["a"], "programs": ["forward"], "sched": "rr"})
+
+
+def test_rx_rings_are_sized_by_the_dilated_port_rate():
+    """Enough slots for what arrives in smallest frames during the longest coalescing wait
+    and the CPU wait a ring absorbs; today's 2048 for unshaped or fast undilated ports."""
+    assert rx_ring_frames(None, 64, 3200) == RX_RING_FRAMES
+    assert rx_ring_frames(100, 1, DEFAULT_COALESCE_US) == RX_RING_FRAMES
+    assert rx_ring_frames(100, 64, 3200) == MIN_RX_RING_FRAMES
+    last = RX_RING_FRAMES
+    for f in (1, 2, 4, 8, 16, 32, 64):
+        for bw in (1, 10, 100, 1000):
+            c = min(DEFAULT_COALESCE_US * f, MAX_COALESCE_US)
+            n = rx_ring_frames(bw, f, c)
+            assert n & (n - 1) == 0 and MIN_RX_RING_FRAMES <= n <= RX_RING_FRAMES
+            arrive = bw * 1e6 / f / (8 * MIN_FRAME_BYTES) * (COALESCE_MAX_FACTOR * c * 1e-6
+                                                             + RX_ABSORB_S)
+            assert n >= arrive or n == RX_RING_FRAMES, (bw, f, n, arrive)
+            assert n >= rx_ring_frames(bw / 2, f, c)
+        assert rx_ring_frames(100, f, c) <= last
+        last = rx_ring_frames(100, f, c)
 
 
 def test_coalescing_wait_is_set_over_the_control_channel():

@@ -39,6 +39,10 @@ def test_bad_arguments_fail_before_building_anything():
         run(workers=(2,), sched="rr")
     with pytest.raises(ValueError, match="worker_send"):
         run(workers=(2,), worker_send="xdp")
+    with pytest.raises(ValueError, match="fabric"):
+        run(workers=(2,), fabric="torus")
+    with pytest.raises(ValueError, match=r"fat-tree holds \[16, 128\] hosts"):
+        run(workers=(8,), fabric="fat_tree")
 
 
 @pytest.mark.mininet
@@ -92,10 +96,28 @@ def test_capacity_machine_cpu_per_packet():
     assert r["cpu_s_per_kpkt_machine"] > 0.5 * r["cpu_s_per_kpkt_engine"] > 0, r
 
 
+@pytest.mark.mininet
+def test_capacity_on_a_fat_tree_counts_every_engine_and_the_packets_delivered():
+    """A fat-tree k=4 of 16 workers: every collective exact, the engine figures sum its 20
+    engines (a packet crosses one to five of them, so they received more packets than the
+    hosts), and the machine's CPU is also given per packet delivered to a host."""
+    rows = run(workers=(16,), fabric="fat_tree", nbytes=4 << 20, timeout_s=120,
+               dilate_workers=())
+    assert [(r["algo"], r["n"]) for r in rows] == [("ina", 16), ("ring", 16)]
+    for r in rows:
+        assert r["correct"] is True and r["fabric"] == "fat_tree", r
+        assert r["engine_kpkts"] > r["delivered_kpkts"] > 0, r
+        if r["time_s"] >= MACHINE_MIN_WALL_S:
+            assert r["cpu_s_per_kpkt_delivered"] > r["cpu_s_per_kpkt_machine"] > 0, r
+    ina, ring = rows
+    # the ring's TCP: every worker receives 2 (n-1)/n of 4 MiB in segments of at most 1448 B
+    assert ring["delivered_kpkts"] >= 16 * 2 * 15 / 16 * (4 << 20) / 1448 / 1e3
+
+
 def test_cli_wiring():
     """`testbed bench capacity --help` reaches our command (no Mininet or Numba import)."""
     out = subprocess.run([sys.executable, "-m", "testbed.cli", "bench", "capacity", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--workers" in out.stdout and "--io" in out.stdout
-    assert "--shaping" in out.stdout and "--sched" in out.stdout
+    assert "--shaping" in out.stdout and "--sched" in out.stdout and "--fabric" in out.stdout
     assert "--worker-send" in out.stdout
