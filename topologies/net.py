@@ -186,6 +186,11 @@ class TBIntf(TCIntf):
         return result
 
 
+#: device groups (``ip link set ... group``) a network's links are deleted by at teardown:
+#: this plus the owner's pid modulo 65536 (two networks never tear down under one pid at once)
+DEVICE_GROUP_BASE = 0x74620000
+
+
 class TBLink(Link):
     """Link with :class:`TBIntf` on both ends (HTB shaping, optional netem)."""
 
@@ -193,6 +198,20 @@ class TBLink(Link):
         kwargs.setdefault("cls1", TBIntf)
         kwargs.setdefault("cls2", TBIntf)
         Link.__init__(self, *args, **kwargs)
+
+    #: its devices were deleted with the network's others (:meth:`TestbedNet._delete_links`)
+    gone = False
+
+    def delete(self):
+        """Delete the link (Mininet's stop), unless the network already deleted its devices:
+        then only forget its interfaces."""
+        if not self.gone:
+            Link.delete(self)
+            return
+        for intf in (self.intf1, self.intf2):
+            intf.node.delIntf(intf)
+            intf.link = None
+        self.intf1 = self.intf2 = None
 
 
 class TBBridge(LinuxBridge):
@@ -252,6 +271,8 @@ class TBBridge(LinuxBridge):
 
 class TBTunnelLink(cluster.TunnelMixin, TBLink):
     """A link between two servers of a cluster network: VXLAN ends, HTB shaping."""
+
+    delete = Link.delete  # two devices, one on each server: each end deleted
 
 
 RemoteTBBridge = cluster.remote_bridge(TBBridge)
@@ -585,6 +606,8 @@ class TestbedNet(FabricRoutes):
             if self.mininet is not None:
                 with contextlib.suppress(Exception):
                     self._stop_engines()
+                with contextlib.suppress(Exception):
+                    self._delete_links()
                 try:
                     self.mininet.stop()
                 except Exception:  # noqa: BLE001 - keep going, the sweep below finishes the job
@@ -608,6 +631,34 @@ class TestbedNet(FabricRoutes):
             self.timings["teardown_s"] = time.monotonic() - t
         if pending:
             raise KeyboardInterrupt(f"signal {pending[0]} during teardown (teardown completed)")
+
+    def _delete_links(self) -> None:
+        """Delete the veth pairs of the links with an end in this namespace in one request:
+        their root ends join a device group (``ip -batch``) and ``ip link del group`` takes
+        them all, peers included, in one batch. An ``ip link del`` per link waits out a
+        grace period of the kernel's each time: 100 veth pairs took 1.6 s one by one and
+        0.05 s as a group; a fat-tree k=8's 384 links were 8.5 s of its 12.5 s teardown.
+        Links this cannot delete (tunnels, ends on other servers, a failed request) are
+        left to Mininet's stop, one by one as before."""
+        picked = {}
+        for link in self.mininet.links:
+            if type(link) is not TBLink:  # tunnels: a VXLAN device per end, per server
+                continue
+            root = [i for i in (link.intf1, link.intf2) if not i.node.inNamespace
+                    and getattr(i.node, "connection", None) is None]
+            if root:
+                picked[root[0].name] = link
+        if not picked:
+            return
+        group = DEVICE_GROUP_BASE + os.getpid() % 0x10000
+        lines = "".join(f"link set dev {name} group {group}\n" for name in picked)
+        subprocess.run(["ip", "-force", "-batch", "-"], input=lines, text=True,
+                       capture_output=True, check=False)
+        gone = subprocess.run(["ip", "link", "del", "group", str(group)], capture_output=True,
+                              check=False).returncode == 0
+        left = _root_ifaces() & set(picked)
+        for name, link in picked.items():
+            link.gone = gone and name not in left
 
     def _our_names(self) -> set[str]:
         """Root-namespace interface names our nodes would create."""
