@@ -50,6 +50,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -121,6 +122,29 @@ def rx_ring_frames(bw_mbps: float | None, time_dilation: float = 1.0,
     wait_s = COALESCE_MAX_FACTOR * coalesce_us * 1e-6 + RX_ABSORB_S
     need = max(MIN_RX_RING_FRAMES, int(pps * wait_s) + 1)
     return min(RX_RING_FRAMES, 1 << (need - 1).bit_length())
+
+
+def at_once(fn, items: list) -> list:
+    """``fn(item)`` for every item, each in a thread of its own, results (or the exception
+    raised) in order. Opening and closing a packet socket's rings wait out a grace period
+    of the kernel's (about 20 ms each): a node's ports done at once share them (a fat-tree
+    k=8's 80 engines stopped in 3.7 s one port after the other, in 0.6 s at once)."""
+    out: list = [None] * len(items)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(items[i])
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(items))]
+    for t in threads:
+        t.start()
+    if items:
+        run(0)
+    for t in threads:
+        t.join()
+    return out
 
 
 def adapt_hold(hold_s: float, cpu_frac: float, base_s: float) -> float:
@@ -322,12 +346,18 @@ class Engine:
 
     def open(self) -> None:
         """Open the ports (and the control socket last: its existence means 'ready')."""
-        for name in self.ports:
+        def open_one(name: str):
             if self.disable_offloads:
                 disable_offloads(name)
-            self.io.append(open_port(name, self.batch.buf, io=self.io_kind,
-                                     rx_frames=self.ring_frames["rx_ring_frames"],
-                                     tx_frames=self.ring_frames["tx_ring_frames"]))
+            return open_port(name, self.batch.buf, io=self.io_kind,
+                             rx_frames=self.ring_frames["rx_ring_frames"],
+                             tx_frames=self.ring_frames["tx_ring_frames"])
+
+        opened = at_once(open_one, self.ports)
+        self.io = [p for p in opened if not isinstance(p, BaseException)]
+        failed = [p for p in opened if isinstance(p, BaseException)]
+        if failed:
+            raise failed[0]
         self.kernel_drops = np.zeros(len(self.ports), np.int64)
         self.tx_lost = np.zeros(len(self.ports), np.int64)
         self._setup_rings()
@@ -375,12 +405,13 @@ class Engine:
     def close(self) -> None:
         """Close ports and the control socket."""
         self._rings = None  # the ports' mappings can only close once nothing refers to them
-        for p in self.io:
-            p.close()
-        self.io = []
+        ports, self.io = self.io, []
+        errors = [e for e in at_once(lambda p: p.close(), ports) if isinstance(e, BaseException)]
         if self.control is not None:
             self.control.close()
             self.control = None
+        if errors:
+            raise errors[0]
 
     # --- per burst -------------------------------------------------------------------------
     def _route(self, n: int) -> None:

@@ -27,6 +27,7 @@ from testbed.datapath.engine import (
     RX_ABSORB_S,
     RX_RING_FRAMES,
     Engine,
+    at_once,
     make_stage,
     normalize_programs,
     rx_ring_frames,
@@ -144,6 +145,25 @@ def test_bad_config_errors_name_the_parameter():
         Engine({"ports": ["a"], "programs": ["forward"], "coalesce_us": -1})
     with pytest.raises(ValueError, match="sched must be one of"):
         Engine({"ports": ["a"], "programs": ["forward"], "sched": "rr"})
+
+
+def test_at_once_runs_every_item_together_and_keeps_order_and_errors():
+    """Ports are opened and closed together (their rings' grace periods overlap): every item
+    reaches a barrier of all of them, results come back in order, an error in its place."""
+    import threading
+
+    meet = threading.Barrier(4, timeout=10)
+
+    def fn(x):
+        meet.wait()  # only passes when all four run at once
+        if x == 2:
+            raise OSError("port 2")
+        return x * 10
+
+    out = at_once(fn, [0, 1, 2, 3])
+    assert out[:2] == [0, 10] and out[3] == 30
+    assert isinstance(out[2], OSError) and str(out[2]) == "port 2"
+    assert at_once(fn, []) == []
 
 
 def test_rx_rings_are_sized_by_the_dilated_port_rate():
