@@ -87,6 +87,7 @@ SHAPING = ("engine", "qdisc")
 WORKER_SEND = ("gso", "mmsg")
 #: what is emulated: a star of n hosts, or a fat-tree of n hosts (its k by FAT_TREE_K)
 FABRICS = ("star", "fat_tree")
+#: the fat-trees the benchmarks build, by their hosts (k^3/4): k=4 and k=8
 FAT_TREE_K = {16: 4, 128: 8}
 #: the shortest timed run whose machine-wide CPU is reported: ``/proc/stat`` counts in ticks
 #: of 10 ms, so a 2-core machine's 0.5 s is 100 ticks (a 50 ms run read 0 busy ticks)

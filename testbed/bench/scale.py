@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from testbed.bench.capacity import FAT_TREE_K
 from testbed.bench.protocol import Outcome, parse_ints
 from testbed.collectives import CollectiveSpec, run_collective
 from testbed.collectives.worker import pss_mb
@@ -45,7 +46,7 @@ def _topology(kind: str, workers: int, bw: float):
         return LeafSpine(leaves=4, spines=2, hosts_per_leaf=workers // 4, bw_mbps=bw,
                          switch="programmable")
     if kind == "fat_tree":
-        k = {16: 4, 128: 8}.get(workers)
+        k = FAT_TREE_K.get(workers)
         if k is None:
             raise ValueError(f"workers={workers}: a fat-tree holds k^3/4 hosts (16 at k=4, "
                              "128 at k=8)")
