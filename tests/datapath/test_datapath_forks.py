@@ -85,6 +85,62 @@ def test_engines_fork_from_one_server_die_restart_and_leave_nothing(monkeypatch)
     assert not any(leftovers().values())
 
 
+@pytest.mark.root_required
+def test_a_forked_engine_enters_the_namespace_it_is_given(tmp_path):
+    """The network's switches share this namespace; a node of its own (here a process in a
+    fresh one, as a host would be) gets its engine there: it serves that namespace's ports,
+    answers on the control socket made here, and stops cleanly with its counters."""
+    import json
+
+    from testbed.datapath.control import ControlError, DatapathClient, control_address, listen
+    from testbed.datapath.forks import EngineServer
+
+    node = "tbfk1"
+    holder = subprocess.Popen(["unshare", "-n", "sleep", "60"])
+    server = eng = None
+    try:
+        ns = _wait(lambda: (os.readlink(f"/proc/{holder.pid}/ns/net")
+                            != os.readlink("/proc/self/ns/net")
+                            and os.readlink(f"/proc/{holder.pid}/ns/net")), 10, "unshare")
+        subprocess.run(["nsenter", "-t", str(holder.pid), "-n", "ip", "link", "set", "lo",
+                        "up"], check=True)
+        config = tmp_path / "c.json"
+        config.write_text(json.dumps({"node": node, "ports": ["lo"], "programs": ["forward"],
+                                      "control_socket": control_address(node),
+                                      "sched": "other"}))
+        os.makedirs(RUN_DIR, exist_ok=True)
+        server = EngineServer(["forward"], [1], str(tmp_path / "server.log"))
+        ctl = listen(control_address(node))
+        with open(tmp_path / "engine.log", "w") as log:
+            eng = server.spawn(["--config", str(config), "--counters-out",
+                                str(tmp_path / "out.json")], holder.pid, log, ctl)
+        ctl.close()
+        client = DatapathClient(control_address(node))
+
+        def answers() -> bool:
+            try:
+                client.request("ping")
+            except ControlError:
+                return False
+            return True
+
+        _wait(answers, 60, "the engine to answer")
+        assert os.readlink(f"/proc/{eng.pid}/ns/net") == ns
+        assert client.counters()["ports"].keys() == {"lo"}
+        client.close()
+        eng.terminate()
+        assert eng.wait(10) == 0
+        assert json.loads((tmp_path / "out.json").read_text())["node"] == node
+    finally:
+        if eng is not None and eng.poll() is None:
+            eng.kill()
+            eng.wait(10)
+        if server is not None:
+            server.close()
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.mininet
 def test_exec_mode_starts_each_engine_as_a_process_of_its_own(monkeypatch):
     from testbed.testing import programmable_star
