@@ -276,17 +276,25 @@ def ideal_jct_s(req: JobRequest, spec: TrainingSpec, model: PlanModel, inv) -> f
     return spec.iterations * (spec.compute_ms / 1000.0 + min(times))
 
 
+#: the causes a re-plan's reason names, by how each of its parts begins
+REPLAN_CAUSES = (("arrival", ("re-plan on arrival",)), ("departure", ("re-plan on departure",)),
+                 ("hints", ("hints disagree", "hints confirmed")),
+                 ("congestion", ("sustained congestion",)))
+
+
 def replan_reasons(changes) -> dict[str, int]:
     """How many of the plan log's re-plans (``PlanChange`` entries with an old and a new
     plan) had which cause: ``arrival``, ``departure``, ``hints`` (judged by telemetry: found
-    wrong, or confirmed while claims were on probation), ``congestion`` (else ``other``)."""
+    wrong, or confirmed while claims were on probation), ``congestion`` (else ``other``). One
+    snapshot may judge hints and find congestion at once: its re-plan names both causes
+    (joined by "; ") and counts under each."""
     out = {"arrival": 0, "departure": 0, "hints": 0, "congestion": 0, "other": 0}
     for e in changes:
-        key = ("arrival" if e.reason.startswith("re-plan on arrival") else
-               "departure" if e.reason.startswith("re-plan on departure") else
-               "hints" if e.reason.startswith(("hints disagree", "hints confirmed")) else
-               "congestion" if e.reason.startswith("sustained congestion") else "other")
-        out[key] += 1
+        parts = e.reason.split("; ")
+        causes = {cause for cause, starts in REPLAN_CAUSES
+                  if any(part.startswith(starts) for part in parts)}
+        for cause in causes or {"other"}:
+            out[cause] += 1
     return out
 
 

@@ -67,6 +67,16 @@ def test_replans_are_counted_by_reason():
            PlanChange(4, "a", p, p, "sustained congestion on s1->s2 (3 snapshots): y")]
     assert replan_reasons(log[1:]) == {"arrival": 1, "departure": 1, "hints": 0, "congestion": 2,
                                        "other": 0}
+    # one snapshot judged a job's hints (two liars, "; " between them) and found congestion:
+    # the re-plan counts under both causes (it counted as hints only, and a congestion test
+    # that met the two together failed)
+    both = PlanChange(5, "a", p, p, "hints disagree with telemetry: b declared 1 B, observed 9 "
+                      "B; c declared 2 B, observed 9 B; sustained congestion on s1->s2 (3 "
+                      "snapshots): y")
+    assert replan_reasons([both]) == {"arrival": 0, "departure": 0, "hints": 1, "congestion": 1,
+                                      "other": 0}
+    odd = PlanChange(6, "a", p, p, "operator: moved by hand")
+    assert replan_reasons([odd])["other"] == 1
 
 
 def test_telemetry_refuses_a_bad_dilation():
