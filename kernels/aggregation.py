@@ -1177,8 +1177,9 @@ class Aggregation:
         self._free_pool(j)
         init_rounds(self.regs, j["base"], j["base"] + j["slots"], j["seq0"])
 
-    def process(self, b: Batch4, n: int) -> int:
-        """Apply ``n`` frames of a batch; return the new batch size."""
+    def process(self, b: Batch4 | tuple, n: int) -> int:
+        """Apply ``n`` frames of a batch (a :class:`Batch4`, or its arrays as a plain tuple,
+        which is passed on as it is); return the new batch size."""
         return aggregate_flat(tuple(b), n, self._regs_t, self._jobs_t, self._agg_t,
                               self.counters_arr)
 

@@ -45,6 +45,10 @@ STAMP_PATH = Path(os.environ.get("NUMBA_CACHE_DIR") or _PACKAGE / "__pycache__")
     "testbed-warm.json"
 
 
+#: the family of the engine groups' own kernel (testbed.datapath.group)
+GROUP_FAMILY = "engine group"
+
+
 @dataclass
 class Warmed:
     """One kernel family: how long compiling (or loading) it took, and the error if it failed."""
@@ -78,10 +82,12 @@ def families() -> list[tuple[str, Callable[[], None]]]:
     broken family does not stop the others)."""
     # here, not at the top: `testbed --help` must not import numba (start-up time)
     from testbed.collectives import fallback, ina, trimmed
+    from testbed.datapath import group
     from testbed.datapath.programs import stage_names
     from testbed.kernels.compressors import COMPRESSORS
 
     out = [(f"stage {s}", _stage(s)) for s in stage_names()]
+    out += [(GROUP_FAMILY, group.warm_up)]
     out += [("ina worker", ina.warm_up), ("host fallback", fallback.warm_up),
             ("trimmed gather", trimmed.warm)]
     out += [(f"compressor {c}", _compressor(c)) for c in COMPRESSORS]
@@ -152,13 +158,15 @@ def compile_lock():
         yield
 
 
-def ensure_stages(stages: Iterable[str], timeout: float = 900.0) -> list[str]:
-    """Warm the data-path stages ``stages`` unless their stamps say they are warm; return the
-    families that were warmed (empty on a warm cache). Compiles in a child process (the
+def ensure_stages(stages: Iterable[str], timeout: float = 900.0,
+                  groups: bool = False) -> list[str]:
+    """Warm the data-path stages ``stages`` (and with ``groups`` the engine groups' loop)
+    unless their stamps say they are warm; return the families that were warmed (empty on a
+    warm cache). Compiles in a child process (the
     caller keeps no Numba state it does not use), one at a time machine-wide (a lock beside
     the stamp), printing a progress line; a family that fails to compile is left to the
     engines, whose start-up error then says why."""
-    wanted = [f"stage {s}" for s in stages]
+    wanted = [f"stage {s}" for s in stages] + ([GROUP_FAMILY] if groups else [])
     if not cold_families(wanted):
         return []
     with compile_lock():

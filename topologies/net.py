@@ -81,7 +81,7 @@ from testbed.cleanup import cleanup, leftovers, remove_job_dirs, temp_dir
 from testbed.datapath import forks
 from testbed.datapath.control import RUN_DIR, DatapathClient
 from testbed.datapath.engine import DEFAULT_COALESCE_US, MAX_COALESCE_US, rx_ring_frames
-from testbed.datapath.nodes import ProgrammableSwitch, SmartNIC
+from testbed.datapath.nodes import ProgrammableSwitch, SharedEngine, SmartNIC
 from testbed.netlock import emulation_lock, is_held
 
 from . import cluster, routing
@@ -383,14 +383,20 @@ class TestbedNet(FabricRoutes):
     ``["localhost", "host2", ...]`` or :class:`~testbed.topologies.cluster.Server` records;
     nodes are spread over them and links between servers become VXLAN tunnels, see
     :mod:`testbed.topologies.cluster` and docs/cluster.md), ``placement`` (with ``servers``:
-    node -> server name that overrides the default placement).
+    node -> server name that overrides the default placement), ``engine_groups`` (None: an
+    engine process per programmable node; n: n processes, each serving a group of nodes
+    that :func:`~testbed.topologies.routing.partition` keeps linked, with the links inside
+    a group carried in memory, see :mod:`testbed.datapath.group`: a multi-switch fabric then
+    costs the machine less CPU per packet, but a group's nodes die and stop together, cannot
+    be restarted one by one, and its memory links cannot be failed).
     """
 
     def __init__(self, topo: TestbedTopo, *, lock_timeout: float = 600.0,
                  offloads_off: bool = True, static_arp: bool = True, check_ping: bool = False,
                  engine_opts: dict | None = None, datapath: DatapathOptions | None = None,
                  switch_nodes: dict[str, dict] | None = None,
-                 time_dilation: float | str = 1.0, servers=None, placement=None):
+                 time_dilation: float | str = 1.0, servers=None, placement=None,
+                 engine_groups: int | None = None):
         if not isinstance(topo, TestbedTopo):
             raise TopologyError(
                 f"topo must be a testbed topology (Star, LeafSpine, FatTree, Dumbbell, Incast "
@@ -456,6 +462,45 @@ class TestbedNet(FabricRoutes):
         #: per tunnelled server pair: measured underlay rate/latency, the emulated rate the
         #: tunnels carry, and whether the underlay is slower (``tunnel_bound``)
         self.tunnels: list[dict] = []
+        #: the programmable nodes each engine process serves (engine_groups), and the
+        #: links those processes carry in memory (interface pairs); none by default
+        self.engine_groups, self.memory_links = self._plan_engine_groups(engine_groups)
+
+    def _plan_engine_groups(self, n: int | None) -> tuple[list[list[str]],
+                                                         list[tuple[str, str]]]:
+        """The engine groups of ``engine_groups=n`` (see the class docstring) and the links
+        they carry in memory; TopologyError for what a group cannot carry."""
+        if n is None:
+            return [], []
+        nodes = sorted(self.topo.programmable)
+        if not nodes:
+            raise TopologyError("engine_groups: this topology has no programmable nodes "
+                                "(build it with switch='programmable')")
+        try:
+            groups = routing.partition(self.topo, nodes, n)
+        except ValueError as e:
+            raise TopologyError(f"engine_groups: {e}") from None
+        if self.servers is not None:
+            raise TopologyError("engine_groups cannot be combined with servers: a group's "
+                                "nodes share one process on one server")
+        if self.engine_opts.get("io", "ring") != "ring":
+            raise TopologyError("engine_groups need the engines' PACKET_MMAP rings "
+                                "(engine_opts io='ring'), got io="
+                                f"{self.engine_opts['io']!r}")
+        group_of = {x: i for i, g in enumerate(groups) for x in g}
+        links = []
+        for spec in self.topo.link_specs:
+            if group_of.get(spec.a, -1) != group_of.get(spec.b, -2):
+                continue
+            ends = (f"{spec.a}-eth{spec.port_a}", f"{spec.b}-eth{spec.port_b}")
+            unshaped = [e for e in ends if e not in self._engine_shaped]
+            if spec.bw_mbps is not None and unshaped:
+                raise TopologyError(
+                    f"engine_groups: link {spec.a}-{spec.b} is shaped by the kernel's HTB on "
+                    f"{unshaped}, which a link carried in memory never crosses; shape in the "
+                    "engines (DatapathOptions(shape_in_engine=True), the default)")
+            links.append(ends)
+        return groups, links
 
     # ----- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> TestbedNet:
@@ -542,9 +587,10 @@ class TestbedNet(FabricRoutes):
         if prog:
             # compiled once here, not by every engine at once (on 2 cores, 20 engines that
             # compile the same kernels each take 10x longer than one, past their timeout)
-            warm.ensure_stages(sorted({name for sw in prog
-                                      for name, _ in getattr(sw, "programs", ())}))
-            self._start_engine_server(prog)
+            stages = sorted({name for sw in prog for name, _ in getattr(sw, "programs", ())})
+            warm.ensure_stages(stages, groups=bool(self.engine_groups))
+            self._share_engines(prog)
+            self._start_engine_server(prog, stages)
             # Node start-up touches neighbours' shells too (offloads on the peer end): make
             # every node's cmd() exclusive while the threads run.
             for node in mn.hosts + mn.switches:
@@ -553,15 +599,26 @@ class TestbedNet(FabricRoutes):
                 for fut in [ex.submit(sw.start, []) for sw in prog]:
                     fut.result()
 
-    def _start_engine_server(self, prog: list) -> None:
+    def _share_engines(self, prog: list) -> None:
+        """Give the nodes of each engine group of more than one node their shared engine
+        (:class:`~testbed.datapath.nodes.SharedEngine`), with the group's memory links."""
+        by_name = {sw.name: sw for sw in prog}
+        for group in self.engine_groups:
+            if len(group) > 1:
+                mine = set(group)
+                SharedEngine([by_name[x] for x in group],
+                             [(a, b) for a, b in self.memory_links
+                              if a.rsplit("-", 1)[0] in mine])
+
+    def _start_engine_server(self, prog: list, stages: list[str]) -> None:
         """Start the fork server the engines of ``prog`` start from
-        (:mod:`testbed.datapath.forks`), loading their stages and port counts once; nothing
-        with ``TESTBED_ENGINE_START=exec``."""
+        (:mod:`testbed.datapath.forks`), loading their ``stages`` and port counts once;
+        nothing with ``TESTBED_ENGINE_START=exec``."""
         if forks.start_mode() != "fork":
             return
         os.makedirs(RUN_DIR, exist_ok=True)
         self.engine_server = forks.EngineServer(
-            stages={name for sw in prog for name, _ in getattr(sw, "programs", ())},
+            stages=stages,
             port_counts={len(sw.port_names()) for sw in prog},
             log_path=os.path.join(RUN_DIR, f"forks.{os.getpid()}.{id(self):x}.log"))
         for sw in prog:
@@ -1170,7 +1227,7 @@ class TestbedNet(FabricRoutes):
             pid = node.engine_pid() if hasattr(node, "engine_pid") else None
             if pid is not None:
                 pids.append(pid)
-        return pids
+        return list(dict.fromkeys(pids))  # an engine group's nodes share one
 
     def _host_names(self, hosts) -> list[str]:
         if hosts is None:
@@ -1335,6 +1392,12 @@ class TestbedNet(FabricRoutes):
             raise TopologyError("this network's programs are given explicitly, so its routes "
                                 "are not the testbed's to recompute: build it without "
                                 "explicit programs to fail links")
+        carried = [f"{x}={y}" for x, y in self.memory_links
+                   if {x.rsplit("-", 1)[0], y.rsplit("-", 1)[0]} == {a, b}]
+        if carried:
+            raise TopologyError(f"link {name} is carried in memory by an engine group "
+                                f"({carried}): no interface of it to take down; build the "
+                                "network without engine_groups to fail it")
         remote = [n for n in (a, b) if self.placement and self.placement.get(n) !=
                   self.servers[0].name]
         if remote:

@@ -85,6 +85,37 @@ def adjacency(topo) -> dict[str, dict[str, tuple[int, float | None]]]:
     return adj
 
 
+def partition(topo, nodes: list[str], n: int) -> list[list[str]]:
+    """``nodes`` in ``n`` groups of near-equal size that keep links inside: each group grows
+    from the first node not yet placed (in name order), always adding the node with the most
+    links into it (ties: fewest links elsewhere, then name), so a fat-tree's pod or a leaf
+    with its spines stays together. What an engine group is built from
+    (``TestbedNet(engine_groups=n)``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max(1, len(nodes)):
+        raise ValueError(f"groups must be a whole number from 1 to {len(nodes)} (the nodes), "
+                         f"got {n!r}")
+    adj = adjacency(topo)
+    left = sorted(nodes)
+    groups: list[list[str]] = []
+    for g in range(n):
+        size = len(left) // (n - g)
+        group = [left.pop(0)]
+        while len(group) < size:
+            inside = set(group)
+            best = min(left, key=lambda x, inside=inside: _pull(adj, inside, x))
+            left.remove(best)
+            group.append(best)
+        groups.append(sorted(group))
+    return groups
+
+
+def _pull(adj, inside: set[str], x: str) -> tuple[int, int, str]:
+    """How much ``x`` belongs with ``inside`` (smaller: more): links into it, then others."""
+    links = adj.get(x, {})
+    into = sum(1 for y in links if y in inside)
+    return (-into, len(links) - into, x)
+
+
 def links_between(topo, a: str, b: str) -> list[LinkSpec]:
     """The links joining nodes ``a`` and ``b`` (either order); ``ValueError`` naming the
     node, or the neighbours of ``a``, when there is none."""

@@ -59,6 +59,10 @@ sum every switch's engine, and the figure to compare is then ``cpu_s_per_kpkt_de
 (an extra key, on stars too): the machine's CPU-seconds per thousand packets the hosts'
 interfaces *received*, i.e. per emulated packet delivered end to end, however many hops it
 crossed (on a star it equals the machine figure but for drops).
+
+``engine_groups``: None (one engine process per switch) or n, the network's
+``engine_groups`` (n processes serving the switches, the links between a process's switches
+in memory; :mod:`testbed.datapath.group`), to compare the two on one machine.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ ROW_KEYS = ("algo", "n", "bw_mbps", "cpu_bound", "cpu_s_per_kpkt_engine",
             "cpu_s_per_kpkt_worker", "max_workers_not_cpu_bound", "min_time_dilation")
 EXTRA_KEYS = ("cpu_s_per_kpkt_machine", "timer_irqs_per_pkt", "net_softirqs_per_pkt",
               "ctx_switches_per_pkt", "cpu_s_per_kpkt_delivered", "delivered_kpkts",
-              "fabric", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
+              "fabric", "engine_groups", "time_s", "model_s", "correct", "cpu_util", "cpu_wait",
               "cpu_engine", "cpu_max", "engine_kpkts", "worker_kpkts", "io", "shaping", "sched",
               "worker_send", "bytes", "time_dilation", "dilation_note", "cpu_model",
               "speed_probe_s", "speed_probe_end_s")
@@ -220,7 +224,7 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
         io: str = "ring", window: int = 64, timeout_s: float = 120.0,
         time_dilation: float = 1.0, dilate_workers=DILATE_WORKERS, shaping: str = "engine",
         sched: str = "fifo", worker_send: str = "gso", fabric: str = "star",
-        log=sys.stderr) -> list[dict]:
+        engine_groups: int | None = None, log=sys.stderr) -> list[dict]:
     """The sweep (see the module docstring); rows in (algo, n) order."""
     if fabric not in FABRICS:
         raise ValueError(f"fabric must be one of {FABRICS}, got {fabric!r}")
@@ -250,7 +254,7 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
     os.environ["TESTBED_INA_GSO"] = "1" if worker_send == "gso" else "0"
     try:
         return _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation,
-                      dilate_workers, shaping, sched, worker_send, fabric, log)
+                      dilate_workers, shaping, sched, worker_send, fabric, engine_groups, log)
     finally:
         if saved is None:
             os.environ.pop("TESTBED_INA_GSO", None)
@@ -259,7 +263,8 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
 
 
 def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation,
-           dilate_workers, shaping, sched, worker_send, fabric, log) -> list[dict]:
+           dilate_workers, shaping, sched, worker_send, fabric, engine_groups, log
+           ) -> list[dict]:
     options = DatapathOptions(shape_in_engine=shaping == "engine")
     cpu = cpu_model()
     probe = speed_probe_s()
@@ -268,7 +273,8 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
         topo = (Star(n, bw_mbps=bw_mbps, switch="programmable") if fabric == "star" else
                 FatTree(k=FAT_TREE_K[n], bw_mbps=bw_mbps, switch="programmable"))
         with TestbedNet(topo, engine_opts={"io": io, "sched": sched},
-                        time_dilation=time_dilation, datapath=options) as net:
+                        time_dilation=time_dilation, datapath=options,
+                        engine_groups=engine_groups) as net:
             for algo in algos:
                 try:
                     row = measure_once(net, algo, nbytes, window, timeout_s)
@@ -282,7 +288,8 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
                            "bytes": nbytes, "error": f"{type(e).__name__}: {e}"}
                 row.setdefault("min_time_dilation", None)
                 row.update(io=io, shaping=shaping, sched=sched, worker_send=worker_send,
-                           fabric=fabric, time_dilation=time_dilation,
+                           fabric=fabric, engine_groups=engine_groups,
+                           time_dilation=time_dilation,
                            cpu_model=cpu, speed_probe_s=probe)
                 rows.append(row)
                 print(f"# {algo} n={n}: cpu_bound={row['cpu_bound']} engine "
@@ -304,12 +311,13 @@ def _sweep(workers, algos, bw_mbps, nbytes, io, window, timeout_s, time_dilation
 
 def measure(emit, quick: bool, workers: str, io: str, shaping: str, sched: str,
             worker_send: str, mib: int, bw: float, time_dilation: float, dilate: str,
-            fabric: str) -> Outcome:
+            fabric: str, engine_groups: int = 0) -> Outcome:
     """``testbed bench capacity`` (:mod:`testbed.bench.protocol`); ok when every run
     completed correctly."""
     rows = run(workers=parse_ints("workers", workers), io=io, nbytes=mib * MiB, bw_mbps=bw,
                time_dilation=time_dilation, dilate_workers=parse_ints("dilate", dilate),
-               shaping=shaping, sched=sched, worker_send=worker_send, fabric=fabric)
+               shaping=shaping, sched=sched, worker_send=worker_send, fabric=fabric,
+               engine_groups=engine_groups or None)
     notes = {"speed_probe_s": rows[0]["speed_probe_s"] if rows else None,
              "speed_probe_end_s": rows[0]["speed_probe_end_s"] if rows else None,
              "speed_probe": "a pure-Python loop of 3 M additions before and after: larger = "

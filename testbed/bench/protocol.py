@@ -186,7 +186,8 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
         "testbed.bench.fidelity:measure", case=("topology", "algo", "bytes"),
         columns=("topology", "algo", "n", "bytes", "time_s", "flow_model_s", "ratio",
                  "time_dilation", "correct", "cpu_bound"),
-        options=(Option("programmable", False, "data path on every switch"),
+        options=(Option("programmable", True, "data path on every switch (off: Linux bridges "
+                        "but for the aggregator's switch)"),
                  Option("time_dilation", "auto", "F or auto", metavar="F|auto"),
                  Option("tcp_cc", None, "TCP congestion control of ring, hd and rs (default: "
                         "the collectives' own, reno; 'host': each host's default); a list runs "
@@ -195,7 +196,10 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                         "leafspine-4:1, fattree-k4)", type=str),
                  Option("queue_ms", None, "every shaped link's queue in ms at its rate "
                         "(default and 0: the kernel's 1000 packets; 500: a lossless fabric, "
-                        "like the model's)", type=float, metavar="MS")),
+                        "like the model's)", type=float, metavar="MS"),
+                 Option("engine_groups", None, "engine processes serving each network's "
+                        "programmable switches, their links in memory (default: 1; 0: one "
+                        "per switch)", type=int, metavar="N")),
         quick_help="one size (4 MiB)"),
     Benchmark(
         "capacity", "INA and ring on stars: most workers without CPU saturation, CPU per "
@@ -218,7 +222,9 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("dilate", "8,16", "host counts at which the smallest non-saturating "
                         "dilation factor is searched ('' for none)", quick=""),
                  Option("fabric", "star", "star (the sweep of host counts) or fat_tree (16 "
-                        "hosts: k=4, 128: k=8; compare cpu_s_per_kpkt_delivered)")),
+                        "hosts: k=4, 128: k=8; compare cpu_s_per_kpkt_delivered)"),
+                 Option("engine_groups", 0, "engine processes serving the switches, their "
+                        "links in memory (0: one per switch)")),
         quick_help="2 and 4 workers, 1 MiB, no dilation search"),
     Benchmark(
         "scale", "64 and 128 workers on one machine (programmable leaf-spine, fat-tree k=8): "
@@ -235,7 +241,9 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("mib", 1.0, "MiB per allreduce", quick=0.25),
                  Option("bw", 100.0, "link rate (Mb/s)"),
                  Option("time_dilation", 64.0, "emulation slow-down factor (128 workers on "
-                        "2 cores: 64 keeps the leaf-spine's runs below saturation)", quick=8.0)),
+                        "2 cores: 64 keeps the leaf-spine's runs below saturation)", quick=8.0),
+                 Option("engine_groups", 1, "engine processes serving each network's "
+                        "switches, their links in memory (0: one per switch)")),
         quick_help="16 workers on the leaf-spine, 256 KiB, dilation 8"),
     Benchmark(
         "liveview", "The notebooks' live fabric view on a running INA experiment: updates per "

@@ -8,6 +8,11 @@ data-path engine, plus the collective's worker processes at their peak (the pool
 ``mem_mb``). Per algorithm (ring, INA on a tree of at most 32 members per switch): exactness
 against numpy, measured against the flow model, and whether the CPU was saturated
 (``cpu_bound``: then the emulator was measured, not the fabric).
+
+The switches' engines run as ``engine_groups`` processes per network (default 1, their
+links in memory: :mod:`testbed.datapath.group`; 0: one per switch). On 2 cores the fat-tree
+k=8's 80 engines were ``cpu_bound`` at dilation 64 (ring 1.81 of the model); one group runs
+them in the band at 14 MB per emulated host.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def _topology(kind: str, workers: int, bw: float):
 
 
 def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: float,
-            bw: float, time_dilation: float) -> Outcome:
+            bw: float, time_dilation: float, engine_groups: int = 1) -> Outcome:
     """``testbed bench scale`` (:mod:`testbed.bench.protocol`): a network row and a row per
     algorithm for every (topology, workers) that exists; ok when every collective was
     exact."""
@@ -77,7 +82,8 @@ def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: f
     rows, notes, targets, ok = [], {}, {}, True
     for kind, n, topo in cases:
         t0 = time.monotonic()
-        with TestbedNet(topo, time_dilation=time_dilation) as net:
+        with TestbedNet(topo, time_dilation=time_dilation,
+                        engine_groups=engine_groups or None) as net:
             setup_s = sum(net.timings.get(k, 0.0) for k in SETUP_KEYS)
             fabric_mb = _network_pss_mb(net)
             net_row = {"topology": kind, "workers": n, "case": "network",
@@ -85,6 +91,7 @@ def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: f
                        "up_wall_s": round(time.monotonic() - t0, 2),
                        "fabric_pss_mb": round(fabric_mb, 1),
                        "engine_start": "fork" if net.engine_server else "exec",
+                       "engine_groups": engine_groups or None,
                        "time_dilation": time_dilation}
             peak_workers_mb = 0.0
             algo_rows = []

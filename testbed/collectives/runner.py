@@ -788,7 +788,7 @@ def _engine_pids(net) -> list[int]:
         eng = getattr(node, "engine", None)
         if eng is not None and getattr(eng, "pid", None) and eng.poll() is None:
             pids.append(int(eng.pid))
-    return pids
+    return list(dict.fromkeys(pids))  # an engine group's nodes share one
 
 
 def adopt_registration(spec: CollectiveSpec, job: dict, workers: list,

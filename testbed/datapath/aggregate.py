@@ -169,6 +169,7 @@ class AggregateStage(Stage):
         self.table = Aggregation(memory_bytes, pool_bytes // (4 * pool_lanes), pool_lanes,
                                  max_slots, max_elems)
         self._rate = (time.monotonic(), 0)
+        self._arrays: tuple | None = None  # the batch's arrays as the kernel takes them
         self.configure(agg_ip=agg_ip, agg_mac=agg_mac, codecs=codecs or list(DEFAULT_CODECS),
                        jobs=jobs or {}, results_via=results_via, pool_fair_share=pool_fair_share)
 
@@ -266,7 +267,10 @@ class AggregateStage(Stage):
     # --- data path ---------------------------------------------------------------------------
     def process(self, batch: Batch, now_ns: int) -> None:
         """Aggregate the contributions in ``batch``; append the packets it emits."""
-        b = Batch4(batch.buf, batch.length, batch.in_port, batch.out_port, batch.reason)
+        b = self._arrays
+        if b is None or b[0] is not batch.buf:  # built once: a batch keeps its arrays
+            b = self._arrays = tuple(Batch4(batch.buf, batch.length, batch.in_port,
+                                            batch.out_port, batch.reason))
         batch.n = self.table.process(b, batch.n)
 
     def counters(self) -> dict:

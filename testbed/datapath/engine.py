@@ -67,6 +67,7 @@ from testbed.datapath.batch import (
 from testbed.datapath.control import ControlServer
 from testbed.datapath.io import (
     RING_FRAME,
+    MemoryPort,
     RingPort,
     disable_offloads,
     load_port_kernels,
@@ -145,6 +146,26 @@ def at_once(fn, items: list) -> list:
     for t in threads:
         t.join()
     return out
+
+
+@contextlib.contextmanager
+def signal_wakeup(poller):
+    """A pipe registered with ``poller`` that a signal (SIGTERM: stop) makes readable, so an
+    idle wait ends at once; without it the wait runs on after the handler (PEP 475), up to
+    :data:`IDLE_POLL_MS` per engine at every teardown. Yields the pipe's read end."""
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread (a test's engine): signals are not ours
+        old_wake = None
+    poller.register(wake_r, select.POLLIN)
+    try:
+        yield wake_r
+    finally:
+        if old_wake is not None:
+            signal.set_wakeup_fd(old_wake)
+        os.close(wake_r)
+        os.close(wake_w)
 
 
 def adapt_hold(hold_s: float, cpu_frac: float, base_s: float) -> float:
@@ -312,11 +333,15 @@ class Engine:
         self.running = False
         self.io = []
         self._rings = None
+        self._kick_ports: list = []
         self.control = None
         self._t0 = time.monotonic()
         self._cpu0 = time.process_time()
         self._cpu_win = (self._t0, self._cpu0, 0.0)  # (wall, cpu, last fraction)
         self.cpu_max = 0.0  # highest 0.5 s CPU fraction seen while serving
+        #: the engine group this node is served by (None: a process of its own), which
+        #: tells its CPU share (:meth:`cpu_seconds`)
+        self.group = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -324,6 +349,7 @@ class Engine:
         self.batch.reset()
         for s in self.stages:
             s.process(self.batch, time.monotonic_ns())
+            s.next_deadline_ns()
         self._route(self.batch.n)
         self.batch.reset()
 
@@ -344,9 +370,15 @@ class Engine:
             self.config["sched_note"] = (f"real-time scheduling refused ({e.strerror}); "
                                          "the engine is time-shared")
 
-    def open(self) -> None:
-        """Open the ports (and the control socket last: its existence means 'ready')."""
+    def open(self, memory: dict | None = None) -> None:
+        """Open the ports (and the control socket last: its existence means 'ready').
+        ``memory``: port name -> :class:`~testbed.datapath.io.MemoryPort` for the ports whose
+        links an engine group carries in memory (:mod:`testbed.datapath.group`)."""
+        memory = memory or {}
+
         def open_one(name: str):
+            if name in memory:
+                return memory[name]
             if self.disable_offloads:
                 disable_offloads(name)
             return open_port(name, self.batch.buf, io=self.io_kind,
@@ -369,8 +401,8 @@ class Engine:
         burst and direction (:func:`rings_rx`, :func:`route_to_rings`): the ports' ring heads
         move into one (ports, 2) array those calls update."""
         self._rings = None
-        if not self.io or not all(isinstance(p, RingPort) and p.rx_frames and p.tx_frames
-                                  for p in self.io):
+        if not self.io or not all(isinstance(p, RingPort | MemoryPort) and p.rx_frames
+                                  and p.tx_frames for p in self.io):
             return
         n = len(self.io)
         self._heads = np.zeros((n, 2), np.int64)
@@ -378,11 +410,16 @@ class Engine:
             self._heads[p] = port.heads
             port.heads = self._heads[p]
         self._rings = (tuple(p.ring for p in self.io), tuple(p.ring32 for p in self.io))
+        # TX slots: in the same mapping (from tx_base) but for a MemoryPort's
+        self._tx_rings = (tuple(p.tx_ring for p in self.io),
+                          tuple(p.tx_ring32 for p in self.io))
         self._rx_nframes = np.array([p.rx_frames for p in self.io], np.int64)
         self._tx_nframes = np.array([p.tx_frames for p in self.io], np.int64)
         self._tx_base = np.array([p.tx_base for p in self.io], np.int64)
         self._tx_done = np.zeros(n, np.int64)
         self._rx_start = 0
+        #: the ports a send() hands frames to (a MemoryPort's peer sees them at once)
+        self._kick_ports = [(p, port) for p, port in enumerate(self.io) if port.io != "memory"]
         self._load_ring_kernels()
 
     def _load_ring_kernels(self) -> None:
@@ -395,16 +432,17 @@ class Engine:
             rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length,
                      b.in_port, b.out_port, b.reason, 0, 0)
             self.tx_count[:] = 0
-            rings_tx(*self._rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
+            rings_tx(*self._tx_rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
                      self.tx_rows, self.tx_count, b.length, self._tx_done)
             route_to_rings(0, b.out_port, b.in_port, b.length, b.reason, n, self.flood_mask,
                            self.tx_rows, self.tx_count, self.rx_pk, self.rx_by, self.tx_pk,
-                           self.tx_by, self.drops, *self._rings, self._heads, self._tx_base,
+                           self.tx_by, self.drops, *self._tx_rings, self._heads, self._tx_base,
                            self._tx_nframes, b.buf, self._tx_done)
 
     def close(self) -> None:
         """Close ports and the control socket."""
-        self._rings = None  # the ports' mappings can only close once nothing refers to them
+        # the ports' mappings can only close once nothing refers to them
+        self._rings = self._tx_rings = None
         ports, self.io = self.io, []
         errors = [e for e in at_once(lambda p: p.close(), ports) if isinstance(e, BaseException)]
         if self.control is not None:
@@ -468,10 +506,10 @@ class Engine:
             done = self._tx_done
             if route_to_rings(n, b.out_port, b.in_port, b.length, b.reason, len(self.ports),
                               self.flood_mask, self.tx_rows, self.tx_count, self.rx_pk,
-                              self.rx_by, self.tx_pk, self.tx_by, self.drops, *rings,
+                              self.rx_by, self.tx_pk, self.tx_by, self.drops, *self._tx_rings,
                               self._heads, self._tx_base, self._tx_nframes, b.buf, done):
                 self.tx_lost += self.tx_count - done
-            for p, port in enumerate(self.io):
+            for p, port in self._kick_ports:
                 if done[p]:
                     port.kick(int(done[p]))
                 elif port.tx_pending:
@@ -541,21 +579,8 @@ class Engine:
         if self.control is not None:
             for fd in self.control.fds():
                 poller.register(fd, self.control.events(fd))
-        # a signal (SIGTERM: stop) wakes the idle wait at once; without this the wait runs
-        # on after the handler (PEP 475), up to IDLE_POLL_MS per engine at every teardown
-        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            old_wake = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread (a test's engine): signals are not ours
-            old_wake = None
-        poller.register(wake_r, select.POLLIN)
-        try:
+        with signal_wakeup(poller) as wake_r:
             self._serve(poller, port_fds, wake_r)
-        finally:
-            if old_wake is not None:
-                signal.set_wakeup_fd(old_wake)
-            os.close(wake_r)
-            os.close(wake_w)
 
     def _serve(self, poller, port_fds: dict, wake_r: int) -> None:
         self.running = True
@@ -662,8 +687,17 @@ class Engine:
         raise ValueError(f"unknown command {cmd!r}; use counters, config, configure, coalesce, "
                          "flood, reset_job, trace, stop")
 
+    def cpu_seconds(self) -> float:
+        """CPU-seconds this node's engine used: the process's, or in an engine group its
+        share of the process's, by the time its bursts took (the shares add up to it)."""
+        if self.group is not None:
+            return self.group.cpu_share(self)
+        return time.process_time() - self._cpu0
+
     def counters(self) -> dict:
-        """Per-port rx/tx, drops by reason, stage counters and CPU figures."""
+        """Per-port rx/tx, drops by reason, stage counters and CPU figures (in an engine
+        group, ``cpu``/``cpu_max`` are the shared process's, ``cpu_seconds`` this node's
+        share, and ``engine_group`` names the group's nodes)."""
         names = {int(r): r.name for r in DropReason}
         ports = {}
         for p, port in enumerate(self.io):  # the kernel's counter resets when read
@@ -681,7 +715,7 @@ class Engine:
         total = self.drops.sum(axis=0)
         gen = {names.get(r, str(r)): int(c) for r, c in enumerate(self.drops[-1]) if c}
         wall = time.monotonic() - self._t0
-        cpu_s = time.process_time() - self._cpu0
+        cpu_s = self.cpu_seconds()
         return {
             "node": self.node,
             "pid": os.getpid(),  # which engine answered: a restarted one starts from zero
@@ -698,9 +732,10 @@ class Engine:
             "cpu": round(self._cpu_win[2], 3),  # CPU fraction over the last ~0.5 s
             "cpu_max": round(self.cpu_max, 3),  # >= 0.9: the engine was CPU-bound
             "cpu_avg": round(cpu_s / wall, 3) if wall > 0 else 0.0,
-            "coalesce_us": round(self.hold_s * 1e6, 1),  # the adaptive wait now
+            # the adaptive wait now (in a group, the group's)
+            "coalesce_us": round((self.group or self).hold_s * 1e6, 1),
             "io": self.io_kind,
-        }
+        } | ({"engine_group": self.group.nodes} if self.group is not None else {})
 
 
 #: the engine's log line before its kernels load (or compile, on a cold cache)
@@ -727,7 +762,7 @@ def preload_kernels(stages: list[str], port_counts: list[int]) -> None:
     for n in port_counts:
         eng = Engine({"ports": [f"p{i}" for i in range(n)], "programs": ["forward"]})
         rings = tuple(np.zeros(RING_FRAME, np.uint8) for _ in range(n))
-        eng._rings = (rings, tuple(r.view("<u4") for r in rings))
+        eng._rings = eng._tx_rings = (rings, tuple(r.view("<u4") for r in rings))
         eng._heads = np.zeros((n, 2), np.int64)
         eng._rx_nframes = eng._tx_nframes = np.ones(n, np.int64)
         eng._tx_base = np.zeros(n, np.int64)
@@ -737,13 +772,18 @@ def preload_kernels(stages: list[str], port_counts: list[int]) -> None:
         load_port_kernels(np.zeros(RING_FRAME, np.uint8), Batch(1).buf)
 
 
-def main(argv: list[str] | None = None, control_fd: int | None = None) -> int:
-    """Process entry point (see the module docstring). ``control_fd``: the listening
-    control socket, when this engine was forked with it (its config names the owner's
-    descriptor number)."""
+def main(argv: list[str] | None = None, control_fds: list[int] | None = None) -> int:
+    """Process entry point (see the module docstring). ``control_fds``: the listening
+    control sockets, one per config in order, when this engine was forked with them (the
+    configs name the owner's descriptor numbers). Several ``--config`` (and ``--link``): one
+    process serving several nodes (:mod:`testbed.datapath.group`)."""
     ap = argparse.ArgumentParser(description="testbed data-path engine")
-    ap.add_argument("--config", help="JSON config file")
-    ap.add_argument("--counters-out", help="write final counters (JSON) here on exit")
+    ap.add_argument("--config", action="append", default=[],
+                    help="JSON config file; several: an engine group serving those nodes")
+    ap.add_argument("--counters-out", action="append", default=[],
+                    help="write final counters (JSON) here on exit (one per --config)")
+    ap.add_argument("--link", action="append", default=[], metavar="PORT_A=PORT_B",
+                    help="in an engine group: a link between two of its nodes, in memory")
     ap.add_argument("--fork-server", type=int, metavar="FD",
                     help="serve forked engines on socket FD (testbed.datapath.forks)")
     ap.add_argument("--stages", default="", help="with --fork-server: stages to load")
@@ -757,24 +797,39 @@ def main(argv: list[str] | None = None, control_fd: int | None = None) -> int:
                      [int(n) for n in a.port_counts.split(",") if n])
     if not a.config:
         ap.error("--config is required")
+    if a.counters_out and len(a.counters_out) != len(a.config):
+        ap.error(f"{len(a.config)} --config but {len(a.counters_out)} --counters-out: give "
+                 "one per config, or none")
     follow_owner()  # first: a run that dies while this engine compiles takes it along
-    with open(a.config) as fh:
-        config = json.load(fh)
-    if control_fd is not None:
-        config["control_fd"] = control_fd
-    eng = Engine(config)
+    configs = []
+    for path in a.config:
+        with open(path) as fh:
+            configs.append(json.load(fh))
+    if control_fds is not None:
+        if len(control_fds) != len(configs):
+            raise ValueError(f"{len(control_fds)} control sockets for {len(configs)} configs")
+        for config, fd in zip(configs, control_fds, strict=True):
+            config["control_fd"] = fd
+    if len(configs) == 1 and not a.link:
+        unit = Engine(configs[0])
+        members = [unit]
+    else:
+        from testbed.datapath.group import EngineGroup, parse_link
+
+        unit = EngineGroup(configs, [parse_link(link) for link in a.link])
+        members = unit.members
 
     stopped = []
 
     def stop(_sig, _frm):
-        eng.running = False
+        unit.running = False
         stopped.append(_sig)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     t0 = time.monotonic()
-    print(f"{COMPILING} {[s.name for s in eng.stages]}", flush=True)
-    eng.warm_up()
+    print(f"{COMPILING} {sorted({s.name for m in members for s in m.stages})}", flush=True)
+    unit.warm_up()
     print(f"kernels ready in {time.monotonic() - t0:.1f} s", flush=True)
     if stopped:  # told to stop while it compiled (its owner died): serve() would start anew
         return 0
@@ -783,15 +838,16 @@ def main(argv: list[str] | None = None, control_fd: int | None = None) -> int:
     # and then in the packet loop.
     gc.collect()
     gc.freeze()
-    eng.schedule()  # after the compilation above: that may take seconds of CPU
+    unit.schedule()  # after the compilation above: that may take seconds of CPU
     try:
-        eng.open()
-        eng.serve()
+        unit.open()
+        unit.serve()
     finally:
-        result = eng.counters()
-        if a.counters_out:
-            _write_json(a.counters_out, result)
-        eng.close()
+        for i, m in enumerate(members):
+            result = m.counters()
+            if a.counters_out:
+                _write_json(a.counters_out[i], result)
+        unit.close()
     return 0
 
 

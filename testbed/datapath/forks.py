@@ -48,6 +48,9 @@ START_MODES = ("fork", "exec")
 #: seconds the owner waits for the server to load its kernels (a cold cache compiles them)
 READY_TIMEOUT_S = 600.0
 MAX_MESSAGE = 1 << 20
+#: descriptors a spawn request may carry: the namespace, the log and a control socket per
+#: node (an engine group has several); the kernel's limit per message (SCM_MAX_FD) is 253
+MAX_SPAWN_FDS = 253
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
 
@@ -91,7 +94,7 @@ def _libc():
 
 def _child(req: dict, fds: list[int], server_sock: socket.socket) -> int:
     """In the forked child: become the node's engine. Returns its exit status."""
-    netns_fd, log_fd, control_fd = fds
+    netns_fd, log_fd, *control_fds = fds
     server_sock.close()
     libc = _libc()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -117,7 +120,7 @@ def _child(req: dict, fds: list[int], server_sock: socket.socket) -> int:
     os.environ.update(req["env"])
     from testbed.datapath.engine import main
 
-    return main(req["argv"], control_fd=control_fd)
+    return main(req["argv"], control_fds=control_fds)
 
 
 def _reap(statuses: dict[int, int], children: set[int]) -> None:
@@ -155,14 +158,14 @@ def serve(fd: int, stages: list[str], port_counts: list[int]) -> int:
         _reap(statuses, children)
         if not ready:
             continue
-        req, fds = _recv(sock, max_fds=3)
+        req, fds = _recv(sock, max_fds=MAX_SPAWN_FDS)
         if req is None:
             return 0
         if req.get("op") == "spawn":
-            if len(fds) != 3:
+            if len(fds) < 3:
                 for f in fds:
                     os.close(f)
-                _send(sock, {"error": f"spawn needs 3 descriptors, got {len(fds)}"})
+                _send(sock, {"error": f"spawn needs at least 3 descriptors, got {len(fds)}"})
                 continue
             sys.stdout.flush()
             me = os.getpid()
@@ -322,16 +325,16 @@ class EngineServer:
             raise RuntimeError(f"fork server: {msg['error']}")
         return msg
 
-    def spawn(self, argv: list[str], netns_pid: int, log, control: socket.socket
-              ) -> EngineProcess:
+    def spawn(self, argv: list[str], netns_pid: int, log,
+              controls: list[socket.socket]) -> EngineProcess:
         """Fork an engine with arguments ``argv`` (those of ``python -m
         testbed.datapath.engine``) in the network namespace of process ``netns_pid``, its
-        output to the open file ``log``, listening on ``control``."""
+        output to the open file ``log``, listening on ``controls`` (one per ``--config``)."""
         self.wait_ready()
         netns = os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY)
         try:
             msg = self._ask({"op": "spawn", "argv": argv, "env": dict(os.environ)},
-                            (netns, log.fileno(), control.fileno()))
+                            (netns, log.fileno(), *(c.fileno() for c in controls)))
         finally:
             os.close(netns)
         return EngineProcess(self, int(msg["pid"]))

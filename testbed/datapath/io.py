@@ -355,7 +355,10 @@ def ring_rx(ring, ring32, frame_size, nframes, head, buf, first_row, max_count, 
     row_bytes = buf.shape[1]
     h = head
     got = 0
-    while got < max_count:
+    # at most one lap: the slots go back only after the walk, so a full ring would
+    # otherwise be read twice
+    limit = min(max_count, nframes)
+    while got < limit:
         w = (h * frame_size) >> 2
         if (ring32[w] & TP_STATUS_USER) == 0:
             break
@@ -405,6 +408,10 @@ def ring_tx(ring, ring32, base, frame_size, nframes, head, buf, rows, lengths, c
         ring[vnet + 3] = n >> 8
         copy_bytes(ring, vnet + VNET_HDR_LEN, buf, r * row_bytes, n)
         ring32[w + 1] = n + VNET_HDR_LEN
+        # snaplen and mac as an RX slot has them (the kernel reads neither on TX): a TX ring
+        # in plain memory is then the RX ring of a MemoryPort's peer, as it stands
+        ring32[w + 2] = n
+        ring32[w + 3] = TX_DATA_OFFSET + VNET_HDR_LEN
         ring32[w] = TP_STATUS_SEND_REQUEST
         done += 1
         h += 1
@@ -582,6 +589,8 @@ class RingPort:
         self.fd = self.sock.fileno()
         self.ring = np.frombuffer(self.mm, dtype=np.uint8)
         self.ring32 = self.ring.view("<u4")
+        # one mapping both ways: TX from tx_base on (a MemoryPort's two rings are apart)
+        self.tx_ring, self.tx_ring32 = self.ring, self.ring32
         #: [next RX slot, next TX slot]; an engine serving several ports in one Numba call
         #: replaces this by a row of its own (P, 2) array (see :func:`rings_rx`)
         self.heads = np.zeros(2, np.int64)
@@ -688,7 +697,7 @@ class RingPort:
 
     def close(self) -> None:
         """Unmap the rings and close the socket."""
-        self.ring = self.ring32 = None
+        self.ring = self.ring32 = self.tx_ring = self.tx_ring32 = None
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -696,6 +705,50 @@ class RingPort:
                 pass
             self.mm = None
         self.sock.close()
+
+
+class MemoryPort:
+    """One end of a link between two nodes one engine process serves (an engine group,
+    ``testbed.datapath.group.EngineGroup``): no socket and no kernel, two rings in plain
+    memory laid out like the kernel's TPACKET_V2 rings. This end's TX ring is its peer's RX
+    ring and the other way round: :func:`ring_tx` marks a slot ``TP_STATUS_SEND_REQUEST`` (1,
+    the value of ``TP_STATUS_USER``) and writes it as an RX slot reads, and :func:`ring_rx`
+    hands it back as ``TP_STATUS_KERNEL`` (0, that of ``TP_STATUS_AVAILABLE``), so the
+    engine's ring kernels serve it unchanged. Built in pairs by an engine group.
+
+    The link's rate, delay, queue and impairments are the sending node's egress stages, as on
+    a veth; what the veth itself did (a copy, a softirq, a wake-up) is what this saves. A frame
+    that finds its peer's ring full is lost and counted in the sender's ``tx_errors``.
+    """
+
+    io = "memory"
+    tx_base = 0
+    tx_pending = False
+    tx_errors = 0
+
+    def __init__(self, ifname: str, rx: np.ndarray, tx: np.ndarray):
+        self.ifname = ifname
+        self.ring, self.tx_ring = rx, tx
+        self.ring32, self.tx_ring32 = rx.view("<u4"), tx.view("<u4")
+        self.rx_frames, self.tx_frames = len(rx) // RING_FRAME, len(tx) // RING_FRAME
+        self.heads = np.zeros(2, np.int64)
+
+    def fileno(self) -> int:
+        """-1: nothing to poll (its frames are put there by the process that reads them)."""
+        return -1
+
+    def kick(self, filled: int = 0) -> None:
+        """Nothing to do: a filled slot is visible to the peer at once."""
+
+    def stats(self) -> dict:
+        """No kernel in between: nothing delivered or dropped by one."""
+        return {"packets": 0, "drops": 0}
+
+    def clear_error(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.ring = self.ring32 = self.tx_ring = self.tx_ring32 = None
 
 
 def probe_rings() -> tuple[bool, str]:

@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from mininet.node import Switch
@@ -93,6 +94,8 @@ class ProgrammableSwitch(Switch):
         #: the fork server that starts this node's engine (set by the network that starts
         #: it; None: the engine is started as a process of its own)
         self.spawner: EngineServer | None = None
+        #: the engine process this node shares with others (an engine group), else None
+        self.shared: SharedEngine | None = None
         self.final_counters: dict | None = None
         Switch.__init__(self, name, **params)
         self._files = {k: os.path.join(RUN_DIR, f"{name}.{k}")
@@ -131,12 +134,21 @@ class ProgrammableSwitch(Switch):
         self._run_engine("w")
 
     def _run_engine(self, log_mode: str) -> None:
-        """Launch the engine (its log opened with ``log_mode``) and wait until it answers."""
+        """Launch the engine (its log opened with ``log_mode``) and wait until it answers;
+        a node of an engine group leaves that to its group."""
+        if self.shared is not None:
+            self.shared.arrive(self, log_mode)
+            return
         log = open(self._files["log"], log_mode)  # noqa: SIM115 - handed to the child
         try:
             self.engine = self._launch_engine(log)
         finally:
             log.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Wait until this node's engine answers on its control channel (RuntimeError, with
+        the reason and its log, when it exits or does not answer within ready_timeout)."""
         client = DatapathClient(self._control_address())
         deadline = time.monotonic() + self.ready_timeout
         try:
@@ -164,6 +176,15 @@ class ProgrammableSwitch(Switch):
         (a remote node starts it on its server instead). The control socket listens in this
         (root) network namespace and is inherited by the engine, which runs in the node's:
         reachable by the provider side, not from hosts."""
+        ctl = self._prepare_engine()
+        try:
+            return self._spawn([*self._engine_argv(), f"testbed-node={self.name}"], log, [ctl])
+        finally:
+            ctl.close()  # the engine holds it now; when it exits, the address is free again
+
+    def _prepare_engine(self):
+        """Write this node's engine config and return its listening control socket (in
+        this, the root, network namespace)."""
         if os.path.exists(self._files["counters.json"]):
             os.unlink(self._files["counters.json"])
         ctl = listen(control_address(self.name))
@@ -171,15 +192,22 @@ class ProgrammableSwitch(Switch):
             config = dict(self.config_dict(), control_fd=ctl.fileno(), control_netns=netns_id())
             with open(self._files["json"], "w") as fh:
                 json.dump(config, fh, indent=1)
-            argv = ["--config", self._files["json"], "--counters-out",
-                    self._files["counters.json"], f"testbed-node={self.name}"]
-            if self.spawner is not None and self.spawner.alive():
-                return self.spawner.spawn(argv, self.pid, log, ctl)
-            return self.popen([sys.executable, "-m", "testbed.datapath.engine", *argv],
-                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              pass_fds=(ctl.fileno(),))
-        finally:
-            ctl.close()  # the engine holds it now; when it exits, the address is free again
+        except BaseException:
+            ctl.close()
+            raise
+        return ctl
+
+    def _engine_argv(self) -> list[str]:
+        return ["--config", self._files["json"], "--counters-out", self._files["counters.json"]]
+
+    def _spawn(self, argv: list[str], log, controls: list) -> subprocess.Popen | EngineProcess:
+        """Start ``python -m testbed.datapath.engine ARGV`` in this node's namespace, from
+        the fork server when there is one."""
+        if self.spawner is not None and self.spawner.alive():
+            return self.spawner.spawn(argv, self.pid, log, controls)
+        return self.popen([sys.executable, "-m", "testbed.datapath.engine", *argv],
+                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          pass_fds=tuple(c.fileno() for c in controls))
 
     def _control_address(self) -> str:
         """Where this node's control clients connect (a remote node: its forwarded path)."""
@@ -232,7 +260,9 @@ class ProgrammableSwitch(Switch):
         """SIGTERM the engine, wait, return (and keep) its final counters."""
         if self.engine is None:
             return self.final_counters
-        if self.engine.poll() is None:
+        if self.shared is not None:
+            self.shared.stop(timeout)
+        elif self.engine.poll() is None:
             self._signal_engine()
             try:
                 self.engine.wait(timeout)
@@ -242,8 +272,9 @@ class ProgrammableSwitch(Switch):
         self.engine = None
         self.final_counters = self._read_counters()
         self._remove_engine_files(keep_log=rc != 0)
-        if rc != 0:
-            print(f"{self.name}: engine exited with {rc}; log kept at {self._files['log']}",
+        if rc != 0 and (self.shared is None or self.shared.members[0] is self):
+            who = self.name if self.shared is None else f"engine group {self.shared.nodes}"
+            print(f"{who}: engine exited with {rc}; log kept at {self._files['log']}",
                   file=sys.stderr)
         return self.final_counters
 
@@ -252,6 +283,11 @@ class ProgrammableSwitch(Switch):
         first) with the configuration it started with: its ports, programs and tables, and
         none of its run-time state (registered jobs, counters). Its log continues. Returns
         the seconds it took until the engine answered."""
+        if self.shared is not None:
+            raise RuntimeError(f"{self.name} shares its engine process with "
+                               f"{[n for n in self.shared.nodes if n != self.name]} (an "
+                               "engine group): they start and stop together, with the "
+                               "network; build it without engine_groups to restart one")
         t0 = time.monotonic()
         if self.engine is not None and self.engine.poll() is None:
             self.stop_engine()
@@ -276,6 +312,74 @@ class ProgrammableSwitch(Switch):
         """Make sure no engine outlives the node."""
         self.stop_engine()
         Switch.terminate(self)
+
+
+class SharedEngine:
+    """One engine process serving several programmable nodes of a network (an engine group,
+    :mod:`testbed.datapath.group`), with the ``links`` between them (pairs of interface
+    names) carried in memory. Every member's ``start`` arrives here; the last one starts
+    the process with every member's config and control socket, and waits until each answers.
+    The members share the process handle (``engine``) and the first member's log; they stop
+    together (:meth:`stop`, once, whoever asks first)."""
+
+    def __init__(self, members: list[ProgrammableSwitch], links: list[tuple[str, str]]):
+        self.members = list(members)
+        self.nodes = [m.name for m in self.members]
+        self.links = [tuple(link) for link in links]
+        self._lock = threading.Lock()
+        self._arrived: set[str] = set()
+        self.proc: subprocess.Popen | EngineProcess | None = None
+        for m in self.members:
+            m.shared = self
+            m._files["log"] = self.members[0]._files["log"]
+
+    def arrive(self, node: ProgrammableSwitch, log_mode: str) -> None:
+        """``node`` is ready to be served; the last member to arrive starts the process."""
+        with self._lock:
+            self._arrived.add(node.name)
+            if len(self._arrived) < len(self.members):
+                return
+            self._arrived.clear()
+        self._launch(log_mode)
+
+    def _launch(self, log_mode: str) -> None:
+        first = self.members[0]
+        spaces = {os.stat(f"/proc/{m.pid}/ns/net").st_ino for m in self.members}
+        if len(spaces) > 1:
+            raise RuntimeError(f"engine group {self.nodes}: its nodes are in different "
+                               "network namespaces; one process serves them from one")
+        controls = []
+        log = open(first._files["log"], log_mode)  # noqa: SIM115 - handed to the child
+        try:
+            argv: list[str] = []
+            for m in self.members:
+                controls.append(m._prepare_engine())
+                argv += m._engine_argv()
+            for a, b in self.links:
+                argv += ["--link", f"{a}={b}"]
+            argv += [f"testbed-node={n}" for n in self.nodes]
+            self.proc = first._spawn(argv, log, controls)
+        finally:
+            log.close()
+            for c in controls:
+                c.close()
+        for m in self.members:
+            m.engine = self.proc
+        for m in self.members:
+            m._wait_ready()
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM the process and wait for it (SIGKILL after ``timeout``); once."""
+        with self._lock:
+            proc = self.proc
+            if proc is None or proc.poll() is not None:
+                return
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
 
 
 class SmartNIC(ProgrammableSwitch):

@@ -113,7 +113,7 @@ def test_a_forked_engine_enters_the_namespace_it_is_given(tmp_path):
         ctl = listen(control_address(node))
         with open(tmp_path / "engine.log", "w") as log:
             eng = server.spawn(["--config", str(config), "--counters-out",
-                                str(tmp_path / "out.json")], holder.pid, log, ctl)
+                                str(tmp_path / "out.json")], holder.pid, log, [ctl])
         ctl.close()
         client = DatapathClient(control_address(node))
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, Batch, DropReason
-from testbed.datapath.trim import ShapeStage, TrimStage
+from testbed.datapath.trim import ShapeStage, TrimStage, earliest_departure
 from testbed.kernels import packets, trimming, wire
 from testbed.kernels.reference import packets as ref_packets
 from testbed.kernels.reference import trimming as ref_trimming
@@ -558,3 +558,17 @@ def test_incast_trims_at_switch_and_receiver_decodes_coarse_estimate(tmp_path):
             else:
                 assert trimmed == d["trimmed"] == 0
                 assert d["dropped"] > 0.3 * 4 * per_sender and full == len(got)
+
+
+@settings(max_examples=200, deadline=None)
+@given(counts=st.lists(st.lists(st.integers(0, 3), min_size=6, max_size=6), min_size=3,
+                       max_size=3),
+       free=st.lists(st.floats(0.0, 1e12, allow_nan=False), min_size=6, max_size=6))
+def test_earliest_departure_matches_its_numpy_twin(counts, free):
+    """The kernel behind ``next_deadline_ns``: the earliest clock of the ports holding a
+    frame in any of the three classes, ``inf`` when none holds one."""
+    q_cnt = np.array(counts, np.int64)
+    next_free = np.array(free, np.float64)
+    busy = q_cnt.sum(axis=0) > 0
+    want = next_free[busy].min() if busy.any() else np.inf
+    assert earliest_departure(q_cnt, next_free) == want

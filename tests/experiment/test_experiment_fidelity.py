@@ -42,7 +42,12 @@ def test_topologies_are_the_advertised_ones():
     assert [len(t.host_names) for t in topos.values()] == [4, 8, 8, 8, 16]
     assert topos["leafspine-4:1"].uplink_mbps() == 25.0
     assert topos["leafspine-2:1"].uplink_mbps() == 50.0
-    assert topos["fattree-k4"].programmable == {"tbc1"}
+    # every switch programmable (its engines grouped: fidelity.ENGINE_GROUPS), or bridges
+    # but for the aggregator's
+    assert len(topos["fattree-k4"].programmable) == 20 and fidelity.ENGINE_GROUPS == 1
+    assert dict(fidelity.topologies(programmable=False))["fattree-k4"].programmable == {"tbc1"}
+    with pytest.raises(ValueError, match="engine_groups needs programmable switches"):
+        fidelity.run(programmable=False, engine_groups=2)
     assert all(t.aggregator_switch for t in topos.values())
     # the kernel's queues unless asked for (--queue-ms: every shaped link's queue)
     assert {t.queue_ms for t in topos.values()} == {None} and fidelity.QUEUE_MS is None

@@ -19,7 +19,7 @@ def test_every_stage_and_compressor_is_a_family():
         assert f"stage {s}" in names
     for c in COMPRESSORS:
         assert f"compressor {c}" in names
-    assert {"ina worker", "host fallback", "trimmed gather"} <= set(names)
+    assert {"ina worker", "host fallback", "trimmed gather", warm.GROUP_FAMILY} <= set(names)
 
 
 def test_a_failing_family_is_reported_and_the_others_still_run(monkeypatch, capsys):

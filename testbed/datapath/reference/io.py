@@ -55,7 +55,9 @@ def ring_tx(ring: bytearray, base: int, frame_size: int, nframes: int, head: int
         struct.pack_into("<BBHHHH", ring, off + TX_DATA_OFFSET, 0, 0, len(f), 0, 0, 0)
         data = off + TX_DATA_OFFSET + VNET_HDR_LEN
         ring[data: data + len(f)] = f
-        struct.pack_into("<II", ring, off, TP_STATUS_SEND_REQUEST, VNET_HDR_LEN + len(f))
+        # status, len, and snaplen and mac as an RX slot has them (see MemoryPort)
+        struct.pack_into("<IIII", ring, off, TP_STATUS_SEND_REQUEST, VNET_HDR_LEN + len(f),
+                         len(f), TX_DATA_OFFSET + VNET_HDR_LEN)
         done += 1
         h = (h + 1) % nframes
     return done, h, refused
