@@ -13,9 +13,9 @@ in memory (``engine_groups``, ``--engine-groups N``; 0: an engine process per sw
 the fat-tree; see :mod:`testbed.datapath.group`). ``programmable=False``
 (``--no-programmable``) makes the switches Linux bridges instead but for the aggregator's,
 which runs the data path (it must, for INA), as the benchmark did before engine groups: on
-2 cores its fat-tree then calibrated to 12 where the grouped one calibrated to 4, and
-``--quick`` took 189 s where it takes 97 s. The model follows whichever forwarding the
-fabric uses. Every shaped
+2 cores its fat-tree then calibrated to 12-13 where the grouped one calibrates to 4-6, and
+the benchmark took 1377 s where it takes 662 s (``--quick``: 189 s, now 97 s). The model
+follows whichever forwarding the fabric uses. Every shaped
 link has the kernel's queue unless ``--queue-ms`` says otherwise (:data:`QUEUE_MS` says why).
 
 Time dilation (``time_dilation``, default ``"auto"``): each network is calibrated once after

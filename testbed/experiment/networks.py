@@ -27,7 +27,7 @@ def network_for(point: Experiment) -> TestbedNet:
     """The (not yet started) network of one experiment point: its topology and the data-path
     programs of its impairments, trimming and codec."""
     return TestbedNet(topology_for(point), datapath=datapath_options(point),
-                      time_dilation=point.time_dilation)
+                      time_dilation=point.time_dilation, engine_groups=point.engine_groups)
 
 
 #: Where ``testbed up`` describes the network it runs (pid, experiment, nodes' shell pids).

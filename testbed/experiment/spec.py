@@ -24,6 +24,9 @@ Every expanded point is validated again, so a bad sweep value is reported under 
 and reports undilated times, so a machine whose CPU cannot keep up with the emulated links
 still measures the network (``testbed.collectives.dilation``); ``"auto"`` calibrates the
 smallest factor that keeps the runs below CPU saturation, once per network.
+``engine_groups = n`` serves the programmable switches with n engine processes, the links
+between a process's switches in memory: a multi-switch fabric then needs less dilation
+(``testbed.datapath.group``).
 
 The checks that need a lower layer (collective options, compressor and stage names, the
 topology, training traces) import it where they use it: the schema alone loads in about 0.2 s,
@@ -674,6 +677,10 @@ class Experiment(_Strict):
         1.0, description="run the network this many times slower (links at bw / f, delays "
                          "and timeouts times f) and report undilated times; 'auto': the "
                          "smallest factor that keeps the CPU unsaturated")
+    engine_groups: int | None = Field(
+        None, ge=1, description="engine processes serving the programmable switches, the "
+                                "links between a process's switches in memory (default: "
+                                "one per switch; see TestbedNet's engine_groups)")
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
 
     @field_validator("time_dilation", mode="before")
@@ -707,6 +714,16 @@ class Experiment(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _groups_keep_switch_faults_apart(self) -> Experiment:
+        killed = [f.switch for f in self.faults if f.switch is not None]
+        if self.engine_groups is not None and killed:
+            raise ValueError(f"faults kill the engines of {killed}, but engine_groups puts "
+                             "switches in shared processes (killing one kills its group, "
+                             "and none restarts alone): leave engine_groups out to kill "
+                             "one switch")
+        return self
+
+    @model_validator(mode="after")
     def _sweep_points_valid(self) -> Experiment:
         # Resolving each path against the model now reports a typo before anything runs.
         data = self.model_dump(exclude={"sweep"})
@@ -737,7 +754,8 @@ class Experiment(_Strict):
         """Everything that shapes the network; equal keys may share one built network."""
         return json.dumps(self.model_dump(
             mode="json", include={"topology", "impairments", "trimming", "codec",
-                                  "cross_traffic", "capture", "time_dilation"}),
+                                  "cross_traffic", "capture", "time_dilation",
+                                  "engine_groups"}),
             sort_keys=True)
 
 

@@ -404,3 +404,22 @@ def test_fuzzed_experiments_are_accepted_or_refused_naming_fields(data):
     except ExperimentError as e:
         assert e.problems and all(isinstance(p, str) and p.strip() for p in e.problems)
         assert all(":" in p for p in e.problems), e.problems
+
+
+def test_engine_groups_reach_the_network_and_keep_switch_faults_apart():
+    from testbed.experiment.networks import network_for
+
+    topo = {"kind": "leaf_spine", "leaves": 2, "spines": 2, "hosts_per_leaf": 1,
+            "switch": "programmable"}
+    exp = parse_experiment({"topology": topo, "jobs": [{}], "engine_groups": 1})
+    assert exp.network_key() != parse_experiment({"topology": topo, "jobs": [{}]}).network_key()
+    net = network_for(exp)  # built, not started: the groups are planned
+    assert net.engine_groups == [["tbl1", "tbl2", "tbsp1", "tbsp2"]]
+    assert len(net.memory_links) == 4
+    assert network_for(parse_experiment({"topology": topo, "jobs": [{}]})).engine_groups == []
+    assert _problems({"topology": topo, "jobs": [{}], "engine_groups": 0})[0].startswith(
+        "engine_groups:")
+    probs = _problems({"topology": topo, "jobs": [{}], "engine_groups": 1,
+                       "faults": [{"at_s": 0.5, "switch": "tbl1"}]})
+    assert "faults kill the engines of ['tbl1']" in probs[0] and "leave engine_groups out" \
+        in probs[0]
