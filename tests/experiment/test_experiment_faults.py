@@ -87,9 +87,12 @@ def test_a_killed_worker_fails_its_run_named_and_the_next_run_goes_on(tmp_path):
     assert big["status"] == "error" and "tbh3" in big["error"], big["error"]
     assert [(e["kind"], e["target"]) for e in big["fault_events"]] == [("worker_kill", "tbh3")]
     assert big["fault_events"][0]["error"] is None and big["fault_events"][0]["pid"] > 0
-    # the small run goes on and is exact: its workers ended before the fault was due, so the
-    # fault either never fired or (on a slow machine, where the run outlived 0.3 s in its
-    # set-up) found no worker to kill and says so
+    # the small run goes on and is exact: its collective ended before the fault was due, so
+    # the fault never fired or, on a slow machine where the run outlived 0.3 s in its set-up
+    # and teardown, found no worker to kill and says so, or killed tbh3's worker once its
+    # part was done (seen in CI: the run stayed exact)
     assert small["status"] == "ok" and small["correct"]
-    assert all("no collective worker ran on tbh3" in (e["error"] or "")
+    assert all((e["kind"], e["target"]) == ("worker_kill", "tbh3")
+               and ("no collective worker ran on tbh3" in (e["error"] or "")
+                    or (e["error"] is None and e["pid"] > 0))
                for e in small["fault_events"]), small["fault_events"]
