@@ -462,14 +462,21 @@ class TestbedNet(FabricRoutes):
         #: per tunnelled server pair: measured underlay rate/latency, the emulated rate the
         #: tunnels carry, and whether the underlay is slower (``tunnel_bound``)
         self.tunnels: list[dict] = []
-        #: the programmable nodes each engine process serves (engine_groups), and the
-        #: links those processes carry in memory (interface pairs); none by default
-        self.engine_groups, self.memory_links = self._plan_engine_groups(engine_groups)
+        #: the programmable nodes each engine process serves (engine_groups; none by
+        #: default), and per group the links it carries in memory (interface pairs)
+        self.engine_groups, self._group_links = self._plan_engine_groups(engine_groups)
+        self._group_of = {x: i for i, g in enumerate(self.engine_groups) for x in g}
+
+    @property
+    def memory_links(self) -> list[tuple[str, str]]:
+        """The links engine groups carry in memory (interface pairs)."""
+        return [link for links in self._group_links for link in links]
 
     def _plan_engine_groups(self, n: int | None) -> tuple[list[list[str]],
-                                                         list[tuple[str, str]]]:
-        """The engine groups of ``engine_groups=n`` (see the class docstring) and the links
-        they carry in memory; TopologyError for what a group cannot carry."""
+                                                         list[list[tuple[str, str]]]]:
+        """The engine groups of ``engine_groups=n`` (see the class docstring) and, per
+        group, the links it carries in memory; TopologyError for what a group cannot
+        carry."""
         if n is None:
             return [], []
         nodes = sorted(self.topo.programmable)
@@ -488,18 +495,18 @@ class TestbedNet(FabricRoutes):
                                 "(engine_opts io='ring'), got io="
                                 f"{self.engine_opts['io']!r}")
         group_of = {x: i for i, g in enumerate(groups) for x in g}
-        links = []
+        links: list[list[tuple[str, str]]] = [[] for _ in groups]
         for spec in self.topo.link_specs:
             if group_of.get(spec.a, -1) != group_of.get(spec.b, -2):
                 continue
-            ends = (f"{spec.a}-eth{spec.port_a}", f"{spec.b}-eth{spec.port_b}")
+            ends = (self._intf_name(spec.a, spec.port_a), self._intf_name(spec.b, spec.port_b))
             unshaped = [e for e in ends if e not in self._engine_shaped]
             if spec.bw_mbps is not None and unshaped:
                 raise TopologyError(
                     f"engine_groups: link {spec.a}-{spec.b} is shaped by the kernel's HTB on "
                     f"{unshaped}, which a link carried in memory never crosses; shape in the "
                     "engines (DatapathOptions(shape_in_engine=True), the default)")
-            links.append(ends)
+            links[group_of[spec.a]].append(ends)
         return groups, links
 
     # ----- lifecycle ---------------------------------------------------------------------
@@ -603,12 +610,9 @@ class TestbedNet(FabricRoutes):
         """Give the nodes of each engine group of more than one node their shared engine
         (:class:`~testbed.datapath.nodes.SharedEngine`), with the group's memory links."""
         by_name = {sw.name: sw for sw in prog}
-        for group in self.engine_groups:
+        for group, links in zip(self.engine_groups, self._group_links, strict=True):
             if len(group) > 1:
-                mine = set(group)
-                SharedEngine([by_name[x] for x in group],
-                             [(a, b) for a, b in self.memory_links
-                              if a.rsplit("-", 1)[0] in mine])
+                SharedEngine([by_name[x] for x in group], links)
 
     def _start_engine_server(self, prog: list, stages: list[str]) -> None:
         """Start the fork server the engines of ``prog`` start from
@@ -1392,12 +1396,11 @@ class TestbedNet(FabricRoutes):
             raise TopologyError("this network's programs are given explicitly, so its routes "
                                 "are not the testbed's to recompute: build it without "
                                 "explicit programs to fail links")
-        carried = [f"{x}={y}" for x, y in self.memory_links
-                   if {x.rsplit("-", 1)[0], y.rsplit("-", 1)[0]} == {a, b}]
-        if carried:
+        if a in self._group_of and self._group_of.get(a) == self._group_of.get(b):
             raise TopologyError(f"link {name} is carried in memory by an engine group "
-                                f"({carried}): no interface of it to take down; build the "
-                                "network without engine_groups to fail it")
+                                f"({self.engine_groups[self._group_of[a]]}): no interface of "
+                                "it to take down; build the network without engine_groups "
+                                "to fail it")
         remote = [n for n in (a, b) if self.placement and self.placement.get(n) !=
                   self.servers[0].name]
         if remote:

@@ -251,11 +251,11 @@ class EngineGroup:
         poller = select.poll()
         for fd in self._kernel_fd:
             poller.register(fd, select.POLLIN)
-        control_of: dict[int, Engine] = {}
-        for m in self.members:
+        control_of: dict[int, int] = {}  # control channel fd -> member index
+        for i, m in enumerate(self.members):
             if m.control is not None:
                 for fd in m.control.fds():
-                    control_of[fd] = m
+                    control_of[fd] = i
                     poller.register(fd, m.control.events(fd))
         with signal_wakeup(poller) as wake_r:
             self._serve(poller, control_of, wake_r)
@@ -300,10 +300,11 @@ class EngineGroup:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_r, 512)
                 else:
-                    m = control_of[fd]
+                    i = control_of[fd]
+                    m = members[i]
                     for ch in m.control.handle(fd, m.dispatch):
                         if ch > 0:
-                            control_of[ch] = m
+                            control_of[ch] = i
                             poller.register(ch, m.control.events(ch))
                         else:
                             control_of.pop(-ch, None)
@@ -314,7 +315,6 @@ class EngineGroup:
                     # a command may have set a node's coalescing wait (a re-timed network)
                     base = min(x.coalesce_us for x in members) * 1e-6
                     self.hold_s = min(max(self.hold_s, base), base * COALESCE_MAX_FACTOR)
-                    i = members.index(m)
                     deadline[i] = self._deadline(i)  # a command may have re-timed a stage
                     ready[i] = True
             got = 0
