@@ -279,15 +279,16 @@ def ideal_jct_s(req: JobRequest, spec: TrainingSpec, model: PlanModel, inv) -> f
 #: the causes a re-plan's reason names, by how each of its parts begins
 REPLAN_CAUSES = (("arrival", ("re-plan on arrival",)), ("departure", ("re-plan on departure",)),
                  ("hints", ("hints disagree", "hints confirmed")),
-                 ("congestion", ("sustained congestion",)))
+                 ("congestion", ("sustained congestion", "eases congestion")))
 
 
 def replan_reasons(changes) -> dict[str, int]:
     """How many of the plan log's re-plans (``PlanChange`` entries with an old and a new
     plan) had which cause: ``arrival``, ``departure``, ``hints`` (judged by telemetry: found
     wrong, or confirmed while claims were on probation), ``congestion`` (else ``other``). One
-    snapshot may judge hints and find congestion at once: its re-plan names both causes
-    (joined by "; ") and counts under each."""
+    snapshot may judge hints and find congestion at once, and a re-plan for any cause that
+    eases congested links names them: such a re-plan names each cause (joined by "; ") and
+    counts under each."""
     out = {"arrival": 0, "departure": 0, "hints": 0, "congestion": 0, "other": 0}
     for e in changes:
         parts = e.reason.split("; ")

@@ -726,7 +726,8 @@ class FabricManager:
                 self.log.append(PlanChange(now, name, None, plan,
                                            f"{first[name]}: {plan.reason}"))
             elif not same_offload(old, plan):
-                self.log.append(PlanChange(now, name, old, plan, f"{reason}: {plan.reason}"))
+                why = "; ".join(filter(None, (reason, self._eased(name, old, plan, reason))))
+                self.log.append(PlanChange(now, name, old, plan, f"{why}: {plan.reason}"))
             else:
                 self._plans[name] = plan  # a new prediction or reason is not a change
                 continue
@@ -735,6 +736,21 @@ class FabricManager:
             self._applies_at[name] = None if it is None else it + APPLY_AFTER_ITERATIONS
             self._plan_versions[name] = self._plan_versions.get(name, 0) + 1
         self.version += 1
+
+    def _eased(self, name: str, old: Plan, new: Plan, reason: str) -> str:
+        """The congestion a job's new plan eases, '' when none: links congested in the
+        latest snapshots on which it puts fewer bytes than its old plan did. The policy
+        prices telemetry's load whatever asked for the re-plan, so a hints verdict reached
+        while a burst is on a job's links may be what moves it off them; named here, such a
+        move counts as a congestion re-plan whichever signal came first."""
+        if self.model is None or "sustained congestion" in reason or \
+                not getattr(self.policy, "congestion_replans", True):
+            return ""
+        req = self._jobs[name].req
+        before, after = self.model.link_bytes(req, old), self.model.link_bytes(req, new) or {}
+        eased = sorted(k for k in self._hot if (before or {}).get(k, 0) > after.get(k, 0))
+        return "eases congestion on " + ", ".join(
+            f"{a}->{b} ({self._hot[(a, b)]} snapshots)" for a, b in eased) if eased else ""
 
     # ---------------------------------------------------------------- persistence
 

@@ -203,6 +203,51 @@ def test_sustained_congestion_replans():
     assert len(fm2.log) == 1
 
 
+
+def test_a_replan_for_another_cause_that_moves_a_job_off_congestion_names_it():
+    """The policy prices telemetry's load whatever asks for a re-plan: a hints verdict reached
+    while a burst is on a job's links, before the burst is sustained, moves the job to a plan
+    that loads them less (here INA's every stream to the ring's crossing steps). That move
+    counts as a congestion re-plan too, and the sustained episode that follows finds nothing
+    left to move."""
+    from testbed.experiment.cooperation import replan_reasons
+
+    topo = make_topology("leaf_spine", leaves=2, spines=1, hosts_per_leaf=2, bw_mbps=20,
+                         oversubscription=1.0, switch="programmable")
+    fm = FabricManager(inventory_of(topo, {"tbsp1": 96 * KIB}), "cooperative", PlanModel(topo))
+    req = JobRequest(job="a", hosts=["tbh1", "tbh2", "tbh3", "tbh4"],
+                     hints=Hints(collective_bytes=400_000, iterations=100))
+    assert fm.admit(req, now=0).algo == "ina"
+
+    def snap(util):
+        links = [lk.model_copy(update={"utilisation": util})
+                 if {lk.src, lk.dst} == {"tbl1", "tbsp1"} else lk for lk in fm.inventory.links]
+        return fm.inventory.model_copy(update={"links": links})
+
+    # quiet: a re-plan that changes nothing names nothing
+    fm.observe(snap(0.1), now=1)
+    assert fm.update_hints("a", {"iterations": 90}, "hints confirmed by telemetry", now=2) == []
+    for k in range(SUSTAINED_SNAPSHOTS - 1):
+        assert fm.observe(snap(0.97), now=10 + k) == []
+    assert fm.update_hints("a", {"iterations": 80}, "hints confirmed by telemetry",
+                           now=20) == ["a"]
+    change = fm.log[-1]
+    assert change.new.algo == "ring"
+    assert change.reason.startswith("hints confirmed by telemetry; eases congestion on ")
+    assert f"tbl1->tbsp1 ({SUSTAINED_SNAPSHOTS - 1} snapshots)" in change.reason
+    assert "tbsp1->tbl1" in change.reason  # INA's results come back over it
+    assert replan_reasons([change])["congestion"] == 1 == replan_reasons([change])["hints"]
+    assert fm.observe(snap(0.97), now=21) == [] and fm.log[-1] is change
+
+    # the baseline without congestion re-plans counts no congestion re-plan
+    blind = FabricManager(inventory_of(topo, {"tbsp1": 96 * KIB}), "cooperative_no_congestion",
+                          PlanModel(topo))
+    blind.admit(req, now=0)
+    for k in range(SUSTAINED_SNAPSHOTS - 1):
+        blind.observe(snap(0.97), now=10 + k)
+    blind.update_hints("a", {"iterations": 80}, "hints confirmed by telemetry", now=20)
+    assert all("congestion" not in e.reason for e in blind.log)
+
 def test_drops_count_as_congestion(topo, model):
     fm = FabricManager(_inv(topo), "tenant_only", model)
     fm.admit(SMALL, now=0)
