@@ -32,7 +32,7 @@ Cost per packet: the records hold some 40 arrays, and Numba counts a reference f
 of a record wherever one is passed or bound (an atomic increment and decrement per array, or at
 least a call each), which made the named steps several times slower per packet than one function
 on loose arrays. So the steps that take records are ``inline="always"``, and
-:func:`aggregate_flat`, the per-burst entry point, is compiled without Numba's reference-counting
+:func:`aggregate_packed`, the per-burst entry point, is compiled without Numba's reference-counting
 runtime (``_nrt=False``, inherited by everything it calls): nothing on this path allocates or
 returns an array (an allocation would fail to compile there, loudly), so there is nothing to
 count. ``bench ina-cost`` measures it.
@@ -50,6 +50,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from testbed.kernels.packed import array_table, arrays_at
 from testbed.kernels.packets import (
     OFF_ETH_DST,
     OFF_ETH_SRC,
@@ -61,7 +62,6 @@ from testbed.kernels.packets import (
     PORT_DROP,
     PORT_HELD,
     PORT_UNSET,
-    borrow_arrays,
     header,
     header_at,
     parse_frame,
@@ -955,17 +955,28 @@ def aggregate_kernel(b, n, regs, jobs, agg, counters):
     return n_out
 
 
+#: the spec (:mod:`testbed.kernels.packed`) of :func:`aggregate_packed`'s table: the batch's
+#: five arrays, the registers', the job table's, the aggregator's MAC and codecs, the counters
+AGG_SPEC = ("u1:2 i4:1 i2:1 i2:1 u1:1 "
+            "i8:2 i8:2 u4:2 u4:2 i8:2 i8:2 i8:2 i8:2 i8:2 b1:2 i8:2 i4:1 i8:1 "
+            "i4:1 i8:1 i8:1 i8:1 i8:1 i8:1 u1:3 i8:2 i8:2 i8:2 u1:2 i8:1 i8:1 i8:1 i8:1 i8:1 u1:3 "
+            "i8:2 i8:2 i8:2 i8:2 "
+            "u1:1 b1:1 i8:1")
+
+
 @njit(cache=True, _nrt=False)
-def aggregate_flat(b_t, n, regs_t, jobs_t, agg_t, counters):
-    """:func:`aggregate_kernel` with the records as plain tuples: the per-burst entry point.
-    Numba types a plain tuple of arrays in C from its fingerprint but a NamedTuple through
-    Python, element by element (about 12 us per call for these four records, several times the
-    kernel's own work on a small burst); the records are rebuilt here with borrowed arrays,
-    and without the reference-counting runtime (see the module docstring) nothing counts
-    references to them: the caller holds the arrays for the call."""
-    return aggregate_kernel(Batch4(*borrow_arrays(b_t)), n, Registers(*borrow_arrays(regs_t)),
-                            Jobs(*borrow_arrays(jobs_t)), Aggregator(*borrow_arrays(agg_t)),
-                            borrow_arrays((counters,))[0])
+def aggregate_packed(table, n, ip, via_ingress, max_elems, thc_max, pool_base, pool_lanes):
+    """:func:`aggregate_kernel` with every array in one table and the aggregator's scalars
+    as arguments: the per-burst entry point. Numba unboxes each array argument at a call,
+    about 50 ns each, and types a NamedTuple through Python element by element (about 12 us
+    per call for these four records, several times the kernel's own work on a small burst);
+    here it unboxes one table (``AGG_SPEC``, :mod:`testbed.kernels.packed`) and the records
+    are rebuilt from borrowed arrays, which without the reference-counting runtime (see the
+    module docstring) nothing counts references to: the caller holds the arrays."""
+    a = arrays_at(table, AGG_SPEC)
+    return aggregate_kernel(Batch4(*a[0:5]), n, Registers(*a[5:18]), Jobs(*a[18:39]),
+                            Aggregator(a[39], ip, a[40], via_ingress, max_elems, thc_max,
+                                       pool_base, pool_lanes), a[41])
 
 
 # ------------------------------------------------------------------------------- the state
@@ -1031,9 +1042,9 @@ class Aggregation:
         self._agg = {"mac": np.zeros(6, np.uint8), "ip": 0, "codec_ok": np.zeros(256, np.bool_),
                      "via_ingress": True, "max_elems": max_elems, "thc_max": THC_MAX_ELEMS,
                      "pool_base": self.static_words, "pool_lanes": pool_lanes}
-        # plain-tuple copies of the records for the per-burst entry point (aggregate_flat)
-        self._regs_t, self._jobs_t = tuple(self.regs), tuple(self.jobs_arr)
-        self.set_identity()  # builds self.agg and its plain tuple
+        self._packed: np.ndarray | None = None  # aggregate_packed's table, and the batch
+        self._packed_with: tuple | None = None  # arrays it was built with (process)
+        self.set_identity()  # builds self.agg
 
     def set_identity(self, mac: bytes | None = None, ip: int | None = None,
                      codec_ok: np.ndarray | None = None, via_ingress: bool | None = None) -> None:
@@ -1049,7 +1060,10 @@ class Aggregation:
         if via_ingress is not None:
             a["via_ingress"] = bool(via_ingress)
         self.agg = Aggregator(**a)
-        self._agg_t = tuple(self.agg)
+        self._packed_with = None  # aggregate_packed's table: built again with the new arrays
+        g = self.agg
+        self._agg_scalars = (g.ip, g.via_ingress, g.max_elems, g.thc_max, g.pool_base,
+                             g.pool_lanes)
 
     def free_slots(self) -> int:
         """Slots of metadata no job holds."""
@@ -1178,10 +1192,16 @@ class Aggregation:
         init_rounds(self.regs, j["base"], j["base"] + j["slots"], j["seq0"])
 
     def process(self, b: Batch4 | tuple, n: int) -> int:
-        """Apply ``n`` frames of a batch (a :class:`Batch4`, or its arrays as a plain tuple,
-        which is passed on as it is); return the new batch size."""
-        return aggregate_flat(tuple(b), n, self._regs_t, self._jobs_t, self._agg_t,
-                              self.counters_arr)
+        """Apply ``n`` frames of a batch (a :class:`Batch4`, or its arrays as a plain tuple);
+        return the new batch size."""
+        held = self._packed_with
+        if b is not held and (held is None or any(x is not y for x, y in
+                                                  zip(b, held, strict=True))):
+            held = b if isinstance(b, tuple) else tuple(b)  # held: the table points into it
+            self._packed = array_table(tuple(held) + tuple(self.regs) + tuple(self.jobs_arr) + (
+                self.agg.mac, self.agg.codec_ok, self.counters_arr), AGG_SPEC)
+            self._packed_with = held
+        return aggregate_packed(self._packed, n, *self._agg_scalars)
 
     def counters(self) -> dict:
         """Protocol counters; per job its slots, memory, mode and where its slots' rounds are

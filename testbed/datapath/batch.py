@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.kernels.packed import array_table
 from testbed.kernels.packets import PORT_DROP, PORT_FLOOD, PORT_HELD, PORT_UNSET
 from testbed.kernels.wire import FRAME_MAX, DropReason
 
 __all__ = ["FRAME_MAX", "PORT_DROP", "PORT_FLOOD", "PORT_HELD", "PORT_UNSET", "Batch",
-           "DropReason", "Stage"]
+           "DropReason", "PackedStage", "Stage"]
 
 
 
@@ -93,3 +94,33 @@ class Stage:
     def next_deadline_ns(self) -> int | None:
         """Monotonic time (ns) at which this stage needs to run again, or None."""
         return None
+
+
+class PackedStage(Stage):
+    """A stage whose kernel takes the batch's arrays and its own as one table
+    (:mod:`testbed.kernels.packed`: one argument for Numba to unbox per burst instead of
+    dozens). ``batch_arrays`` and ``stage_arrays`` name them in the order of the kernel's
+    ``spec``. :meth:`table` builds the table on the first burst, and again for another batch
+    or once the stage replaced one of its arrays (any assignment to one of those attributes:
+    the old table would point at the old array)."""
+
+    batch_arrays: tuple[str, ...] = ()
+    stage_arrays: tuple[str, ...] = ()
+    spec = ""
+    _table = None
+    _table_batch = None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.stage_arrays:
+            self.__dict__["_table"] = None
+        object.__setattr__(self, name, value)
+
+    def table(self, batch: Batch) -> np.ndarray:
+        """The table of ``batch``'s arrays and this stage's, as they are now."""
+        table = self._table
+        if table is None or self._table_batch is not batch:
+            table = self._table = array_table(
+                [getattr(batch, a) for a in self.batch_arrays] +
+                [getattr(self, a) for a in self.stage_arrays], self.spec)
+            self._table_batch = batch
+        return table

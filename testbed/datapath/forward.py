@@ -21,7 +21,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from testbed.datapath.batch import PORT_DROP, PORT_FLOOD, PORT_UNSET, Batch, DropReason, Stage
+from testbed.datapath.batch import (
+    PORT_DROP,
+    PORT_FLOOD,
+    PORT_UNSET,
+    Batch,
+    DropReason,
+    PackedStage,
+    Stage,
+)
+from testbed.kernels.packed import arrays_at
 
 TABLE_SIZE = 4096  # power of two
 MAX_GROUP_PORTS = 16
@@ -212,7 +221,21 @@ def forward_kernel(buf, length, in_port, out_port, reason, n, mac_keys, mac_vals
         counters[C_UNICAST] += 1
 
 
-class ForwardStage(Stage):
+#: the arrays :func:`forward_packed` takes in its table: the batch's five, then the stage's
+FORWARD_SPEC = "u1:2 i4:1 i2:1 i2:1 u1:1 u8:1 i4:1 b1:1 u8:1 i4:1 i2:2 i2:1 i8:1"
+
+
+@njit(cache=True)
+def forward_packed(table, n, n_ip, n_ports, learn, flood, validate):
+    """:func:`forward_kernel` with its arrays in one table (:mod:`testbed.kernels.packed`)."""
+    (buf, length, in_port, out_port, reason, mac_keys, mac_vals, mac_static, ip_keys, ip_vals,
+     group_ports, group_len, counters) = arrays_at(table, FORWARD_SPEC)
+    return forward_kernel(buf, length, in_port, out_port, reason, n, mac_keys, mac_vals,
+                          mac_static, ip_keys, ip_vals, n_ip, group_ports, group_len, n_ports,
+                          learn, flood, validate, counters)
+
+
+class ForwardStage(PackedStage):
     """L2/L3 forwarding with ECMP and MAC learning (program name ``forward``).
 
     Settings: ``l2`` {mac: port or [ports]}, ``l3`` {ipv4: port or [ports]} (ports by index or
@@ -221,6 +244,10 @@ class ForwardStage(Stage):
     """
 
     name = "forward"
+    batch_arrays = ("buf", "length", "in_port", "out_port", "reason")
+    stage_arrays = ("mac_keys", "mac_vals", "mac_static", "ip_keys", "ip_vals", "group_ports",
+                    "group_len", "counters_arr")
+    spec = FORWARD_SPEC
 
     def __init__(self, ports: list[str] | None = None, l2: dict | None = None,
                  l3: dict | None = None, learn: bool = True, flood: bool = True,
@@ -305,10 +332,8 @@ class ForwardStage(Stage):
 
     def process(self, batch: Batch, now_ns: int) -> None:
         """Forward the undecided packets of ``batch`` (one Numba call)."""
-        forward_kernel(batch.buf, batch.length, batch.in_port, batch.out_port, batch.reason,
-                       batch.n, self.mac_keys, self.mac_vals, self.mac_static, self.ip_keys,
-                       self.ip_vals, self.n_ip, self.group_ports, self.group_len, self.n_ports,
-                       self.learn, self.flood, self.validate, self.counters_arr)
+        forward_packed(self.table(batch), batch.n, self.n_ip, self.n_ports, self.learn,
+                       self.flood, self.validate)
 
     def counters(self) -> dict:
         """Forwarding decisions and learning events so far."""

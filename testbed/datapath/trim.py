@@ -83,9 +83,10 @@ from testbed.datapath.batch import (
     PORT_HELD,
     Batch,
     DropReason,
-    Stage,
+    PackedStage,
 )
 from testbed.kernels.checks import check_number
+from testbed.kernels.packed import arrays_at
 from testbed.kernels.packets import (
     ETHERTYPE_IPV4,
     OFF_ETHERTYPE,
@@ -495,7 +496,30 @@ def _check_bool(name: str):
     return check
 
 
-class TrimStage(Stage):
+#: the arrays :func:`trim_packed` takes in its table: the batch's four, then the stage's
+BATCH_ARRAYS = ("buf", "length", "out_port", "reason")
+STAGE_ARRAYS = ("modes", "thr_bytes", "trim_thr", "thr_pkts", "ecn_bytes", "ns_per_byte",
+                "burst_bytes", "next_free", "q_buf", "q_len", "q_ring", "q_head", "q_cnt",
+                "q_bytes", "dscp", "trim_bytes", "last_hop", "deficit", "counters_arr", "_emit",
+                "_emitted")
+TRIM_SPEC = ("u1:2 i4:1 i2:1 u1:1 i8:1 i8:1 i8:1 i8:1 i8:1 f8:1 f8:1 f8:1 u1:3 i4:2 i8:2 i8:2 "
+             "i8:2 i8:2 i8:1 i8:1 b1:1 f8:1 i8:2 i2:1 b1:1")
+
+
+@njit(cache=True)
+def trim_packed(table, n, base, room, now, hdr_prio, share):
+    """:func:`trim_kernel` with its arrays in one table (:mod:`testbed.kernels.packed`: one
+    argument to unbox per burst instead of 25; ``BATCH_ARRAYS`` then ``STAGE_ARRAYS``)."""
+    (buf, length, out_port, reason, modes, thr_bytes, trim_thr, thr_pkts, ecn_bytes,
+     ns_per_byte, burst_bytes, next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, dscp,
+     trim_bytes, last_hop, deficit, counters, emit_port, emitted) = arrays_at(table, TRIM_SPEC)
+    return trim_kernel(buf, length, out_port, reason, n, base, room, now, modes, hdr_prio,
+                       thr_bytes, trim_thr, thr_pkts, ecn_bytes, ns_per_byte, burst_bytes,
+                       next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, dscp, trim_bytes,
+                       last_hop, share, deficit, counters, emit_port, emitted)
+
+
+class TrimStage(PackedStage):
     """Per-port egress queue drained at ``rate_mbps`` that trims above a threshold (``trim``).
 
     Settings (constructor and :meth:`configure`; per-port ones take one value for all ports, a
@@ -529,6 +553,8 @@ class TrimStage(Stage):
 
     name = "trim"
     max_expansion = 2
+
+    batch_arrays, stage_arrays, spec = BATCH_ARRAYS, STAGE_ARRAYS, TRIM_SPEC  # trim_packed's
 
     def __init__(self, ports: list[str] | None = None, n_ports: int | None = None,
                  rate_mbps=100.0, threshold_bytes=None, threshold=None, threshold_pkts=0,
@@ -713,13 +739,8 @@ class TrimStage(Stage):
         base = batch.n
         if self._emit.shape[0] < batch.capacity:
             self._emit = np.zeros(batch.capacity, np.int16)
-        k = trim_kernel(batch.buf, batch.length, batch.out_port, batch.reason, batch.n, base,
-                        batch.capacity - base, now, self.modes, self.header_priority,
-                        self.thr_bytes, self.trim_thr, self.thr_pkts, self.ecn_bytes,
-                        self.ns_per_byte, self.burst_bytes, self.next_free, self.q_buf,
-                        self.q_len, self.q_ring, self.q_head, self.q_cnt, self.q_bytes, self.dscp,
-                        self.trim_bytes, self.last_hop, self.trimmed_share, self.deficit,
-                        self.counters_arr, self._emit, self._emitted)
+        k = trim_packed(self.table(batch), batch.n, base, batch.capacity - base, now,
+                        self.header_priority, self.trimmed_share)
         if k:
             append_emitted(batch, k, self._emit, batch.out_port)
 
