@@ -325,8 +325,9 @@ def _push(q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, c, p, frame, ln):
 @njit(cache=True)
 def earliest_departure(q_cnt, next_free):
     """The earliest ``next_free`` of the ports holding a frame in any class (``inf``: none);
-    one call where the numpy twin (``next_free[q_cnt.sum(axis=0) > 0].min()``) took four
-    array operations, asked after every burst of an engine group's nodes."""
+    a loop where the numpy twin (``next_free[q_cnt.sum(axis=0) > 0].min()``) took four array
+    operations, run at the end of every burst (:func:`trim_packed`) for ``next_deadline_ns``,
+    which an engine group asks after every burst of its nodes."""
     best = np.inf
     for p in range(next_free.shape[0]):
         for c in range(q_cnt.shape[0]):
@@ -501,22 +502,28 @@ BATCH_ARRAYS = ("buf", "length", "out_port", "reason")
 STAGE_ARRAYS = ("modes", "thr_bytes", "trim_thr", "thr_pkts", "ecn_bytes", "ns_per_byte",
                 "burst_bytes", "next_free", "q_buf", "q_len", "q_ring", "q_head", "q_cnt",
                 "q_bytes", "dscp", "trim_bytes", "last_hop", "deficit", "counters_arr", "_emit",
-                "_emitted")
+                "_emitted", "_departure")
 TRIM_SPEC = ("u1:2 i4:1 i2:1 u1:1 i8:1 i8:1 i8:1 i8:1 i8:1 f8:1 f8:1 f8:1 u1:3 i4:2 i8:2 i8:2 "
-             "i8:2 i8:2 i8:1 i8:1 b1:1 f8:1 i8:2 i2:1 b1:1")
+             "i8:2 i8:2 i8:1 i8:1 b1:1 f8:1 i8:2 i2:1 b1:1 f8:1")
 
 
 @njit(cache=True)
 def trim_packed(table, n, base, room, now, hdr_prio, share):
     """:func:`trim_kernel` with its arrays in one table (:mod:`testbed.kernels.packed`: one
-    argument to unbox per burst instead of 25; ``BATCH_ARRAYS`` then ``STAGE_ARRAYS``)."""
+    argument to unbox per burst instead of 25; ``BATCH_ARRAYS`` then ``STAGE_ARRAYS``), then
+    the earliest departure of the frames left queued into ``departure[0]``
+    (:func:`earliest_departure`; only this kernel changes the queues, so the stage's deadline
+    reads it there instead of calling again after every burst)."""
     (buf, length, out_port, reason, modes, thr_bytes, trim_thr, thr_pkts, ecn_bytes,
      ns_per_byte, burst_bytes, next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, dscp,
-     trim_bytes, last_hop, deficit, counters, emit_port, emitted) = arrays_at(table, TRIM_SPEC)
-    return trim_kernel(buf, length, out_port, reason, n, base, room, now, modes, hdr_prio,
-                       thr_bytes, trim_thr, thr_pkts, ecn_bytes, ns_per_byte, burst_bytes,
-                       next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, dscp, trim_bytes,
-                       last_hop, share, deficit, counters, emit_port, emitted)
+     trim_bytes, last_hop, deficit, counters, emit_port, emitted,
+     departure) = arrays_at(table, TRIM_SPEC)
+    k = trim_kernel(buf, length, out_port, reason, n, base, room, now, modes, hdr_prio,
+                    thr_bytes, trim_thr, thr_pkts, ecn_bytes, ns_per_byte, burst_bytes,
+                    next_free, q_buf, q_len, q_ring, q_head, q_cnt, q_bytes, dscp, trim_bytes,
+                    last_hop, share, deficit, counters, emit_port, emitted)
+    departure[0] = earliest_departure(q_cnt, next_free)
+    return k
 
 
 class TrimStage(PackedStage):
@@ -597,6 +604,7 @@ class TrimStage(PackedStage):
         self.counters_arr = np.zeros((n, len(COUNTER_NAMES)), np.int64)
         self._emit = np.zeros(0, np.int16)  # sized to the batch on first use
         self._emitted = np.zeros(n, np.bool_)
+        self._departure = np.full(1, np.inf)  # the queues' earliest departure (trim_packed)
         self._epoch: int | None = None
         self.modes = np.full(n, MODE_TRIM, np.int64)
         self.header_priority = True
@@ -751,7 +759,7 @@ class TrimStage(PackedStage):
         # the head frame's time on the exact clock, not the burst's head start: a port woken
         # then sends a burst's worth at once (never early by more than the burst), so the
         # engine wakes once per burst rather than once per frame
-        t = earliest_departure(self.q_cnt, self.next_free)
+        t = float(self._departure[0])
         return None if t == math.inf else self._epoch + int(math.ceil(t))
 
     def queued(self) -> int:

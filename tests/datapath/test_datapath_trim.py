@@ -572,3 +572,27 @@ def test_earliest_departure_matches_its_numpy_twin(counts, free):
     busy = q_cnt.sum(axis=0) > 0
     want = next_free[busy].min() if busy.any() else np.inf
     assert earliest_departure(q_cnt, next_free) == want
+
+
+def test_the_deadline_after_each_burst_is_the_queues_earliest_departure():
+    """``next_deadline_ns`` reads the departure the burst's kernel left (only the kernel
+    changes the queues): after bursts that fill, drain and empty a shaped port's queue it is
+    the epoch plus the twin's earliest departure, rounded up, and None once nothing waits."""
+    from testbed.datapath.batch import Batch
+
+    stage = ShapeStage(n_ports=2, rate_mbps=10.0, burst_bytes=0)
+    batch = Batch(64)
+    t = 1_000_000
+    for frames, step in ((20, 0), (5, 300_000), (0, 600_000), (0, 10**9)):
+        t += step
+        batch.n = 0
+        first = batch.alloc(frames)
+        batch.length[first:first + frames] = 1000
+        batch.out_port[first:first + frames] = np.arange(frames) % 2
+        stage.process(batch, t)
+        busy = stage.q_cnt.sum(axis=0) > 0
+        want = None if not busy.any() else \
+            stage._epoch + int(np.ceil(stage.next_free[busy].min()))
+        assert stage.next_deadline_ns() == want, (frames, step)
+    assert want is None  # the last burst found the queues empty
+
