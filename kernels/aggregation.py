@@ -1042,8 +1042,8 @@ class Aggregation:
         self._agg = {"mac": np.zeros(6, np.uint8), "ip": 0, "codec_ok": np.zeros(256, np.bool_),
                      "via_ingress": True, "max_elems": max_elems, "thc_max": THC_MAX_ELEMS,
                      "pool_base": self.static_words, "pool_lanes": pool_lanes}
-        self._packed: np.ndarray | None = None  # aggregate_packed's table, and the batch
-        self._packed_with: tuple | None = None  # arrays it was built with (process)
+        self._packed: np.ndarray | None = None  # aggregate_packed's table (process)
+        self._packed_with: tuple | None = None  # the batch arrays it was built with
         self.set_identity()  # builds self.agg
 
     def set_identity(self, mac: bytes | None = None, ip: int | None = None,
@@ -1198,7 +1198,7 @@ class Aggregation:
         if b is not held and (held is None or any(x is not y for x, y in
                                                   zip(b, held, strict=True))):
             held = b if isinstance(b, tuple) else tuple(b)  # held: the table points into it
-            self._packed = array_table(tuple(held) + tuple(self.regs) + tuple(self.jobs_arr) + (
+            self._packed = array_table(held + tuple(self.regs) + tuple(self.jobs_arr) + (
                 self.agg.mac, self.agg.codec_ok, self.counters_arr), AGG_SPEC)
             self._packed_with = held
         return aggregate_packed(self._packed, n, *self._agg_scalars)
