@@ -444,6 +444,9 @@ class TestbedNet(FabricRoutes):
         #: the fork server of this network's engines while it runs (None: each engine is
         #: started as a process of its own)
         self.engine_server: forks.EngineServer | None = None
+        #: helper processes kept while the network runs (:meth:`keep`), by name
+        self._kept: dict[str, object] = {}
+        self._kept_lock = threading.Lock()
         self._check_switch_nodes()
         # bad overrides and options fail here, before anything is built
         self._engine_shaped = engine_shaped_ports(topo, self.programs_plan())
@@ -628,6 +631,26 @@ class TestbedNet(FabricRoutes):
         for sw in prog:
             sw.spawner = self.engine_server
 
+    def keep(self, name: str, start):
+        """A helper process this network keeps while it runs, e.g. the collectives' pool
+        server: ``start()`` makes it on first use (and again when the one before died:
+        ``alive()`` false); the network ``close()``s it when it stops."""
+        with self._kept_lock:
+            helper = self._kept.get(name)
+            if helper is None or not helper.alive():
+                if helper is not None:
+                    with contextlib.suppress(Exception):
+                        helper.close()
+                helper = self._kept[name] = start()
+            return helper
+
+    def _close_kept(self) -> None:
+        with self._kept_lock:
+            kept, self._kept = self._kept, {}
+        for helper in kept.values():
+            with contextlib.suppress(Exception):
+                helper.close()
+
     def _stop_engines(self) -> None:
         """Stop all engines in parallel, keeping their final counters, then their fork
         server."""
@@ -642,9 +665,6 @@ class TestbedNet(FabricRoutes):
             server, self.engine_server = self.engine_server, None
             if server is not None:
                 server.close()
-                if server.proc.returncode == 0:
-                    with contextlib.suppress(OSError):
-                        os.unlink(server.log_path)
 
     def _teardown(self) -> None:
         t = time.monotonic()
@@ -664,6 +684,7 @@ class TestbedNet(FabricRoutes):
                 with contextlib.suppress(Exception):
                     client.close()
             self._clients = {}
+            self._close_kept()
             if self.mininet is not None:
                 with contextlib.suppress(Exception):
                     self._stop_engines()

@@ -45,6 +45,7 @@ from testbed.collectives.dilation import calibrate
 from testbed.collectives.report import make_row
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.transport import CollectiveError, CollectiveTimeout
+from testbed.datapath import forks
 from testbed.kernels.wire import TESTBED_UDP_PORT
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
@@ -264,11 +265,13 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         os.makedirs(jobdir, exist_ok=True)
         t0 = time.monotonic()
         job["t_popen"] = t0  # CLOCK_MONOTONIC is system-wide: the pool measures set-up from here
+        server = _pool_server(net)
+        if server is not None:
+            job["pool_server"] = server.pid
         with open(path, "w") as f:
             json.dump(job, f)
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = _start_pool(server, cmd, log)
         pinned = tree_interfaces(agg_client.plan) if agg_client is not None else None
         _wait_pool(proc, net, spec, limit, restarts, pinned, starts)
         # the pool may have ended first (its workers saw it)
@@ -665,7 +668,28 @@ def _engines_died(net, spec: CollectiveSpec, starts: dict[str, int] | None = Non
     return err
 
 
-def _wait_pool(proc: subprocess.Popen, net, spec: CollectiveSpec, limit: float,
+def _pool_server(net) -> forks.PoolServer | None:
+    """The network's pool server (started on its first collective, kept until it stops), or
+    None: a network that keeps no helper processes, or ``TESTBED_POOL_START=exec``."""
+    keep = getattr(net, "keep", None)
+    if keep is None or forks.start_mode(forks.POOL_START_ENV) != "fork":
+        return None
+    return keep("pools", lambda: forks.PoolServer(
+        os.path.join(RUN_DIR, f"pools.{os.getpid()}.{id(net):x}.log")))
+
+
+def _start_pool(server: forks.PoolServer | None, cmd: list[str], log
+                ) -> subprocess.Popen | forks.ForkedProcess:
+    """The pool process running ``cmd`` (``python -m testbed.collectives.worker ...``):
+    forked from ``server`` (Numba and the INA kernels already loaded: an INA pool's set-up
+    0.65 -> 0.1 s), else, or when that server has died, started afresh."""
+    if server is not None:
+        with contextlib.suppress(RuntimeError, OSError):
+            return server.fork(cmd[3:], log)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_pool(proc: subprocess.Popen | forks.ForkedProcess, net, spec: CollectiveSpec, limit: float,
                restarts: list | None = None, pinned: set[str] | None = None,
                starts: dict[str, int] | None = None) -> None:
     """Wait for the pool. When a data-path engine of the network dies: with ``restarts`` (a
@@ -726,7 +750,7 @@ def _release(net, spec: CollectiveSpec, agg_client) -> None:
         _configure_nics(net, spec, offload=False)
 
 
-def _stop_pool(proc: subprocess.Popen | None, jobdir: str, net, spec: CollectiveSpec,
+def _stop_pool(proc: subprocess.Popen | forks.ForkedProcess | None, jobdir: str, net, spec: CollectiveSpec,
                agg_client) -> None:
     """Teardown on a failure or Ctrl-C: kill the pool's process group, reap it, drop the job
     folder, the switch partition and the NICs' offload. Runs while an exception propagates,

@@ -550,8 +550,10 @@ def _coordinate(group: RankGroup, job: dict, spec: CollectiveSpec, t_launch: flo
         connect_ranks(group, job, spec)
         # from the runner's Popen (interpreter start + imports) when known
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
-        result["mem_mb"] = sum(pss_mb(p) for p in [os.getpid(), *group.live_pids()]) + sum(
-            pool.mem_mb for pool in group.remotes)
+        # a pool forked from the network's pool server shares its pages: that server counts
+        server = [job["pool_server"]] if job.get("pool_server") else []
+        result["mem_mb"] = sum(pss_mb(p) for p in [*server, os.getpid(), *group.live_pids()]) \
+            + sum(pool.mem_mb for pool in group.remotes)
         for rep in range(spec.repetitions):
             result["reps"].append(_repetition(group, spec, rep, ins, outs, replicas))
     except RuntimeError as e:
@@ -591,8 +593,27 @@ def job_file_main(argv: list[str] | None, prog: str, run, failed: dict) -> int:
     return 0 if result.get("error") is None else 2
 
 
+def preload_pool() -> str:
+    """What every pool forked from a network's pool server shares
+    (:class:`testbed.datapath.forks.PoolServer`): Numba, its threading layer chosen fork-safe
+    before anything loads a kernel, and the INA client's kernels. Returns what, for its log."""
+    fork_safe_numba()
+    from testbed.collectives import ina
+
+    ina.warm_up()
+    return "Numba and the INA client's kernels"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the job file and write ``result.json`` next to it."""
+    """Entry point: run the job file and write ``result.json`` next to it; with
+    ``--fork-server FD``, serve forked pools on socket FD instead."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--fork-server"] and len(argv) == 2:
+        # the module by its name, as every other module imports it (not this __main__ copy)
+        from testbed.collectives import worker
+        from testbed.datapath.forks import serve
+
+        return serve(int(argv[1]), worker.preload_pool, lambda args, _fds: worker.main(args))
     return job_file_main(argv, "python -m testbed.collectives.worker", run_pool, {"reps": []})
 
 

@@ -791,10 +791,19 @@ def main(argv: list[str] | None = None, control_fds: list[int] | None = None) ->
     ap.add_argument("marker", nargs="*", help="testbed-node=<name> (for cleanup)")
     a = ap.parse_args(argv)
     if a.fork_server is not None:
+        # the module by its name, as every other module imports it (not this __main__ copy)
+        from testbed.datapath import engine
         from testbed.datapath.forks import serve
 
-        return serve(a.fork_server, [s for s in a.stages.split(",") if s],
-                     [int(n) for n in a.port_counts.split(",") if n])
+        stages = [s for s in a.stages.split(",") if s]
+        port_counts = [int(n) for n in a.port_counts.split(",") if n]
+
+        def preload() -> str:
+            engine.preload_kernels(stages, port_counts)
+            return f"kernels of {stages} for {port_counts} ports"
+
+        return serve(a.fork_server, preload,
+                     lambda argv, fds: engine.main(argv, control_fds=fds))
     if not a.config:
         ap.error("--config is required")
     if a.counters_out and len(a.counters_out) != len(a.config):

@@ -1,4 +1,4 @@
-"""Engines forked from one warm process instead of each started afresh.
+"""Processes forked from one warm process instead of each started afresh.
 
 Every engine used to be its own ``python -m testbed.datapath.engine``: each imported numpy,
 Numba and its stages and loaded their kernels before answering, about 0.45 s of CPU and
@@ -10,19 +10,24 @@ of the network's stages and port counts once, then forks a child per node; a chi
 loaded code copy-on-write, enters the node's network namespace and runs the engine's
 :func:`~testbed.datapath.engine.main` with the node's config, log and control socket.
 
-Requests go over a Unix socket pair, one JSON line each with file descriptors attached
-(``SCM_RIGHTS``): ``spawn`` (the node's network namespace, its log, its control socket;
-answer: the pid) and ``status`` (the exit status of a child that has exited; the server is
-its parent and reaps it). Lifetimes: the server ends when its socket closes (its owner
-closed it or died); its children hold ``PR_SET_PDEATHSIG`` = SIGTERM towards it, so they
-stop cleanly and write their counters; every child also follows the network's owner
-(:func:`testbed.lifeline.follow_owner`), as a started engine does.
+The collectives' pools are forked the same way (:class:`PoolServer`, ``python -m
+testbed.collectives.worker --fork-server``): an INA collective's pool spent 0.5-0.6 s of its
+0.65 s set-up importing Numba and loading the client's kernels, every time.
 
-:class:`EngineProcess` is the owner's handle of a forked engine with the part of
-:class:`subprocess.Popen` the switches use (``pid``, ``poll``, ``wait``, ``send_signal``,
-``kill``, ``returncode``); it watches the child through a pidfd, so a signal never reaches
-a reused pid. ``TESTBED_ENGINE_START=exec`` starts every engine as its own process, as
-before (for comparison, or where forking misbehaves).
+Requests go over a Unix socket pair, one JSON line each with file descriptors attached
+(``SCM_RIGHTS``): ``spawn`` (the child's log, its network namespace when it has one, the
+descriptors it serves; answer: the pid) and ``status`` (the exit status of a child that has
+exited; the server is its parent and reaps it). Lifetimes: the server ends when its socket
+closes (its owner closed it or died); its children hold ``PR_SET_PDEATHSIG`` = SIGTERM
+towards it, so they stop cleanly and write their counters; every child also follows the
+network's owner (:func:`testbed.lifeline.follow_owner`), as a started engine does.
+
+:class:`ForkedProcess` is the owner's handle of a forked child with the part of
+:class:`subprocess.Popen` the switches and the collective runner use (``pid``, ``poll``,
+``wait``, ``send_signal``, ``kill``, ``returncode``); it watches the child through a pidfd,
+so a signal never reaches a reused pid. ``TESTBED_ENGINE_START=exec`` starts every engine as
+its own process, as before (for comparison, or where forking misbehaves), and
+``TESTBED_POOL_START=exec`` every collective's pool.
 """
 
 from __future__ import annotations
@@ -41,25 +46,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 START_ENV = "TESTBED_ENGINE_START"
+#: how the collectives' pools start (the same two modes)
+POOL_START_ENV = "TESTBED_POOL_START"
 START_MODES = ("fork", "exec")
 #: seconds the owner waits for the server to load its kernels (a cold cache compiles them)
 READY_TIMEOUT_S = 600.0
 MAX_MESSAGE = 1 << 20
-#: descriptors a spawn request may carry: the namespace, the log and a control socket per
+#: descriptors a spawn request may carry: the log, the namespace and a control socket per
 #: node (an engine group has several); the kernel's limit per message (SCM_MAX_FD) is 253
 MAX_SPAWN_FDS = 253
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
 
 
-def start_mode() -> str:
-    """How engines start: ``fork`` (from a warm server, the default) or ``exec``."""
-    mode = os.environ.get(START_ENV, "fork").strip().lower() or "fork"
+def start_mode(env: str = START_ENV) -> str:
+    """How engines (or, with ``env=POOL_START_ENV``, the collectives' pools) start:
+    ``fork`` (from a warm server, the default) or ``exec``."""
+    mode = os.environ.get(env, "fork").strip().lower() or "fork"
     if mode not in START_MODES:
-        raise ValueError(f"{START_ENV}={mode!r}: use one of {', '.join(START_MODES)}")
+        raise ValueError(f"{env}={mode!r}: use one of {', '.join(START_MODES)}")
     return mode
 
 
@@ -88,13 +96,34 @@ def _recv(sock: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]
 
 
 # ----- the server (runs in the fork server process) ---------------------------------------
+#: what a forked child runs: ``run(argv, the descriptors it serves)`` -> its exit status
+ChildMain = Callable[[list[str], list[int]], int]
+
+
 def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def _child(req: dict, fds: list[int], server_sock: socket.socket) -> int:
-    """In the forked child: become the node's engine. Returns its exit status."""
-    netns_fd, log_fd, *control_fds = fds
+def _take_env(env: dict[str, str]) -> None:
+    """Adopt the owner's environment as it is now: the server started with the owner's
+    environment of that moment; ``PYTHONPATH`` entries added since also go on ``sys.path``
+    (before the installed packages, as at an interpreter's start), and the plug-in registries
+    scan the entry points again (a plug-in installed since)."""
+    before = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    os.environ.clear()
+    os.environ.update(env)
+    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and p not in before and p not in sys.path]
+    if added:
+        sys.path[1:1] = added
+    if "testbed.kernels.plugins" in sys.modules:
+        sys.modules["testbed.kernels.plugins"].refresh()
+
+
+def _child(req: dict, fds: list[int], server_sock: socket.socket, run: ChildMain) -> int:
+    """In the forked child: become the requested process. Returns its exit status."""
+    log_fd, *rest = fds
+    netns_fd = rest.pop(0) if req.get("netns") else None
     server_sock.close()
     libc = _libc()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -103,24 +132,24 @@ def _child(req: dict, fds: list[int], server_sock: socket.socket) -> int:
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
         return 70
     if os.getppid() != req["server_pid"]:
-        return 0  # the server died before the line above: nobody waits for this engine
-    if libc.setns(netns_fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        os.write(log_fd, f"cannot enter the node's network namespace: "
-                         f"{os.strerror(err)}\n".encode())
-        return 71
-    os.close(netns_fd)
+        return 0  # the server died before the line above: nobody waits for this child
+    if netns_fd is not None:
+        if libc.setns(netns_fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            os.write(log_fd, f"cannot enter the node's network namespace: "
+                             f"{os.strerror(err)}\n".encode())
+            return 71
+        os.close(netns_fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     for fd in (null, log_fd):
         os.close(fd)
-    os.environ.clear()
-    os.environ.update(req["env"])
-    from testbed.datapath.engine import main
-
-    return main(req["argv"], control_fds=control_fds)
+    if req.get("cwd"):
+        os.chdir(req["cwd"])
+    _take_env(req["env"])
+    return run(req["argv"], rest)
 
 
 def _reap(statuses: dict[int, int], children: set[int]) -> None:
@@ -134,19 +163,17 @@ def _reap(statuses: dict[int, int], children: set[int]) -> None:
             statuses[pid] = os.waitstatus_to_exitcode(status)
 
 
-def serve(fd: int, stages: list[str], port_counts: list[int]) -> int:
-    """The fork server's loop on the socket ``fd`` (see the module docstring)."""
-    from testbed.datapath.engine import preload_kernels
-
+def serve(fd: int, preload: Callable[[], str], run: ChildMain) -> int:
+    """The fork server's loop on the socket ``fd`` (see the module docstring): ``preload()``
+    loads what the children share and says what (for the log); each child runs ``run``."""
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ends when its owner closes the socket
     t0 = time.monotonic()
-    preload_kernels(stages, port_counts)
+    what = preload()
     # what is loaded now is shared by every child: keep the collector off those pages
     gc.collect()
     gc.freeze()
-    print(f"fork server: kernels of {stages} for {port_counts} ports ready in "
-          f"{time.monotonic() - t0:.1f} s", flush=True)
+    print(f"fork server: {what} ready in {time.monotonic() - t0:.1f} s", flush=True)
     try:
         _send(sock, {"ready": True, "pid": os.getpid()})
     except OSError:  # the network was torn down while this loaded: nothing to serve
@@ -162,10 +189,11 @@ def serve(fd: int, stages: list[str], port_counts: list[int]) -> int:
         if req is None:
             return 0
         if req.get("op") == "spawn":
-            if len(fds) < 3:
+            need = 2 if req.get("netns") else 1  # the log, and the namespace
+            if len(fds) < need:
                 for f in fds:
                     os.close(f)
-                _send(sock, {"error": f"spawn needs at least 3 descriptors, got {len(fds)}"})
+                _send(sock, {"error": f"spawn needs {need} descriptors, got {len(fds)}"})
                 continue
             sys.stdout.flush()
             me = os.getpid()
@@ -173,10 +201,10 @@ def serve(fd: int, stages: list[str], port_counts: list[int]) -> int:
             if pid == 0:
                 rc = 1
                 try:
-                    rc = _child(dict(req, server_pid=me), fds, sock)
+                    rc = _child(dict(req, server_pid=me), fds, sock, run)
                 except SystemExit as e:
                     rc = e.code if isinstance(e.code, int) else 1
-                except BaseException:  # noqa: BLE001 - reported in the engine's log
+                except BaseException:  # noqa: BLE001 - reported in the child's log
                     import traceback
 
                     traceback.print_exc()
@@ -201,10 +229,10 @@ def serve(fd: int, stages: list[str], port_counts: list[int]) -> int:
 
 
 # ----- the owner's side ---------------------------------------------------------------
-class EngineProcess:
-    """A forked engine, seen from its owner (a :class:`subprocess.Popen` look-alike)."""
+class ForkedProcess:
+    """A forked child, seen from its owner (a :class:`subprocess.Popen` look-alike)."""
 
-    def __init__(self, server: EngineServer, pid: int):
+    def __init__(self, server: ForkServer, pid: int):
         self.server = server
         self.pid = pid
         self.returncode: int | None = None
@@ -221,13 +249,13 @@ class EngineProcess:
         return bool(ready)
 
     def poll(self) -> int | None:
-        """The exit status once the engine has exited (negative: the signal), else None."""
+        """The exit status once the child has exited (negative: the signal), else None."""
         if self.returncode is None and self._exited(0):
             self._collect()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the engine to exit; :class:`subprocess.TimeoutExpired` after ``timeout``."""
+        """Wait for the child to exit; :class:`subprocess.TimeoutExpired` after ``timeout``."""
         if self.returncode is None:
             if not self._exited(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
@@ -242,7 +270,7 @@ class EngineProcess:
             self._pidfd = None
 
     def send_signal(self, sig: int) -> None:
-        """Signal the engine (through its pidfd: never another process that reused its pid)."""
+        """Signal the child (through its pidfd: never another process that reused its pid)."""
         if self.returncode is None and self._pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, sig)
@@ -259,17 +287,17 @@ class EngineProcess:
                 os.close(self._pidfd)
 
 
-class EngineServer:
-    """The owner's side of a fork server: start it, spawn engines from it, close it.
+class ForkServer:
+    """The owner's side of a fork server: start it, spawn children from it, close it.
 
-    ``stages`` and ``port_counts``: what the network's engines run (their kernels load once
-    in the server). Thread-safe: a network starts its switches from several threads.
+    ``module`` and ``args``: the server's command (``python -m MODULE --fork-server FD
+    ARGS``); ``what``: what it serves, for errors. Thread-safe: a network starts its switches
+    from several threads, and tenants run collectives at once.
     """
 
-    def __init__(self, stages: Iterable[str], port_counts: Iterable[int], log_path: str):
-        self.stages = sorted(set(stages))
-        self.port_counts = sorted(set(port_counts))
+    def __init__(self, module: str, args: list[str], log_path: str, what: str):
         self.log_path = log_path
+        self.what = what
         self._lock = threading.Lock()
         # message boundaries kept: one request, one answer, each with its descriptors
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -277,9 +305,8 @@ class EngineServer:
         try:
             with open(log_path, "w") as log:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "testbed.datapath.engine", "--fork-server",
-                     str(theirs.fileno()), "--stages", ",".join(self.stages),
-                     "--port-counts", ",".join(map(str, self.port_counts))],
+                    [sys.executable, "-m", module, "--fork-server", str(theirs.fileno()),
+                     *args],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     pass_fds=(theirs.fileno(),))
         except BaseException:
@@ -299,8 +326,9 @@ class EngineServer:
             ready, _, _ = select.select([self._sock], [], [], timeout)
             msg = _recv(self._sock)[0] if ready else None
             if not msg or not msg.get("ready"):
-                self.close()
-                raise RuntimeError(f"the engines' fork server did not start "
+                self._close_socket()
+                self._end()
+                raise RuntimeError(f"the {self.what}' fork server did not start "
                                    f"({'it exited' if ready else f'not ready in {timeout:.0f} s'})"
                                    f"; its log ({self.log_path}):\n{self._log_tail()}")
             self._ready = True
@@ -315,29 +343,33 @@ class EngineServer:
     def _ask(self, req: dict, fds: Iterable[int] = ()) -> dict:
         with self._lock:
             if self._sock is None:
-                raise RuntimeError("the engines' fork server is closed")
+                raise RuntimeError(f"the {self.what}' fork server is closed")
             _send(self._sock, req, fds)
             msg, _ = _recv(self._sock)
         if msg is None:
-            raise RuntimeError(f"the engines' fork server exited; its log ({self.log_path}):"
-                               f"\n{self._log_tail()}")
+            raise RuntimeError(f"the {self.what}' fork server exited; its log "
+                               f"({self.log_path}):\n{self._log_tail()}")
         if "error" in msg:
             raise RuntimeError(f"fork server: {msg['error']}")
         return msg
 
-    def spawn(self, argv: list[str], netns_pid: int, log,
-              controls: list[socket.socket]) -> EngineProcess:
-        """Fork an engine with arguments ``argv`` (those of ``python -m
-        testbed.datapath.engine``) in the network namespace of process ``netns_pid``, its
-        output to the open file ``log``, listening on ``controls`` (one per ``--config``)."""
+    def fork(self, argv: list[str], log, netns_pid: int | None = None,
+             fds: Iterable[int] = ()) -> ForkedProcess:
+        """Fork a child that runs the server's child main with ``argv``, its output to the
+        open file ``log``, in the network namespace of process ``netns_pid`` (None: the
+        server's), serving the descriptors ``fds``; in this process's working folder and
+        environment."""
         self.wait_ready()
-        netns = os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY)
+        netns = [os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY)] \
+            if netns_pid is not None else []
         try:
-            msg = self._ask({"op": "spawn", "argv": argv, "env": dict(os.environ)},
-                            (netns, log.fileno(), *(c.fileno() for c in controls)))
+            msg = self._ask({"op": "spawn", "argv": argv, "env": dict(os.environ),
+                             "cwd": os.getcwd(), "netns": bool(netns)},
+                            (log.fileno(), *netns, *fds))
         finally:
-            os.close(netns)
-        return EngineProcess(self, int(msg["pid"]))
+            for f in netns:
+                os.close(f)
+        return ForkedProcess(self, int(msg["pid"]))
 
     def status(self, pid: int) -> int | None:
         """The exit status of exited child ``pid`` (None if the server no longer knows)."""
@@ -349,15 +381,53 @@ class EngineServer:
     def alive(self) -> bool:
         return self._sock is not None and self.proc.poll() is None
 
-    def close(self, timeout: float = 5.0) -> None:
-        """End the server (its children get SIGTERM from their parent-death signal: stop
-        the engines first to keep their counters)."""
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _end(self, timeout: float = 5.0) -> None:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the server (its children get SIGTERM from their parent-death signal: stop
+        them first to keep what they write at the end); its log goes when it ended well."""
+        with self._lock:
+            self._close_socket()
+        self._end(timeout)
+        if self.proc.returncode == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+
+
+class EngineServer(ForkServer):
+    """The fork server of a network's engines: ``stages`` and ``port_counts`` are what they
+    run (their kernels load once in the server)."""
+
+    def __init__(self, stages: Iterable[str], port_counts: Iterable[int], log_path: str):
+        self.stages = sorted(set(stages))
+        self.port_counts = sorted(set(port_counts))
+        super().__init__("testbed.datapath.engine",
+                         ["--stages", ",".join(self.stages),
+                          "--port-counts", ",".join(map(str, self.port_counts))],
+                         log_path, "engines")
+
+    def spawn(self, argv: list[str], netns_pid: int, log,
+              controls: list[socket.socket]) -> ForkedProcess:
+        """Fork an engine with arguments ``argv`` (those of ``python -m
+        testbed.datapath.engine``) in the network namespace of process ``netns_pid``, its
+        output to the open file ``log``, listening on ``controls`` (one per ``--config``)."""
+        return self.fork(argv, log, netns_pid, [c.fileno() for c in controls])
+
+
+class PoolServer(ForkServer):
+    """The fork server of a network's collective pools (``python -m
+    testbed.collectives.worker --fork-server``: Numba and the INA client's kernels loaded
+    once); a pool forked from it runs ``python -m testbed.collectives.worker ARGV``."""
+
+    def __init__(self, log_path: str):
+        super().__init__("testbed.collectives.worker", [], log_path, "collective pools")

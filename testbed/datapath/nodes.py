@@ -44,7 +44,7 @@ from testbed.datapath.control import (
     socket_path,
 )
 from testbed.datapath.engine import COMPILING
-from testbed.datapath.forks import EngineProcess, EngineServer
+from testbed.datapath.forks import EngineServer, ForkedProcess
 from testbed.datapath.programs import normalize_programs
 
 _OFFLOADS = ["tx", "off", "rx", "off", "gso", "off", "tso", "off", "gro", "off"]
@@ -90,7 +90,7 @@ class ProgrammableSwitch(Switch):
         self.engine_settings = {k: params.pop(k) for k in ENGINE_KEYS if k in params}
         self.flood_ports = flood_ports
         self.ready_timeout = ready_timeout
-        self.engine: subprocess.Popen | EngineProcess | None = None
+        self.engine: subprocess.Popen | ForkedProcess | None = None
         #: the fork server that starts this node's engine (set by the network that starts
         #: it; None: the engine is started as a process of its own)
         self.spawner: EngineServer | None = None
@@ -171,7 +171,7 @@ class ProgrammableSwitch(Switch):
         finally:
             client.close()
 
-    def _launch_engine(self, log) -> subprocess.Popen | EngineProcess:
+    def _launch_engine(self, log) -> subprocess.Popen | ForkedProcess:
         """Write the config and start the engine in this node's namespace, output to ``log``
         (a remote node starts it on its server instead). The control socket listens in this
         (root) network namespace and is inherited by the engine, which runs in the node's:
@@ -200,7 +200,7 @@ class ProgrammableSwitch(Switch):
     def _engine_argv(self) -> list[str]:
         return ["--config", self._files["json"], "--counters-out", self._files["counters.json"]]
 
-    def _spawn(self, argv: list[str], log, controls: list) -> subprocess.Popen | EngineProcess:
+    def _spawn(self, argv: list[str], log, controls: list) -> subprocess.Popen | ForkedProcess:
         """Start ``python -m testbed.datapath.engine ARGV`` in this node's namespace, from
         the fork server when there is one."""
         if self.spawner is not None and self.spawner.alive():
@@ -328,7 +328,7 @@ class SharedEngine:
         self.links = [tuple(link) for link in links]
         self._lock = threading.Lock()
         self._arrived: set[str] = set()
-        self.proc: subprocess.Popen | EngineProcess | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
         for m in self.members:
             m.shared = self
             m._files["log"] = self.members[0]._files["log"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from testbed.datapath.control import RUN_DIR
-from testbed.datapath.forks import START_ENV, EngineProcess, start_mode
+from testbed.datapath.forks import START_ENV, ForkedProcess, start_mode
 
 
 def _ppid(pid: int) -> int:
@@ -57,7 +57,7 @@ def test_engines_fork_from_one_server_die_restart_and_leave_nothing(monkeypatch)
         pids = {}
         for sw in switches:
             pid = pids[sw.name] = sw.engine_pid()
-            assert isinstance(sw.engine, EngineProcess)
+            assert isinstance(sw.engine, ForkedProcess)
             assert _ppid(pid) == server_pid
             assert b"testbed.datapath.engine" in Path(f"/proc/{pid}/cmdline").read_bytes()
             assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{sw.pid}/ns/net")
