@@ -26,6 +26,7 @@ from testbed.collectives import inakernel as ik
 from testbed.datapath.aggregate import AggregateStage
 from testbed.datapath.batch import PORT_UNSET, Batch
 from testbed.kernels.benchutil import cpu_description
+from testbed.kernels.packed import array_table
 from testbed.kernels.reference.packets import udp_frame
 from testbed.kernels.wire import FIELD_OFFSETS, TESTBED_UDP_PORT, Codec, MsgType, pack_header
 
@@ -37,7 +38,7 @@ def worker_ns(burst: int, W: int = 128, count: int = 1 << 20) -> float:
     """Nanoseconds of worker kernel per packet (RESULT applied + next DATA built)."""
     slots, loop = ik.new_slots(W, 0), ik.new_loop(time.monotonic())
     rbuf = np.zeros((burst, ina.RB), np.uint8)
-    rlen = np.zeros(burst, np.int64)
+    rhdr = np.zeros((burst, 8), np.uint64)  # recvmmsg's mmsghdr rows: msg_len in column 7
     drop = np.zeros(burst, np.bool_)
     send_list = np.zeros(W, np.int64)
     x = np.random.default_rng(0).standard_normal(count).astype(np.float32)
@@ -45,7 +46,10 @@ def worker_ns(burst: int, W: int = 128, count: int = 1 << 20) -> float:
     p = ik.Payload(ik.MODE_INT32, x, np.zeros_like(x), np.zeros(count, np.int32),
                    np.full(K, -126, np.int16), K, W, ik.ELEMS, count, 4, 1, 0, 0.0, 1.0, 1,
                    np.uint64(0), np.uint64(0), np.zeros(ik.THC_ELEMS, np.float32))
-    slots_t, p_t = tuple(slots), tuple(p)
+    arrays = ik.burst_arrays(rbuf, rhdr, np.zeros(burst, np.int64), drop, slots, p, send_list,
+                             np.zeros((W, 2), np.uint64), np.zeros((W, 8), np.uint64),
+                             np.zeros((W, 3), np.uint64))
+    table, scalars = array_table(arrays, ik.BURST_SPEC), ik.payload_scalars(p)
     k = ik.start(slots, loop, p, time.monotonic(), send_list)
     fifo, done, spent = list(send_list[:k]), 0, 0.0
     while fifo:
@@ -54,11 +58,12 @@ def worker_ns(burst: int, W: int = 128, count: int = 1 << 20) -> float:
             ln = slots.lens[s]
             rbuf[i, :ln] = slots.pkts[s, :ln]
             rbuf[i, FIELD_OFFSETS["msg_type"]] = MsgType.RESULT
-            rlen[i] = ln
+            rhdr[i, 7] = ln
         fifo = fifo[m:]
         t = time.perf_counter()
-        d, ns, _, _, bad, _ = ik.on_results_flat(rbuf, rlen, m, drop, slots_t, loop, p_t,
-                                                 time.monotonic(), send_list)
+        d, ns, _, _, _, bad, _, _ = ik.on_burst(table, loop, scalars, m, time.monotonic(),
+                                             ik.SEND_GSO, ina.GSO_BURST_BYTES,
+                                             ina.UDP_MAX_SEGMENTS, ina.FRAME_OVERHEAD)
         spent += time.perf_counter() - t
         if bad >= 0 or d != m:
             raise RuntimeError(f"bench ina-cost: the worker took {d} of {m} echoed RESULTs")

@@ -49,8 +49,10 @@ back in int8/int16 lanes; the worker de-scales and applies the inverse transform
 the MTU). Error: see :func:`thc_check`.
 
 Hot loop: ``recvmmsg`` a burst of RESULTs straight into a numpy buffer, one ``@njit`` call
-applies them and builds the next packets in place, one ``sendmmsg`` sends them (in UDP GSO
-runs, see :data:`GSO_BURST_BYTES`); Python only loops over bursts and timers. After a partial
+(:func:`~testbed.collectives.inakernel.on_burst`, its arrays as one table) applies them,
+builds the next packets in place with their ``iovec`` rows and GSO groups, and says the next
+timer deadline; one ``sendmmsg`` sends them (in UDP GSO runs, see :data:`GSO_BURST_BYTES`);
+Python only loops over bursts and timers. After a partial
 burst the worker sleeps up to 1.5 ms (interrupt coalescing; capped at a quarter of the window)
 so bursts are several packets long: at 100 Mb/s a result arrives every ~90 us, and waking per
 packet costs more CPU than the packet.
@@ -76,6 +78,7 @@ from testbed.collectives.transport import CollectiveError, CollectiveTimeout
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors import get_compressor
 from testbed.kernels.compressors.thc import SALT_SIGN, padded_length, rht_forward, rht_inverse
+from testbed.kernels.packed import array_table
 from testbed.kernels.rng import stream_key
 from testbed.kernels.wire import TESTBED_UDP_PORT, describe_header, unpack_header
 
@@ -356,10 +359,15 @@ class InaClient:
             return
         self.siov[:k, 0] = self.pkts_addr + slots.astype(np.uint64) * np.uint64(ik.ROW)
         self.siov[:k, 1] = self.slots.lens[slots].astype(np.uint64)
+        g = ik.gso_batches(slots, k, self.slots.lens, self.siov_addr, self.ghdr, self.gctl,
+                           GSO_BURST_BYTES, UDP_MAX_SEGMENTS, FRAME_OVERHEAD) if self.gso else 0
+        self._transmit(k, g)
+
+    def _transmit(self, k: int, g: int) -> None:
+        """Send the ``k`` packets whose ``iovec`` rows are ready: as the ``g`` GSO groups
+        built over them when this namespace allows GSO, else one ``sendmmsg`` entry each."""
         first = 0
         if self.gso:
-            g = ik.gso_batches(slots, k, self.slots.lens, self.siov_addr, self.ghdr, self.gctl,
-                               GSO_BURST_BYTES, UDP_MAX_SEGMENTS, FRAME_OVERHEAD)
             sent = 0
             while sent < g:
                 r = _libc.sendmmsg(self.fd, self.ghdr_addr + sent * 64, g - sent, 0)
@@ -391,29 +399,36 @@ class InaClient:
         st = loop[0]
         k = ik.start(self.slots, loop, p, now, self.send_list)
         self._send(k)
-        # the per-burst kernels take the records as plain tuples (ik.on_results_flat says why)
-        slots_t, p_t = tuple(self.slots), tuple(p)
+        # the timer kernel takes the slots as a plain tuple, the burst kernel its arrays as
+        # one table (ik.on_burst says why)
+        slots_t = tuple(self.slots)
+        B = self.rbuf.shape[0]
+        drop = np.zeros(B, dtype=np.bool_)
+        # the table borrows these arrays: they stay referenced here while it is used
+        burst = ik.burst_arrays(self.rbuf, self.rhdr, np.zeros(B, np.int64), drop, self.slots,
+                                p, self.send_list, self.siov, self.ghdr, self.gctl)
+        table = array_table(burst, ik.BURST_SPEC)
+        scalars = ik.payload_scalars(p)
         done = 0
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
-        B = self.rbuf.shape[0]
-        no_drop = np.zeros(B, dtype=np.bool_)
         # at most a quarter of the window's worth of 100 Mb/s packet times (~90 us each),
         # which a dilated network stretches
         coalesce = min(COALESCE_S, self.W * 90e-6 / 4) * self.dilation if self.W >= 16 else 0.0
+        first_dl = float(self.slots.deadline.min())  # the burst kernel says it after each burst
         while done < total:
             got = _libc.recvmmsg(self.fd, self.rhdr_addr, B, MSG_DONTWAIT, None)
             if got <= 0:
                 # drained: only now look at timers (a descheduled worker must not retransmit
                 # what is already waiting in its socket)
                 now = time.monotonic()
-                first_dl = float(self.slots.deadline.min())
                 if first_dl > now:
                     if poller.poll(min(first_dl - now, 0.05) * 1000.0):
                         continue
                     now = time.monotonic()
                 k = ik.expire_flat(slots_t, loop, now, self.send_list)
                 self._send(k)
+                first_dl = float(self.slots.deadline.min())
                 if now - float(st["progress"]) > self.timeout_s:
                     pending = [int(s) for s in np.nonzero(self.slots.cur >= 0)[0][:8]]
                     raise CollectiveTimeout(
@@ -421,26 +436,31 @@ class InaClient:
                         f"{self.agg[0]} for {self.timeout_s} s ({done}/{total} packets done, "
                         f"slots {pending} pending; a worker died or the switch lost the job?)")
                 continue
-            rlen = (self.rhdr[:got, 7] & np.uint64(0xFFFFFFFF)).astype(np.int64)
-            drop = (self.rng.random(got) < self.loss) if self.loss else no_drop
+            if self.loss:  # seeded client-side loss of what arrived
+                drop[:got] = self.rng.random(got) < self.loss
             if self.sources is not None:  # shared mode: only the switch and the fallbacks
                 src = self.names[:got, 4:8].astype(np.uint32)
                 src = (src[:, 0] << 24) | (src[:, 1] << 16) | (src[:, 2] << 8) | src[:, 3]
                 foreign = ~np.isin(src, self.sources)
                 if foreign.any():
                     self.stats["foreign"] = self.stats.get("foreign", 0) + int(foreign.sum())
-                    drop = drop[:got] | foreign
+                drop[:got] = foreign | (drop[:got] if self.loss else False)
                 self.rhdr[:, 1] = 16  # the kernel wrote the names' lengths
-            d, ns, ign, lost, bad, code = ik.on_results_flat(self.rbuf, rlen, got, drop,
-                                                             slots_t, loop, p_t,
-                                                             time.monotonic(), self.send_list)
+            # seeded loss filters the send list first (_send), so the kernel builds no sends
+            how = ik.SEND_NONE if self.loss else (ik.SEND_GSO if self.gso else ik.SEND_EACH)
+            d, ns, g, ign, lost, bad, code, first_dl = ik.on_burst(
+                table, loop, scalars, got, time.monotonic(), how, GSO_BURST_BYTES,
+                UDP_MAX_SEGMENTS, FRAME_OVERHEAD)
             self.stats["ignored"] += ign
             self.stats["lost_rx"] += lost
             if bad >= 0:
                 self._protocol_error(bad, code, got)
             done += d
             if ns:
-                self._send(ns)
+                if self.loss:
+                    self._send(ns)
+                else:
+                    self._transmit(ns, g)
             if got < B and coalesce:
                 time.sleep(coalesce)
         self.stats["sent"] += int(st["sends"])
@@ -494,8 +514,12 @@ def warm_up() -> None:
         p = ik.Payload(mode, x, x.copy(), q, np.zeros(2, np.int16), 2, W, 256, 300, 2, 1, 0,
                        4.0, 8.0, 8, np.uint64(1), np.uint64(2), np.zeros(1024, np.float32))
         ik.start(slots, loop, p, 0.0, send_list)
-        ik.on_results_flat(rbuf, np.zeros(1, np.int64), 1, np.zeros(1, np.bool_),
-                           tuple(slots), loop, tuple(p), 0.0, send_list)
+        arrays = ik.burst_arrays(rbuf, np.zeros((1, 8), np.uint64), np.zeros(1, np.int64),
+                                 np.zeros(1, np.bool_), slots, p, send_list,
+                                 np.zeros((W, 2), np.uint64), np.zeros((W, 8), np.uint64),
+                                 np.zeros((W, 3), np.uint64))
+        ik.on_burst(array_table(arrays, ik.BURST_SPEC), loop, ik.payload_scalars(p), 1, 0.0,
+                    ik.SEND_GSO, GSO_BURST_BYTES, UDP_MAX_SEGMENTS, FRAME_OVERHEAD)
         ik.expire_flat(tuple(slots), loop, 0.0, send_list)
         slots.cur[:] = -1
     ik.gso_batches(send_list, W, slots.lens, np.uint64(0), np.zeros((W, 8), np.uint64),

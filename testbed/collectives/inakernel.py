@@ -40,8 +40,9 @@ jobs beside it instead of keeping W packets queued in front of theirs.
 
 Cost per packet: the per-packet steps that take the records are ``inline="always"`` (a call
 that is not inlined passes every array of ``Slots`` and ``Payload`` field by field), and the
-client enters through :func:`on_results_flat` and :func:`expire_flat`, which take the records
-as plain tuples, borrow their arrays and are compiled without Numba's reference-counting runtime
+client enters through :func:`on_burst`, which takes every array of a burst as one table
+(:mod:`testbed.kernels.packed`), and :func:`expire_flat`, which takes the slots as a plain
+tuple; both borrow the arrays and are compiled without Numba's reference-counting runtime
 (``_nrt=False``, inherited by what they call): Numba would otherwise count a reference for each
 array of a record wherever it is passed or bound. Nothing on this path allocates or returns an
 array (payload copies are element loops for that reason; an allocation would fail to compile).
@@ -59,6 +60,7 @@ from numba import njit
 
 from testbed.kernels import fixedpoint as fp
 from testbed.kernels.compressors.thc import fwht_inplace
+from testbed.kernels.packed import arrays_at
 from testbed.kernels.packets import borrow_arrays, header_at
 from testbed.kernels.rng import hash_u32, uniform
 from testbed.kernels.wire import HEADER_LEN, MAGIC, VERSION, Codec, Flags, MsgType
@@ -565,21 +567,81 @@ def on_results(rbuf, rlen, nrecv, drop, slots, loop, p, now, send_list):
     return done, nsend, ignored, lost, -1, 0
 
 
+#: the arrays of :func:`on_burst`'s table (:mod:`testbed.kernels.packed`), in
+#: :func:`burst_arrays`' order: the receive rows, their ``mmsghdr`` rows and lengths and
+#: drop marks; the :class:`Slots`; the :class:`Payload`'s arrays; the send list and the send
+#: side's ``iovec``, GSO ``mmsghdr`` and ``cmsghdr`` rows
+BURST_SPEC = ("u1:2 u8:2 i8:1 b1:1 "
+              "i8:1 i8:1 f8:1 i8:1 b1:1 f8:1 f8:1 f8:1 i8:1 u1:2 "
+              "f4:1 f4:1 i4:1 i2:1 f4:1 "
+              "i8:1 u8:2 u8:2 u8:2")
+#: the :class:`Payload` fields that are arrays, in the table's order
+PAYLOAD_ARRAYS = ("x", "out", "qsum", "agreed", "scratch")
+#: ``on_burst``'s ``gso``: GSO runs, one ``sendmmsg`` entry per packet, or nothing to build
+#: (the caller filters the send list first: seeded client-side loss)
+SEND_GSO, SEND_EACH, SEND_NONE = 1, 0, -1
+
+
+def burst_arrays(rbuf, rhdr, rlen, drop, slots: Slots, p: Payload, send_list, siov, ghdr,
+                 gctl) -> list:
+    """The arrays of a worker's :func:`on_burst` table, in :data:`BURST_SPEC`'s order."""
+    return [rbuf, rhdr, rlen, drop, *slots, *(getattr(p, f) for f in PAYLOAD_ARRAYS),
+            send_list, siov, ghdr, gctl]
+
+
+def payload_scalars(p: Payload) -> tuple:
+    """The :class:`Payload`'s other fields, in its order: :func:`on_burst`'s ``scalars``,
+    each of one type whatever the codec (one compiled specialisation)."""
+    return (int(p.mode), int(p.K), int(p.boot), int(p.E), int(p.d), int(p.n), int(p.job_id),
+            int(p.member), float(p.clip), float(p.half), int(p.blk), np.uint64(p.skey),
+            np.uint64(p.qkey))
+
+
 @njit(cache=True, _nrt=False)
-def on_results_flat(rbuf, rlen, nrecv, drop, slots_t, loop, p_t, now, send_list):
-    """:func:`on_results` with the records as plain tuples (``tuple(slots)``, ``tuple(p)``):
-    the client's per-burst entry point. Numba types a plain tuple of arrays in C from its
-    fingerprint but a NamedTuple through Python, element by element (about 2 us per record
-    and call, more than the kernel's own work on a small burst); the records are rebuilt here
-    with borrowed arrays and nothing counts references to them (no reference-counting runtime:
-    the caller holds the arrays for the call), so every kernel below keeps its named fields."""
-    return on_results(rbuf, rlen, nrecv, drop, Slots(*borrow_arrays(slots_t)), loop,
-                      Payload(*borrow_arrays(p_t)), now, send_list)
+def on_burst(table, loop, scalars, nrecv, now, gso, max_bytes, max_segs, overhead):
+    """The client's per-burst entry point: the ``nrecv`` datagrams ``recvmmsg`` left in the
+    table's receive rows (their lengths read from the ``mmsghdr`` rows) go through
+    :func:`on_results`, and the packets it lists are made ready to send: an ``iovec`` each
+    and, with ``gso`` = :data:`SEND_GSO`, their GSO groups (:func:`gso_batches`). Returns
+    ``(done, nsend, groups, ignored, lost, bad_slot, code, earliest)``, ``earliest`` the
+    slots' first retransmission deadline (the client's next timer check).
+
+    Why one table (:mod:`testbed.kernels.packed`): the burst's 23 arrays, passed one by one
+    or as tuples, cost about 50 ns each to unbox per call, and the numpy steps around the old
+    entry point (the lengths, the ``iovec`` rows) about 4 us more: on an INA worker's small
+    bursts, more than the protocol's own work. The records are rebuilt here from borrowed
+    arrays, so every kernel below keeps its named fields."""
+    (rbuf, rhdr, rlen, drop, cur, seq, sent_at, order, retx, deadline, rto, rtt, lens, pkts,
+     x, out, qsum, agreed, scratch, send_list, siov, ghdr, gctl) = arrays_at(table, BURST_SPEC)
+    mode, K, boot, E, d, n, job_id, member, clip, half, blk, skey, qkey = scalars
+    slots = Slots(cur, seq, sent_at, order, retx, deadline, rto, rtt, lens, pkts)
+    p = Payload(mode, x, out, qsum, agreed, K, boot, E, d, n, job_id, member, clip, half, blk,
+                skey, qkey, scratch)
+    for i in range(nrecv):
+        rlen[i] = np.int64(rhdr[i, 7] & np.uint64(0xFFFFFFFF))  # msg_len
+    done, nsend, ignored, lost, bad, code = on_results(rbuf, rlen, nrecv, drop, slots, loop, p,
+                                                       now, send_list)
+    groups = 0
+    if nsend and gso != SEND_NONE:
+        base = np.uint64(pkts.ctypes.data)
+        for i in range(nsend):
+            siov[i, 0] = base + np.uint64(send_list[i] * ROW)
+            siov[i, 1] = np.uint64(lens[send_list[i]])
+        if gso == SEND_GSO:
+            groups = gso_batches(send_list, nsend, lens, np.uint64(siov.ctypes.data), ghdr,
+                                 gctl, max_bytes, max_segs, overhead)
+    earliest = np.inf
+    for s in range(deadline.size):
+        earliest = min(earliest, deadline[s])
+    return done, nsend, groups, ignored, lost, bad, code, earliest
 
 
 @njit(cache=True, _nrt=False)
 def expire_flat(slots_t, loop, now, send_list):
-    """:func:`expire` with the slots as a plain tuple (see :func:`on_results_flat`)."""
+    """:func:`expire` with the slots as a plain tuple: Numba types a plain tuple of arrays in
+    C from its fingerprint but a NamedTuple through Python, element by element (about 2 us per
+    record and call); the record is rebuilt here with borrowed arrays. The timer path runs
+    once per drained socket, not per burst, so it keeps the tuple."""
     return expire(Slots(*borrow_arrays(slots_t)), loop, now, send_list)
 
 

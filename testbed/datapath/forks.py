@@ -147,7 +147,8 @@ def _child(req: dict, fds: list[int], server_sock: socket.socket, run: ChildMain
     for fd in (null, log_fd):
         os.close(fd)
     if req.get("cwd"):
-        os.chdir(req["cwd"])
+        with contextlib.suppress(OSError):  # gone since: the server's, as a process would keep
+            os.chdir(req["cwd"])
     _take_env(req["env"])
     return run(req["argv"], rest)
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from inasim import Sim
-from test_collectives_inakernel import assert_same, make, result
+from test_collectives_inakernel import assert_same, make, on_burst, result
 
 from testbed.collectives import CollectiveSpec
 from testbed.collectives import inakernel as ik
@@ -68,8 +68,7 @@ def test_windowed_kernel_matches_twin(seed, W, cwnd0, mode):
             rbuf[i, :len(m)] = np.frombuffer(m, np.uint8)
             rlen[i] = len(m)
         drop = rng.random(16) < 0.1
-        ra = ik.on_results_flat(rbuf, rlen, len(msgs), drop, tuple(a[0]), a[1], tuple(a[2]),
-                                now, sl[0])
+        ra = on_burst(a, rbuf, rlen, len(msgs), drop, now, sl[0])
         rb = ref.on_results(rbuf, rlen, len(msgs), drop, b[0], b[1], b[2], now, sl[1])
         assert tuple(int(v) for v in ra) == tuple(int(v) for v in rb)
         assert ra[4] == -1

@@ -52,6 +52,38 @@ def assert_same(a, b):
         assert np.array_equal(getattr(pa, name), getattr(pb, name), equal_nan=True), name
 
 
+def on_burst(state, rbuf, rlen, nrecv, drop, now, send_list, gso=ik.SEND_GSO):
+    """The client's burst kernel (:func:`ik.on_burst`, its arrays in one table) on a burst
+    whose lengths ``recvmmsg`` left in the ``mmsghdr`` rows: ``(done, nsend, ignored, lost,
+    bad_slot, code)`` as the twin's :func:`on_results` returns them. Checks what it built
+    for the sends against the twin: an ``iovec`` per listed packet and, with ``gso``, the
+    GSO groups of :func:`gso_batches`."""
+    from testbed.kernels.packed import array_table
+
+    slots, loop, p = state
+    W, B = slots.cur.size, rbuf.shape[0]
+    rhdr = np.zeros((B, 8), np.uint64)
+    rhdr[:, 7] = rlen.astype(np.uint64) | np.uint64(0xABC << 32)  # msg_len, and padding
+    siov, ghdr, gctl = np.zeros((W, 2), np.uint64), np.zeros((W, 8), np.uint64), \
+        np.zeros((W, 3), np.uint64)
+    arrays = ik.burst_arrays(rbuf, rhdr, np.zeros(B, np.int64), drop, slots, p, send_list,
+                             siov, ghdr, gctl)
+    d, ns, g, ign, lost, bad, code, earliest = ik.on_burst(
+        array_table(arrays, ik.BURST_SPEC), loop, ik.payload_scalars(p), nrecv, now, gso,
+        15000, 64, 42)
+    rows = send_list[:ns]
+    built = ns if gso != ik.SEND_NONE and bad < 0 else 0
+    assert np.array_equal(siov[:built, 0], np.uint64(slots.pkts.ctypes.data)
+                          + rows[:built].astype(np.uint64) * np.uint64(ik.ROW))
+    assert np.array_equal(siov[:built, 1], slots.lens[rows[:built]].astype(np.uint64))
+    want = np.zeros((W, 8), np.uint64), np.zeros((W, 3), np.uint64)
+    groups = ref.gso_batches(rows, ns, slots.lens, np.uint64(siov.ctypes.data), *want, 15000,
+                             64, 42) if gso == ik.SEND_GSO and ns and bad < 0 else 0
+    assert g == groups and np.array_equal(ghdr, want[0]) and np.array_equal(gctl, want[1])
+    assert earliest == slots.deadline.min()
+    return d, ns, ign, lost, bad, code
+
+
 def result(rng, state, s, *, job=JOB, seq_delta=0, chunk_delta=0, lane=None, flags=0):
     """A RESULT for slot ``s``'s outstanding packet (or a corrupted variant)."""
     slots, _, p = state
@@ -107,9 +139,9 @@ def test_kernel_matches_twin(mode, count, W):
             rbuf[i, :len(m)] = np.frombuffer(m, np.uint8)
             rlen[i] = len(m)
         drop = rng.random(16) < 0.15
-        # the kernel side through the client's entry point (records as plain tuples)
-        ra = ik.on_results_flat(rbuf, rlen, len(msgs), drop, tuple(a[0]), a[1], tuple(a[2]),
-                                now, sl[0])
+        # the kernel side through the client's entry point (its arrays as one table)
+        ra = on_burst(a, rbuf, rlen, len(msgs), drop, now, sl[0],
+                      gso=(ik.SEND_GSO, ik.SEND_EACH, ik.SEND_NONE)[rng.integers(3)])
         rb = ref.on_results(rbuf, rlen, len(msgs), drop, b[0], b[1], b[2], now, sl[1])
         assert tuple(int(v) for v in ra) == tuple(int(v) for v in rb)
         assert ra[4] == -1 and ra[2] >= 4  # no protocol error; the junk was ignored
