@@ -689,8 +689,8 @@ def _start_pool(server: forks.PoolServer | None, cmd: list[str], log
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_pool(proc: subprocess.Popen | forks.ForkedProcess, net, spec: CollectiveSpec, limit: float,
-               restarts: list | None = None, pinned: set[str] | None = None,
+def _wait_pool(proc: subprocess.Popen | forks.ForkedProcess, net, spec: CollectiveSpec,
+               limit: float, restarts: list | None = None, pinned: set[str] | None = None,
                starts: dict[str, int] | None = None) -> None:
     """Wait for the pool. When a data-path engine of the network dies: with ``restarts`` (a
     list, TCP algorithms: their connections outlive a switch that restarts), start it again
@@ -750,8 +750,8 @@ def _release(net, spec: CollectiveSpec, agg_client) -> None:
         _configure_nics(net, spec, offload=False)
 
 
-def _stop_pool(proc: subprocess.Popen | forks.ForkedProcess | None, jobdir: str, net, spec: CollectiveSpec,
-               agg_client) -> None:
+def _stop_pool(proc: subprocess.Popen | forks.ForkedProcess | None, jobdir: str, net,
+               spec: CollectiveSpec, agg_client) -> None:
     """Teardown on a failure or Ctrl-C: kill the pool's process group, reap it, drop the job
     folder, the switch partition and the NICs' offload. Runs while an exception propagates,
     so nothing here may raise and mask it: the group may already be gone (the pool exited, or
