@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -165,3 +166,31 @@ def _tb_no_leftovers(request: pytest.FixtureRequest):
                                else "") + "):\n" + _describe(left), pytrace=False)
     except EmulationBusy as exc:
         warnings.warn(f"could not check for testbed leftovers at the end: {exc}", stacklevel=1)
+
+
+@pytest.fixture
+def fake_dists(tmp_path, monkeypatch):
+    """``add(dist, module, module_source, entry_points_txt)``: a distribution on sys.path (in
+    ``add.site``), seen by the registries (their cached scan is refreshed before and after the
+    test)."""
+    from testbed.kernels import plugins
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    plugins.refresh()
+
+    def add(dist: str, module: str, source: str, entry_points: str) -> None:
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+        info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+        plugins.refresh()
+
+    add.site = site
+    yield add
+    for mod in [m for m in sys.modules if m.startswith("tbplug_")]:
+        del sys.modules[mod]
+    monkeypatch.undo()
+    plugins.refresh()

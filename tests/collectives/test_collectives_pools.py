@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,7 +14,6 @@ import pytest
 from testbed.collectives.spec import CollectiveSpec
 from testbed.collectives.testing import loopback_ip
 from testbed.datapath.forks import POOL_START_ENV, ForkServer, PoolServer, start_mode
-from testbed.kernels import plugins
 
 
 def _loopback_job(tmp_path: Path, name: str, spec: CollectiveSpec, n: int, **extra) -> Path:
@@ -36,9 +33,8 @@ def _pool(server: PoolServer, job: Path) -> dict:
 
 
 def test_pools_forked_from_one_server_run_collectives_exact(tmp_path):
-    """Ring, halving-doubling and a compressed ring, each a pool forked from the same server
-    (whose parent it is), every output checked against numpy by the pool; the pool's memory
-    counts the server it shares pages with; the server's log goes when it closes."""
+    """Ring, halving-doubling and a compressed ring, each a pool forked from the same server,
+    every output checked against numpy by the pool; the server's log goes when it closes."""
     server = PoolServer(str(tmp_path / "server.log"))
     try:
         server.wait_ready()
@@ -57,17 +53,14 @@ def test_pools_forked_from_one_server_run_collectives_exact(tmp_path):
     assert not (tmp_path / "server.log").exists()
 
 
-def test_a_forked_pool_sees_a_plugin_added_after_its_server_started(tmp_path, monkeypatch):
+def test_a_forked_pool_sees_a_plugin_added_after_its_server_started(tmp_path, monkeypatch,
+                                                                     fake_dists):
     """The server adopts the owner's environment per pool: a PYTHONPATH entry added since it
     started (here holding a compressor plug-in) is on the pool's path and in its registry."""
     server = PoolServer(str(tmp_path / "server.log"))
-    site = tmp_path / "site"
-    old = os.environ.get("PYTHONPATH")
     try:
         server.wait_ready()
-        site.mkdir()
-        (site / "tbplug_pooled.py").write_text(textwrap.dedent("""
-            import numpy as np
+        fake_dists("tb-pooled", "tbplug_pooled", """
             from testbed.kernels.compressors import Compressor
 
             class Same(Compressor):
@@ -81,30 +74,17 @@ def test_a_forked_pool_sees_a_plugin_added_after_its_server_started(tmp_path, mo
 
                 def payload_bytes(self, n):
                     return 4 * n
-            """))
-        info = site / "tb_pooled-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tb-pooled\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text("[testbed.compressors]\n"
-                                               "pooled = tbplug_pooled:Same\n")
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), old) if p))
-        monkeypatch.syspath_prepend(str(site))  # for this process's checks of the spec
-        plugins.refresh()
+            """, "[testbed.compressors]\npooled = tbplug_pooled:Same\n")
+        old = os.environ.get("PYTHONPATH")
+        monkeypatch.setenv("PYTHONPATH",
+                           os.pathsep.join(p for p in (str(fake_dists.site), old) if p))
         spec = CollectiveSpec(algo="ring", nbytes=4 * 10_007, compressor="pooled",
                               timeout_s=30, chunk_bytes=8 << 10)
-        job = tmp_path / "j" / "job.json"
-        job.parent.mkdir()
-        ranks = [{"host": f"tbh{i + 1}", "pid": os.getpid(), "ip": loopback_ip()}
-                 for i in range(2)]
-        job.write_text(json.dumps({"spec": spec.to_json(), "n": 2, "m": 0, "ranks": ranks}))
-        res = _pool(server, job)
+        res = _pool(server, _loopback_job(tmp_path, "j", spec, 2))
         assert res["error"] is None, res["error"]
         assert all(r["correct"] for r in res["reps"]), res["reps"]
     finally:
         server.close()
-        monkeypatch.undo()
-        sys.modules.pop("tbplug_pooled", None)
-        plugins.refresh()
 
 
 def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):
@@ -136,11 +116,9 @@ def test_collectives_fork_their_pools_from_the_network_and_survive_its_death(mon
 
     monkeypatch.delenv(POOL_START_ENV, raising=False)
     with TestbedNet(Star(3, bw_mbps=100, switch="programmable")) as net:
-        rows = []
         for algo in ("ina", "ring", "ina"):
             spec = CollectiveSpec(algo=algo, nbytes=4 * 20_011, workers=3, timeout_s=20)
-            rows.append(run_collective(net, spec))
-            check_rows(rows[-1], spec, 3, bw_mbps=100)
+            check_rows(run_collective(net, spec), spec, 3, bw_mbps=100)
         server = net.keep("pools", lambda: pytest.fail("a second pool server was started"))
         assert server.alive()
         os.kill(server.pid, signal.SIGKILL)

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -60,30 +59,6 @@ class Halve(Compressor):
     def payload_bytes(self, n):
         return 4 * n
 """
-
-
-@pytest.fixture
-def fake_dists(tmp_path, monkeypatch):
-    """``add(dist, module_source, entry_points_txt)``: a distribution on sys.path, seen by the
-    registries (their cached scan is refreshed before and after the test)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    monkeypatch.syspath_prepend(str(site))
-    plugins.refresh()
-
-    def add(dist: str, module: str, source: str, entry_points: str) -> None:
-        (site / f"{module}.py").write_text(textwrap.dedent(source))
-        info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
-        plugins.refresh()
-
-    yield add
-    for mod in [m for m in sys.modules if m.startswith("tbplug_")]:
-        del sys.modules[mod]
-    monkeypatch.undo()
-    plugins.refresh()
 
 
 def test_compressor_plugin_everywhere_a_name_is_used(fake_dists):
