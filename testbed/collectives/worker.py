@@ -551,7 +551,8 @@ def _coordinate(group: RankGroup, job: dict, spec: CollectiveSpec, t_launch: flo
         # from the runner's Popen (interpreter start + imports) when known
         result["setup_s"] = time.monotonic() - job.get("t_popen", t_launch)
         # a pool forked from the network's pool server shares its pages: that server counts
-        server = [job["pool_server"]] if job.get("pool_server") else []
+        # (not when the runner had to start this pool afresh beside it)
+        server = [os.getppid()] if job.get("pool_server") == os.getppid() else []
         result["mem_mb"] = sum(pss_mb(p) for p in [*server, os.getpid(), *group.live_pids()]) \
             + sum(pool.mem_mb for pool in group.remotes)
         for rep in range(spec.repetitions):
