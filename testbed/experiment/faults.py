@@ -85,6 +85,9 @@ class FaultSchedule:
                         if f.read().strip() != f"tbw-{host}":
                             continue
                     pid = int(path.split("/")[2])
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            continue  # an earlier run's rank its (dead) pool never reaped
                     os.kill(pid, signal.SIGKILL)
                     return {"pid": pid}
                 except (OSError, ValueError):
