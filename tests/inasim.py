@@ -20,7 +20,6 @@ import numpy as np
 
 from testbed.collectives import ina
 from testbed.collectives import inakernel as ik
-from testbed.collectives.reference import inakernel as ik_ref
 from testbed.datapath.aggregate import AggregateStage
 from testbed.datapath.batch import PORT_DROP, PORT_HELD, PORT_UNSET, Batch
 from testbed.datapath.codec import CODECS, decode_frame, encode_frame
@@ -394,7 +393,7 @@ class Sim:
             self._send_rows(r, ns, now, send_list)
         for p in ps:
             if self.mode == ik.MODE_INT32:
-                ik_ref.dequantize_int32(p)
+                k.dequantize_int32(p)
         self.now = now
         return ps
 

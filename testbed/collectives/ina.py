@@ -301,12 +301,7 @@ class InaClient:
         self.step += 1
         self._run(p)
         if self.mode == ik.MODE_INT32:
-            # chunk k was quantised with scale_for(agreed[k], n)
-            for k in range(p.K):
-                lo = k * ik.ELEMS
-                hi = min(lo + ik.ELEMS, x.size)
-                fp.dequantize_into(p.qsum[lo:hi], fp.scale_for(int(p.agreed[k]), self.n),
-                                   out[lo:hi])
+            ik.dequantize_int32(p)  # chunk k was quantised with scale_for(agreed[k], n)
 
     def _qsum_size(self, count: int) -> int:
         if self.mode == ik.MODE_THC:
@@ -507,7 +502,6 @@ def warm_up() -> None:
     send_list = np.zeros(W, np.int64)
     x = np.ones(300, np.float32)
     q = np.zeros(300, np.int32)
-    fp.dequantize_into(q, fp.scale_for(0, 2), x)
     for mode, cc in ((ik.MODE_INT32, ik.CC_OFF), (ik.MODE_NIC, ik.CC_OFF),
                      (ik.MODE_THC, ik.CC_DELAY)):  # every kernel, with the loop's one type
         loop[0]["cc"] = cc
@@ -521,6 +515,8 @@ def warm_up() -> None:
         ik.on_burst(array_table(arrays, ik.BURST_SPEC), loop, ik.payload_scalars(p), 1, 0.0,
                     ik.SEND_GSO, GSO_BURST_BYTES, UDP_MAX_SEGMENTS, FRAME_OVERHEAD)
         ik.expire_flat(tuple(slots), loop, 0.0, send_list)
+        if mode == ik.MODE_INT32:
+            ik.dequantize_int32(p._replace(out=x.copy()))
         slots.cur[:] = -1
     ik.gso_batches(send_list, W, slots.lens, np.uint64(0), np.zeros((W, 8), np.uint64),
                    np.zeros((W, 3), np.uint64), GSO_BURST_BYTES, UDP_MAX_SEGMENTS,

@@ -161,6 +161,29 @@ def test_kernel_matches_twin(mode, count, W):
         whole = np.empty(p.x.size, np.float32)
         rht_inverse.serial(y, p.blk, p.skey, p.x.size, whole)
         assert np.array_equal(p.out, whole)
+    if mode == ik.MODE_INT32:  # the client's last step, the whole vector in one call
+        ik.dequantize_int32(a[2])
+        ref.dequantize_int32(b[2])
+        assert_same(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 256 * 9), n=st.integers(1, 64), seed=st.integers(0, 2**32 - 1))
+def test_dequantize_int32_matches_twin_at_every_exponent(count, n, seed):
+    """The whole-vector dequantisation against the twin: chunks at the extreme agreed
+    exponents (EXP_MIN, EXP_MAX: results past float32's range are inf), the int32 extremes,
+    a short last chunk."""
+    rng = np.random.default_rng(seed)
+    (_, _, p), (_, _, q) = make(ik.MODE_INT32, 4, count)
+    p.qsum[:] = rng.integers(-(1 << 31), 1 << 31, count, dtype=np.int64).astype(np.int32)
+    p.qsum[:2] = (-(1 << 31), (1 << 31) - 1)[:count]
+    p.agreed[:] = rng.choice(np.array([-149, -60, 0, 7, 40, 127, 128]), p.K)
+    p = p._replace(n=n)
+    q = q._replace(n=n, qsum=p.qsum.copy(), agreed=p.agreed.copy())
+    ik.dequantize_int32(p)
+    ref.dequantize_int32(q)
+    assert np.array_equal(p.out, q.out, equal_nan=True)
+    assert not np.isnan(p.out).any()
 
 
 def test_packets_carry_the_round_and_the_protocol_fields():
