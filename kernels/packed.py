@@ -82,12 +82,33 @@ def array_table(arrays, spec: str | None = None) -> np.ndarray:
     return table
 
 
+def _array_from_row(context, builder, aty, word):
+    """The borrowed C-order array of type ``aty`` that a table row describes (``word(j)``:
+    the row's column ``j``)."""
+    i64 = ir.IntType(64)
+    shape = [word(1 + d) for d in range(aty.ndim)]
+    itemsize = context.get_abi_sizeof(context.get_data_type(aty.dtype))
+    strides, step = [], ir.Constant(i64, itemsize)
+    for d in reversed(range(aty.ndim)):  # C order
+        strides.insert(0, step)
+        step = builder.mul(step, shape[d])
+    ary = context.make_array(aty)(context, builder)
+    data = builder.inttoptr(word(0), context.get_data_type(aty.dtype).as_pointer())
+    context.populate_array(ary, data=data, shape=cgutils.pack_array(builder, shape),
+                           strides=cgutils.pack_array(builder, strides),
+                           itemsize=ir.Constant(i64, itemsize), meminfo=None)
+    return ary._getvalue()
+
+
+def _table_ok(table) -> bool:
+    return isinstance(table, types.Array) and table.dtype == types.int64 and table.ndim == 2
+
+
 @intrinsic
 def arrays_at(typingctx, table, spec):
     """The arrays of ``table`` (an ``int64[k, TABLE_COLS]`` from :func:`array_table`) as a
     tuple typed by ``spec``, a string constant: borrowed views of the callers' memory."""
-    if not (isinstance(table, types.Array) and table.dtype == types.int64
-            and table.ndim == 2 and isinstance(spec, types.StringLiteral)):
+    if not (_table_ok(table) and isinstance(spec, types.StringLiteral)):
         return None
     arys = spec_types(spec.literal_value)
     tup = types.Tuple(arys)
@@ -95,25 +116,39 @@ def arrays_at(typingctx, table, spec):
     def codegen(context, builder, signature, args):
         tab = context.make_array(signature.args[0])(context, builder, args[0])
         i64 = ir.IntType(64)
-
-        def word(k):
-            return builder.load(builder.gep(tab.data, [ir.Constant(i64, k)]))
-
         vals = []
         for k, aty in enumerate(arys):
-            shape = [word(k * TABLE_COLS + 1 + d) for d in range(aty.ndim)]
-            itemsize = context.get_abi_sizeof(context.get_data_type(aty.dtype))
-            strides, step = [], ir.Constant(i64, itemsize)
-            for d in reversed(range(aty.ndim)):  # C order
-                strides.insert(0, step)
-                step = builder.mul(step, shape[d])
-            ary = context.make_array(aty)(context, builder)
-            data = builder.inttoptr(word(k * TABLE_COLS),
-                                    context.get_data_type(aty.dtype).as_pointer())
-            context.populate_array(ary, data=data, shape=cgutils.pack_array(builder, shape),
-                                   strides=cgutils.pack_array(builder, strides),
-                                   itemsize=ir.Constant(i64, itemsize), meminfo=None)
-            vals.append(ary._getvalue())
+            def word(j, k=k):
+                return builder.load(builder.gep(tab.data, [ir.Constant(i64, k * TABLE_COLS + j)]))
+            vals.append(_array_from_row(context, builder, aty, word))
         return context.make_tuple(builder, signature.return_type, vals)
 
     return tup(table, spec), codegen
+
+
+@intrinsic
+def array_at(typingctx, table, row, spec):
+    """The array of ``table``'s row ``row`` (a run-time index: for a variable number of
+    arrays of one type, such as a node's ports' rings), typed by ``spec``, a string constant
+    naming one array type (``"u1:1"``). Like :func:`arrays_at`, no bounds are checked: the
+    caller passes a row the table has."""
+    if not (_table_ok(table) and isinstance(row, types.Integer)
+            and isinstance(spec, types.StringLiteral)):
+        return None
+    arys = spec_types(spec.literal_value)
+    if len(arys) != 1:
+        return None
+    aty = arys[0]
+
+    def codegen(context, builder, signature, args):
+        tab = context.make_array(signature.args[0])(context, builder, args[0])
+        i64 = ir.IntType(64)
+        base = builder.mul(context.cast(builder, args[1], signature.args[1], types.int64),
+                           ir.Constant(i64, TABLE_COLS))
+
+        def word(j):
+            return builder.load(builder.gep(tab.data, [builder.add(base, ir.Constant(i64, j))]))
+
+        return _array_from_row(context, builder, aty, word)
+
+    return aty(table, row, spec), codegen

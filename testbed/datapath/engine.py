@@ -77,6 +77,7 @@ from testbed.datapath.io import (
 )
 from testbed.datapath.programs import normalize_programs, stage_class
 from testbed.datapath.trace import Tracer
+from testbed.kernels.packed import array_table, arrays_at
 from testbed.lifeline import follow_owner
 from testbed.warm import compile_lock
 
@@ -225,20 +226,46 @@ def tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, t
             drops[n_ports if ip_ < 0 else ip_, DropReason.NO_ROUTE] += 1
 
 
-@njit(cache=True)
-def route_to_rings(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows, tx_count,
-                   rx_pk, rx_by, tx_pk, tx_by, drops, rings, rings32, heads, tx_base, nframes,
-                   buf, tx_done):
+#: the arrays of an engine's burst kernels (:func:`burst_rx`, :func:`burst_tx`), in the order
+#: of their table (:mod:`testbed.kernels.packed`): the batch's, the ports' ring heads, sizes,
+#: TX bases and slots filled, the flood mask, the TX lists and the counters; the ports' rings
+#: follow them (``testbed.datapath.io.rings_rx``'s layout: RX bytes, RX words, then TX)
+BURST_ARRAYS = ("batch.buf", "batch.length", "batch.in_port", "batch.out_port", "batch.reason",
+                "_heads", "_rx_nframes", "_tx_nframes", "_tx_base", "_tx_done", "flood_mask",
+                "tx_rows", "tx_count", "rx_pk", "rx_by", "tx_pk", "tx_by", "drops")
+BURST_SPEC = "u1:2 i4:1 i2:1 i2:1 u1:1 i8:2 i8:1 i8:1 i8:1 i8:1 b1:1 i8:2 i8:1 i8:1 i8:1 i8:1 i8:1 i8:2"
+#: the table's row of the first port's RX ring
+RINGS_ROW = len(BURST_ARRAYS)
+
+
+@njit(cache=True, _nrt=False)
+def burst_rx(table, n_ports, start, prev_n, max_count):
+    """One burst from every port's RX ring into the batch (:func:`testbed.datapath.io.
+    rings_rx`), its arrays and the rings all in ``table`` (one argument to unbox per burst
+    instead of about twenty: on the small bursts of an engine group that cost more than the
+    copying). Returns the batch's new packet count."""
+    (buf, length, in_port, out_port, reason, heads, rx_nframes, _, _, _, _, _, _, _, _, _, _,
+     _) = arrays_at(table, BURST_SPEC)
+    return rings_rx(table, RINGS_ROW, n_ports, heads, rx_nframes, start, buf, length, in_port,
+                    out_port, reason, prev_n, max_count)
+
+
+@njit(cache=True, _nrt=False)
+def burst_tx(table, n, n_ports):
     """:func:`tally_and_route`, then every port's rows into its TX ring
-    (:func:`testbed.datapath.io.rings_tx`): one call per burst. Returns the frames lost.
+    (:func:`testbed.datapath.io.rings_tx`), from the same table as :func:`burst_rx`: one
+    call per burst. Returns the frames lost.
 
     Numba's on-disk cache of this function is keyed on this file alone: after a change to
     ``io.rings_tx``/``io.ring_tx`` only, the cached machine code still holds the old ones
     (delete ``testbed/datapath/__pycache__/engine.*.nb[ic]`` or touch this file)."""
+    (buf, length, in_port, out_port, reason, heads, _, tx_nframes, tx_base, tx_done,
+     flood_mask, tx_rows, tx_count, rx_pk, rx_by, tx_pk, tx_by, drops) = arrays_at(table,
+                                                                                BURST_SPEC)
     tally_and_route(n, out_port, in_port, length, reason, n_ports, flood_mask, tx_rows,
                     tx_count, rx_pk, rx_by, tx_pk, tx_by, drops)
-    return rings_tx(rings, rings32, heads, tx_base, nframes, buf, tx_rows, tx_count, length,
-                    tx_done)
+    return rings_tx(table, RINGS_ROW + 2 * n_ports, n_ports, heads, tx_base, tx_nframes, buf,
+                    tx_rows, tx_count, length, tx_done)
 
 
 def tally_reference(out_port: np.ndarray, in_port: np.ndarray, length: np.ndarray,
@@ -333,6 +360,7 @@ class Engine:
         self.running = False
         self.io = []
         self._rings = None
+        self._table = self._table_heads = None  # the burst kernels' (_burst_table)
         self._kick_ports: list = []
         self.control = None
         self._t0 = time.monotonic()
@@ -398,9 +426,9 @@ class Engine:
 
     def _setup_rings(self) -> None:
         """When every port has an RX and a TX ring, serve them all with one Numba call per
-        burst and direction (:func:`rings_rx`, :func:`route_to_rings`): the ports' ring heads
+        burst and direction (:func:`burst_rx`, :func:`burst_tx`): the ports' ring heads
         move into one (ports, 2) array those calls update."""
-        self._rings = None
+        self._rings = self._table = None
         if not self.io or not all(isinstance(p, RingPort | MemoryPort) and p.rx_frames
                                   and p.tx_frames for p in self.io):
             return
@@ -423,26 +451,40 @@ class Engine:
         self._load_ring_kernels()
 
     def _load_ring_kernels(self) -> None:
-        """Compile (first time for this number of ports) or load the kernels of the rings
-        set up, calling them on nothing; one engine at a time: engines of other port counts
-        starting at once would race Numba's cache."""
+        """Compile (first time) or load the kernels of the rings set up, calling them on
+        nothing; one engine at a time: engines starting at once would race Numba's cache."""
         n = len(self._rings[0])
-        b = self.batch
         with compile_lock():
-            rings_rx(*self._rings, self._heads, self._rx_nframes, 0, b.buf, b.length,
-                     b.in_port, b.out_port, b.reason, 0, 0)
+            table = self._burst_table()
+            burst_rx(table, n, 0, 0, 0)
             self.tx_count[:] = 0
-            rings_tx(*self._tx_rings, self._heads, self._tx_base, self._tx_nframes, b.buf,
-                     self.tx_rows, self.tx_count, b.length, self._tx_done)
-            route_to_rings(0, b.out_port, b.in_port, b.length, b.reason, n, self.flood_mask,
-                           self.tx_rows, self.tx_count, self.rx_pk, self.rx_by, self.tx_pk,
-                           self.tx_by, self.drops, *self._tx_rings, self._heads, self._tx_base,
-                           self._tx_nframes, b.buf, self._tx_done)
+            burst_tx(table, 0, n)
+
+    def _burst_table(self) -> np.ndarray:
+        """The table of the burst kernels (:data:`BURST_ARRAYS`, then the ports' rings), built
+        again when a group has moved the ring heads into its own array. The engine holds the
+        arrays it lists (the rings through ``_rings``/``_tx_rings``)."""
+        table = self._table
+        if table is None or self._table_heads is not self._heads:
+            rings = [*self._rings[0], *self._rings[1], *self._tx_rings[0], *self._tx_rings[1]]
+            n = len(self._rings[0])
+            spec = " ".join([BURST_SPEC] + ["u1:1"] * n + ["u4:1"] * n + ["u1:1"] * n
+                            + ["u4:1"] * n)
+            arrays = [self._attr(name) for name in BURST_ARRAYS] + rings
+            table = self._table = array_table(arrays, spec)
+            self._table_heads = self._heads
+        return table
+
+    def _attr(self, dotted: str):
+        obj = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return obj
 
     def close(self) -> None:
         """Close ports and the control socket."""
         # the ports' mappings can only close once nothing refers to them
-        self._rings = self._tx_rings = None
+        self._rings = self._tx_rings = self._table = None
         ports, self.io = self.io, []
         errors = [e for e in at_once(lambda p: p.close(), ports) if isinstance(e, BaseException)]
         if self.control is not None:
@@ -478,8 +520,8 @@ class Engine:
         b = self.batch
         rings = self._rings
         if rings is not None:
-            b.n = rings_rx(*rings, self._heads, self._rx_nframes, self._rx_start, b.buf,
-                           b.length, b.in_port, b.out_port, b.reason, b.n, self.rx_burst)
+            table = self._burst_table()
+            b.n = burst_rx(table, len(self.io), self._rx_start, b.n, self.rx_burst)
             self._rx_start = (self._rx_start + 1) % len(self.io)
         else:
             b.reset()
@@ -504,10 +546,7 @@ class Engine:
         n = b.n
         if rings is not None:
             done = self._tx_done
-            if route_to_rings(n, b.out_port, b.in_port, b.length, b.reason, len(self.ports),
-                              self.flood_mask, self.tx_rows, self.tx_count, self.rx_pk,
-                              self.rx_by, self.tx_pk, self.tx_by, self.drops, *self._tx_rings,
-                              self._heads, self._tx_base, self._tx_nframes, b.buf, done):
+            if burst_tx(table, n, len(self.ports)):
                 self.tx_lost += self.tx_count - done
             for p, port in self._kick_ports:
                 if done[p]:

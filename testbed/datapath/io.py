@@ -40,6 +40,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from testbed.datapath.batch import PORT_UNSET
+from testbed.kernels.packed import array_at
 
 ETH_P_ALL = 0x0003
 SOL_PACKET = 263
@@ -420,29 +421,37 @@ def ring_tx(ring, ring32, base, frame_size, nframes, head, buf, rows, lengths, c
     return done, h, refused
 
 
+@njit(cache=True, inline="always")
+def _port_ring(table, row0, n_ports, p):
+    """Port ``p``'s ring (bytes, and the same memory as uint32 words) from a table whose rows
+    ``row0..`` list the ``n_ports`` rings, then the same rings as words
+    (:mod:`testbed.kernels.packed`)."""
+    return array_at(table, row0 + p, "u1:1"), array_at(table, row0 + n_ports + p, "u4:1")
+
+
 @njit(cache=True)
-def rings_rx(rings, rings32, heads, nframes, start, buf, lengths, in_port, out_port, reason,
-             prev_n, max_count):
+def rings_rx(table, row0, n_ports, heads, nframes, start, buf, lengths, in_port, out_port,
+             reason, prev_n, max_count):
     """One burst from every port's RX ring into a batch (``testbed.datapath.batch.Batch``).
 
     Resets the batch's ``prev_n`` used rows first (``Batch.reset``), then takes up to
     ``max_count`` frames from the ports in turn, starting with port ``start`` (the engine
-    rotates it, so no port starves the others); ``rings``/``rings32`` are tuples of the ports'
-    mappings, ``heads[p, 0]`` their next RX slots (updated), ``nframes[p]`` their RX ring
-    sizes. Returns the batch's new packet count.
+    rotates it, so no port starves the others); ``table`` holds the ports' mappings from row
+    ``row0`` (:func:`_port_ring`), ``heads[p, 0]`` are their next RX slots (updated),
+    ``nframes[p]`` their RX ring sizes. Returns the batch's new packet count.
     """
     for i in range(prev_n):
         out_port[i] = PORT_UNSET
         reason[i] = 0
         in_port[i] = -1
     n = 0
-    n_ports = len(rings)
     for k in range(n_ports):
         if n >= max_count:
             break
         p = (start + k) % n_ports
-        got, heads[p, 0] = ring_rx(rings[p], rings32[p], RING_FRAME, nframes[p], heads[p, 0],
-                                   buf, n, max_count - n, lengths)
+        ring, ring32 = _port_ring(table, row0, n_ports, p)
+        got, heads[p, 0] = ring_rx(ring, ring32, RING_FRAME, nframes[p], heads[p, 0], buf, n,
+                                   max_count - n, lengths)
         for i in range(n, n + got):
             in_port[i] = p
         n += got
@@ -450,17 +459,20 @@ def rings_rx(rings, rings32, heads, nframes, start, buf, lengths, in_port, out_p
 
 
 @njit(cache=True)
-def rings_tx(rings, rings32, heads, tx_base, nframes, buf, tx_rows, tx_count, lengths, tx_done):
+def rings_tx(table, row0, n_ports, heads, tx_base, nframes, buf, tx_rows, tx_count, lengths,
+             tx_done):
     """Copy each port's rows ``tx_rows[p, :tx_count[p]]`` into its TX ring (``heads[p, 1]``
-    updated); ``tx_done[p]`` = slots filled (to be sent by a ``send()`` on that port).
+    updated; the rings from ``table``'s row ``row0`` on, as for :func:`rings_rx`);
+    ``tx_done[p]`` = slots filled (to be sent by a ``send()`` on that port).
     Returns the number of frames that found no slot or did not fit one."""
     lost = 0
-    for p in range(len(rings)):
+    for p in range(n_ports):
         c = tx_count[p]
         tx_done[p] = 0
         if c:
-            done, heads[p, 1], _ = ring_tx(rings[p], rings32[p], tx_base[p], RING_FRAME,
-                                           nframes[p], heads[p, 1], buf, tx_rows[p], lengths, c)
+            ring, ring32 = _port_ring(table, row0, n_ports, p)
+            done, heads[p, 1], _ = ring_tx(ring, ring32, tx_base[p], RING_FRAME, nframes[p],
+                                           heads[p, 1], buf, tx_rows[p], lengths, c)
             tx_done[p] = done
             lost += c - done
     return lost

@@ -11,6 +11,7 @@ from numba import literal_unroll, njit
 from testbed.kernels.packed import (
     DTYPE_CODES,
     MAX_DIMS,
+    array_at,
     array_table,
     arrays_at,
     spec_of,
@@ -55,6 +56,38 @@ def test_rebuilt_arrays_are_the_originals_for_every_dtype_and_dimension(seed):
     for k, a in enumerate(arrays):
         assert a.reshape(-1)[0] == a.reshape(-1)[-1]  # written through it
         assert tuple(shapes[k, :a.ndim]) == a.shape
+
+
+@njit(cache=True)
+def _rows_after(table, first, count):
+    """Through :func:`array_at`: the sum of the ``count`` 1-D ``uint8`` arrays of rows
+    ``first..``, each one's first byte set to its length, and the 2-D ``int64`` array of the
+    row after them summed."""
+    total = 0
+    for r in range(first, first + count):
+        a = array_at(table, r, "u1:1")
+        for v in a:
+            total += v
+        a[0] = a.size
+    m = array_at(table, first + count, "i8:2")
+    return total, m.sum()
+
+
+def test_array_at_a_run_time_row_is_that_rows_array():
+    """A fixed spec first, then a variable number of arrays read by their row (a node's
+    ports' rings): each read and written through its own row, of its own size."""
+    rng = np.random.default_rng(5)
+    head = [np.zeros(3, np.int32), np.zeros((2, 2), np.float64)]
+    rings = [rng.integers(0, 200, int(rng.integers(2, 9))).astype(np.uint8) for _ in range(5)]
+    tail = rng.integers(-50, 50, (3, 4))
+    table = array_table(head + rings + [tail])
+    for first, count in ((2, 5), (3, 3), (6, 1)):
+        want = sum(int(a.sum()) for a in rings[first - 2:first - 2 + count])
+        got, _ = _rows_after(table, first, count)
+        assert got == want
+        for a in rings[first - 2:first - 2 + count]:
+            assert a[0] == a.size  # written through its row
+    assert _rows_after(table, 2, 5)[1] == int(tail.sum())
 
 
 def test_what_a_table_cannot_carry_is_refused_naming_it():
