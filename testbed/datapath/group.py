@@ -164,6 +164,13 @@ class EngineGroup:
             return self.members[self._owner[port]].ring_frames["rx_ring_frames"] * RING_FRAME
 
         self._mem = np.zeros(sum(slots(a) + slots(b) for a, b in self.links), np.uint8)
+        # Every page now, not on the first collective: a ring's reader polls its next slot's
+        # status before the writer fills it, so each page was mapped from the shared zero
+        # page, then copied on the writer's first frame there, inside the timed run (a
+        # quarter of a fat-tree k=4 group's CPU over its first 8 MiB INA collective). A ring
+        # is walked round its whole length within a collective or two, so the pages would
+        # be resident soon in any case.
+        self._mem.fill(0)
         memory: dict[str, MemoryPort] = {}
         ring_at: dict[str, int] = {}  # port -> byte offset of its RX ring in self._mem
         off = 0
