@@ -22,6 +22,8 @@ Conventions every stage follows:
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from testbed.kernels.packed import array_table
@@ -29,7 +31,20 @@ from testbed.kernels.packets import PORT_DROP, PORT_FLOOD, PORT_HELD, PORT_UNSET
 from testbed.kernels.wire import FRAME_MAX, DropReason
 
 __all__ = ["FRAME_MAX", "PORT_DROP", "PORT_FLOOD", "PORT_HELD", "PORT_UNSET", "Batch",
-           "DropReason", "PackedStage", "Stage"]
+           "DropReason", "PackedStage", "Stage", "sparse_zeros"]
+
+
+def sparse_zeros(shape, dtype) -> np.ndarray:
+    """A zeroed array whose memory is taken a 4 KiB page at a time as it is first written, for
+    a large buffer that is mostly never used (a port's queue ring past its deepest queue).
+    numpy backs an array of 4 MiB and more with transparent huge pages: the first write into
+    each 2 MiB would then clear all of it, and a stage writing one frame into each of its
+    ports' queues cleared a dozen of them per switch, inside the first collective."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = mmap.mmap(-1, max(size, 1))  # anonymous, private, zeroed by the kernel on use
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where THP is "always", not only on request
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 

@@ -84,6 +84,7 @@ from testbed.datapath.batch import (
     Batch,
     DropReason,
     PackedStage,
+    sparse_zeros,
 )
 from testbed.kernels.checks import check_number
 from testbed.kernels.packed import arrays_at
@@ -582,7 +583,7 @@ class TrimStage(PackedStage):
         c = check_number("control_slots", 1, 65536, integer=True)(control_slots)
         # one buffer for the three rings of every port: the kernel takes 6 arrays, not 15
         self.q_ring = np.array([[0, q], [q, h], [q + h, c]], np.int64)  # first slot, slots
-        self.q_buf = np.zeros((n, q + h + c, FRAME_MAX), np.uint8)
+        self.q_buf = sparse_zeros((n, q + h + c, FRAME_MAX), np.uint8)
         self.q_len = np.zeros((n, q + h + c), np.int32)
         self.q_head, self.q_cnt, self.q_bytes = (np.zeros((3, n), np.int64) for _ in range(3))
         # per-queue views (dq: data, hq: trimmed/header, cq: control)

@@ -230,6 +230,26 @@ def test_a_queue_that_empties_starts_again_at_its_first_slot():
     assert stage.q_buf[0, 1:64].max() == 0  # slot 0 only, 30 times
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def test_a_queue_buffer_takes_memory_a_small_page_at_a_time():
+    """One frame written into each of 16 ports' rings of a 64 MiB queue buffer makes about
+    16 small pages resident, not 16 huge ones (32 MiB, as a numpy array of that size would
+    on a host whose transparent huge pages are on); the buffer reads as zeros."""
+    from testbed.datapath.batch import sparse_zeros
+
+    q = sparse_zeros((16, 2048, 2048), np.uint8)
+    assert q.shape == (16, 2048, 2048) and q.flags.c_contiguous and q.flags.writeable
+    before = _rss_kib()
+    q[:, 0, :100] = 7
+    grown = _rss_kib() - before
+    assert grown < 16 * 64, f"{grown} KiB resident after 16 frames"
+    assert int(q[:, 0, :100].sum()) == 16 * 100 * 7 and q[:, 1:3].max() == 0
+
+
 def test_untrimmable_frames_are_dropped_and_header_queue_full_drops():
     frames, _ = trim_layout_frames(64, 6)
     other = int32_frames(64, 2)
