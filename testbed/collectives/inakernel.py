@@ -710,8 +710,8 @@ def thc_descale(qsum, agreed, E, clip, half, ysum):
 def dequantize_int32(p):
     """MODE_INT32's last step: ``out`` from ``qsum``, each chunk with the scale of its agreed
     exponent (:func:`testbed.kernels.fixedpoint.scale_for`). One call for the whole vector: a
-    Python loop of a kernel call per 256-element chunk took a third of an INA worker's CPU at
-    8 MiB, inside the timed collective."""
+    Python loop of a kernel call per 256-element chunk was about 40 % of an INA rank's Python
+    samples at 8 MiB (py-spy, fat-tree k=4), inside the timed collective."""
     for k in range(p.K):
         lo = k * p.E
         hi = min(lo + p.E, p.x.size)

@@ -298,8 +298,8 @@ def _drain(p, now, modes, hdr_prio, share, deficit, ns_per_byte, burst_bytes, ne
         q_cnt[c, p] -= 1
         # an emptied ring starts over at its first slot: a port then touches only the slots
         # its deepest queue needed, not the whole ring its head would otherwise walk round
-        # (first touches of every page of every port's ring cost an engine group a fifth
-        # more CPU over a fat-tree's first INA collective)
+        # (each first touch of a page is a page fault, inside a collective; and the slots
+        # in use stay in the caches)
         q_head[c, p] = (h + 1) % q_ring[c, 1] if q_cnt[c, p] else 0
         q_bytes[c, p] -= ln
         if c == Q_TRIMMED and has_d:
