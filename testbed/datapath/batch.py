@@ -40,11 +40,11 @@ def sparse_zeros(shape, dtype) -> np.ndarray:
     numpy backs an array of 4 MiB and more with transparent huge pages: the first write into
     each 2 MiB would then clear all of it, and a stage writing one frame into each of its
     ports' queues cleared a dozen of them per switch, inside the first collective."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    buf = mmap.mmap(-1, max(size, 1))  # anonymous, private, zeroed by the kernel on use
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))  # anonymous, zeroed on use
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where THP is "always", not only on request
         buf.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(buf, dtype, count=int(np.prod(shape))).reshape(shape)
+    return np.frombuffer(buf, dtype, count=count).reshape(shape)
 
 
 

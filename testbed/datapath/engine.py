@@ -46,6 +46,7 @@ import contextlib
 import gc
 import inspect
 import json
+import operator
 import os
 import select
 import signal
@@ -470,16 +471,10 @@ class Engine:
             n = len(self._rings[0])
             spec = " ".join([BURST_SPEC] + ["u1:1"] * n + ["u4:1"] * n + ["u1:1"] * n
                             + ["u4:1"] * n)
-            arrays = [self._attr(name) for name in BURST_ARRAYS] + rings
+            arrays = [*operator.attrgetter(*BURST_ARRAYS)(self), *rings]
             table = self._table = array_table(arrays, spec)
             self._table_heads = self._heads
         return table
-
-    def _attr(self, dotted: str):
-        obj = self
-        for part in dotted.split("."):
-            obj = getattr(obj, part)
-        return obj
 
     def close(self) -> None:
         """Close ports and the control socket."""

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from testbed.datapath.batch import PORT_DROP, PORT_HELD, Batch, DropReason
+from testbed.datapath.batch import PORT_DROP, PORT_HELD, Batch, DropReason, sparse_zeros
 from testbed.datapath.trim import ShapeStage, TrimStage, earliest_departure
 from testbed.kernels import packets, trimming, wire
 from testbed.kernels.reference import packets as ref_packets
@@ -239,8 +239,6 @@ def test_a_queue_buffer_takes_memory_a_small_page_at_a_time():
     """One frame written into each of 16 ports' rings of a 64 MiB queue buffer makes about
     16 small pages resident, not 16 huge ones (32 MiB, as a numpy array of that size would
     on a host whose transparent huge pages are on); the buffer reads as zeros."""
-    from testbed.datapath.batch import sparse_zeros
-
     q = sparse_zeros((16, 2048, 2048), np.uint8)
     assert q.shape == (16, 2048, 2048) and q.flags.c_contiguous and q.flags.writeable
     before = _rss_kib()
