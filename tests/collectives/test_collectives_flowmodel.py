@@ -326,6 +326,35 @@ def test_fat_tree_collision_on_an_edge_uplink_by_hand():
     assert same_src.bottleneck == ("tbh1", "tbe1")
 
 
+def test_a_ring_pays_its_links_mean_latency_a_barrier_round_the_longest():
+    """Fat-tree k=4, 16 ranks: a ring step's and the chain broadcast's ranks relay each
+    other's data, so every extra second of hop latency costs them the mean hop count of
+    their flows' paths per trip (the ring: 2 links under one edge switch, 4 between edge
+    switches of a pod, 6 between pods); halving-doubling's rounds wait for their longest."""
+    ft = FatTree(4, switch="programmable")
+    hosts = [f"tbh{i}" for i in range(1, 17)]
+    n = len(hosts)
+
+    def latency(spec):
+        return (fm.predict(ft, spec, workers=hosts, hop_latency_s=HOP).time_s
+                - fm.predict(ft, spec, workers=hosts, hop_latency_s=0.0).time_s)
+
+    ring_hops = [routing.path_hops(ft, hosts[r], hosts[(r + 1) % n]) for r in range(n)]
+    assert sorted(set(ring_hops)) == [2, 4, 6]
+    mean = sum(ring_hops) / n
+    spec = CollectiveSpec(algo="ring", nbytes=64 << 10)
+    assert latency(spec) == pytest.approx(2 * (n - 1) * mean * HOP, rel=1e-6)
+    chain = sum(routing.path_hops(ft, hosts[r], hosts[r + 1]) for r in range(n - 1))
+    bcast = CollectiveSpec(algo="ring", op="broadcast", nbytes=64 << 10)
+    assert latency(bcast) == pytest.approx(chain * HOP, rel=1e-6)
+    # halving-doubling: a pair exchange is a barrier, each round waits for its longest path
+    rounds = fm.phases(CollectiveSpec(algo="hd", nbytes=64 << 10), hosts)
+    longest = sum(max(routing.path_hops(ft, f.src, f.dst) for f in ph.flows)
+                  * ph.trips for ph in rounds)
+    assert latency(CollectiveSpec(algo="hd", nbytes=64 << 10)) == pytest.approx(
+        longest * HOP, rel=1e-6)
+
+
 def test_max_min_gives_the_leftover_to_the_unconstrained_flow():
     """Dumbbell 2+2, bottleneck 30 Mb/s, access 100 Mb/s: two flows cross it (15 each), a
     third stays on the left and gets the rest of the shared access link of tbh1."""
