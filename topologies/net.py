@@ -619,14 +619,13 @@ class TestbedNet(FabricRoutes):
 
     def _start_engine_server(self, prog: list, stages: list[str]) -> None:
         """Start the fork server the engines of ``prog`` start from
-        (:mod:`testbed.datapath.forks`), loading their ``stages`` and port counts once;
+        (:mod:`testbed.datapath.forks`), loading their ``stages`` and ring I/O kernels once;
         nothing with ``TESTBED_ENGINE_START=exec``."""
         if forks.start_mode() != "fork":
             return
         os.makedirs(RUN_DIR, exist_ok=True)
         self.engine_server = forks.EngineServer(
             stages=stages,
-            port_counts={len(sw.port_names()) for sw in prog},
             log_path=os.path.join(RUN_DIR, f"forks.{os.getpid()}.{id(self):x}.log"))
         for sw in prog:
             sw.spawner = self.engine_server

@@ -26,7 +26,7 @@ order, then one Numba call tallies the batch and sorts rows per egress port (``P
 flows the loop does not poll at all. SIGTERM/SIGINT (or the control command ``stop``) end it
 cleanly; final counters go to ``--counters-out``.
 
-``python -m testbed.datapath.engine --fork-server FD --stages ... --port-counts ...`` is the
+``python -m testbed.datapath.engine --fork-server FD --stages ...`` is the
 engines' fork server instead (:mod:`testbed.datapath.forks`): a network's engines are forked
 from it, with their kernels already loaded, and run :func:`main` as above.
 
@@ -783,27 +783,28 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def preload_kernels(stages: list[str], port_counts: list[int]) -> None:
-    """Load (or compile) the kernels an engine with each of ``stages`` and each number of
-    ports in ``port_counts`` calls, on empty rings: what the engines' fork server
-    (:mod:`testbed.datapath.forks`) holds for its children. A stage that fails is reported
-    and left to the engines that run it (their logs then say why)."""
+def preload_kernels(stages: list[str]) -> None:
+    """Load (or compile) the kernels an engine with each of ``stages`` calls, and its ring
+    I/O kernels, on empty rings: what the engines' fork server
+    (:mod:`testbed.datapath.forks`) holds for its children. The ring kernels read their
+    ports from one table (:meth:`Engine._burst_table`), so one load serves every port
+    count. A stage that fails is reported and left to the engines that run it (their logs
+    then say why)."""
     for name in stages:
         try:
             Engine({"ports": ["p0", "p1"], "programs": [name]}).warm_up()
         except Exception:  # noqa: BLE001 - reported; the engines meet it again
             print(f"stage {name!r} did not load:\n{traceback.format_exc()}", flush=True)
-    for n in port_counts:
-        eng = Engine({"ports": [f"p{i}" for i in range(n)], "programs": ["forward"]})
-        rings = tuple(np.zeros(RING_FRAME, np.uint8) for _ in range(n))
-        eng._rings = eng._tx_rings = (rings, tuple(r.view("<u4") for r in rings))
-        eng._heads = np.zeros((n, 2), np.int64)
-        eng._rx_nframes = eng._tx_nframes = np.ones(n, np.int64)
-        eng._tx_base = np.zeros(n, np.int64)
-        eng._tx_done = np.zeros(n, np.int64)
-        eng._load_ring_kernels()
-    if port_counts:
-        load_port_kernels(np.zeros(RING_FRAME, np.uint8), Batch(1).buf)
+    n = 2
+    eng = Engine({"ports": [f"p{i}" for i in range(n)], "programs": ["forward"]})
+    rings = tuple(np.zeros(RING_FRAME, np.uint8) for _ in range(n))
+    eng._rings = eng._tx_rings = (rings, tuple(r.view("<u4") for r in rings))
+    eng._heads = np.zeros((n, 2), np.int64)
+    eng._rx_nframes = eng._tx_nframes = np.ones(n, np.int64)
+    eng._tx_base = np.zeros(n, np.int64)
+    eng._tx_done = np.zeros(n, np.int64)
+    eng._load_ring_kernels()
+    load_port_kernels(np.zeros(RING_FRAME, np.uint8), Batch(1).buf)
 
 
 def main(argv: list[str] | None = None, control_fds: list[int] | None = None) -> int:
@@ -821,7 +822,6 @@ def main(argv: list[str] | None = None, control_fds: list[int] | None = None) ->
     ap.add_argument("--fork-server", type=int, metavar="FD",
                     help="serve forked engines on socket FD (testbed.datapath.forks)")
     ap.add_argument("--stages", default="", help="with --fork-server: stages to load")
-    ap.add_argument("--port-counts", default="", help="with --fork-server: port counts")
     ap.add_argument("marker", nargs="*", help="testbed-node=<name> (for cleanup)")
     a = ap.parse_args(argv)
     if a.fork_server is not None:
@@ -830,11 +830,10 @@ def main(argv: list[str] | None = None, control_fds: list[int] | None = None) ->
         from testbed.datapath.forks import serve
 
         stages = [s for s in a.stages.split(",") if s]
-        port_counts = [int(n) for n in a.port_counts.split(",") if n]
 
         def preload() -> str:
-            engine.preload_kernels(stages, port_counts)
-            return f"kernels of {stages} for {port_counts} ports"
+            engine.preload_kernels(stages)
+            return f"kernels of {stages} and the ring I/O"
 
         return serve(a.fork_server, preload,
                      lambda argv, fds: engine.main(argv, control_fds=fds))

@@ -6,7 +6,7 @@ Numba and its stages and loaded their kernels before answering, about 0.45 s of 
 9-11 s to start, 0.94 CPU-s each). A network now starts one *fork server* first, running the
 same module (``python -m testbed.datapath.engine --fork-server``, so an engine is still an
 engine to ``testbed cleanup`` and to anyone reading ``ps``). It imports and loads the kernels
-of the network's stages and port counts once, then forks a child per node; a child shares the
+of the network's stages and its ring I/O once, then forks a child per node; a child shares the
 loaded code copy-on-write, enters the node's network namespace and runs the engine's
 :func:`~testbed.datapath.engine.main` with the node's config, log and control socket.
 
@@ -406,15 +406,12 @@ class ForkServer:
 
 
 class EngineServer(ForkServer):
-    """The fork server of a network's engines: ``stages`` and ``port_counts`` are what they
-    run (their kernels load once in the server)."""
+    """The fork server of a network's engines: ``stages`` are what they run (their kernels
+    and the ring I/O's load once in the server)."""
 
-    def __init__(self, stages: Iterable[str], port_counts: Iterable[int], log_path: str):
+    def __init__(self, stages: Iterable[str], log_path: str):
         self.stages = sorted(set(stages))
-        self.port_counts = sorted(set(port_counts))
-        super().__init__("testbed.datapath.engine",
-                         ["--stages", ",".join(self.stages),
-                          "--port-counts", ",".join(map(str, self.port_counts))],
+        super().__init__("testbed.datapath.engine", ["--stages", ",".join(self.stages)],
                          log_path, "engines")
 
     def spawn(self, argv: list[str], netns_pid: int, log,

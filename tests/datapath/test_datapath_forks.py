@@ -109,7 +109,7 @@ def test_a_forked_engine_enters_the_namespace_it_is_given(tmp_path):
                                       "control_socket": control_address(node),
                                       "sched": "other"}))
         os.makedirs(RUN_DIR, exist_ok=True)
-        server = EngineServer(["forward"], [1], str(tmp_path / "server.log"))
+        server = EngineServer(["forward"], str(tmp_path / "server.log"))
         ctl = listen(control_address(node))
         with open(tmp_path / "engine.log", "w") as log:
             eng = server.spawn(["--config", str(config), "--counters-out",
