@@ -52,6 +52,8 @@ START_ENV = "TESTBED_ENGINE_START"
 #: how the collectives' pools start (the same two modes)
 POOL_START_ENV = "TESTBED_POOL_START"
 START_MODES = ("fork", "exec")
+#: the server's own log, which it removes when it ends well (set for the server only)
+SERVER_LOG_ENV = "TESTBED_FORK_SERVER_LOG"
 #: seconds the owner waits for the server to load its kernels (a cold cache compiles them)
 READY_TIMEOUT_S = 600.0
 MAX_MESSAGE = 1 << 20
@@ -166,7 +168,20 @@ def _reap(statuses: dict[int, int], children: set[int]) -> None:
 
 def serve(fd: int, preload: Callable[[], str], run: ChildMain) -> int:
     """The fork server's loop on the socket ``fd`` (see the module docstring): ``preload()``
-    loads what the children share and says what (for the log); each child runs ``run``."""
+    loads what the children share and says what (for the log); each child runs ``run``.
+
+    A server that ends well (its owner closed the socket, or was gone by the time it was
+    ready) removes its own log (:data:`SERVER_LOG_ENV`): an owner interrupted while it
+    started the server never learns of it, and the log would outlive both."""
+    log_path = os.environ.pop(SERVER_LOG_ENV, None)
+    rc = _serve(fd, preload, run)
+    if rc == 0 and log_path:
+        with contextlib.suppress(OSError):
+            os.unlink(log_path)
+    return rc
+
+
+def _serve(fd: int, preload: Callable[[], str], run: ChildMain) -> int:
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ends when its owner closes the socket
     t0 = time.monotonic()
@@ -309,7 +324,7 @@ class ForkServer:
                     [sys.executable, "-m", module, "--fork-server", str(theirs.fileno()),
                      *args],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    pass_fds=(theirs.fileno(),))
+                    pass_fds=(theirs.fileno(),), env={**os.environ, SERVER_LOG_ENV: log_path})
         except BaseException:
             ours.close()
             raise
@@ -387,20 +402,25 @@ class ForkServer:
             self._sock.close()
             self._sock = None
 
-    def _end(self, timeout: float = 5.0) -> None:
+    def _end(self, timeout: float = 5.0) -> bool:
+        """Wait for the server to exit, killing it after ``timeout``; whether it was killed."""
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+            return True
+        return False
 
     def close(self, timeout: float = 5.0) -> None:
         """End the server (its children get SIGTERM from their parent-death signal: stop
-        them first to keep what they write at the end); its log goes when it ended well."""
+        them first to keep what they write at the end). Its log stays only when it failed on
+        its own (did not start, or exited with an error): not when it ended well, nor when
+        this owner cut it short (closed while it loaded, or killed after ``timeout``)."""
         with self._lock:
             self._close_socket()
-        self._end(timeout)
-        if self.proc.returncode == 0:
+        killed = self._end(timeout)
+        if self.proc.returncode == 0 or killed:
             with contextlib.suppress(OSError):
                 os.unlink(self.log_path)
 

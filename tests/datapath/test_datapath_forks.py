@@ -6,6 +6,7 @@ import glob
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +37,43 @@ def test_start_mode_refuses_an_unknown_value(monkeypatch):
     assert start_mode() == "exec"
     monkeypatch.delenv(START_ENV)
     assert start_mode() == "fork"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_fork_server_whose_owner_vanished_removes_its_log(tmp_path):
+    """An owner interrupted right after starting its server (a Ctrl-C in ``keep``) never
+    closes it: the server ends when the owner's socket closes, and takes its log along."""
+    log = tmp_path / "pools.log"
+    code = ("import os, sys\n"
+            "from testbed.datapath.forks import PoolServer\n"
+            f"s = PoolServer({str(log)!r})\n"
+            "s.wait_ready()\n"
+            "print(s.pid, flush=True)\n"
+            "os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    pid = int(r.stdout.split()[-1])
+    _wait(lambda: _gone(pid), 30, "the orphaned server to end")
+    _wait(lambda: not log.exists(), 10, "its log to go")
+
+
+def test_a_fork_server_closed_while_it_loads_leaves_no_log(tmp_path):
+    """Closed before it was ready (its owner's run was cut short), the server is ended and
+    its log removed, whether it ended on its own or had to be killed."""
+    from testbed.datapath.forks import PoolServer
+
+    log = tmp_path / "pools.log"
+    server = PoolServer(str(log))
+    server.close(timeout=0.05)  # still importing: killed
+    assert server.proc.returncode is not None
+    assert not log.exists()
 
 
 @pytest.mark.mininet
