@@ -194,6 +194,16 @@ def _serve(fd: int, preload: Callable[[], str], run: ChildMain) -> int:
         _send(sock, {"ready": True, "pid": os.getpid()})
     except OSError:  # the network was torn down while this loaded: nothing to serve
         return 0
+    try:
+        return _requests(sock, run)
+    except (BrokenPipeError, ConnectionResetError):
+        # the owner closed its end before an answer (a Ctrl-C while it asked for a
+        # child): it is gone, as at the end of the stream
+        return 0
+
+
+def _requests(sock: socket.socket, run: ChildMain) -> int:
+    """Answer the owner's requests until it closes the socket (0)."""
     statuses: dict[int, int] = {}
     children: set[int] = set()
     while True:

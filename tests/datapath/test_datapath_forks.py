@@ -76,6 +76,25 @@ def test_a_fork_server_closed_while_it_loads_leaves_no_log(tmp_path):
     assert not log.exists()
 
 
+def test_a_fork_server_whose_owner_left_before_an_answer_ends_well(tmp_path):
+    """An owner that asks for a child and closes its end before the answer (a Ctrl-C while
+    it waits for the pid) is gone, not an error: the server ends with 0 and takes its log
+    along, instead of dying on the broken pipe and leaving the log behind."""
+    from testbed.datapath import forks
+
+    log = tmp_path / "pools.log"
+    server = forks.PoolServer(str(log))
+    server.wait_ready()
+    with open(tmp_path / "child.log", "w") as child_log:
+        forks._send(server._sock, {"op": "spawn", "argv": ["--no-such-option"],
+                                   "env": dict(os.environ), "cwd": str(tmp_path),
+                                   "netns": False}, [child_log.fileno()])
+    server._sock.close()  # before the server answers with the child's pid
+    server._sock = None
+    assert server.proc.wait(30) == 0, (log.read_text() if log.exists() else "")
+    assert not log.exists()
+
+
 @pytest.mark.mininet
 def test_engines_fork_from_one_server_die_restart_and_leave_nothing(monkeypatch):
     """Every engine of a leaf-spine is a child of the network's fork server, in its node's
