@@ -30,14 +30,14 @@ How a prediction is made:
 4. **Latency.** A phase adds ``hops * hop_latency_s`` for its longest path (for a ring's
    step and the chain broadcast, whose ranks relay each other's data without a barrier, the
    mean of its paths: :func:`_trip_hops`), times the number of one-way trips the phase
-   waits for (1 for a TCP step, 2 for a halving-doubling round
-   with a rendezvous, 2 for a reduction-server round trip, 4 for INA: the exponent bootstrap
-   round trip plus the last packet's round trip; 2 for the SmartNIC variant, which has no
-   bootstrap round). Phases follow one another: a flow of phase k+1 starts when phase k
-   ended. For halving-doubling that is what its rendezvous makes true (a pair's round starts
-   when both partners finished the previous one, and on these networks the two give the same
-   time); without it an early rank's message would share its partner's downlink with the
-   partner's previous round (``hd``'s docstring has the measurements).
+   waits for (1 for a TCP step, 2 for a halving-doubling round with a rendezvous, 2 for a
+   reduction-server round trip, 4 for INA: the exponent bootstrap round trip plus the last
+   packet's round trip; 2 for the SmartNIC variant, which has no bootstrap round). Phases
+   follow one another: a flow of phase k+1 starts when phase k ended. For halving-doubling
+   that is what its rendezvous makes true (a pair's round starts when both partners
+   finished the previous one, and on these networks the two give the same time); without
+   it an early rank's message would share its partner's downlink with the partner's
+   previous round (``hd``'s docstring has the measurements).
 5. **Pipelining fill.** The reduction server returns piece 0 once every worker's piece 0
    arrived: + ``piece / r_min`` (the slowest flow's rate); the chain broadcast's last rank gets
    the first chunk after ``n - 2`` relays: + ``(n - 2) * chunk / r_min``.

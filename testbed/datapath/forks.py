@@ -425,12 +425,12 @@ class ForkServer:
     def close(self, timeout: float = 5.0) -> None:
         """End the server (its children get SIGTERM from their parent-death signal: stop
         them first to keep what they write at the end). Its log stays only when it failed on
-        its own (did not start, or exited with an error): not when it ended well, nor when
-        this owner cut it short (closed while it loaded, or killed after ``timeout``)."""
+        its own (did not start, or exited with an error): a server that ends well removes
+        it itself (:func:`serve`), and one this owner had to kill (still loading, or not
+        ended after ``timeout``) has nothing to tell, so the owner removes it."""
         with self._lock:
             self._close_socket()
-        killed = self._end(timeout)
-        if self.proc.returncode == 0 or killed:
+        if self._end(timeout):
             with contextlib.suppress(OSError):
                 os.unlink(self.log_path)
 
