@@ -165,8 +165,13 @@ def plan(topo, ranks: list[int], port: int, tree=None, tables: dict | None = Non
     for s, kids in children.items():
         kids = sorted(kids, key=lambda c: (c not in order, order.get(c, 0), c))
         if len(kids) > MAX_INA_WORKERS:
+            direct = sum(c in order for c in kids)
+            fix = (f"{direct} of the job's workers sit directly below it, and no tree splits "
+                   f"them: run at most {MAX_INA_WORKERS} workers below one switch (fewer "
+                   "hosts per leaf, or pick the job's hosts)" if direct > MAX_INA_WORKERS
+                   else "use a deeper tree")
             raise TopologyError(f"tree: {s} would aggregate {len(kids)} members; a switch serves "
-                                f"at most {MAX_INA_WORKERS} (32-bit bitmap): use a deeper tree")
+                                f"at most {MAX_INA_WORKERS} (32-bit bitmap): {fix}")
         members = []
         for i, c in enumerate(kids):
             member_id[c] = i

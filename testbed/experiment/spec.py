@@ -1247,7 +1247,30 @@ def _job_problems(path: str, job: JobSpec, topo, codec) -> list[str]:
         line = _collective_field(path, job, err)
         if line not in problems:
             problems.append(line)
+    if not problems:
+        problems += _tree_problems(path, job, topo)
     return problems
+
+
+def _tree_problems(path: str, job: JobSpec, topo) -> list[str]:
+    """The aggregation tree an offloaded job's placement asks for, planned on the topology
+    now: a tree no switch can hold (a leaf with more workers under it than one switch takes,
+    a switch no worker's path crosses) is named before anything runs, not when the job
+    starts."""
+    from testbed.collectives.ports import ina_worker_port  # on use (module docstring)
+    from testbed.topologies import TopologyError, aggtree  # on use (module docstring)
+
+    tree = job.placement.tree if job.placement is not None else None
+    if not is_offloaded(job.algo) or tree in (None, "single") or job.op == "incast":
+        return []
+    n = topo.n_hosts
+    ranks = list(job.hosts) if job.hosts else list(range(min(int(job.options.get("workers")
+                                                                  or n), n)))
+    try:
+        aggtree.plan(topo, ranks, ina_worker_port(int(job.options.get("job_id", 0))), tree)
+    except TopologyError as e:
+        return [f"{path}.placement.tree: {str(e).removeprefix('tree: ')}"]
+    return []
 
 
 def _collective_problems(job: JobSpec, n_hosts: int) -> list[ValueError]:
@@ -1259,6 +1282,8 @@ def _collective_problems(job: JobSpec, n_hosts: int) -> list[ValueError]:
         try:
             CollectiveSpec(op=job.op, nbytes=size, dtype=job.dtype,
                            **communication_of(job), servers=job.servers,
+                           **({"placement": job.placement.as_dict()}
+                              if getattr(job, "placement", None) is not None else {}),
                            timeout_s=job.timeout_s, seed=job.seed or 0,
                            repetitions=job.repetitions, **job.options).validate(n_hosts)
         except (ValueError, TypeError) as e:

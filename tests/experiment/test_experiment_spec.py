@@ -423,3 +423,26 @@ def test_engine_groups_reach_the_network_and_keep_switch_faults_apart():
                        "faults": [{"at_s": 0.5, "switch": "tbl1"}]})
     assert "faults kill the engines of ['tbl1']" in probs[0] and "leave engine_groups out" \
         in probs[0]
+
+
+def test_an_ina_job_of_more_than_32_workers_takes_a_tree_checked_before_anything_runs():
+    """An experiment's INA job of more workers than one switch's 32-bit bitmap is accepted
+    with placement tree 'auto' (each leaf aggregates its own hosts), refused without it, and
+    refused when one switch would still aggregate more than 32 of them, naming that switch."""
+    def data(hosts_per_leaf: int, placement: dict | None) -> dict:
+        job = {"algo": "ina", "nbytes": "1MiB", **({"placement": placement} if placement else {})}
+        return {"topology": {"kind": "leaf_spine", "leaves": 2, "spines": 2,
+                             "hosts_per_leaf": hosts_per_leaf, "switch": "programmable"},
+                "jobs": [job, {"algo": "ring"}]}
+
+    exp = parse_experiment(data(20, {"tree": "auto"}))
+    assert exp.jobs[0].placement.tree == "auto" and exp.topology.hosts_per_leaf == 20
+    probs = _problems(data(20, None))
+    assert any("workers=40" in p and "tree='auto'" in p for p in probs), probs
+    probs = _problems(data(33, {"tree": "auto"}))
+    assert len(probs) == 1 and probs[0].startswith("jobs.0.placement.tree: tbl"), probs
+    assert "33 members" in probs[0] and "sit directly below it" in probs[0], probs
+    # the job's own hosts: 32 of the 33 below each leaf fit
+    ok = data(33, {"tree": "auto"})
+    ok["jobs"][0]["hosts"] = [r for r in range(66) if r not in (0, 33)]
+    assert parse_experiment(ok).jobs[0].hosts[:2] == [1, 2]
