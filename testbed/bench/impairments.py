@@ -114,7 +114,8 @@ def measure(emit, quick: bool, networks: str, algos: str, mib: float, reps: int)
     bad = [a for a in names if a not in ("ring", "hd", "ina")]
     if not nets or not names or bad or mib <= 0 or reps < 1:
         raise ValueError("networks and algos (ring, hd, ina) must name something; mib > 0, "
-                         f"reps >= 1 (got algos {names})")
+                         f"reps >= 1 (got networks {nets}, algos {names}, mib {mib:g}, "
+                         f"reps {reps})")
     for n in nets:
         _network(n)  # a bad name is refused before any network starts
     cases = QUICK_CASES if quick else CASES

@@ -59,6 +59,12 @@ def _topology(kind: str, workers: int, bw: float):
     raise ValueError(f"topology {kind!r}: leaf_spine or fat_tree")
 
 
+def _spec(algo: str, mib: float) -> CollectiveSpec:
+    """The allreduce of ``mib`` MiB a row runs (INA on a tree: more than 32 workers)."""
+    return CollectiveSpec(algo=algo, nbytes=int(mib * (1 << 20)) // 4 * 4,
+                          placement={"tree": "auto"} if algo == "ina" else {}, timeout_s=300)
+
+
 def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: float,
             bw: float, time_dilation: float, engine_groups: int = 1) -> Outcome:
     """``testbed bench scale`` (:mod:`testbed.bench.protocol`): a network row and a row per
@@ -79,6 +85,12 @@ def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: f
                 if kind == "fat_tree" and len(counts) > 1:
                     continue  # a fat-tree has only some sizes: those of the sweep it has
                 raise ValueError(str(e)) from None
+    for _, n, _ in cases:  # a size or algorithm no run can take: said before any network
+        for algo in names:
+            try:
+                _spec(algo, mib).validate(n)
+            except ValueError as e:
+                raise ValueError(f"--mib {mib:g}, {algo} on {n} workers: {e}") from None
     rows, notes, targets, ok = [], {}, {}, True
     for kind, n, topo in cases:
         t0 = time.monotonic()
@@ -96,9 +108,7 @@ def measure(emit, quick: bool, workers: str, topologies: str, algos: str, mib: f
             peak_workers_mb = 0.0
             algo_rows = []
             for algo in names:
-                spec = CollectiveSpec(algo=algo, nbytes=int(mib * (1 << 20)) // 4 * 4,
-                                      placement={"tree": "auto"} if algo == "ina" else {},
-                                      timeout_s=300)
+                spec = _spec(algo, mib)
                 t1 = time.monotonic()
                 try:
                     (r,) = run_collective(net, spec)

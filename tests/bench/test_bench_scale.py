@@ -21,3 +21,10 @@ def test_bad_options_are_refused_naming_them(workers, topologies, algos, match):
     with pytest.raises(ValueError, match=match):
         measure(lambda row: None, False, workers=workers, topologies=topologies,
                 algos=algos, **OPTS)
+
+
+@pytest.mark.parametrize("mib", [-1.0, 0.0, 1e-7])
+def test_a_size_no_collective_takes_is_refused_before_any_network(mib):
+    with pytest.raises(ValueError, match=rf"--mib {mib:g}, ring on 16 workers: .*nbytes"):
+        measure(lambda row: None, False, workers="16", topologies="leaf_spine",
+                algos="ring,ina", **{**OPTS, "mib": mib})

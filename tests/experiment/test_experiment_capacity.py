@@ -43,6 +43,11 @@ def test_bad_arguments_fail_before_building_anything():
         run(workers=(2,), fabric="torus")
     with pytest.raises(ValueError, match=r"fat-tree holds \[16, 128\] hosts"):
         run(workers=(8,), fabric="fat_tree")
+    for nbytes in (0, -(1 << 20), 2.5):  # --mib 0 or below ran every row to a failure
+        with pytest.raises(ValueError, match=r"nbytes .*--mib > 0"):
+            run(workers=(2,), nbytes=nbytes)
+    with pytest.raises(ValueError, match="bw_mbps"):
+        run(workers=(2,), bw_mbps=0.0)
 
 
 @pytest.mark.mininet
