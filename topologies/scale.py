@@ -53,7 +53,8 @@ def descendants(root: int | None = None) -> list[int]:
     return out
 
 
-def _mem_available_kb() -> int:
+def mem_available_kb() -> int:
+    """This machine's ``MemAvailable`` in KiB (0 when the kernel does not say)."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -75,7 +76,7 @@ def measure(ns, switch: str = "bridge", bw_mbps: float = 100.0) -> list[dict]:
     rows = []
     for n in ns:
         self0 = _rss_kb(os.getpid())
-        avail0 = _mem_available_kb()
+        avail0 = mem_available_kb()
         net = TestbedNet(Star(n, bw_mbps=bw_mbps, switch=switch))
         with net:
             t = time.monotonic()
@@ -84,7 +85,7 @@ def measure(ns, switch: str = "bridge", bw_mbps: float = 100.0) -> list[dict]:
             procs = descendants()
             rss = sum(_rss_kb(p) for p in procs)
             self1 = _rss_kb(os.getpid())
-            avail1 = _mem_available_kb()
+            avail1 = mem_available_kb()
         tm = net.timings
         rows.append({
             "n": n, "switch": switch,

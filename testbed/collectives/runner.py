@@ -164,6 +164,26 @@ def _topology_name(net) -> str:
     return str(v).split("\n")[0][:80]
 
 
+#: Bytes a worker holds per byte of the message, at least: its input and its result
+#: (measured on a star of 3 at 32-128 MiB: ring 2.0, INA 3.0, plus ~100 MB per pool).
+MIN_MEMORY_PER_BYTE = 2
+
+
+def _check_memory(net, spec: CollectiveSpec, ranks: int) -> None:
+    """Refuse a message the ranks on this machine cannot hold (a typo such as '8GiB' would
+    otherwise end in the OOM killer, which may take the user's notebook with it)."""
+    if getattr(net, "servers", None) is not None:  # the ranks are spread over machines
+        return
+    from testbed.topologies.scale import mem_available_kb
+
+    need, avail = ranks * spec.nbytes * MIN_MEMORY_PER_BYTE, mem_available_kb() * 1024
+    if avail and need > avail:
+        raise ValueError(f"CollectiveSpec.nbytes={spec.nbytes}: {ranks} ranks each holding the "
+                         f"message and its result need at least {need / 2**30:.1f} GiB, and "
+                         f"this machine has {avail / 2**30:.1f} GiB available: use a smaller "
+                         "nbytes (or fewer workers)")
+
+
 def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = None,
                    registration: dict | None = None) -> list[dict]:
     """Run ``spec`` on ``net``; one row (keys ``REPORT_COLUMNS``) per repetition.
@@ -202,6 +222,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
             (spec.placement or {}).get("engine_death", "restart") == "restart":
         _restart(net, before)
     n, m = len(workers), len(servers)
+    _check_memory(net, spec, n + m)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
     root = None
     if is_offloaded(spec.algo) and registration is None and hasattr(net, "ina_plan"):

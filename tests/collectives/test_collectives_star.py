@@ -48,6 +48,20 @@ def test_host_collectives_on_star(bridge_net, op, algo, workers, servers, nbytes
     assert not _ours_left()
 
 
+def test_a_message_the_machine_cannot_hold_is_refused_before_any_rank_starts(bridge_net):
+    """A size past this machine's available memory (a '8GiB' typo) is refused naming the
+    memory, before a rank allocates anything; the network runs the next collective."""
+    from testbed.topologies.scale import mem_available_kb
+
+    nbytes = mem_available_kb() * 1024 // 2 // 4 * 4  # 2 ranks x 2 copies: twice what is free
+    spec = CollectiveSpec(algo="ring", nbytes=nbytes, workers=2, timeout_s=5)
+    with pytest.raises(ValueError, match=r"2 ranks .* need at least .* GiB available"):
+        run_collective(bridge_net, spec)
+    assert not _ours_left()
+    spec = CollectiveSpec(algo="ring", nbytes=4 * 1000, workers=2, timeout_s=20)
+    check_rows(run_collective(bridge_net, spec), spec, 2, bw_mbps=100)
+
+
 def test_killed_worker_fails_fast_and_cleanly(bridge_net):
     spec = CollectiveSpec(op="allreduce", algo="ring", nbytes=32 << 20, workers=4,
                           timeout_s=5)
