@@ -169,19 +169,19 @@ def _topology_name(net) -> str:
 MIN_MEMORY_PER_BYTE = 2
 
 
-def _check_memory(net, spec: CollectiveSpec, ranks: int) -> None:
-    """Refuse a message the ranks on this machine cannot hold (a typo such as '8GiB' would
-    otherwise end in the OOM killer, which may take the user's notebook with it)."""
-    if getattr(net, "servers", None) is not None:  # the ranks are spread over machines
-        return
+def check_memory(message_bytes: list[int], what: str) -> None:
+    """Refuse messages the ranks on this machine cannot hold: ``message_bytes``, the largest
+    message of each rank, each held as input and result (a typo such as '8GiB' would
+    otherwise end in the OOM killer, which may take the user's notebook with it). ``what``
+    names them in the ``ValueError``."""
     from testbed.topologies.scale import mem_available_kb
 
-    need, avail = ranks * spec.nbytes * MIN_MEMORY_PER_BYTE, mem_available_kb() * 1024
+    need, avail = sum(message_bytes) * MIN_MEMORY_PER_BYTE, mem_available_kb() * 1024
     if avail and need > avail:
-        raise ValueError(f"CollectiveSpec.nbytes={spec.nbytes}: {ranks} ranks each holding the "
-                         f"message and its result need at least {need / 2**30:.1f} GiB, and "
-                         f"this machine has {avail / 2**30:.1f} GiB available: use a smaller "
-                         "nbytes (or fewer workers)")
+        raise ValueError(f"{what}: {len(message_bytes)} ranks each holding their message and "
+                         f"its result need at least {need / 2**30:.1f} GiB, and this machine "
+                         f"has {avail / 2**30:.1f} GiB available: use smaller messages (or "
+                         "fewer ranks)")
 
 
 def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = None,
@@ -222,7 +222,8 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
             (spec.placement or {}).get("engine_death", "restart") == "restart":
         _restart(net, before)
     n, m = len(workers), len(servers)
-    _check_memory(net, spec, n + m)
+    if getattr(net, "servers", None) is None:  # else the ranks are spread over machines
+        check_memory([spec.nbytes] * (n + m), f"CollectiveSpec.nbytes={spec.nbytes}")
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
     root = None
     if is_offloaded(spec.algo) and registration is None and hasattr(net, "ina_plan"):

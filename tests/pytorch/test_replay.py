@@ -226,6 +226,20 @@ def test_ddp_trace_through_the_testbed_ring_against_the_model(tmp_path):
 
 
 @pytest.mark.mininet
+def test_a_trace_whose_messages_the_machine_cannot_hold_is_refused_before_its_ranks(tmp_path):
+    """A trace's allreduce larger than this machine's memory (e.g. a comm_size in bits, not
+    bytes) is named before a rank allocates it; nothing is left behind."""
+    from testbed.collectives.testing import leftovers
+    from testbed.topologies.scale import mem_available_kb
+
+    size = mem_available_kb() * 1024 // 2 // 4 * 4  # 2 ranks x 2 copies: twice what is free
+    prefix = write(tmp_path / "big", ddp(2, sizes=(4096, size)))
+    with pytest.raises(TraceError, match=r"big: 2 ranks each holding .* GiB available"):
+        replay(prefix, algo="ring", out=tmp_path / "out", echo=lambda line: None)
+    assert not leftovers()
+
+
+@pytest.mark.mininet
 def test_tensor_parallel_groups_beside_a_data_parallel_world(tmp_path):
     """Each tensor-parallel pair allreduces on its own subgroup (gloo), the world's allreduce
     through the testbed's ring; each is priced on its own members' hosts."""
