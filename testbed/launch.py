@@ -535,6 +535,12 @@ def _checked_script(script: str | Path) -> Path:
     path = Path(script).resolve()
     if not path.is_file():
         raise ValueError(f"script {path} does not exist")
+    try:  # what every rank's interpreter would stop at, said before a network is built
+        compile(path.read_bytes(), str(path), "exec")
+    except (SyntaxError, ValueError) as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        why = e.msg if isinstance(e, SyntaxError) else e
+        raise ValueError(f"script {path} does not compile{where}: {why}") from None
     return path
 
 

@@ -226,6 +226,9 @@ def test_several_ranks_per_host(tmp_path):
 def test_bad_options_are_named_before_anything_is_built(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         launch(tmp_path / "missing.py", out=tmp_path)
+    (tmp_path / "typo.py").write_text("import torch\nfor step in range(3)\n    pass\n")
+    with pytest.raises(ValueError, match=r"typo\.py does not compile \(line 2\)"):
+        launch(tmp_path / "typo.py", out=tmp_path)
     (tmp_path / "s.py").write_text("")
     with pytest.raises(ValueError, match="n_hosts"):
         launch(tmp_path / "s.py", hosts=3, topology={"n_hosts": 0}, out=tmp_path)
