@@ -57,6 +57,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -707,7 +708,9 @@ class Experiment(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _has_work(self) -> Experiment:
+    def _has_work(self, info: ValidationInfo) -> Experiment:
+        if not (info.context or {}).get("need_work", True):  # a file read for its network
+            return self
         if not self.jobs and not self.training and not self.launch and not self.replay:
             raise ValueError("give at least one job ([[jobs]]), training job ([[training]]), "
                              "launched script ([[launch]]) or trace ([[replay]])")
@@ -790,11 +793,18 @@ def _set_path(data: Any, path: str, value: Any) -> None:
         node[last] = value
 
 
+def _point_context(exp: Experiment) -> dict[str, bool]:
+    """The validation context of ``exp``'s sweep points: a point holds the experiment's work,
+    so an experiment accepted without any (a file read for its network) has points without."""
+    return {"need_work": bool(exp.jobs or exp.training or exp.launch or exp.replay)}
+
+
 def expand_sweep(exp: Experiment) -> list[tuple[dict[str, Any], Experiment]]:
     """Cartesian product of ``exp.sweep``; each point validated (errors name the path)."""
+    ctx = _point_context(exp)
     base = exp.model_dump(exclude={"sweep"})
     if not exp.sweep:
-        return [({}, Experiment.model_validate(base))]
+        return [({}, Experiment.model_validate(base, context=ctx))]
     paths = list(exp.sweep)
     out = []
     for combo in itertools.product(*(exp.sweep[p] for p in paths)):
@@ -802,7 +812,7 @@ def expand_sweep(exp: Experiment) -> list[tuple[dict[str, Any], Experiment]]:
         for p, v in zip(paths, combo, strict=True):
             _set_path(data, p, v)
         try:
-            point = Experiment.model_validate(data)
+            point = Experiment.model_validate(data, context=ctx)
         except ValidationError as e:
             values = ", ".join(f"{p}={v!r}" for p, v in zip(paths, combo, strict=True))
             raise ExperimentError(f"sweep point ({values})", format_errors(e)) from None
@@ -893,8 +903,8 @@ def load_point(file: str | Path, point: int) -> tuple[Experiment, Experiment]:
     """The experiment in ``file`` and its sweep point ``point`` (0-based), for the commands
     that build one point's network (``testbed up``, ``testbed provider serve``); a
     ``ValueError`` lists the file's problems, or the points there are."""
-    try:
-        exp = load_experiment(file)
+    try:  # a file of a topology alone is enough here: no job runs
+        exp = parse_experiment(read_experiment_file(file), str(file), need_work=False)
     except ExperimentError as e:
         raise ValueError("\n".join([f"invalid experiment {e.source}:",
                                     *(f"  - {p}" for p in e.problems)])) from None
@@ -905,16 +915,17 @@ def load_point(file: str | Path, point: int) -> tuple[Experiment, Experiment]:
     return exp, points[point][1]
 
 
-def parse_experiment(data: dict, source: str = "object") -> Experiment:
+def parse_experiment(data: dict, source: str = "object", need_work: bool = True) -> Experiment:
     """Validate a plain dict into an :class:`Experiment` (readable :class:`ExperimentError`
-    listing every problem: bad fields, and combinations that cannot run at any sweep point)."""
+    listing every problem: bad fields, and combinations that cannot run at any sweep point).
+    ``need_work=False``: a file read only for its network may hold no job."""
     kind = experiment_kind(data, source)
     if kind != "collectives":
         raise ExperimentError(source, [f"kind: a {kind!r} experiment has a schema of its own "
                                        "(testbed run and testbed.experiment.run take every "
                                        "kind)"])
     try:
-        exp = Experiment.model_validate(data)
+        exp = Experiment.model_validate(data, context={"need_work": need_work})
     except ValidationError as e:
         problems = format_errors(e)
         # the parts that are valid on their own are still checked against each other
@@ -1044,7 +1055,9 @@ def combination_problems(exp: Experiment) -> list[str]:
         for p, v in zip(paths, combo, strict=True):
             _set_path(data, p, v)
         try:
-            problems = _point_problems(Experiment.model_validate(data), cache)
+            problems = _point_problems(Experiment.model_validate(data,
+                                                                 context=_point_context(exp)),
+                                       cache)
         except ValidationError as e:
             problems = format_errors(e)
         where = ", ".join(f"{p}={v!r}" for p, v in zip(paths, combo, strict=True))

@@ -17,6 +17,7 @@ from testbed.experiment.spec import (
     ExperimentError,
     expand_sweep,
     load_experiment,
+    load_point,
     parse_experiment,
     with_overrides,
 )
@@ -446,3 +447,22 @@ def test_an_ina_job_of_more_than_32_workers_takes_a_tree_checked_before_anything
     ok = data(33, {"tree": "auto"})
     ok["jobs"][0]["hosts"] = [r for r in range(66) if r not in (0, 33)]
     assert parse_experiment(ok).jobs[0].hosts[:2] == [1, 2]
+
+
+def test_a_file_read_for_its_network_may_hold_no_job(tmp_path):
+    """``testbed up``, ``testbed launch -e`` and ``provider serve`` use a file's network only:
+    a topology alone is enough there (with its sweep's points), while ``testbed run`` still
+    asks for work."""
+    path = tmp_path / "net.toml"
+    path.write_text('name = "net"\n[topology]\nkind = "leaf_spine"\nleaves = 2\nspines = 2\n'
+                    'hosts_per_leaf = 2\nswitch = "programmable"\n'
+                    '[sweep]\n"topology.bw_mbps" = [10, 40]\n')
+    exp, point = load_point(path, 1)
+    assert exp.jobs == [] and point.topology.kind == "leaf_spine"
+    assert point.topology.bw_mbps == 40
+    with pytest.raises(ExperimentError, match="give at least one job"):
+        load_experiment(path)
+    with pytest.raises(ValueError, match=r"topology.leaves"):  # its fields are still checked
+        bad = tmp_path / "bad.toml"
+        bad.write_text(path.read_text().replace("leaves = 2", "leaves = 0"))
+        load_point(bad, 0)
