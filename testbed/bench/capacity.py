@@ -241,6 +241,9 @@ def run(workers=WORKERS, algos=ALGOS, bw_mbps: float = 100.0, nbytes: int = 8 * 
         raise ValueError(f"algos must be among {ALGOS}, got {list(algos)}")
     if not workers or any(int(n) < 2 for n in workers):
         raise ValueError(f"workers must list host counts >= 2, got {list(workers)}")
+    if any(int(n) < 2 for n in dilate_workers):
+        raise ValueError(f"dilate must list host counts >= 2 (those of the sweep whose "
+                         f"dilation is searched), got {list(dilate_workers)}")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
         raise ValueError(f"nbytes must be a whole number of float32 (--mib > 0), got {nbytes!r}")
     if not bw_mbps > 0:

@@ -48,6 +48,8 @@ def test_bad_arguments_fail_before_building_anything():
             run(workers=(2,), nbytes=nbytes)
     with pytest.raises(ValueError, match="bw_mbps"):
         run(workers=(2,), bw_mbps=0.0)
+    with pytest.raises(ValueError, match=r"dilate must list host counts >= 2 .*got \[0\]"):
+        run(workers=(2,), dilate_workers=(0,))
 
 
 @pytest.mark.mininet
