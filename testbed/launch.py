@@ -599,6 +599,7 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     workers = [h for h in job_hosts(net, hosts) for _ in range(nproc_per_host)]  # per rank
     n = len(workers)
     if tj is not None:
+        tj = _tree_for_many(tj, n)
         tj.validate(n)
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP(), "intf": h.defaultIntf().name}
              for h in workers]
@@ -632,6 +633,19 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     (folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
     return Launched(codes, trace, failures, folder, failed, wall / float(net.time_dilation),
                     plan_history=followed.history if followed and plans is not None else [])
+
+
+def _tree_for_many(tj, n: int):
+    """``tj`` of ``n`` ranks with placement tree 'auto' when it offloads more ranks than one
+    switch takes (32) and names no tree: a tree is then the only placement they can have, and
+    ``testbed launch`` has no option to give one (an experiment file's job has
+    ``placement.tree``)."""
+    from testbed.collectives.algorithms import is_offloaded
+    from testbed.collectives.spec import MAX_SWITCH_MEMBERS
+
+    if is_offloaded(tj.algo) and n > MAX_SWITCH_MEMBERS and "tree" not in tj.placement:
+        return dataclasses.replace(tj, placement={**tj.placement, "tree": "auto"})
+    return tj
 
 
 def _rank_env(job: dict, r: int, folder: Path, offload: bool) -> dict:

@@ -50,3 +50,22 @@ def test_a_dilated_run_gives_undilated_seconds_and_repeats_may_be_asked_for():
 ])
 def test_no_iteration_no_hints(rows):
     assert derive_hints(rows, 1.0) is None
+
+
+def test_more_ranks_than_one_switch_takes_aggregate_on_a_tree():
+    """``testbed launch --algo ina`` of more than 32 ranks gets placement tree 'auto' (it has
+    no option to give one, and one switch takes at most 32 members), which then validates;
+    32 ranks, a named tree and a host algorithm are left as they are."""
+    from testbed.launch import _tree_for_many, backend_settings
+
+    ina = backend_settings("ina", None, None, False, 1)
+    with pytest.raises(ValueError, match="tree='auto'"):
+        ina.validate(34)
+    many = _tree_for_many(ina, 34)
+    assert many.placement == {"tree": "auto"} and ina.placement == {}
+    many.validate(34)
+    assert _tree_for_many(ina, 32) is ina
+    named = backend_settings("ina", None, None, False, 1, placement={"tree": ["tbsp1"]})
+    assert _tree_for_many(named, 34) is named
+    ring = backend_settings("ring", None, None, False, 1)
+    assert _tree_for_many(ring, 34) is ring
