@@ -222,15 +222,14 @@ def _replay_checked(net, checked: list[tuple], folder: Path, single: bool, timeo
         what = f"{checked[0][0].prefix}: {total} ranks" if len(checked) == 1 else \
             f"{len(checked)} traces: {total} ranks in all ({sizes})"
         raise TraceError(f"{what}, but the network has {len(net.hosts)} hosts")
-    if getattr(net, "servers", None) is None:  # else the ranks are spread over machines
-        from testbed.collectives.runner import check_memory
+    from testbed.collectives.runner import check_memory
 
-        largest = [max((x.bytes for x in nodes), default=0)
-                   for *_, ranks in checked for nodes in ranks.values()]
-        try:
-            check_memory(largest, ", ".join(str(t.prefix) for t, *_ in checked))
-        except ValueError as e:
-            raise TraceError(str(e)) from None
+    largest = [max((x.bytes for x in nodes), default=0)
+               for *_, ranks in checked for nodes in ranks.values()]
+    try:
+        check_memory(net, largest, ", ".join(str(t.prefix) for t, *_ in checked))
+    except ValueError as e:
+        raise TraceError(str(e)) from None
     folder.mkdir(parents=True, exist_ok=True)
     done: list[Replayed | None] = [None] * len(checked)
     rows: list[dict] = [{} for _ in checked]

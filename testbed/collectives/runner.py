@@ -169,12 +169,16 @@ def _topology_name(net) -> str:
 MIN_MEMORY_PER_BYTE = 2
 
 
-def check_memory(message_bytes: list[int], what: str) -> None:
-    """Refuse messages the ranks on this machine cannot hold: ``message_bytes``, the largest
-    message of each rank, each held as input and result (a typo such as '8GiB' would
-    otherwise end in the OOM killer, which may take the user's notebook with it). ``what``
-    names them in the ``ValueError``."""
+def check_memory(net, message_bytes: list[int], what: str) -> None:
+    """Refuse messages the ranks of ``net`` cannot hold on this machine: ``message_bytes``,
+    the largest message of each rank, each held as input and result (a typo such as '8GiB'
+    would otherwise end in the OOM killer, which may take the user's notebook with it).
+    ``what`` names them in the ``ValueError``. A network spread over servers is not checked:
+    its ranks are on other machines."""
     from testbed.topologies.scale import mem_available_kb
+
+    if getattr(net, "servers", None) is not None:
+        return
 
     need, avail = sum(message_bytes) * MIN_MEMORY_PER_BYTE, mem_available_kb() * 1024
     if avail and need > avail:
@@ -222,8 +226,7 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
             (spec.placement or {}).get("engine_death", "restart") == "restart":
         _restart(net, before)
     n, m = len(workers), len(servers)
-    if getattr(net, "servers", None) is None:  # else the ranks are spread over machines
-        check_memory([spec.nbytes] * (n + m), f"CollectiveSpec.nbytes={spec.nbytes}")
+    check_memory(net, [spec.nbytes] * (n + m), f"CollectiveSpec.nbytes={spec.nbytes}")
     ranks = [{"host": h.name, "pid": int(h.pid), "ip": h.IP()} for h in workers + servers]
     root = None
     if is_offloaded(spec.algo) and registration is None and hasattr(net, "ina_plan"):

@@ -1050,14 +1050,13 @@ def combination_problems(exp: Experiment) -> list[str]:
     found: dict[str, list[str]] = {}
     combos = list(itertools.product(*(exp.sweep[p] for p in paths)))
     cache: dict[str, Any] = {}
+    ctx = _point_context(exp)
     for combo in combos:
         data = copy.deepcopy(base)
         for p, v in zip(paths, combo, strict=True):
             _set_path(data, p, v)
         try:
-            problems = _point_problems(Experiment.model_validate(data,
-                                                                 context=_point_context(exp)),
-                                       cache)
+            problems = _point_problems(Experiment.model_validate(data, context=ctx), cache)
         except ValidationError as e:
             problems = format_errors(e)
         where = ", ".join(f"{p}={v!r}" for p, v in zip(paths, combo, strict=True))
