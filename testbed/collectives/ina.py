@@ -204,6 +204,16 @@ def _mmsg(count: int) -> tuple[np.ndarray, np.ndarray]:
     return iov, hdr
 
 
+def timeout_floor(window: int, bw_bps: float | None) -> float:
+    """The floor of a worker's timeout (undilated s): SwitchML's ``T0``, or twice the time its
+    window of full packets takes to leave at ``bw_bps``, the job's bottleneck share per
+    worker, whichever is longer. Below that, a window queued at a thin link times out behind
+    itself. The flow model prices timeouts with the same floor (``flowmodel.ina_extra_s``)."""
+    if not bw_bps or bw_bps <= 0:
+        return ik.T0
+    return max(ik.T0, 2.0 * window * (ik.ROW + FRAME_OVERHEAD) * 8 / bw_bps)
+
+
 class InaClient:
     """One worker of an INA job; its socket lives in the namespace the process is in."""
 
@@ -223,9 +233,12 @@ class InaClient:
         # congestion response (ik.cc_sample); the window carries over to the next collective
         self.cc = ik.CC_DELAY if spec.ina_cc == "delay" else ik.CC_OFF
         self.cwnd = 0.0
+        # and so does the round-trip estimator (ik.new_loop says why)
+        self.rtt = (0.0, 0.0)
         self.timeout_s = spec.timeout_s
         # on a dilated network (runner.py) every timer of the loop runs that much slower
         self.dilation = float(job.get("time_dilation", 1.0))
+        self.t0 = timeout_floor(self.W, job.get("bw_bps"))
         self.loss = float(spec.loss)
         self.rng = np.random.default_rng([spec.seed, 7919, rank])
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -390,7 +403,7 @@ class InaClient:
         """The slot protocol loop (bursts, timers, retransmissions) for one collective."""
         total = p.K + p.boot
         now = time.monotonic()
-        loop = ik.new_loop(now, self.dilation, self.cc, self.cwnd)
+        loop = ik.new_loop(now, self.dilation, self.cc, self.cwnd, rtt=self.rtt, t0=self.t0)
         st = loop[0]
         k = ik.start(self.slots, loop, p, now, self.send_list)
         self._send(k)
@@ -461,6 +474,7 @@ class InaClient:
         self.stats["sent"] += int(st["sends"])
         self.stats["retransmitted"] += int(st["sends"]) - total
         self.stats.update(results=done, srtt_ms=float(st["srtt"]) * 1e3)
+        self.rtt = (float(st["srtt"]), float(st["rttvar"]))
         if self.cc != ik.CC_OFF:
             self.cwnd = float(st["cwnd"])
             self.stats.update(cwnd=self.cwnd, cwnd_min=float(st["cwnd_min"]),

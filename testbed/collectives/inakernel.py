@@ -22,10 +22,12 @@ The state is three small records:
   ``MODE_THC`` THC int8 lanes).
 
 Loss recovery: an unanswered packet is sent again as ``RETRANSMIT`` after its timeout (TCP's
-``srtt + 4 rttvar`` and twice the slot's last round trip, at least SwitchML's 10 ms, doubling
-per retry up to 320 ms: :func:`expire`, and kept doubled for the slot's next packets until a
+``srtt + 4 rttvar`` and twice the slot's last round trip, at least a floor: SwitchML's 10 ms,
+or twice the time the worker's window takes to leave at its bottleneck share; doubling per
+retry up to 320 ms: :func:`expire`, and kept doubled for the slot's next packets until a
 round trip without a resend gives a clean sample: :func:`advance`; floor and cap times the
-network's time dilation, :func:`new_loop`) or, sooner, like TCP's RACK: once ``FAST_RETX`` packets sent after it were
+network's time dilation, and the estimator kept from one collective to the next:
+:func:`new_loop`) or, sooner, like TCP's RACK: once ``FAST_RETX`` packets sent after it were
 answered (rounds of one worker complete in the order it sent them) and it has been outstanding
 ``REORDER_SLACK`` times the round trip of the latest-sent answered packet, a delay that follows
 the queues of the moment (:func:`fast_retransmit` says why that matters).
@@ -158,15 +160,28 @@ def new_slots(W: int, seq0: int) -> Slots:
 
 
 def new_loop(now: float, dilation: float = 1.0, cc: int = CC_OFF, cwnd: float = 0.0,
-             margin_s: float = CC_MARGIN_S) -> np.ndarray:
+             margin_s: float = CC_MARGIN_S, rtt: tuple[float, float] = (0.0, 0.0),
+             t0: float = T0) -> np.ndarray:
     """The loop record at the start of a collective; on a network dilated by ``dilation``
-    the timeout's floor and cap (:data:`T0`, :data:`T_MAX`) and the delay target's margin are
-    that many times longer. ``cc``: :data:`CC_OFF` or :data:`CC_DELAY`, whose window starts at
-    ``cwnd`` packets (0: the whole window W; a client passes the last collective's)."""
+    the timeout's floor ``t0`` and cap (:data:`T_MAX`, at least ``t0``) and the delay
+    target's margin are that many times longer. ``cc``: :data:`CC_OFF` or :data:`CC_DELAY`,
+    whose window starts at ``cwnd`` packets (0: the whole window W; a client passes the last
+    collective's). ``rtt``: the last collective's ``(srtt, rttvar)``, which the timeout starts
+    from, as a TCP connection keeps its estimator ((0, 0): none yet).
+
+    ``t0``: SwitchML's 10 ms (:data:`T0`), or what a client computes from its path
+    (``ina.timeout_floor``). Both keep timers from firing behind the worker's own queue: on
+    a path whose round trip is many floors long, every collective's first window timed out
+    whole, and those resends held the answers behind them past the next timeout, and so on
+    (a 3 + 2 dumbbell with a 30 Mb/s bottleneck ran 1.4-1.7x the model)."""
+    tmax = max(T_MAX, t0) * dilation
     st = np.zeros(1, LOOP_DTYPE)
-    st[0]["t0"] = T0 * dilation
-    st[0]["tmax"] = T_MAX * dilation
-    st[0]["rto"] = T0 * dilation
+    st[0]["t0"] = t0 * dilation
+    st[0]["tmax"] = tmax
+    st[0]["rto"] = t0 * dilation
+    if rtt[0] > 0.0:
+        st[0]["srtt"], st[0]["rttvar"] = rtt
+        st[0]["rto"] = min(max(t0 * dilation, rtt[0] + 4 * rtt[1]), tmax)
     st[0]["progress"] = now
     st[0]["acked"] = -1
     st[0]["cc"] = cc

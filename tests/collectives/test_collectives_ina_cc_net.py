@@ -1,8 +1,8 @@
 """The INA congestion response on an emulated network (Mininet, programmable dumbbell with a
-10 Mb/s bottleneck): an allreduce with ``ina_cc="delay"`` across the thin link is exact, and
-a small-message TCP ring sharing that link with an INA job is no longer slowed by the queue
-INA keeps there (ratio of medians with a generous margin; the numbers live in
-``testbed bench ina-sharing``)."""
+10 Mb/s bottleneck): an allreduce with ``ina_cc="delay"`` across the thin link is exact,
+one without it is not resent behind its own queue there, and a small-message TCP ring
+sharing that link with an INA job is no longer slowed by the queue INA keeps there (ratio of
+medians with a generous margin; the numbers live in ``testbed bench ina-sharing``)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,32 @@ def test_ina_with_delay_window_is_exact_across_a_thin_link(thin_net):
                           repetitions=2, seed=3, ina_cc="delay")
     rows = run_collective(thin_net, spec)
     check_rows(rows, spec, 4)
+    assert not _ours_left()
+
+
+def test_without_a_congestion_response_a_window_queued_at_a_thin_link_is_not_resent(thin_net):
+    """Plain INA (window 64, no ``ina_cc``) through the bottleneck: two workers' windows queue
+    there, most packets answered later than SwitchML's 10 ms timeout after their send. No
+    link loses anything, so the switch sees next to no retransmission. With a floor that
+    ignored the path and an estimator started from scratch each collective, the timers
+    resent every window whole, again and again: 2897 resends for 2560 contributions, and
+    the collective took up to twice the model's time."""
+    sw = thin_net.aggregator["switch"]
+
+    def aggregate():
+        return thin_net.counters()["datapath"][sw]["stages"]["aggregate"]
+
+    before = aggregate()
+    spec = CollectiveSpec(algo="ina", nbytes=4 * 65_536, window=64, timeout_s=30,
+                          repetitions=2, seed=4)
+    rows = run_collective(thin_net, spec)
+    check_rows(rows, spec, 4)
+    after = aggregate()
+    sent = after["contributions"] - before["contributions"]
+    resent = after["retransmissions_answered"] + after["duplicates"] - (
+        before["retransmissions_answered"] + before["duplicates"])
+    assert sent >= 4 * 256 * 2, (before, after)
+    assert resent <= 0.05 * sent, (resent, sent)
     assert not _ours_left()
 
 

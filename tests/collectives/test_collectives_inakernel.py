@@ -391,3 +391,24 @@ def test_gso_batches_match_twin_and_keep_the_kernels_rule(sizes, max_bytes, max_
         run = sizes[a:a + c]
         assert seg == run[0] and all(s == run[0] for s in run[:-1]) and run[-1] <= run[0]
         assert c == 1 or (c <= max_segs and c * (run[0] + 42) <= max_bytes)
+
+
+def test_the_timeout_starts_from_the_path_and_the_last_collective():
+    """A worker's timeout floor is the longer of SwitchML's 10 ms and twice the time its window
+    takes to leave at the job's bottleneck share (the flow model's assumption); a collective's
+    timeout starts from the last one's round trips, as a TCP connection keeps its estimator;
+    the cap is never below the floor; every timer stretches with the dilation."""
+    from testbed.collectives.ina import FRAME_OVERHEAD, timeout_floor
+
+    frame_bits = (ik.ROW + FRAME_OVERHEAD) * 8
+    assert timeout_floor(64, None) == timeout_floor(4, 100e6) == ik.T0
+    assert timeout_floor(64, 100e6) == pytest.approx(2 * 64 * frame_bits / 100e6)  # 11 ms
+    assert timeout_floor(64, 5e6) == pytest.approx(20 * timeout_floor(64, 100e6))  # 0.23 s
+    fresh = ik.new_loop(0.0, dilation=3.0)[0]
+    assert (fresh["rto"], fresh["t0"], fresh["tmax"]) == pytest.approx(
+        (3 * ik.T0, 3 * ik.T0, 3 * ik.T_MAX))
+    assert fresh["srtt"] == 0.0
+    kept = ik.new_loop(0.0, dilation=3.0, rtt=(0.05, 0.01))[0]
+    assert (kept["srtt"], kept["rttvar"], kept["rto"]) == pytest.approx((0.05, 0.01, 0.09))
+    thin = ik.new_loop(0.0, dilation=2.0, t0=0.5, rtt=(0.05, 0.01))[0]
+    assert (thin["t0"], thin["rto"], thin["tmax"]) == pytest.approx((1.0, 1.0, 1.0))
