@@ -238,7 +238,8 @@ class InaClient:
         self.timeout_s = spec.timeout_s
         # on a dilated network (runner.py) every timer of the loop runs that much slower
         self.dilation = float(job.get("time_dilation", 1.0))
-        self.t0 = timeout_floor(self.W, job.get("bw_bps"))
+        # a delay-based window keeps its queue short: its timer needs no room for a whole one
+        self.t0 = timeout_floor(self.W, job.get("bw_bps")) if self.cc == ik.CC_OFF else ik.T0
         self.loss = float(spec.loss)
         self.rng = np.random.default_rng([spec.seed, 7919, rank])
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

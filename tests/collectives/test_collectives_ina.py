@@ -95,6 +95,28 @@ def test_client_reuses_its_summed_lanes_buffer(algo, compressor):
         c.close()
 
 
+@pytest.mark.parametrize("ina_cc, bw_bps, floor", [(None, 5e6, "path"), (None, None, "T0"),
+                                                    ("delay", 5e6, "T0")])
+def test_a_client_times_out_no_sooner_than_its_window_takes_to_leave(ina_cc, bw_bps, floor):
+    """A plain window's timeout floor leaves room for the whole window at the job's
+    bottleneck share (``job["bw_bps"]``); a delay-based window keeps its queue short and
+    keeps SwitchML's 10 ms, as does a job whose bandwidth is not known."""
+    from testbed.collectives import inakernel as ik
+    from testbed.collectives.ina import InaClient, timeout_floor
+
+    spec = CollectiveSpec(algo="ina", nbytes=4 * 1000, window=64, ina_cc=ina_cc)
+    job = {"n": 2, "bw_bps": bw_bps, "ranks": [
+        {"host": f"h{r}", "ip": "127.0.0.1", "port": 47_010 + r,
+         "aggregator": {"ip": "127.0.0.2"}} for r in range(2)]}
+    c = InaClient(job, spec, 0)
+    try:
+        want = timeout_floor(64, bw_bps) if floor == "path" else ik.T0
+        assert c.t0 == pytest.approx(want)
+        assert (c.t0 > 0.2) == (floor == "path")  # 64 full frames at 5 Mb/s: 0.11 s, twice
+    finally:
+        c.close()
+
+
 _GSO_SENDER = """
 import json, sys
 import numpy as np
