@@ -45,15 +45,17 @@ class FabricRoutes:
         raise NotImplementedError
 
     def link_impairments(self) -> list[LinkImpairment]:
-        """The impairments the engines' ``impair`` stages now apply, one record per impaired
-        directed link (what :func:`testbed.collectives.flowmodel.predict` prices): read from
+        """The impairments the engines' ``impair`` stages now apply beyond the topology's own
+        ``loss_pct``, one record per impaired directed link (what
+        :func:`testbed.collectives.flowmodel.predict` prices beside the topology): read from
         the engines, so a stage configured at run time counts. Empty without such stages."""
         clients = self.datapath_clients()
         if self._impair_nodes is None:  # an engine's stages are fixed when it starts
             self._impair_nodes = [node for node, c in clients.items()
                                   if set(c.config().get("stages", ())) & set(IMPAIR_STAGES)]
         return link_impairments(self.topo.link_specs,
-                                {n: clients[n].counters() for n in self._impair_nodes})
+                                {n: clients[n].counters() for n in self._impair_nodes},
+                                own_loss_applied=self.topo.impair_mode() == "datapath")
 
     @property
     def routed_topo(self):

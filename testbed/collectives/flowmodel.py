@@ -762,8 +762,9 @@ def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float
                                                     # RESULT was lost
         RTO   = max(10 ms, 2 * (rtt + W * frame))   # SwitchML's 10 ms, or srtt + 4 rttvar
                                                     # of the loaded round trip, ~2x it
-        extra = K * rho * frame                     # retransmitted frames on the worker link:
-                                                    # every member resends a stalled round
+        extra = K * rho / (1 - rho) * frame         # retransmitted frames on the worker link:
+                                                    # every member resends a stalled round,
+                                                    # again if the resend stalls too
               + max(0, (K / W) * (rtt + rho * RTO) - K * frame)
                                                     # a slot's chain of K/W rounds, each
                                                     # stalled by an RTO with probability rho,
@@ -773,9 +774,10 @@ def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float
 
     Every member resends a stalled round, not only the one whose packet was lost: a worker
     cannot tell its own loss from another member's (``inakernel.fast_retransmit``), and the
-    switch drops the copies it already counted. With 16 workers whose paths cross six impaired
-    stages at 1 % each, rho is 0.64 and the workers resent 0.61 frames per frame on a fat-tree
-    k=4: the resent frames, not the lost ones, are what loads the links. A stall of one slot
+    switch drops the copies it already counted. With 16 workers on a fat-tree k=4 whose
+    contributions cross three links at 1 % loss each, rho is 0.40 and the workers resent 0.61
+    frames per frame (rho / (1 - rho) = 0.67; their own losses alone would be 0.06): the
+    resent frames, not the lost ones, are what loads the links. A stall of one slot
     is hidden while the other W - 1 keep the link busy, which is why only the chain bound and
     the last window add time. Without loss only the chain bound remains:
     a window too small for the round trip (``K / W * rtt > K * frame``) limits the rate.
@@ -788,7 +790,7 @@ def ina_extra_s(*, n: int, packets: int, window: int, p_up: float, p_down: float
         raise ValueError(f"loss probabilities must be in [0, 1), got {p_up}, {p_down}")
     rho = 1 - (1 - p_up) ** n * (1 - p_down)
     rto = rto_s if rto_s is not None else max(rto_floor_s, 2 * (rtt_s + window * frame_s))
-    retx = packets * rho * frame_s
+    retx = packets * rho / (1 - rho) * frame_s
     chain = max(0.0, packets / window * (rtt_s + rho * rto) - packets * frame_s)
     tail = rto * (1 - (1 - rho) ** window)
     return retx + chain + tail

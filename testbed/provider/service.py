@@ -142,9 +142,9 @@ class Telemetry:
     byte-counter delta since the previous collection over the interval and the link rate; queue
     depth and queue drops come from a ``trim`` or ``shape`` stage on the source's egress port
     (trims from the former), drops from the port's drop counters, ``bytes`` from its byte
-    counter; a link's impairment from the ``impair`` stages at its ends (what they do now,
-    :func:`testbed.topologies.base.link_impairments`); a switch's allocated
-    memory per job from its ``aggregate`` stage. A node that does not answer is reported in
+    counter; a link's impairment from the ``impair`` stages at its ends (what they do now
+    beyond the topology's own ``loss_pct``, :func:`testbed.topologies.base.link_impairments`);
+    a switch's allocated memory per job from its ``aggregate`` stage. A node that does not answer is reported in
     :attr:`errors` and contributes nothing (its links read as idle).
     """
 
@@ -205,7 +205,9 @@ class Telemetry:
                             max(p["tx_bytes"] - q["tx_bytes"], 0) * 8 / (t1 - prev[0]),
                             max(p["rx_bytes"] - q["rx_bytes"], 0) * 8 / (t1 - prev[0]))
             self._prev[node] = (t1, data.get("ports", {}))
-        impaired = {(i.src, i.dst): i for i in link_impairments(self.link_specs, counters)}
+        impaired = {(i.src, i.dst): i for i in link_impairments(
+            self.link_specs, counters,
+            own_loss_applied=self.desc.get("impairments") == "datapath")}
         links = [self._link(src, dst, rate, counters, rates, impaired.get((src, dst)))
                  for (src, dst), (_n, _p, rate) in sorted(self.ports.items())]
         switches = []

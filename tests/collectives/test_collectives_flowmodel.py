@@ -436,8 +436,9 @@ def test_ina_window_and_loss_first_order():
     p, n, K, W, fs, rtt = 0.01, 4, 8192, 64, 9e-5, 4e-4
     rho = 1 - (1 - p) ** n * (1 - p)
     rto = max(0.010, 2 * (rtt + W * fs))
-    # every member resends a round any member's loss stalled: rho, not 2p, frames per frame
-    want = K * rho * fs + max(0.0, K / W * (rtt + rho * rto) - K * fs) + \
+    # every member resends a round any member's loss stalled, again if the resend stalls:
+    # rho / (1 - rho), not 2p, frames per frame
+    want = K * rho / (1 - rho) * fs + max(0.0, K / W * (rtt + rho * rto) - K * fs) + \
         rto * (1 - (1 - rho) ** W)
     got = fm.ina_extra_s(n=n, packets=K, window=W, p_up=p, p_down=p, frame_s=fs, rtt_s=rtt)
     assert got == pytest.approx(want)

@@ -212,6 +212,40 @@ def test_link_impairments_in_the_data_path():
                 DatapathOptions(impairments=(Impairment("tbs1"),)))
 
 
+def test_the_links_own_loss_is_left_out_of_the_records_the_models_price():
+    """A star whose data path applies the topology's 10 % loss (no netem) in the switch's
+    stages, and a run-time stage that adds loss on one port and duplicates on another: with
+    ``own_loss_applied`` the records keep only what the stages add beyond the 10 % (the
+    models price that from the topology); without it they say all the stages do."""
+    from testbed.topologies.base import link_impairments
+
+    topo = Star(2, switch="programmable", loss_pct=10, seed=4)
+
+    def ports(loss1, loss2, dup2=0.0):
+        return {"tbs1-eth1": {"loss": loss1, "dup": 0.0, "reorder": 0.0},
+                "tbs1-eth2": {"loss": loss2, "dup": dup2, "reorder": 0.0}}
+
+    def stage(direction, p):
+        return {"direction": direction,
+                "settings": {"ports": p, "filter": "all", "reorder_timeout_ms": 0.0}}
+
+    # the egress stage: 10 % on both ports, and 1 - 0.9 * 0.8 = 28 % on eth1 (an extra 20 %);
+    # the ingress stage: 10 % and 10 % plus duplicates on eth2
+    counters = {"tbs1": {"stages": {"impair": stage("egress", ports(0.28, 0.1)),
+                                    "impair_ingress": stage("ingress",
+                                                            ports(0.1, 0.1, 0.05))}}}
+    hosts = dict(zip(("tbs1-eth1", "tbs1-eth2"), topo.host_names, strict=True))
+    assert all(s.loss_pct == 10 for s in topo.link_specs)
+    full = {(i.src, i.dst): i for i in link_impairments(topo.link_specs, counters)}
+    assert len(full) == 4 and full[("tbs1", hosts["tbs1-eth1"])].loss == pytest.approx(0.28)
+    beyond = {(i.src, i.dst): i for i in link_impairments(topo.link_specs, counters,
+                                                          own_loss_applied=True)}
+    assert set(beyond) == {("tbs1", hosts["tbs1-eth1"]), (hosts["tbs1-eth2"], "tbs1")}
+    assert beyond[("tbs1", hosts["tbs1-eth1"])].loss == pytest.approx(0.2)
+    dup = beyond[(hosts["tbs1-eth2"], "tbs1")]
+    assert dup.loss == 0.0 and dup.dup == 0.05
+
+
 def test_explicit_programs_run_as_written():
     topo = Star(2, switch="programmable", programs={"tbs1": [("forward", {})]})
     assert compose(topo, DatapathOptions(explicit_programs=True)) == {
