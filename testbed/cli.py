@@ -189,6 +189,9 @@ def launch(
     chakra_out: str = typer.Option(None, "--chakra-out", metavar="DIR", help="also write the "
                                    "job's collectives as a Chakra trace, DIR/<script>.<rank>.et "
                                    "(needs --algo; testbed replay runs it)"),
+    tree: str = typer.Option(None, "--tree", metavar="auto|single|SW1,SW2",
+                             help="with --algo ina or nic: the aggregation tree (default: one "
+                                  "switch, auto above 32 ranks)"),
     bw_mbps: float = typer.Option(None, "--bw-mbps", help="link rate of the default star"),
     time_dilation: str = typer.Option(None, "--time-dilation", metavar="F|auto",
                                       help=DILATION_HELP),
@@ -208,7 +211,7 @@ def launch(
                           time_dilation=_dilation(time_dilation), timeout_s=timeout, out=out,
                           hints=hints or None, policy=policy, chakra_out=chakra_out,
                           nproc_per_host=nproc_per_host, transport=transport,
-                          provider=True if provider == "default" else provider)
+                          provider=True if provider == "default" else provider, tree=tree)
     except ValueError as e:
         print(f"testbed launch: {e}", file=sys.stderr)
         raise typer.Exit(2) from None

@@ -136,7 +136,8 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
            module: bool = False, hints: dict | None = None,
            policy: str = "cooperative", chakra_out: str | Path | None = None,
            nproc_per_host: int = 1, stop=None, transport: str = "tcp",
-           plans=None, provider: str | bool | None = None) -> Launched:
+           plans=None, provider: str | bool | None = None,
+           tree: str | list[str] | None = None) -> Launched:
     """Run ``script`` with ``args`` on ``hosts`` emulated hosts (default: every host of the
     network), ``nproc_per_host`` ranks on each (torchrun's ``--nproc-per-node``: rank ``r``
     on host ``r // nproc_per_host``), and return what it did (see the module docstring).
@@ -165,8 +166,10 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
     written as a Chakra trace, ``<script>.<rank>.et`` (:func:`testbed.workloads.chakra.export`; needs
     ``algo``, whose backend traces them, and the ``[traces]`` extra). ``echo(line)``: called
     with every ``[rank]: ...`` output line (default: print). ``out``: the results root
-    (default ``TESTBED_RESULTS``). Raises ``ValueError`` for bad options before anything is
-    built.
+    (default ``TESTBED_RESULTS``). ``tree`` (with an offloaded ``algo``: ina, nic): the
+    job's aggregation tree, ``"auto"``, ``"single"`` or a list of switches
+    (``CollectiveSpec.placement["tree"]``); default: one switch, or ``"auto"`` for more ranks
+    than one switch takes. Raises ``ValueError`` for bad options before anything is built.
     """
     from testbed.collectives.algorithms import check_nproc_per_host
     from testbed.experiment import results
@@ -196,6 +199,9 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
             raise ValueError("writing a Chakra trace needs the [traces] extra "
                              "(.venv/bin/pip install -e '.[traces]')")
     if planned:
+        if tree is not None:
+            raise ValueError("algo 'auto' lets the provider place the job; --tree is for "
+                             "--algo ina or nic")
         if compressor is not None or error_feedback:
             raise ValueError("algo 'auto' lets the provider choose the compressor; give the "
                              "job's tolerance (hints) instead of --compressor/--error-feedback")
@@ -210,7 +216,7 @@ def launch(script: str | Path, args: Sequence[str] = (), *, hosts: int | None = 
             raise ValueError("plans (re-plans of the running job) need --algo: plain gloo "
                              "runs no testbed algorithm to change")
         tj = backend_settings(algo, compressor, compressor_params, error_feedback, job_id,
-                              transport=transport)
+                              placement=_tree_placement(tree, algo), transport=transport)
     stem = str(script).rsplit(".", 1)[-1] if module else Path(script).stem
     if provider:
         done = _launch_served(provider, script, args, hosts, experiment, hints, out, stem,
@@ -633,6 +639,23 @@ def run_script(net, script: str | Path, args: Sequence[str], tj, folder: Path, *
     (folder / "launch.json").write_text(json.dumps(meta, indent=2, default=str))
     return Launched(codes, trace, failures, folder, failed, wall / float(net.time_dilation),
                     plan_history=followed.history if followed and plans is not None else [])
+
+
+def _tree_placement(tree, algo: str | None) -> dict | None:
+    """The backend's placement for ``--tree``: None without one; ``ValueError`` where the
+    algorithm aggregates in no switch or the value names no tree."""
+    from testbed.collectives.algorithms import is_offloaded
+
+    if tree is None:
+        return None
+    if algo is None or not is_offloaded(algo):
+        raise ValueError(f"--tree is for an algorithm that aggregates in the switches (ina, "
+                         f"nic), not {algo or 'plain gloo'}")
+    if isinstance(tree, str) and tree not in ("auto", "single"):
+        tree = [t for t in tree.split(",") if t]
+    if not tree:
+        raise ValueError("--tree takes auto, single or switch names (tbl1,tbsp1)")
+    return {"tree": tree}
 
 
 def _tree_for_many(tj, n: int):

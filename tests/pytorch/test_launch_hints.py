@@ -69,3 +69,25 @@ def test_more_ranks_than_one_switch_takes_aggregate_on_a_tree():
     assert _tree_for_many(named, 34) is named
     ring = backend_settings("ring", None, None, False, 1)
     assert _tree_for_many(ring, 34) is ring
+
+
+def test_tree_names_the_aggregation_tree_of_an_offloaded_job(tmp_path):
+    """``testbed launch --tree``: auto, single or switch names become the backend's placement
+    (and so the tree the INA job is registered on); for a host algorithm, plain gloo or a
+    provider's plan it is refused before anything is built."""
+    from testbed.launch import _tree_placement, backend_settings, launch
+
+    assert _tree_placement(None, "ina") is None
+    assert _tree_placement("auto", "ina") == {"tree": "auto"}
+    assert _tree_placement("single", "nic") == {"tree": "single"}
+    assert _tree_placement("tbl1,tbsp1", "ina") == {"tree": ["tbl1", "tbsp1"]}
+    named = backend_settings("ina", None, None, False, 1,
+                             placement=_tree_placement("tbl1,tbsp1", "ina"))
+    assert named.placement == {"tree": ["tbl1", "tbsp1"]}
+    script = tmp_path / "noop.py"
+    script.write_text("print('never run')\n")
+    for algo, tree, says in (("ring", "auto", "not ring"), (None, "auto", "not plain gloo"),
+                             ("ina", ",", "takes auto, single or switch names"),
+                             ("auto", "auto", "lets the provider place the job")):
+        with pytest.raises(ValueError, match=says):
+            launch(script, algo=algo, tree=tree, hosts=2)
