@@ -660,9 +660,8 @@ def _tree_placement(tree, algo: str | None) -> dict | None:
 
 def _tree_for_many(tj, n: int):
     """``tj`` of ``n`` ranks with placement tree 'auto' when it offloads more ranks than one
-    switch takes (32) and names no tree: a tree is then the only placement they can have, and
-    ``testbed launch`` has no option to give one (an experiment file's job has
-    ``placement.tree``)."""
+    switch takes (32) and names no tree (``--tree``): a tree is then the only placement they
+    can have."""
     from testbed.collectives.algorithms import is_offloaded
     from testbed.collectives.spec import MAX_SWITCH_MEMBERS
 

@@ -169,6 +169,12 @@ class LinkImpairment:
 IMPAIR_STAGES = ("impair", "impair_ingress")
 
 
+def own_link_loss(link_specs: Iterable[LinkSpec]) -> dict[tuple[str, str], float]:
+    """Each lossy link's own ``loss_pct`` as a probability, for both of its directions."""
+    return {(a, b): s.loss_pct / 100.0 for s in link_specs if s.loss_pct
+            for a, b in ((s.a, s.b), (s.b, s.a))}
+
+
 def link_impairments(link_specs: Iterable[LinkSpec], counters: dict[str, dict],
                      own_loss_applied: bool = False) -> list[LinkImpairment]:
     """What the ``impair`` stages whose engines' ``counters`` (node -> the engine's answer to
@@ -202,12 +208,13 @@ def link_impairments(link_specs: Iterable[LinkSpec], counters: dict[str, dict],
                                      reorder_timeout_s=settings["reorder_timeout_ms"] / 1e3, **v)
                 out[link] = imp if link not in out else out[link].combined(imp)
     if own_loss_applied:
-        own = {(a, b): s.loss_pct / 100.0 for s in link_specs if s.loss_pct
-               for a, b in ((s.a, s.b), (s.b, s.a))}
+        own = own_link_loss(link_specs)
         for link, imp in list(out.items()):
             loss = max(0.0, 1.0 - (1.0 - imp.loss) / (1.0 - own.get(link, 0.0)))
-            out[link] = replace(imp, loss=loss if loss > 1e-12 else 0.0)
-            if not (out[link].loss or imp.dup or imp.reorder):
+            beyond = replace(imp, loss=loss if loss > 1e-12 else 0.0)
+            if beyond.loss or beyond.dup or beyond.reorder:
+                out[link] = beyond
+            else:
                 del out[link]
     return [out[k] for k in sorted(out)]
 

@@ -144,8 +144,8 @@ class Telemetry:
     (trims from the former), drops from the port's drop counters, ``bytes`` from its byte
     counter; a link's impairment from the ``impair`` stages at its ends (what they do now
     beyond the topology's own ``loss_pct``, :func:`testbed.topologies.base.link_impairments`);
-    a switch's allocated memory per job from its ``aggregate`` stage. A node that does not answer is reported in
-    :attr:`errors` and contributes nothing (its links read as idle).
+    a switch's allocated memory per job from its ``aggregate`` stage. A node that does not
+    answer is reported in :attr:`errors` and contributes nothing (its links read as idle).
     """
 
     def __init__(self, desc: dict, memory_bytes: dict[str, int], time_dilation: float = 1.0):
