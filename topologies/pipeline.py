@@ -44,10 +44,12 @@ How the parts are chosen:
   with a ``trim`` stage (its queue drains at the link rates already) or a ``shape`` stage of
   its own gets none.
 
-A node runs one stage per name, except that several impairments of the same direction stay
-separate ``impair`` stages. When a node is impaired in both directions, its ingress stage is
-``impair_ingress`` (the engine addresses stages and their counters by name); a lone ingress
-stage keeps the name ``impair``.
+A node runs one stage per name (the engine addresses stages and their counters by name). The
+impairments of one direction (the topology's delay_ms/loss_pct in the data path, every
+:class:`Impairment` entry) are one ``impair`` stage: per port, probabilities combine as
+independent draws in sequence, delays add, jitters add in quadrature; entries that filter
+different traffic are refused. When a node is impaired in both directions, its ingress stage
+is ``impair_ingress``; a lone ingress stage keeps the name ``impair``.
 
 **Time dilation.** :func:`compose` describes the emulated network (rates and delays as the
 user gave them). :func:`dilate` turns a plan into what the engines of a network dilated by a
@@ -68,6 +70,7 @@ not the node's, two sources of the same stage.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -295,19 +298,12 @@ def _node_pipeline(topo: TestbedTopo, options: DatapathOptions, tables, name: st
         raise TopologyError(
             f"programs[{name!r}] has its own 'trim' stage, and trimming on {name!r} adds one; "
             "use one or the other")
-    if link_egress and (opt_ingress or opt_egress):
-        raise TopologyError(
-            f"impairments on {name!r}: the topology's delay_ms/loss_pct already impair this "
-            "node's links in its data path (no netem here); give the link impairment either "
-            "as delay_ms/loss_pct or as impairments, not both")
-    ingress: list[tuple[str, dict]] = []
-    egress: list[tuple[str, dict]] = []
-    if link_ingress:
-        ingress.append(("impair", _link_settings(topo, name, ports, link_ingress, "ingress")))
-    if link_egress:
-        egress.append(("impair", _link_settings(topo, name, ports, link_egress, "egress")))
-    ingress += [("impair", _impair_settings(i, name, ports)) for i in opt_ingress]
-    egress += [("impair", _impair_settings(i, name, ports)) for i in opt_egress]
+    ingress = ([_link_settings(topo, name, ports, link_ingress, "ingress")] if link_ingress
+               else []) + [_impair_settings(i, name, ports) for i in opt_ingress]
+    egress = ([_link_settings(topo, name, ports, link_egress, "egress")] if link_egress
+              else []) + [_impair_settings(i, name, ports) for i in opt_egress]
+    ingress = [("impair", _one_impair_stage(ingress, name, ports))] if ingress else []
+    egress = [("impair", _one_impair_stage(egress, name, ports))] if egress else []
     if ingress and egress:
         ingress = [("impair_ingress", s) for _, s in ingress]
     tail = [("trim", _trim_settings(topo, t, name, ports)) for t in trims]
@@ -451,6 +447,46 @@ def _impair_settings(imp: Impairment, name: str, ports: list[str]) -> dict[str, 
     return {"direction": imp.direction, "seed": imp.seed, "filter": imp.filter,
             **{k: _per_port(getattr(imp, k), chosen)
                for k in ("loss", "dup", "reorder", "delay_ms", "jitter_ms")}}
+
+
+#: how the impairments of one direction combine into one stage, per port: independent draws
+#: in sequence (a frame survives every loss, escapes every duplication and reordering)
+_PROBABILITIES = ("loss", "dup", "reorder")
+
+
+def _one_impair_stage(entries: list[dict], name: str, ports: list[str]) -> dict[str, Any]:
+    """The settings of the one ``impair`` stage that applies ``entries`` (the link's own
+    delay/loss, :class:`Impairment` settings) in one direction of node ``name``.
+
+    Why one: the engine addresses a stage and its counters by name, so a second ``impair``
+    stage would hide the first from the counters, the models and ``configure``. Per port,
+    probabilities combine as independent draws in sequence (1 - prod(1 - p)), delays add and
+    jitters (independent spreads) add in quadrature. Entries that filter different traffic
+    cannot share a stage."""
+    if len(entries) == 1:
+        return entries[0]
+    filters = {e.get("filter", "all") for e in entries}
+    if len(filters) > 1:
+        raise TopologyError(
+            f"impairments on {name!r} ({entries[0].get('direction', 'egress')}): the entries "
+            f"of one direction run as one stage, and these filter different traffic "
+            f"({sorted(filters)}); give them one filter (the topology's delay_ms/loss_pct "
+            "impair all traffic), or put them in different directions")
+
+    def at(e: dict, key: str, port: str) -> float:
+        v = e.get(key, 0.0)
+        return float(v.get(port, 0.0) if isinstance(v, dict) else v)
+
+    out: dict[str, Any] = {"direction": entries[0].get("direction", "egress"),
+                           "filter": filters.pop(),
+                           "seed": sum(e.get("seed", 0) for e in entries) % (1 << 63)}
+    for key in _PROBABILITIES:
+        out[key] = {p: round(1.0 - math.prod(1.0 - at(e, key, p) for e in entries), 12)
+                    for p in ports}
+    out["delay_ms"] = {p: round(sum(at(e, "delay_ms", p) for e in entries), 9) for p in ports}
+    out["jitter_ms"] = {p: round(math.hypot(*(at(e, "jitter_ms", p) for e in entries)), 9)
+                        for p in ports}
+    return out
 
 
 def _trim_settings(topo: TestbedTopo, tr: Trimming, name: str, ports: list[str]

@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from testbed.datapath.control import RUN_DIR
-from testbed.experiment.spec import Experiment, load_point
+from testbed.experiment.spec import Experiment, datapath_options, load_point
 from testbed.lifeline import start_ticks
 from testbed.topologies import TestbedNet, make_topology
-from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming
 
 
 def topology_for(point: Experiment):
@@ -69,37 +68,6 @@ def attach_up(file: str | None = None, what: str = "--attach"):
     topo = topology_for(load_point(file, point)[1])
     return AttachedNet(topo, state["pids"], state.get("time_dilation", 1.0),
                        links_down=lambda: (up_state() or {}).get("links_down", []))
-
-
-def datapath_options(point: Experiment) -> DatapathOptions:
-    """The data-path conditions of ``point`` as the pipeline composer takes them.
-
-    Impairment percentages become probabilities and an impairment without a seed takes the
-    experiment's. SmartNICs run the ``nic_codec`` stage when the experiment sets a codec, or
-    in fixed-point mode when a job uses ``algo = "nic"`` (the SmartNIC-offloaded INA; without
-    SmartNICs that job fails on its own and the others run).
-    """
-    impairments = tuple(
-        Impairment(node=i.node, direction=i.direction,
-                   ports=None if i.ports is None else tuple(i.ports),
-                   loss=i.loss_pct / 100.0, dup=i.dup_pct / 100.0,
-                   reorder=i.reorder_pct / 100.0, delay_ms=i.delay_ms, jitter_ms=i.jitter_ms,
-                   filter=i.filter, seed=point.seed if i.seed is None else i.seed)
-        for i in point.impairments)
-    trimming = tuple(
-        Trimming(node=t.node, mode=t.mode, rate_mbps=t.rate_mbps,
-                 threshold_bytes=t.threshold_bytes, queue_slots=t.queue_slots,
-                 ports=None if t.ports is None else tuple(t.ports), trim_bytes=t.trim_bytes,
-                 threshold_bdp=t.threshold_bdp, rtt_us=t.rtt_us)
-        for t in point.trimming)
-    nic_codec = None
-    if point.codec is not None:
-        nic_codec = {"codec": point.codec.codec, **point.codec.settings}
-    elif point.topology.smartnic and any(j.algo == "nic" and j.op != "incast"
-                                         for j in point.jobs):
-        nic_codec = {"codec": "fixed32"}
-    return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec,
-                           aggregate=point.topology.aggregate_settings())
 
 
 def flatten_counters(obj: Any, prefix: str = "") -> dict[str, float]:

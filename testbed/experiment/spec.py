@@ -48,7 +48,7 @@ import re
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -68,6 +68,9 @@ from testbed.collectives.spec import (
     communication_model,
     communication_of,
 )
+
+if TYPE_CHECKING:
+    from testbed.topologies.pipeline import DatapathOptions
 
 #: Largest time dilation factor (``testbed.topologies.pipeline.MAX_TIME_DILATION``, not
 #: imported: the schema loads without the topology layer)
@@ -1077,11 +1080,28 @@ def _point_problems(point: Experiment, cache: dict[str, Any]) -> list[str]:
     if key not in cache:
         cache[key] = _build_topology(point.topology, point.seed)
     topo, problems = cache[key]
-    return list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
-                                    point.trimming, point.codec, point.cross_traffic,
-                                    point.capture) + training_problems(point, topo) \
-        + launch_problems(point, topo) + replay_problems(point, topo) \
-        + fault_problems(point.faults, topo, point)
+    found = list(problems) + _checks(topo, point.topology, list(point.jobs), point.impairments,
+                                     point.trimming, point.codec, point.cross_traffic,
+                                     point.capture)
+    if topo is not None and not found:
+        found += _pipeline_problems(point, topo)
+    return found + training_problems(point, topo) + launch_problems(point, topo) \
+        + replay_problems(point, topo) + fault_problems(point.faults, topo, point)
+
+
+def _pipeline_problems(point: Experiment, topo) -> list[str]:
+    """What the pipeline composer refuses in the point's data path (two sources of one stage,
+    impairments that filter different traffic in one direction...), before any network."""
+    if not (point.impairments or point.trimming or point.codec):
+        return []  # nothing beyond the topology, whose own problems are checked above
+    from testbed.topologies import TopologyError  # on use (module docstring)
+    from testbed.topologies.pipeline import compose
+
+    try:
+        compose(topo, datapath_options(point))
+    except TopologyError as e:
+        return [f"data path: {e}"]
+    return []
 
 
 def _partial_problems(data: Any) -> list[str]:
@@ -1172,6 +1192,39 @@ def _build_topology(spec: TopologySpec, seed: int) -> tuple[Any, list[str]]:
         first = re.match(r"\w+", msg)
         field = first.group(0) if first and first.group(0) in TopologySpec.model_fields else ""
         return None, [f"topology{'.' + field if field else ''}: {msg}"]
+
+
+def datapath_options(point: Experiment) -> DatapathOptions:
+    """The data-path conditions of ``point`` as the pipeline composer takes them.
+
+    Impairment percentages become probabilities and an impairment without a seed takes the
+    experiment's. SmartNICs run the ``nic_codec`` stage when the experiment sets a codec, or
+    in fixed-point mode when a job uses ``algo = "nic"`` (the SmartNIC-offloaded INA; without
+    SmartNICs that job fails on its own and the others run).
+    """
+    from testbed.topologies.pipeline import DatapathOptions, Impairment, Trimming  # on use
+
+    impairments = tuple(
+        Impairment(node=i.node, direction=i.direction,
+                   ports=None if i.ports is None else tuple(i.ports),
+                   loss=i.loss_pct / 100.0, dup=i.dup_pct / 100.0,
+                   reorder=i.reorder_pct / 100.0, delay_ms=i.delay_ms, jitter_ms=i.jitter_ms,
+                   filter=i.filter, seed=point.seed if i.seed is None else i.seed)
+        for i in point.impairments)
+    trimming = tuple(
+        Trimming(node=t.node, mode=t.mode, rate_mbps=t.rate_mbps,
+                 threshold_bytes=t.threshold_bytes, queue_slots=t.queue_slots,
+                 ports=None if t.ports is None else tuple(t.ports), trim_bytes=t.trim_bytes,
+                 threshold_bdp=t.threshold_bdp, rtt_us=t.rtt_us)
+        for t in point.trimming)
+    nic_codec = None
+    if point.codec is not None:
+        nic_codec = {"codec": point.codec.codec, **point.codec.settings}
+    elif point.topology.smartnic and any(j.algo == "nic" and j.op != "incast"
+                                         for j in point.jobs):
+        nic_codec = {"codec": "fixed32"}
+    return DatapathOptions(impairments=impairments, trimming=trimming, nic_codec=nic_codec,
+                           aggregate=point.topology.aggregate_settings())
 
 
 def _checks(topo, tspec: TopologySpec, jobs: list, impairments: list, trimming: list,

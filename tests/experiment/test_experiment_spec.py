@@ -21,6 +21,7 @@ from testbed.experiment.spec import (
     parse_experiment,
     with_overrides,
 )
+from testbed.topologies import netem_available
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -275,6 +276,24 @@ def test_sizes_hosts_nodes_ports_and_interfaces_must_exist():
     probs = _problems({"topology": {"switch": "bridge"}, "jobs": [{}],
                        "impairments": [{"node": "tbs1", "loss_pct": 1}]})
     assert probs[0].startswith("impairments.0.node: 'tbs1' is not a programmable node")
+
+
+@pytest.mark.skipif(netem_available(), reason="netem present: the topology's loss goes on the "
+                    "links, not in the switches' stages")
+def test_a_data_path_the_composer_refuses_is_refused_before_anything_runs():
+    """The topology's loss runs in the switch's stages with every impairment of the same
+    direction: one that filters other traffic cannot share them, at the sweep points where
+    the topology is lossy; an impairment that can is combined, not refused."""
+    lossy = {"topology": {"switch": "programmable", "loss_pct": 1.0}, "jobs": [{}],
+             "impairments": [{"node": "tbs1", "direction": "egress", "filter": "testbed",
+                              "dup_pct": 2.0}]}
+    probs = _problems(lossy)
+    assert len(probs) == 1 and probs[0].startswith("data path: impairments on 'tbs1' (egress)")
+    assert "filter different traffic (['all', 'testbed'])" in probs[0]
+    probs = _problems({**lossy, "sweep": {"topology.loss_pct": [0.0, 1.0]}})
+    assert len(probs) == 1 and "(at sweep point topology.loss_pct=1.0)" in probs[0]
+    mixed = {**lossy, "impairments": [{"node": "tbs1", "dup_pct": 2.0, "reorder_pct": 5.0}]}
+    assert parse_experiment(mixed).impairments[0].dup_pct == 2.0
 
 
 def test_problem_at_some_sweep_points_names_them():

@@ -207,9 +207,43 @@ def test_link_impairments_in_the_data_path():
     with pytest.raises(TopologyError, match="has its own 'impair' stage"):
         compose(Star(2, switch="programmable", delay_ms=1,
                      programs={"tbs1": ["forward", "impair"]}))
-    with pytest.raises(TopologyError, match="either as delay_ms/loss_pct or as impairments"):
-        compose(Star(2, switch="programmable", delay_ms=1),
-                DatapathOptions(impairments=(Impairment("tbs1"),)))
+
+
+
+@no_netem
+def test_the_impairments_of_one_direction_are_one_stage():
+    """The topology's loss and delay in the data path and the Impairment entries of the same
+    node and direction run as one stage (the engine counts and configures stages by name: a
+    second ``impair`` stage hid the first from the counters and so from the models): per port
+    the probabilities of independent draws in sequence, delays added, jitters in quadrature."""
+    topo = Star(3, switch="programmable", loss_pct=10, delay_ms=1, seed=4)
+    mixed = compose(topo, DatapathOptions(impairments=(
+        Impairment("tbs1", direction="egress", dup=0.1, ports=(0,), seed=3),
+        Impairment("tbs1", direction="egress", loss=0.2, delay_ms=2, jitter_ms=0.3, ports=(0,)),
+        Impairment("tbs1", direction="egress", jitter_ms=0.4, ports=(0,)))))
+    assert names(mixed)["tbs1"] == ["impair_ingress", "aggregate", "forward", "impair", "shape"]
+    egress = stage(mixed, "tbs1", "impair")
+    assert egress["loss"] == {"tbs1-eth1": pytest.approx(1 - 0.9 * 0.8), "tbs1-eth2": 0.1,
+                              "tbs1-eth3": 0.1}
+    assert egress["dup"] == {"tbs1-eth1": 0.1, "tbs1-eth2": 0.0, "tbs1-eth3": 0.0}
+    assert egress["delay_ms"] == {"tbs1-eth1": 3.0, "tbs1-eth2": 1.0, "tbs1-eth3": 1.0}
+    assert egress["jitter_ms"]["tbs1-eth1"] == pytest.approx(0.5)
+    assert egress["direction"] == "egress" and egress["filter"] == "all"
+    assert egress["seed"] == node_seed(4, "tbs1", "egress") + 3
+    # the ingress stage is the topology's alone, as without the entries
+    assert stage(mixed, "tbs1", "impair_ingress") == stage(compose(topo), "tbs1",
+                                                           "impair_ingress")
+    # two entries of one direction without the topology's: one stage too
+    two = compose(Star(2, switch="programmable"), DatapathOptions(impairments=(
+        Impairment("tbs1", loss=0.02), Impairment("tbs1", dup=0.03))))
+    assert names(two)["tbs1"] == ["impair", "aggregate", "forward", "shape"]
+    assert stage(two, "tbs1", "impair")["loss"] == {"tbs1-eth1": 0.02, "tbs1-eth2": 0.02}
+    assert stage(two, "tbs1", "impair")["dup"] == {"tbs1-eth1": 0.03, "tbs1-eth2": 0.03}
+    # a stage filters one way: the topology's impairs every frame
+    with pytest.raises(TopologyError, match=r"impairments on 'tbs1' \(egress\).*filter "
+                                            r"different traffic \(\['all', 'testbed'\]\)"):
+        compose(topo, DatapathOptions(impairments=(
+            Impairment("tbs1", direction="egress", filter="testbed"),)))
 
 
 def test_the_links_own_loss_is_left_out_of_the_records_the_models_price():
