@@ -15,7 +15,10 @@ its collectives in one order):
   nccl-tests: the whole array (the gathered output of an all-gather, the input of a
   reduce-scatter);
 * ``COMM_SEND_NODE`` / ``COMM_RECV_NODE``: ``comm_size`` bytes to ``comm_dst`` / from
-  ``comm_src`` (attribute ``comm_tag`` optional), TCP between the hosts;
+  ``comm_src`` (attribute ``comm_tag`` optional), TCP between the hosts, posted
+  (``isend``/``irecv``) without holding up the rank: as ASTRA-sim issues every ready node, a
+  pipeline stage's send and receive run at once, and the nodes that depend on one start once
+  it ended;
 * memory and metadata nodes: recorded, nothing to run.
 
 **Communicator groups**: a collective whose ``pg_name`` attribute names a group runs among
@@ -516,26 +519,42 @@ def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
     subgroups = {g: (dist.new_group(sorted(names[g]), backend="gloo"), sorted(names[g]))
                  for g in sorted(names)}
     seq: dict[str | None, int] = {}
+    posted: dict[int, tuple] = {}  # sends and receives under way: node id -> (work, row)
+
+    def settle(ids, log, wait: bool) -> None:
+        """Log the transfers among ``ids`` that ended (``wait``: wait for each first)."""
+        for i in [i for i in ids if i in posted]:
+            work, row = posted[i]
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                continue
+            row["end_s"] = time.time()
+            log.write(json.dumps(row) + "\n")
+            del posted[i]
+
     with open(Path(folder) / f"nodes{rank}.jsonl", "w") as log:
         for x in nodes:
+            settle(x.deps, log, wait=True)  # a node starts after the transfers it needs
             t0 = time.time()
+            row = {"rank": rank, "node": x.id, "name": x.name, "kind": x.kind, "op": x.op,
+                   "bytes": x.bytes, "peer": x.peer, "start_s": t0}
+            if x.kind in ("send", "recv"):  # posted, as ASTRA-sim issues every ready node
+                post = dist.isend if x.kind == "send" else dist.irecv
+                posted[x.id] = (post(_buffer(torch, x.bytes), x.peer, tag=x.tag), row)
+                continue
             if x.kind == "comp":
                 time.sleep(x.duration_s * compute_factor)
             elif x.kind == "coll":
                 pg, members = subgroups[x.group] if x.group is not None else \
                     (None, list(range(n)))
-                err = _collective(dist, torch, x, members, pg)
-            elif x.kind == "send":
-                dist.send(_buffer(torch, x.bytes), dst=x.peer, tag=x.tag)
-            elif x.kind == "recv":
-                dist.recv(_buffer(torch, x.bytes), src=x.peer, tag=x.tag)
-            row = {"rank": rank, "node": x.id, "name": x.name, "kind": x.kind, "op": x.op,
-                   "bytes": x.bytes, "peer": x.peer, "start_s": t0, "end_s": time.time()}
-            if x.kind == "coll":
+                row["max_abs_err"] = _collective(dist, torch, x, members, pg)
                 row["group"], row["seq"] = x.group, seq.get(x.group, 0)
-                row["max_abs_err"] = err
                 seq[x.group] = row["seq"] + 1
+            row["end_s"] = time.time()
             log.write(json.dumps(row) + "\n")
+            settle(list(posted), log, wait=False)
+        settle(list(posted), log, wait=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -285,18 +285,24 @@ def load_trace(prefix: str | Path, groups: dict[str, list[int]] | None = None
                                  f"from rank {first}'s "
                                  f"{theirs[k] if k < len(theirs) else 'none'}: every rank "
                                  f"of {label} must issue its collectives in one order")
-    sends: dict[tuple, int] = {}
+    # the k-th send from one rank to another with a tag meets the k-th such receive
+    p2p: dict[tuple, tuple[list, list]] = {}
     for r, nodes in ranks.items():
-        for x in nodes:
-            if x.kind == "send":
-                sends[(r, x.peer, x.tag, x.bytes)] = sends.get((r, x.peer, x.tag, x.bytes), 0) + 1
-            elif x.kind == "recv":
-                sends[(x.peer, r, x.tag, x.bytes)] = sends.get((x.peer, r, x.tag, x.bytes), 0) - 1
-    bad = [k for k, v in sends.items() if v]
-    if bad:
-        src, dst, tag, size = bad[0]
-        raise TraceError(f"{prefix}: sends from rank {src} to rank {dst} (tag {tag}, {size} "
-                         "B) do not match that rank's receives in number")
+        for x in order(nodes):
+            if x.kind in ("send", "recv"):
+                key = (r, x.peer, x.tag) if x.kind == "send" else (x.peer, r, x.tag)
+                p2p.setdefault(key, ([], []))[x.kind == "recv"].append(x.bytes)
+    for (src, dst, tag), (sent, received) in sorted(p2p.items()):
+        if len(sent) != len(received):
+            raise TraceError(f"{prefix}: sends from rank {src} to rank {dst} (tag {tag}: "
+                             f"{len(sent)}) do not match that rank's receives in number "
+                             f"({len(received)})")
+        k = next((i for i, (a, b) in enumerate(zip(sent, received, strict=True)) if a != b),
+                 None)
+        if k is not None:
+            raise TraceError(f"{prefix}: send #{k} from rank {src} to rank {dst} (tag {tag}) "
+                             f"is {sent[k]} B, and the receive it meets expects "
+                             f"{received[k]} B")
     stuck = _schedule(ranks, groups)[1]
     if stuck:
         raise TraceError(f"{prefix}: the ranks would wait on each other forever: "
@@ -443,9 +449,12 @@ def predict_jct(ranks: dict[int, list[Node]], collective_s: dict, transfer_s,
     takes its nodes one after the other in :func:`order`; a compute node lasts its duration
     times ``scale``; the k-th collective of the world (of communicator group ``g`` of
     ``groups``) starts when every rank (every member) reached it and lasts
-    ``collective_s[k]`` (``collective_s[(g, k)]``); a send and its receive start when both
-    ranks reached them and last ``transfer_s([(src, dst, bytes)])``. None when a collective
-    or a transfer has no prediction."""
+    ``collective_s[k]`` (``collective_s[(g, k)]``). A send or receive is posted when its rank
+    reaches it and holds nothing else up (``isend``/``irecv``, as ASTRA-sim issues every
+    ready node): the transfer starts when both ends are posted (the k-th send from a rank to
+    another with a tag meets the k-th such receive) and lasts
+    ``transfer_s([(src, dst, bytes)])``, and the nodes that depend on either end start after
+    it. None when a collective or a transfer has no prediction."""
     return _schedule(ranks, groups or {}, collective_s, transfer_s, scale)[0]
 
 
@@ -454,11 +463,16 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
               ) -> tuple[float | None, dict[int, Node]]:
     """Run the ranks' graphs as the replay does (timed with ``collective_s`` and
     ``transfer_s``, see :func:`predict_jct`; untimed without): (completion time, or None
-    when something has no price or the ranks are stuck; the node each stuck rank waits at)."""
+    when something has no price or the ranks are stuck; the node each stuck rank waits at:
+    a collective it reached, a node waiting for a transfer, or a send or receive posted
+    and never matched)."""
     n = len(ranks)
     graph = {r: order(nodes) for r, nodes in ranks.items()}
     pos = dict.fromkeys(graph, 0)
     clock = dict.fromkeys(graph, 0.0)
+    ended: dict[int, dict[int, float]] = {r: {} for r in graph}  # transfers' end, by node
+    posted: dict[int, dict[int, Node]] = {r: {} for r in graph}  # sends/receives not ended
+    queues: dict[tuple, tuple[list, list]] = {}  # (src, dst, tag) -> (sends, receives)
     done: dict[str | None, int] = {}  # collectives finished per group
     cache: dict[tuple, float | None] = {}
     timed, unpriced = collective_s is not None, False
@@ -466,46 +480,59 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
     def head(r: int) -> Node | None:
         return graph[r][pos[r]] if pos[r] < len(graph[r]) else None
 
+    def ready_at(r: int, x: Node) -> float | None:
+        """When ``x`` can start on rank ``r`` (None: a transfer it waits for is open)."""
+        if any(d in posted[r] for d in x.deps):
+            return None
+        return max([clock[r]] + [ended[r][d] for d in x.deps if d in ended[r]])
+
     moved = True
     while moved:
         moved = False
-        for r in graph:  # run each rank up to its next communication
-            while (x := head(r)) is not None and x.kind not in ("coll", "send", "recv"):
-                clock[r] += x.duration_s * scale if x.kind == "comp" else 0.0
+        for r in graph:  # run each rank up to its next collective or open transfer
+            while (x := head(r)) is not None and x.kind != "coll" \
+                    and (at := ready_at(r, x)) is not None:
+                clock[r] = at + (x.duration_s * scale if x.kind == "comp" else 0.0)
+                if x.kind in ("send", "recv"):  # posted; the rank goes on (isend/irecv)
+                    posted[r][x.id] = x
+                    key = (r, x.peer, x.tag) if x.kind == "send" else (x.peer, r, x.tag)
+                    queues.setdefault(key, ([], []))[x.kind == "recv"].append((r, x, at))
                 pos[r] += 1
+                moved = True
+        for (src, dst, _tag), (sends, recvs) in queues.items():  # in posting order
+            while sends and recvs:
+                (_, xs, ts), (_, xr, tr) = sends.pop(0), recvs.pop(0)
+                t = 0.0
+                if timed:
+                    key = (src, dst, xs.bytes)
+                    if key not in cache:
+                        cache[key] = transfer_s([key])
+                    t = cache[key]
+                    if t is None:
+                        unpriced, t = True, 0.0
+                ended[src][xs.id] = ended[dst][xr.id] = max(ts, tr) + t
+                del posted[src][xs.id], posted[dst][xr.id]
+                moved = True
         heads = {r: head(r) for r in graph}
         for g in dict.fromkeys(x.group for x in heads.values()
                                if x is not None and x.kind == "coll"):
             members = group_ranks(g, groups, n)
-            if not all(heads[m] is not None and heads[m].kind == "coll"
-                       and heads[m].group == g for m in members):
+            starts = [ready_at(m, heads[m]) if heads[m] is not None
+                      and heads[m].kind == "coll" and heads[m].group == g else None
+                      for m in members]
+            if any(t is None for t in starts):
                 continue
             k = done.get(g, 0)
             t = (collective_s.get(k) if g is None else collective_s.get((g, k))) \
                 if timed else 0.0
             if t is None:
                 unpriced, t = True, 0.0
-            end = max(clock[m] for m in members) + t
+            end = max(starts) + t
             for m in members:
                 clock[m], pos[m], heads[m] = end, pos[m] + 1, None
             done[g], moved = k + 1, True
-        for r, x in heads.items():
-            y = heads.get(x.peer) if x is not None and x.kind == "send" else None
-            if y is not None and y.kind == "recv" and y.peer == r and y.tag == x.tag:
-                t = 0.0
-                if timed:
-                    key = (r, x.peer, x.bytes)
-                    if key not in cache:
-                        cache[key] = transfer_s([key])
-                    t = cache[key]
-                    if t is None:
-                        unpriced, t = True, 0.0
-                end = max(clock[r], clock[x.peer]) + t
-                clock[r] = clock[x.peer] = end
-                pos[r] += 1
-                pos[x.peer] += 1
-                heads[x.peer] = None
-                moved = True
-    stuck = {r: x for r in graph if (x := head(r)) is not None}
-    total = None if stuck or unpriced else max(clock.values(), default=0.0)
+    stuck = {r: x for r in graph
+             if (x := head(r) or next(iter(posted[r].values()), None)) is not None}
+    ends = [t for e in ended.values() for t in e.values()]
+    total = None if stuck or unpriced else max([*clock.values(), *ends], default=0.0)
     return total, stuck

@@ -89,6 +89,8 @@ def test_a_well_formed_trace_loads(tmp_path):
     ("order", r"collective #0 of the world \('all_gather', 1024\) differs from rank 0's "
               r"\('all_reduce', 1024\)"),
     ("unmatched_send", r"sends from rank 0 to rank 1 .* do not match"),
+    ("p2p_size", r"send #0 from rank 0 to rank 1 \(tag 0\) is 64 B, and the receive it "
+                 r"meets expects 32 B"),
     ("group", r"communicator group 'tp', which the group configuration lacks"),
     ("not_member", r"rank 1 is not a member of communicator group '1' \[0\]"),
     ("group_order", r"collective #0 of communicator group '1' \('all_reduce', 64\) differs "
@@ -114,6 +116,9 @@ def test_bad_traces_are_named_before_anything_runs(tmp_path, case, match):
         g[1] = [comp(1, 10), coll(2, pb.ALL_GATHER, 1024, [1])]
     elif case == "unmatched_send":
         g[0].append(send(3, 1, 64, [2]))
+    elif case == "p2p_size":
+        g[0].append(send(3, 1, 64, [2]))
+        g[1].append(recv(3, 0, 32, [2]))
     elif case == "group":
         _attr(g[1][1], "pg_name", string_val="tp")
     elif case == "not_member":
@@ -200,6 +205,27 @@ def test_the_models_completion_time_of_a_trace():
     assert predict_jct(ranks, {0: 0.003}, lambda t: None) is None
 
 
+def test_sends_and_receives_are_posted_without_holding_their_rank_up(tmp_path):
+    """A ring exchange whose every rank sends before it receives (a pipeline's
+    batch_isend_irecv) loads and is priced as ASTRA-sim runs it: the sends and receives are
+    posted at once and the three transfers overlap; a node waits only for the transfers it
+    depends on."""
+    from testbed.workloads.chakra import predict_jct
+
+    n = 3
+    g = {r: [send(1, (r + 1) % n, 4096), recv(2, (r - 1) % n, 4096), comp(3, 5000, [2]),
+             comp(4, 1000, [1])] for r in range(n)}
+    ranks = load_trace(write(tmp_path / "ring", g))
+    # each transfer 2 ms from 0; node 3 after its receive (2 + 5 ms); node 4 after its send
+    # and after node 3, the rank's one thread (7 + 1 ms)
+    assert predict_jct(ranks, {}, lambda t: 0.002) == pytest.approx(0.008)
+    # each rank's send needs the receive of the other's: that still waits forever
+    g = {r: [recv(1, 1 - r, 4096), send(2, 1 - r, 4096, [1])] for r in range(2)}
+    with pytest.raises(TraceError, match=r"forever: rank 0 at node 2 \('send2', send\); "
+                                         r"rank 1 at node 2"):
+        load_trace(write(tmp_path / "wait", g))
+
+
 # -- replayed on emulated networks --------------------------------------------------------
 
 @pytest.mark.mininet
@@ -271,16 +297,22 @@ def test_pipeline_and_moe_trace(tmp_path, algo):
     g = {0: [comp(1, 2000), send(2, 1, 65536, [1])],
          1: [recv(2, 0, 65536), comp(3, 2000, [2]), send(4, 2, 65536, [3])],
          2: [recv(4, 1, 65536), comp(5, 2000, [4])]}
-    for nodes in g.values():
+    for r, nodes in g.items():
         last = nodes[-1].id
         nodes += [coll(20, pb.ALL_TO_ALL, size, [last]), coll(21, pb.ALL_GATHER, size, [20]),
-                  coll(22, pb.REDUCE_SCATTER, size, [21]), coll(23, pb.BROADCAST, size, [22])]
+                  coll(22, pb.REDUCE_SCATTER, size, [21]), coll(23, pb.BROADCAST, size, [22]),
+                  # a ring exchange, every rank's send first: posted together, not stuck
+                  send(30, (r + 1) % 3, 65536, [23]), recv(31, (r - 1) % 3, 65536, [23]),
+                  comp(32, 1000, [31])]
     res = replay(write(tmp_path / "pp", g), algo=algo, out=tmp_path / "out",
                  echo=lambda line: None)
     assert res.launched.returncode == 0, res.launched.failures
     at = {(r["rank"], r["node"]): r for r in res.nodes}
     assert at[(1, 2)]["end_s"] >= at[(0, 1)]["end_s"] - 1e-6  # stage 1 waited for stage 0
     assert at[(2, 5)]["start_s"] >= at[(1, 3)]["end_s"] - 1e-6  # and stage 2 for stage 1
+    for r in range(3):  # each receive ended after its sender posted, before what needs it
+        assert at[(r, 31)]["end_s"] >= at[((r - 1) % 3, 30)]["start_s"] - 1e-6
+        assert at[(r, 32)]["start_s"] >= at[(r, 31)]["end_s"] - 1e-6
     assert [c["op"] for c in res.collectives] == ["all_to_all", "all_gather",
                                                   "reduce_scatter", "broadcast"]
     paths = [c["path"] for c in res.collectives]
