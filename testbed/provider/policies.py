@@ -60,9 +60,9 @@ a TCP ring's flows may collide on one), times :data:`UET_MARGIN`. The trimmed ex
 every worker's gradient and loses to the ring for every job the policies see.
 
 The topology view (which switch each host hangs off, which switches join them) is read from
-the snapshot's links, so it holds for star and leaf-spine fabrics (a host's edge switch and
-the switches adjacent to all of a job's edge switches); a fabric with deeper trees gets ring
-plans and one-switch trees only.
+the snapshot's links, so it holds for any fabric: a job's trees are rooted at the switches
+nearest to all of its edge switches (a leaf-spine's spines, a fat-tree's core switches for a
+job across pods), each alone or above the edge switches.
 """
 
 from __future__ import annotations
@@ -183,10 +183,14 @@ class FabricView:
                 self.adj.setdefault(link.src, set()).add(link.dst)
 
     def trees(self, hosts: list[str], pool: bool = False) -> list[list[str]]:
-        """Candidate trees (root last) of ``hosts``: their one edge switch; else for each
-        switch adjacent to all their edge switches, that switch alone and the hierarchical
-        tree (edge switches, then it). Only programmable switches with static memory (with
-        ``pool``: with a shared pool)."""
+        """Candidate trees of ``hosts``, each root first (as the data path takes a list of
+        switches, :mod:`testbed.topologies.aggtree`): their one edge switch; else for each
+        root, that switch alone and the hierarchical tree (it, then the edge switches, whose
+        partial sums cross any switch between unchanged). The roots are the switches that
+        every edge switch reaches in the fewest hops: on a leaf-spine the spines (adjacent to
+        all), on a fat-tree the aggregation switches of one pod's job, the core switches of
+        a job across pods. Only programmable switches with static memory (with ``pool``:
+        with a shared pool)."""
         if any(h not in self.edge for h in hosts):
             return []
         edges = sorted({self.edge[h] for h in hosts})
@@ -194,11 +198,34 @@ class FabricView:
               if s.programmable and (s.pool_entries if pool else s.memory_bytes) > 0}
         if len(edges) == 1:
             return [edges] if edges[0] in ok else []
-        roots = sorted(r for r in ok if all(r in self.adj.get(e, ()) for e in edges))
+        far = self._farthest_edge(edges)
+        reach = {r: far[r] for r in ok if r in far and r not in edges}
+        nearest = min(reach.values(), default=None)
+        roots = sorted(r for r, d in reach.items() if d == nearest)
         out = [[r] for r in roots]
         if all(e in ok for e in edges):
-            out += [edges + [r] for r in roots]
+            out += [[r, *edges] for r in roots]
         return out
+
+    def _farthest_edge(self, edges: list[str]) -> dict[str, int]:
+        """Switch -> hops to the farthest of ``edges`` (switches some edge cannot reach are
+        left out)."""
+        dist: dict[str, int] = {}
+        reached: dict[str, int] = {}
+        for e in edges:  # breadth-first from each edge switch
+            seen, frontier = {e: 0}, [e]
+            while frontier:
+                nxt = []
+                for f in frontier:
+                    for n in self.adj.get(f, ()):
+                        if n not in seen:
+                            seen[n] = seen[f] + 1
+                            nxt.append(n)
+                frontier = nxt
+            for n, k in seen.items():
+                dist[n] = max(dist.get(n, 0), k)
+                reached[n] = reached.get(n, 0) + 1
+        return {n: k for n, k in dist.items() if reached[n] == len(edges)}
 
     def can_trim(self, hosts: list[str]) -> bool:
         """Whether a UET ring of ``hosts`` may be planned: one rank per host (the transport's

@@ -69,7 +69,8 @@ def test_inventory_and_candidate_trees(topo):
     assert {s.name for s in inv.switches} == {"tbl1", "tbl2", "tbsp1"}
     view = FabricView(inv)
     assert view.trees(["tbh1", "tbh2"]) == [["tbl1"]]  # one leaf: a tree of one
-    assert view.trees(["tbh1", "tbh6"]) == [["tbsp1"], ["tbl1", "tbl2", "tbsp1"]]
+    # root first, as the data path takes a list of switches
+    assert view.trees(["tbh1", "tbh6"]) == [["tbsp1"], ["tbsp1", "tbl1", "tbl2"]]
     # an exact job is offered no compressor; a tolerant one only those within its budget
     assert all(c.compressor is None for c in candidates(BIG, view))
     tol = [c for c in candidates(TOL, view) if c.compressor]
@@ -77,6 +78,32 @@ def test_inventory_and_candidate_trees(topo):
         c.compressor_params.items()))) <= 0.25 for c in tol)
     tight = TOL.model_copy(update={"hints": TOL.hints.model_copy(update={"error_budget": 1e-6})})
     assert all(c.compressor is None for c in candidates(tight, view))
+
+
+def test_candidate_trees_of_a_fat_tree_are_the_data_paths_trees():
+    """On a fat-tree k=4 a job within one pod is rooted at that pod's aggregation switches and
+    a job across pods at the core switches (no switch is adjacent to all its edge switches:
+    it was offered the ring alone); each tree is the one the data path builds from the list,
+    its root first: the root aggregates the edge switches' partial sums."""
+    from testbed.topologies import aggtree
+
+    ft = make_topology("fat_tree", k=4, bw_mbps=20, switch="programmable")
+    view = FabricView(_inv(ft))
+    names = ft.host_names
+    assert view.trees(names[:2]) == [["tbe1"]]
+    pod = view.trees([names[0], names[2]])  # two edge switches of pod 1
+    assert sorted(t[0] for t in pod if len(t) == 1) == ["tba1", "tba2"]
+    cross = view.trees([names[0], names[4], names[8], names[13]])
+    cores = sorted(t[0] for t in cross if len(t) == 1)
+    assert cores == sorted(s for s in ft.programmable if s.startswith("tbc")) and \
+        len(cores) == 4
+    for tree in cross:
+        plan = aggtree.plan(ft, [0, 4, 8, 13], 40000, tree)
+        assert plan.root == tree[0] and set(plan.tree) == set(tree)
+        assert plan.depth() == (1 if len(tree) == 1 else 2)
+    assert any(c.algo == "ina" and len(c.tree) == 5 for c in candidates(
+        JobRequest(job="x", hosts=[names[i] for i in (0, 4, 8, 13)],
+                   hints=Hints(collective_bytes=400_000, iterations=10)), view))
 
 
 def test_policies_plan_from_hints(topo, model):
@@ -416,14 +443,14 @@ def test_cooperative_plans_jobs_together_where_alone_prices_mislead(monkeypatch)
     assert together["ring"].algo == alone["ring"].algo == "ring"
     assert alone["ina"].algo == together["ina"].algo == "ina"
     assert alone["ina"].tree == ["tbsp1"]  # a tie alone: the first spine
-    assert together["ina"].tree[-1] not in spines, together["ina"]
+    assert together["ina"].tree[0] not in spines, together["ina"]
     assert "priced with the jobs sharing its links" in together["ina"].reason
     assert pol.weighted_s(jobs, together, snap) < 0.9 * pol.weighted_s(jobs, alone, snap)
     assert [together[j.job].predicted_comm_s for j in jobs] == \
         model.joint_s([(j, together[j.job]) for j in jobs], snap)
     monkeypatch.undo()
     oracle = make_policy("oracle", model, trace=jobs).plan(jobs, snap)
-    assert oracle["ina"].tree[-1] not in spines
+    assert oracle["ina"].tree[0] not in spines
 
 
 def test_jobs_sharing_a_full_link_are_not_congested_by_each_other(topo, model):
@@ -468,7 +495,7 @@ def test_a_job_left_without_static_memory_aggregates_on_the_shared_pools(topo, m
     pools = inventory_of(topo, 96 * KIB, 64)
     assert all(s.pool_entries == 64 for s in pools.switches)
     shared = [c for c in candidates(big2, FabricView(pools)) if c.mode == "shared"]
-    assert [c.tree for c in shared] == [["tbsp1"], ["tbl1", "tbl2", "tbsp1"]]
+    assert [c.tree for c in shared] == [["tbsp1"], ["tbsp1", "tbl1", "tbl2"]]
     assert all(c.algo == "ina" and c.slots == 8 and not plan_memory(c, 4) for c in shared)
     assert not [c for c in candidates(big2, FabricView(_inv(topo))) if c.mode == "shared"]
     co = make_policy("cooperative", model).plan([BIG, big2], pools)
