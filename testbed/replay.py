@@ -2,23 +2,25 @@
 
 A trace is one file per rank, ``<prefix>.<rank>.et``: a ``GlobalMetadata`` message and then
 ``Node`` messages (Chakra's ``et_def.proto``, each length-delimited), the format ASTRA-sim,
-SimAI and ATLAHS take. Each rank replays its graph in its emulated host, in dependency order
+SimAI and ATLAHS take. Each rank walks its graph in its emulated host, in dependency order
 (data and control dependencies; among ready nodes, the lowest id first, so every rank issues
-its collectives in one order):
+its collectives in one order), a node once what it depends on ended. Communication does not
+hold the walk up, as ASTRA-sim issues every ready node and a GPU computes beside its
+communication stream: a backward pass whose next layer does not wait for the last bucket's
+allreduce overlaps it.
 
 * ``COMP_NODE``: waits ``duration_micros`` (times ``scale``, times the network's time
   dilation, so compute and communication keep their ratio);
 * ``COMM_COLL_NODE``: the real collective of ``comm_size`` bytes (attribute ``comm_type``:
   ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, BARRIER) through
   ``torch.distributed``: plain gloo, or with ``algo`` the testbed's backend
-  (:mod:`testbed.c10d`: float32 allreduces through ring, hd, INA...). ``comm_size`` follows
-  nccl-tests: the whole array (the gathered output of an all-gather, the input of a
-  reduce-scatter);
+  (:mod:`testbed.c10d`: float32 allreduces through ring, hd, INA...), one at a time on
+  the rank's collective stream (a thread of its own, in the walk's order, as NCCL's stream).
+  ``comm_size`` follows nccl-tests: the whole array (the gathered output of an all-gather,
+  the input of a reduce-scatter);
 * ``COMM_SEND_NODE`` / ``COMM_RECV_NODE``: ``comm_size`` bytes to ``comm_dst`` / from
   ``comm_src`` (attribute ``comm_tag`` optional), TCP between the hosts, posted
-  (``isend``/``irecv``) without holding up the rank: as ASTRA-sim issues every ready node, a
-  pipeline stage's send and receive run at once, and the nodes that depend on one start once
-  it ended;
+  (``isend``/``irecv``): a pipeline stage's send and receive run at once;
 * memory and metadata nodes: recorded, nothing to run.
 
 **Communicator groups**: a collective whose ``pg_name`` attribute names a group runs among
@@ -52,7 +54,9 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -519,44 +523,91 @@ def _run_rank(prefix: str, folder: str, compute_factor: float) -> None:
     subgroups = {g: (dist.new_group(sorted(names[g]), backend="gloo"), sorted(names[g]))
                  for g in sorted(names)}
     seq: dict[str | None, int] = {}
-    posted: dict[int, tuple] = {}  # sends and receives under way: node id -> (work, row)
+    posted: dict[int, tuple] = {}  # communication under way: node id -> (handle, row)
+    stream = _Stream()
 
     def settle(ids, log, wait: bool) -> None:
-        """Log the transfers among ``ids`` that ended (``wait``: wait for each first)."""
+        """Log the communication among ``ids`` that ended (``wait``: wait for each first; a
+        collective that failed raises here)."""
         for i in [i for i in ids if i in posted]:
-            work, row = posted[i]
+            handle, row = posted[i]
             if wait:
-                work.wait()
-            elif not work.is_completed():
+                handle.wait()
+            elif not handle.is_completed():
                 continue
-            row["end_s"] = time.time()
+            row.setdefault("end_s", time.time())  # a collective's: set where it ran
             log.write(json.dumps(row) + "\n")
             del posted[i]
 
+    def collective(x: Node, row: dict, members: list[int], pg) -> None:
+        row["start_s"] = time.time()
+        row["max_abs_err"] = _collective(dist, torch, x, members, pg)
+        row["end_s"] = time.time()
+
     with open(Path(folder) / f"nodes{rank}.jsonl", "w") as log:
         for x in nodes:
-            settle(x.deps, log, wait=True)  # a node starts after the transfers it needs
-            t0 = time.time()
+            settle(x.deps, log, wait=True)  # a node starts after what it depends on
             row = {"rank": rank, "node": x.id, "name": x.name, "kind": x.kind, "op": x.op,
-                   "bytes": x.bytes, "peer": x.peer, "start_s": t0}
+                   "bytes": x.bytes, "peer": x.peer, "start_s": time.time()}
             if x.kind in ("send", "recv"):  # posted, as ASTRA-sim issues every ready node
                 post = dist.isend if x.kind == "send" else dist.irecv
                 posted[x.id] = (post(_buffer(torch, x.bytes), x.peer, tag=x.tag), row)
                 continue
-            if x.kind == "comp":
-                time.sleep(x.duration_s * compute_factor)
-            elif x.kind == "coll":
+            if x.kind == "coll":  # onto the rank's collective stream, in the walk's order
                 pg, members = subgroups[x.group] if x.group is not None else \
                     (None, list(range(n)))
-                row["max_abs_err"] = _collective(dist, torch, x, members, pg)
                 row["group"], row["seq"] = x.group, seq.get(x.group, 0)
                 seq[x.group] = row["seq"] + 1
+                posted[x.id] = (stream.submit(lambda x=x, row=row, members=members, pg=pg:
+                                              collective(x, row, members, pg)), row)
+                continue
+            if x.kind == "comp":
+                time.sleep(x.duration_s * compute_factor)
             row["end_s"] = time.time()
             log.write(json.dumps(row) + "\n")
             settle(list(posted), log, wait=False)
         settle(list(posted), log, wait=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _Stream:
+    """A rank's collectives, one at a time in the order its walk reached them, on a thread of
+    their own (a GPU's communication stream, NCCL's order): the walk goes on past a
+    collective, and a node that depends on one waits for it. The thread is a daemon: a rank
+    whose collective failed raises in its walk and exits, whatever still waits here."""
+
+    class Handle:
+        """One collective on the stream: ``wait`` (raises what it raised), ``is_completed``."""
+
+        def __init__(self):
+            self.done, self.error = threading.Event(), None
+
+        def wait(self) -> None:
+            self.done.wait()
+            if self.error is not None:
+                raise self.error
+
+        def is_completed(self) -> bool:
+            return self.done.is_set()
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="collectives", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            run, handle = self.jobs.get()
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - raised again by handle.wait()
+                handle.error = e
+            handle.done.set()
+
+    def submit(self, run) -> _Stream.Handle:
+        handle = self.Handle()
+        self.jobs.put((run, handle))
+        return handle
 
 
 def _buffer(torch, nbytes: int):

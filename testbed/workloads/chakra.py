@@ -445,16 +445,19 @@ def _chakra_bytes(row: dict, n: int) -> int:
 def predict_jct(ranks: dict[int, list[Node]], collective_s: dict, transfer_s,
                 scale: float = 1.0, groups: dict[str, list[int]] | None = None
                 ) -> float | None:
-    """The model's completion time of a trace replayed as :func:`replay` runs it: each rank
-    takes its nodes one after the other in :func:`order`; a compute node lasts its duration
-    times ``scale``; the k-th collective of the world (of communicator group ``g`` of
-    ``groups``) starts when every rank (every member) reached it and lasts
-    ``collective_s[k]`` (``collective_s[(g, k)]``). A send or receive is posted when its rank
-    reaches it and holds nothing else up (``isend``/``irecv``, as ASTRA-sim issues every
-    ready node): the transfer starts when both ends are posted (the k-th send from a rank to
-    another with a tag meets the k-th such receive) and lasts
-    ``transfer_s([(src, dst, bytes)])``, and the nodes that depend on either end start after
-    it. None when a collective or a transfer has no prediction."""
+    """The model's completion time of a trace replayed as :func:`replay` runs it.
+
+    Each rank walks its nodes one after the other in :func:`order`, a node once the nodes it
+    depends on ended; a compute node lasts its duration times ``scale``. Communication does
+    not hold the walk up (as ASTRA-sim issues every ready node, and a GPU's kernels run
+    beside its communication stream): a collective joins the rank's collective stream, where
+    the k-th collective of the world (of communicator group ``g`` of ``groups``) starts once
+    it heads every rank's (every member's) stream and lasts ``collective_s[k]``
+    (``collective_s[(g, k)]``); a send or receive is posted (``isend``/``irecv``) and the
+    transfer starts when both ends are (the k-th send from a rank to another with a tag meets
+    the k-th such receive), lasting ``transfer_s([(src, dst, bytes)])``. So a backward pass
+    whose next layer does not wait for the previous bucket's allreduce overlaps it. None when
+    a collective or a transfer has no prediction."""
     return _schedule(ranks, groups or {}, collective_s, transfer_s, scale)[0]
 
 
@@ -464,14 +467,16 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
     """Run the ranks' graphs as the replay does (timed with ``collective_s`` and
     ``transfer_s``, see :func:`predict_jct`; untimed without): (completion time, or None
     when something has no price or the ranks are stuck; the node each stuck rank waits at:
-    a collective it reached, a node waiting for a transfer, or a send or receive posted
-    and never matched)."""
+    the collective its stream waits in, else a node waiting for what it depends on, else a
+    send or receive posted and never matched)."""
     n = len(ranks)
     graph = {r: order(nodes) for r, nodes in ranks.items()}
     pos = dict.fromkeys(graph, 0)
-    clock = dict.fromkeys(graph, 0.0)
-    ended: dict[int, dict[int, float]] = {r: {} for r in graph}  # transfers' end, by node
-    posted: dict[int, dict[int, Node]] = {r: {} for r in graph}  # sends/receives not ended
+    clock = dict.fromkeys(graph, 0.0)  # the rank's walk (its compute)
+    stream = dict.fromkeys(graph, 0.0)  # when the rank's collective stream is free
+    ended: dict[int, dict[int, float]] = {r: {} for r in graph}  # communication's end
+    posted: dict[int, dict[int, Node]] = {r: {} for r in graph}  # communication not ended
+    colls: dict[int, list[tuple[Node, float]]] = {r: [] for r in graph}  # the stream's queue
     queues: dict[tuple, tuple[list, list]] = {}  # (src, dst, tag) -> (sends, receives)
     done: dict[str | None, int] = {}  # collectives finished per group
     cache: dict[tuple, float | None] = {}
@@ -481,7 +486,7 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
         return graph[r][pos[r]] if pos[r] < len(graph[r]) else None
 
     def ready_at(r: int, x: Node) -> float | None:
-        """When ``x`` can start on rank ``r`` (None: a transfer it waits for is open)."""
+        """When ``x`` can start on rank ``r`` (None: communication it needs is under way)."""
         if any(d in posted[r] for d in x.deps):
             return None
         return max([clock[r]] + [ended[r][d] for d in x.deps if d in ended[r]])
@@ -489,11 +494,13 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
     moved = True
     while moved:
         moved = False
-        for r in graph:  # run each rank up to its next collective or open transfer
-            while (x := head(r)) is not None and x.kind != "coll" \
-                    and (at := ready_at(r, x)) is not None:
+        for r in graph:  # each rank's walk, up to a node that waits for communication
+            while (x := head(r)) is not None and (at := ready_at(r, x)) is not None:
                 clock[r] = at + (x.duration_s * scale if x.kind == "comp" else 0.0)
-                if x.kind in ("send", "recv"):  # posted; the rank goes on (isend/irecv)
+                if x.kind == "coll":  # onto the rank's stream; the walk goes on
+                    posted[r][x.id] = x
+                    colls[r].append((x, at))
+                elif x.kind in ("send", "recv"):  # posted; the walk goes on (isend/irecv)
                     posted[r][x.id] = x
                     key = (r, x.peer, x.tag) if x.kind == "send" else (x.peer, r, x.tag)
                     queues.setdefault(key, ([], []))[x.kind == "recv"].append((r, x, at))
@@ -513,26 +520,26 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
                 ended[src][xs.id] = ended[dst][xr.id] = max(ts, tr) + t
                 del posted[src][xs.id], posted[dst][xr.id]
                 moved = True
-        heads = {r: head(r) for r in graph}
-        for g in dict.fromkeys(x.group for x in heads.values()
-                               if x is not None and x.kind == "coll"):
+        # a group's collective runs once it heads every member's stream
+        heads = {r: q[0] for r, q in colls.items() if q}
+        for g in dict.fromkeys(x.group for x, _at in heads.values()):
             members = group_ranks(g, groups, n)
-            starts = [ready_at(m, heads[m]) if heads[m] is not None
-                      and heads[m].kind == "coll" and heads[m].group == g else None
-                      for m in members]
-            if any(t is None for t in starts):
+            if not all(m in heads and heads[m][0].group == g for m in members):
                 continue
             k = done.get(g, 0)
             t = (collective_s.get(k) if g is None else collective_s.get((g, k))) \
                 if timed else 0.0
             if t is None:
                 unpriced, t = True, 0.0
-            end = max(starts) + t
+            end = max(max(heads[m][1], stream[m]) for m in members) + t
             for m in members:
-                clock[m], pos[m], heads[m] = end, pos[m] + 1, None
+                x, _at = colls[m].pop(0)
+                stream[m] = ended[m][x.id] = end
+                del posted[m][x.id], heads[m]
             done[g], moved = k + 1, True
     stuck = {r: x for r in graph
-             if (x := head(r) or next(iter(posted[r].values()), None)) is not None}
+             if (x := (colls[r][0][0] if colls[r] else None) or head(r)
+                 or next(iter(posted[r].values()), None)) is not None}
     ends = [t for e in ended.values() for t in e.values()]
     total = None if stuck or unpriced else max([*clock.values(), *ends], default=0.0)
     return total, stuck

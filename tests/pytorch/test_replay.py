@@ -226,6 +226,30 @@ def test_sends_and_receives_are_posted_without_holding_their_rank_up(tmp_path):
         load_trace(write(tmp_path / "wait", g))
 
 
+def overlapped_backward(n: int, compute_us: int, size: int) -> dict:
+    """A backward pass as PyTorch's execution traces record it: layer 2's gradient compute
+    does not wait for layer 1's bucket allreduce, the optimizer waits for both buckets."""
+    return {r: [comp(1, compute_us), coll(2, pb.ALL_REDUCE, size, [1]),
+                comp(3, compute_us, [1]), coll(4, pb.ALL_REDUCE, size, [3]),
+                comp(5, 1000, [2, 4])] for r in range(n)}
+
+
+def test_compute_overlaps_the_collectives_it_does_not_wait_for(tmp_path):
+    """The model runs a rank's collectives on a stream of their own, in its walk's order: the
+    second layer's compute runs during the first bucket's allreduce, the second allreduce
+    starts once the first ended and its compute did, the optimizer after both."""
+    from testbed.workloads.chakra import Node, predict_jct
+
+    ranks = load_trace(write(tmp_path / "bw", overlapped_backward(2, 10_000, 4096)))
+    # layer 1 until 10 ms, its allreduce 10-18 while layer 2 computes 10-20; the second
+    # allreduce 20-28, the optimizer 28-29 (one after the other: 10 + 8 + 10 + 8 + 1 = 37)
+    assert predict_jct(ranks, {0: 0.008, 1: 0.008}, lambda t: None) == pytest.approx(0.029)
+    # two collectives posted at once run one after the other on the stream
+    both = {r: [Node(1, "a", "coll", op="all_reduce", bytes=64),
+                Node(2, "b", "coll", op="all_reduce", bytes=64)] for r in range(2)}
+    assert predict_jct(both, {0: 0.003, 1: 0.004}, lambda t: None) == pytest.approx(0.007)
+
+
 # -- replayed on emulated networks --------------------------------------------------------
 
 @pytest.mark.mininet
@@ -249,6 +273,26 @@ def test_ddp_trace_through_the_testbed_ring_against_the_model(tmp_path):
     for name in ("nodes.csv", "collectives.csv", "validation.csv", "timeline.json",
                  "replay.json"):
         assert (res.folder / name).exists(), name
+
+
+@pytest.mark.mininet
+def test_a_backward_pass_computes_while_its_bucket_is_allreduced(tmp_path):
+    """Replayed through the testbed's ring (a backend that runs each allreduce to the end in
+    the call): layer 2's compute starts before layer 1's allreduce ended, the optimizer after
+    both, and the run and the model both take less than the nodes one after the other."""
+    compute_us = 60_000
+    res = replay(write(tmp_path / "bw", overlapped_backward(3, compute_us, 1 << 20)),
+                 algo="ring", out=tmp_path / "out", echo=lambda line: None)
+    assert res.launched.returncode == 0, res.launched.failures
+    at = {(r["rank"], r["node"]): r for r in res.nodes}
+    for rank in range(3):
+        assert at[(rank, 3)]["start_s"] < at[(rank, 2)]["end_s"]  # overlapped
+        assert at[(rank, 4)]["start_s"] >= at[(rank, 2)]["end_s"] - 1e-6  # the stream's order
+        assert at[(rank, 5)]["start_s"] >= at[(rank, 4)]["end_s"] - 1e-6
+    serial = 2 * compute_us * 1e-6 + 1e-3 + sum(c["model_s"] for c in res.collectives)
+    assert res.model_jct_s < serial - 0.9 * compute_us * 1e-6
+    assert res.jct_s < serial
+    assert all(c["path"] == "testbed:ring" for c in res.collectives)
 
 
 @pytest.mark.mininet
