@@ -3,7 +3,9 @@
 One network (``workers`` hosts on a programmable star of 100 Mb/s links, at time dilation
 ``time_dilation``) runs the same INA allreduce (``mib`` MiB, ``reps`` repetitions: one
 collective run) ``pairs`` times with the view off and on, alternating (off first), after one
-unmeasured run (the first run loads what the later ones find ready). Alternating on one network
+unmeasured run with the view attached (the first run loads what the later ones find ready:
+the data path's kernels, the view's modules and figure; the quick form's one pair measured
+0.3 s of experiment CPU per run, and that first load alone doubled it). Alternating on one network
 puts both sides under the same conditions: a machine shared with others drifts between runs
 more than the view costs. The view is the notebooks' one (:class:`testbed.experiment.live.
 FabricView`), attached for the run and detached after it, with its widget made where
@@ -124,7 +126,9 @@ def measure(emit, quick: bool, workers: int, mib: int, reps: int, pairs: int,
     rows = []
     with TestbedNet(Star(n_hosts=workers, bw_mbps=100, switch="programmable"),
                     time_dilation=parse_dilation(time_dilation)) as net:
-        one_run(net, CollectiveSpec(op="allreduce", algo="ina", nbytes=mib << 20))  # warm-up
+        # unmeasured, the view attached: what a first run loads (the data path's kernels, the
+        # view's modules and figure) is ready for every measured one, either side
+        one_run(net, CollectiveSpec(op="allreduce", algo="ina", nbytes=mib << 20), view)
         for k in range(pairs):
             for mode in ("off", "on"):
                 r = {"pair": k, "view": mode, **one_run(net, spec, view if mode == "on"
