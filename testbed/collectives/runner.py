@@ -339,8 +339,13 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
         _release(net, spec, agg_client)
     except CollectiveError:
         # a switch that died once the collective was done: the result stands; the switch
-        # is started again for whatever runs next (what its death took is gone with it)
+        # is started again for whatever runs next (what its death took is gone with it).
+        # Its control channel closes before its process is reaped: give that a moment
         died = _engines_died(net, spec, starts)
+        deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+        while died is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            died = _engines_died(net, spec, starts)
         if died is None or not hasattr(net, "restart_engine"):
             raise
         restarts = (restarts or []) + _restart(net, died.nodes)
@@ -388,6 +393,9 @@ def uet_row(reps: list[dict], rep: int) -> dict:
             "uet_timeouts": d.get("timeouts", 0), "uet_lasthop_nacks": d.get("lasthop_nacks", 0)}
 
 
+#: Seconds a switch whose control channel failed after its collective is given to be seen
+#: dead (its process is reaped after its sockets close) before the failure is the run's.
+ENGINE_EXIT_WAIT_S = 2.0
 #: Engine restarts one collective may go through before it fails (a switch that keeps dying).
 MAX_ENGINE_RESTARTS = 2
 
@@ -501,7 +509,12 @@ class InaJob:
         """Per tree switch, its aggregate stage's counters for this job (memory, slots)."""
         out = {}
         for sw, c in self.clients.items():
-            agg = c.counters()["stages"]["aggregate"]
+            try:
+                agg = c.counters()["stages"]["aggregate"]
+            except RuntimeError as e:  # the control channel's error: the switch is gone
+                raise CollectiveError(f"{self.spec.op}/{self.spec.algo}: reading job "
+                                      f"{self.spec.job_id}'s counters on {sw} failed: {e}"
+                                      ) from None
             out[sw] = dict(agg["jobs"].get(str(self.spec.job_id), {}),
                            fallback_forwarded=agg["fallback_forwarded"],
                            contributions=agg["contributions"], completed=agg["completed"])

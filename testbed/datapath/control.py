@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 RUN_DIR = os.environ.get("TESTBED_RUN_DIR", "/run/testbed")
 #: an address starting with this is an abstract Unix socket name (Linux), not a file
@@ -386,28 +387,49 @@ class DatapathClient:
             return self._request(cmd, args)
 
     def _request(self, cmd: str, args: dict) -> object:
+        payload = json.dumps({"cmd": cmd, **args}).encode() + b"\n"
+        if self._sock is not None and not self._buf:
+            try:
+                self._sock.sendall(payload)
+            except (BrokenPipeError, ConnectionResetError):
+                # the engine this kept connection reached is gone (killed; perhaps restarted
+                # since): the request reached no one, so it goes to the one listening now
+                self.close()
+            except OSError as e:
+                self._failed(self._sock, cmd, e)
+            else:
+                return self._answer(self._sock, cmd)
         s = self._connect()
         try:
-            s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+            s.sendall(payload)
+        except OSError as e:
+            self._failed(s, cmd, e)
+        return self._answer(s, cmd)
+
+    def _answer(self, s: socket.socket, cmd: str) -> object:
+        try:
             while b"\n" not in self._buf:
                 chunk = s.recv(65536)
                 if not chunk:
                     raise ConnectionResetError("connection closed")
                 self._buf += chunk
         except OSError as e:
-            refused = self._refusal(s)
-            self.close()
-            if refused is not None:  # the engine said why before it closed the connection
-                raise ControlError(refused) from None
-            what = "did not answer" if isinstance(e, TimeoutError) else "is gone"
-            raise ControlError(f"data-path engine of {self.node} {what} ({cmd!r}: "
-                               f"{type(e).__name__}: {e}); did it exit? see "
-                               f"{os.path.join(RUN_DIR, self.node + '.log')}") from None
+            self._failed(s, cmd, e)
         line, _, self._buf = self._buf.partition(b"\n")
         resp = json.loads(line)
         if not resp.get("ok"):
             raise ControlError(resp.get("error", "unknown error"))
         return resp.get("result")
+
+    def _failed(self, s: socket.socket, cmd: str, e: OSError) -> NoReturn:
+        refused = self._refusal(s)
+        self.close()
+        if refused is not None:  # the engine said why before it closed the connection
+            raise ControlError(refused) from None
+        what = "did not answer" if isinstance(e, TimeoutError) else "is gone"
+        raise ControlError(f"data-path engine of {self.node} {what} ({cmd!r}: "
+                           f"{type(e).__name__}: {e}); did it exit? see "
+                           f"{os.path.join(RUN_DIR, self.node + '.log')}") from None
 
     def _refusal(self, s: socket.socket) -> str | None:
         """The error the engine answered before it closed the connection (too many

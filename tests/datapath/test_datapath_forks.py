@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.datapath.control import RUN_DIR
+from testbed.datapath.control import RUN_DIR, DatapathClient
 from testbed.datapath.forks import START_ENV, ForkedProcess, start_mode
 
 
@@ -125,6 +125,8 @@ def test_engines_fork_from_one_server_die_restart_and_leave_nothing(monkeypatch)
         assert "0% packet loss" in h1.cmd("ping -c 2 -i 0.2", h2.IP())
 
         victim = switches[1]
+        kept = DatapathClient(victim.name)  # a control connection kept across the restart
+        assert kept.counters()["pid"] == pids[victim.name]
         os.kill(pids[victim.name], signal.SIGKILL)
         dead = _wait(net.dead_engines, 10, "the killed engine to be seen dead")
         assert dead == {victim.name: -signal.SIGKILL}
@@ -132,6 +134,8 @@ def test_engines_fork_from_one_server_die_restart_and_leave_nothing(monkeypatch)
         new = victim.engine_pid()
         assert new != pids[victim.name] and _ppid(new) == server_pid
         assert net.dead_engines() == {}
+        assert kept.counters()["pid"] == new  # its next request reaches the new engine
+        kept.close()
         assert "0% packet loss" in h1.cmd("ping -c 2 -i 0.2", h2.IP())
         engines = [sw.engine_pid() for sw in switches]
     assert net.engine_server is None
