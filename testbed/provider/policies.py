@@ -185,12 +185,12 @@ class FabricView:
     def trees(self, hosts: list[str], pool: bool = False) -> list[list[str]]:
         """Candidate trees of ``hosts``, each root first (as the data path takes a list of
         switches, :mod:`testbed.topologies.aggtree`): their one edge switch; else for each
-        root, that switch alone and the hierarchical tree (it, then the edge switches, whose
-        partial sums cross any switch between unchanged). The roots are the switches that
-        every edge switch reaches in the fewest hops: on a leaf-spine the spines (adjacent to
-        all), on a fat-tree the aggregation switches of one pod's job, the core switches of
-        a job across pods. Only programmable switches with static memory (with ``pool``:
-        with a shared pool)."""
+        root, that switch alone and the hierarchical tree (it, then the other edge switches,
+        whose partial sums cross any switch between unchanged). The roots are the switches
+        that every edge switch reaches in the fewest hops: on a leaf-spine the spines
+        (adjacent to all), on a fat-tree the aggregation switches of one pod's job, the core
+        switches of a job across pods, on a dumbbell either edge switch. Only programmable
+        switches with static memory (with ``pool``: with a shared pool)."""
         if any(h not in self.edge for h in hosts):
             return []
         edges = sorted({self.edge[h] for h in hosts})
@@ -199,12 +199,12 @@ class FabricView:
         if len(edges) == 1:
             return [edges] if edges[0] in ok else []
         far = self._farthest_edge(edges)
-        reach = {r: far[r] for r in ok if r in far and r not in edges}
+        reach = {r: far[r] for r in ok if r in far}
         nearest = min(reach.values(), default=None)
         roots = sorted(r for r, d in reach.items() if d == nearest)
         out = [[r] for r in roots]
         if all(e in ok for e in edges):
-            out += [[r, *edges] for r in roots]
+            out += [[r, *(e for e in edges if e != r)] for r in roots]
         return out
 
     def _farthest_edge(self, edges: list[str]) -> dict[str, int]:

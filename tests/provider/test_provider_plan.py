@@ -82,9 +82,10 @@ def test_inventory_and_candidate_trees(topo):
 
 def test_candidate_trees_of_a_fat_tree_are_the_data_paths_trees():
     """On a fat-tree k=4 a job within one pod is rooted at that pod's aggregation switches and
-    a job across pods at the core switches (no switch is adjacent to all its edge switches:
-    it was offered the ring alone); each tree is the one the data path builds from the list,
-    its root first: the root aggregates the edge switches' partial sums."""
+    a job across pods at the core switches, on a dumbbell at either switch (no switch is
+    adjacent to all their edge switches: they were offered the ring alone); each tree is the
+    one the data path builds from the list, its root first: the root aggregates the edge
+    switches' partial sums."""
     from testbed.topologies import aggtree
 
     ft = make_topology("fat_tree", k=4, bw_mbps=20, switch="programmable")
@@ -101,6 +102,10 @@ def test_candidate_trees_of_a_fat_tree_are_the_data_paths_trees():
         plan = aggtree.plan(ft, [0, 4, 8, 13], 40000, tree)
         assert plan.root == tree[0] and set(plan.tree) == set(tree)
         assert plan.depth() == (1 if len(tree) == 1 else 2)
+    # a dumbbell: either edge switch is the root, alone or above the other
+    bell = make_topology("dumbbell", n_left=2, n_right=2, switch="programmable")
+    assert FabricView(_inv(bell)).trees(bell.host_names) == [
+        ["tbs1"], ["tbs2"], ["tbs1", "tbs2"], ["tbs2", "tbs1"]]
     assert any(c.algo == "ina" and len(c.tree) == 5 for c in candidates(
         JobRequest(job="x", hosts=[names[i] for i in (0, 4, 8, 13)],
                    hints=Hints(collective_bytes=400_000, iterations=10)), view))
