@@ -387,21 +387,17 @@ class DatapathClient:
             return self._request(cmd, args)
 
     def _request(self, cmd: str, args: dict) -> object:
-        payload = json.dumps({"cmd": cmd, **args}).encode() + b"\n"
-        if self._sock is not None and not self._buf:
-            try:
-                self._sock.sendall(payload)
-            except (BrokenPipeError, ConnectionResetError):
-                # the engine this kept connection reached is gone (killed; perhaps restarted
-                # since): the request reached no one, so it goes to the one listening now
-                self.close()
-            except OSError as e:
-                self._failed(self._sock, cmd, e)
-            else:
-                return self._answer(self._sock, cmd)
+        kept = self._sock is not None
         s = self._connect()
         try:
-            s.sendall(payload)
+            s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError) as e:
+            if not kept:
+                self._failed(s, cmd, e)
+            # the engine this kept connection reached is gone (killed; perhaps restarted
+            # since): the request reached no one, so it goes to the one listening now
+            self.close()
+            return self._request(cmd, args)
         except OSError as e:
             self._failed(s, cmd, e)
         return self._answer(s, cmd)

@@ -256,8 +256,12 @@ def load_trace(prefix: str | Path, groups: dict[str, list[int]] | None = None
     groups = _check_groups(groups or {}, n, str(prefix))
     ranks = {r: load_rank(p, n) for r, p in files.items()}
     seqs: dict[str | None, dict[int, list]] = {}
+    # the k-th send from one rank to another with a tag meets the k-th such receive
+    p2p: dict[tuple, tuple[list, list]] = {}
     for r, nodes in ranks.items():
         for x in order(nodes):
+            if x.kind in ("send", "recv"):
+                p2p.setdefault(_transfer(r, x), ([], []))[x.kind == "recv"].append(x.bytes)
             if x.kind != "coll":
                 continue
             if x.group is not None and x.group not in groups:
@@ -285,13 +289,6 @@ def load_trace(prefix: str | Path, groups: dict[str, list[int]] | None = None
                                  f"from rank {first}'s "
                                  f"{theirs[k] if k < len(theirs) else 'none'}: every rank "
                                  f"of {label} must issue its collectives in one order")
-    # the k-th send from one rank to another with a tag meets the k-th such receive
-    p2p: dict[tuple, tuple[list, list]] = {}
-    for r, nodes in ranks.items():
-        for x in order(nodes):
-            if x.kind in ("send", "recv"):
-                key = (r, x.peer, x.tag) if x.kind == "send" else (x.peer, r, x.tag)
-                p2p.setdefault(key, ([], []))[x.kind == "recv"].append(x.bytes)
     for (src, dst, tag), (sent, received) in sorted(p2p.items()):
         if len(sent) != len(received):
             raise TraceError(f"{prefix}: sends from rank {src} to rank {dst} (tag {tag}: "
@@ -442,6 +439,12 @@ def _chakra_bytes(row: dict, n: int) -> int:
     return int(row["bytes"]) * (n if row["op"] == "allgather" else 1)
 
 
+def _transfer(rank: int, x: Node) -> tuple[int, int, int]:
+    """(source, destination, tag) of the transfer that send or receive ``x`` of ``rank`` is
+    an end of: its sends and receives meet in order."""
+    return (rank, x.peer, x.tag) if x.kind == "send" else (x.peer, rank, x.tag)
+
+
 def predict_jct(ranks: dict[int, list[Node]], collective_s: dict, transfer_s,
                 scale: float = 1.0, groups: dict[str, list[int]] | None = None
                 ) -> float | None:
@@ -497,13 +500,13 @@ def _schedule(ranks: dict[int, list[Node]], groups: dict[str, list[int]],
         for r in graph:  # each rank's walk, up to a node that waits for communication
             while (x := head(r)) is not None and (at := ready_at(r, x)) is not None:
                 clock[r] = at + (x.duration_s * scale if x.kind == "comp" else 0.0)
-                if x.kind == "coll":  # onto the rank's stream; the walk goes on
+                if x.kind in ("coll", "send", "recv"):  # under way; the walk goes on
                     posted[r][x.id] = x
+                if x.kind == "coll":  # onto the rank's stream
                     colls[r].append((x, at))
-                elif x.kind in ("send", "recv"):  # posted; the walk goes on (isend/irecv)
-                    posted[r][x.id] = x
-                    key = (r, x.peer, x.tag) if x.kind == "send" else (x.peer, r, x.tag)
-                    queues.setdefault(key, ([], []))[x.kind == "recv"].append((r, x, at))
+                elif x.kind in ("send", "recv"):  # isend/irecv
+                    queues.setdefault(_transfer(r, x), ([], []))[x.kind == "recv"].append(
+                        (r, x, at))
                 pos[r] += 1
                 moved = True
         for (src, dst, _tag), (sends, recvs) in queues.items():  # in posting order
