@@ -26,6 +26,7 @@ import fcntl
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,12 @@ from testbed.collectives.ports import MAX_RANKS, TCP_JOB_SLOTS, tcp_port
 #: dominates small messages: an 8-byte ring allreduce between two processes on loopback took
 #: 373 us per call with every send through the thread, 122 us with this.
 INLINE_SEND_BYTES = 64 << 10
+
+#: Messages from this size up are received with a raised low-water mark (``_recv_into``); the
+#: mark is at most the receive buffer over this share, so the window the peer is offered stays
+#: open while the message gathers (the kernel also wakes the reader when it would close).
+_LOWAT_MIN_BYTES = 16 << 10
+_LOWAT_SHARE = 32
 
 
 class CollectiveError(RuntimeError):
@@ -314,21 +321,38 @@ class Comm:
         self._recv_into(self.socks[peer], memoryview(arr).cast("B"), self.who(peer))
 
     def _recv_into(self, s: socket.socket, mv: memoryview, who: str) -> None:
+        """Fill ``mv`` from ``s``. A large message raises the socket's low-water mark
+        (``SO_RCVLOWAT``) to what is still missing, up to a share of the receive buffer, so the
+        kernel wakes this rank once per that many bytes rather than once per arriving segment.
+        The rank cannot use a part of the message before all of it is there, so it waits no
+        longer; the switch's engine, whose packet delivery runs each wake-up, saves the most."""
         got = 0
         total = len(mv)
-        while got < total:
-            try:
-                k = s.recv_into(mv[got:], total - got)
-            except TimeoutError:
-                raise CollectiveTimeout(f"{self.who(self.rank)}: no data from {who} for "
-                                        f"{self.timeout_s} s ({got}/{total} B received)") from None
-            except OSError as e:
-                raise CollectiveError(f"{self.who(self.rank)}: receiving from {who} failed: "
-                                      f"{e} (peer died?)") from None
-            if k == 0:
-                raise CollectiveError(f"{self.who(self.rank)}: {who} closed the connection "
-                                      f"({got}/{total} B received; peer died?)")
-            got += k
+        lowat = 1
+        cap = _sockopt(s, socket.SO_RCVBUF) // _LOWAT_SHARE if total >= _LOWAT_MIN_BYTES else 0
+        try:
+            while got < total:
+                want = max(1, min(total - got, cap))
+                if want != lowat:
+                    # a closed socket refuses it; its recv_into says so below
+                    lowat = want if _sockopt(s, socket.SO_RCVLOWAT, want) is not None else 1
+                try:
+                    k = s.recv_into(mv[got:], total - got)
+                except TimeoutError:
+                    got += _unread(s)  # arrived, short of the mark
+                    raise CollectiveTimeout(f"{self.who(self.rank)}: no data from {who} for "
+                                            f"{self.timeout_s} s ({got}/{total} B received)"
+                                            ) from None
+                except OSError as e:
+                    raise CollectiveError(f"{self.who(self.rank)}: receiving from {who} "
+                                          f"failed: {e} (peer died?)") from None
+                if k == 0:
+                    raise CollectiveError(f"{self.who(self.rank)}: {who} closed the "
+                                          f"connection ({got}/{total} B received; peer died?)")
+                got += k
+        finally:
+            if lowat != 1:  # others poll this socket for any byte
+                _sockopt(s, socket.SO_RCVLOWAT, 1)
 
     def close(self) -> None:
         """Close every connection and stop the sender threads."""
@@ -344,6 +368,28 @@ class Comm:
 
 _SENT: Future = Future()  # what an inline send returns: done, no result
 _SENT.set_result(None)
+
+
+def _sockopt(s: socket.socket, name: int, value: int | None = None) -> int | None:
+    """Read (``value`` None; 0 where it cannot be read) or set a ``SOL_SOCKET`` option of
+    ``s``; None where setting it failed."""
+    try:
+        if value is None:
+            return s.getsockopt(socket.SOL_SOCKET, name)
+        s.setsockopt(socket.SOL_SOCKET, name, value)
+        return value
+    except OSError:
+        return 0 if value is None else None
+
+
+def _unread(s: socket.socket) -> int:
+    """Bytes waiting in ``s``'s receive queue (``FIONREAD``); 0 where that cannot be read."""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(s.fileno(), termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return struct.unpack("i", buf)[0]
 
 
 def wait_all(futures: list[Future]) -> None:
