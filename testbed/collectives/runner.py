@@ -396,6 +396,8 @@ def uet_row(reps: list[dict], rep: int) -> dict:
 #: Seconds a switch whose control channel failed after its collective is given to be seen
 #: dead (its process is reaped after its sockets close) before the failure is the run's.
 ENGINE_EXIT_WAIT_S = 2.0
+#: Seconds a pool's process group SIGKILLed after its grace is given to vanish (be reaped).
+KILLED_GONE_S = 2.0
 #: Engine restarts one collective may go through before it fails (a switch that keeps dying).
 MAX_ENGINE_RESTARTS = 2
 
@@ -768,16 +770,26 @@ def _wait_pool(proc: subprocess.Popen | forks.ForkedProcess, net, spec: Collecti
 
 def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
     """Wait until no process of the pool's group is left (its children die with it, a moment
-    later); SIGKILL stragglers after ``timeout``."""
+    later); SIGKILL stragglers after ``timeout``, and give them :data:`KILLED_GONE_S` to be
+    reaped, so what the caller tears down next is not still in use."""
+    if _group_gone(pgid, timeout):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    _group_gone(pgid, KILLED_GONE_S)
+
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether process group ``pgid`` is empty within ``timeout`` (polled every 10 ms)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
-            return
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.01)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def _release(net, spec: CollectiveSpec, agg_client) -> None:

@@ -319,6 +319,7 @@ class _Job:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, ChildProcessError):
                 self.proc.wait()
+            _wait_group_gone(self.proc.pid, timeout=0)  # its workers, reaped by init
         with contextlib.suppress(Exception):
             self.stack.close()
         shutil.rmtree(self.jobdir, ignore_errors=True)
