@@ -125,9 +125,11 @@ REPLAN = {
     "topology": {"kind": "star", "n_hosts": 4, "bw_mbps": 20, "switch": "programmable",
                  "switch_memory": "128KiB", "shared_pool": "32KiB"},
     "jobs": [
+        # long enough (4 x 150 ms) to be running when the second starts training: a first
+        # job gone before that (4 bare iterations took 20 ms) let the second start on INA
         {"name": "first", "hosts": [0, 1], "tolerance": "exact",
          "train": {"hidden": 32, "lr": 0.1, "momentum": 0.0, "iterations": 4,
-                   "eval_every": 4}},
+                   "eval_every": 4, "compute_ms": 150}},
         {"name": "second", "hosts": [2, 3], "start_s": 0.1, "tolerance": "exact",
          "train": {"hidden": 64, "lr": 0.1, "momentum": 0.0, "iterations": 30,
                    "eval_every": 10, "compute_ms": 40}},
