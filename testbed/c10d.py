@@ -35,8 +35,8 @@ on INA), and routes
 * every collective of a subgroup (``new_group`` inheriting this backend) to gloo too: the
   testbed's communicator spans the world's hosts.
 
-Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``
-or ``gloo``, start and end, ``note``: why it did not take the job's algorithm, and ``plan``:
+Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``,
+:data:`ALL_TO_ALL_PATH` or ``gloo``, start and end, ``note``: why it did not take the job's algorithm, and ``plan``:
 the plan it ran under), one JSON line per call in ``$TESTBED_TRACE`` when set.
 
 A job the launcher re-plans while it runs (``job["replan"]``, a provider's new plan) moves to
@@ -67,6 +67,9 @@ BACKEND = "testbed"
 #: One trace row per collective call.
 TRACE_COLUMNS = ("rank", "seq", "op", "dtype", "bytes", "path", "start_s", "end_s", "note",
                  "plan")
+#: The path of an all-to-all on the testbed: its pairwise TCP exchange in every job, the
+#: in-network ones included (``testbed:<algo>`` said INA where none was involved).
+ALL_TO_ALL_PATH = "testbed:pairwise"
 #: Whether this process built its world group's testbed communicator already.
 _WORLD_TAKEN = False
 #: What the ring runs in a tensor's own dtype: the reduction's name -> how a hop combines.
@@ -378,7 +381,8 @@ class TestbedProcessGroup(dist.ProcessGroup):
         out = np.empty_like(x)
         self.comm.all_to_all(x, out)
         output.view(-1).view(torch.uint8).copy_(torch.from_numpy(out))
-        self._record("all_to_all", [input], f"testbed:{self.tj.algo}", t0)
+        # the pairwise exchange over the job's TCP connections, whatever its algorithm
+        self._record("all_to_all", [input], ALL_TO_ALL_PATH, t0)
         return _Done([output])
 
     def _all_to_all_route(self, output, input, output_splits, input_splits) -> str | None:

@@ -76,8 +76,8 @@ def test_collective_loop_through_the_testbed_backend(tmp_path):
     assert {"broadcast", "allgather", "all_to_all", "barrier"} <= {p[0] for p in paths}
     # all-to-alls of every dtype on the testbed's TCP connections, priced by the flow model
     a2a = [r for r in done.trace if r["op"] == "all_to_all"]
-    assert {r["dtype"] for r in a2a if r["path"] == "testbed:ring"} == dtypes
-    assert all(r["path"] == "testbed:ring" and r["model_s"] > 0 for r in a2a)
+    assert {r["dtype"] for r in a2a if r["path"] == "testbed:pairwise"} == dtypes
+    assert all(r["path"] == "testbed:pairwise" and r["model_s"] > 0 for r in a2a)
     ring = [r for r in done.trace if r["path"] == "testbed:ring" and r["dtype"] == "float32"
             and r["op"] == "allreduce"
             and r["bytes"] != 4 * 70_001]
