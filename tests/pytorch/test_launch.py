@@ -128,7 +128,7 @@ def test_collective_loop_through_in_network_aggregation_names_each_fallback(tmp_
     assert sharded and all(r["path"] == "gloo" and r["note"] for r in sharded)
     # all-to-alls on the testbed's own TCP connections beside the switch's aggregation
     a2a = [r for r in done.trace if r["op"] == "all_to_all" and r["rank"] == 0]
-    assert a2a and all(r["path"] == "testbed:ina" and r["model_s"] > 0 for r in a2a)
+    assert a2a and all(r["path"] == "testbed:pairwise" and r["model_s"] > 0 for r in a2a)
 
 
 def test_ddp_script_unmodified_over_gloo_ring_and_a_provider_planned_ina(tmp_path):

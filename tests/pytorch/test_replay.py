@@ -367,8 +367,8 @@ def test_pipeline_and_moe_trace(tmp_path, algo):
     paths = [c["path"] for c in res.collectives]
     if algo is None:
         assert paths == ["gloo"] * 4
-    else:  # the broadcast is gloo's
-        assert paths == ["testbed:ring"] * 3 + ["gloo"]
+    else:  # the all-to-all is the testbed's pairwise exchange, the broadcast gloo's
+        assert paths == ["testbed:pairwise"] + ["testbed:ring"] * 2 + ["gloo"]
     assert all(c["ranks"] == 3 for c in res.collectives)
     assert res.collectives[0]["max_abs_err"] == 0.0  # every part where it belongs
     assert all(c["model_s"] > 0 for c in res.collectives)  # the all-to-all: its exchange
