@@ -330,16 +330,21 @@ class Comm:
         total = len(mv)
         lowat = 1
         cap = _sockopt(s, socket.SO_RCVBUF) // _LOWAT_SHARE if total >= _LOWAT_MIN_BYTES else 0
+        short = False  # the last wait timed out with bytes short of the mark: take them
         try:
             while got < total:
-                want = max(1, min(total - got, cap))
+                want = 1 if short else max(1, min(total - got, cap))
+                short = False
                 if want != lowat:
                     # a closed socket refuses it; its recv_into says so below
                     lowat = want if _sockopt(s, socket.SO_RCVLOWAT, want) is not None else 1
                 try:
                     k = s.recv_into(mv[got:], total - got)
                 except TimeoutError:
-                    got += _unread(s)  # arrived, short of the mark
+                    # a peer on a thin link is slow, not silent: bytes came during the wait
+                    if lowat > 1 and _unread(s) > 0:
+                        short = True
+                        continue
                     raise CollectiveTimeout(f"{self.who(self.rank)}: no data from {who} for "
                                             f"{self.timeout_s} s ({got}/{total} B received)"
                                             ) from None

@@ -72,3 +72,23 @@ def test_a_small_message_and_a_silent_peer_keep_the_old_behaviour():
     finally:
         a.close()
         b.close()
+
+
+def test_a_peer_slower_than_the_mark_per_timeout_is_slow_not_silent():
+    """A thin link fills the mark (here ~2.7 KiB) more slowly than the timeout (0.2 s): the
+    rank takes what came and waits on, failing only when nothing at all came for that long."""
+    a, b = connected_mesh(93, ["127.0.9.5", "127.0.9.6"], timeout_s=0.2)
+    try:
+        data = np.random.default_rng(2).integers(0, 256, _LOWAT_MIN_BYTES, dtype=np.uint8)
+        out = np.zeros_like(data)
+        # 128 B every 20 ms: 6.4 kB/s, every byte within the timeout of the one before
+        sender = threading.Thread(target=_trickle, args=(a.socks[1], data.tobytes(), 128,
+                                                         0.02))
+        sender.start()
+        b.recv(0, out)
+        sender.join()
+        np.testing.assert_array_equal(out, data)
+        assert b.socks[0].getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+    finally:
+        a.close()
+        b.close()
