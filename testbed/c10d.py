@@ -36,8 +36,9 @@ on INA), and routes
   testbed's communicator spans the world's hosts.
 
 Every collective is traced (:data:`TRACE_COLUMNS`: op, dtype, bytes, path ``testbed:<algo>``,
-:data:`ALL_TO_ALL_PATH` or ``gloo``, start and end, ``note``: why it did not take the job's algorithm, and ``plan``:
-the plan it ran under), one JSON line per call in ``$TESTBED_TRACE`` when set.
+:data:`ALL_TO_ALL_PATH` or ``gloo``, start and end, ``note``: why it did not take the job's
+algorithm, and ``plan``: the plan it ran under), one JSON line per call in ``$TESTBED_TRACE``
+when set.
 
 A job the launcher re-plans while it runs (``job["replan"]``, a provider's new plan) moves to
 the new plan at a collective boundary every rank agrees on (:class:`Replans`).

@@ -779,6 +779,16 @@ def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
     _group_gone(pgid, KILLED_GONE_S)
 
 
+def kill_pool(proc: subprocess.Popen | forks.ForkedProcess) -> None:
+    """SIGKILL a pool's process group, reap its leader and give the rest
+    :data:`KILLED_GONE_S` to be reaped (never raises: the group may be gone already)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+        proc.wait()
+    _group_gone(proc.pid, KILLED_GONE_S)
+
+
 def _group_gone(pgid: int, timeout: float) -> bool:
     """Whether process group ``pgid`` is empty within ``timeout`` (polled every 10 ms)."""
     deadline = time.monotonic() + timeout
@@ -808,10 +818,7 @@ def _stop_pool(proc: subprocess.Popen | forks.ForkedProcess | None, jobdir: str,
     the terminal's Ctrl-C reached it first: ``ProcessLookupError``), and a data-path engine's
     control channel may be down; ``proc`` is None when the pool was not started yet."""
     if proc is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            proc.wait()
+        kill_pool(proc)
     shutil.rmtree(jobdir, ignore_errors=True)
     with contextlib.suppress(CollectiveError, ValueError, RuntimeError):
         _release(net, spec, agg_client)

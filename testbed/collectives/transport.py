@@ -21,6 +21,7 @@ to 40 % (see :data:`DEFAULT_TCP_CC`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -300,11 +301,9 @@ class Comm:
         the peer's uplink. Polls with a sleep that grows from 0.2 ms to 2 ms; a socket that
         sends nothing for ``timeout_s`` fails the run."""
         s = self.socks[peer]
-        buf = bytearray(4)
         nap, deadline, left = 2e-4, 0.0, -1
         while True:
-            fcntl.ioctl(s.fileno(), _SIOCOUTQNSD, buf)
-            (now,) = struct.unpack("i", buf)
+            now = _ioctl_int(s, _SIOCOUTQNSD)
             if now <= 0:
                 return
             if now != left:  # progress: restart the silence timer
@@ -328,16 +327,17 @@ class Comm:
         longer; the switch's engine, whose packet delivery runs each wake-up, saves the most."""
         got = 0
         total = len(mv)
-        lowat = 1
-        cap = _sockopt(s, socket.SO_RCVBUF) // _LOWAT_SHARE if total >= _LOWAT_MIN_BYTES else 0
+        lowat = cap = 1
+        if total >= _LOWAT_MIN_BYTES:
+            with contextlib.suppress(OSError):  # a closed socket: its recv_into says why
+                cap = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // _LOWAT_SHARE
         short = False  # the last wait timed out with bytes short of the mark: take them
         try:
             while got < total:
                 want = 1 if short else max(1, min(total - got, cap))
                 short = False
                 if want != lowat:
-                    # a closed socket refuses it; its recv_into says so below
-                    lowat = want if _sockopt(s, socket.SO_RCVLOWAT, want) is not None else 1
+                    lowat = _set_lowat(s, want)
                 try:
                     k = s.recv_into(mv[got:], total - got)
                 except TimeoutError:
@@ -357,7 +357,7 @@ class Comm:
                 got += k
         finally:
             if lowat != 1:  # others poll this socket for any byte
-                _sockopt(s, socket.SO_RCVLOWAT, 1)
+                _set_lowat(s, 1)
 
     def close(self) -> None:
         """Close every connection and stop the sender threads."""
@@ -375,26 +375,30 @@ _SENT: Future = Future()  # what an inline send returns: done, no result
 _SENT.set_result(None)
 
 
-def _sockopt(s: socket.socket, name: int, value: int | None = None) -> int | None:
-    """Read (``value`` None; 0 where it cannot be read) or set a ``SOL_SOCKET`` option of
-    ``s``; None where setting it failed."""
+def _set_lowat(s: socket.socket, value: int) -> int:
+    """Set ``s``'s receive low-water mark; the mark in force (1 where a closed socket refused
+    it: its next ``recv_into`` says why, as for the buffer's size above)."""
     try:
-        if value is None:
-            return s.getsockopt(socket.SOL_SOCKET, name)
-        s.setsockopt(socket.SOL_SOCKET, name, value)
-        return value
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, value)
     except OSError:
-        return 0 if value is None else None
+        return 1
+    return value
+
+
+def _ioctl_int(s: socket.socket, request: int) -> int:
+    """The count a socket ioctl reports (``FIONREAD``: bytes to read; ``SIOCOUTQNSD``: bytes
+    not yet sent)."""
+    buf = bytearray(4)
+    fcntl.ioctl(s.fileno(), request, buf)
+    return struct.unpack("i", buf)[0]
 
 
 def _unread(s: socket.socket) -> int:
-    """Bytes waiting in ``s``'s receive queue (``FIONREAD``); 0 where that cannot be read."""
-    buf = bytearray(4)
+    """Bytes waiting in ``s``'s receive queue; 0 where that cannot be read."""
     try:
-        fcntl.ioctl(s.fileno(), termios.FIONREAD, buf)
+        return _ioctl_int(s, termios.FIONREAD)
     except OSError:
         return 0
-    return struct.unpack("i", buf)[0]
 
 
 def wait_all(futures: list[Future]) -> None:

@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from testbed.collectives.runner import (  # the collective runner's process hand
     _engine_pids,
     _restart,
     _wait_group_gone,
+    kill_pool,
     net_bandwidth,
     offload_job,
     require_local_namespaces,
@@ -315,11 +315,7 @@ class _Job:
     def kill(self) -> None:
         """Kill the pool's process group and give the control plane back (never raises)."""
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError, ChildProcessError):
-                self.proc.wait()
-            _wait_group_gone(self.proc.pid, timeout=0)  # its workers, reaped by init
+            kill_pool(self.proc)
         with contextlib.suppress(Exception):
             self.stack.close()
         shutil.rmtree(self.jobdir, ignore_errors=True)
