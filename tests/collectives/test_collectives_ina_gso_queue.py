@@ -1,0 +1,95 @@
+"""The INA client's UDP GSO runs fit the host's shaping queue: a run is one packet to the qdisc,
+so a run larger than a ``bfifo``'s byte limit was dropped whole every time it was sent, and a
+window whose retransmissions expired together never finished."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from testbed.collectives import CollectiveSpec, ina, run_collective
+from testbed.collectives.testing import check_rows
+
+pytestmark = pytest.mark.root_required
+
+NS = "tbtest-gso"
+_PROBE = """
+import json, socket
+from testbed.collectives import ina
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print(json.dumps({"limits": {name: ina.byte_fifo_limits().get(i) for i, name in
+                             socket.if_nameindex()},
+                  "run": ina.gso_run_bytes(s.fileno(), ina.ik.ROW + ina.FRAME_OVERHEAD)}))
+"""
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def _probe() -> dict:
+    import json
+
+    out = subprocess.run(["ip", "netns", "exec", NS, sys.executable, "-c", _PROBE],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def ns():
+    """A namespace with a veth pair ``tbgsoa``/``tbgsob``, transmit checksum offload off on
+    both (as on the testbed's hosts, where UDP GSO is then segmented before the device)."""
+    with contextlib.suppress(subprocess.CalledProcessError):
+        _sh("ip", "netns", "del", NS)
+    _sh("ip", "netns", "add", NS)
+    try:
+        _sh("ip", "-n", NS, "link", "add", "tbgsoa", "type", "veth", "peer", "name", "tbgsob")
+        for dev in ("tbgsoa", "tbgsob"):
+            _sh("ip", "-n", NS, "link", "set", dev, "up")
+            _sh("ip", "netns", "exec", NS, "ethtool", "-K", dev, "tx", "off")
+        yield
+    finally:
+        _sh("ip", "netns", "del", NS)
+
+
+def test_runs_are_capped_by_the_smallest_byte_fifo(ns):
+    tc = ("ip", "netns", "exec", NS, "tc")
+    assert _probe() == {"limits": {"lo": None, "tbgsoa": None, "tbgsob": None},
+                        "run": ina.GSO_BURST_BYTES}
+    # Mininet's shaping: HTB, a bfifo under its class (what queue_ms sets)
+    _sh(*tc, "qdisc", "add", "dev", "tbgsoa", "root", "handle", "5:", "htb", "default", "1")
+    _sh(*tc, "class", "add", "dev", "tbgsoa", "parent", "5:", "classid", "5:1", "htb",
+        "rate", "100mbit", "burst", "15k")
+    _sh(*tc, "qdisc", "add", "dev", "tbgsoa", "parent", "5:1", "handle", "20:", "bfifo",
+        "limit", "40000")
+    assert _probe() == {"limits": {"lo": None, "tbgsoa": 40000, "tbgsob": None},
+                        "run": int(40000 * ina.GSO_QUEUE_SHARE)}
+    # the smallest queue of any interface bounds it; below two frames' share, no GSO at all
+    _sh(*tc, "qdisc", "add", "dev", "tbgsob", "root", "bfifo", "limit", "5000")
+    assert _probe() == {"limits": {"lo": None, "tbgsoa": 40000, "tbgsob": 5000}, "run": 0}
+
+
+def test_no_byte_fifo_outside_a_shaped_namespace():
+    """The machine's own namespace: a dump that finds no bfifo says so (an empty dict)."""
+    limits = ina.byte_fifo_limits()
+    names = dict(socket.if_nameindex())
+    assert all(i in names for i in limits)
+
+
+@pytest.mark.mininet
+def test_ina_finishes_through_a_queue_smaller_than_a_gso_run():
+    """20 Mb/s with ``queue_ms=2``: a 5000 B queue on every host. With runs of up to 15000 B
+    every retransmission of a 64-packet window was dropped at the host and the job timed out
+    with 64 of 357 packets done; now exact, for ``ina`` and the SmartNIC's ``nic``."""
+    from testbed.topologies import Star, TestbedNet
+
+    topo = Star(4, bw_mbps=20, queue_ms=2, switch="programmable", smartnic=True,
+                programs={"smartnic": ["nic_codec"]})
+    with TestbedNet(topo) as net:
+        for algo in ("ina", "nic"):
+            spec = CollectiveSpec(algo=algo, nbytes=300_000, timeout_s=30, repetitions=2)
+            check_rows(run_collective(net, spec), spec, 4, bw_mbps=20)
