@@ -1,6 +1,7 @@
-"""The INA client's UDP GSO runs fit the host's shaping queue: a run is one packet to the qdisc,
-so a run larger than a ``bfifo``'s byte limit was dropped whole every time it was sent, and a
-window whose retransmissions expired together never finished."""
+"""The INA client fits its sends to the host's shaping queue: a UDP GSO run is one packet to the
+qdisc, so a run larger than a ``bfifo``'s byte limit was dropped whole every time it was sent,
+and a window whose retransmissions expired together never finished; a delay-based window that
+started with more packets than the queue holds lost them before they left the host."""
 
 from __future__ import annotations
 
@@ -19,11 +20,22 @@ pytestmark = pytest.mark.root_required
 NS = "tbtest-gso"
 _PROBE = """
 import json, socket
-from testbed.collectives import ina
+from testbed.collectives import CollectiveSpec, ina
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+queue = ina.egress_queue_bytes()
+windows = {}
+for cc in (None, "delay"):
+    ranks = [{"host": "h", "ip": "127.0.0.1", "port": 0,
+              "aggregator": {"ip": "127.0.0.1", "port": 47100}}]
+    c = ina.InaClient({"n": 1, "ranks": ranks}, CollectiveSpec(algo="ina", ina_cc=cc), 0)
+    windows[str(cc)] = [c.start_window()]
+    c.cwnd = 2.0  # the window a last collective ended with
+    windows[str(cc)].append(c.start_window())
+    c.close()
 print(json.dumps({"limits": {name: ina.byte_fifo_limits().get(i) for i, name in
                              socket.if_nameindex()},
-                  "run": ina.gso_run_bytes(s.fileno(), ina.ik.ROW + ina.FRAME_OVERHEAD)}))
+                  "run": ina.gso_run_bytes(s.fileno(), ina.ik.ROW + ina.FRAME_OVERHEAD, queue),
+                  "windows": windows}))
 """
 
 
@@ -56,21 +68,29 @@ def ns():
         _sh("ip", "netns", "del", NS)
 
 
-def test_runs_are_capped_by_the_smallest_byte_fifo(ns):
+def test_runs_and_start_windows_fit_the_smallest_byte_fifo(ns):
+    """GSO runs are at most a quarter of the smallest bfifo, none below two frames; a
+    delay-based window (``ina_cc="delay"``) starts no larger than that queue holds, the
+    protocol's fixed window (no ``ina_cc``) stays all W slots (0)."""
     tc = ("ip", "netns", "exec", NS, "tc")
+    _sh("ip", "-n", NS, "link", "set", "lo", "up")
+    full = {"None": [0.0, 2.0], "delay": [0.0, 2.0]}
     assert _probe() == {"limits": {"lo": None, "tbgsoa": None, "tbgsob": None},
-                        "run": ina.GSO_BURST_BYTES}
+                        "run": ina.GSO_BURST_BYTES, "windows": full}
     # Mininet's shaping: HTB, a bfifo under its class (what queue_ms sets)
     _sh(*tc, "qdisc", "add", "dev", "tbgsoa", "root", "handle", "5:", "htb", "default", "1")
     _sh(*tc, "class", "add", "dev", "tbgsoa", "parent", "5:", "classid", "5:1", "htb",
         "rate", "100mbit", "burst", "15k")
     _sh(*tc, "qdisc", "add", "dev", "tbgsoa", "parent", "5:1", "handle", "20:", "bfifo",
         "limit", "40000")
+    frame = ina.ik.ROW + ina.FRAME_OVERHEAD
     assert _probe() == {"limits": {"lo": None, "tbgsoa": 40000, "tbgsob": None},
-                        "run": int(40000 * ina.GSO_QUEUE_SHARE)}
+                        "run": int(40000 * ina.GSO_QUEUE_SHARE),
+                        "windows": {"None": [0.0, 2.0], "delay": [40000 // frame, 2.0]}}
     # the smallest queue of any interface bounds it; below two frames' share, no GSO at all
-    _sh(*tc, "qdisc", "add", "dev", "tbgsob", "root", "bfifo", "limit", "5000")
-    assert _probe() == {"limits": {"lo": None, "tbgsoa": 40000, "tbgsob": 5000}, "run": 0}
+    _sh(*tc, "qdisc", "add", "dev", "tbgsob", "root", "bfifo", "limit", "1000")
+    assert _probe() == {"limits": {"lo": None, "tbgsoa": 40000, "tbgsob": 1000}, "run": 0,
+                        "windows": {"None": [0.0, 2.0], "delay": [1.0, 1.0]}}
 
 
 def test_no_byte_fifo_outside_a_shaped_namespace():
@@ -84,12 +104,15 @@ def test_no_byte_fifo_outside_a_shaped_namespace():
 def test_ina_finishes_through_a_queue_smaller_than_a_gso_run():
     """20 Mb/s with ``queue_ms=2``: a 5000 B queue on every host. With runs of up to 15000 B
     every retransmission of a 64-packet window was dropped at the host and the job timed out
-    with 64 of 357 packets done; now exact, for ``ina`` and the SmartNIC's ``nic``."""
+    with 64 of 357 packets done; now exact, for ``ina``, the SmartNIC's ``nic`` and ``ina``
+    with its delay-based window (whose first collective started with all 64 slots and took
+    2.0-2.4 s where the next took 0.17-0.18 s)."""
     from testbed.topologies import Star, TestbedNet
 
     topo = Star(4, bw_mbps=20, queue_ms=2, switch="programmable", smartnic=True,
                 programs={"smartnic": ["nic_codec"]})
     with TestbedNet(topo) as net:
-        for algo in ("ina", "nic"):
-            spec = CollectiveSpec(algo=algo, nbytes=300_000, timeout_s=30, repetitions=2)
+        for algo, cc in (("ina", None), ("nic", None), ("ina", "delay")):
+            spec = CollectiveSpec(algo=algo, ina_cc=cc, nbytes=300_000, timeout_s=30,
+                                  repetitions=2)
             check_rows(run_collective(net, spec), spec, 4, bw_mbps=20)
