@@ -114,6 +114,42 @@ def test_traced_rounds_move_the_bytes_the_model_charges(n, tmp_path, monkeypatch
             assert t["t0"] <= t["t_recv"] <= t["t_end"] and t["t_sent"] <= t["t_end"]
 
 
+@pytest.mark.parametrize("n", [5, 8])
+def test_broadcast_sends_one_round_at_a_time_as_the_model_phases(n, tmp_path, monkeypatch):
+    """Binomial broadcast among n threads on loopback: every rank gets the root's array, each
+    round moves the bytes of the model's phase of that name, and a rank's send of round 2d
+    starts only once its send of round d left the socket (queued at once, a rank's sends
+    shared its uplink: 4 MiB on a star of 8 took twice the model's binomial tree)."""
+    monkeypatch.setenv(hd.TRACE_ENV, str(tmp_path))
+    x = (np.arange(300_001) % 997).astype(np.float32)
+    outs = [np.full(x.size, np.nan, np.float32) for _ in range(n)]
+    comms = connected_mesh(70 + n, ["127.0.6.4"] * n)
+    for c in comms:  # unread bytes stay unacked: a drain then waits for its receiver
+        for peer in c.socks:
+            _small_window(c, peer)
+    try:
+        run_ranks(comms, lambda r, comm: hd.broadcast(comm, x, outs[r], n, 4096), join_s=30)
+    finally:
+        for c in comms:
+            c.close()
+    for o in outs:
+        assert np.array_equal(o, x)
+
+    hosts = [f"h{i}" for i in range(n)]
+    phases = fm.phases(CollectiveSpec(algo="hd", op="broadcast", nbytes=x.nbytes), hosts)
+    for r in range(n):
+        trace = [json.loads(line) for line in (tmp_path / f"hd-rank{r}.jsonl").read_text()
+                 .splitlines()]
+        want = [(p.name, f.dst if f.src == hosts[r] else f.src, f.nbytes if f.src == hosts[r]
+                 else 0, f.nbytes if f.dst == hosts[r] else 0)
+                for p in phases for f in p.flows if hosts[r] in (f.src, f.dst)]
+        assert [(t["round"], hosts[t["partner"]], t["sent"], t["got"]) for t in trace] == want
+        sends = [t for t in trace if t["sent"]]
+        for a, b in zip(sends, sends[1:], strict=False):
+            assert a["t_sent"] <= b["t0"]  # the next send starts once the last one drained
+        assert all(t["t_sent"] >= t["t0"] for t in sends)
+
+
 def test_a_large_round_waits_for_the_partner_to_enter_it():
     """The rendezvous: rank 0 may not send a large round's data before rank 1 said it entered
     the round (else that data would share rank 1's downlink with rank 1's previous round)."""
