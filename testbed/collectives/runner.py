@@ -205,12 +205,44 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     start, exact. Rows say so: ``engine_restarts`` (node, exit status, seconds to restart),
     ``fallback_s`` (from the death to the rerun's start) and ``rerun``. With
     ``"engine_death": "fail"``, or a provider's registration (the provider registers again),
-    it fails fast naming the node (:class:`EngineDied`).
+    it fails fast naming the node (:class:`EngineDied`). An engine that dies while the job is
+    being set up (before its ranks start, the model, the tree or the registration fail on it)
+    is restarted the same way and the job started again, whatever its algorithm.
 
     Raises ``ValueError`` for a bad spec, :class:`CollectiveTimeout` when a rank stayed silent
     longer than ``spec.timeout_s``, :class:`CollectiveError` when a rank failed or died.
     ``extra_pids``: more processes (e.g. data-path engines) whose CPU marks ``cpu_bound``.
     """
+    try:
+        return _run_collective(net, spec, extra_pids, registration)
+    except (EngineDied, TreeBroken):
+        raise  # the policy said fail (the rerun paths handled the rest)
+    except Exception:  # noqa: BLE001 - re-raised unless an engine died under the job
+        died = _died_in_set_up(net, spec, registration)
+        if died is None:
+            raise
+        return _rerun(net, spec, extra_pids, died)
+
+
+def _died_in_set_up(net, spec: CollectiveSpec, registration) -> EngineDied | None:
+    """After the job failed: :class:`EngineDied` naming the engines that died (the kernel may
+    take a moment to reap one killed as a request went out) where ``spec`` may restart them
+    and run again, else None. A fault injected at a run's start (``testbed run``'s ``faults``
+    at 0 s) killed a switch between the runner's check for dead engines and the first thing
+    that asked it something: the model's query of every switch's stages on a fat-tree (the
+    engine's ``ControlError``), the hop latency's ping on a star (``RuntimeError``)."""
+    if registration is not None or not hasattr(net, "restart_engine") or \
+            (spec.placement or {}).get("engine_death", "restart") != "restart":
+        return None
+    deadline = time.monotonic() + 1.0
+    while (died := _engines_died(net, spec)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return died
+
+
+def _run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None,
+                    registration: dict | None) -> list[dict]:
+    """:func:`run_collective`'s run, once."""
     if not isinstance(spec, CollectiveSpec):
         raise ValueError(f"spec must be a CollectiveSpec, got {type(spec).__name__}")
     hosts = _hosts(net)

@@ -78,6 +78,45 @@ def test_a_killed_switch_engine_is_restarted_and_the_collective_completes_exact(
         log.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("algo", ["ina", "ring"])
+def test_an_engine_killed_while_the_job_is_set_up_is_restarted_and_the_job_runs(algo,
+                                                                               monkeypatch):
+    """The switch dies right after the runner found every engine running, before the model
+    and the registration ask it anything (a fault at a run's 0 s did that): the job restarts
+    it and runs, exact, where it failed (here the model's ping of the hop latency)."""
+    import os
+    import signal
+
+    from testbed.collectives import CollectiveSpec, run_collective
+    from testbed.topologies import Star, TestbedNet
+
+    log = Path(RUN_DIR) / "tbs1.log"
+    try:
+        with TestbedNet(Star(n_hosts=4, bw_mbps=100, switch="programmable")) as net:
+            check, switch, killed = net.dead_engines, net.mininet.get("tbs1"), []
+
+            def check_then_kill():
+                found = check()
+                if not killed:  # the runner's first look finds tbs1 running; then it dies
+                    engine = switch.engine
+                    killed.append(switch.engine_pid())
+                    os.kill(killed[0], signal.SIGKILL)
+                    engine.wait(timeout=10)
+                return found
+
+            monkeypatch.setattr(net, "dead_engines", check_then_kill)
+            spec = CollectiveSpec(algo=algo, nbytes=MiB // 2)
+            rows = run_collective(net, spec)
+            monkeypatch.undo()
+            (row,) = rows
+            assert row["correct"] and row["n"] == 4 and row["bytes"] == spec.nbytes, row
+            (node, code, took), = row["engine_restarts"]
+            assert killed and (node, code) == ("tbs1", -9) and 0 < took < 60, row
+            assert row["rerun"] is True, row
+    finally:
+        log.unlink(missing_ok=True)
+
+
 def test_a_killed_worker_ends_its_job_named_and_spares_the_other_tenant():
     """Two tenants on one switch: an INA job on tbh1-tbh2 and a ring on tbh3-tbh4. A worker of
     the INA job killed mid-allreduce ends that job within seconds (not its 30 s timeout) with
