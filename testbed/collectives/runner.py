@@ -213,29 +213,33 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     longer than ``spec.timeout_s``, :class:`CollectiveError` when a rank failed or died.
     ``extra_pids``: more processes (e.g. data-path engines) whose CPU marks ``cpu_bound``.
     """
+    starts = dict(getattr(net, "engine_starts", {}))  # a tenant beside may restart one first
     try:
         return _run_collective(net, spec, extra_pids, registration)
     except (EngineDied, TreeBroken):
         raise  # the policy said fail (the rerun paths handled the rest)
     except Exception:  # noqa: BLE001 - re-raised unless an engine died under the job
-        died = _died_in_set_up(net, spec, registration)
+        died = _died_in_set_up(net, spec, registration, starts)
         if died is None:
             raise
         return _rerun(net, spec, extra_pids, died)
 
 
-def _died_in_set_up(net, spec: CollectiveSpec, registration) -> EngineDied | None:
+def _died_in_set_up(net, spec: CollectiveSpec, registration, starts: dict[str, int]
+                    ) -> EngineDied | None:
     """After the job failed: :class:`EngineDied` naming the engines that died (the kernel may
     take a moment to reap one killed as a request went out) where ``spec`` may restart them
     and run again, else None. A fault injected at a run's start (``testbed run``'s ``faults``
     at 0 s) killed a switch between the runner's check for dead engines and the first thing
     that asked it something: the model's query of every switch's stages on a fat-tree (the
-    engine's ``ControlError``), the hop latency's ping on a star (``RuntimeError``)."""
+    engine's ``ControlError``), the hop latency's ping on a star (``RuntimeError``). ``starts``:
+    ``net.engine_starts`` when the job began; an engine that another job (a concurrent
+    tenant) restarted since counts as died too."""
     if registration is not None or not hasattr(net, "restart_engine") or \
             (spec.placement or {}).get("engine_death", "restart") != "restart":
         return None
     deadline = time.monotonic() + 1.0
-    while (died := _engines_died(net, spec)) is None and time.monotonic() < deadline:
+    while (died := _engines_died(net, spec, starts)) is None and time.monotonic() < deadline:
         time.sleep(0.02)
     return died
 

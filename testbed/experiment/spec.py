@@ -1350,7 +1350,9 @@ def _collective_problems(job: JobSpec, n_hosts: int) -> list[ValueError]:
                            **({"placement": job.placement.as_dict()}
                               if getattr(job, "placement", None) is not None else {}),
                            timeout_s=job.timeout_s, seed=job.seed or 0,
-                           repetitions=job.repetitions, **job.options).validate(n_hosts)
+                           repetitions=job.repetitions,
+                           hosts=list(job.hosts) if job.hosts else None,
+                           **job.options).validate(n_hosts)
         except (ValueError, TypeError) as e:
             if str(e) not in map(str, out):
                 out.append(e if isinstance(e, ValueError) else ValueError(str(e)))

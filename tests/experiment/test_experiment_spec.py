@@ -166,6 +166,18 @@ def test_job_options_are_checked_against_the_layers():
     assert "qsgd" in probs[0]
 
 
+def test_a_job_on_some_hosts_is_checked_with_its_own_worker_count():
+    """hd's allgather needs a power of two workers: a job on 6 of a fat-tree's 16 hosts is
+    refused before anything runs (it was checked as 16 workers and failed at its run)."""
+    topo = {"kind": "fat_tree", "k": 4, "switch": "programmable"}
+    probs = _problems({"topology": topo, "jobs": [
+        {"algo": "hd", "op": "allgather", "nbytes": 4, "hosts": [1, 2, 3, 6, 9, 10]}]})
+    assert probs == ["jobs.0.algo: algo='hd' for op='allgather' needs a power of two "
+                     "workers, got 6; use algo='ring'"]
+    parse_experiment({"topology": topo, "jobs": [
+        {"algo": "hd", "op": "allgather", "nbytes": 4, "hosts": [1, 2, 3, 6]}]})
+
+
 def test_datapath_options_order_stages_and_set_port_rates():
     from testbed.experiment.networks import datapath_options
     from testbed.topologies import TopologyError, make_topology
