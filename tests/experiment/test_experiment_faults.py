@@ -96,3 +96,25 @@ def test_a_killed_worker_fails_its_run_named_and_the_next_run_goes_on(tmp_path):
                and ("no collective worker ran on tbh3" in (e["error"] or "")
                     or (e["error"] is None and e["pid"] > 0))
                for e in small["fault_events"]), small["fault_events"]
+
+
+@pytest.mark.mininet
+def test_a_switch_killed_as_concurrent_jobs_start_is_restarted_under_each(tmp_path):
+    """A leaf's engine killed at 0 s, as three tenants set up at once (the model asks every
+    switch its stages, the INA job registers on its tree): each job finds the engine dead, or
+    restarted by a tenant beside it, restarts or adopts it and runs, exact. Before, a job
+    that met the dead engine in its set-up failed with the engine's ControlError, and one
+    that met it after another tenant restarted it failed the same way."""
+    exp = parse_experiment(_exp(
+        [{"switch": "tbl1", "at_s": 0}], concurrent=True,
+        jobs=[{"algo": "ina", "nbytes": "256KiB", "placement": {"tree": "auto"},
+               "hosts": [0, 2]},
+              {"algo": "ring", "nbytes": "256KiB", "hosts": [1, 3]},
+              {"algo": "hd", "nbytes": "64KiB"}]), "test")
+    res = run(exp, out_dir=tmp_path / "r", progress=False, doctor=False)
+    df = res.df
+    assert (df["status"] == "ok").all(), df[["algo", "status", "error"]]
+    assert df["correct"].all()
+    for faults in df["fault_events"]:
+        assert [(e["kind"], e["target"], e["error"]) for e in faults] == [
+            ("engine_kill", "tbl1", None)], faults
