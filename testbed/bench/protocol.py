@@ -173,6 +173,16 @@ CATALOG: dict[str, Benchmark] = {b.name: b for b in (
                  Option("time_dilation", 1.0, "run the network this many times slower")),
         quick_help="1 minute, samples every 5 s; memory and descriptor growth not judged (a minute is all warm-up)"),
     Benchmark(
+        "scenarios", "Random networks (star, leaf-spine, fat-tree, dumbbell, incast), link "
+        "impairments and collectives, each on a fresh network: every result exact or refused "
+        "by name, nothing left behind.", "testbed.bench.scenarios:measure",
+        case=("scenario", "kind", "algo"),
+        columns=("scenario", "kind", "switch", "bw_mbps", "loss_pct", "queue_ms", "algo",
+                 "op", "nbytes", "workers", "status", "fidelity", "cpu_bound", "left"),
+        options=(Option("count", 100, "scenarios", quick=8),
+                 Option("seed", 0, "the draw of networks and collectives")),
+        quick_help="8 scenarios"),
+    Benchmark(
         "tenancy", "Aggregation trees on a fat-tree and two tenants sharing switch memory "
         "(static vs shared pool), against their targets.", "testbed.bench.tenancy:measure",
         case=("experiment", "label"),
