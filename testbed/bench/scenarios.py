@@ -35,7 +35,7 @@ import time
 from testbed.bench.protocol import Outcome
 from testbed.cleanup import leftovers
 from testbed.collectives import CollectiveSpec, run_collective
-from testbed.collectives.algorithms import OPS, algorithm
+from testbed.collectives.algorithms import OPS, algorithm, is_offloaded
 from testbed.kernels.compressors import compressor_names
 from testbed.topologies import TestbedNet, TopologyError, make_topology
 
@@ -78,7 +78,7 @@ def draw(rng: random.Random) -> tuple[str, dict, float, dict]:
     algo = rng.choice(["nic", "nic", "ring", "ina"] if nic else algos)
     ops = algorithm(algo).ops
     job = {"algo": algo, "op": rng.choice(ops) if rng.random() < 0.9 else rng.choice(OPS),
-           "dtype": "float32" if algo in ("ina", "nic") and rng.random() < 0.9
+           "dtype": "float32" if is_offloaded(algo) and rng.random() < 0.9
            else rng.choice(["float32", "float32", "int32"]),
            "nbytes": rng.choice(SIZES), "seed": rng.randrange(1000),
            "repetitions": rng.choice([1, 1, 2]), "timeout_s": TIMEOUT_S}
@@ -88,7 +88,7 @@ def draw(rng: random.Random) -> tuple[str, dict, float, dict]:
         job["compressor"] = rng.choice(compressor_names())
     if algo in ("ring", "hd") and rng.random() < 0.15:
         job["transport"] = "uet"
-    if algo in ("ina", "nic") and rng.random() < 0.4:
+    if is_offloaded(algo) and rng.random() < 0.4:
         job["placement"] = {"tree": rng.choice(["auto", "single"])}
     if algo == "ina" and rng.random() < 0.2:
         job["ina_cc"] = "delay"
