@@ -21,10 +21,11 @@ scenario left behind. Targets: 0 wrong, 0 errors, 0 leftovers. Refusals are coun
 failures: a combination no layer can run must be refused by name (e.g. halving-doubling's
 allgather on 6 workers).
 
-What the first draws found (stop 66, each fixed and kept by a test): INA's UDP GSO runs larger
-than a 5000 B host queue dropped whole on every resend (a timeout); ``ina_cc="delay"``'s first
-window overflowing that queue (2-3 s where the next collective took 0.1 s); the binomial
-broadcast's sends sharing an uplink (twice the model on a star of 8).
+What the first draws found (each fixed and kept by a test; ``c7a0bc1``, ``4b3132e``,
+``4b92d4e``): INA's UDP GSO runs larger than a 5000 B host queue dropped whole on every resend
+(a timeout); ``ina_cc="delay"``'s first window overflowing that queue (2-3 s where the next
+collective took 0.1 s); the binomial broadcast's sends sharing an uplink (twice the model on a
+star of 8).
 """
 
 from __future__ import annotations

@@ -113,6 +113,8 @@ UDP_MAX_SEGMENTS = 64
 GSO_QUEUE_SHARE = 0.25
 #: Ethernet + IPv4 + UDP header bytes of a frame (what the shaper counts besides the payload)
 FRAME_OVERHEAD = 42
+#: a full INA packet on the wire: its row (header + 256 int32) in a frame
+FRAME_BYTES = ik.ROW + FRAME_OVERHEAD
 _SOL_UDP, _UDP_SEGMENT = 17, 103
 _SIOCETHTOOL, _ETHTOOL_GTXCSUM = 0x8946, 0x16
 #: per-worker stochastic-rounding stream of THC ("THCR")
@@ -296,7 +298,7 @@ def timeout_floor(window: int, bw_bps: float | None) -> float:
     itself. The flow model prices timeouts with the same floor (``flowmodel.ina_extra_s``)."""
     if not bw_bps or bw_bps <= 0:
         return ik.T0
-    return max(ik.T0, 2.0 * window * (ik.ROW + FRAME_OVERHEAD) * 8 / bw_bps)
+    return max(ik.T0, 2.0 * window * FRAME_BYTES * 8 / bw_bps)
 
 
 class InaClient:
@@ -349,10 +351,10 @@ class InaClient:
         # GSO sends: one mmsghdr per run of packets, each with its UDP_SEGMENT cmsg
         # (cmsg_len = CMSG_LEN(2), level, type, the uint16 segment length; CMSG_SPACE(2) = 24)
         queue = egress_queue_bytes()
-        self.gso_bytes = gso_run_bytes(self.sock.fileno(), ik.ROW + FRAME_OVERHEAD, queue)
+        self.gso_bytes = gso_run_bytes(self.sock.fileno(), FRAME_BYTES, queue)
         self.gso = self.gso_bytes > 0
         # a delay-based window starts no larger than the host's own queue holds (_run)
-        self.queue_frames = None if queue is None else max(1, queue // (ik.ROW + FRAME_OVERHEAD))
+        self.queue_frames = None if queue is None else max(1, queue // FRAME_BYTES)
         self.gctl = np.zeros((self.W, 3), dtype=np.uint64)
         self.gctl[:, 0] = 18
         self.gctl[:, 1] = _SOL_UDP | (_UDP_SEGMENT << 32)

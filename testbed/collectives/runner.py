@@ -205,9 +205,10 @@ def run_collective(net, spec: CollectiveSpec, extra_pids: list[int] | None = Non
     start, exact. Rows say so: ``engine_restarts`` (node, exit status, seconds to restart),
     ``fallback_s`` (from the death to the rerun's start) and ``rerun``. With
     ``"engine_death": "fail"``, or a provider's registration (the provider registers again),
-    it fails fast naming the node (:class:`EngineDied`). An engine that dies while the job is
-    being set up (before its ranks start, the model, the tree or the registration fail on it)
-    is restarted the same way and the job started again, whatever its algorithm.
+    it fails fast naming the node (:class:`EngineDied`). A job that fails otherwise while an
+    engine of the network is dead, or was restarted by a tenant beside it since the job began,
+    is run again the same way, whatever its algorithm: an engine killed while the job was being
+    set up fails the model's, the tree's or the registration's request to it.
 
     Raises ``ValueError`` for a bad spec, :class:`CollectiveTimeout` when a rank stayed silent
     longer than ``spec.timeout_s``, :class:`CollectiveError` when a rank failed or died.

@@ -34,7 +34,7 @@ for cc in (None, "delay"):
     c.close()
 print(json.dumps({"limits": {name: ina.byte_fifo_limits().get(i) for i, name in
                              socket.if_nameindex()},
-                  "run": ina.gso_run_bytes(s.fileno(), ina.ik.ROW + ina.FRAME_OVERHEAD, queue),
+                  "run": ina.gso_run_bytes(s.fileno(), ina.FRAME_BYTES, queue),
                   "windows": windows}))
 """
 
@@ -83,7 +83,7 @@ def test_runs_and_start_windows_fit_the_smallest_byte_fifo(ns):
         "rate", "100mbit", "burst", "15k")
     _sh(*tc, "qdisc", "add", "dev", "tbgsoa", "parent", "5:1", "handle", "20:", "bfifo",
         "limit", "40000")
-    frame = ina.ik.ROW + ina.FRAME_OVERHEAD
+    frame = ina.FRAME_BYTES
     assert _probe() == {"limits": {"lo": None, "tbgsoa": 40000, "tbgsob": None},
                         "run": int(40000 * ina.GSO_QUEUE_SHARE),
                         "windows": {"None": [0.0, 2.0], "delay": [40000 // frame, 2.0]}}
